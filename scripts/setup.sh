@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Set up everything agentbox needs on a Debian 12 host, as root. Idempotent and quick
+# when already done: each step checks before it acts.
+#   - apt: podman, runc, crun, runsc (gVisor), bubblewrap, mmdebstrap, QEMU, busybox, …
+#   - a project venv in .venv with agentbox and its dev tools
+#   - the pinned Claude Code npm package (native binary) under the data dir
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+[ "$(id -u)" = 0 ] || { echo "setup.sh: run as root (agentbox drives podman and /dev/kvm as root)" >&2; exit 2; }
+
+APT_PKGS=(podman runc crun runsc bubblewrap uidmap mmdebstrap qemu-system-x86 qemu-utils
+          busybox-static socat e2fsprogs cpio zstd kmod libcap2-bin git nodejs npm
+          python3-venv sqlite3 procps iproute2 util-linux)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+# node/npm may come from elsewhere (e.g. a nodesource build); don't fight it.
+if command -v node >/dev/null && command -v npm >/dev/null; then
+  missing=("${missing[@]/nodejs}"); missing=("${missing[@]/npm}")
+fi
+read -r -a missing <<<"${missing[*]}"
+if [ ${#missing[@]} -gt 0 ]; then
+  log "apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Project venv, re-installed only when pyproject.toml changes.
+stamp=.venv/.agentbox-installed
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "creating .venv and installing agentbox[dev]"
+  python3 -m venv .venv
+  .venv/bin/pip install -q -U pip >/dev/null
+  .venv/bin/pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+
+# Claude Code, pinned; the native binary lives in its platform package.
+ver=$(.venv/bin/python -c 'from agentbox.config import CLAUDE_CODE_VERSION as v; print(v)')
+data=$(.venv/bin/python -c 'from agentbox.config import load_settings as l; print(l().data_dir)')
+cc="$data/claude-code/$ver"
+if [ ! -x "$cc/node_modules/@anthropic-ai/claude-code-linux-x64/claude" ]; then
+  log "npm install @anthropic-ai/claude-code@$ver"
+  mkdir -p "$cc"
+  npm install --silent --no-audit --no-fund --prefix "$cc" "@anthropic-ai/claude-code@$ver" >/dev/null
+fi
+log "ready: $(.venv/bin/agentbox --version 2>/dev/null || echo agentbox) · claude $ver"

@@ -1,0 +1,43 @@
+"""Structured logging: structlog to stderr, JSON when ``AGENTBOX_LOG_JSON=1``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import structlog
+
+_configured = False
+
+
+def configure(level: str | None = None, *, json: bool | None = None) -> None:
+    """Configure structlog once; later calls only change the level."""
+    global _configured
+    lvl = getattr(logging, (level or os.environ.get("AGENTBOX_LOG_LEVEL", "WARNING")).upper())
+    as_json = json if json is not None else os.environ.get("AGENTBOX_LOG_JSON") == "1"
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if as_json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    _configured = True
+
+
+def get_logger(name: str) -> Any:
+    """A structlog logger bound to ``component=name``."""
+    if not _configured:
+        configure()
+    return structlog.get_logger().bind(component=name)

@@ -1,0 +1,208 @@
+"""The sandbox backend Protocol: one small interface, several backends.
+
+Every backend (podman, qemu, firecracker) implements :class:`Backend` and the
+:class:`Sandbox` it creates, and passes the same contract tests
+(``tests/integration/test_backend_contract.py``). A backend refuses a spec it
+cannot honour *before* anything starts (:meth:`Backend.check`).
+
+Layout inside every sandbox, whatever the backend:
+
+* ``/workspace``           the workspace, read-write (qemu: the ``/data`` disk)
+* ``/run/agentbox/gw``     the gateway socket's directory (podman); qemu relays it over its channel
+* ``/opt/agentbox``        our in-sandbox programs (relay shim, guest agent, probes), read-only
+* ``/tmp``, ``$HOME``      tmpfs (``HOME=/home/agent``)
+* declared mounts          read-only, at their targets
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, Protocol, Self, runtime_checkable
+
+from agentbox.boxfile import Resources
+
+__all__ = [
+    "GATEWAY_DIR_IN_SANDBOX",
+    "HOME_IN_SANDBOX",
+    "WORKSPACE_IN_SANDBOX",
+    "Backend",
+    "BindMount",
+    "ExecResult",
+    "OutputCallback",
+    "Posture",
+    "PostureCheck",
+    "Sandbox",
+    "SandboxSpec",
+]
+
+WORKSPACE_IN_SANDBOX = "/workspace"
+GATEWAY_DIR_IN_SANDBOX = "/run/agentbox/gw"
+HOME_IN_SANDBOX = "/home/agent"
+#: Label put on every sandbox (container, VM jail) so orphans can be found and removed.
+LABEL = "io.agentbox.sandbox"
+
+OutputCallback = Callable[[bytes], None]
+
+
+@dataclass(frozen=True)
+class BindMount:
+    """A host path made visible in the sandbox (declared mounts are read-only)."""
+
+    source: Path
+    target: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything a backend needs to create one sandbox; built from a Boxfile and Settings.
+
+    Paths in it have already been validated (mount roots, data dir) by the caller.
+    """
+
+    name: str
+    image: str
+    runtime: Literal["runc", "crun", "runsc"] = "runc"
+    isolation: Literal["standard", "strict"] = "standard"
+    resources: Resources = field(default_factory=Resources)
+    mounts: tuple[BindMount, ...] = ()
+    workspace: Path | None = None
+    gateway_dir: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    deadline: float = 3600.0
+    """Seconds; the backend enforces it itself (a watchdog outside the caller's event loop)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    uid: int = 64000
+    workdir: str = WORKSPACE_IN_SANDBOX
+
+    def replace(self, **changes: object) -> SandboxSpec:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """A finished command in a sandbox. Output is empty when it was streamed to callbacks."""
+
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class PostureCheck:
+    """One fact about a live sandbox, read from inside it or from the host."""
+
+    name: str
+    expected: str
+    seen: str
+    ok: bool
+    where: Literal["inside", "host"] = "inside"
+
+
+@dataclass(frozen=True)
+class Posture:
+    """What a live sandbox looks like; ``ok`` only when every check passed."""
+
+    backend: str
+    runtime: str
+    checks: tuple[PostureCheck, ...]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "backend": self.backend,
+            "runtime": self.runtime,
+            "ok": self.ok,
+            "checks": [dataclasses.asdict(c) for c in self.checks],
+        }
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """A live sandbox. ``destroy`` is idempotent and leaves nothing behind."""
+
+    name: str
+
+    def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` as the sandbox uid; stream output to the callbacks if given."""
+        ...
+
+    def copy_in(self, src: Path, dest: str) -> None:
+        """Copy a host file or directory into the sandbox at ``dest``."""
+        ...
+
+    def copy_out(self, src: str, dest: Path) -> None:
+        """Copy ``src`` out of the sandbox to ``dest`` through the safe path layer."""
+        ...
+
+    def posture(self) -> Posture:
+        """Read the live posture (inside and from the host)."""
+        ...
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the workload (TERM, then KILL after ``timeout``); keeps its files."""
+        ...
+
+    def destroy(self) -> None:
+        """Remove the sandbox and everything it held on the host; idempotent."""
+        ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Makes sandboxes of one kind."""
+
+    name: str
+
+    def check(self, spec: SandboxSpec) -> None:
+        """Raise (UnsupportedError, PolicyRefused, ImageError) if ``spec`` cannot be honoured."""
+        ...
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        """Start a sandbox that idles until commands are exec'd in it."""
+        ...
+
+    def run(
+        self,
+        spec: SandboxSpec,
+        argv: Sequence[str],
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """One-shot: a fresh sandbox runs ``argv`` as its main command, then is destroyed.
+
+        The spec's deadline kills it (``timed_out`` set); nothing is left behind.
+        """
+        ...
+
+    def cleanup_orphans(self) -> list[str]:
+        """Remove sandboxes of this backend that no live owner holds; return their names."""
+        ...

@@ -1,0 +1,229 @@
+"""The Boxfile: a TOML file that declares one sandbox.
+
+Example::
+
+    image = "localhost/agentbox-default:latest"
+    backend = "podman"          # podman | qemu | firecracker
+    runtime = "runc"            # runc | crun | runsc   (podman only)
+    isolation = "standard"      # standard | strict
+    deadline = 1800             # seconds
+    model = "replay-demo"       # a name from the model registry (tasks only)
+    budget = 20_000_000         # tokens (tasks only)
+
+    [resources]
+    cpus = 4
+    memory = "8GiB"
+    pids = 512
+    nofile = 4096
+
+    [[mounts]]                  # read-only, each under a configured mount root
+    source = "/opt/venvs/proj"
+    target = "/opt/venv"
+
+    [env]
+    allow = ["LANG", "TZ"]      # host variables passed through by name
+    set = { PYTHONDONTWRITEBYTECODE = "1" }
+
+Unknown keys and bad values are refused with a :class:`BoxfileError` naming
+the key. Asking for capabilities or a network is refused by name: those are
+not knobs agentbox offers.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from agentbox.config import DEFAULT_IMAGE, Settings
+from agentbox.errors import BoxfileError, PathRefused
+
+__all__ = ["Boxfile", "EnvPolicy", "Mount", "Resources", "load_boxfile", "parse_size"]
+
+_SIZE_RE = re.compile(r"(?i)^\s*(\d+(?:\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$")
+_UNITS = {
+    None: 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}  # fmt: skip
+
+#: Host environment variables that may never be passed into a sandbox.
+FORBIDDEN_ENV = re.compile(
+    r"(?i)^(ANTHROPIC_.*|.*_API_KEY|.*TOKEN.*|.*SECRET.*|.*PASSWORD.*|AWS_.*|SSH_AUTH_SOCK|"
+    r"LD_PRELOAD|LD_LIBRARY_PATH|DOCKER_HOST|CONTAINER_HOST|AGENTBOX_.*)$"
+)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def parse_size(value: object) -> int:
+    """``"8GiB"``, ``"512m"``, ``1073741824`` → bytes. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError("a size must be a number of bytes or a string like '8GiB'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError("a size must be positive")
+        return value
+    if isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = m.group(2).lower() if m.group(2) else None
+        size = int(float(m.group(1)) * _UNITS[unit])
+        if size <= 0:
+            raise ValueError("a size must be positive")
+        return size
+    raise ValueError(f"not a size: {value!r:.40} (use bytes or e.g. '8GiB')")
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class Resources(_Strict):
+    """Limits; defaults are the seed's: 4 CPUs, 8 GiB (no swap), 512 pids, nofile 4096."""
+
+    cpus: float = Field(default=4.0, gt=0, le=256)
+    memory: Size = 8 * 1024**3
+    pids: int = Field(default=512, ge=16, le=65536)
+    nofile: int = Field(default=4096, ge=64, le=20000)
+
+    @field_validator("memory")
+    @classmethod
+    def _min_memory(cls, v: int) -> int:
+        if v < 64 * 1024**2:
+            raise ValueError("memory must be at least 64MiB")
+        return v
+
+
+class Mount(_Strict):
+    """A read-only host directory made visible inside the sandbox."""
+
+    source: Path
+    target: str
+    read_only: Literal[True] = True
+
+    @field_validator("source")
+    @classmethod
+    def _abs_source(cls, v: Path) -> Path:
+        if not v.is_absolute():
+            raise ValueError("mount source must be an absolute path")
+        return v
+
+    @field_validator("target")
+    @classmethod
+    def _abs_target(cls, v: str) -> str:
+        p = PurePosixPath(v)
+        if not p.is_absolute() or ".." in p.parts or "\0" in v or "," in v or ":" in v:
+            raise ValueError("mount target must be an absolute path without '..', ',' or ':'")
+        if str(p) in {"/", "/workspace", "/proc", "/sys", "/dev", "/run/agentbox", "/tmp"} or (
+            p.parts[1] in {"proc", "sys", "dev", "etc", "usr", "bin", "sbin", "lib", "lib64"}
+        ):
+            raise ValueError(f"mount target {v} would shadow a system or agentbox path")
+        return str(p)
+
+
+class EnvPolicy(_Strict):
+    """Which host variables pass into the sandbox (by name), and fixed ones to set."""
+
+    allow: tuple[str, ...] = ("LANG", "LC_ALL", "TZ", "TERM")
+    set: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("allow")
+    @classmethod
+    def _check_allow(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"not a variable name: {name!r:.40}")
+            if FORBIDDEN_ENV.match(name):
+                raise ValueError(f"{name} may not pass into a sandbox (credentials stay out)")
+        return v
+
+    @field_validator("set")
+    @classmethod
+    def _check_set(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, val in v.items():
+            if not _ENV_NAME.match(name) or FORBIDDEN_ENV.match(name):
+                raise ValueError(f"variable {name!r:.40} may not be set in a sandbox")
+            if "\0" in val:
+                raise ValueError(f"value of {name} contains NUL")
+        return v
+
+
+class Boxfile(_Strict):
+    """One sandbox's declaration. Every field has a safe default."""
+
+    image: str = DEFAULT_IMAGE
+    backend: Literal["podman", "qemu", "firecracker"] = "podman"
+    runtime: Literal["runc", "crun", "runsc"] = "runc"
+    isolation: Literal["standard", "strict"] = "standard"
+    deadline: float = Field(default=3600.0, gt=0, le=7 * 24 * 3600)
+    model: str | None = None
+    budget: int | None = Field(default=None, gt=0, le=10_000_000_000)
+    resources: Resources = Field(default_factory=Resources)
+    mounts: tuple[Mount, ...] = ()
+    env: EnvPolicy = Field(default_factory=EnvPolicy)
+    # These exist only to refuse them by name (a clearer error than "unknown key").
+    network: Literal["none"] = "none"
+    capabilities: tuple[()] = ()
+
+    @field_validator("network", mode="before")
+    @classmethod
+    def _no_network(cls, v: Any) -> Any:
+        if v != "none":
+            raise ValueError("sandboxes have no network; the model gateway is the only way out")
+        return v
+
+    @field_validator("capabilities", mode="before")
+    @classmethod
+    def _no_caps(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("capabilities cannot be granted: every sandbox runs with none")
+        return ()
+
+    @field_validator("image")
+    @classmethod
+    def _image_name(cls, v: str) -> str:
+        if not v or len(v) > 255 or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*", v):
+            raise ValueError(f"not an image name: {v!r:.60}")
+        return v
+
+    def check_mounts(self, settings: Settings) -> tuple[Mount, ...]:
+        """Require every mount's source to resolve inside a configured mount root."""
+        for i, m in enumerate(self.mounts):
+            real = m.source.resolve()
+            if not any(real == r or r in real.parents for r in settings.mount_roots):
+                roots = ", ".join(map(str, settings.mount_roots)) or "none configured"
+                raise PathRefused(
+                    f"[mounts.{i}.source] must live under a configured mount root ({roots})",
+                    path=m.source,
+                )
+            if not real.exists():
+                raise PathRefused(f"[mounts.{i}.source] does not exist", path=m.source)
+        return self.mounts
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, path: Path | None = None) -> Boxfile:
+        """Validate ``data``; the first problem is raised as a BoxfileError naming its key."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            key = ".".join(str(p) for p in err["loc"]) or None
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            raise BoxfileError(msg, key=key, path=path) from exc
+
+
+def load_boxfile(path: Path) -> Boxfile:
+    """Read and validate a Boxfile."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise BoxfileError(f"cannot read: {exc.strerror}", path=path) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise BoxfileError(f"not valid TOML: {exc}", path=path) from exc
+    return Boxfile.from_dict(data, path=path)

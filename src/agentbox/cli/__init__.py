@@ -1,0 +1,67 @@
+"""The ``agentbox`` command line (typer + rich).
+
+Each area registers its commands from its own module (``_image.py``,
+``_sandbox.py``, ``_gateway.py``, ``_tasks.py``, ``_mcp.py``, ``_escape.py``);
+this module only assembles them and maps errors to exit codes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+from rich.console import Console
+
+from agentbox._log import configure
+from agentbox.errors import AgentboxError, RefusedError, UnsupportedError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="agentbox",
+    help="Run coding agents in sandboxes that assume the worst.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+#: Modules under agentbox.cli that each define ``register(app)``.
+COMMAND_MODULES: tuple[str, ...] = ()
+
+err_console = Console(stderr=True)
+
+
+@app.callback()
+def _root(
+    log_level: str = typer.Option("WARNING", "--log-level", envvar="AGENTBOX_LOG_LEVEL"),
+    log_json: bool = typer.Option(False, "--log-json", envvar="AGENTBOX_LOG_JSON"),
+) -> None:
+    """agentbox: hardened sandboxes for AI coding agents."""
+    configure(log_level, json=log_json)
+
+
+for _mod in COMMAND_MODULES:
+    importlib.import_module(f"agentbox.cli.{_mod}").register(app)
+
+
+def main() -> None:
+    """Entry point: run the app; agentbox errors become one red line and an exit code."""
+    try:
+        app(standalone_mode=False)
+    except AgentboxError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, markup=True)
+        code = 3 if isinstance(exc, RefusedError) else 4 if isinstance(exc, UnsupportedError) else 1
+        sys.exit(code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors and the like
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise

@@ -1,0 +1,113 @@
+"""Typed settings, read from the environment (``AGENTBOX_*``) and an optional TOML file.
+
+Read at one edge (:func:`load_settings`) and passed down; tests build a
+:class:`Settings` directly. The file is ``$AGENTBOX_CONFIG`` or
+``/etc/agentbox/config.toml``; the environment wins over the file.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from agentbox.errors import ConfigError
+
+__all__ = ["CLAUDE_CODE_VERSION", "DEFAULT_IMAGE", "Settings", "load_settings"]
+
+#: The pinned ``@anthropic-ai/claude-code`` npm release baked into the default image.
+CLAUDE_CODE_VERSION = "2.1.332"
+#: The name of the default image in podman's storage (tagged with its content hash too).
+DEFAULT_IMAGE = "localhost/agentbox-default:latest"
+
+Backend = Literal["podman", "qemu", "firecracker"]
+Runtime = Literal["runc", "crun", "runsc"]
+
+
+def _default_data_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/agentbox")
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local/share")
+    return Path(base) / "agentbox"
+
+
+class Settings(BaseSettings):
+    """Host-level settings. A Boxfile chooses per sandbox within these."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="AGENTBOX_", extra="forbid", frozen=True, populate_by_name=True
+    )
+
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    """Images, workspaces, task state, sockets: everything agentbox writes."""
+    repos_root: Path = Field(default_factory=Path.home)
+    """Repos that may be delegated must resolve inside this directory."""
+    mount_roots: tuple[Path, ...] = ()
+    """Extra read-only mounts (venvs, toolchains) must live under one of these."""
+    image: str = DEFAULT_IMAGE
+    backend: Backend = "podman"
+    runtime: Runtime = Field(
+        default="runc", validation_alias=AliasChoices("AGENTBOX_AGENT_RUNTIME", "AGENTBOX_RUNTIME")
+    )
+    sandbox_uid: int = 64000
+    """The uid/gid the agent runs as inside the sandbox."""
+    subid_base: int = 100000
+    """Host id that sandbox id 0 maps to; sandbox uid N is host uid ``subid_base + N``."""
+    models_file: Path | None = None
+    """The model registry (TOML); None means the built-in registry (the replay model)."""
+    claude_code_version: str = CLAUDE_CODE_VERSION
+    qemu_binary: str = "qemu-system-x86_64"
+    firecracker_binary: Path | None = None
+
+    @field_validator("data_dir", "repos_root")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @field_validator("mount_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return tuple(Path(p).expanduser().resolve() for p in v.split(":") if p)
+        return v
+
+    @property
+    def sandbox_host_uid(self) -> int:
+        """The host uid the sandbox's uid maps to (owns nothing of the user's)."""
+        return self.subid_base + self.sandbox_uid
+
+    @property
+    def claude_code_dir(self) -> Path:
+        """Where the pinned Claude Code npm package is installed on the host."""
+        return self.data_dir / "claude-code" / self.claude_code_version
+
+    @property
+    def claude_binary(self) -> Path:
+        """The native Claude Code binary from the pinned npm package."""
+        return self.claude_code_dir / "node_modules/@anthropic-ai/claude-code-linux-x64/claude"
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the config file, then the environment, then ``overrides``."""
+    path = Path(os.environ.get("AGENTBOX_CONFIG", "/etc/agentbox/config.toml"))
+    file_values: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            file_values = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    env_names = {f"AGENTBOX_{k.upper()}" for k in Settings.model_fields} | {
+        "AGENTBOX_AGENT_RUNTIME"
+    }
+    # Values from the environment override the file: drop file keys the env sets.
+    for key in list(file_values):
+        if f"AGENTBOX_{key.upper()}" in os.environ and f"AGENTBOX_{key.upper()}" in env_names:
+            file_values.pop(key)
+    try:
+        return Settings(**{**file_values, **overrides})
+    except ValidationError as exc:
+        raise ConfigError(f"invalid settings: {exc}") from exc
