@@ -43,8 +43,7 @@ fi
 
 # Claude Code, pinned; the native binary lives in its platform package.
 ver=$(.venv/bin/python -c 'from agentbox.config import CLAUDE_CODE_VERSION as v; print(v)')
-data=$(.venv/bin/python -c 'from agentbox.config import load_settings as l; print(l().data_dir)')
-cc="$data/claude-code/$ver"
+cc=$(.venv/bin/python -c 'from agentbox.config import load_settings as l; print(l().claude_code_dir)')
 if [ ! -x "$cc/node_modules/@anthropic-ai/claude-code-linux-x64/claude" ]; then
   log "npm install @anthropic-ai/claude-code@$ver"
   mkdir -p "$cc"

@@ -28,6 +28,13 @@ Backend = Literal["podman", "qemu", "firecracker"]
 Runtime = Literal["runc", "crun", "runsc"]
 
 
+def _default_cache_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/cache/agentbox")
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "agentbox"
+
+
 def _default_data_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/agentbox")
@@ -43,7 +50,9 @@ class Settings(BaseSettings):
     )
 
     data_dir: Path = Field(default_factory=_default_data_dir)
-    """Images, workspaces, task state, sockets: everything agentbox writes."""
+    """Workspaces, task state, sockets, tokens: everything agentbox writes per task."""
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    """Built images (rootfs, podman tarball, microVM disks), kernels, Claude Code: rebuildable."""
     repos_root: Path = Field(default_factory=Path.home)
     """Repos that may be delegated must resolve inside this directory."""
     mount_roots: tuple[Path, ...] = ()
@@ -63,7 +72,7 @@ class Settings(BaseSettings):
     qemu_binary: str = "qemu-system-x86_64"
     firecracker_binary: Path | None = None
 
-    @field_validator("data_dir", "repos_root")
+    @field_validator("data_dir", "cache_dir", "repos_root")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
@@ -83,7 +92,7 @@ class Settings(BaseSettings):
     @property
     def claude_code_dir(self) -> Path:
         """Where the pinned Claude Code npm package is installed on the host."""
-        return self.data_dir / "claude-code" / self.claude_code_version
+        return self.cache_dir / "claude-code" / self.claude_code_version
 
     @property
     def claude_binary(self) -> Path:
