@@ -12,6 +12,13 @@ Layout inside every sandbox, whatever the backend:
 * ``/opt/agentbox``        our in-sandbox programs (relay shim, guest agent, probes), read-only
 * ``/tmp``, ``$HOME``      tmpfs (``HOME=/home/agent``)
 * declared mounts          read-only, at their targets
+
+The model gateway: when ``SandboxSpec.gateway_dir`` is set, the *backend* makes
+``http://127.0.0.1:GATEWAY_PORT`` inside the sandbox reach the unix socket
+``gateway_dir/gateway.sock`` on the host (podman: our relay shim in the container,
+started before the command; qemu: the guest agent multiplexes each connection
+over its channel). Callers set ``ANTHROPIC_BASE_URL`` to that address and know
+nothing else of the path.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from agentbox.boxfile import Resources
 
 __all__ = [
     "GATEWAY_DIR_IN_SANDBOX",
+    "GATEWAY_PORT",
+    "GATEWAY_SOCKET_NAME",
     "HOME_IN_SANDBOX",
     "WORKSPACE_IN_SANDBOX",
     "Backend",
@@ -42,6 +51,10 @@ __all__ = [
 WORKSPACE_IN_SANDBOX = "/workspace"
 GATEWAY_DIR_IN_SANDBOX = "/run/agentbox/gw"
 HOME_IN_SANDBOX = "/home/agent"
+#: Loopback port inside every sandbox that reaches the task's gateway.
+GATEWAY_PORT = 8080
+#: Name of the gateway's socket inside ``SandboxSpec.gateway_dir``.
+GATEWAY_SOCKET_NAME = "gateway.sock"
 #: Label put on every sandbox (container, VM jail) so orphans can be found and removed.
 LABEL = "io.agentbox.sandbox"
 
