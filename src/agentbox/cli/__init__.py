@@ -32,8 +32,19 @@ COMMAND_MODULES: tuple[str, ...] = ()
 err_console = Console(stderr=True)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from agentbox import __version__
+
+        print(f"agentbox {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version."
+    ),
     log_level: str = typer.Option("WARNING", "--log-level", envvar="AGENTBOX_LOG_LEVEL"),
     log_json: bool = typer.Option(False, "--log-json", envvar="AGENTBOX_LOG_JSON"),
 ) -> None:
