@@ -1,4 +1,4 @@
-"""The one subprocess helper: argv lists, timeouts that kill the whole group, errors with context."""
+"""The one subprocess helper: argv lists, group-killing timeouts, errors with context."""
 
 from __future__ import annotations
 
