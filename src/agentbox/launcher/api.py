@@ -1,0 +1,168 @@
+"""The launcher's wire schema: what a client may ask, and what it gets back.
+
+Clients (the CLI, the MCP server, ``agentbox serve``) choose *which* task and
+*which* model, never *how*: a request names a repo, a task text, a model from
+the registry, a budget, a deadline and optionally an id. Everything else (paths,
+the command, the environment, the mounts) is derived by the launcher.
+
+The same models are used by the Python API (:class:`agentbox.launcher.Launcher`)
+and by the unix-socket HTTP API (``agentbox launcher serve``), whose routes are::
+
+    POST /v1/tasks                 TaskRequest  -> TaskInfo      (201)
+    GET  /v1/tasks                              -> TaskList
+    GET  /v1/tasks/{id}                         -> TaskInfo
+    POST /v1/tasks/{id}/cancel                  -> TaskInfo
+    GET  /v1/tasks/{id}/result                  -> TaskResult    (409 while not finished)
+    GET  /v1/models                             -> ModelList
+
+Errors are ``{"error": "<ExceptionClass>", "message": "..."}`` with status 400
+(refused: bad id, repo, model, range), 404 (unknown task), 409 (not finished),
+422 (malformed body), 500 (anything else). The client maps them back onto
+:mod:`agentbox.errors`.
+
+Every model is strict and forbids unknown fields: a request with ``"budget":
+"5"`` or an extra key is refused, not coerced.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "DEFAULT_BUDGET",
+    "MAX_BUDGET",
+    "MAX_DEADLINE",
+    "MAX_TASK_CHARS",
+    "MIN_DEADLINE",
+    "TERMINAL",
+    "ModelInfo",
+    "ModelList",
+    "TaskInfo",
+    "TaskList",
+    "TaskRequest",
+    "TaskResult",
+    "TaskStatus",
+    "TokenUsage",
+]
+
+#: Default token budget of a task (the seed's 20M).
+DEFAULT_BUDGET = 20_000_000
+#: The largest budget a request may ask for.
+MAX_BUDGET = 10_000_000_000
+#: Deadline bounds, seconds.
+MIN_DEADLINE = 10.0
+MAX_DEADLINE = 24 * 3600.0
+#: Default deadline, seconds.
+DEFAULT_DEADLINE = 3600.0
+#: Longest task text accepted.
+MAX_TASK_CHARS = 32768
+#: A task id: lowercase letters, digits and '-', 1 to 64 characters.
+TASK_ID_PATTERN = r"^[0-9a-z-]{1,64}$"
+
+TaskStatus = Literal["queued", "running", "collecting", "done", "failed", "timed_out", "cancelled"]
+#: Statuses a task never leaves.
+TERMINAL: frozenset[str] = frozenset({"done", "failed", "timed_out", "cancelled"})
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class TaskRequest(_Wire):
+    """A request to run one task. Re-validated by the launcher (repo, model, ranges)."""
+
+    repo: str = Field(min_length=1, max_length=4096)
+    """Absolute path of a git repo that resolves inside the configured repos root."""
+    task: str = Field(min_length=1, max_length=MAX_TASK_CHARS)
+    """What the agent is asked to do (the task spec given to ``claude -p``)."""
+    model: str | None = Field(default=None, min_length=1, max_length=128)
+    """A model name from the registry; None: the registry's default."""
+    budget: int | None = Field(default=None, ge=1, le=MAX_BUDGET)
+    """Token budget (input + output + cache); None: the default (20M)."""
+    deadline: float | None = Field(default=None, ge=MIN_DEADLINE, le=MAX_DEADLINE)
+    """Seconds of wall time before the sandbox is killed; None: the default (1 h)."""
+    task_id: str | None = Field(default=None, pattern=TASK_ID_PATTERN)
+    """The task's id; None: generated."""
+    include_uncommitted: bool = False
+    """Copy uncommitted changes too (otherwise a dirty repo is refused)."""
+    publish: bool = True
+    """Fetch the result branch ``agentbox/<id>`` into the user's repo."""
+
+
+class TokenUsage(_Wire):
+    """Tokens metered by the task's gateway (never parsed from model output)."""
+
+    input: int = 0
+    output: int = 0
+    cache_creation: int = 0
+    cache_read: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.input + self.output + self.cache_creation + self.cache_read
+
+
+class TaskInfo(_Wire):
+    """The state of one task."""
+
+    id: str
+    status: TaskStatus
+    repo: str
+    task: str
+    model: str
+    budget: int
+    deadline: float
+    created_at: float
+    """Unix time the request was accepted."""
+    started_at: float | None = None
+    """Unix time the sandbox started."""
+    finished_at: float | None = None
+    exit_code: int | None = None
+    """The agent's exit code (None: it never ran or was killed)."""
+    tokens: TokenUsage = Field(default_factory=TokenUsage)
+    branch: str | None = None
+    """``agentbox/<id>`` once published."""
+    error: str | None = None
+    """Why the task failed, was cancelled or timed out."""
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+class TaskList(_Wire):
+    tasks: list[TaskInfo]
+
+
+class TaskResult(_Wire):
+    """What a finished task left: the report, the diff, where the commit lives."""
+
+    task_id: str
+    status: TaskStatus
+    report: dict[str, Any]
+    """The collection report (JSON): status, exit code, diffstat, tokens, skipped, message."""
+    diff: str
+    """The branch's diff against its base (may be truncated)."""
+    diff_truncated: bool
+    branch: str
+    """``agentbox/<id>`` in the user's repo ("" when not published)."""
+    shadow_git: str
+    """The trusted git dir holding the commit (fetchable even when not published)."""
+    commit: str
+    """The result commit's id ("" when nothing was collected)."""
+
+
+class ModelInfo(_Wire):
+    """A model a task may use."""
+
+    name: str
+    kind: str
+    """``replay``, ``anthropic``, ``local`` ..."""
+    default: bool = False
+    description: str = ""
+
+
+class ModelList(_Wire):
+    models: list[ModelInfo]

@@ -1,0 +1,144 @@
+"""A client of the launcher's unix-socket API (``agentbox launcher serve``).
+
+Used by the MCP server and ``agentbox serve``; it has the same methods as the
+in-process :class:`agentbox.launcher.Launcher`, and maps the server's error
+answers back onto :mod:`agentbox.errors`::
+
+    client = LauncherClient(settings.data_dir / "launcher.sock")
+    info = client.submit(TaskRequest(repo="/home/me/src/proj", task="Fix the test"))
+    info = client.wait(info.id, timeout=600)
+    result = client.result(info.id)
+
+Synchronous on purpose (one small request at a time); async callers wrap it
+with ``anyio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+from pydantic import ValidationError
+
+from agentbox import errors
+from agentbox.launcher.api import ModelInfo, ModelList, TaskInfo, TaskList, TaskRequest, TaskResult
+from agentbox.paths import validate_task_id
+
+__all__ = ["LauncherClient"]
+
+# Error class names the server may send, mapped to the class the client raises.
+_ERRORS: dict[str, type[errors.AgentboxError]] = {
+    name: getattr(errors, name)
+    for name in errors.__all__
+    if isinstance(getattr(errors, name), type)
+    and issubclass(getattr(errors, name), errors.AgentboxError)
+    # These need extra constructor arguments; the generic fallbacks below cover them.
+    and name not in {"CommandError", "CommandTimeout"}
+}
+
+
+class LauncherClient:
+    """Talks to ``agentbox launcher serve`` over its unix socket."""
+
+    def __init__(self, socket_path: Path | str, *, timeout: float = 30.0) -> None:
+        self.socket_path = Path(socket_path)
+        self._http = httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(self.socket_path)),
+            base_url="http://launcher",
+            timeout=timeout,
+        )
+
+    def close(self) -> None:
+        """Close the connection pool; idempotent."""
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- the API -----------------------------------------------------------
+
+    def submit(self, request: TaskRequest) -> TaskInfo:
+        """Queue a task; raises a :class:`~agentbox.errors.RefusedError` for bad input."""
+        data = self._call("POST", "/v1/tasks", body=request.model_dump(mode="json"))
+        return TaskInfo.model_validate(data, strict=False)
+
+    def get(self, task_id: str) -> TaskInfo:
+        """The task's current state; :class:`~agentbox.errors.TaskNotFound` if unknown."""
+        data = self._call("GET", f"/v1/tasks/{validate_task_id(task_id)}")
+        return TaskInfo.model_validate(data, strict=False)
+
+    def list(self) -> list[TaskInfo]:
+        """Every known task, newest first."""
+        data = self._call("GET", "/v1/tasks")
+        return TaskList.model_validate(data, strict=False).tasks
+
+    def cancel(self, task_id: str) -> TaskInfo:
+        """Ask the launcher to stop the task (its partial result is still collected)."""
+        data = self._call("POST", f"/v1/tasks/{validate_task_id(task_id)}/cancel")
+        return TaskInfo.model_validate(data, strict=False)
+
+    def result(self, task_id: str) -> TaskResult:
+        """The finished task's report and diff; TaskError while it is still running."""
+        data = self._call("GET", f"/v1/tasks/{validate_task_id(task_id)}/result")
+        return TaskResult.model_validate(data, strict=False)
+
+    def models(self) -> builtins.list[ModelInfo]:
+        """The models a task may name."""
+        data = self._call("GET", "/v1/models")
+        return ModelList.model_validate(data, strict=False).models
+
+    def wait(self, task_id: str, timeout: float | None = None, *, poll: float = 0.5) -> TaskInfo:
+        """Poll until the task is terminal; :class:`~agentbox.errors.TaskError` past ``timeout``."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            info = self.get(task_id)
+            if info.terminal:
+                return info
+            if end is not None and time.monotonic() >= end:
+                raise errors.TaskError(f"still {info.status} after {timeout:g}s", task_id=task_id)
+            time.sleep(poll)
+
+    # -- plumbing ----------------------------------------------------------
+
+    def _call(self, method: str, path: str, *, body: dict[str, Any] | None = None) -> Any:
+        try:
+            resp = self._http.request(method, path, json=body)
+        except httpx.TransportError as exc:
+            raise errors.TaskError(
+                f"cannot reach the launcher at {self.socket_path}: {exc}"
+            ) from exc
+        try:
+            data = resp.json()
+        except (json.JSONDecodeError, ValueError) as exc:
+            raise errors.TaskError(
+                f"launcher answered {resp.status_code} with a body that is not JSON"
+            ) from exc
+        if resp.is_success:
+            return data
+        raise _error_from(resp.status_code, data)
+
+
+def _error_from(status: int, data: Any) -> errors.AgentboxError:
+    name = data.get("error") if isinstance(data, dict) else None
+    message = data.get("message") if isinstance(data, dict) else None
+    message = str(message)[:4000] if message is not None else f"launcher answered {status}"
+    cls = _ERRORS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        cls = errors.RefusedError if status in (400, 422) else errors.TaskError
+    try:
+        return cls(message)
+    except (TypeError, ValidationError):
+        return errors.TaskError(message)
