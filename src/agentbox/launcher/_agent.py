@@ -1,0 +1,90 @@
+"""The one command a task may run, and the environment it gets.
+
+The command is always Claude Code in print mode with the task spec, with the
+flags listed here and no others (:func:`check_agent_argv` enforces it on the
+final argv, whoever built it):
+
+* ``--output-format stream-json --verbose``: one JSON event per line, kept as the
+  task's log; the final ``result`` event gives the agent's last message to the
+  report (never used for accounting: tokens come from the gateway's usage file).
+* ``--dangerously-skip-permissions``: Claude Code's own permission prompts are
+  off *inside* the sandbox, because the sandbox is the permission boundary: no
+  network but the gateway, a read-only root, no capabilities, a uid that owns
+  nothing on the host, and only the workspace writable. Nothing the agent does
+  with Bash or Edit there can reach the host; what it wrote comes back only
+  through result collection, as data.
+* ``--`` then the task text, so a task beginning with ``-`` is never a flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from agentbox.backends.base import GATEWAY_PORT, HOME_IN_SANDBOX
+from agentbox.errors import PolicyRefused
+
+__all__ = ["AGENT_FLAGS", "agent_argv", "agent_env", "check_agent_argv", "check_env"]
+
+#: The flags the launcher passes; nothing else is accepted on the agent's argv.
+AGENT_FLAGS: tuple[str, ...] = (
+    "-p",
+    "--output-format",
+    "stream-json",
+    "--verbose",
+    "--dangerously-skip-permissions",
+)
+
+#: Variables the launcher itself sets in every agent sandbox.
+LAUNCHER_ENV_NAMES = frozenset(
+    {
+        "ANTHROPIC_BASE_URL",
+        "ANTHROPIC_API_KEY",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
+        "DISABLE_AUTOUPDATER",
+        "DISABLE_TELEMETRY",
+        "DISABLE_ERROR_REPORTING",
+        "HOME",
+    }
+)
+
+
+def agent_argv(task: str) -> list[str]:
+    """``claude -p <our flags> -- <task>``."""
+    if "\0" in task:
+        raise PolicyRefused("the task text contains a NUL byte")
+    return ["claude", *AGENT_FLAGS, "--", task]
+
+
+def check_agent_argv(argv: Sequence[str]) -> None:
+    """Refuse any argv that is not exactly ``claude`` + our flags + ``--`` + one task text."""
+    expected = len(AGENT_FLAGS) + 3
+    if (
+        len(argv) != expected
+        or argv[0] != "claude"
+        or tuple(argv[1:-2]) != AGENT_FLAGS
+        or argv[-2] != "--"
+        or not argv[-1]
+    ):
+        raise PolicyRefused(
+            f"the agent command must be claude with the launcher's flags: {list(argv)[:8]!r}"
+        )
+
+
+def agent_env(token: str) -> dict[str, str]:
+    """What the launcher adds to the Boxfile's allow-listed environment."""
+    return {
+        "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{GATEWAY_PORT}",
+        "ANTHROPIC_API_KEY": token,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "HOME": HOME_IN_SANDBOX,
+    }
+
+
+def check_env(env: Mapping[str, str], allowed: set[str]) -> None:
+    """Refuse an environment with a variable neither the launcher nor the allow-list names."""
+    extra = sorted(set(env) - allowed - LAUNCHER_ENV_NAMES)
+    if extra:
+        raise PolicyRefused(f"environment variables not on the allow-list: {', '.join(extra)}")

@@ -1,0 +1,250 @@
+"""Task state in SQLite (stdlib ``sqlite3``, WAL mode) in the data dir.
+
+Several processes may use the same store at once (an ``agentbox run``, a
+``launcher serve``, ``agentbox tasks``), so every operation opens its own short
+connection with a busy timeout, and state changes are single UPDATE statements
+guarded by the status they expect (compare-and-set), never read-modify-write.
+
+Each running task records its *owner* (pid and process start time): a
+restarted launcher reconciles only tasks whose owner is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agentbox.errors import TaskError, TaskNotFound
+from agentbox.launcher.api import TaskInfo, TokenUsage
+
+__all__ = ["Owner", "Store", "TaskRow"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,
+    repo TEXT NOT NULL,
+    task TEXT NOT NULL,
+    model TEXT NOT NULL,
+    budget INTEGER NOT NULL,
+    deadline REAL NOT NULL,
+    include_uncommitted INTEGER NOT NULL DEFAULT 0,
+    publish INTEGER NOT NULL DEFAULT 1,
+    boxfile TEXT,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    exit_code INTEGER,
+    tokens TEXT,
+    branch TEXT,
+    commit_id TEXT,
+    error TEXT,
+    sandbox TEXT,
+    backend TEXT,
+    owner_pid INTEGER,
+    owner_start REAL,
+    gateway_pid INTEGER,
+    gateway_start REAL,
+    watchdog_pid INTEGER,
+    cancel_requested INTEGER NOT NULL DEFAULT 0
+);
+"""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A process, named by pid and start time so a recycled pid is not mistaken for it."""
+
+    pid: int
+    start: float
+
+    @classmethod
+    def me(cls) -> Owner:
+        return cls.of(os.getpid()) or cls(os.getpid(), 0.0)
+
+    @classmethod
+    def of(cls, pid: int) -> Owner | None:
+        try:
+            return cls(pid, psutil.Process(pid).create_time())
+        except (psutil.Error, ValueError):
+            return None
+
+    def alive(self) -> bool:
+        """True while the very process (same pid, same start time) runs and is no zombie."""
+        try:
+            proc = psutil.Process(self.pid)
+            if abs(proc.create_time() - self.start) > 0.01:
+                return False
+            return proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One row of the tasks table."""
+
+    id: str
+    status: str
+    repo: str
+    task: str
+    model: str
+    budget: int
+    deadline: float
+    include_uncommitted: bool
+    publish: bool
+    boxfile: str | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    exit_code: int | None
+    tokens: TokenUsage
+    branch: str | None
+    commit_id: str | None
+    error: str | None
+    sandbox: str | None
+    backend: str | None
+    owner: Owner | None
+    gateway: Owner | None
+    watchdog_pid: int | None
+    cancel_requested: bool
+
+    def info(self, tokens: TokenUsage | None = None) -> TaskInfo:
+        """The public view of this row (``tokens`` overrides the stored totals)."""
+        return TaskInfo(
+            id=self.id,
+            status=self.status,  # type: ignore[arg-type]
+            repo=self.repo,
+            task=self.task,
+            model=self.model,
+            budget=self.budget,
+            deadline=self.deadline,
+            created_at=self.created_at,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            exit_code=self.exit_code,
+            tokens=tokens or self.tokens,
+            branch=self.branch,
+            error=self.error,
+        )
+
+
+def _tokens(raw: str | None) -> TokenUsage:
+    if not raw:
+        return TokenUsage()
+    try:
+        return TokenUsage.model_validate(json.loads(raw), strict=False)
+    except ValueError:
+        return TokenUsage()
+
+
+def _row(r: sqlite3.Row) -> TaskRow:
+    owner = Owner(r["owner_pid"], r["owner_start"] or 0.0) if r["owner_pid"] else None
+    gw = Owner(r["gateway_pid"], r["gateway_start"] or 0.0) if r["gateway_pid"] else None
+    return TaskRow(
+        id=r["id"],
+        status=r["status"],
+        repo=r["repo"],
+        task=r["task"],
+        model=r["model"],
+        budget=r["budget"],
+        deadline=r["deadline"],
+        include_uncommitted=bool(r["include_uncommitted"]),
+        publish=bool(r["publish"]),
+        boxfile=r["boxfile"],
+        created_at=r["created_at"],
+        started_at=r["started_at"],
+        finished_at=r["finished_at"],
+        exit_code=r["exit_code"],
+        tokens=_tokens(r["tokens"]),
+        branch=r["branch"],
+        commit_id=r["commit_id"],
+        error=r["error"],
+        sandbox=r["sandbox"],
+        backend=r["backend"],
+        owner=owner,
+        gateway=gw,
+        watchdog_pid=r["watchdog_pid"],
+        cancel_requested=bool(r["cancel_requested"]),
+    )
+
+
+class Store:
+    """The tasks table in ``data_dir/state.db``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._conn() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+        with contextlib.suppress(OSError):
+            path.chmod(0o600)
+
+    @contextlib.contextmanager
+    def _conn(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        try:
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA busy_timeout=30000")
+            yield db
+        finally:
+            db.close()
+
+    def insert(self, **fields: Any) -> None:
+        """Insert a new task; :class:`TaskError` if the id is taken."""
+        cols = ", ".join(fields)
+        marks = ", ".join("?" for _ in fields)
+        try:
+            with self._conn() as db:
+                db.execute(f"INSERT INTO tasks ({cols}) VALUES ({marks})", tuple(fields.values()))  # noqa: S608
+        except sqlite3.IntegrityError as exc:
+            raise TaskError("a task with this id exists", task_id=fields.get("id")) from exc
+
+    def get(self, task_id: str) -> TaskRow:
+        with self._conn() as db:
+            r = db.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        if r is None:
+            raise TaskNotFound("no such task", task_id=task_id)
+        return _row(r)
+
+    def exists(self, task_id: str) -> bool:
+        with self._conn() as db:
+            return db.execute("SELECT 1 FROM tasks WHERE id = ?", (task_id,)).fetchone() is not None
+
+    def all(self) -> list[TaskRow]:
+        with self._conn() as db:
+            rows = db.execute("SELECT * FROM tasks ORDER BY created_at DESC").fetchall()
+        return [_row(r) for r in rows]
+
+    def update(self, task_id: str, *, expect: set[str] | None = None, **fields: Any) -> bool:
+        """Set ``fields``; with ``expect``, only if the status is one of them. True if done."""
+        if "tokens" in fields and isinstance(fields["tokens"], TokenUsage):
+            fields["tokens"] = fields["tokens"].model_dump_json()
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        sql = f"UPDATE tasks SET {sets} WHERE id = ?"  # noqa: S608
+        args: list[Any] = [*fields.values(), task_id]
+        if expect:
+            sql += f" AND status IN ({', '.join('?' for _ in expect)})"
+            args.extend(sorted(expect))
+        with self._conn() as db:
+            return db.execute(sql, args).rowcount == 1
+
+    def finish(self, task_id: str, status: str, **fields: Any) -> bool:
+        """Move a non-terminal task to terminal ``status``; False if it already was terminal."""
+        return self.update(
+            task_id,
+            expect={"queued", "running", "collecting"},
+            status=status,
+            finished_at=fields.pop("finished_at", time.time()),
+            **fields,
+        )

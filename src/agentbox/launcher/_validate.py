@@ -1,0 +1,151 @@
+"""Re-validation of a task request, before anything is created.
+
+A request that passed the wire schema is checked again against this host's
+settings: the repo resolves inside the repos root (a symlink pointing out is
+refused, because the check is on the resolved path), is a git repo with a
+commit, and is clean unless uncommitted changes were asked for; the model is
+in the registry; the budget and deadline are in range; the id is well-formed.
+Nothing on disk is created or changed here (git runs read-only, with
+``GIT_OPTIONAL_LOCKS=0`` so ``status`` does not even refresh the index).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentbox import _proc
+from agentbox.boxfile import Boxfile
+from agentbox.config import Settings
+from agentbox.errors import (
+    AgentboxError,
+    CommandError,
+    ConfigError,
+    PathRefused,
+    PolicyRefused,
+)
+from agentbox.gateway.registry import DEFAULT_MODEL, Registry
+from agentbox.launcher.api import (
+    DEFAULT_BUDGET,
+    MAX_BUDGET,
+    MAX_DEADLINE,
+    MAX_TASK_CHARS,
+    MIN_DEADLINE,
+    TaskRequest,
+)
+from agentbox.paths import check_inside, new_task_id, validate_task_id
+
+__all__ = ["Validated", "git_readonly", "validate"]
+
+
+@dataclass(frozen=True)
+class Validated:
+    """A request checked against this host: every value final."""
+
+    task_id: str
+    repo: Path
+    task: str
+    model: str
+    budget: int
+    deadline: float
+    include_uncommitted: bool
+    publish: bool
+
+
+def git_readonly(repo: Path, *args: str, timeout: float = 60) -> _proc.Result:
+    """Run git in the user's repo without writing to it and without its hooks or fsmonitor."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "GIT_OPTIONAL_LOCKS": "0",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_TERMINAL_PROMPT": "0",
+        "LC_ALL": "C",
+    }
+    argv = [
+        "git",
+        "-c",
+        f"safe.directory={repo}",
+        "-c",
+        "core.fsmonitor=false",
+        "-c",
+        "core.hooksPath=/dev/null",
+        "-C",
+        str(repo),
+        *args,
+    ]
+    return _proc.run(argv, timeout=timeout, env=env)
+
+
+def _check_repo(settings: Settings, repo: str, include_uncommitted: bool) -> Path:
+    if "\0" in repo or not Path(repo).is_absolute():
+        raise PathRefused("the repo must be an absolute path", path=repo)
+    real = check_inside(settings.repos_root, Path(repo), what="repo")
+    if real == settings.repos_root:
+        raise PathRefused(
+            "the repo must be a directory inside the repos root, not the root", path=repo
+        )
+    if not real.is_dir():
+        raise PathRefused("the repo is not a directory", path=repo)
+    if not (real / ".git").exists():
+        raise PathRefused("not a git repository (no .git at its top)", path=repo)
+    try:
+        top = git_readonly(real, "rev-parse", "--show-toplevel").stdout.strip()
+        git_readonly(real, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+    except CommandError as exc:
+        raise PathRefused("not a git repository with a commit", path=repo) from exc
+    if Path(top).resolve() != real:
+        raise PathRefused(f"the repo's top level is {top}, not this directory", path=repo)
+    if not include_uncommitted:
+        status = git_readonly(real, "status", "--porcelain", "--untracked-files=no").stdout
+        if status.strip():
+            raise PolicyRefused(
+                f"the repo {real} has uncommitted changes; commit them or pass "
+                "--include-uncommitted (include_uncommitted=true)"
+            )
+    return real
+
+
+def validate(
+    req: TaskRequest,
+    settings: Settings,
+    registry: Registry,
+    *,
+    boxfile: Boxfile | None = None,
+) -> Validated:
+    """Check ``req`` against this host; raise a RefusedError before anything is created."""
+    task_id = validate_task_id(req.task_id) if req.task_id is not None else new_task_id()
+    if not req.task.strip() or len(req.task) > MAX_TASK_CHARS or "\0" in req.task:
+        raise PolicyRefused(f"the task text must be 1..{MAX_TASK_CHARS} characters, without NUL")
+    model = req.model or (boxfile.model if boxfile else None)
+    if model is None:
+        names = registry.names()
+        model = DEFAULT_MODEL if DEFAULT_MODEL in registry else (names[0] if names else "")
+    try:
+        registry.get(model)
+    except ConfigError as exc:
+        raise PolicyRefused(str(exc)) from exc
+    budget = req.budget or (boxfile.budget if boxfile else None) or DEFAULT_BUDGET
+    if not 1 <= budget <= MAX_BUDGET:
+        raise PolicyRefused(f"budget must be 1..{MAX_BUDGET} tokens, got {budget}")
+    deadline = req.deadline or (boxfile.deadline if boxfile else None) or 3600.0
+    if not MIN_DEADLINE <= deadline <= MAX_DEADLINE:
+        raise PolicyRefused(
+            f"deadline must be {MIN_DEADLINE:g}..{MAX_DEADLINE:g} s, got {deadline:g}"
+        )
+    try:
+        repo = _check_repo(settings, req.repo, req.include_uncommitted)
+    except CommandError as exc:
+        raise PathRefused(f"cannot inspect the repo: {exc}", path=req.repo) from exc
+    except AgentboxError:
+        raise
+    return Validated(
+        task_id=task_id,
+        repo=repo,
+        task=req.task,
+        model=model,
+        budget=budget,
+        deadline=float(deadline),
+        include_uncommitted=req.include_uncommitted,
+        publish=req.publish,
+    )

@@ -1,0 +1,96 @@
+"""Giving the workspace to the sandbox identity, without ever following a link.
+
+The workspace is a fresh copy the launcher made; before the agent runs it must
+belong to the host uid the sandbox's uid maps to (``settings.sandbox_host_uid``),
+which owns nothing else on the host. The change has ``chown -R -h`` semantics and
+is stricter: the walk holds a directory fd at every level, opens each child
+with ``O_NOFOLLOW|O_DIRECTORY`` relative to it and changes owners with
+``follow_symlinks=False``, so a symlink (even one planted by a repo's history,
+pointing at ``/etc``) is re-owned itself and never traversed, and the walk never
+leaves the one workspace directory it was given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+from agentbox.errors import PathRefused
+
+__all__ = ["check_owner", "give_to_sandbox"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _chown_tree(dir_fd: int, uid: int, gid: int) -> int:
+    count = 0
+    with os.scandir(dir_fd) as it:
+        entries = list(it)
+    for entry in entries:
+        os.chown(entry.name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+        count += 1
+        if entry.is_dir(follow_symlinks=False):
+            try:
+                child = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+            except OSError as exc:  # replaced by a link or vanished since the listing
+                raise PathRefused(
+                    f"cannot open workspace dir without following links: {exc}", path=entry.path
+                ) from exc
+            try:
+                count += _chown_tree(child, uid, gid)
+            finally:
+                os.close(child)
+    return count
+
+
+def give_to_sandbox(workspace: Path, uid: int, gid: int | None = None) -> int:
+    """Re-own ``workspace`` and everything in it to ``uid:gid``; return the entries changed.
+
+    Refuses a workspace that is a link, not a directory, or not owned by this
+    process (a workspace the launcher did not make).
+    """
+    gid = uid if gid is None else gid
+    try:
+        fd = os.open(workspace, _DIR_FLAGS)
+    except OSError as exc:
+        raise PathRefused(
+            f"workspace is not a directory reachable without links ({exc.strerror})", path=workspace
+        ) from exc
+    try:
+        st = os.fstat(fd)
+        if st.st_uid not in (os.geteuid(), uid):
+            raise PathRefused(
+                f"workspace is owned by uid {st.st_uid}, not by the launcher: not one it made",
+                path=workspace,
+            )
+        count = _chown_tree(fd, uid, gid)
+        os.fchown(fd, uid, gid)
+        # The sandbox user must be able to enter and write its workspace root.
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o700)
+        return count + 1
+    finally:
+        os.close(fd)
+
+
+def check_owner(workspace: Path, uid: int) -> None:
+    """Refuse a workspace that is a link, not a directory, or not owned by ``uid``."""
+    try:
+        st = os.lstat(workspace)
+    except OSError as exc:
+        raise PathRefused(f"workspace is missing ({exc.strerror})", path=workspace) from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise PathRefused("workspace is not a directory (or is a link)", path=workspace)
+    if st.st_uid != uid:
+        raise PathRefused(f"workspace is owned by uid {st.st_uid}, expected {uid}", path=workspace)
+
+
+def ensure_private_dir(path: Path, mode: int = 0o700) -> None:
+    """Create ``path`` (not through a link) with ``mode``; refuse one that is a link."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=mode)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PathRefused("expected a directory, found something else (a link?)", path=path)
+    path.chmod(mode)
