@@ -1,0 +1,67 @@
+"""``agentbox mcp`` (the MCP server, stdio or HTTP) and ``agentbox serve`` (launcher + MCP)."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+from agentbox.config import load_settings
+from agentbox.mcp._auth import parse_listen
+from agentbox.mcp._run import prepare, run_http, run_stdio, serve
+from agentbox.mcp._server import DEFAULT_MAX_PENDING
+
+__all__ = ["register"]
+
+_USER_HELP = (
+    "Run as this user (name or uid) when started as root; default: $AGENTBOX_MCP_USER, "
+    "else the owner of the repos root. Never root."
+)
+
+
+def mcp(
+    http: str | None = typer.Option(
+        None,
+        "--http",
+        metavar="127.0.0.1:PORT",
+        help="Serve streamable HTTP on this loopback address instead of stdio.",
+    ),
+    user: str | None = typer.Option(None, "--user", help=_USER_HELP),
+    max_pending: int = typer.Option(
+        DEFAULT_MAX_PENDING, "--max-pending", min=1, max=1000, help="Tasks in flight at most."
+    ),
+) -> None:
+    """Run the MCP server (stdio by default: claude mcp add agentbox -- agentbox mcp)."""
+    settings = load_settings()
+    listen = parse_listen(http) if http else None  # refuse a bad bind before anything else
+    prepared = prepare(
+        settings,
+        user=user or os.environ.get("AGENTBOX_MCP_USER"),
+        want_token=listen is not None,
+        max_pending=max_pending,
+    )
+    if listen is None:
+        run_stdio(prepared)
+    else:
+        run_http(prepared, *listen)
+
+
+def serve_cmd(
+    http: str = typer.Option(
+        "127.0.0.1:8765", "--http", metavar="127.0.0.1:PORT", help="Loopback address of the MCP."
+    ),
+    user: str | None = typer.Option(None, "--user", help=_USER_HELP),
+    max_pending: int = typer.Option(DEFAULT_MAX_PENDING, "--max-pending", min=1, max=1000),
+) -> None:
+    """Run the launcher and the MCP HTTP server together; Ctrl-C stops both."""
+    settings = load_settings()
+    code = serve(
+        settings, http, user=user or os.environ.get("AGENTBOX_MCP_USER"), max_pending=max_pending
+    )
+    raise typer.Exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``mcp`` and ``serve`` to the CLI."""
+    app.command("mcp")(mcp)
+    app.command("serve")(serve_cmd)

@@ -1,0 +1,197 @@
+"""Running the MCP server: stdio, streamable HTTP, and ``agentbox serve`` (launcher + MCP).
+
+Start-up order matters for the privilege split. While still root, the server
+(1) reads its bearer token (the file is 0600 in the data dir), (2) opens the
+launcher's socket with ``O_PATH`` so it can later connect through
+``/proc/self/fd/N`` without being able to traverse the data dir, and only then
+(3) drops to an ordinary uid with no capabilities. Nothing from a client is
+read before the drop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from agentbox._log import get_logger
+from agentbox._proc import kill_group
+from agentbox.config import Settings
+from agentbox.errors import PathRefused, SandboxError, UnsupportedError
+from agentbox.mcp._auth import GateMiddleware, load_or_create_token, parse_listen, token_path
+from agentbox.mcp._privdrop import Identity, drop_privileges, resolve_identity
+from agentbox.mcp._server import DEFAULT_MAX_PENDING, ServerConfig, build_server
+
+__all__ = [
+    "Prepared",
+    "claude_add_command",
+    "launcher_socket",
+    "mcp_url",
+    "prepare",
+    "run_http",
+    "run_stdio",
+    "serve",
+]
+
+log = get_logger("mcp.run")
+
+
+def launcher_socket(settings: Settings) -> Path:
+    """The launcher's unix socket: ``<data_dir>/launcher.sock``."""
+    return settings.data_dir / "launcher.sock"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the server holds after start-up: its config, its token, who it now is."""
+
+    config: ServerConfig
+    token: str | None
+    identity: Identity | None
+
+
+def prepare(
+    settings: Settings,
+    *,
+    user: str | None = None,
+    want_token: bool = False,
+    max_pending: int = DEFAULT_MAX_PENDING,
+) -> Prepared:
+    """Read the token, pin the launcher socket, drop privileges; in that order."""
+    token = load_or_create_token(token_path(settings.data_dir)) if want_token else None
+    sock = launcher_socket(settings)
+    sock_path = sock
+    identity: Identity | None = None
+    if os.geteuid() == 0:
+        identity = resolve_identity(user, settings.repos_root, sock)
+        try:
+            # Kept open for the life of the process: the only way back to the socket
+            # once the data dir (0700 root) is out of reach.
+            fd = os.open(sock, os.O_PATH | os.O_CLOEXEC)
+        except OSError as exc:
+            raise UnsupportedError(
+                f"the launcher is not running (no socket at {sock}: {exc.strerror})",
+                fix="start it first: agentbox launcher serve (or run agentbox serve)",
+            ) from exc
+        sock_path = Path(f"/proc/self/fd/{fd}")
+    drop_privileges(identity)
+    config = ServerConfig(
+        repos_root=settings.repos_root,
+        data_dir=settings.data_dir,
+        socket_path=sock_path,
+        max_pending=max_pending,
+    )
+    return Prepared(config=config, token=token, identity=identity)
+
+
+def run_stdio(prepared: Prepared) -> None:
+    """Serve MCP over stdin/stdout until the client closes it."""
+    server = build_server(prepared.config)
+    anyio.run(server.run_stdio_async)
+
+
+def claude_add_command(host: str, port: int, token: str) -> str:
+    """The exact ``claude mcp add`` line for the HTTP server."""
+    return (
+        f"claude mcp add --transport http agentbox {mcp_url(host, port)} "
+        f'--header "Authorization: Bearer {token}"'
+    )
+
+
+def mcp_url(host: str, port: int) -> str:
+    """The MCP endpoint URL for ``host:port``."""
+    h = f"[{host}]" if ":" in host else host
+    return f"http://{h}:{port}/mcp"
+
+
+def run_http(prepared: Prepared, host: str, port: int) -> None:
+    """Serve MCP over streamable HTTP on ``host:port`` (loopback, checked again here)."""
+    import uvicorn
+
+    parse_listen(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if prepared.token is None:
+        raise PathRefused("the HTTP transport needs a bearer token")
+    server = build_server(prepared.config)
+    inner = server.streamable_http_app(host=host)
+    app = GateMiddleware(inner, token=prepared.token, port=port)
+    print(f"agentbox MCP server: {mcp_url(host, port)}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", lifespan="on", access_log=False
+    )
+    anyio.run(uvicorn.Server(config).serve)
+
+
+def _agentbox_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agentbox", *args]
+
+
+def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SandboxError(f"the launcher exited with {proc.returncode} before it listened")
+        if path.exists():
+            return
+        time.sleep(0.1)
+    raise SandboxError(f"the launcher did not create {path} within {timeout:g}s")
+
+
+def serve(settings: Settings, listen: str, *, user: str | None, max_pending: int) -> int:
+    """Run the launcher and the MCP HTTP server together until SIGINT/SIGTERM.
+
+    Prints the URL, the token file and the ``claude mcp add`` line. Returns
+    the exit code (0 after a clean stop).
+    """
+    host, port = parse_listen(listen)
+    tok_file = token_path(settings.data_dir)
+    token = load_or_create_token(tok_file)
+    stop = False
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        launcher = subprocess.Popen(_agentbox_argv("launcher", "serve"), start_new_session=True)
+        procs.append(launcher)
+        _wait_for_socket(launcher_socket(settings), launcher, 60.0)
+        mcp_args = ["mcp", "--http", listen, "--max-pending", str(max_pending)]
+        if user:
+            mcp_args += ["--user", user]
+        mcp = subprocess.Popen(_agentbox_argv(*mcp_args), start_new_session=True)
+        procs.insert(0, mcp)
+        print(
+            f"agentbox is serving.\n  MCP URL:    {mcp_url(host, port)}\n"
+            f"  token file: {tok_file}\n  launcher:   {launcher_socket(settings)}\n\n"
+            f"Add it to Claude Code with:\n  {claude_add_command(host, port, token)}\n",
+            flush=True,
+        )
+        code = 0
+        while not stop:
+            for p in procs:
+                if p.poll() is not None:
+                    log.error("child exited", argv=p.args, code=p.returncode)
+                    stop, code = True, p.returncode or 1
+            time.sleep(0.2)
+        return code
+    finally:
+        # MCP first (no new requests), then the launcher, which stops its tasks itself.
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                kill_group(p)
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,328 @@
+"""The MCP tools: delegate, status, result, cancel, list_tasks, models.
+
+Every argument arrives from a model that may be prompt-injected. Arguments are
+validated by their schema first (types, ranges, lengths), then by us (the repo
+must be a git repo of ours inside the repos root, the id must match
+``^[0-9a-z-]{1,64}$``), and only then does anything reach the launcher, over
+its unix socket, as a :class:`~agentbox.launcher.api.TaskRequest`. Failures
+come back as MCP tool errors (``is_error``) whose text says what was wrong and
+what to do, never as a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+from pydantic import Field
+
+from agentbox._log import get_logger
+from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskNotFound
+from agentbox.launcher.api import (
+    MAX_BUDGET,
+    MAX_DEADLINE,
+    MAX_TASK_CHARS,
+    MIN_DEADLINE,
+    TERMINAL,
+    TaskInfo,
+    TaskRequest,
+    TaskResult,
+)
+from agentbox.launcher.client import LauncherClient
+from agentbox.mcp._fetch import branch_name, fetch_branch
+from agentbox.mcp._repo import validate_repo
+from agentbox.paths import validate_task_id
+
+__all__ = ["DEFAULT_MAX_DIFF_CHARS", "DEFAULT_MAX_PENDING", "ServerConfig", "build_server"]
+
+log = get_logger("mcp")
+
+DEFAULT_MAX_PENDING = 4
+DEFAULT_MAX_DIFF_CHARS = 40_000
+MAX_REPORT_CHARS = 16_000
+POLL_SECONDS = 1.0
+
+INSTRUCTIONS = """\
+agentbox runs a coding task on a copy of one of your git repos, with Claude Code inside a
+hardened sandbox that has no network and its own metered model gateway. The result comes back
+as a git branch agentbox/<task-id> in your repo, plus a diff and a report. Delegate work that
+can be checked by reading a diff (a fix, a test, a refactor). Use `delegate` with wait=true
+for a short task; for a long one, delegate without waiting and poll `status`, then `result`.
+"""
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the MCP server needs: where repos may live and how to reach the launcher."""
+
+    repos_root: Path
+    data_dir: Path
+    socket_path: Path
+    """The launcher's socket (may be a ``/proc/self/fd/N`` path opened before a privilege drop)."""
+    max_pending: int = DEFAULT_MAX_PENDING
+    """How many of our tasks may be queued or running at once; more delegate calls are refused."""
+    max_diff_chars: int = DEFAULT_MAX_DIFF_CHARS
+
+
+def _tool_error(exc: AgentboxError) -> ToolError:
+    return ToolError(f"{type(exc).__name__}: {exc}")
+
+
+class _Tools:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.client = LauncherClient(config.socket_path, timeout=60.0)
+        self._submit_lock = anyio.Lock()
+
+    async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        try:
+            return await anyio.to_thread.run_sync(fn, *args)
+        except AgentboxError as exc:
+            raise _tool_error(exc) from exc
+
+    @staticmethod
+    def _task_id(task_id: str) -> str:
+        try:
+            return validate_task_id(task_id)
+        except RefusedError as exc:
+            raise _tool_error(exc) from exc
+
+    # -- tools -------------------------------------------------------------
+
+    async def delegate(
+        self,
+        repo: Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=4096,
+                description="Absolute path of the git repo to work on (inside the repos root).",
+            ),
+        ],
+        task: Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=MAX_TASK_CHARS,
+                description="The task for the sandboxed agent, written as a complete, "
+                "self-contained spec: what to change, where, and how to check it.",
+            ),
+        ],
+        ctx: Context,
+        model: Annotated[
+            str | None,
+            Field(
+                min_length=1,
+                max_length=128,
+                description="A model name from `models`; omit for the default.",
+            ),
+        ] = None,
+        budget: Annotated[
+            int | None,
+            Field(ge=1, le=MAX_BUDGET, description="Token budget; omit for the default (20M)."),
+        ] = None,
+        deadline: Annotated[
+            float | None,
+            Field(
+                ge=MIN_DEADLINE,
+                le=MAX_DEADLINE,
+                description="Seconds before the sandbox is killed; omit for the default (1 h).",
+            ),
+        ] = None,
+        wait: Annotated[
+            bool,
+            Field(
+                description="true: block until the task ends and return its report and diff "
+                "(progress is reported meanwhile); false: return the task id at once."
+            ),
+        ] = False,
+    ) -> str:
+        """Delegate a coding task to a sandboxed Claude Code working on a copy of `repo`.
+
+        The agent edits a fresh copy (the repo's committed HEAD); your working tree is never
+        touched. When it stops, its changes become the commit on branch `agentbox/<task-id>`
+        in `repo`. Returns the task id, or with wait=true the report, the diff and the branch.
+        Refused: a repo outside the repos root, a symlinked path, a repo that is not yours or
+        not a git repo, too many tasks already in flight.
+        """
+        try:
+            path = validate_repo(self.config.repos_root, repo)
+        except PathRefused as exc:
+            raise _tool_error(exc) from exc
+        request = TaskRequest(
+            repo=str(path), task=task, model=model, budget=budget, deadline=deadline, publish=False
+        )
+        async with self._submit_lock:
+            tasks = await self._call(self.client.list)
+            pending = [t for t in tasks if t.status not in TERMINAL]
+            if len(pending) >= self.config.max_pending:
+                raise ToolError(
+                    f"queue full: {len(pending)} tasks are already queued or running "
+                    f"(limit {self.config.max_pending}); wait for one to finish (`status`, "
+                    "`list_tasks`) or `cancel` one, then delegate again"
+                )
+            info = await self._call(self.client.submit, request)
+        log.info("delegated", task_id=info.id, repo=str(path))
+        if not wait:
+            return (
+                f"Task {info.id} is {info.status} (model {info.model}, budget {info.budget} "
+                f"tokens, deadline {info.deadline:g} s). Call `status` with id {info.id!r} to "
+                f"follow it and `result` when it is done; the branch will be "
+                f"{branch_name(info.id)}."
+            )
+        info = await self._wait(info, ctx)
+        return await self._result_text(info)
+
+    async def status(
+        self,
+        id: Annotated[str, Field(max_length=64, description="The task id from `delegate`.")],
+    ) -> str:
+        """The state of one task: queued, running, collecting, done, failed, timed_out or
+        cancelled, with elapsed time, tokens used and the exit code."""
+        info = await self._call(self.client.get, self._task_id(id))
+        return _info_json(info)
+
+    async def result(
+        self,
+        id: Annotated[str, Field(max_length=64, description="The task id from `delegate`.")],
+    ) -> str:
+        """The result of a finished task: its report (status, exit code, tokens, what was
+        skipped), the diff (truncated with a note when large) and the branch
+        `agentbox/<id>` it was fetched to in the repo. Fails while the task is still running."""
+        info = await self._call(self.client.get, self._task_id(id))
+        if info.status not in TERMINAL:
+            raise ToolError(
+                f"task {info.id} is still {info.status}; call `status` until it is done, "
+                "or `delegate` with wait=true next time"
+            )
+        return await self._result_text(info)
+
+    async def cancel(
+        self,
+        id: Annotated[str, Field(max_length=64, description="The task id to stop.")],
+    ) -> str:
+        """Stop a queued or running task. What it wrote so far is still collected and can be
+        read with `result`."""
+        info = await self._call(self.client.cancel, self._task_id(id))
+        return _info_json(info)
+
+    async def list_tasks(self) -> str:
+        """Every task the launcher knows (newest first) with its state, repo and tokens."""
+        tasks = await self._call(self.client.list)
+        return json.dumps([_info_dict(t) for t in tasks[:200]], indent=1)
+
+    async def models(self) -> str:
+        """The models a delegated task may use (pass one as `model`); one is the default."""
+        models = await self._call(self.client.models)
+        return json.dumps([m.model_dump(mode="json") for m in models], indent=1)
+
+    # -- helpers -------------------------------------------------------------
+
+    async def _wait(self, info: TaskInfo, ctx: Context) -> TaskInfo:
+        start = time.monotonic()
+        while info.status not in TERMINAL:
+            elapsed = time.monotonic() - start
+            tokens = info.tokens.total
+            await ctx.report_progress(
+                elapsed, info.deadline, f"{info.status}: {elapsed:.0f}s, {tokens} tokens"
+            )
+            await anyio.sleep(POLL_SECONDS)
+            info = await self._call(self.client.get, info.id)
+        return info
+
+    async def _result_text(self, info: TaskInfo) -> str:
+        try:
+            res = await anyio.to_thread.run_sync(self.client.result, info.id)
+        except TaskNotFound as exc:
+            raise _tool_error(exc) from exc
+        except AgentboxError as exc:
+            raise _tool_error(exc) from exc
+        fetched = await self._fetch(info, res)
+        return _format_result(info, res, fetched, self.config.max_diff_chars)
+
+    async def _fetch(self, info: TaskInfo, res: TaskResult) -> str:
+        if not res.commit or not res.shadow_git:
+            return "no branch: nothing was collected"
+        try:
+            repo = validate_repo(self.config.repos_root, info.repo)
+            shadow = Path(res.shadow_git)
+            data = self.config.data_dir
+            if not shadow.is_absolute() or ".." in shadow.parts or data not in shadow.parents:
+                raise PathRefused("launcher's shadow dir is not inside the data dir", path=shadow)
+            branch = await anyio.to_thread.run_sync(fetch_branch, repo, shadow, info.id, res.commit)
+        except AgentboxError as exc:
+            log.warning("fetch failed", task_id=info.id, error=str(exc))
+            return f"branch {branch_name(info.id)} NOT fetched: {exc}"
+        return f"branch {branch} in {repo} (commit {res.commit})"
+
+
+def _info_dict(info: TaskInfo) -> dict[str, Any]:
+    d = info.model_dump(mode="json")
+    d["task"] = d["task"][:200]
+    d["tokens_total"] = info.tokens.total
+    end = info.finished_at or time.time()
+    d["elapsed_s"] = round(end - info.started_at, 1) if info.started_at else 0.0
+    return d
+
+
+def _info_json(info: TaskInfo) -> str:
+    return json.dumps(_info_dict(info), indent=1)
+
+
+def _format_result(info: TaskInfo, res: TaskResult, fetched: str, max_diff: int) -> str:
+    report = json.dumps(res.report, indent=1, default=str)
+    if len(report) > MAX_REPORT_CHARS:
+        report = report[:MAX_REPORT_CHARS] + f"\n[report truncated at {MAX_REPORT_CHARS} chars]"
+    diff = res.diff
+    note = ""
+    if len(diff) > max_diff:
+        note = (
+            f"\n[diff truncated: showing {max_diff} of {len(diff)} characters; the full change "
+            f"is on branch {branch_name(info.id)}: git diff {branch_name(info.id)}~1 "
+            f"{branch_name(info.id)}]"
+        )
+        diff = diff[:max_diff]
+    elif res.diff_truncated:
+        note = f"\n[diff truncated by the launcher; see branch {branch_name(info.id)}]"
+    head = (
+        f"task {info.id}: {res.status} (exit code {info.exit_code}), "
+        f"{info.tokens.total} tokens\n{fetched}\n"
+    )
+    if info.error:
+        head += f"error: {info.error}\n"
+    return f"{head}\nreport:\n{report}\n\ndiff:\n{diff or '(no changes)'}{note}\n"
+
+
+def build_server(config: ServerConfig) -> MCPServer:
+    """The MCP server with agentbox's six tools, talking to the launcher at ``config``."""
+    tools = _Tools(config)
+    server: MCPServer = MCPServer(
+        "agentbox", instructions=INSTRUCTIONS, log_level="WARNING", warn_on_duplicate_tools=False
+    )
+    ro = ToolAnnotations(read_only_hint=True, open_world_hint=False)
+    server.add_tool(
+        tools.delegate,
+        name="delegate",
+        annotations=ToolAnnotations(destructive_hint=False, open_world_hint=False),
+    )
+    server.add_tool(tools.status, name="status", annotations=ro)
+    server.add_tool(
+        tools.result,
+        name="result",
+        annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=True),
+    )
+    server.add_tool(tools.cancel, name="cancel", annotations=ToolAnnotations(destructive_hint=True))
+    server.add_tool(tools.list_tasks, name="list_tasks", annotations=ro)
+    server.add_tool(tools.models, name="models", annotations=ro)
+    return server
