@@ -27,7 +27,7 @@ app = typer.Typer(
 )
 
 #: Modules under agentbox.cli that each define ``register(app)``.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("_mcp",)
 
 err_console = Console(stderr=True)
 
