@@ -1,1 +1,26 @@
-"""agentbox.image."""
+"""Sandbox images: build the default one without any registry, find any local one.
+
+The default image is a Debian root made by mmdebstrap from the host's own apt
+sources, plus the pinned Claude Code binary and our guest programs, hardened
+(no package manager, no su/sudo, no setuid/setgid) and verified by reading the
+result. It is cached by content hash, imported into podman as
+``localhost/agentbox-default:{latest,<hash>}``, and its root directory is kept
+for the microVM backend. See docs/reference/image.md.
+"""
+
+from agentbox.image._build import build_default, images_dir
+from agentbox.image._harden import verify
+from agentbox.image._manage import list_images, manifest, remove, resolve
+from agentbox.image._types import HASH_LABEL, ImageInfo
+
+__all__ = [
+    "HASH_LABEL",
+    "ImageInfo",
+    "build_default",
+    "images_dir",
+    "list_images",
+    "manifest",
+    "remove",
+    "resolve",
+    "verify",
+]

@@ -1,0 +1,107 @@
+"""The few podman image calls the image layer needs, with errors translated.
+
+Image references given by users are checked before they reach podman's argv,
+so a name can never be read as an option.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agentbox import _proc
+from agentbox.errors import AgentboxError, CommandError, ImageError
+
+__all__ = [
+    "check_reference",
+    "import_tarball",
+    "inspect",
+    "list_labelled",
+    "remove_names",
+    "tag",
+]
+
+# A podman/OCI image reference: registry/path:tag or @digest, or a bare image id.
+_REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,255}")
+
+
+def check_reference(name: str) -> str:
+    """Return ``name`` if it looks like an image reference, else raise ImageError."""
+    if not isinstance(name, str) or not _REF_RE.fullmatch(name):
+        raise ImageError(f"not a valid image name: {name!r:.80}")
+    return name
+
+
+def inspect(name: str) -> dict[str, Any] | None:
+    """``podman image inspect`` of ``name`` as a dict, or None when podman has no such image."""
+    check_reference(name)
+    try:
+        res = _proc.run(["podman", "image", "inspect", "--format", "json", name], check=False)
+    except AgentboxError as exc:
+        raise ImageError(f"podman image inspect {name} failed: {exc}") from exc
+    if res.returncode != 0:
+        return None
+    try:
+        data = json.loads(res.stdout)
+    except json.JSONDecodeError as exc:
+        raise ImageError(f"podman image inspect {name}: unreadable output") from exc
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        return None
+    return data[0]
+
+
+def labels_of(info: dict[str, Any]) -> dict[str, str]:
+    """The labels of an inspected image (podman puts them in two places)."""
+    labels = info.get("Labels") or (info.get("Config") or {}).get("Labels") or {}
+    return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
+
+
+def list_labelled(label: str) -> list[dict[str, Any]]:
+    """Every local image carrying ``label`` (``podman images --format json``)."""
+    try:
+        res = _proc.run(
+            ["podman", "images", "--filter", f"label={label}", "--format", "json"], timeout=60
+        )
+        data = json.loads(res.stdout or "[]")
+    except (AgentboxError, json.JSONDecodeError) as exc:
+        raise ImageError(f"cannot list podman images: {exc}") from exc
+    return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
+
+
+def import_tarball(tarball: Path, *, reference: str, changes: Sequence[str]) -> str:
+    """``podman import`` a root tarball as ``reference``; return the new image id."""
+    argv: list[str] = ["podman", "import", "--quiet"]
+    for change in changes:
+        argv += ["--change", change]
+    argv += ["--message", "agentbox image build", str(tarball), check_reference(reference)]
+    try:
+        res = _proc.run(argv, timeout=900)
+    except CommandError as exc:
+        raise ImageError(f"podman import of {tarball} failed: {exc}") from exc
+    return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+
+
+def tag(source: str, target: str) -> None:
+    """Tag image ``source`` as ``target``."""
+    try:
+        _proc.run(["podman", "tag", check_reference(source), check_reference(target)])
+    except CommandError as exc:
+        raise ImageError(f"podman tag {source} {target} failed: {exc}") from exc
+
+
+def remove_names(names: Sequence[str]) -> None:
+    """Untag each name; podman deletes the image with its last name.
+
+    Never ``--force``: that would also remove containers still using the image.
+    """
+    if not names:
+        return
+    try:
+        _proc.run(["podman", "rmi", *(check_reference(n) for n in names)], timeout=120)
+    except CommandError as exc:
+        raise ImageError(
+            f"podman rmi {' '.join(names)} failed (is a sandbox still using it?): {exc}"
+        ) from exc
