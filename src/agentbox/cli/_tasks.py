@@ -1,0 +1,309 @@
+"""Task commands: ``run``, ``tasks``, ``show``, ``cancel``, ``logs``, ``launcher serve``.
+
+``agentbox run`` drives an in-process :class:`~agentbox.launcher.Launcher`
+(the CLI runs as root, like the launcher); the other commands read and write
+the same SQLite state, so they work on tasks of any launcher on this host.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.spinner import Spinner
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from agentbox.boxfile import load_boxfile
+from agentbox.config import load_settings
+from agentbox.launcher.api import TaskInfo, TaskRequest, TaskResult
+
+__all__ = ["register"]
+
+console = Console()
+err = Console(stderr=True)
+
+_STYLE = {
+    "queued": "dim",
+    "running": "cyan",
+    "collecting": "blue",
+    "done": "green",
+    "failed": "red",
+    "timed_out": "yellow",
+    "cancelled": "magenta",
+}
+
+
+def _launcher(max_tasks: int = 4) -> Any:
+    from agentbox.launcher import Launcher
+
+    return Launcher(load_settings(), max_tasks=max_tasks)
+
+
+def _elapsed(info: TaskInfo) -> float:
+    start = info.started_at or info.created_at
+    end = info.finished_at or time.time()
+    return max(0.0, end - start)
+
+
+def _progress_line(info: TaskInfo) -> Group:
+    t = info.tokens
+    pct = 100.0 * t.total / info.budget if info.budget else 0.0
+    text = Text.assemble(
+        (f"{info.status:<10}", _STYLE.get(info.status, "")),
+        f" {_elapsed(info):6.1f}s",
+        f"  tokens in {t.input:,} · out {t.output:,} · cache {t.cache_read + t.cache_creation:,}",
+        f"  ({pct:.2f}% of {info.budget:,})",
+    )
+    return Group(Spinner("dots", text=text))
+
+
+def _report_text(info: TaskInfo, res: TaskResult) -> None:
+    rep = res.report
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    style = _STYLE.get(info.status, "")
+    table.add_row("task", info.id)
+    table.add_row("status", f"[{style}]{info.status}[/]")
+    if info.error:
+        table.add_row("why", escape(info.error))
+    table.add_row("exit code", str(info.exit_code) if info.exit_code is not None else "-")
+    table.add_row("model", info.model)
+    table.add_row("time", f"{_elapsed(info):.1f}s (deadline {info.deadline:g}s)")
+    t = info.tokens
+    table.add_row(
+        "tokens",
+        f"in {t.input:,} · out {t.output:,} · cache write {t.cache_creation:,} · "
+        f"cache read {t.cache_read:,} (budget {info.budget:,})",
+    )
+    stat = rep.get("diffstat")
+    if isinstance(stat, dict):
+        table.add_row(
+            "changes",
+            " · ".join(f"{k} {v}" for k, v in stat.items() if isinstance(v, int | str)),
+        )
+    skipped = rep.get("skipped")
+    if isinstance(skipped, list) and skipped:
+        table.add_row("skipped", escape(f"{len(skipped)} entries (see agentbox show --json)"))
+    table.add_row("branch", res.branch or "(not published)")
+    table.add_row("commit", res.commit or "-")
+    console.print(table)
+    msg = rep.get("final_message")
+    if isinstance(msg, str) and msg.strip():
+        console.print("[bold]agent's last message[/bold]")
+        console.print(Text(msg.strip()[:4000]))
+
+
+def _print_diff(res: TaskResult) -> None:
+    if not res.diff.strip():
+        console.print("[dim](no changes)[/dim]")
+        return
+    console.print(Syntax(res.diff, "diff", theme="ansi_dark", background_color="default"))
+    if res.diff_truncated:
+        console.print(f"[yellow](diff truncated; full: git diff in {res.shadow_git})[/yellow]")
+
+
+def _dump(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the task commands to ``app``."""
+
+    @app.command("run")
+    def run(
+        task: Annotated[str, typer.Argument(help="What the agent should do.")],
+        repo: Annotated[Path, typer.Option("--repo", help="The git repo (inside the repos root).")],
+        model: str | None = typer.Option(None, "--model", help="A model from `agentbox models`."),
+        budget: int | None = typer.Option(None, "--budget", help="Token budget (default 20M)."),
+        deadline: float | None = typer.Option(None, "--deadline", help="Seconds (10..86400)."),
+        boxfile: Annotated[
+            Path | None, typer.Option("--boxfile", help="A Boxfile for the sandbox.")
+        ] = None,
+        include_uncommitted: bool = typer.Option(
+            False, "--include-uncommitted", help="Copy uncommitted changes too."
+        ),
+        task_id: str | None = typer.Option(None, "--id", help="Task id (default: generated)."),
+        no_publish: bool = typer.Option(
+            False, "--no-publish", help="Keep the result in the shadow git dir only."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    ) -> None:
+        """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
+        box = load_boxfile(boxfile) if boxfile is not None else None
+        req = TaskRequest(
+            repo=str(repo.expanduser().absolute()),
+            task=task,
+            model=model,
+            budget=budget,
+            deadline=deadline,
+            task_id=task_id,
+            include_uncommitted=include_uncommitted,
+            publish=not no_publish,
+        )
+        launcher = _launcher()
+        try:
+            launcher.reconcile()
+            info = launcher.submit(req, boxfile=box)
+            info = _follow(launcher, info.id, live=not as_json and console.is_terminal)
+        finally:
+            launcher.close()
+        res = launcher.result(info.id)
+        if as_json:
+            _dump({"task": info.model_dump(mode="json"), "result": res.model_dump(mode="json")})
+        else:
+            _report_text(info, res)
+            _print_diff(res)
+        raise typer.Exit(0 if info.status == "done" else 1)
+
+    @app.command("tasks")
+    def tasks(as_json: bool = typer.Option(False, "--json")) -> None:
+        """List tasks, newest first."""
+        infos = _launcher(1).list()
+        if as_json:
+            _dump({"tasks": [i.model_dump(mode="json") for i in infos]})
+            return
+        table = Table("id", "status", "model", "time", "tokens", "branch", "task")
+        for i in infos:
+            table.add_row(
+                i.id,
+                f"[{_STYLE.get(i.status, '')}]{i.status}[/]",
+                i.model,
+                f"{_elapsed(i):.0f}s",
+                f"{i.tokens.total:,}",
+                i.branch or "",
+                escape(i.task.splitlines()[0][:50] if i.task else ""),
+            )
+        console.print(table)
+
+    @app.command("show")
+    def show(
+        task_id: str = typer.Argument(...),
+        as_json: bool = typer.Option(False, "--json"),
+        no_diff: bool = typer.Option(False, "--no-diff"),
+    ) -> None:
+        """Show a task's report and diff."""
+        launcher = _launcher(1)
+        info = launcher.get(task_id)
+        if not info.terminal:
+            if as_json:
+                _dump({"task": info.model_dump(mode="json")})
+            else:
+                console.print(_progress_line(info))
+            return
+        res = launcher.result(task_id)
+        if as_json:
+            _dump({"task": info.model_dump(mode="json"), "result": res.model_dump(mode="json")})
+            return
+        _report_text(info, res)
+        if not no_diff:
+            _print_diff(res)
+
+    @app.command("cancel")
+    def cancel(task_id: str = typer.Argument(...)) -> None:
+        """Cancel a task (its partial result is still collected)."""
+        info = _launcher(1).cancel(task_id)
+        console.print(f"{info.id}: {info.status}")
+
+    @app.command("logs")
+    def logs(
+        task_id: str = typer.Argument(...),
+        follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until done."),
+    ) -> None:
+        """Print what the launcher did and what the agent printed."""
+        from agentbox.paths import TaskPaths
+
+        launcher = _launcher(1)
+        info = launcher.get(task_id)
+        paths = TaskPaths(launcher.settings.data_dir, info.id)
+        files = [("launcher", "launcher.log"), ("agent", "agent.jsonl"), ("stderr", "agent.stderr")]
+        offsets = dict.fromkeys((f for _, f in files), 0)
+        while True:
+            for label, name in files:
+                path = paths.log_dir / name
+                try:
+                    with path.open("rb") as fh:
+                        fh.seek(offsets[name])
+                        data = fh.read()
+                        offsets[name] = fh.tell()
+                except OSError:
+                    continue
+                for line in data.decode(errors="replace").splitlines():
+                    console.print(f"[dim]{label:>8}[/dim] {escape(_render_event(line))}")
+            if not follow or launcher.get(task_id).terminal:
+                break
+            time.sleep(0.5)
+
+    launcher_app = typer.Typer(help="The privileged launcher service.", no_args_is_help=True)
+
+    @launcher_app.command("serve")
+    def serve(
+        max_tasks: int = typer.Option(4, "--max-tasks", min=1, max=64),
+    ) -> None:
+        """Serve the launcher's API on <data_dir>/launcher.sock (used by the MCP server)."""
+        from agentbox.launcher._server import serve as _serve
+        from agentbox.launcher._server import socket_path
+
+        launcher = _launcher(max_tasks)
+        err.print(f"launcher listening on {socket_path(launcher.settings.data_dir)}")
+        _serve(launcher)
+
+    app.add_typer(launcher_app, name="launcher")
+
+
+def _render_event(line: str) -> str:
+    """A short human line for one stream-json event (the raw line if it is not one)."""
+    try:
+        ev = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(ev, dict):
+        return line[:300]
+    kind = ev.get("type")
+    if kind == "assistant":
+        msg = ev.get("message")
+        parts = []
+        for block in (msg or {}).get("content", []) if isinstance(msg, dict) else []:
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "text":
+                parts.append(str(block.get("text", ""))[:300])
+            elif block.get("type") == "tool_use":
+                parts.append(f"[tool {block.get('name')}] {json.dumps(block.get('input'))[:300]}")
+        return "assistant: " + " | ".join(parts)
+    if kind == "user":
+        return "tool result"
+    if kind == "result":
+        return f"result: {str(ev.get('result', ''))[:300]}"
+    if kind == "system":
+        return f"system: {ev.get('subtype', '')}"
+    return line[:300]
+
+
+def _follow(launcher: Any, task_id: str, *, live: bool) -> TaskInfo:
+    """Wait for the task, showing phase, elapsed time and tokens; Ctrl-C cancels it."""
+    try:
+        if not live:
+            info: TaskInfo = launcher.wait(task_id)
+            return info
+        with Live(_progress_line(launcher.get(task_id)), console=err, refresh_per_second=8) as lv:
+            while True:
+                info = launcher.get(task_id)
+                lv.update(_progress_line(info))
+                if info.terminal:
+                    return info
+                time.sleep(0.25)
+    except KeyboardInterrupt:
+        err.print("[magenta]cancelling; collecting the partial result…[/magenta]")
+        launcher.cancel(task_id)
+        done: TaskInfo = launcher.wait(task_id)
+        return done

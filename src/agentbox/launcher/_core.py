@@ -1,0 +1,290 @@
+"""The in-process launcher: validate, queue, run, collect, reconcile.
+
+:class:`Launcher` is the Python API the CLI uses and the unix-socket server
+wraps. Tasks run on a bounded pool of worker threads; each one goes::
+
+    queued ─▶ running ─▶ collecting ─▶ done | failed | timed_out | cancelled
+
+and the per-task work itself is in :mod:`agentbox.launcher._runner`. State
+lives in SQLite (:mod:`agentbox.launcher._store`) so that another process can
+list, show and cancel tasks, and a restarted launcher can :meth:`reconcile`
+the tasks whose owner died.
+"""
+
+from __future__ import annotations
+
+import builtins
+import concurrent.futures
+import contextlib
+import json
+import threading
+import time
+
+from agentbox._log import get_logger
+from agentbox.boxfile import Boxfile
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, TaskError
+from agentbox.gateway import DEFAULT_MODEL, load_registry, read_usage
+from agentbox.launcher import _runner
+from agentbox.launcher._store import Owner, Store, TaskRow
+from agentbox.launcher._validate import validate
+from agentbox.launcher._watchdog import kill_sandbox, stop_watchdog
+from agentbox.launcher.api import (
+    ModelInfo,
+    TaskInfo,
+    TaskRequest,
+    TaskResult,
+    TokenUsage,
+)
+from agentbox.paths import TaskPaths, validate_task_id
+
+__all__ = ["Launcher"]
+
+log = get_logger("launcher")
+
+#: Tasks run at once by one launcher unless told otherwise.
+DEFAULT_MAX_TASKS = 4
+
+
+def tokens_from_usage(paths: TaskPaths) -> TokenUsage | None:
+    """The gateway's running totals for a task, or None when there are none yet."""
+    try:
+        u = read_usage(paths.usage_file)
+    except AgentboxError:
+        return None
+    return TokenUsage(
+        input=u.input, output=u.output, cache_creation=u.cache_creation, cache_read=u.cache_read
+    )
+
+
+class Launcher:
+    """Runs delegated tasks. Clients choose which task and model, never how.
+
+    ``max_tasks`` bounds the tasks that run at once (more are queued).
+    """
+
+    def __init__(self, settings: Settings, *, max_tasks: int = DEFAULT_MAX_TASKS) -> None:
+        self.settings = settings
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(settings.data_dir / "state.db")
+        self.max_tasks = max(1, max_tasks)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.max_tasks, thread_name_prefix="agentbox-task"
+        )
+        self._cancel: dict[str, threading.Event] = {}
+        self._futures: dict[str, concurrent.futures.Future[None]] = {}
+        self._lock = threading.Lock()
+        self._owner = Owner.me()
+
+    # -- the API -----------------------------------------------------------
+
+    def submit(self, request: TaskRequest, *, boxfile: Boxfile | None = None) -> TaskInfo:
+        """Validate ``request`` and queue it. Refused requests create nothing.
+
+        ``boxfile`` (Python API and CLI only; never over the socket) chooses the
+        image, runtime, resources and read-only mounts, within the settings.
+        """
+        registry = load_registry(self.settings)
+        v = validate(request, self.settings, registry, boxfile=boxfile)
+        box = boxfile or Boxfile()
+        if box.mounts:
+            box.check_mounts(self.settings)
+        now = time.time()
+        self.store.insert(
+            id=v.task_id,
+            status="queued",
+            repo=str(v.repo),
+            task=v.task,
+            model=v.model,
+            budget=v.budget,
+            deadline=v.deadline,
+            include_uncommitted=int(v.include_uncommitted),
+            publish=int(v.publish),
+            boxfile=box.model_dump_json(),
+            created_at=now,
+            backend=box.backend,
+            owner_pid=self._owner.pid,
+            owner_start=self._owner.start,
+        )
+        log.info("task queued", task_id=v.task_id, repo=str(v.repo), model=v.model)
+        event = threading.Event()
+        with self._lock:
+            self._cancel[v.task_id] = event
+            fut = self._pool.submit(self._work, v.task_id, event)
+            self._futures[v.task_id] = fut
+        return self.get(v.task_id)
+
+    def get(self, task_id: str) -> TaskInfo:
+        """The task's state; live token counts while it runs."""
+        row = self.store.get(validate_task_id(task_id))
+        tokens = None
+        if row.status in ("running", "collecting"):
+            tokens = tokens_from_usage(TaskPaths(self.settings.data_dir, row.id))
+        return row.info(tokens)
+
+    def list(self) -> builtins.list[TaskInfo]:
+        """Every task, newest first."""
+        return [r.info() for r in self.store.all()]
+
+    def cancel(self, task_id: str) -> TaskInfo:
+        """Stop a task. A queued one never starts; a running one is killed and collected."""
+        row = self.store.get(validate_task_id(task_id))
+        if row.info().terminal:
+            return row.info()
+        self.store.update(row.id, cancel_requested=1)
+        if row.status == "queued" and self.store.update(
+            row.id,
+            expect={"queued"},
+            status="cancelled",
+            finished_at=time.time(),
+            error="cancelled before it started",
+        ):
+            return self.get(row.id)
+        with self._lock:
+            event = self._cancel.get(row.id)
+        if event is not None:
+            event.set()
+        if row.sandbox and row.backend:
+            # Whoever runs it sees the sandbox die and the cancel flag, and collects.
+            kill_sandbox(row.backend, row.sandbox)
+        if event is None and row.owner is not None and not row.owner.alive():
+            self._reconcile_one(self.store.get(row.id))
+        return self.get(row.id)
+
+    def result(self, task_id: str) -> TaskResult:
+        """The finished task's report, diff and branch; TaskError while it runs."""
+        row = self.store.get(validate_task_id(task_id))
+        if not row.info().terminal:
+            raise TaskError(f"not finished (status {row.status})", task_id=row.id)
+        paths = TaskPaths(self.settings.data_dir, row.id)
+        report: dict[str, object] = {}
+        with contextlib.suppress(OSError, ValueError):
+            loaded = json.loads(paths.report_file.read_text())
+            if isinstance(loaded, dict):
+                report = loaded
+        diff, truncated = _runner.read_diff(paths)
+        return TaskResult(
+            task_id=row.id,
+            status=row.status,  # type: ignore[arg-type]
+            report=report,
+            diff=diff,
+            diff_truncated=truncated,
+            branch=row.branch or "",
+            shadow_git=str(paths.shadow_git) if paths.shadow_git.is_dir() else "",
+            commit=row.commit_id or "",
+        )
+
+    def wait(self, task_id: str, timeout: float | None = None) -> TaskInfo:
+        """Block until the task is terminal; TaskError past ``timeout`` seconds."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            info = self.get(task_id)
+            if info.terminal:
+                return info
+            if end is not None and time.monotonic() >= end:
+                raise TaskError(f"still {info.status} after {timeout:g}s", task_id=task_id)
+            time.sleep(0.2)
+
+    def models(self) -> builtins.list[ModelInfo]:
+        """The models a task may name; the default first."""
+        reg = load_registry(self.settings)
+        default = DEFAULT_MODEL if DEFAULT_MODEL in reg else (reg.names() or [""])[0]
+        out = [
+            ModelInfo(
+                name=e.name, kind=e.kind, default=e.name == default, description=e.description
+            )
+            for e in reg
+        ]
+        return sorted(out, key=lambda m: (not m.default, m.name))
+
+    def reconcile(self) -> builtins.list[str]:
+        """Settle tasks whose owner died; remove orphan sandboxes. Returns the ids settled.
+
+        A running or collecting task whose launcher is gone has its sandbox,
+        gateway and watchdog removed, then whatever the agent wrote is collected
+        and the task marked (``failed``, or ``timed_out`` past its deadline). A
+        queued one is marked failed: it never started, so nothing is lost.
+        """
+        settled = []
+        for row in self.store.all():
+            if row.info().terminal or row.owner is None or row.owner.alive():
+                continue
+            if row.owner == self._owner:
+                continue
+            self._reconcile_one(row)
+            settled.append(row.id)
+        self._remove_orphans()
+        return settled
+
+    def shutdown(self, *, grace: float = 60.0) -> None:
+        """Cancel the tasks this launcher runs, let them be collected, then close.
+
+        Used when ``launcher serve`` stops: every running task ends as
+        ``cancelled`` with its partial result collected, so nothing is left for
+        a later reconcile except what a crash would leave.
+        """
+        with self._lock:
+            running = list(self._cancel)
+        for task_id in running:
+            with contextlib.suppress(AgentboxError):
+                self.cancel(task_id)
+        end = time.monotonic() + grace
+        for task_id in running:
+            with contextlib.suppress(AgentboxError):
+                self.wait(task_id, max(0.1, end - time.monotonic()))
+        self.close(wait=False)
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop taking tasks; with ``wait``, let running ones finish. Idempotent."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------
+
+    def _work(self, task_id: str, cancel: threading.Event) -> None:
+        try:
+            _runner.run_task(self.settings, self.store, task_id, cancel)
+        except BaseException as exc:  # never lose a task to an unexpected error
+            log.error("task crashed", task_id=task_id, error=repr(exc))
+            self.store.finish(task_id, "failed", error=f"launcher error: {exc!r}"[:2000])
+        finally:
+            with self._lock:
+                self._cancel.pop(task_id, None)
+                self._futures.pop(task_id, None)
+
+    def _reconcile_one(self, row: TaskRow) -> None:
+        log.warning("reconciling task whose launcher died", task_id=row.id, status=row.status)
+        if row.watchdog_pid:
+            stop_watchdog(row.watchdog_pid)
+        if row.sandbox and row.backend:
+            kill_sandbox(row.backend, row.sandbox)
+        if row.gateway is not None:
+            _runner.kill_gateway(row.gateway)
+        if row.status == "queued":
+            self.store.finish(row.id, "failed", error="the launcher stopped before the task ran")
+            return
+        # Claim the task so two reconciling launchers do not both collect it.
+        if not self.store.update(
+            row.id,
+            expect={row.status},
+            owner_pid=self._owner.pid,
+            owner_start=self._owner.start,
+        ):
+            return
+        _runner.finish_orphan(self.settings, self.store, self.store.get(row.id))
+
+    def _remove_orphans(self) -> None:
+        live = {
+            r.sandbox
+            for r in self.store.all()
+            if r.sandbox and not r.info().terminal and r.owner is not None and r.owner.alive()
+        }
+        for name in _runner.list_task_sandboxes():
+            if name not in live:
+                log.warning("removing orphan sandbox", sandbox=name)
+                kill_sandbox("podman", name)

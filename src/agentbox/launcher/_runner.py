@@ -1,0 +1,524 @@
+"""One task, from a queued row to a terminal state with its result collected.
+
+The order matters and each step is refused or recorded before the next:
+
+1. the task dir is made fresh (an existing one is refused: the launcher only
+   hands out workspaces it made), the repo copied at its base commit by
+   :func:`agentbox.collect.prepare`, and the workspace given to the sandbox uid
+   without following links, then checked to be owned by it;
+2. a fresh one-time token is written 0600 in the task dir (never mounted) and
+   the task's own gateway started on a socket in ``gw/``, the only directory
+   mounted besides the workspace;
+3. the sandbox runs ``claude -p …`` (the argv and environment checked against
+   policy) under the backend's own deadline, with a watchdog process as the
+   second line and a monitor thread that turns a cancel into a kill;
+4. whatever happened (exit, crash, deadline, budget, cancel), the workspace is
+   collected into the shadow git dir, published as ``agentbox/<id>`` and a
+   report written; tokens come from the gateway's usage file only.
+
+A launcher killed at any point leaves the task dir and its row; a restarted
+launcher finishes the job with :func:`finish_orphan`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from pydantic import TypeAdapter
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.backends import get_backend
+from agentbox.backends.base import SandboxSpec
+from agentbox.boxfile import Boxfile
+from agentbox.collect import Base, collect, prepare, publish
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, PathRefused, PolicyRefused
+from agentbox.gateway import read_usage, spawn_gateway
+from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
+from agentbox.launcher._store import Owner, Store, TaskRow
+from agentbox.launcher._watchdog import kill_sandbox, spawn_watchdog, stop_watchdog
+from agentbox.launcher._workspace import check_owner, ensure_private_dir, give_to_sandbox
+from agentbox.launcher.api import TokenUsage
+from agentbox.paths import TaskPaths
+from agentbox.sandbox import spec_from_boxfile
+
+__all__ = [
+    "SANDBOX_LABEL",
+    "finish_orphan",
+    "kill_gateway",
+    "list_task_sandboxes",
+    "read_diff",
+    "run_task",
+    "sandbox_name",
+]
+
+log = get_logger("launcher.task")
+
+#: Label naming the task a sandbox belongs to (orphans are found by it).
+SANDBOX_LABEL = "io.agentbox.task"
+#: Seconds past the deadline after which the watchdog process removes the sandbox.
+WATCHDOG_GRACE = 30.0
+#: The diff kept for a result is capped (the full one is in the shadow git dir).
+MAX_DIFF_BYTES = 1 << 20
+#: The agent's final message kept in the report is capped.
+MAX_MESSAGE_CHARS = 8000
+
+_BASE = TypeAdapter(Base)
+
+
+def sandbox_name(task_id: str) -> str:
+    """The sandbox of a task is named after it (the id is already validated)."""
+    return f"agentbox-task-{task_id}"
+
+
+class _TaskLog:
+    """Timestamped lines in ``logs/launcher.log``: what the launcher did, for ``agentbox logs``."""
+
+    def __init__(self, paths: TaskPaths) -> None:
+        self.path = paths.log_dir / "launcher.log"
+
+    def __call__(self, msg: str) -> None:
+        with contextlib.suppress(OSError), self.path.open("a") as fh:
+            fh.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+
+
+def _make_task_dir(paths: TaskPaths) -> None:
+    tasks = paths.data_dir / "tasks"
+    ensure_private_dir(tasks, 0o700)
+    try:
+        paths.root.mkdir(mode=0o700)
+    except FileExistsError as exc:
+        raise PathRefused(
+            "the task dir already exists: not one this task made", path=paths.root
+        ) from exc
+    paths.log_dir.mkdir(mode=0o700)
+
+
+def _write_token(path: Path) -> str:
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token)
+    return token
+
+
+def _check_spec(spec: SandboxSpec, box: Boxfile, paths: TaskPaths, settings: Settings) -> None:
+    """The final spec mounts exactly the workspace, the gateway dir and declared mounts."""
+    if spec.workspace != paths.workspace or spec.gateway_dir != paths.gateway_dir:
+        raise PolicyRefused("the sandbox spec does not mount this task's own workspace and gateway")
+    declared = {(m.source.resolve(), m.target) for m in box.check_mounts(settings)}
+    for m in spec.mounts:
+        if (m.source.resolve(), m.target) not in declared or not m.read_only:
+            raise PolicyRefused(f"undeclared or writable mount in the sandbox spec: {m.source}")
+    allowed = set(box.env.allow) | set(box.env.set)
+    check_env(spec.env, allowed)
+
+
+def kill_gateway(gw: Owner) -> None:
+    """Kill a gateway process group if it is still that very process."""
+    from agentbox.launcher._watchdog import kill_gateway as _kill
+
+    _kill(gw.pid, gw.start)
+
+
+def list_task_sandboxes() -> list[str]:
+    """Names of the podman containers that carry a task label."""
+    try:
+        res = _proc.run(
+            ["podman", "ps", "-a", "--filter", f"label={SANDBOX_LABEL}", "--format", "{{.Names}}"],
+            timeout=60,
+            check=False,
+        )
+    except AgentboxError:
+        return []
+    return [n for n in res.stdout.split() if n.startswith("agentbox-task-")]
+
+
+def _final_message(stdout_log: Path) -> str:
+    """The agent's last message from Claude Code's stream-json ``result`` event (report only)."""
+    try:
+        with stdout_log.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 256 * 1024))
+            tail = fh.read()
+    except OSError:
+        return ""
+    for line in reversed(tail.splitlines()):
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and ev.get("type") == "result":
+            msg = ev.get("result")
+            return msg[:MAX_MESSAGE_CHARS] if isinstance(msg, str) else ""
+    return ""
+
+
+def read_diff(paths: TaskPaths) -> tuple[str, bool]:
+    """The saved diff of a result and whether it was truncated."""
+    try:
+        data = (paths.root / "result.diff").read_bytes()
+    except OSError:
+        return "", False
+    truncated = (paths.root / "result.diff.truncated").exists()
+    return data.decode(errors="replace"), truncated
+
+
+def _shadow_diff(paths: TaskPaths, base_commit: str, commit: str) -> tuple[str, bool]:
+    """The diff between two commits of the shadow git dir (ours, trusted, no hooks)."""
+    if not base_commit or not commit:
+        return "", False
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_CONFIG_GLOBAL": "/dev/null", "LC_ALL": "C", "HOME": "/nonexistent"}  # fmt: skip
+    argv = ["git", "--git-dir", str(paths.shadow_git), "-c", "core.hooksPath=/dev/null",
+            "-c", "diff.external=", "-c", "core.pager=cat", "diff", "--no-ext-diff",
+            "--no-textconv", "--binary", "--no-color", base_commit, commit]  # fmt: skip
+    try:
+        out = _proc.run(argv, timeout=120, env=env).stdout
+    except AgentboxError as exc:
+        return f"(diff unavailable: {exc})", False
+    raw = out.encode()
+    if len(raw) > MAX_DIFF_BYTES:
+        return raw[:MAX_DIFF_BYTES].decode(errors="ignore"), True
+    return out, False
+
+
+def _save_base(paths: TaskPaths, base: Base) -> None:
+    (paths.root / "base.json").write_bytes(_BASE.dump_json(base))
+
+
+def _load_base(paths: TaskPaths) -> Base | None:
+    try:
+        return _BASE.validate_json((paths.root / "base.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    if hasattr(obj, "to_dict"):
+        return dict(obj.to_dict())
+    if hasattr(obj, "model_dump"):
+        return dict(obj.model_dump(mode="json"))
+    return dict(TypeAdapter(type(obj)).dump_python(obj, mode="json"))
+
+
+def _tokens(paths: TaskPaths) -> tuple[TokenUsage, dict[str, Any]]:
+    try:
+        u = read_usage(paths.usage_file)
+    except AgentboxError:
+        return TokenUsage(), {}
+    t = TokenUsage(input=u.input, output=u.output, cache_creation=u.cache_creation,
+                   cache_read=u.cache_read)  # fmt: skip
+    extra = {"budget": u.budget, "weighted_total": u.weighted_total, "exhausted": u.exhausted,
+             "requests": u.requests, "refusals": dict(u.refusals)}  # fmt: skip
+    return t, extra
+
+
+def _collect_and_finish(
+    settings: Settings,
+    store: Store,
+    row: TaskRow,
+    paths: TaskPaths,
+    *,
+    status: str,
+    error: str | None,
+    exit_code: int | None,
+    tlog: _TaskLog,
+) -> None:
+    """Collect whatever the workspace holds, publish it, write the report, mark the task."""
+    store.update(row.id, expect={"running", "collecting"}, status="collecting")
+    tokens, usage_extra = _tokens(paths)
+    base = _load_base(paths)
+    message = _final_message(paths.log_dir / "agent.jsonl")
+    report: dict[str, Any] = {}
+    commit = ""
+    branch = ""
+    diff, truncated = "", False
+    if base is None:
+        error = error or "nothing to collect: the workspace was never prepared"
+    else:
+        tlog("collecting the workspace")
+        try:
+            collected = collect(
+                paths.workspace,
+                paths.shadow_git,
+                paths.base_index,
+                base,
+                task_id=row.id,
+                message=_commit_message(row, status),
+            )
+            commit = str(getattr(collected, "commit", "") or "")
+            report = _as_dict(getattr(collected, "report", None))
+            diff, truncated = _shadow_diff(paths, str(getattr(base, "commit", "")), commit)
+            if row.publish and commit:
+                branch = str(
+                    publish(paths.shadow_git, Path(row.repo), task_id=row.id, commit=commit)
+                )
+                tlog(f"published {branch}")
+        except AgentboxError as exc:
+            tlog(f"collection failed: {exc}")
+            log.error("collection failed", task_id=row.id, error=str(exc))
+            status = "failed"
+            error = f"collection failed: {exc}"
+    finished = time.time()
+    started = row.started_at or row.created_at
+    report.update(
+        {
+            "task_id": row.id,
+            "status": status,
+            "exit_code": exit_code,
+            "error": error,
+            "model": row.model,
+            "repo": row.repo,
+            "branch": branch,
+            "commit": commit,
+            "base_commit": str(getattr(base, "commit", "")) if base is not None else "",
+            "tokens": {**tokens.model_dump(), "total": tokens.total, **usage_extra},
+            "duration_s": round(finished - started, 3),
+            "deadline_s": row.deadline,
+            "final_message": message,
+        }
+    )
+    tmp = paths.report_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(paths.report_file)
+    (paths.root / "result.diff").write_text(diff)
+    if truncated:
+        (paths.root / "result.diff.truncated").touch()
+    store.finish(
+        row.id,
+        status,
+        finished_at=finished,
+        exit_code=exit_code,
+        tokens=tokens,
+        branch=branch or None,
+        commit_id=commit or None,
+        error=error,
+    )
+    tlog(f"finished: {status}" + (f" ({error})" if error else ""))
+
+
+def _commit_message(row: TaskRow, status: str) -> str:
+    first = row.task.strip().splitlines()[0][:72] if row.task.strip() else "task"
+    return f"agentbox {row.id}: {first}\n\nstatus: {status}\nmodel: {row.model}\n"
+
+
+def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.Event) -> None:
+    """Run one queued task to a terminal state (called on a worker thread)."""
+    row = store.get(task_id)
+    if row.status != "queued":
+        return
+    if row.cancel_requested or cancel.is_set():
+        store.finish(task_id, "cancelled", error="cancelled before it started")
+        return
+    paths = TaskPaths(settings.data_dir, task_id)
+    _make_task_dir(paths)
+    tlog = _TaskLog(paths)
+    box = Boxfile.model_validate_json(row.boxfile or "{}")
+    tlog(f"preparing the workspace from {row.repo}")
+    try:
+        base = prepare(
+            Path(row.repo),
+            paths.workspace,
+            paths.shadow_git,
+            paths.base_index,
+            commit=None,
+            include_uncommitted=row.include_uncommitted,
+        )
+        _save_base(paths, base)
+        give_to_sandbox(paths.workspace, settings.sandbox_host_uid)
+        check_owner(paths.workspace, settings.sandbox_host_uid)
+    except AgentboxError as exc:
+        tlog(f"prepare failed: {exc}")
+        store.finish(task_id, "failed", error=f"preparing the workspace failed: {exc}")
+        return
+    _run_sandbox(settings, store, store.get(task_id), paths, box, cancel, tlog)
+
+
+def _run_sandbox(
+    settings: Settings,
+    store: Store,
+    row: TaskRow,
+    paths: TaskPaths,
+    box: Boxfile,
+    cancel: threading.Event,
+    tlog: _TaskLog,
+) -> None:
+    task_id = row.id
+    gateway = None
+    watchdog = None
+    done = threading.Event()
+    status, error, exit_code = "failed", None, None
+    try:
+        token = _write_token(paths.root / "token")
+        ensure_private_dir(paths.gateway_dir, 0o755)
+        tlog(f"starting the gateway (model {row.model}, budget {row.budget})")
+        gateway = spawn_gateway(
+            socket_path=paths.gateway_socket,
+            token_file=paths.root / "token",
+            model=row.model,
+            budget=row.budget,
+            usage_file=paths.usage_file,
+            settings=settings,
+            log_file=paths.log_dir / "gateway.log",
+        )
+        gw_owner = Owner.of(gateway.pid)
+        # The relay inside the sandbox connects as the sandbox uid.
+        host_uid = settings.sandbox_host_uid
+        os.chown(paths.gateway_socket, host_uid, host_uid, follow_symlinks=False)
+        store.update(
+            task_id,
+            gateway_pid=gateway.pid,
+            gateway_start=gw_owner.start if gw_owner else None,
+        )
+        backend = get_backend(box.backend, settings)
+        spec = spec_from_boxfile(
+            box,
+            settings,
+            name=sandbox_name(task_id),
+            workspace=paths.workspace,
+            gateway_dir=paths.gateway_dir,
+            extra_env=agent_env(token),
+            labels={SANDBOX_LABEL: task_id},
+        ).replace(deadline=row.deadline)
+        _check_spec(spec, box, paths, settings)
+        argv = agent_argv(row.task)
+        check_agent_argv(argv)
+        check_owner(paths.workspace, settings.sandbox_host_uid)
+        started = time.time()
+        watchdog = spawn_watchdog(
+            backend=box.backend,
+            sandbox=spec.name,
+            at=started + row.deadline + WATCHDOG_GRACE,
+            gateway_pid=gateway.pid,
+            gateway_start=gw_owner.start if gw_owner else None,
+            log_file=paths.log_dir / "watchdog.log",
+        )
+        if not store.update(
+            task_id,
+            expect={"queued"},
+            status="running",
+            started_at=started,
+            sandbox=spec.name,
+            watchdog_pid=watchdog.pid,
+        ):
+            raise _Cancelled
+        monitor = threading.Thread(
+            target=_monitor,
+            args=(store, task_id, cancel, done, box.backend, spec.name),
+            name=f"agentbox-monitor-{task_id}",
+            daemon=True,
+        )
+        monitor.start()
+        tlog(f"running claude in sandbox {spec.name} (deadline {row.deadline:g}s)")
+        with (
+            (paths.log_dir / "agent.jsonl").open("ab") as out,
+            (paths.log_dir / "agent.stderr").open("ab") as err,
+        ):
+            res = backend.run(
+                spec,
+                argv,
+                on_stdout=_sink(out),
+                on_stderr=_sink(err),
+            )
+        exit_code = res.exit_code
+        elapsed = time.time() - started
+        tlog(f"agent exited with code {exit_code} after {elapsed:.1f}s")
+        if cancel.is_set() or store.get(task_id).cancel_requested:
+            status, error = "cancelled", "cancelled while running; partial result collected"
+        elif res.timed_out or elapsed >= row.deadline:
+            status, error = "timed_out", f"killed at its deadline ({row.deadline:g}s)"
+        elif exit_code == 0:
+            status = "done"
+        else:
+            status, error = "failed", f"the agent exited with code {exit_code}"
+    except _Cancelled:
+        status, error = "cancelled", "cancelled before the sandbox started"
+    except AgentboxError as exc:
+        tlog(f"error: {exc}")
+        log.error("task failed", task_id=task_id, error=str(exc))
+        status, error = "failed", str(exc)[:4000]
+    finally:
+        done.set()
+        if watchdog is not None:
+            stop_watchdog(watchdog.pid)
+        if gateway is not None:
+            gateway.stop(grace=3.0)
+    with contextlib.suppress(AgentboxError):
+        usage = read_usage(paths.usage_file)
+        if usage.exhausted and status in ("failed", "done"):
+            status = "failed"
+            error = f"token budget exhausted ({usage.weighted_total:.0f} of {usage.budget})"
+    _collect_and_finish(
+        settings,
+        store,
+        store.get(task_id),
+        paths,
+        status=status,
+        error=error,
+        exit_code=exit_code,
+        tlog=tlog,
+    )
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _sink(fh: BinaryIO) -> Callable[[bytes], None]:
+    def write(chunk: bytes) -> None:
+        fh.write(chunk)
+        fh.flush()
+
+    return write
+
+
+def _monitor(
+    store: Store,
+    task_id: str,
+    cancel: threading.Event,
+    done: threading.Event,
+    backend: str,
+    sandbox: str,
+) -> None:
+    """Turn a cancel (this process's event, or another process's flag) into a kill."""
+    while not done.wait(0.5):
+        flagged = cancel.is_set()
+        if not flagged:
+            with contextlib.suppress(AgentboxError):
+                flagged = store.get(task_id).cancel_requested
+        if flagged:
+            kill_sandbox(backend, sandbox)
+            return
+
+
+def finish_orphan(settings: Settings, store: Store, row: TaskRow) -> None:
+    """Collect and mark a task whose launcher died (its sandbox and gateway already removed)."""
+    paths = TaskPaths(settings.data_dir, row.id)
+    if not paths.root.is_dir():
+        store.finish(row.id, "failed", error="the launcher stopped before the task dir existed")
+        return
+    tlog = _TaskLog(paths)
+    tlog("a restarted launcher reconciles this task: its launcher died")
+    started = row.started_at or row.created_at
+    if row.cancel_requested:
+        status, error = "cancelled", "cancelled; its launcher died; partial result collected"
+    elif time.time() - started >= row.deadline:
+        status, error = "timed_out", "deadline passed while its launcher was down"
+    else:
+        status, error = "failed", "interrupted: its launcher died; partial result collected"
+    _collect_and_finish(
+        settings, store, row, paths, status=status, error=error, exit_code=None, tlog=tlog
+    )
