@@ -26,6 +26,7 @@ from agentbox._proc import kill_group
 from agentbox.config import Settings
 from agentbox.errors import PathRefused, SandboxError, UnsupportedError
 from agentbox.mcp._auth import GateMiddleware, load_or_create_token, parse_listen, token_path
+from agentbox.mcp._confine import confine_filesystem
 from agentbox.mcp._privdrop import Identity, drop_privileges, resolve_identity
 from agentbox.mcp._server import DEFAULT_MAX_PENDING, ServerConfig, build_server
 
@@ -81,6 +82,9 @@ def prepare(
                 fix="start it first: agentbox launcher serve (or run agentbox serve)",
             ) from exc
         sock_path = Path(f"/proc/self/fd/{fd}")
+        confine_filesystem(
+            identity.uid, {identity.gid, *identity.groups}, writable=[settings.repos_root]
+        )
     drop_privileges(identity)
     config = ServerConfig(
         repos_root=settings.repos_root,
