@@ -1,1 +1,41 @@
-"""agentbox.gateway."""
+"""The per-task model gateway and the replay model.
+
+One gateway per task, on its own unix socket: it lets only ``POST /v1/messages``
+and ``/v1/messages/count_tokens`` through, only with the task's one-time token,
+pins the model, strips what the upstream does not take, meters every token and
+enforces a budget that concurrent requests and dropped streams cannot overdraw.
+
+What the launcher calls::
+
+    handle = spawn_gateway(socket_path=…, token_file=…, model="replay-demo",
+                           budget=20_000_000, usage_file=…, settings=settings)
+    …
+    usage = read_usage(handle.usage_file)
+    handle.stop()
+"""
+
+from agentbox.gateway._process import GatewayHandle, spawn_gateway
+from agentbox.gateway._usage import Usage, read_usage
+from agentbox.gateway.registry import (
+    DEFAULT_MODEL,
+    DEMO_SCRIPT,
+    ModelEntry,
+    Registry,
+    load_registry,
+)
+
+__all__ = [
+    "DEFAULT_BUDGET",
+    "DEFAULT_MODEL",
+    "DEMO_SCRIPT",
+    "GatewayHandle",
+    "ModelEntry",
+    "Registry",
+    "Usage",
+    "load_registry",
+    "read_usage",
+    "spawn_gateway",
+]
+
+#: The default per-task token budget.
+DEFAULT_BUDGET = 20_000_000

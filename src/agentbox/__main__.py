@@ -1,0 +1,6 @@
+"""``python -m agentbox``: the same CLI as the ``agentbox`` console script."""
+
+from agentbox.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""``agentbox gateway``, ``agentbox model serve`` and ``agentbox models``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from agentbox.config import load_settings
+
+__all__ = ["register"]
+
+model_app = typer.Typer(help="The replay model and other model tools.", no_args_is_help=True)
+
+
+def gateway(
+    listen: Annotated[
+        str, typer.Option(help="unix:/path/sock or tcp:127.0.0.1:PORT (loopback only)")
+    ],
+    model: Annotated[str, typer.Option(help="Model name from the registry")],
+    token: Annotated[
+        str | None, typer.Option(help="The task token (visible in ps: prefer --token-file)")
+    ] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help="File holding the task token (mode 0600)")
+    ] = None,
+    budget: Annotated[
+        int, typer.Option(help="Token budget (weighted input+output+cache)")
+    ] = 20_000_000,
+    models_file: Annotated[Path | None, typer.Option(help="Model registry (TOML)")] = None,
+    upstream: Annotated[
+        str | None,
+        typer.Option(help="Override the upstream: http(s)://URL, unix:/path or replay:SCRIPT"),
+    ] = None,
+    upstream_key_env: Annotated[
+        str | None, typer.Option(help="Env var holding the upstream key")
+    ] = None,
+    usage_file: Annotated[
+        Path | None, typer.Option(help="Running totals, JSON, replaced atomically")
+    ] = None,
+    max_body: Annotated[int, typer.Option(help="Request body cap in bytes")] = 32 << 20,
+    max_concurrency: Annotated[int, typer.Option(help="Concurrent requests allowed")] = 16,
+) -> None:
+    """Run one task's model gateway until SIGTERM."""
+    from agentbox.gateway._run import read_token, run_gateway
+    from agentbox.gateway.registry import load_registry
+
+    settings = load_settings()
+    entry = load_registry(settings, models_file).get(model)
+    run_gateway(
+        listen=listen,
+        token=read_token(token=token, token_file=token_file),
+        entry=entry,
+        budget=budget,
+        upstream=upstream,
+        key_env=upstream_key_env,
+        usage_file=usage_file,
+        max_body=max_body,
+        max_concurrency=max_concurrency,
+    )
+
+
+@model_app.command("serve")
+def model_serve(
+    script: Annotated[Path, typer.Option(help="Replay script (YAML or JSON)")],
+    listen: Annotated[str, typer.Option(help="unix:/path/sock or tcp:127.0.0.1:PORT")],
+    log_requests: Annotated[
+        Path | None, typer.Option(help="Append every request to this JSONL file")
+    ] = None,
+) -> None:
+    """Serve the replay model alone (a scripted Messages API server)."""
+    from agentbox.gateway._run import run_replay
+
+    run_replay(script=script, listen=listen, log_path=log_requests)
+
+
+def models(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+    models_file: Annotated[Path | None, typer.Option(help="Model registry (TOML)")] = None,
+) -> None:
+    """List the models clients may choose."""
+    from agentbox.gateway.registry import load_registry
+
+    reg = load_registry(load_settings(), models_file)
+    if as_json:
+        rows = [
+            {
+                "name": e.name,
+                "kind": e.kind,
+                "upstream_model": e.target_model,
+                "key_env": e.key_env,
+                "description": e.description,
+            }
+            for e in reg
+        ]
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title=f"models ({reg.source})")
+    for col in ("name", "kind", "upstream model", "key env", "description"):
+        table.add_column(col)
+    for e in reg:
+        table.add_row(e.name, e.kind, e.target_model, e.key_env or "-", e.description)
+    Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the gateway commands to the ``agentbox`` app."""
+    app.command("gateway")(gateway)
+    app.command("models")(models)
+    app.add_typer(model_app, name="model")

@@ -1,0 +1,482 @@
+"""The gateway's ASGI app: authenticate, validate, reserve, forward, meter, settle.
+
+Request path (every refusal is an Anthropic-style error and is counted by reason):
+
+1. only ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (404 otherwise);
+2. the task's token as ``x-api-key`` or ``Authorization: Bearer``, compared in
+   constant time (401);
+3. the per-task concurrency cap (429 with ``retry-after``);
+4. the body cap, read incrementally (413), a JSON object (400), ``max_tokens`` a
+   positive integer, ``stream`` a boolean, ``messages`` a list (400);
+5. ``model`` rewritten, unsupported fields stripped, the body re-serialised;
+6. the budget reservation (403 once exhausted or when ``max_tokens`` cannot fit);
+7. forwarded with an allow-list of headers and the upstream's own key; the
+   answer passed back as it arrives (SSE event by event), metered on the way;
+8. the reservation settled with the real usage and the usage file replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentbox._log import get_logger
+from agentbox.gateway._budget import Ledger, Refusal, Reservation
+from agentbox.gateway._meter import StreamMeter, usage_from_message
+from agentbox.gateway._usage import write_usage
+from agentbox.gateway._wire import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    header,
+    parse_json_object,
+    read_body,
+    send_error,
+    send_json,
+)
+from agentbox.gateway.registry import ModelEntry
+
+__all__ = ["Gateway", "GatewayConfig"]
+
+log = get_logger("gateway")
+
+_PATHS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
+_DEFAULT_VERSION = "2023-06-01"
+#: Upstream response headers passed back to the client (nothing else is).
+_PASS_BACK = (b"retry-after", b"request-id", b"x-request-id")
+_MAX_UPSTREAM_BODY = 256 << 20
+_MAX_ERROR_BODY = 1 << 20
+_MAX_TOKENS_CAP = 1 << 24
+
+
+def _printable(value: bytes, limit: int = 1024) -> str | None:
+    """A header value safe to forward (printable ASCII, bounded), else None."""
+    if len(value) > limit or any(b < 0x20 or b > 0x7E for b in value):
+        return None
+    return value.decode("ascii")
+
+
+@dataclass
+class GatewayConfig:
+    """Everything one gateway needs; built by the CLI from its arguments."""
+
+    token: str
+    entry: ModelEntry
+    upstream_url: str
+    """Base URL of the upstream (``http(s)://host[:port]``); with ``upstream_uds`` the host
+    part is nominal and the connection goes to that unix socket."""
+    budget: int
+    upstream_uds: str | None = None
+    upstream_key: str | None = None
+    usage_file: Path | None = None
+    max_body: int = 32 << 20
+    max_concurrency: int = 16
+    connect_timeout: float = 10.0
+    read_timeout: float = 600.0
+
+
+class Gateway:
+    """The per-task gateway as an ASGI application."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self._token = cfg.token.encode()
+        self._bearer = b"Bearer " + self._token
+        self.ledger = Ledger(
+            budget=cfg.budget,
+            model=cfg.entry.name,
+            cache_creation_weight=cfg.entry.cache_creation_weight,
+            cache_read_weight=cfg.entry.cache_read_weight,
+        )
+        self.inflight = 0
+        self._client: httpx.AsyncClient | None = None
+        self._strip = frozenset(cfg.entry.stripped_fields)
+        self._upstream_auth: list[tuple[str, str]] = []
+        if cfg.upstream_key:
+            self._upstream_auth.append(("x-api-key", cfg.upstream_key))
+            if cfg.entry.kind == "compatible":
+                self._upstream_auth.append(("authorization", f"Bearer {cfg.upstream_key}"))
+        self.write_usage()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def client(self) -> httpx.AsyncClient:
+        """The upstream HTTP client (created on first use, inside the event loop)."""
+        if self._client is None:
+            transport = httpx.AsyncHTTPTransport(
+                uds=self.cfg.upstream_uds,
+                retries=0,
+                limits=httpx.Limits(
+                    max_connections=self.cfg.max_concurrency * 2,
+                    max_keepalive_connections=self.cfg.max_concurrency * 2,
+                ),
+            )
+            self._client = httpx.AsyncClient(
+                base_url=self.cfg.upstream_url,
+                transport=transport,
+                # Never take a proxy or a netrc credential from the environment.
+                trust_env=False,
+                timeout=httpx.Timeout(
+                    connect=self.cfg.connect_timeout,
+                    read=self.cfg.read_timeout,
+                    write=60.0,
+                    pool=60.0,
+                ),
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the upstream client and write the usage file a last time."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        self.write_usage()
+
+    def write_usage(self) -> None:
+        """Replace the usage file with the current totals (if there is one)."""
+        if self.cfg.usage_file is not None:
+            try:
+                write_usage(self.cfg.usage_file, self.ledger.usage)
+            except OSError as exc:
+                log.error("cannot write usage file", path=str(self.cfg.usage_file), error=str(exc))
+
+    # -- ASGI --------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await self.aclose()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        started = False
+        written = False
+        self.ledger.usage.requests += 1
+
+        async def tracked(message: Any) -> None:
+            nonlocal started, written
+            if message["type"] == "http.response.start":
+                started = True
+            elif not message.get("more_body", False):
+                # The usage file is current before the client sees the end of its answer.
+                self.write_usage()
+                written = True
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, tracked)
+        except Exception as exc:  # the gateway never crashes on any input
+            log.error("unhandled error in the gateway", error=repr(exc), exc_info=True)
+            if not started:
+                with contextlib.suppress(Exception):
+                    await send_error(tracked, 500, "internal gateway error")
+        finally:
+            if not written:
+                self.write_usage()
+
+    def _refuse(self, reason: str) -> None:
+        self.ledger.refuse(reason)
+
+    def _authorized(self, scope: Scope) -> bool:
+        keys = header(scope, b"x-api-key")
+        auths = header(scope, b"authorization")
+        # Exactly one credential: two of them is ambiguous, and ambiguity is how
+        # smuggling starts.
+        if len(keys) + len(auths) != 1:
+            return False
+        if keys:
+            return hmac.compare_digest(keys[0], self._token)
+        return hmac.compare_digest(auths[0], self._bearer)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = _PATHS.get(scope.get("path", ""))
+        if route is None or scope.get("method") != "POST":
+            self._refuse("not_found")
+            await send_error(
+                send,
+                404,
+                "not found: only POST /v1/messages and /v1/messages/count_tokens are served",
+            )
+            return
+        if not self._authorized(scope):
+            self._refuse("auth")
+            await send_error(send, 401, "invalid x-api-key")
+            return
+        if self.inflight >= self.cfg.max_concurrency:
+            self._refuse("concurrency")
+            await send_error(
+                send,
+                429,
+                f"too many concurrent requests (limit {self.cfg.max_concurrency})",
+                headers=[(b"retry-after", b"1")],
+            )
+            return
+        self.inflight += 1
+        try:
+            await self._admitted(route, scope, receive, send)
+        finally:
+            self.inflight -= 1
+
+    async def _admitted(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
+        lengths = header(scope, b"content-length")
+        if lengths:
+            try:
+                declared = int(lengths[0])
+            except ValueError:
+                declared = -1
+            if declared < 0 or len(set(lengths)) > 1:
+                self._refuse("invalid_request")
+                await send_error(send, 400, "bad content-length")
+                return
+            if declared > self.cfg.max_body:
+                self._refuse("too_large")
+                await send_error(send, 413, f"request body over {self.cfg.max_body} bytes")
+                return
+        try:
+            body = await read_body(receive, self.cfg.max_body)
+        except BodyTooLarge:
+            self._refuse("too_large")
+            await send_error(send, 413, f"request body over {self.cfg.max_body} bytes")
+            return
+        except ConnectionResetError:
+            self._refuse("client_gone")
+            return
+        try:
+            req = parse_json_object(body)
+        except ValueError as exc:
+            self._refuse("invalid_request")
+            await send_error(send, 400, str(exc))
+            return
+        problem = self._validate(route, req)
+        if problem is not None:
+            self._refuse("invalid_request")
+            await send_error(send, 400, problem)
+            return
+        req["model"] = self.cfg.entry.target_model
+        for name in self._strip.intersection(req):
+            del req[name]
+        out = json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode()
+        usage = self.ledger.usage
+        if usage.weighted_total >= self.ledger.budget:
+            usage.exhausted = True
+            self._refuse("budget_exhausted")
+            await send_error(
+                send,
+                403,
+                f"token budget exhausted: {usage.weighted_total:.0f} of "
+                f"{self.ledger.budget} tokens used",
+            )
+            return
+        if route == "count_tokens":
+            await self._count_tokens(scope, out, send)
+            return
+        try:
+            reservation = self.ledger.reserve(len(out), req["max_tokens"])
+        except Refusal as ref:
+            self._refuse(ref.reason)
+            await send_error(send, 403, str(ref))
+            return
+        try:
+            await self._forward(scope, out, reservation, receive, send)
+        finally:
+            # Whatever happened (client gone, cancelled at shutdown, a bug): if nothing
+            # settled it, the worst case stays charged.
+            if not reservation.settled:
+                self.ledger.settle(reservation, None, complete=False)
+
+    @staticmethod
+    def _validate(route: str, req: dict[str, Any]) -> str | None:
+        if not isinstance(req.get("messages"), list):
+            return "messages: a list is required"
+        if "stream" in req and not isinstance(req["stream"], bool):
+            return "stream: must be a boolean"
+        if "system" in req and not isinstance(req["system"], (str, list)):
+            return "system: must be a string or a list of blocks"
+        if "tools" in req and not isinstance(req["tools"], list):
+            return "tools: must be a list"
+        if route == "messages":
+            mt = req.get("max_tokens")
+            if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= _MAX_TOKENS_CAP:
+                return f"max_tokens: an integer between 1 and {_MAX_TOKENS_CAP} is required"
+        return None
+
+    def _upstream_headers(self, scope: Scope) -> list[tuple[str, str]]:
+        hdrs = [("content-type", "application/json"), ("accept-encoding", "identity")]
+        version = next((v for v in map(_printable, header(scope, b"anthropic-version")) if v), None)
+        hdrs.append(("anthropic-version", version or _DEFAULT_VERSION))
+        if self.cfg.entry.passes_beta:
+            betas = [v for v in map(_printable, header(scope, b"anthropic-beta")) if v]
+            if betas:
+                hdrs.append(("anthropic-beta", ",".join(betas)))
+        hdrs.extend(self._upstream_auth)
+        return hdrs
+
+    def _upstream_path(self, scope: Scope, route: str) -> str:
+        path = "/v1/messages" if route == "messages" else "/v1/messages/count_tokens"
+        # Only the one query parameter Claude Code sends is forwarded.
+        if b"beta=true" in scope.get("query_string", b"").split(b"&"):
+            path += "?beta=true"
+        return path
+
+    def _reply_headers(self, resp: httpx.Response) -> list[tuple[bytes, bytes]]:
+        out = []
+        for name in _PASS_BACK:
+            v = resp.headers.get(name.decode())
+            if v is not None:
+                safe = _printable(v.encode("latin-1", "replace"), 256)
+                if safe is not None:
+                    out.append((name, safe.encode()))
+        return out
+
+    async def _count_tokens(self, scope: Scope, body: bytes, send: Send) -> None:
+        if not self.cfg.entry.has_count_tokens:
+            est = self.ledger.estimate_input(len(body))
+            await send_json(send, 200, json.dumps({"input_tokens": est}).encode())
+            return
+        try:
+            resp = await self.client().post(
+                self._upstream_path(scope, "count_tokens"),
+                content=body,
+                headers=self._upstream_headers(scope),
+            )
+        except httpx.TimeoutException as exc:
+            await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
+            return
+        except httpx.HTTPError as exc:
+            await send_error(send, 502, f"upstream unreachable: {type(exc).__name__}")
+            return
+        if resp.status_code >= 400:
+            self.ledger.usage.upstream_errors += 1
+            await self._send_upstream_error(send, resp.status_code, resp.content, resp)
+            return
+        await send_json(send, 200, resp.content, self._reply_headers(resp))
+
+    async def _send_upstream_error(
+        self, send: Send, status: int, content: bytes, resp: httpx.Response
+    ) -> None:
+        """Pass an upstream error on, in Anthropic's shape whatever the upstream sent."""
+        try:
+            doc = json.loads(content)
+            ok = (
+                isinstance(doc, dict)
+                and doc.get("type") == "error"
+                and isinstance(doc.get("error"), dict)
+                and isinstance(doc["error"].get("type"), str)
+                and isinstance(doc["error"].get("message"), str)
+            )
+        except (ValueError, RecursionError):
+            ok = False
+        body = content if ok else error_body(status, f"upstream answered HTTP {status}")
+        if not 400 <= status <= 599:
+            status = 502
+        await send_json(send, status, body, self._reply_headers(resp))
+
+    async def _forward(
+        self, scope: Scope, body: bytes, res: Reservation, receive: Receive, send: Send
+    ) -> None:
+        client = self.client()
+        request = client.build_request(
+            "POST",
+            self._upstream_path(scope, "messages"),
+            content=body,
+            headers=self._upstream_headers(scope),
+        )
+        try:
+            resp = await client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            self.ledger.release(res)
+            self.ledger.usage.upstream_errors += 1
+            await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
+            return
+        except httpx.HTTPError as exc:
+            self.ledger.release(res)
+            self.ledger.usage.upstream_errors += 1
+            await send_error(send, 502, f"upstream unreachable: {type(exc).__name__}")
+            return
+        try:
+            if resp.status_code >= 400 or resp.status_code < 200:
+                self.ledger.usage.upstream_errors += 1
+                content = await self._read_capped(resp, _MAX_ERROR_BODY)
+                self.ledger.release(res)
+                await self._send_upstream_error(send, resp.status_code, content or b"", resp)
+            elif resp.headers.get("content-type", "").startswith("text/event-stream"):
+                await self._stream(resp, res, receive, send)
+            else:
+                content = await self._read_capped(resp, _MAX_UPSTREAM_BODY)
+                if content is None:
+                    self.ledger.settle(res, None, complete=False)
+                    await send_error(send, 502, "upstream answer too large")
+                    return
+                count = usage_from_message(content)
+                self.ledger.settle(res, count, complete=count is not None)
+                await send_json(send, resp.status_code, content, self._reply_headers(resp))
+        finally:
+            await resp.aclose()
+
+    @staticmethod
+    async def _read_capped(resp: httpx.Response, limit: int) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    return None
+                chunks.append(chunk)
+        except httpx.HTTPError:
+            return None
+        return b"".join(chunks)
+
+    async def _stream(
+        self, resp: httpx.Response, res: Reservation, receive: Receive, send: Send
+    ) -> None:
+        meter = StreamMeter()
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            *self._reply_headers(resp),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+        async def pump() -> None:
+            async for chunk in resp.aiter_bytes():
+                meter.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        async def client_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        pumping = asyncio.ensure_future(pump())
+        watching = asyncio.ensure_future(client_gone())
+        try:
+            done, _ = await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pumping, watching):
+                task.cancel()
+            await asyncio.gather(pumping, watching, return_exceptions=True)
+        complete = meter.finished and meter.delta_seen and meter.count.input is not None
+        self.ledger.settle(res, meter.count, complete=complete)
+        if pumping in done:
+            broke = pumping.exception() is not None or not meter.finished
+            if broke and meter.error is None:
+                # The upstream broke off: tell the client in the stream's own terms.
+                why = "upstream stream ended before message_stop"
+                err = {"type": "error", "error": {"type": "api_error", "message": why}}
+                chunk = f"event: error\ndata: {json.dumps(err)}\n\n".encode()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            self.ledger.usage.dropped_streams += 1

@@ -1,0 +1,129 @@
+"""Reading token usage out of Messages API responses, plain and streamed.
+
+The stream meter sees every chunk the gateway passes on, splits it into SSE
+events incrementally, and JSON-parses only the few events that carry usage
+(``message_start``, ``message_delta``) or end the message, so metering costs
+little on long streams of deltas. Numbers that are not non-negative integers
+are treated as unknown: the budget then charges the worst case.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["StreamMeter", "TokenCount", "usage_from_message"]
+
+_INTERESTING = (b"message_start", b"message_delta", b"message_stop", b"error")
+#: An SSE event bigger than this is not buffered for metering (deltas only; usage is tiny).
+_MAX_EVENT = 1 << 20
+
+
+@dataclass
+class TokenCount:
+    """Token counts as the upstream reported them; None where it did not say."""
+
+    input: int | None = None
+    output: int | None = None
+    cache_creation: int = 0
+    cache_read: int = 0
+
+    def update(self, usage: Any) -> None:
+        """Take the counts present in an Anthropic ``usage`` object (later values win)."""
+        if not isinstance(usage, dict):
+            return
+        for key, attr in (
+            ("input_tokens", "input"),
+            ("output_tokens", "output"),
+            ("cache_creation_input_tokens", "cache_creation"),
+            ("cache_read_input_tokens", "cache_read"),
+        ):
+            v = usage.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40:
+                setattr(self, attr, v)
+
+
+def usage_from_message(body: bytes) -> TokenCount | None:
+    """The usage of a non-streamed response body; None if it has none we can read."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("usage"), dict):
+        return None
+    count = TokenCount()
+    count.update(doc["usage"])
+    if count.input is None or count.output is None:
+        return None
+    return count
+
+
+class StreamMeter:
+    """Incremental SSE reader that collects usage from a Messages API stream."""
+
+    def __init__(self) -> None:
+        self.count = TokenCount()
+        self.started = False
+        """``message_start`` was seen (input and cache counts are known)."""
+        self.finished = False
+        """``message_stop`` was seen: the counts are final."""
+        self.delta_seen = False
+        """A ``message_delta`` with usage was seen (output count is final for the message)."""
+        self.error: str | None = None
+        """The type of an ``error`` event in the stream, if one came."""
+        self._buf = b""
+        self._skipping = False
+
+    def feed(self, chunk: bytes) -> None:
+        """Take the next chunk of the stream as passed to the client."""
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buf = self._buf + chunk if self._buf else chunk
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            if self._skipping:
+                self._skipping = False
+            else:
+                self._event(buf[start:end])
+            start = end + 2
+        rest = buf[start:]
+        if len(rest) > _MAX_EVENT:
+            # A huge event (a long delta): not usage. Skip to its end without buffering it.
+            self._skipping = True
+            rest = b""
+        self._buf = rest
+
+    def _event(self, raw: bytes) -> None:
+        if not any(name in raw for name in _INTERESTING):
+            return
+        data_lines = []
+        for line in raw.split(b"\n"):
+            if line.startswith(b"data:"):
+                data_lines.append(line[5:].lstrip(b" "))
+        if not data_lines:
+            return
+        try:
+            doc = json.loads(b"\n".join(data_lines))
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(doc, dict):
+            return
+        kind = doc.get("type")
+        if kind == "message_start":
+            self.started = True
+            msg = doc.get("message")
+            if isinstance(msg, dict):
+                self.count.update(msg.get("usage"))
+        elif kind == "message_delta":
+            if isinstance(doc.get("usage"), dict):
+                self.delta_seen = True
+                self.count.update(doc["usage"])
+        elif kind == "message_stop":
+            self.finished = True
+        elif kind == "error":
+            err = doc.get("error")
+            self.error = str(err.get("type")) if isinstance(err, dict) else "error"

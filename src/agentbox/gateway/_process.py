@@ -1,0 +1,201 @@
+"""Start a gateway as a separate process and hold it: what the launcher calls per task.
+
+The gateway runs as ``python -m agentbox gateway …`` in its own session, so a
+crash of the launcher's event loop cannot take it down mid-stream and ``stop()``
+can signal the whole group. The token travels in a file (0600), never on argv:
+``/proc/<pid>/cmdline`` is readable by every local user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+from agentbox._log import get_logger
+from agentbox.config import Settings
+from agentbox.errors import GatewayError
+from agentbox.gateway.registry import load_registry
+
+__all__ = ["GatewayHandle", "spawn_gateway", "wait_for_socket"]
+
+log = get_logger("gateway.process")
+
+#: Environment variables the gateway child inherits (plus the upstream key variable).
+_PASS_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "AGENTBOX_LOG_LEVEL", "AGENTBOX_LOG_JSON")
+
+
+def wait_for_socket(path: Path, *, timeout: float, proc: subprocess.Popen[bytes] | None) -> None:
+    """Poll until a unix socket at ``path`` accepts a connection; GatewayError past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise GatewayError(f"gateway exited with code {proc.returncode} before listening")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            try:
+                s.connect(str(path))
+            except OSError:
+                pass
+            else:
+                return
+        if time.monotonic() > deadline:
+            raise GatewayError(f"gateway did not listen on {path} within {timeout:g}s")
+        time.sleep(0.02)
+
+
+class GatewayHandle:
+    """A running gateway process: ``pid``, ``alive()``, ``stop()`` (idempotent)."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        *,
+        socket_path: Path,
+        usage_file: Path,
+        log_file: Path | None,
+    ) -> None:
+        self._proc = proc
+        self.socket_path = socket_path
+        self.usage_file = usage_file
+        self.log_file = log_file
+
+    @property
+    def pid(self) -> int:
+        """The gateway's process id (also its process group id)."""
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once it exited, else None."""
+        return self._proc.poll()
+
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return self._proc.poll() is None
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        """TERM the gateway's process group, KILL it after ``grace`` s; idempotent.
+
+        Returns the exit code. In-flight requests get ``grace`` seconds to finish
+        and be written to the usage file.
+        """
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            if self._proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(wait)
+        # The leader is gone; make sure nothing of its group survives it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        return self._proc.poll()
+
+    def __enter__(self) -> GatewayHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"GatewayHandle(pid={self.pid}, socket={self.socket_path}, alive={self.alive()})"
+
+
+def gateway_argv(
+    *,
+    listen: str,
+    token_file: Path,
+    model: str,
+    budget: int,
+    usage_file: Path,
+    models_file: Path | None = None,
+    upstream: str | None = None,
+    max_concurrency: int | None = None,
+) -> list[str]:
+    """The argv that runs a gateway with this interpreter (``python -m agentbox gateway``)."""
+    argv = [sys.executable, "-m", "agentbox", "gateway", "--listen", listen]
+    argv += ["--token-file", str(token_file), "--model", model, "--budget", str(budget)]
+    argv += ["--usage-file", str(usage_file)]
+    if models_file is not None:
+        argv += ["--models-file", str(models_file)]
+    if upstream is not None:
+        argv += ["--upstream", upstream]
+    if max_concurrency is not None:
+        argv += ["--max-concurrency", str(max_concurrency)]
+    return argv
+
+
+def spawn_gateway(
+    *,
+    socket_path: Path,
+    token_file: Path,
+    model: str,
+    budget: int,
+    usage_file: Path,
+    settings: Settings,
+    replay_script: Path | None = None,
+    log_file: Path | None = None,
+    timeout: float = 20.0,
+) -> GatewayHandle:
+    """Start a gateway on ``socket_path`` for one task and wait until it answers.
+
+    ``model`` must name a registry entry (:class:`ConfigError` otherwise, before
+    anything starts); ``replay_script`` replaces its upstream with that replay
+    script. The socket is created mode 0660; the usage file exists (all zeros)
+    once this returns. Raises :class:`GatewayError` if the process does not listen
+    within ``timeout`` seconds (its log tail included).
+    """
+    entry = load_registry(settings).get(model)
+    if not token_file.is_file():
+        raise GatewayError(f"token file {token_file} does not exist")
+    env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    if entry.key_env and entry.key_env in os.environ and replay_script is None:
+        env[entry.key_env] = os.environ[entry.key_env]
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    argv = gateway_argv(
+        listen=f"unix:{socket_path}",
+        token_file=token_file,
+        model=model,
+        budget=budget,
+        usage_file=usage_file,
+        models_file=settings.models_file,
+        upstream=f"replay:{replay_script}" if replay_script is not None else None,
+    )
+    with contextlib.suppress(FileNotFoundError):
+        socket_path.unlink()
+    out: IO[bytes] | int
+    out = log_file.open("ab") if log_file is not None else subprocess.DEVNULL
+    log.info("spawn gateway", argv=argv, socket=str(socket_path))
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        if not isinstance(out, int):
+            out.close()
+    handle = GatewayHandle(proc, socket_path=socket_path, usage_file=usage_file, log_file=log_file)
+    try:
+        wait_for_socket(socket_path, timeout=timeout, proc=proc)
+    except GatewayError as exc:
+        handle.stop(grace=1.0)
+        tail = ""
+        if log_file is not None:
+            with contextlib.suppress(OSError):
+                tail = "\n" + "\n".join(log_file.read_text(errors="replace").splitlines()[-20:])
+        raise GatewayError(f"{exc}{tail}") from exc
+    return handle

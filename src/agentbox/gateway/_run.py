@@ -1,0 +1,119 @@
+"""Run a gateway or a standalone replay model in this process (what the CLI calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from agentbox._log import get_logger
+from agentbox.errors import ConfigError
+from agentbox.gateway._app import Gateway, GatewayConfig
+from agentbox.gateway._replay import ReplayModel
+from agentbox.gateway._script import load_script
+from agentbox.gateway._serve import bind, parse_listen, private_socket_path, serve
+from agentbox.gateway.registry import ModelEntry
+
+__all__ = ["read_token", "run_gateway", "run_replay"]
+
+log = get_logger("gateway.run")
+
+
+def read_token(*, token: str | None, token_file: Path | None) -> str:
+    """The task token from ``--token`` or ``--token-file`` (exactly one)."""
+    if (token is None) == (token_file is None):
+        raise ConfigError("give exactly one of --token or --token-file")
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read token file {token_file}: {exc}") from exc
+    assert token is not None
+    if len(token) < 16 or not token.isascii() or not token.isprintable() or " " in token:
+        raise ConfigError("the token must be at least 16 printable ASCII characters, no spaces")
+    return token
+
+
+def run_gateway(
+    *,
+    listen: str,
+    token: str,
+    entry: ModelEntry,
+    budget: int,
+    upstream: str | None = None,
+    key_env: str | None = None,
+    usage_file: Path | None = None,
+    max_body: int = 32 << 20,
+    max_concurrency: int = 16,
+) -> None:
+    """Serve a gateway for one task until SIGTERM.
+
+    ``upstream`` overrides the registry entry's: ``http(s)://…``, ``unix:/path`` (HTTP over a
+    unix socket) or ``replay:SCRIPT`` (a replay model in this process, on a private socket).
+    """
+    if budget < 1:
+        raise ConfigError("--budget must be at least 1")
+    target = upstream or (f"replay:{entry.upstream}" if entry.kind == "replay" else entry.upstream)
+    apps: list[tuple[Any, Any]] = []
+    uds: str | None = None
+    replay_dir: Path | None = None
+    if target.startswith("replay:"):
+        script = load_script(Path(target[7:]))
+        rpath = private_socket_path()
+        replay_dir = rpath.parent
+        apps.append((ReplayModel(script), bind(parse_listen(f"unix:{rpath}"))))
+        base, uds = "http://replay", str(rpath)
+    elif target.startswith("unix:"):
+        base, uds = "http://upstream", target[5:]
+    elif target.startswith(("http://", "https://")):
+        base = target.rstrip("/")
+    else:
+        raise ConfigError(f"--upstream {target!r}: use http(s)://…, unix:/path or replay:SCRIPT")
+    env_name = key_env or entry.key_env
+    key: str | None = None
+    if env_name and not target.startswith("replay:"):
+        key = os.environ.get(env_name)
+        if not key and entry.kind == "anthropic":
+            raise ConfigError(
+                f"model {entry.name!r} needs an API key in the environment variable {env_name}"
+            )
+    cfg = GatewayConfig(
+        token=token,
+        entry=entry,
+        upstream_url=base,
+        upstream_uds=uds,
+        upstream_key=key,
+        budget=budget,
+        usage_file=usage_file,
+        max_body=max_body,
+        max_concurrency=max_concurrency,
+    )
+    gateway = Gateway(cfg)
+    apps.append((gateway, bind(parse_listen(listen))))
+    log.info("gateway listening", listen=listen, model=entry.name, budget=budget)
+    try:
+        asyncio.run(serve(apps))
+    finally:
+        gateway.write_usage()
+        if replay_dir is not None:
+            shutil.rmtree(replay_dir, ignore_errors=True)
+        lst = parse_listen(listen)
+        if lst.path is not None:
+            with contextlib.suppress(OSError):
+                lst.path.unlink()
+
+
+def run_replay(*, script: Path, listen: str, log_path: Path | None = None) -> None:
+    """Serve the replay model alone until SIGTERM."""
+    model = ReplayModel(load_script(script), log_path=log_path)
+    sock = bind(parse_listen(listen))
+    try:
+        asyncio.run(serve([(model, sock)]))
+    finally:
+        lst = parse_listen(listen)
+        if lst.path is not None:
+            with contextlib.suppress(OSError):
+                lst.path.unlink()

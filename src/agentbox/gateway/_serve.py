@@ -1,0 +1,148 @@
+"""Listening sockets and the server loop for the gateway and the standalone replay model.
+
+Sockets are made here, not by uvicorn: uvicorn chmods a unix socket it creates
+to 0666, and the gateway's socket must be 0660 or tighter (only the sandbox's
+relay and the launcher may connect). A TCP listener is refused anywhere but
+loopback: the gateway is never a network service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import tempfile
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from agentbox._log import get_logger
+from agentbox.errors import ConfigError, PolicyRefused
+
+__all__ = ["Listen", "bind", "parse_listen", "serve"]
+
+log = get_logger("gateway.serve")
+
+
+class Listen:
+    """A parsed ``unix:/path`` or ``tcp:127.0.0.1:PORT`` address."""
+
+    def __init__(self, kind: str, path: Path | None = None, host: str = "", port: int = 0):
+        self.kind = kind
+        self.path = path
+        self.host = host
+        self.port = port
+
+    def __str__(self) -> str:
+        return f"unix:{self.path}" if self.kind == "unix" else f"tcp:{self.host}:{self.port}"
+
+
+def parse_listen(spec: str) -> Listen:
+    """Parse a listen address; :class:`PolicyRefused` for TCP off loopback."""
+    if spec.startswith("unix:"):
+        path = spec[5:]
+        if not path:
+            raise ConfigError("listen: unix: needs a path")
+        return Listen("unix", path=Path(path).absolute())
+    if spec.startswith("tcp:"):
+        host, sep, port_s = spec[4:].rpartition(":")
+        host = host.strip("[]")
+        if not sep or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+            raise ConfigError(f"listen: bad tcp address {spec!r} (tcp:127.0.0.1:PORT)")
+        if host == "localhost":
+            host = "127.0.0.1"
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            raise PolicyRefused(f"listen: {host!r} is not a loopback address") from None
+        if not addr.is_loopback:
+            raise PolicyRefused(f"listen: refusing to listen on {host}: only loopback is allowed")
+        return Listen("tcp", host=host, port=int(port_s))
+    raise ConfigError(f"listen: {spec!r} must be unix:/path or tcp:127.0.0.1:PORT")
+
+
+def bind(listen: Listen) -> socket.socket:
+    """Create the listening socket (unix sockets mode 0660, created under a tight umask)."""
+    if listen.kind == "unix":
+        assert listen.path is not None
+        with contextlib.suppress(FileNotFoundError):
+            if listen.path.is_socket():
+                listen.path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o117)
+        try:
+            sock.bind(str(listen.path))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"cannot listen on {listen}: {exc}") from exc
+        finally:
+            os.umask(old)
+        listen.path.chmod(0o660)
+    else:
+        family = socket.AF_INET6 if ":" in listen.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((listen.host, listen.port))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"cannot listen on {listen}: {exc}") from exc
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # Signals are handled once for all servers of the process (see serve()).
+        yield
+
+
+def _config(app: Any) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=75,
+        timeout_graceful_shutdown=3,
+        server_header=False,
+        date_header=False,
+        proxy_headers=False,
+    )
+
+
+async def serve(apps: list[tuple[Any, socket.socket]]) -> None:
+    """Serve each app on its socket until SIGTERM/SIGINT, then shut all down gracefully."""
+    servers = [_Server(_config(app)) for app, _ in apps]
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        for s in servers:
+            s.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    try:
+        # Upstream servers (listed first) start before the gateway accepts clients.
+        tasks = [
+            asyncio.ensure_future(s.serve(sockets=[sock]))
+            for s, (_, sock) in zip(servers, apps, strict=True)
+        ]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def private_socket_path() -> Path:
+    """A path for an in-process upstream's socket, in a fresh 0700 directory."""
+    return Path(tempfile.mkdtemp(prefix="agentbox-replay-")) / "replay.sock"

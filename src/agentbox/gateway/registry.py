@@ -1,0 +1,219 @@
+"""The model registry: the names a client may choose, and where each one really goes.
+
+Clients (the CLI, the MCP ``delegate`` tool, a Boxfile) name a model; only the
+registry says which upstream serves it, under which upstream model id, with
+which key from the host environment. The registry is a TOML file
+(``Settings.models_file``) or, without one, the built-in registry below, whose
+default entry ``replay-demo`` is the offline replay model and needs no key::
+
+    [models.sonnet]
+    kind = "anthropic"                      # anthropic | compatible | replay
+    upstream = "https://api.anthropic.com"  # base URL, or a replay script path
+    upstream_model = "claude-sonnet-4-5"
+    key_env = "ANTHROPIC_API_KEY"           # read from the host env by the gateway only
+    unsupported_fields = []                 # request fields stripped before forwarding
+    cache_creation_weight = 1.25
+    cache_read_weight = 0.1
+
+A relative replay script path is resolved against the registry file's directory.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from agentbox.config import Settings
+from agentbox.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEMO_SCRIPT",
+    "KIND_UNSUPPORTED_FIELDS",
+    "ModelEntry",
+    "Registry",
+    "builtin_registry",
+    "load_registry",
+]
+
+Kind = Literal["anthropic", "compatible", "replay"]
+
+#: The built-in offline default: the replay model playing the demo script.
+DEFAULT_MODEL = "replay-demo"
+#: The demo replay script shipped with agentbox (used by the offline demo).
+DEMO_SCRIPT = Path(__file__).parent / "demo" / "demo.yaml"
+
+#: Request fields each upstream kind does not accept; stripped unless the entry says otherwise.
+#: Anthropic-compatible local servers (llama.cpp, vLLM) reject or mishandle the newer,
+#: Anthropic-only fields Claude Code sends; the real API and the replay model take them all.
+KIND_UNSUPPORTED_FIELDS: Mapping[str, tuple[str, ...]] = {
+    "anthropic": (),
+    "replay": (),
+    "compatible": (
+        "betas",
+        "container",
+        "context_management",
+        "mcp_servers",
+        "service_tier",
+        "thinking",
+        "output_format",
+    ),
+}
+
+
+class ModelEntry(BaseModel):
+    """One model a client may choose by ``name``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    kind: Kind
+    upstream: str
+    """Base URL (``https://…``, ``http://127.0.0.1:…``) or, for ``replay``, a script path."""
+    upstream_model: str = ""
+    """The model id sent upstream (``model`` is always rewritten to this); default: ``name``."""
+    key_env: str | None = None
+    """Host environment variable holding the upstream's API key (never seen by the sandbox)."""
+    unsupported_fields: tuple[str, ...] | None = None
+    """Top-level request fields stripped before forwarding; None: the kind's default list."""
+    forward_beta: bool | None = None
+    """Forward the client's ``anthropic-beta`` header; None: only to ``anthropic`` and replay."""
+    count_tokens: bool | None = None
+    """The upstream serves ``/v1/messages/count_tokens``; None: all but ``compatible``."""
+    cache_creation_weight: float = Field(default=1.25, ge=0)
+    cache_read_weight: float = Field(default=0.1, ge=0)
+    description: str = ""
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not v or len(v) > 128 or not all(c.isalnum() or c in "-_.:" for c in v):
+            raise ValueError(f"bad model name {v!r}: use letters, digits and -_.:")
+        return v
+
+    @property
+    def stripped_fields(self) -> tuple[str, ...]:
+        """The fields the gateway removes from requests for this model."""
+        if self.unsupported_fields is not None:
+            return self.unsupported_fields
+        return KIND_UNSUPPORTED_FIELDS[self.kind]
+
+    @property
+    def target_model(self) -> str:
+        """The ``model`` value the upstream receives."""
+        return self.upstream_model or self.name
+
+    @property
+    def has_count_tokens(self) -> bool:
+        """Whether count_tokens is forwarded (else the gateway answers with its estimate)."""
+        return self.count_tokens if self.count_tokens is not None else self.kind != "compatible"
+
+    @property
+    def passes_beta(self) -> bool:
+        """Whether the client's ``anthropic-beta`` header is forwarded."""
+        return self.forward_beta if self.forward_beta is not None else self.kind != "compatible"
+
+    @property
+    def replay_script(self) -> Path | None:
+        """The script path of a replay entry."""
+        return Path(self.upstream) if self.kind == "replay" else None
+
+
+class Registry:
+    """The models clients may choose, by name."""
+
+    def __init__(self, entries: Mapping[str, ModelEntry], *, source: str = "built-in") -> None:
+        self._entries = dict(entries)
+        self.source = source
+
+    def get(self, name: str) -> ModelEntry:
+        """The entry named ``name``; :class:`ConfigError` naming the known ones otherwise."""
+        try:
+            return self._entries[name]
+        except (KeyError, TypeError):
+            known = ", ".join(sorted(self._entries)) or "(none)"
+            raise ConfigError(
+                f"unknown model {name!r} in the model registry ({self.source}); known: {known}"
+            ) from None
+
+    def names(self) -> list[str]:
+        """Model names, sorted."""
+        return sorted(self._entries)
+
+    def __iter__(self) -> Iterator[ModelEntry]:
+        return iter(self._entries[n] for n in self.names())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+
+_BUILTIN: dict[str, dict[str, Any]] = {
+    DEFAULT_MODEL: {
+        "kind": "replay",
+        "upstream": str(DEMO_SCRIPT),
+        "upstream_model": "replay-demo",
+        "description": "Offline scripted model: writes a function and its test, runs them.",
+    },
+    "sonnet": {
+        "kind": "anthropic",
+        "upstream": "https://api.anthropic.com",
+        "upstream_model": "claude-sonnet-4-5",
+        "key_env": "ANTHROPIC_API_KEY",
+        "description": "Claude Sonnet through the Anthropic API (key from the host env).",
+    },
+    "haiku": {
+        "kind": "anthropic",
+        "upstream": "https://api.anthropic.com",
+        "upstream_model": "claude-haiku-4-5",
+        "key_env": "ANTHROPIC_API_KEY",
+        "description": "Claude Haiku through the Anthropic API (key from the host env).",
+    },
+}
+
+
+def _parse(data: Mapping[str, Any], *, base: Path | None, source: str) -> Registry:
+    models = data.get("models")
+    if not isinstance(models, Mapping) or not models:
+        raise ConfigError(f"model registry {source}: needs a non-empty [models.<name>] table")
+    entries: dict[str, ModelEntry] = {}
+    for name, raw in models.items():
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"model registry {source}: [models.{name}] must be a table")
+        fields = dict(raw)
+        fields["name"] = name
+        try:
+            entry = ModelEntry.model_validate(fields)
+        except ValidationError as exc:
+            raise ConfigError(f"model registry {source}: [models.{name}]: {exc}") from exc
+        if entry.kind == "replay" and base is not None and not Path(entry.upstream).is_absolute():
+            entry = entry.model_copy(update={"upstream": str(base / entry.upstream)})
+        if entry.kind != "replay" and not entry.upstream.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"model registry {source}: [models.{name}] upstream must be an http(s) URL"
+            )
+        entries[name] = entry
+    return Registry(entries, source=source)
+
+
+def builtin_registry() -> Registry:
+    """The registry used when no models file is configured."""
+    return _parse({"models": _BUILTIN}, base=None, source="built-in")
+
+
+def load_registry(settings: Settings | None = None, path: Path | None = None) -> Registry:
+    """The registry from ``path``, else ``settings.models_file``, else the built-in one."""
+    path = path or (settings.models_file if settings is not None else None)
+    if path is None:
+        return builtin_registry()
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read model registry {path}: {exc}") from exc
+    return _parse(data, base=path.parent, source=str(path))
