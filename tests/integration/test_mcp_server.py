@@ -275,13 +275,15 @@ def test_dropped_identity_cannot_open_launcher_paths(world: World) -> None:
     (tasks / "secret").write_text("x")
     token_path(world.data).parent.mkdir(mode=0o700)
     token_path(world.data).write_text("y" * 40)
+    paths = [str(tasks / "secret"), str(token_path(world.data)), str(world.data / "tasks")]
+    paths.append("/etc/shadow")
     code = f"""
 import os, sys
 from pathlib import Path
 from agentbox.mcp import drop_privileges, resolve_identity
 drop_privileges(resolve_identity({str(MCP_UID)!r}, Path({str(world.repos)!r}), None))
 bad = []
-for p in {[str(tasks / "secret"), str(token_path(world.data)), str(world.data / "tasks"), "/etc/shadow"]!r}:
+for p in {paths!r}:
     try:
         os.open(p, os.O_RDONLY)
         bad.append(p)
