@@ -1,0 +1,246 @@
+"""The podman command line of a hardened sandbox, and the checks made before it runs.
+
+Each flag answers a line of the seed's "Agent container" list; the comment next
+to it says which threat it closes. Nothing here starts a process except
+:func:`image_facts` (``podman image inspect``, cached per process).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentbox import _host, _proc
+from agentbox.backends.base import (
+    GATEWAY_DIR_IN_SANDBOX,
+    GATEWAY_PORT,
+    GATEWAY_SOCKET_NAME,
+    HOME_IN_SANDBOX,
+    WORKSPACE_IN_SANDBOX,
+    SandboxSpec,
+)
+from agentbox.config import DEFAULT_IMAGE, Settings
+from agentbox.errors import CommandError, ImageError, PathRefused, UnsupportedError
+
+__all__ = [
+    "CONMON_GRACE",
+    "RELAY_PATH",
+    "RUNTIMES",
+    "ImageFacts",
+    "check_spec",
+    "entry_argv",
+    "image_facts",
+    "podman_global_args",
+    "run_args",
+]
+
+#: Where the image carries our relay shim (see agentbox/guest/relay.py).
+RELAY_PATH = "/opt/agentbox/relay.py"
+RUNTIMES = ("runc", "crun", "runsc")
+#: conmon's own ``--timeout`` fires this long after our watchdog should have.
+CONMON_GRACE = 5
+
+
+@dataclass(frozen=True)
+class ImageFacts:
+    """What we need to know of an image before running it."""
+
+    name: str
+    id: str
+    entrypoint: tuple[str, ...]
+
+    @property
+    def has_tini(self) -> bool:
+        """The image's entrypoint is tini, so it already runs as PID 1."""
+        return bool(self.entrypoint) and Path(self.entrypoint[0]).name.startswith("tini")
+
+
+_facts_lock = threading.Lock()
+_facts: dict[str, ImageFacts] = {}
+
+
+def image_facts(image: str, *, refresh: bool = False) -> ImageFacts:
+    """Inspect ``image`` in podman's local storage (cached per process).
+
+    Raises :class:`ImageError` with the fix when it is not there: sandboxes
+    never pull from a registry.
+    """
+    with _facts_lock:
+        if not refresh and image in _facts:
+            return _facts[image]
+    try:
+        res = _proc.run(
+            [
+                "podman",
+                "image",
+                "inspect",
+                "--format",
+                "{{.Id}} {{json .Config.Entrypoint}}",
+                image,
+            ],
+            timeout=60,
+        )
+    except CommandError as exc:
+        fix = (
+            "run `agentbox image build`"
+            if image == DEFAULT_IMAGE
+            else "build or load it locally (agentbox never pulls)"
+        )
+        raise ImageError(f"image {image} is not in podman's local storage; {fix}") from exc
+    image_id, _, ep_json = res.stdout.strip().partition(" ")
+    try:
+        ep = json.loads(ep_json) if ep_json else None
+    except json.JSONDecodeError:
+        ep = None
+    entrypoint = tuple(str(x) for x in ep) if isinstance(ep, list) else ()
+    facts = ImageFacts(image, image_id, entrypoint)
+    with _facts_lock:
+        _facts[image] = facts
+    return facts
+
+
+def forget_image(image: str) -> None:
+    """Drop ``image`` from the per-process cache (after it was found missing)."""
+    with _facts_lock:
+        _facts.pop(image, None)
+
+
+def _check_dir(path: Path, what: str) -> None:
+    if not path.is_absolute():
+        raise PathRefused(f"{what} must be absolute", path=path)
+    if not path.is_dir():
+        raise PathRefused(f"{what} does not exist or is not a directory", path=path)
+    if any(c in str(path) for c in (",", ":", "\n", "\0")):
+        raise PathRefused(f"{what} contains ',', ':' or a newline", path=path)
+
+
+def check_spec(spec: SandboxSpec, *, with_image: bool = True) -> ImageFacts | None:
+    """Refuse ``spec`` if podman cannot honour it here; nothing is started.
+
+    Checks the runtime (known, installed, usable on this host's cgroups), the
+    mounts (absolute, existing, no characters podman's syntax would split on),
+    the uid (inside the 65536-id map) and, with ``with_image``, the image.
+    """
+    if spec.runtime not in RUNTIMES:
+        raise UnsupportedError(
+            f"unknown OCI runtime {spec.runtime!r}", fix=f"use one of {', '.join(RUNTIMES)}"
+        )
+    fac = _host.podman_runtime(spec.runtime)
+    if not fac.ok:
+        raise UnsupportedError(f"runtime {spec.runtime} unusable here: {fac.detail}", fix=fac.fix)
+    if not 0 < spec.uid < 65536:
+        raise UnsupportedError(f"sandbox uid {spec.uid} is outside the 65536-id map")
+    if spec.workspace is not None:
+        _check_dir(spec.workspace, "workspace")
+    if spec.gateway_dir is not None:
+        _check_dir(spec.gateway_dir, "gateway dir")
+    for m in spec.mounts:
+        if not m.source.is_absolute() or not m.source.exists():
+            raise PathRefused("declared mount is not an existing absolute path", path=m.source)
+        if any(c in str(m.source) + m.target for c in (",", ":", "\n", "\0")):
+            raise PathRefused("declared mount contains ',', ':' or a newline", path=m.source)
+    return image_facts(spec.image) if with_image else None
+
+
+def podman_global_args(runtime: str) -> list[str]:
+    """``podman --runtime …``: gVisor additionally gets its network switched off at runsc level."""
+    args = ["podman", "--runtime", runtime]
+    if runtime == "runsc":
+        # network=none inside gVisor itself (not only an empty netns), and apply the
+        # OCI seccomp profile to the workload inside the sentry as well.
+        args += ["--runtime-flag", "network=none", "--runtime-flag", "oci-seccomp"]
+    return args
+
+
+def _mount_opts(read_only: bool, *, noexec: bool = False) -> str:
+    opts = ["ro" if read_only else "rw", "nosuid", "nodev"]
+    if noexec:
+        opts.append("noexec")
+    return ",".join(opts)
+
+
+def run_args(
+    spec: SandboxSpec,
+    settings: Settings,
+    facts: ImageFacts,
+    *,
+    detach: bool,
+    env_file: Path,
+    interactive: bool = False,
+    tty: bool = False,
+    unsafe_extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The full ``podman … run …`` argv up to and including the image name."""
+    res = spec.resources
+    uid = spec.uid
+    base = settings.subid_base
+    mem = str(res.memory)
+    timeout = math.ceil(spec.deadline) + CONMON_GRACE
+    args = [*podman_global_args(spec.runtime), "run"]
+    args += ["-d"] if detach else ["--rm", "--log-driver", "passthrough"]
+    if interactive:
+        args.append("-i")
+    if tty:
+        args.append("-t")
+    args += [
+        "--name", spec.name,
+        "--pull", "never",                  # never reach a registry
+        "--network", "none",                # only lo
+        "--no-hosts",                       # no /etc/hosts naming host addresses
+        "--read-only",                      # read-only root filesystem
+        "--read-only-tmpfs=false",          # no implicit tmpfs on /run, /var/tmp: only ours
+        "--cap-drop", "ALL",
+        "--security-opt", "no-new-privileges",
+        "--ipc", "private",
+        # uid/gid N inside is subid_base+N outside: a host identity that owns nothing.
+        "--uidmap", f"0:{base}:65536",
+        "--gidmap", f"0:{base}:65536",
+        "--user", f"{uid}:{uid}",
+        "--pids-limit", str(res.pids),
+        "--memory", mem,
+        "--memory-swap", mem,               # equal to memory: no swap
+        "--cpus", f"{res.cpus:g}",
+        # Always explicit: the host's hard nofile limit (20000) cannot be raised from a userns.
+        "--ulimit", f"nofile={res.nofile}:{res.nofile}",
+        "--ulimit", f"nproc={res.pids}:{res.pids}",
+        "--tmpfs", "/tmp:rw,nosuid,nodev,mode=1777",
+        "--tmpfs", f"{HOME_IN_SANDBOX}:rw,nosuid,nodev,mode=1777",
+        "--workdir", spec.workdir,
+        "--env-file", str(env_file),
+        "--timeout", str(timeout),          # conmon kills it even if agentbox died
+        "--stop-timeout", "5",
+    ]  # fmt: skip
+    if spec.workspace is not None:
+        args += ["-v", f"{spec.workspace}:{WORKSPACE_IN_SANDBOX}:{_mount_opts(False)}"]
+    if spec.gateway_dir is not None:
+        gw_opts = _mount_opts(False, noexec=True)
+        args += ["-v", f"{spec.gateway_dir}:{GATEWAY_DIR_IN_SANDBOX}:{gw_opts}"]
+    for m in spec.mounts:
+        args += ["-v", f"{m.source}:{m.target}:{_mount_opts(m.read_only)}"]
+    for key, value in sorted(spec.labels.items()):
+        args += ["--label", f"{key}={value}"]
+    args += ["--label", f"io.agentbox.owner-pid={os.getpid()}"]
+    args += ["--label", f"io.agentbox.runtime={spec.runtime}"]
+    if not facts.has_tini:
+        # tini is not the image's entrypoint: clear it and let podman put its init first.
+        args += ["--entrypoint", "", "--init"]
+    args += list(unsafe_extra_args)
+    args.append(facts.id if facts.id else spec.image)
+    return args
+
+
+def entry_argv(spec: SandboxSpec, argv: Sequence[str]) -> list[str]:
+    """The container's command: ``argv``, behind the gateway relay when there is a gateway."""
+    if spec.gateway_dir is None:
+        return list(argv)
+    return [
+        "python3", "-I", "-S", RELAY_PATH,
+        "--port", str(GATEWAY_PORT),
+        "--socket", f"{GATEWAY_DIR_IN_SANDBOX}/{GATEWAY_SOCKET_NAME}",
+        "--", *argv,
+    ]  # fmt: skip
