@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +49,7 @@ log = get_logger("image")
 Progress = Callable[[str], None]
 DEFAULT_REPO, _, DEFAULT_TAG = DEFAULT_IMAGE.rpartition(":")
 BASE_LABEL = "io.agentbox.image.base"
+_HASH_RE = re.compile(r"[0-9a-f]{16}")
 
 
 def images_dir(settings: Settings) -> Path:
@@ -176,6 +178,49 @@ def _build_base(images: Path, key: str, sources: _keys.AptSources, say: Progress
         raise
 
 
+#: Finished images kept besides the newest: one, so a running sandbox's image survives a rebuild.
+KEEP_PREVIOUS = 1
+
+
+def _prune(images: Path, key: str, base: str) -> list[str]:
+    """Drop older default images (cache dir and podman tags) and unused bases.
+
+    Called with the lock held, after a new image is in place. An image a
+    container still uses stays (podman refuses; we never force).
+    """
+    olds = sorted(
+        (p for p in images.iterdir() if _HASH_RE.fullmatch(p.name) and p.name != key),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    keep = {key, *(p.name for p in olds[:KEEP_PREVIOUS])}
+    removed: list[str] = []
+    for entry in _podman.list_labelled(HASH_LABEL):
+        labels = entry.get("Labels")
+        old = str(labels.get(HASH_LABEL)) if isinstance(labels, dict) else ""
+        names = [str(n) for n in entry.get("Names") or [] if str(n).startswith(DEFAULT_REPO)]
+        if old in keep or not names or DEFAULT_IMAGE in names:
+            continue
+        try:
+            _podman.remove_names(names)
+        except ImageError as exc:
+            log.info("keeping an old image still in use", image=names, error=str(exc))
+            keep.add(old)
+            continue
+        removed += names
+    for p in olds:
+        if p.name not in keep:
+            safe_rmtree(p)
+            removed.append(str(p))
+    bases = images / "base"
+    if bases.is_dir():
+        for p in bases.iterdir():
+            if p.name != base:
+                safe_rmtree(p)
+                removed.append(str(p))
+    return removed
+
+
 def _import(root: Path, workdir: Path, key: str, base: str, uid: int, say: Progress) -> str:
     say("import: packing the root")
     tarball = workdir / f".tmp-import-{key}-{secrets.token_hex(4)}.tar"
@@ -295,5 +340,7 @@ def build_default(
             safe_rmtree(tmp)
             raise
         pid = _import(final / "rootfs", images, key, bkey, uid, say)
+        for gone in _prune(images, key, bkey):
+            say(f"prune: {gone}")
         say(f"done: {DEFAULT_IMAGE} ({key})")
         return ImageInfo(DEFAULT_IMAGE, key, final / "rootfs", pid, False)

@@ -76,6 +76,16 @@ REMOVED_DATA = (
     "/usr/libexec/dpkg",
     "/usr/share/dpkg",
 )
+#: What the sandbox's entrypoint, the agent and our guest programs run: all must resolve.
+ESSENTIAL = (
+    "/usr/bin/tini",
+    "/bin/sh",
+    "/bin/bash",
+    "/usr/bin/env",
+    "/usr/bin/git",
+    "/usr/bin/python3",
+    "/usr/bin/rg",
+)
 _MUST_BE_GONE = ("/var/lib/dpkg", "/var/lib/apt", "/etc/apt")
 _CAP_XATTR = "security.capability"
 
@@ -117,14 +127,14 @@ def _remove_package(root: Path, package: str, removed: list[str]) -> None:
         for line in lst.read_text(errors="replace").splitlines():
             if not line.startswith("/") or line == "/.":
                 continue
-            p = resolve_parent_in(root, line)
-            try:
-                st = p.lstat()
-            except FileNotFoundError:
+            # A listed "directory" may be a link to one (merged /usr: /lib → usr/lib);
+            # judge by what it resolves to, and never remove such a link.
+            full = resolve_in(root, line)
+            if full.is_dir():
+                dirs.append(full)
                 continue
-            if stat.S_ISDIR(st.st_mode):
-                dirs.append(p)
-            else:
+            p = resolve_parent_in(root, line)
+            if p.is_symlink() or p.exists():
                 _unlink(p, removed, root)
     # The package's own directories go when nothing else lives in them.
     for d in sorted(set(dirs), key=lambda p: len(p.parts), reverse=True):
@@ -283,8 +293,12 @@ def verify(
 
     if require_claude and not executable(CLAUDE_PATH):
         problems.append(f"Claude Code missing or not executable: {CLAUDE_PATH}")
-    if not executable("/usr/bin/tini"):
-        problems.append("tini missing: /usr/bin/tini")
+    for rel in ESSENTIAL:
+        if not executable(rel):
+            problems.append(f"essential program missing: {rel}")
+    for rel in ("/bin", "/sbin", "/lib", "/usr/lib", "/tmp", "/etc"):
+        if not resolve_in(root, rel).is_dir():
+            problems.append(f"essential directory missing: {rel}")
     passwd = resolve_in(root, "/etc/passwd")
     want = f":{sandbox_uid}:{sandbox_uid}:"
     if not passwd.is_file() or not any(

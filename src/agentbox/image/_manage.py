@@ -57,7 +57,12 @@ def list_images(settings: Settings) -> list[ImageInfo]:
     """Images agentbox built: each in podman (by id) and each kept root without one."""
     out: list[ImageInfo] = []
     seen: set[str] = set()
+    ids: set[str] = set()
     for entry in _podman.list_labelled(HASH_LABEL):
+        # podman lists an image once per tag; one row per image id.
+        if str(entry.get("Id")) in ids:
+            continue
+        ids.add(str(entry.get("Id")))
         labels = entry.get("Labels") or {}
         key = str(labels.get(HASH_LABEL)) if isinstance(labels, dict) else None
         names = _names(entry)

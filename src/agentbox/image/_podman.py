@@ -81,7 +81,8 @@ def import_tarball(tarball: Path, *, reference: str, changes: Sequence[str]) -> 
         res = _proc.run(argv, timeout=900)
     except CommandError as exc:
         raise ImageError(f"podman import of {tarball} failed: {exc}") from exc
-    return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+    out = res.stdout.strip().splitlines()
+    return out[-1].removeprefix("sha256:") if out else ""
 
 
 def tag(source: str, target: str) -> None:

@@ -1,0 +1,210 @@
+"""``agentbox doctor``: what this host supports, and how to fix each missing piece.
+
+Every row is a :class:`~agentbox._host.Facility` probe. The command exits 0 when
+the essentials are there (podman, runc, and what ``agentbox image build``
+needs); optional pieces (crun, gVisor, KVM, QEMU, bubblewrap) only widen the
+choice of backends and runtimes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from agentbox import _host, _proc
+from agentbox.config import Settings, load_settings
+from agentbox.errors import AgentboxError
+
+__all__ = ["Check", "checks", "register"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the doctor's table."""
+
+    facility: _host.Facility
+    essential: bool
+    status: str
+    """``ok``, ``missing``, ``refused`` (present but unusable here) or ``partial``."""
+
+    def as_dict(self) -> dict[str, Any]:
+        f = self.facility
+        return {
+            "name": f.name,
+            "ok": f.ok,
+            "status": self.status,
+            "essential": self.essential,
+            "detail": f.detail,
+            "fix": f.fix,
+        }
+
+
+def _row(fac: _host.Facility, *, essential: bool = False, present: bool | None = None) -> Check:
+    if fac.ok:
+        return Check(fac, essential, "ok")
+    return Check(fac, essential, "refused" if present else "missing")
+
+
+def _cgroups() -> _host.Facility:
+    mode = _host.cgroup_mode()
+    if mode == "v2":
+        return _host.Facility("cgroups", True, "v2 (unified)")
+    return _host.Facility(
+        "cgroups",
+        True,
+        f"{mode}: runc works; crun needs the unified (v2) hierarchy",
+        "boot with systemd.unified_cgroup_hierarchy=1 for crun",
+    )
+
+
+def _userns() -> _host.Facility:
+    try:
+        limit = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        limit = -1
+    if limit == 0:
+        return _host.Facility(
+            "user namespaces",
+            False,
+            "max_user_namespaces is 0",
+            "sysctl user.max_user_namespaces=15000",
+        )
+    if shutil.which("unshare") is None:
+        return _host.Facility(
+            "user namespaces", False, "unshare not installed", "apt-get install util-linux"
+        )
+    try:
+        _proc.run(["unshare", "--user", "--map-root-user", "true"], timeout=15)
+    except AgentboxError as exc:
+        return _host.Facility(
+            "user namespaces",
+            False,
+            f"unshare -U failed: {str(exc).splitlines()[-1]}",
+            "enable user namespaces (sysctl kernel.unprivileged_userns_clone=1)",
+        )
+    return _host.Facility("user namespaces", True, f"unshare -U works (max {limit})")
+
+
+def _kvm(settings: Settings) -> Check:
+    dev = Path("/dev/kvm")
+    if not dev.exists():
+        fac = _host.Facility(
+            "kvm", False, "no /dev/kvm", "enable virtualisation (or nested) and load kvm_intel/amd"
+        )
+        return _row(fac)
+    if not os.access(dev, os.R_OK | os.W_OK):
+        return _row(
+            _host.Facility("kvm", False, "/dev/kvm not writable", "run as root"), present=True
+        )
+    probe: Callable[[Settings], _host.Facility] | None = None
+    try:
+        probe = getattr(importlib.import_module("agentbox.backends.qemu"), "probe_kvm", None)
+    except ImportError:
+        probe = None
+    if probe is None:
+        fac = _host.Facility(
+            "kvm", True, "/dev/kvm present (presence only: the qemu backend's boot probe is absent)"
+        )
+        return Check(fac, False, "partial")
+    try:
+        fac = probe(settings)
+    except Exception as exc:  # a probe must not take the whole report down
+        fac = _host.Facility("kvm", False, f"/dev/kvm present; boot probe failed: {exc}", "")
+    return _row(fac, present=True)
+
+
+def _binary(name: str, binary: str, package: str, *, what: str = "") -> _host.Facility:
+    path = shutil.which(binary)
+    if path is None:
+        return _host.Facility(name, False, f"{binary} not installed", f"apt-get install {package}")
+    return _host.Facility(name, True, f"{path}{what}")
+
+
+def _apt_sources() -> _host.Facility:
+    from agentbox.image._keys import SUITE, host_apt_sources
+
+    try:
+        src = host_apt_sources()
+    except AgentboxError as exc:
+        return _host.Facility("apt sources", False, str(exc), f"add a Debian {SUITE} apt source")
+    return _host.Facility(
+        "apt sources", True, f"{SUITE} from " + ", ".join(str(p) for p in src.origin)
+    )
+
+
+def _image(settings: Settings) -> _host.Facility:
+    from agentbox.image import resolve
+
+    try:
+        info = resolve(settings)
+    except AgentboxError as exc:
+        return _host.Facility("image", False, str(exc), "agentbox image build")
+    extra = f", hash {info.hash}" if info.hash else ""
+    root = f", root dir {info.rootfs}" if info.rootfs else ""
+    return _host.Facility("image", True, f"{info.name}{extra}{root}")
+
+
+def checks(settings: Settings) -> list[Check]:
+    """Probe everything the doctor reports, in display order."""
+    pod = _host.podman()
+    out = [_row(pod, essential=True)]
+    for rt in ("runc", "crun", "runsc"):
+        fac = _host.podman_runtime(rt)
+        if rt == "runsc" and fac.ok:
+            fac = _host.Facility(
+                fac.name, True, f"{fac.detail} (gVisor; network off at the runsc level)"
+            )
+        out.append(_row(fac, essential=rt == "runc", present=shutil.which(rt) is not None))
+    out.append(_row(_cgroups()))
+    out.append(_row(_userns()))
+    out.append(_kvm(settings))
+    out.append(_row(_host.qemu(settings.qemu_binary)))
+    out.append(_row(_binary("bubblewrap", "bwrap", "bubblewrap")))
+    out.append(_row(_binary("mmdebstrap", "mmdebstrap", "mmdebstrap"), essential=True))
+    out.append(_row(_apt_sources(), essential=True))
+    out.append(_row(_host.claude_code(settings.claude_binary)))
+    out.append(_row(_image(settings)))
+    return out
+
+
+_STYLE = {"ok": "green", "partial": "yellow", "missing": "red", "refused": "red"}
+
+
+def doctor(as_json: bool = typer.Option(False, "--json", help="Print JSON")) -> None:
+    """Report what this host supports, with a fix for each missing piece."""
+    rows = checks(load_settings())
+    ok = all(r.facility.ok for r in rows if r.essential)
+    if as_json:
+        print(json.dumps({"ok": ok, "checks": [r.as_dict() for r in rows]}))
+    else:
+        table = Table("facility", "status", "detail", "fix")
+        for r in rows:
+            f = r.facility
+            status = f"[{_STYLE[r.status]}]{r.status}[/]" + ("" if not r.essential else " *")
+            if r.essential and not f.ok:
+                status = f"[bold red]{r.status} *[/]"
+            table.add_row(f.name, status, f.detail, f.fix if not f.ok or f.fix else "")
+        console = Console()
+        console.print(table)
+        console.print(
+            "[green]essentials present[/green] (* = essential: podman, runc, image tooling)"
+            if ok
+            else "[red]an essential piece is missing[/red] (* = essential)"
+        )
+    if not ok:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``agentbox doctor`` to the CLI."""
+    app.command("doctor")(doctor)
