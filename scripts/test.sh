@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/agentbox image build
 # podman, QEMU and Claude Code are installed by setup.sh: their tests must run, not skip.
 export AGENTBOX_REQUIRE=${AGENTBOX_REQUIRE-podman,qemu,claude}
 .venv/bin/ruff check src tests bench
