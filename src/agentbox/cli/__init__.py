@@ -27,7 +27,7 @@ app = typer.Typer(
 )
 
 #: Modules under agentbox.cli that each define ``register(app)``.
-COMMAND_MODULES: tuple[str, ...] = ("_mcp", "_tasks", "_gateway", "_image", "_doctor")
+COMMAND_MODULES: tuple[str, ...] = ("_mcp", "_tasks", "_gateway", "_image", "_doctor", "_sandbox")
 
 err_console = Console(stderr=True)
 
