@@ -1,0 +1,394 @@
+"""Run the escape suite on one backend/runtime: a real sandbox, probes inside, checks outside.
+
+The sequence (one sandbox start for the real run):
+
+1. the host plants its fixture (:class:`~agentbox.escape._fixtures.Fixture`);
+2. the backend creates a sandbox with the workspace, the gateway dir and one
+   read-only declared mount;
+3. the probe program (:mod:`agentbox.guest.probe`, sent as ``python3 -c``: no
+   copy needed, works on every backend) runs every inside probe and prints JSON,
+   which is parsed defensively (it comes from the sandbox);
+4. the host reads the sandbox's processes (every thread) for capabilities,
+   no_new_privs, seccomp, uids, the uid map, namespaces and cgroup limits;
+5. the sandbox fork-bombs itself while the host measures its own latency;
+6. the sandbox is destroyed, the fixture removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.backends.base import Backend, BindMount, Sandbox, SandboxSpec
+from agentbox.boxfile import Resources
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, SandboxError
+from agentbox.escape import _hostcheck as hc
+from agentbox.escape._fixtures import RO_TARGET, Fixture
+from agentbox.escape._model import Outcome, ProbeSpec, Report, Status
+from agentbox.escape._registry import PROBES
+
+__all__ = [
+    "FORKBOMB_TARGET",
+    "LATENCY_LIMIT",
+    "HostView",
+    "host_outcomes",
+    "inside_outcomes",
+    "probe_source",
+    "run_probe_program",
+    "run_real",
+    "sandbox_pids",
+]
+
+log = get_logger("escape")
+
+#: Children the fork bomb tries to make: well above the default pids limit (512).
+FORKBOMB_TARGET = 900
+#: Largest oversleep (seconds) of a 5 ms host sleep loop we accept during the fork bomb.
+LATENCY_LIMIT = 0.5
+#: The limits the real sandbox is given (small memory: the suite needs little).
+SUITE_RESOURCES = Resources(cpus=1.0, memory=512 * 1024**2, pids=512, nofile=4096)
+
+
+def probe_source() -> str:
+    """The in-sandbox probe program's source text."""
+    return resources.files("agentbox.guest").joinpath("probe.py").read_text()
+
+
+class _Execs(Protocol):
+    def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Any = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        on_stdout: Any = None,
+        on_stderr: Any = None,
+    ) -> Any: ...
+
+
+def _parse_json(raw: bytes, what: str) -> dict[str, Any]:
+    """The last JSON object line of ``raw`` (untrusted: bounded, shape-checked)."""
+    text = raw[-4 * 1024 * 1024 :].decode(errors="replace")
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(data, dict):
+                return data
+    raise SandboxError(f"{what}: no JSON in its output: {text[-300:]!r}")
+
+
+def run_probe_program(
+    box: _Execs, config: dict[str, object], args: Sequence[str] = (), timeout: float = 240.0
+) -> dict[str, Any]:
+    """Run the probe program in ``box`` with ``config`` on stdin; return its parsed JSON."""
+    res = box.exec(
+        ["python3", "-I", "-S", "-c", probe_source(), *args],
+        stdin=json.dumps(config).encode(),
+        timeout=timeout,
+    )
+    if getattr(res, "timed_out", False):
+        raise SandboxError(f"the probe program timed out after {timeout:g}s")
+    return _parse_json(res.stdout, f"probe program (exit {res.exit_code}, {res.stderr[-300:]!r})")
+
+
+def _outcome(spec: ProbeSpec, status: Status, seen: str) -> Outcome:
+    return Outcome(spec.id, spec.where, spec.tried, spec.expected, seen[:400], status)
+
+
+def inside_outcomes(data: dict[str, Any]) -> list[Outcome]:
+    """Turn the probe program's JSON into outcomes; a probe it did not answer is an error."""
+    results = data.get("results")
+    results = results if isinstance(results, dict) else {}
+    out = []
+    for spec in PROBES:
+        if spec.where != "inside":
+            continue
+        r = results.get(spec.id)
+        if not isinstance(r, dict) or "ok" not in r:
+            out.append(_outcome(spec, "error", "the probe program gave no answer"))
+            continue
+        ok, seen = r.get("ok"), str(r.get("seen", ""))
+        status: Status = "n/a" if ok is None else "pass" if ok is True else "fail"
+        if r.get("error"):
+            status = "error"
+        out.append(_outcome(spec, status, seen))
+    return out
+
+
+def sandbox_pids(box: Sandbox, backend_name: str) -> list[int]:
+    """Host pids of every process of ``box``: its ``host_pids()`` if it has one (microVMs
+
+    expose their VMM this way), else podman's init pid and the rest of its cgroup.
+    """
+    getter = getattr(box, "host_pids", None)
+    if callable(getter):
+        pids = [int(p) for p in getter()]
+        return sorted({q for p in pids for q in hc.cgroup_pids(p)})
+    if backend_name != "podman":
+        raise SandboxError(f"backend {backend_name} exposes no host pids", sandbox=box.name)
+    res = _proc.run(["podman", "inspect", "--format", "{{.State.Pid}}", box.name], timeout=30)
+    init = int(res.stdout.strip() or "0")
+    if init <= 0:
+        raise SandboxError("podman reports no pid for it (not running?)", sandbox=box.name)
+    return hc.cgroup_pids(init)
+
+
+class HostView:
+    """What the host expects of a sandbox's processes, per backend/runtime."""
+
+    def __init__(self, *, runtime: str, mapped_uid: int, pids_max: int, memory: int) -> None:
+        self.runtime = runtime
+        self.mapped_uid = mapped_uid
+        self.pids_max = pids_max
+        self.memory = memory
+
+
+def _host_userns() -> str:
+    return os.readlink("/proc/self/ns/user")
+
+
+def _in_host_userns(pid: int) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/user") == _host_userns()
+    except OSError:
+        return True  # unreadable: assume the worst
+
+
+def host_outcomes(pids: list[int], view: HostView) -> list[Outcome]:
+    """Read every thread of ``pids`` and the cgroup limits; one outcome per host probe."""
+    specs = {p.id: p for p in PROBES if p.where == "host"}
+    threads = hc.read_threads(pids)
+    out: list[Outcome] = []
+
+    def add(pid: str, ok: bool | None, seen: str) -> None:
+        status: Status = "n/a" if ok is None else "pass" if ok else "fail"
+        out.append(_outcome(specs[pid], status, seen))
+
+    if not threads:
+        for pid in (
+            "host.caps_effective", "host.caps_bounding", "host.no_new_privs",
+            "host.seccomp", "host.uid",
+        ):  # fmt: skip
+            add(pid, False, f"no readable thread among pids {pids}")
+    else:
+        n = len(threads)
+        # Capabilities only matter where they are effective: in the host's user namespace.
+        # gVisor's sentry and gofer hold some inside user namespaces of their own.
+        host_ns = {t.pid: _in_host_userns(t.pid) for t in threads}
+        eff = [t for t in threads if (t.cap_eff or t.cap_prm) and host_ns[t.pid]]
+        own = sorted(
+            {f"{t.name}:{t.cap_eff:#x}" for t in threads if t.cap_eff and not host_ns[t.pid]}
+        )
+        note = f"; in own user namespaces only: {own}" if own else ""
+        add(
+            "host.caps_effective",
+            not eff,
+            f"{len(eff)}/{n} threads with host capabilities"
+            + (f" e.g. {eff[0].name}:{eff[0].cap_eff:#x}" if eff else "")
+            + note,
+        )
+        bnd = [t for t in threads if t.cap_bnd and host_ns[t.pid]]
+        add(
+            "host.caps_bounding",
+            not bnd,
+            f"{len(bnd)}/{n} threads with a bounding set in the host user namespace"
+            + (f" e.g. {bnd[0].name}:{bnd[0].cap_bnd:#x}" if bnd else ""),
+        )
+        nnp = [t for t in threads if t.no_new_privs != 1]
+        add("host.no_new_privs", not nnp, f"{n - len(nnp)}/{n} threads NoNewPrivs=1")
+        sec = [t for t in threads if t.seccomp != 2]
+        add("host.seccomp", not sec, f"{n - len(sec)}/{n} threads Seccomp=2")
+        me = {os.getuid(), int(os.environ.get("SUDO_UID", os.getuid()))}
+        uids = sorted({u for t in threads for u in t.uids})
+        bad = [u for u in uids if u == 0 or u in me]
+        if view.runtime == "runsc":
+            ok = not bad
+            want = "not 0 / not yours (gVisor: sentry as nobody, gofer as mapped root)"
+        else:
+            ok = not bad and uids == [view.mapped_uid]
+            want = f"only {view.mapped_uid}"
+        add("host.uid", ok, f"host uids {uids} (want {want})")
+    init = pids[0] if pids else 0
+    add_uid_map(add, pids, view)
+    for kind in ("net", "pid", "ipc", "uts", "user", "cgroup"):
+        results = [hc.namespace_differs(p, kind) for p in pids]
+        own = bool(results) and all(r[0] for r in results)
+        seen = results[0][1] if results else "no process"
+        if not own and results:
+            seen = next(r[1] for r in results if not r[0])
+        add(f"host.ns_{kind}", own, seen)
+    add_limits(add, init, view)
+    return out
+
+
+def add_uid_map(
+    add: Callable[[str, bool | None, str], None], pids: list[int], view: HostView
+) -> None:
+    """The uid map: no range may reach host uid 0, and (runc) the sandbox uid is the mapped one."""
+    rows: list[str] = []
+    ok = bool(pids)
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/uid_map").read_text().split("\n")
+        except OSError:
+            continue
+        for line in text:
+            f = line.split()
+            if len(f) != 3:
+                continue
+            inside, outside, count = (int(x) for x in f)
+            row = f"{inside}->{outside}x{count}"
+            if row not in rows:
+                rows.append(row)
+            if outside == 0:
+                ok = False
+    add("host.uid_map", ok and bool(rows), "uid maps: " + ", ".join(rows[:6]))
+
+
+def add_limits(add: Callable[[str, bool | None, str], None], init: int, view: HostView) -> None:
+    """pids.max and the memory limit of the sandbox's cgroup, read from the host."""
+    d = hc.cgroup_dir(init, "pids")
+    val = ""
+    with contextlib.suppress(OSError):
+        if d is not None:
+            val = (d / "pids.max").read_text().strip()
+    ok = val.isdigit() and int(val) <= view.pids_max
+    add("host.pids_limit", ok, f"pids.max={val or '?'} (want <= {view.pids_max}) in {d}")
+    m = hc.cgroup_dir(init, "memory")
+    mem = ""
+    with contextlib.suppress(OSError):
+        if m is not None:
+            name = (
+                "memory.limit_in_bytes" if (m / "memory.limit_in_bytes").exists() else "memory.max"
+            )
+            mem = (m / name).read_text().strip()
+    okm = mem.isdigit() and int(mem) <= view.memory
+    add("host.memory_limit", okm, f"memory limit={mem or '?'} (want <= {view.memory})")
+
+
+def forkbomb_outcomes(box: _Execs, view: HostView, target: int = FORKBOMB_TARGET) -> list[Outcome]:
+    """Fork-bomb inside while a host thread measures its own latency."""
+    specs = {p.id: p for p in PROBES}
+    meter = hc.LatencyMeter()
+    meter.start()
+    err = ""
+    data: dict[str, Any] = {}
+    try:
+        data = run_probe_program(box, {}, ["--forkbomb", str(target), "--hold", "3"], 120)
+    except AgentboxError as exc:
+        err = str(exc)
+    finally:
+        meter.stop()
+    fb = data.get("forkbomb") if isinstance(data.get("forkbomb"), dict) else None
+    out = []
+    if fb is None:
+        out.append(_outcome(specs["host.forkbomb_contained"], "error", f"no answer: {err[:300]}"))
+    else:
+        forked = int(fb.get("forked", 0))
+        ok = forked < target and forked <= view.pids_max
+        seen = f"forked {forked}/{target} children, then {fb.get('error') or 'no error'}"
+        out.append(_outcome(specs["host.forkbomb_contained"], "pass" if ok else "fail", seen))
+    out.append(latency_outcome(meter))
+    return out
+
+
+def latency_outcome(meter: hc.LatencyMeter) -> Outcome:
+    """The host's worst oversleep against :data:`LATENCY_LIMIT`."""
+    spec = next(p for p in PROBES if p.id == "host.forkbomb_latency")
+    ok = bool(meter.samples) and meter.worst < LATENCY_LIMIT
+    seen = (
+        f"{len(meter.samples)} samples of a 5 ms sleep: worst +{meter.worst * 1000:.0f} ms, "
+        f"p99 +{meter.p99 * 1000:.0f} ms (limit {LATENCY_LIMIT * 1000:.0f} ms)"
+    )
+    return _outcome(spec, "pass" if ok else "fail", seen)
+
+
+def kernel_outcome(box: _Execs, runtime: str, backend_name: str) -> Outcome:
+    """Own kernel: release and boot id inside vs the host's (n/a on runc/crun: shared by design)."""
+    spec = next(p for p in PROBES if p.id == "host.own_kernel")
+    res = box.exec(
+        ["python3", "-I", "-S", "-c",
+         "import os;print(os.uname().release);print(open('/proc/sys/kernel/random/boot_id').read())"],
+        timeout=30,
+    )  # fmt: skip
+    lines = res.stdout.decode(errors="replace").split()
+    rel, boot = (lines + ["?", "?"])[:2]
+    host_rel = os.uname().release
+    host_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    differs = rel != host_rel and boot != host_boot
+    seen = f"inside {rel} boot {boot[:8]}; host {host_rel} boot {host_boot[:8]}"
+    if backend_name == "podman" and runtime in ("runc", "crun"):
+        return _outcome(spec, "n/a", f"container-only runtime shares the host kernel: {seen}")
+    return _outcome(spec, "pass" if differs else "fail", seen)
+
+
+def real_spec(
+    fx: Fixture, settings: Settings, image: str, runtime: str, isolation: str
+) -> SandboxSpec:
+    """The sandbox the real run uses: workspace, gateway dir, one read-only declared mount."""
+    return SandboxSpec(
+        name=f"agentbox-escape-{fx.marker_nonce[-12:]}",
+        image=image,
+        runtime=runtime,  # type: ignore[arg-type]
+        isolation=isolation,  # type: ignore[arg-type]
+        resources=SUITE_RESOURCES,
+        mounts=(BindMount(fx.ro_dir, RO_TARGET, read_only=True),),
+        workspace=fx.workspace,
+        gateway_dir=fx.gateway_dir,
+        deadline=600.0,
+        uid=settings.sandbox_uid,
+    )
+
+
+def run_real(
+    backend: Backend,
+    settings: Settings,
+    fx: Fixture,
+    *,
+    image: str,
+    runtime: str,
+    isolation: str,
+) -> tuple[list[Outcome], dict[str, object]]:
+    """Start one real sandbox, run every probe, destroy it. Returns outcomes and facts."""
+    spec = real_spec(fx, settings, image, runtime, isolation)
+    backend.check(spec)
+    facts: dict[str, object] = {}
+    view = HostView(
+        runtime=runtime,
+        mapped_uid=settings.sandbox_host_uid,
+        pids_max=spec.resources.pids,
+        memory=spec.resources.memory,
+    )
+    t0 = time.monotonic()
+    box = backend.create(spec)
+    facts["start_seconds"] = round(time.monotonic() - t0, 2)
+    try:
+        cfg = fx.probe_config(uid=spec.uid, pids_max=spec.resources.pids)
+        data = run_probe_program(box, cfg)
+        facts["kernel_inside"] = str(data.get("kernel", "?"))[:80]
+        facts["probe_seconds"] = data.get("seconds")
+        outcomes = inside_outcomes(data)
+        pids = sandbox_pids(box, backend.name)
+        facts["host_pids"] = len(pids)
+        outcomes += host_outcomes(pids, view)
+        outcomes.append(kernel_outcome(box, runtime, backend.name))
+        outcomes += forkbomb_outcomes(box, view)
+    finally:
+        box.destroy()
+    order = {p.id: i for i, p in enumerate(PROBES)}
+    outcomes.sort(key=lambda o: order.get(o.id, 999))
+    return outcomes, facts

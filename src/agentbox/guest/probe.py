@@ -1,0 +1,1275 @@
+#!/usr/bin/env python3
+"""The escape suite's in-sandbox probe program (stdlib only, python3 >= 3.9).
+
+One invocation runs every inside probe and prints one JSON object on stdout::
+
+    {"probe_version": 1, "results": {"<probe id>": {"ok": true|false|null, "seen": "..."}}}
+
+``ok`` is True when confinement held, False when the probe found a way out
+(the escape suite calls that "fired"), None when the probe does not apply here
+(e.g. the kernel has no ``/proc/kcore``); ``seen`` says what was observed.
+
+The configuration (nonces, host ports, paths planted by the host) arrives as
+JSON on stdin, never on the command line. Each probe runs in a forked child
+with a hard time limit, so a probe that blocks (a connect, a read of a
+device) is killed and reported, never hangs the run. Nothing here writes to a
+host-shared place except inside ``/tmp``; writable kernel files are only
+*opened* for writing, never written, so running this on a weakened sandbox
+(the positive controls) changes nothing on the host.
+
+``--forkbomb N`` instead forks up to N sleeping children, reports how many it
+got, and kills them: the host measures its own latency meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import re
+import select
+import signal
+import socket
+import stat
+import sys
+import time
+
+PROBE_VERSION = 1
+PER_PROBE_TIMEOUT = 8.0
+
+# Syscall numbers and flags (x86_64).
+SYS_ADD_KEY = 248
+SYS_KEYCTL = 250
+SYS_REQUEST_KEY = 249
+KEY_SPEC_SESSION_KEYRING = -3
+KEY_SPEC_USER_KEYRING = -4
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUSER = 0x10000000
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+PTRACE_ATTACH = 16
+PTRACE_DETACH = 17
+TIOCSTI = 0x5412
+PSEUDO_FS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "mqueue", "securityfs", "debugfs"}
+
+CFG: dict = {}
+_libc = None
+
+
+def libc():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    return _libc
+
+
+def err(e):
+    """A short name for an OSError or errno value."""
+    n = e.errno if isinstance(e, OSError) else int(e)
+    return errno.errorcode.get(n or 0, str(n))
+
+
+def read(path, limit=65536):
+    with open(path, "rb") as f:
+        return f.read(limit)
+
+
+def status_fields(path):
+    out = {}
+    for line in read(path).decode(errors="replace").splitlines():
+        k, _, v = line.partition(":")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def mountinfo():
+    """[(target, fstype, mount options, super options, root)] of this mount namespace."""
+    rows = []
+    for line in read("/proc/self/mountinfo", 1 << 20).decode(errors="replace").splitlines():
+        left, _, right = line.partition(" - ")
+        f = left.split()
+        r = right.split()
+        if len(f) < 6 or len(r) < 3:
+            continue
+        target = f[4].replace("\\040", " ")
+        rows.append((target, r[0], f[5].split(","), r[2].split(","), f[3]))
+    return rows
+
+
+WALK_CUT = []
+
+
+def walk(top, budget, skip=("/proc", "/sys", "/dev")):
+    """Yield (path, lstat) below ``top`` without following links; stops after ``budget`` seconds
+
+    (and notes the cut in ``WALK_CUT``, so a probe can say its search was partial).
+    """
+    deadline = time.monotonic() + budget
+    stack = [top]
+    while stack:
+        if time.monotonic() > deadline:
+            WALK_CUT.append(top)
+            return
+        d = stack.pop()
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for n in names:
+            p = os.path.join(d, n)
+            if p in skip:
+                continue
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            yield p, st
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(p)
+
+
+def try_open_write(path):
+    """Open ``path`` for writing and close it at once: never writes a byte."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:
+        return False, err(e)
+    os.close(fd)
+    return True, "opened for writing"
+
+
+def mount(src, target, fstype, flags=0, data=None):
+    r = libc().mount(
+        src.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+        data.encode() if data else None,
+    )  # fmt: skip
+    return r == 0, err(ctypes.get_errno()) if r != 0 else "mounted"
+
+
+def in_child_ns(flags, fn):
+    """Run ``fn`` in a forked child after unshare(flags); return (unshared, fn's result)."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(rfd)
+            r = libc().unshare(flags)
+            res = {"unshare": r == 0, "errno": err(ctypes.get_errno()) if r else ""}
+            if r == 0:
+                res["result"] = fn()
+            os.write(wfd, json.dumps(res).encode())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    data = b""
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        ready, _, _ = select.select([rfd], [], [], 0.2)
+        if ready:
+            chunk = os.read(rfd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    os.close(rfd)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    os.waitpid(pid, 0)
+    try:
+        return json.loads(data.decode())
+    except ValueError:
+        return {"unshare": False, "errno": "no answer"}
+
+
+PROBES = {}
+
+
+def probe(pid):
+    def deco(fn):
+        PROBES[pid] = fn
+        return fn
+
+    return deco
+
+
+def result(ok, seen):
+    return {"ok": ok, "seen": str(seen)[:400]}
+
+
+# -- identity and privileges ------------------------------------------------
+
+
+def _threads_field(field):
+    vals = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            vals[tid] = status_fields(f"/proc/self/task/{tid}/status").get(field, "?")
+        except OSError:
+            continue
+    return vals
+
+
+@probe("caps.effective")
+def p_capeff():
+    seen = {}
+    for f in ("CapEff", "CapPrm", "CapAmb"):
+        seen.update({f"{f}": v for v in _threads_field(f).values()})
+    ok = all(int(v, 16) == 0 for v in seen.values())
+    return result(ok, " ".join(f"{k}={v}" for k, v in seen.items()))
+
+
+@probe("caps.bounding")
+def p_capbnd():
+    vals = set(_threads_field("CapBnd").values())
+    return result(all(int(v, 16) == 0 for v in vals), "CapBnd=" + ",".join(sorted(vals)))
+
+
+@probe("privs.no_new_privs")
+def p_nnp():
+    vals = set(_threads_field("NoNewPrivs").values())
+    return result(vals == {"1"}, "NoNewPrivs=" + ",".join(sorted(vals)))
+
+
+@probe("privs.seccomp")
+def p_seccomp():
+    vals = set(_threads_field("Seccomp").values())
+    return result(vals == {"2"}, "Seccomp=" + ",".join(sorted(vals)))
+
+
+@probe("identity.uid")
+def p_uid():
+    want = int(CFG.get("uid", 64000))
+    ids = (os.getuid(), os.geteuid(), os.getgid(), os.getegid())
+    groups = os.getgroups()
+    ok = all(i == want for i in ids) and all(g == want for g in groups)
+    return result(ok, f"uid/euid/gid/egid={ids} groups={groups}")
+
+
+@probe("identity.uid_map")
+def p_uid_map():
+    text = read("/proc/self/uid_map").decode().strip()
+    rows = [line.split() for line in text.splitlines()]
+    # A map whose outside start is 0 makes some sandbox uid the host's root.
+    ok = bool(rows) and all(len(r) == 3 and int(r[1]) != 0 for r in rows)
+    return result(ok, "uid_map: " + "; ".join(" ".join(r) for r in rows))
+
+
+# -- network -------------------------------------------------------------------
+
+
+@probe("net.only_lo")
+def p_ifaces():
+    names = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
+    if not names:
+        lines = read("/proc/net/dev").decode().splitlines()[2:]
+        names = sorted(line.split(":")[0].strip() for line in lines)
+    return result(names == ["lo"], "interfaces: " + ",".join(names))
+
+
+def routable(addr, port, proto=socket.SOCK_STREAM, timeout=1.5):
+    """(left the sandbox?, what happened) for one connect attempt."""
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    s = socket.socket(fam, proto)
+    s.settimeout(timeout)
+    try:
+        s.connect((addr, port))
+        if proto == socket.SOCK_DGRAM:
+            s.send(b"\0")
+        return True, "connected"
+    except TimeoutError:
+        return True, "timed out (packets left: there is a route)"
+    except OSError as e:
+        # Unreachable or refused-by-policy means no route; anything else means a route exists.
+        if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EACCES, errno.EPERM,
+                       errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # fmt: skip
+            return False, err(e)
+        return True, err(e)
+    finally:
+        s.close()
+
+
+def nameservers():
+    out = []
+    try:
+        for line in read("/etc/resolv.conf").decode(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver":
+                out.append(parts[1].split("%")[0])
+    except OSError:
+        pass
+    return out
+
+
+@probe("net.dns")
+def p_dns():
+    seen = []
+    fired = False
+    for ns in nameservers()[:3] or ["9.9.9.9"]:
+        if ns.startswith("127."):
+            continue
+        left, what = routable(ns, 53, socket.SOCK_DGRAM)
+        fired |= left
+        seen.append(f"udp {ns}:53 {what}")
+    socket.setdefaulttimeout(2)
+    try:
+        addrs = socket.getaddrinfo(CFG.get("dns_name", "example.com"), 443)
+        fired = True
+        seen.append(f"resolved to {addrs[0][4][0]}")
+    except OSError as e:
+        seen.append(f"getaddrinfo: {e}")
+    return result(not fired, "; ".join(seen))
+
+
+@probe("net.https")
+def p_https():
+    seen = []
+    fired = False
+    for addr in CFG.get("internet_addrs", ["1.1.1.1", "8.8.8.8"]):
+        left, what = routable(addr, 443)
+        fired |= left
+        seen.append(f"{addr}:443 {what}")
+    return result(not fired, "; ".join(seen))
+
+
+@probe("net.metadata")
+def p_metadata():
+    seen = []
+    fired = False
+    for addr in ("169.254.169.254", "169.254.170.2", "fd00:ec2::254"):
+        left, what = routable(addr, 80)
+        fired |= left
+        seen.append(f"{addr}:80 {what}")
+    return result(not fired, "; ".join(seen))
+
+
+@probe("net.host_loopback")
+def p_loopback():
+    ports = [int(p) for p in CFG.get("host_ports", [])]
+    hosts = CFG.get("host_names", ["127.0.0.1", "localhost", "host.containers.internal"])
+    reached = []
+    tried = 0
+    for h in hosts:
+        try:
+            addrs = {a[4][0] for a in socket.getaddrinfo(h, None, socket.AF_INET)}
+        except OSError:
+            continue
+        for a in addrs:
+            for port in ports:
+                tried += 1
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.settimeout(0.5)
+                try:
+                    s.connect((a, port))
+                    reached.append(f"{h}({a}):{port}")
+                except OSError:
+                    pass
+                finally:
+                    s.close()
+    if not ports:
+        return result(None, "no host ports given")
+    if reached:
+        return result(False, "reached host listeners: " + ",".join(reached[:8]))
+    return result(True, f"{tried} connects to {len(ports)} host ports on {hosts}: none answered")
+
+
+@probe("net.host_abstract_socket")
+def p_abstract():
+    name = CFG.get("abstract_name", "")
+    if not name:
+        return result(None, "no host abstract socket given")
+    seen = []
+    fired = False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1)
+    try:
+        s.connect("\0" + name)
+        fired = True
+        seen.append(f"connected to @{name}")
+    except OSError as e:
+        seen.append(f"connect @{name}: {err(e)}")
+    finally:
+        s.close()
+    try:
+        listed = [
+            line.split()[-1]
+            for line in read("/proc/net/unix", 1 << 22).decode(errors="replace").splitlines()[1:]
+            if line.split() and line.split()[-1].startswith("@")
+        ]
+    except OSError:
+        listed = []
+    host_like = [n for n in listed if name in n or "containerd" in n or "/run/" in n]
+    if host_like:
+        fired = True
+    seen.append(f"{len(listed)} abstract sockets listed, host-like: {host_like[:5]}")
+    return result(not fired, "; ".join(seen))
+
+
+# -- filesystem ------------------------------------------------------------------
+
+
+def refuses_create(directory):
+    path = os.path.join(directory, f".agentbox-probe-{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        return True, f"{directory}: {err(e)}"
+    os.close(fd)
+    os.unlink(path)
+    return False, f"{directory}: created a file"
+
+
+@probe("fs.root_readonly")
+def p_root_ro():
+    outs = [refuses_create(d) for d in ("/", "/etc", "/var", "/root", "/opt")]
+    return result(all(o[0] for o in outs), "; ".join(o[1] for o in outs))
+
+
+@probe("fs.usr_readonly")
+def p_usr_ro():
+    outs = [refuses_create(d) for d in ("/usr", "/usr/bin", "/usr/lib", "/usr/local/bin")]
+    return result(all(o[0] for o in outs), "; ".join(o[1] for o in outs))
+
+
+def cannot_overwrite(path):
+    """(True if every way of replacing ``path`` failed, what happened)."""
+    if not os.path.exists(path):
+        return None, f"{path} absent"
+    seen = []
+    ok = True
+    w, what = try_open_write(path)
+    if w:
+        ok = False
+    seen.append(f"open-w {what}")
+    d = os.path.dirname(path)
+    created, what = refuses_create(d)
+    ok &= created
+    seen.append(what)
+    try:
+        os.chmod(path, os.stat(path).st_mode)
+        ok = False
+        seen.append("chmod allowed")
+    except OSError as e:
+        seen.append(f"chmod {err(e)}")
+    return ok, f"{path}: " + ", ".join(seen)
+
+
+@probe("fs.guest_programs_immutable")
+def p_opt():
+    base = CFG.get("guest_dir", "/opt/agentbox")
+    if not os.path.isdir(base):
+        return result(None, f"{base} absent")
+    outs = [cannot_overwrite(os.path.join(base, n)) for n in sorted(os.listdir(base))[:20]]
+    outs = [o for o in outs if o[0] is not None] or [cannot_overwrite(base + "/.")]
+    return result(all(o[0] for o in outs), "; ".join(o[1] for o in outs)[:400])
+
+
+@probe("fs.agent_binary_immutable")
+def p_claude():
+    cands = [os.path.join(d, "claude") for d in os.environ.get("PATH", "").split(":") if d] + [
+        "/usr/local/bin/claude",
+        "/opt/claude/claude",
+        "/usr/bin/claude",
+    ]
+    found = []
+    for c in cands:
+        if os.path.exists(c):
+            real = os.path.realpath(c)
+            if real not in found:
+                found.append(real)
+    if not found:
+        return result(None, "no claude binary in this image")
+    outs = [cannot_overwrite(p) for p in found]
+    return result(all(o[0] for o in outs), "; ".join(o[1] for o in outs))
+
+
+def sockets_below(roots, budget=3.0):
+    out = []
+    for r in roots:
+        for p, st in walk(r, budget):
+            if stat.S_ISSOCK(st.st_mode):
+                out.append(p)
+    return out
+
+
+@probe("fs.no_container_socket")
+def p_container_sock():
+    known = [
+        "/var/run/docker.sock", "/run/docker.sock", "/run/podman/podman.sock",
+        "/var/run/podman/podman.sock", "/run/containerd/containerd.sock",
+        "/var/run/crio/crio.sock", "/run/user/0/podman/podman.sock", "/var/run/cri-dockerd.sock",
+    ]  # fmt: skip
+    present = [k for k in known if os.path.exists(k)]
+    env = [k for k in ("DOCKER_HOST", "CONTAINER_HOST") if k in os.environ]
+    names = [s for s in sockets_below(["/run", "/var/run", "/tmp", "/home"]) if re.search(
+        r"(docker|podman|containerd|crio|libpod)", s)]  # fmt: skip
+    bad = present + env + names
+    return result(not bad, "found: " + ",".join(bad) if bad else "no engine socket or env")
+
+
+@probe("fs.launcher_socket_hidden")
+def p_launcher_sock():
+    allowed = set(CFG.get("allowed_sockets", []))
+    roots = sorted({m[0] for m in mountinfo() if m[1] not in PSEUDO_FS and m[0] != "/dev"})
+    found = [s for s in sockets_below(roots, 4.0) if s not in allowed]
+    named = CFG.get("launcher_socket")
+    if named and os.path.exists(named):
+        found.append(named)
+    return result(not found, "unexpected sockets: " + ",".join(found[:8]) if found else
+                  f"only allowed sockets ({sorted(allowed)}) under {len(roots)} mounts")  # fmt: skip
+
+
+@probe("image.no_package_manager")
+def p_pkg():
+    tools = ["apt", "apt-get", "dpkg", "apk", "yum", "dnf", "microdnf", "rpm", "pacman", "zypper"]
+    return _which(tools)
+
+
+@probe("image.no_su_sudo")
+def p_su():
+    return _which(["su", "sudo", "doas", "pkexec"])
+
+
+def _which(tools):
+    dirs = set(os.environ.get("PATH", "").split(":")) | {
+        "/bin", "/sbin", "/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"}  # fmt: skip
+    found = sorted({os.path.join(d, t) for d in dirs for t in tools
+                    if d and os.path.lexists(os.path.join(d, t))})  # fmt: skip
+    return result(not found, "found: " + ",".join(found) if found else "none of " + ",".join(tools))
+
+
+@probe("image.no_setuid")
+def p_setuid():
+    found = []
+    roots = sorted({m[0] for m in mountinfo() if m[1] not in PSEUDO_FS})
+    roots = [r for r in roots if not r.startswith(("/proc", "/sys", "/dev"))]
+    for p, st in walk("/", 6.0):
+        if stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+            found.append(p)
+    cut = f" (search cut at {WALK_CUT})" if WALK_CUT else ""
+    return result(not found, f"setuid/setgid: {found[:10]}{cut}" if found else
+                  f"none under / ({len(roots)} mounts){cut}")  # fmt: skip
+
+
+@probe("fs.declared_mounts_only")
+def p_mounts():
+    allowed = CFG.get("allowed_mounts")
+    if allowed is None:
+        return result(None, "no mount allow-list given")
+    prefixes = tuple(CFG.get("allowed_mount_prefixes", ["/proc/", "/sys/", "/dev/"]))
+    extra = sorted({m[0] for m in mountinfo()
+                    if m[0] not in allowed and not m[0].startswith(prefixes)})  # fmt: skip
+    return result(not extra, "undeclared mounts: " + ",".join(extra[:10]) if extra else
+                  "mount targets are exactly the declared set")  # fmt: skip
+
+
+def marker_hits(paths):
+    nonce = CFG.get("marker_nonce", "")
+    hits = []
+    for p in paths:
+        try:
+            if nonce and nonce.encode() in read(p, 4096):
+                hits.append(p)
+        except OSError:
+            pass
+    return hits
+
+
+@probe("fs.host_paths_invisible")
+def p_host_paths():
+    marker = CFG.get("host_marker")
+    if not marker:
+        return result(None, "no host marker given")
+    cands = [marker] + [m[0].rstrip("/") + marker for m in mountinfo() if m[0] != "/"]
+    cands += [p for p in ("/etc/shadow",) if False]
+    hits = marker_hits(cands)
+    return result(not hits, f"host marker visible at {hits}" if hits else
+                  f"host marker invisible at {len(cands)} candidate paths")  # fmt: skip
+
+
+@probe("fs.symlink_resolves_inside")
+def p_symlink():
+    links = CFG.get("workspace_links", [])
+    if not links:
+        return result(None, "no planted links")
+    hits = marker_hits(links)
+    return result(not hits, f"links reached the host marker: {hits}" if hits else
+                  f"{len(links)} host-planted links resolved inside (marker not reached)")  # fmt: skip
+
+
+@probe("fs.no_dotdot_escape")
+def p_dotdot():
+    ws = CFG.get("workspace", "/workspace")
+    marker = CFG.get("host_marker")
+    parent_name = CFG.get("parent_marker_name")
+    if not marker:
+        return result(None, "no host marker given")
+    cands = [ws + "/.." * k + marker for k in (1, 3, 8)]
+    if parent_name:
+        cands += [ws + "/../" + parent_name, ws + "/../../" + parent_name]
+    hits = marker_hits(cands)
+    return result(
+        not hits, f"../ reached {hits}" if hits else f"{len(cands)} ../ paths stayed inside"
+    )
+
+
+@probe("fs.readonly_mount_refuses_writes")
+def p_ro_mount():
+    target = CFG.get("ro_mount")
+    if not target:
+        return result(None, "no declared read-only mount")
+    if not os.path.isdir(target):
+        return result(False, f"{target} not mounted")
+    ok, what = refuses_create(target)
+    files = [os.path.join(target, n) for n in os.listdir(target)][:5]
+    for f in files:
+        w, ww = try_open_write(f)
+        if w:
+            ok = False
+            what += f"; {f}: {ww}"
+    return result(ok, what)
+
+
+@probe("fs.readonly_remount_refused")
+def p_remount():
+    seen = []
+    ok = True
+    for target in [t for t in (CFG.get("ro_mount"), "/", "/usr") if t]:
+        done, what = mount("none", target, "", MS_REMOUNT | MS_BIND, None)
+        if done:
+            ok = False
+        seen.append(f"remount {target} rw: {what}")
+    return result(ok, "; ".join(seen))
+
+
+@probe("fs.rw_mounts_nosuid_nodev")
+def p_nosuid():
+    bad = []
+    for target, fstype, opts, _sopts, _root in mountinfo():
+        if "rw" not in opts or fstype in ("proc", "sysfs"):
+            continue
+        try:
+            st = os.stat(target)
+            if stat.S_ISCHR(st.st_mode):
+                continue  # a single device node bound in (/dev/null …) must stay openable
+        except OSError:
+            continue
+        needs_dev = target in ("/dev", "/dev/pts")
+        missing = [o for o in ("nosuid",) + (() if needs_dev else ("nodev",)) if o not in opts]
+        if missing:
+            bad.append(f"{target}({fstype}) lacks {'/'.join(missing)}")
+    return result(not bad, "; ".join(bad[:6]) if bad else "every rw mount is nosuid,nodev")
+
+
+# -- kernel surfaces ------------------------------------------------------------
+
+
+def host_lacks(path):
+    return path in CFG.get("host_missing", [])
+
+
+def _kwrite(path):
+    if not os.path.exists(path):
+        if host_lacks(path):
+            return result(None, f"{path}: this kernel has none (checked on the host)")
+        return result(True, f"{path} absent in the sandbox")
+    w, what = try_open_write(path)
+    return result(not w, f"{path}: {what}")
+
+
+@probe("kernel.core_pattern_writable")
+def p_core_pattern():
+    return _kwrite("/proc/sys/kernel/core_pattern")
+
+
+@probe("kernel.modprobe_writable")
+def p_modprobe():
+    return _kwrite("/proc/sys/kernel/modprobe")
+
+
+@probe("kernel.uevent_helper_writable")
+def p_uevent():
+    return _kwrite("/sys/kernel/uevent_helper")
+
+
+@probe("kernel.sysrq_trigger_writable")
+def p_sysrq():
+    return _kwrite("/proc/sysrq-trigger")
+
+
+@probe("kernel.binfmt_misc_register")
+def p_binfmt():
+    reg = "/proc/sys/fs/binfmt_misc/register"
+    seen = []
+    fired = False
+    if os.path.exists(reg):
+        w, what = try_open_write(reg)
+        fired |= w
+        seen.append(f"{reg}: {what}")
+    d = f"/tmp/.agentbox-binfmt-{os.getpid()}"
+    try:
+        os.mkdir(d)
+        done, what = mount("binfmt_misc", d, "binfmt_misc")
+        seen.append(f"mount binfmt_misc: {what}")
+        if done:
+            w, what = try_open_write(d + "/register")
+            fired |= w
+            seen.append(f"register: {what}")
+            libc().umount2(d.encode(), 2)
+        os.rmdir(d)
+    except OSError as e:
+        seen.append(f"mkdir: {err(e)}")
+    return result(not fired, "; ".join(seen))
+
+
+@probe("kernel.kallsyms_addresses")
+def p_kallsyms():
+    path = "/proc/kallsyms"
+    if not os.path.exists(path):
+        return result(True, f"{path} absent in the sandbox")
+    try:
+        data = read(path, 1 << 16).decode(errors="replace").splitlines()
+    except OSError as e:
+        return result(True, f"{path}: {err(e)}")
+    addrs = [line.split()[0] for line in data if line.split()]
+    nonzero = [a for a in addrs if a.strip("0")]
+    if not addrs:
+        return result(True, f"{path} empty")
+    return result(not nonzero, f"{len(nonzero)}/{len(addrs)} symbol addresses non-zero")
+
+
+def _readable(path, tries=1):
+    if not os.path.exists(path):
+        if host_lacks(path):
+            return None, f"{path}: this kernel has none (checked on the host)"
+        return False, f"{path} absent in the sandbox"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        return False, f"{path}: {err(e)}"
+    try:
+        data = os.read(fd, 4096)
+    except OSError as e:
+        return False, f"{path}: read {err(e)}"
+    finally:
+        os.close(fd)
+    return bool(data), f"{path}: read {len(data)} bytes"
+
+
+@probe("kernel.kcore_readable")
+def p_kcore():
+    got, what = _readable("/proc/kcore")
+    return result(None if got is None else not got, what)
+
+
+@probe("kernel.kmsg_readable")
+def p_kmsg():
+    outs = [_readable(p) for p in ("/dev/kmsg", "/proc/kmsg")]
+    got = any(o[0] for o in outs)
+    return result(not got, "; ".join(o[1] for o in outs))
+
+
+@probe("kernel.sched_debug_readable")
+def p_sched_debug():
+    outs = [_readable(p) for p in ("/proc/sched_debug", "/sys/kernel/debug/sched/debug")]
+    seen = [o[1] for o in outs]
+    got = any(o[0] for o in outs)
+    d = f"/tmp/.agentbox-debugfs-{os.getpid()}"
+    try:
+        os.mkdir(d)
+        done, what = mount("debugfs", d, "debugfs")
+        seen.append(f"mount debugfs: {what}")
+        if done:
+            g, w = _readable(d + "/sched/debug")
+            got |= bool(g) or os.path.isdir(d + "/sched")
+            seen.append(w)
+            libc().umount2(d.encode(), 2)
+        os.rmdir(d)
+    except OSError as e:
+        seen.append(f"mkdir: {err(e)}")
+    if all(o[0] is None for o in outs) and not got:
+        return result(True, "; ".join(seen))
+    return result(not got, "; ".join(seen))
+
+
+@probe("kernel.keyring_syscalls")
+def p_keyring():
+    # The session keyring is the sandbox's own (runc makes one per container); being able
+    # to add keys or request them from the kernel is the surface the audit tools flag.
+    r = libc().syscall(SYS_ADD_KEY, b"user", b"agentbox-probe", b"x", 1, KEY_SPEC_SESSION_KEYRING)
+    if r >= 0:
+        libc().syscall(SYS_KEYCTL, 3, r)  # KEYCTL_REVOKE: leave nothing behind
+        libc().syscall(SYS_KEYCTL, 9, r, KEY_SPEC_SESSION_KEYRING)  # KEYCTL_UNLINK
+        return result(False, f"add_key to the session keyring succeeded (key {r})")
+    e = err(ctypes.get_errno())
+    r2 = libc().syscall(SYS_REQUEST_KEY, b"user", b"agentbox-probe-none", None, 0)
+    e2 = err(ctypes.get_errno())
+    if r2 >= 0 or e2 not in ("ENOSYS", "EPERM", "EACCES"):
+        return result(
+            False, f"add_key {e}; request_key reached the kernel ({e2 if r2 < 0 else r2})"
+        )
+    return result(True, f"add_key {e}; request_key {e2}")
+
+
+@probe("kernel.proc_keys_readable")
+def p_proc_keys():
+    try:
+        data = read("/proc/keys")
+    except OSError as e:
+        return result(True, f"/proc/keys: {err(e)}")
+    try:
+        users = read("/proc/key-users")
+    except OSError:
+        users = b""
+    return result(not data, f"/proc/keys {len(data)} bytes, /proc/key-users {len(users)} bytes")
+
+
+# -- namespaces, mounts, devices ---------------------------------------------
+
+
+@probe("ns.userns_creation")
+def p_userns():
+    res = in_child_ns(CLONE_NEWUSER, lambda: "ok")
+    return result(not res.get("unshare"), "unshare(CLONE_NEWUSER): " +
+                  ("succeeded" if res.get("unshare") else res.get("errno", "?")))  # fmt: skip
+
+
+def _cgroup_mount_and_release_agent():
+    d = f"/tmp/.agentbox-cg-{os.getpid()}"
+    out = []
+    try:
+        os.mkdir(d)
+    except OSError as e:
+        return [f"mkdir {err(e)}"], False
+    fired = False
+    # Existing hierarchies first: a new named one would be global state on a weak host.
+    for fstype, data in (("cgroup", "memory"), ("cgroup", "pids"), ("cgroup2", None),
+                         ("cgroup", "none,name=agentboxprobe")):  # fmt: skip
+        done, what = mount("cgroup", d, fstype, 0, data)
+        out.append(f"mount {fstype} {data or ''}: {what}")
+        if done:
+            fired = True
+            w, ww = try_open_write(d + "/release_agent")
+            out.append(f"release_agent: {ww}")
+            libc().umount2(d.encode(), 2)
+            break
+    os.rmdir(d)
+    return out, fired
+
+
+@probe("ns.cgroup_escape")
+def p_cgroup():
+    seen = []
+    fired = False
+    for p, _st in walk("/sys/fs/cgroup", 2.0, skip=()):
+        if p.endswith("/release_agent"):
+            w, what = try_open_write(p)
+            if w:
+                fired = True
+                seen.append(f"{p}: {what}")
+    out, f2 = _cgroup_mount_and_release_agent()
+    seen += out
+    fired |= f2
+    res = in_child_ns(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWCGROUP,
+                      lambda: _cgroup_mount_and_release_agent())  # fmt: skip
+    if res.get("unshare"):
+        inner, f3 = res.get("result", ([], False))
+        seen.append("after unshare -Umc: " + ", ".join(inner))
+        fired |= bool(f3)
+    else:
+        seen.append(f"unshare -Umc: {res.get('errno')}")
+    return result(not fired, "; ".join(seen))
+
+
+@probe("ns.mount_syscall")
+def p_mount():
+    d = f"/tmp/.agentbox-mnt-{os.getpid()}"
+    os.mkdir(d)
+    try:
+        done, what = mount("tmpfs", d, "tmpfs")
+        if done:
+            libc().umount2(d.encode(), 2)
+        done2, what2 = mount("/", d, "", MS_BIND)
+        if done2:
+            libc().umount2(d.encode(), 2)
+    finally:
+        os.rmdir(d)
+    return result(not (done or done2), f"mount tmpfs: {what}; bind /: {what2}")
+
+
+@probe("dev.mknod")
+def p_mknod():
+    seen = []
+    fired = False
+    for name, mode, dev in (("blk", stat.S_IFBLK, os.makedev(8, 0)),
+                            ("chr", stat.S_IFCHR, os.makedev(1, 1))):  # fmt: skip
+        p = f"/tmp/.agentbox-{name}-{os.getpid()}"
+        try:
+            os.mknod(p, mode | 0o600, dev)
+            fired = True
+            seen.append(f"mknod {name}: created")
+            os.unlink(p)
+        except OSError as e:
+            seen.append(f"mknod {name}: {err(e)}")
+    return result(not fired, "; ".join(seen))
+
+
+@probe("dev.host_disks_invisible")
+def p_disks():
+    found = []
+    for p, st in walk("/dev", 2.0, skip=()):
+        if stat.S_ISBLK(st.st_mode):
+            found.append(p)
+    return result(not found, f"block devices: {found[:8]}" if found else "no block device in /dev")
+
+
+@probe("dev.no_kvm")
+def p_kvm():
+    present = os.path.exists("/dev/kvm")
+    return result(not present, "/dev/kvm present" if present else "/dev/kvm absent")
+
+
+@probe("tty.tiocsti")
+def p_tiocsti():
+    seen = []
+    fired = False
+    fds = [0, 1, 2]
+    try:
+        fds.append(os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY))
+    except OSError as e:
+        seen.append(f"/dev/tty: {err(e)}")
+    for fd in fds:
+        try:
+            if not os.isatty(fd):
+                continue
+        except OSError:
+            continue
+        try:
+            fcntl.ioctl(fd, TIOCSTI, b" ")
+            fired = True
+            seen.append(f"fd {fd}: TIOCSTI injected a byte")
+        except OSError as e:
+            seen.append(f"fd {fd}: tty, TIOCSTI {err(e)}")
+    if not any("tty" in s for s in seen):
+        seen.append("no terminal reachable")
+    return result(not fired, "; ".join(seen))
+
+
+def _fd_targets(pid):
+    out = {}
+    base = f"/proc/{pid}/fd"
+    for n in os.listdir(base):
+        try:
+            out[int(n)] = os.readlink(f"{base}/{n}")
+        except OSError:
+            continue
+    return out
+
+
+@probe("fd.no_leaked_fds")
+def p_fds():
+    allow = [re.compile(p) for p in CFG.get("fd_allow", [
+        r"^/dev/null$", r"^pipe:\[\d+\]$", r"^/dev/pts/\d+$", r"^anon_inode:\[?(eventpoll|signalfd|eventfd|timerfd|pidfd)\]?$",
+    ])]  # fmt: skip
+    bad = []
+    checked = []
+    for pid in ("1", "self"):
+        try:
+            targets = _fd_targets(pid)
+        except OSError as e:
+            bad.append(f"pid {pid}: fds unreadable ({err(e)})") if pid == "self" else None
+            continue
+        checked.append(f"pid {pid}: {len(targets)} fds")
+        for fd, t in targets.items():
+            if not any(a.search(t) for a in allow):
+                bad.append(f"pid {pid} fd {fd} -> {t}")
+    return result(not bad, "; ".join(bad[:6]) if bad else ", ".join(checked))
+
+
+def _decoys():
+    nonce = CFG.get("decoy_nonce", "")
+    found = []
+    if not nonce:
+        return found
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            if nonce.encode() in read(f"/proc/{p}/cmdline"):
+                found.append(int(p))
+        except OSError:
+            continue
+    return found
+
+
+@probe("proc.host_processes_invisible")
+def p_pidns():
+    if not CFG.get("decoy_nonce"):
+        return result(None, "no host decoy given")
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    found = _decoys()
+    return result(not found, f"host decoy visible as pid {found}" if found else
+                  f"{len(pids)} processes visible, host decoy not among them")  # fmt: skip
+
+
+@probe("proc.ptrace_outside")
+def p_ptrace():
+    if not CFG.get("decoy_nonce"):
+        return result(None, "no host decoy given")
+    found = _decoys()
+    if not found:
+        return result(True, "no process outside the sandbox is visible to attach to")
+    seen = []
+    fired = False
+    for pid in found[:3]:
+        r = libc().ptrace(PTRACE_ATTACH, pid, None, None)
+        if r == 0:
+            fired = True
+            seen.append(f"PTRACE_ATTACH {pid}: attached")
+            try:
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+            libc().ptrace(PTRACE_DETACH, pid, None, None)
+        else:
+            seen.append(f"PTRACE_ATTACH {pid}: {err(ctypes.get_errno())}")
+    return result(not fired, "; ".join(seen))
+
+
+# -- the agent's token -----------------------------------------------------------
+
+
+def _token_re():
+    return re.compile(CFG.get("token_regex", "x^").encode())
+
+
+@probe("token.env")
+def p_token_env():
+    rx = _token_re()
+    hits = [k for k, v in os.environ.items() if rx.search(v.encode()) or rx.search(k.encode())]
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if rx.search(read(f"/proc/{p}/environ", 1 << 20)):
+                    hits.append(f"/proc/{p}/environ")
+            except OSError:
+                continue
+    return result(not hits, f"token found in {hits[:6]}" if hits else "no token in any environ")
+
+
+@probe("token.cmdline")
+def p_token_cmdline():
+    rx = _token_re()
+    hits = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if rx.search(read(f"/proc/{p}/cmdline", 1 << 20)):
+                    hits.append(f"/proc/{p}/cmdline")
+            except OSError:
+                continue
+    return result(not hits, f"token found in {hits[:6]}" if hits else "no token in any cmdline")
+
+
+@probe("token.files")
+def p_token_files():
+    rx = _token_re()
+    hits = []
+    scanned = 0
+    roots = ["/workspace", "/home", "/tmp", "/run", "/etc", "/opt", "/root", "/var", "/mnt",
+             "/srv", "/media"] + [m[0] for m in mountinfo() if m[1] not in PSEUDO_FS and
+                                  not m[0].startswith(("/proc", "/sys", "/dev", "/usr"))]  # fmt: skip
+    deadline = time.monotonic() + 5.0
+    seen_roots = set()
+    for r in roots:
+        if r in seen_roots or not os.path.isdir(r) or r == "/":
+            continue
+        seen_roots.add(r)
+        for p, st in walk(r, max(0.1, deadline - time.monotonic())):
+            if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+                continue
+            scanned += 1
+            try:
+                if rx.search(read(p, 1 << 20)):
+                    hits.append(p)
+            except OSError:
+                continue
+    cut = f" (search cut at {WALK_CUT})" if WALK_CUT else ""
+    return result(
+        not hits, f"token in files {hits[:5]}" if hits else f"{scanned} files scanned{cut}"
+    )
+
+
+# -- limits -----------------------------------------------------------------------
+
+
+def _cgroup_value(controller, name):
+    bases = []
+    try:
+        for line in read("/proc/self/cgroup").decode().splitlines():
+            _, ctrls, path = line.split(":", 2)
+            if controller in ctrls.split(","):
+                bases.append(f"/sys/fs/cgroup/{controller}{path}")
+            elif ctrls == "":
+                bases.append(f"/sys/fs/cgroup{path}")
+    except (OSError, ValueError):
+        pass
+    for base in [*bases, f"/sys/fs/cgroup/{controller}", "/sys/fs/cgroup"]:
+        p = f"{base}/{name}"
+        if os.path.exists(p):
+            return read(p).decode().strip()
+    return None
+
+
+@probe("limits.pids_visible")
+def p_pids_limit():
+    v = _cgroup_value("pids", "pids.max")
+    want = int(CFG.get("pids_max", 512))
+    if v is None:
+        return result(None, "no pids controller visible inside (checked from the host)")
+    ok = v != "max" and int(v) <= want
+    return result(ok, f"pids.max={v} (want <= {want})")
+
+
+def forkbomb(n, hold):
+    """Fork up to ``n`` children that sleep; return (forked, first error)."""
+    kids = []
+    first = ""
+    t0 = time.monotonic()
+    for _ in range(n):
+        try:
+            pid = os.fork()
+        except OSError as e:
+            first = err(e)
+            break
+        if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(hold)
+            os._exit(0)
+        kids.append(pid)
+    took = time.monotonic() - t0
+    time.sleep(min(hold, 1.0))
+    for pid in kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for pid in kids:
+        try:
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    return len(kids), first, took
+
+
+# -- runner -------------------------------------------------------------------------
+
+
+def run_one(name, fn, timeout):
+    """Run probe ``fn`` in a forked child; kill it past ``timeout``."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(rfd)
+            os.setpgid(0, 0)
+            try:
+                res = fn()
+            except Exception as e:  # a probe that crashes reports it, never passes
+                res = {"ok": False, "seen": f"probe crashed: {type(e).__name__}: {e}"[:400],
+                       "error": True}  # fmt: skip
+            data = json.dumps(res).encode()
+            while data:
+                data = data[os.write(wfd, data) :]
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    data = b""
+    end = time.monotonic() + timeout
+    timed_out = True
+    while time.monotonic() < end:
+        ready, _, _ = select.select([rfd], [], [], max(0.0, end - time.monotonic()))
+        if not ready:
+            continue
+        chunk = os.read(rfd, 65536)
+        if not chunk:
+            timed_out = False
+            break
+        data += chunk
+    os.close(rfd)
+    for target in (-pid, pid):
+        try:
+            os.kill(target, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
+    if timed_out:
+        return {"ok": False, "seen": f"probe timed out after {timeout:g}s", "error": True}
+    try:
+        res = json.loads(data.decode())
+        if not isinstance(res, dict) or "ok" not in res:
+            raise ValueError("bad shape")
+        return res
+    except ValueError:
+        return {"ok": False, "seen": "probe gave no answer", "error": True}
+
+
+def main(argv):
+    global CFG
+    only = None
+    fork_n = None
+    hold = 3.0
+    args = list(argv)
+    while args:
+        a = args.pop(0)
+        if a == "--only":
+            only = set(args.pop(0).split(","))
+        elif a == "--forkbomb":
+            fork_n = int(args.pop(0))
+        elif a == "--hold":
+            hold = float(args.pop(0))
+        elif a == "--list":
+            print(json.dumps(sorted(PROBES)))
+            return 0
+    try:
+        raw = sys.stdin.read() if not sys.stdin.isatty() else ""
+        CFG = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        CFG = {}
+    if not isinstance(CFG, dict):
+        CFG = {}
+    if fork_n is not None:
+        n, first, took = forkbomb(fork_n, hold)
+        print(json.dumps({"probe_version": PROBE_VERSION,
+                          "forkbomb": {"forked": n, "target": fork_n, "error": first,
+                                       "seconds": round(took, 3)}}))  # fmt: skip
+        return 0
+    results = {}
+    t0 = time.monotonic()
+    for name in sorted(PROBES):
+        if only is not None and name not in only:
+            continue
+        results[name] = run_one(name, PROBES[name], float(CFG.get("timeout", PER_PROBE_TIMEOUT)))
+    out = {
+        "probe_version": PROBE_VERSION,
+        "seconds": round(time.monotonic() - t0, 3),
+        "kernel": os.uname().release,
+        "results": results,
+    }
+    sys.stdout.write(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
