@@ -1,0 +1,369 @@
+"""The MCP tools against the REAL launcher: real podman sandbox, real Claude Code inside,
+the replay model as its model. The official ``mcp`` SDK is the client, over stdio and
+over streamable HTTP; ``agentbox serve`` is exercised too.
+
+One launcher (``agentbox launcher serve``) is shared by the module. The MCP server
+runs as root and drops to ``MCP_UID``, which owns the repos; the launcher's socket
+is group ``agentbox`` (the documented install step) so the dropped server may use it.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+
+from agentbox.mcp import process_posture, token_path
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.claude,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
+]
+
+MCP_UID = 64123
+_AGENTBOX = (sys.executable, "-m", "agentbox")
+_PENDING = ("--max-pending", "2")
+
+QUICK = """\
+name: quick
+main: tools
+side_reply: "Add greet"
+turns:
+  - text: "Adding greet()."
+    tool_use:
+      - name: Write
+        input:
+          file_path: "{{cwd}}/greet.py"
+          content: "def greet(name):\\n    return f'hello {name}'\\n"
+  - text: "Added greet() in greet.py."
+"""
+
+SLOW = """\
+name: slow
+main: tools
+side_reply: "Wait"
+turns:
+  - text: "Thinking for a long time."
+    delay: 300
+"""
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {
+        "PATH": os.environ["PATH"],
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@example.invalid",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@example.invalid",
+    }
+    res = subprocess.run(
+        ["git", "-c", f"safe.directory={repo}", "-C", str(repo), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return res.stdout
+
+
+def ensure_socket_group() -> None:
+    """The documented install step: a group ``agentbox`` for the launcher socket."""
+    try:
+        grp.getgrnam("agentbox")
+    except KeyError:
+        subprocess.run(["groupadd", "-f", "--system", "agentbox"], check=True)
+
+
+@dataclass
+class Stack:
+    base: Path
+    repos: Path
+    data: Path
+    env: dict[str, str]
+    launcher: subprocess.Popen[bytes] | None = None
+    counter: list[int] = field(default_factory=lambda: [0])
+
+    def new_repo(self) -> Path:
+        self.counter[0] += 1
+        path = self.repos / f"proj{self.counter[0]}"
+        path.mkdir()
+        _git(path, "init", "-q", "-b", "main")
+        (path / "README.md").write_text("hello\n")
+        _git(path, "add", "-A")
+        _git(path, "commit", "-q", "-m", "init")
+        subprocess.run(["chown", "-R", "-h", f"{MCP_UID}:{MCP_UID}", str(path)], check=True)
+        return path
+
+    def stdio_client(self, *extra: str) -> Client:
+        return Client(
+            StdioServerParameters(
+                command=sys.executable,
+                args=["-m", "agentbox", "mcp", "--user", str(MCP_UID), *extra],
+                env=self.env,
+            ),
+            read_timeout_seconds=600,
+        )
+
+
+def _wait_path(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise AssertionError(f"exited {proc.returncode}: {err}")
+        if time.monotonic() > end:
+            raise AssertionError(f"{path} did not appear")
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _make_stack(base: Path) -> Stack:
+    base.chmod(0o755)
+    repos = base / "repos"
+    repos.mkdir()
+    os.chown(repos, MCP_UID, MCP_UID)
+    data = base / "data"
+    (base / "quick.yaml").write_text(QUICK)
+    (base / "slow.yaml").write_text(SLOW)
+    (base / "models.toml").write_text(
+        '[models.quick]\nkind = "replay"\nupstream = "quick.yaml"\n\n'
+        '[models.slow]\nkind = "replay"\nupstream = "slow.yaml"\n'
+    )
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(base),
+        "AGENTBOX_DATA_DIR": str(data),
+        "AGENTBOX_REPOS_ROOT": str(repos),
+        "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
+    }
+    return Stack(base, repos, data, env)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    ensure_socket_group()
+    base = Path(tempfile.mkdtemp(prefix="agentbox-mcpl-"))
+    st = _make_stack(base)
+    st.launcher = subprocess.Popen(
+        [sys.executable, "-m", "agentbox", "launcher", "serve"],
+        env=st.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        _wait_path(st.data / "launcher.sock", st.launcher)
+        yield st
+    finally:
+        _stop(st.launcher)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _text(res: object) -> str:
+    return " ".join(getattr(c, "text", "") for c in getattr(res, "content", []))
+
+
+def _task_id(text: str) -> str:
+    m = re.search(r"Task (\S+) is", text)
+    assert m, text
+    return m.group(1)
+
+
+async def _delegate_wait_result(client: Client, stack: Stack) -> None:
+    repo = stack.new_repo()
+    progress: list[tuple[float, str | None]] = []
+
+    async def on_progress(p: float, total: float | None, message: str | None) -> None:
+        progress.append((p, message))
+
+    async with client:
+        models = _text(await client.call_tool("models", {}))
+        assert "quick" in models
+        res = await client.call_tool(
+            "delegate",
+            {"repo": str(repo), "task": "Add a greet function", "model": "quick", "wait": True},
+            progress_callback=on_progress,
+        )
+        text = _text(res)
+        assert not res.is_error, text
+        assert "+def greet(name):" in text
+        m = re.search(r"task (\S+): done", text)
+        assert m, text
+        tid = m.group(1)
+        assert f"branch agentbox/{tid} in {repo}" in text, text
+        assert progress, "no progress notification while the task ran"
+        # result() again: same diff; status() says done
+        again = _text(await client.call_tool("result", {"id": tid}))
+        assert "+def greet(name):" in again
+        assert '"status": "done"' in _text(await client.call_tool("status", {"id": tid}))
+        assert tid in _text(await client.call_tool("list_tasks", {}))
+    # The branch is in the user's repo, with the agent's file; the work tree is untouched.
+    assert "greet" in _git(repo, "show", f"agentbox/{tid}:greet.py")
+    assert not (repo / "greet.py").exists()
+    assert _git(repo, "rev-parse", "--abbrev-ref", "HEAD").strip() == "main"
+
+
+@pytest.mark.slow
+def test_delegate_wait_result_over_stdio(stack: Stack) -> None:
+    anyio.run(_delegate_wait_result, stack.stdio_client(), stack)
+
+
+@dataclass
+class Http:
+    proc: subprocess.Popen[bytes]
+    port: int
+    token: str
+
+    def client(self) -> Client:
+        http = create_mcp_http_client(headers={"Authorization": f"Bearer {self.token}"})
+        url = f"http://127.0.0.1:{self.port}/mcp"
+        return Client(streamable_http_client(url, http_client=http), read_timeout_seconds=600)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read().decode() if proc.stderr else "exited")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError("server did not listen")
+
+
+@pytest.fixture
+def http(stack: Stack) -> Iterator[Http]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [*_AGENTBOX, "mcp", "--http", f"127.0.0.1:{port}", "--user", str(MCP_UID), *_PENDING],
+        env=stack.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_port(port, proc)
+        yield Http(proc, port, token_path(stack.data).read_text().strip())
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_delegate_wait_result_over_http(stack: Stack, http: Http) -> None:
+    st = process_posture(http.proc.pid)
+    assert int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0
+    assert st["NoNewPrivs"] == "1" and st["Uid"].split()[0] == str(MCP_UID)
+    anyio.run(_delegate_wait_result, http.client(), stack)
+
+
+async def _cancel_and_flood(client: Client, stack: Stack) -> None:
+    repo = stack.new_repo()
+    args = {"repo": str(repo), "task": "Think", "model": "slow"}
+    async with client:
+        a = _task_id(_text(await client.call_tool("delegate", args)))
+        b = _task_id(_text(await client.call_tool("delegate", args)))
+        before = _text(await client.call_tool("list_tasks", {}))
+        flood = await client.call_tool("delegate", args)
+        assert flood.is_error
+        assert "queue full" in _text(flood)
+        # nothing was started for the refused call
+        assert _text(await client.call_tool("list_tasks", {})).count('"id"') == before.count('"id"')
+        for tid in (a, b):
+            res = await client.call_tool("cancel", {"id": tid})
+            assert not res.is_error, _text(res)
+        for tid in (a, b):
+            with anyio.fail_after(120):
+                while True:
+                    st = _text(await client.call_tool("status", {"id": tid}))
+                    if '"status": "cancelled"' in st:
+                        break
+                    assert '"status": "done"' not in st, st
+                    await anyio.sleep(1)
+        res = await client.call_tool("result", {"id": a})
+        assert not res.is_error, _text(res)
+        assert "cancelled" in _text(res)
+
+
+@pytest.mark.slow
+def test_cancel_and_queue_limit_over_http(stack: Stack, http: Http) -> None:
+    anyio.run(_cancel_and_flood, http.client(), stack)
+
+
+def test_serve_starts_both_and_stops_cleanly() -> None:
+    ensure_socket_group()
+    base = Path(tempfile.mkdtemp(prefix="agentbox-serve-"))
+    st = _make_stack(base)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [*_AGENTBOX, "serve", "--http", f"127.0.0.1:{port}", "--user", str(MCP_UID)],
+        env=st.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        _wait_port(port, proc)
+        assert proc.stdout is not None
+        out = b""
+        while b"--header" not in out:
+            out += proc.stdout.readline()
+        text = out.decode()
+        token = token_path(st.data).read_text().strip()
+        line = (
+            f"claude mcp add --transport http agentbox http://127.0.0.1:{port}/mcp "
+            f'--header "Authorization: Bearer {token}"'
+        )
+        assert line in text
+        assert str(token_path(st.data)) in text
+
+        async def check() -> None:
+            async with Http(proc, port, token).client() as c:
+                assert "quick" in _text(await c.call_tool("models", {}))
+
+        anyio.run(check)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not (st.data / "launcher.sock").exists()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(base, ignore_errors=True)
