@@ -119,7 +119,9 @@ def _check_dir(path: Path, what: str) -> None:
         raise PathRefused(f"{what} contains ',', ':' or a newline", path=path)
 
 
-def check_spec(spec: SandboxSpec, *, with_image: bool = True) -> ImageFacts | None:
+def check_spec(
+    spec: SandboxSpec, *, subid_base: int = 100000, with_image: bool = True
+) -> ImageFacts | None:
     """Refuse ``spec`` if podman cannot honour it here; nothing is started.
 
     Checks the runtime (known, installed, usable on this host's cgroups), the
@@ -144,17 +146,47 @@ def check_spec(spec: SandboxSpec, *, with_image: bool = True) -> ImageFacts | No
             raise PathRefused("declared mount is not an existing absolute path", path=m.source)
         if any(c in str(m.source) + m.target for c in (",", ":", "\n", "\0")):
             raise PathRefused("declared mount contains ',', ':' or a newline", path=m.source)
+    if spec.runtime == "runsc":
+        # gVisor's gofer opens bind-mount sources as the mapped container root
+        # (subid_base), not as root: every ancestor must be searchable by it.
+        sources = [m.source for m in spec.mounts]
+        sources += [p for p in (spec.workspace, spec.gateway_dir) if p is not None]
+        for src in sources:
+            blocked = _searchable_by(src, subid_base)
+            if blocked is not None:
+                raise PathRefused(
+                    f"runsc's gofer (host uid {subid_base}) cannot reach {src} "
+                    f"(fix: chmod o+x {blocked})",
+                    path=blocked,
+                )
     return image_facts(spec.image) if with_image else None
 
 
-def podman_global_args(runtime: str) -> list[str]:
+def podman_global_args(runtime: str, *, gateway: bool = False) -> list[str]:
     """``podman --runtime …``: gVisor additionally gets its network switched off at runsc level."""
     args = ["podman", "--runtime", runtime]
     if runtime == "runsc":
         # network=none inside gVisor itself (not only an empty netns), and apply the
         # OCI seccomp profile to the workload inside the sentry as well.
         args += ["--runtime-flag", "network=none", "--runtime-flag", "oci-seccomp"]
+        if gateway:
+            # gVisor refuses host unix sockets by default; "open" lets the relay connect
+            # to the (existing) gateway socket, and never create one on the host.
+            args += ["--runtime-flag", "host-uds=open"]
     return args
+
+
+def _searchable_by(path: Path, uid: int) -> Path | None:
+    """The first ancestor of ``path`` that host ``uid`` (no groups) cannot traverse."""
+    for d in [*reversed(path.parents), path]:
+        try:
+            st = d.stat()
+        except OSError:
+            return d
+        bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == uid else 0o001
+        if not st.st_mode & bit:
+            return d
+    return None
 
 
 def _mount_opts(read_only: bool, *, noexec: bool = False) -> str:
@@ -181,7 +213,7 @@ def run_args(
     base = settings.subid_base
     mem = str(res.memory)
     timeout = math.ceil(spec.deadline) + CONMON_GRACE
-    args = [*podman_global_args(spec.runtime), "run"]
+    args = [*podman_global_args(spec.runtime, gateway=spec.gateway_dir is not None), "run"]
     args += ["-d"] if detach else ["--rm", "--log-driver", "passthrough"]
     if interactive:
         args.append("-i")

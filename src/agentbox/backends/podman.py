@@ -145,6 +145,11 @@ def _force_remove(name: str, attempts: int = 5) -> None:
     raise SandboxError(f"could not remove: {err}", sandbox=name) from err
 
 
+def _podman_error(tail: bytes) -> bool:
+    """Whether stderr ends with podman's own error (the command never ran)."""
+    return tail.startswith(b"Error: ") or b"\nError: " in tail
+
+
 def _kill(name: str) -> None:
     with contextlib.suppress(AgentboxError):
         _proc.run(["podman", "kill", "--signal", "KILL", name], timeout=30, check=False)
@@ -214,7 +219,7 @@ class PodmanSandbox:
                 )
             except CommandTimeout:
                 return ExecResult(-1, out.data, err.data, timed_out=True)
-        if rc in (125, 126, 127) and err.tail.startswith(b"Error:"):
+        if rc in (125, 126, 127) and _podman_error(err.tail):
             raise SandboxError(
                 f"podman exec failed: {err.tail.decode(errors='replace').strip()}",
                 sandbox=self.name,
@@ -360,7 +365,7 @@ class PodmanBackend:
 
     def check(self, spec: SandboxSpec) -> None:
         """Refuse ``spec`` before anything starts: runtime, image, mounts, uid."""
-        check_spec(spec)
+        check_spec(spec, subid_base=self.settings.subid_base)
 
     def _labels(self, spec: SandboxSpec) -> SandboxSpec:
         labels = {LABEL: "1", **spec.labels, "io.agentbox.owner-start": _owner_start()}
@@ -378,7 +383,7 @@ class PodmanBackend:
         """One shot: a fresh container runs ``argv`` as its main command, then is removed."""
         if not argv:
             raise ConfigError("run needs a command")
-        facts = check_spec(spec)
+        facts = check_spec(spec, subid_base=self.settings.subid_base)
         assert facts is not None
         spec = self._labels(spec)
         out, err = _Capture(on_stdout), _Capture(on_stderr)
@@ -424,7 +429,7 @@ class PodmanBackend:
         timed_out = fired.is_set() or (
             rc in (137, 255) and time.monotonic() - started >= spec.deadline
         )
-        if rc == 125 and err.tail.lstrip().startswith(b"Error:"):
+        if rc in (125, 126, 127) and _podman_error(err.tail):
             self._raise_start_error(spec, err.tail)
         return ExecResult(rc if rc is not None else -1, out.data, err.data, timed_out=timed_out)
 
@@ -436,7 +441,7 @@ class PodmanBackend:
 
     def create(self, spec: SandboxSpec) -> PodmanSandbox:
         """Start a sandbox idling under tini; ``exec`` commands into it; ``destroy`` it."""
-        facts = check_spec(spec)
+        facts = check_spec(spec, subid_base=self.settings.subid_base)
         assert facts is not None
         spec = self._labels(spec)
         with _env_file(spec.env) as envf:
@@ -474,7 +479,7 @@ class PodmanBackend:
         The one place that does not go through ``agentbox._proc``: the child
         must own the terminal.
         """
-        facts = check_spec(spec)
+        facts = check_spec(spec, subid_base=self.settings.subid_base)
         assert facts is not None
         spec = self._labels(spec)
         with _env_file(spec.env) as envf:

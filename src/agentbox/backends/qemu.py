@@ -1,0 +1,434 @@
+"""The qemu backend: every sandbox a QEMU microVM with its own kernel and a confined VMM.
+
+``QemuBackend(settings)`` boots sandboxes by restoring a snapshot of a guest
+that booted once to a ready agent (made on first use, per image and VM
+shape); ``QemuBackend(settings, cold=True)`` boots each one fresh. See
+docs/reference/qemu-backend.md and docs/explanation/microvm-isolation.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import secrets
+import shutil
+import tarfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, Self
+
+from agentbox import _host, _proc
+from agentbox._log import get_logger
+from agentbox.backends.base import (
+    GATEWAY_SOCKET_NAME,
+    HOME_IN_SANDBOX,
+    LABEL,
+    WORKSPACE_IN_SANDBOX,
+    ExecResult,
+    OutputCallback,
+    Posture,
+    SandboxSpec,
+)
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, GuestError, ImageError, SandboxError, UnsupportedError
+from agentbox.microvm import posture as posture_mod
+from agentbox.microvm._channel import Channel
+from agentbox.microvm._disks import ensure_root_disk, make_data_disk
+from agentbox.microvm._export import write_tar
+from agentbox.microvm._guest import GuestSession, host_kernel
+from agentbox.microvm._initramfs import ensure_initramfs
+from agentbox.microvm._kernel import ensure_kernel
+from agentbox.microvm._snapshot import ensure_snapshot, wait_incoming
+from agentbox.microvm._vm import Vm, VmConfig
+from agentbox.microvm.kvm import probe_kvm
+
+__all__ = ["QemuBackend", "QemuSandbox", "probe_kvm", "vmm_uid"]
+
+log = get_logger("backends.qemu")
+
+BOOT_TIMEOUT = 180.0
+_BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": HOME_IN_SANDBOX,
+    "LANG": "C.UTF-8",
+    "USER": "agent",
+}
+
+
+def vmm_uid(settings: Settings, isolation: Literal["standard", "strict"]) -> int:
+    """The host uid the VMM runs as: yours (standard) or one that owns nothing (strict).
+
+    The strict uid lies just past the 65536 ids podman maps from ``subid_base``,
+    so it is neither the user nor any container's uid.
+    """
+    if isolation == "strict":
+        return settings.subid_base + 65536 + 1
+    return os.getuid()
+
+
+def _qemu_version(binary: str) -> str:
+    try:
+        return _proc.run([binary, "--version"], timeout=30).stdout.split("\n")[0]
+    except AgentboxError:
+        return "unknown"
+
+
+class QemuBackend:
+    """Makes QEMU microVM sandboxes (``name = "qemu"``)."""
+
+    name = "qemu"
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        cold: bool = False,
+        accel: Literal["auto", "kvm", "tcg"] = "auto",
+        rootfs: tuple[Path, str] | None = None,
+    ) -> None:
+        """``cold`` boots every sandbox fresh instead of restoring the snapshot.
+
+        ``rootfs`` (a root directory and its content hash) overrides the image
+        lookup; ``accel="auto"`` uses KVM only where :func:`probe_kvm` booted a guest.
+        """
+        self.settings = settings
+        self.cold = cold
+        self._accel = accel
+        self._rootfs = rootfs
+
+    # -- preparation
+    def accel(self) -> str:
+        """``kvm`` if asked for or probed to work, else ``tcg``."""
+        if self._accel != "auto":
+            return self._accel
+        return "kvm" if probe_kvm(self.settings).ok else "tcg"
+
+    def check(self, spec: SandboxSpec) -> None:
+        """Refuse what a microVM cannot honour, before anything starts."""
+        fac = _host.qemu(self.settings.qemu_binary)
+        if not fac.ok:
+            raise UnsupportedError(fac.detail, fix=fac.fix)
+        for tool in ("bwrap", "setpriv", "mkfs.ext4", "busybox"):
+            if shutil.which(tool) is None:
+                raise UnsupportedError(f"{tool} not found", fix="scripts/setup.sh")
+        if spec.mounts:
+            raise UnsupportedError(
+                "declared mounts are not available in qemu sandboxes (no 9p/virtiofs here)",
+                fix="copy what the task needs into the workspace, or use the podman backend",
+            )
+        if spec.workspace is not None and not spec.workspace.is_dir():
+            raise SandboxError(f"workspace {spec.workspace} is not a directory", sandbox=spec.name)
+
+    def _root(self, spec: SandboxSpec) -> tuple[Path, str]:
+        if self._rootfs is not None:
+            return self._rootfs
+        from agentbox import image
+
+        info = image.resolve(self.settings, spec.image)
+        if info.rootfs is None or info.hash is None:
+            raise ImageError(
+                f"image {info.name} has no kept root directory for microVMs "
+                "(run `agentbox image build`)"
+            )
+        return info.rootfs, info.hash
+
+    def base_config(self, spec: SandboxSpec, run_dir: Path, data_disk: Path | None) -> VmConfig:
+        """The VM config for ``spec`` (shared by cold boots, templates and restores)."""
+        kernel = ensure_kernel(self.settings)
+        initramfs = ensure_initramfs(self.settings, kernel)
+        rootfs, key = self._root(spec)
+        root_disk = ensure_root_disk(self.settings, rootfs, key)
+        uid = vmm_uid(self.settings, spec.isolation)
+        cpus = max(1, min(math.ceil(spec.resources.cpus), os.cpu_count() or 1))
+        return VmConfig(
+            name=spec.name,
+            kernel=kernel,
+            initramfs=initramfs,
+            root_disk=root_disk,
+            data_disk=data_disk,
+            run_dir=run_dir,
+            memory_mib=max(128, spec.resources.memory // 1024**2),
+            cpus=cpus,
+            accel=self.accel(),
+            uid=uid,
+            gid=uid,
+            qemu_binary=self.settings.qemu_binary,
+        )
+
+    def _vm_dir(self, name: str) -> Path:
+        d = self.settings.data_dir / "microvm"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return d / name
+
+    # -- Protocol
+    def create(self, spec: SandboxSpec) -> QemuSandbox:
+        """Boot (or restore) a VM for ``spec`` and greet its agent; it idles until exec."""
+        self.check(spec)
+        name = f"{spec.name}-{secrets.token_hex(3)}"
+        vm_dir = self._vm_dir(name)
+        vm_dir.mkdir(mode=0o700)
+        (vm_dir / "owner").write_text(json.dumps({"pid": os.getpid(), LABEL: spec.name}))
+        vm: Vm | None = None
+        try:
+            data = make_data_disk(spec.workspace, vm_dir / "data.img")
+            cfg = dataclasses.replace(self.base_config(spec, vm_dir / "run", data), name=name)
+            fd: int | None = None
+            if not self.cold:
+                state = ensure_snapshot(
+                    self.settings.cache_dir, cfg, _qemu_version(cfg.qemu_binary)
+                )
+                fd = os.open(state, os.O_RDONLY)
+                cfg.incoming_fd = fd
+            vm = Vm(cfg)
+            try:
+                vm.start()
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            sandbox = QemuSandbox(self, spec, vm, vm_dir, restored=not self.cold)
+            sandbox._connect()
+            return sandbox
+        except BaseException:
+            if vm is not None:
+                vm.kill()
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            raise
+
+    def run(
+        self,
+        spec: SandboxSpec,
+        argv: Sequence[str],
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """One-shot: run ``argv``, write ``/workspace`` back to ``spec.workspace``, destroy."""
+        with self.create(spec) as sb:
+            left = max(1.0, sb.deadline_at - time.monotonic())
+            res = sb.exec(argv, timeout=left, stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr)
+            if spec.workspace is not None and sb.alive():
+                sb.sync_workspace()
+            return res
+
+    def cleanup_orphans(self) -> list[str]:
+        """Remove VM dirs (and their VMMs, cgroups) whose owning process is gone."""
+        base = self.settings.data_dir / "microvm"
+        removed: list[str] = []
+        if not base.is_dir():
+            return removed
+        for d in base.iterdir():
+            try:
+                owner = json.loads((d / "owner").read_text())
+                pid = int(owner["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if pid != os.getpid() and _pid_alive(pid):
+                continue
+            if pid == os.getpid():
+                continue
+            from agentbox.microvm._jail import Cgroup
+
+            with contextlib.suppress(AgentboxError):
+                cg = Cgroup.__new__(Cgroup)
+                cg.name, cg.dirs = d.name, _cgroup_dirs(d.name)
+                cg.remove()
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+        return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cgroup_dirs(name: str) -> list[Path]:
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.controllers").exists():
+        return [root / "agentbox" / name]
+    return [root / "pids" / "agentbox" / name, root / "memory" / "agentbox" / name]
+
+
+class QemuSandbox:
+    """A live microVM sandbox; ``destroy`` is idempotent and leaves nothing behind."""
+
+    def __init__(
+        self, backend: QemuBackend, spec: SandboxSpec, vm: Vm, vm_dir: Path, *, restored: bool
+    ) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.vm = vm
+        self.vm_dir = vm_dir
+        self.name = vm.cfg.name
+        self.restored = restored
+        self.session: GuestSession | None = None
+        self.broken_reason: str | None = None
+        self.deadline_at = time.monotonic() + spec.deadline
+        self._destroyed = False
+        self._lock = threading.Lock()
+        self._watchdog = threading.Timer(spec.deadline, self._deadline_hit)
+        self._watchdog.daemon = True
+        self.timed_out = False
+        self.boot_seconds = 0.0
+
+    def _connect(self) -> None:
+        t0 = time.monotonic()
+        self._watchdog.start()
+        if self.restored:
+            wait_incoming(self.vm, timeout=BOOT_TIMEOUT)
+        sock = self.vm.connect(BOOT_TIMEOUT)
+        chan = Channel(sock, name=self.name, on_broken=self._on_broken)
+        session = GuestSession(chan, name=self.name, host=host_kernel())
+        chan._on_gateway_open = session.on_gateway_open
+        self.session = session
+        if not self.restored:
+            session.wait_ready(BOOT_TIMEOUT)
+        gw = None
+        if self.spec.gateway_dir is not None:
+            gw = self.spec.gateway_dir / GATEWAY_SOCKET_NAME
+        session.hello(uid=self.spec.uid, mount_data=True, gateway=gw, timeout=BOOT_TIMEOUT)
+        self.boot_seconds = time.monotonic() - t0
+
+    def _on_broken(self, why: str) -> None:
+        # A guest that breaks the protocol (or dies) is killed; its /data disk stays
+        # until destroy so partial results can still be collected.
+        if not self._destroyed and "closed by host" not in why:
+            self.broken_reason = why
+            log.warning("guest channel broken, killing VM", sandbox=self.name, why=why)
+            self.vm.terminate()
+
+    def _deadline_hit(self) -> None:
+        self.timed_out = True
+        log.warning("sandbox deadline hit, killing VM", sandbox=self.name)
+        self.vm.terminate()
+
+    def alive(self) -> bool:
+        """Whether the VMM still runs and the channel is healthy."""
+        return self.vm.alive() and self.session is not None and not self.session.channel.broken
+
+    def _session(self) -> GuestSession:
+        if self.session is None or self._destroyed:
+            raise SandboxError("sandbox is destroyed", sandbox=self.name)
+        if not self.alive():
+            raise GuestError(f"VM is gone: {self.broken_reason or 'VMM exited'}", sandbox=self.name)
+        return self.session
+
+    # -- Protocol
+    def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` as the sandbox uid after the per-command kernel and nonce check."""
+        if not argv:
+            raise SandboxError("empty argv", sandbox=self.name)
+        full_env = {**_BASE_ENV, **dict(self.spec.env), **dict(env or {})}
+        left = self.deadline_at - time.monotonic()
+        limit = left if timeout is None else min(timeout, left)
+        try:
+            return self._session().exec(
+                argv, env=full_env, cwd=self.spec.workdir, uid=self.spec.uid,
+                timeout=max(0.1, limit), stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr,
+            )  # fmt: skip
+        except GuestError:
+            if self.timed_out:
+                return ExecResult(137, timed_out=True)
+            raise
+
+    def copy_in(self, src: Path, dest: str) -> None:
+        """Copy a host file or directory into the guest at ``dest`` (made if missing)."""
+        if not src.exists():
+            raise SandboxError(f"copy_in: {src} does not exist", sandbox=self.name)
+        parent, name = dest.rstrip("/").rsplit("/", 1) if "/" in dest.rstrip("/") else ("", dest)
+        self._session().put_tar(_tar_chunks(src, name), parent or "/")
+
+    def copy_out(self, src: str, dest: Path) -> None:
+        """Copy ``src`` out of the guest to ``dest`` through the safe path layer.
+
+        Links are recreated, never followed; devices, FIFOs and sockets are
+        skipped; setuid/setgid bits dropped. ``dest`` must not exist yet.
+        """
+        self._session().get_tar(src, lambda tf: write_tar(tf, dest))
+
+    def sync_workspace(self) -> None:
+        """Replace ``spec.workspace``'s content with the guest's ``/workspace``."""
+        ws = self.spec.workspace
+        if ws is None:
+            return
+        self._session().sync()
+        staging = ws.parent / f".{ws.name}.agentbox-export-{secrets.token_hex(4)}"
+        try:
+            self.copy_out(WORKSPACE_IN_SANDBOX, staging)
+            for entry in list(ws.iterdir()):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            for entry in list(staging.iterdir()):
+                entry.rename(ws / entry.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def posture(self) -> Posture:
+        """Host-side facts read off the live VMM, and inside facts from the guest."""
+        return posture_mod.read_posture(self)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Sync and power the guest off (kill after ``timeout``); the /data disk is kept."""
+        if self.session is not None and self.alive():
+            with contextlib.suppress(AgentboxError):
+                self.session.sync(timeout)
+            self.session.shutdown(timeout)
+        self.vm.terminate()
+
+    def destroy(self) -> None:
+        """Kill the VM, remove its cgroups, sockets and disks; idempotent."""
+        with self._lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+        self._watchdog.cancel()
+        if self.session is not None:
+            self.session.channel.close()
+        self.vm.kill()
+        shutil.rmtree(self.vm_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.destroy()
+
+
+def _tar_chunks(src: Path, arcname: str) -> Iterator[bytes]:
+    """A tar of ``src`` (as ``arcname``), in chunks; spooled so memory stays bounded."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as spool:
+        with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            tf.add(src, arcname=arcname, recursive=True)
+        spool.seek(0)
+        while chunk := spool.read(1 << 18):
+            yield chunk
