@@ -45,6 +45,7 @@ a race can at worst make an open fail, never escape.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import enum
@@ -345,6 +346,69 @@ class Tree:
             finally:
                 os.close(sub)
 
+    def scan(
+        self, descend: Callable[[str], bool] | None = None, *, threads: int = 4
+    ) -> Iterator[tuple[str, list[tuple[str, os.stat_result]]]]:
+        """Yield ``(prefix, [(name, lstat), ...])`` for every directory, in no set order.
+
+        The fast path of collection: names are ``str`` (``os.fsdecode``, so
+        surrogate-escaped bytes round-trip through ``os.fsencode``), ``prefix`` is
+        ``""`` for the root or ``"a/b/"``. Worker threads open each directory
+        from the root fd with openat2 (no links, no other filesystem) and
+        ``lstat`` its entries, so the kernel work overlaps; ``descend(rel)`` is
+        asked (in the caller's thread) before a subdirectory is queued.
+        Directories that cannot be entered go to :attr:`skipped`.
+        """
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+            pending = {pool.submit(self._list, "")}
+            while pending:
+                done, pending = concurrent.futures.wait(
+                    pending, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                for fut in done:
+                    prefix, entries, error = fut.result()
+                    if entries is None:
+                        self.skipped.append((os.fsencode(prefix[:-1]), error or "unreadable"))
+                        continue
+                    yield prefix, entries
+                    depth = prefix.count("/") + 1
+                    for name, st in entries:
+                        if not stat.S_ISDIR(st.st_mode):
+                            continue
+                        rel = prefix + name
+                        if descend is not None and not descend(rel):
+                            continue
+                        if depth > self.max_depth:
+                            reason = f"directory nested deeper than {self.max_depth}"
+                            self.skipped.append((os.fsencode(rel), reason))
+                            continue
+                        pending.add(pool.submit(self._list, rel + "/"))
+
+    def _list(self, prefix: str) -> tuple[str, list[tuple[str, os.stat_result]] | None, str]:
+        """One directory's entries with their lstat; runs in a worker thread."""
+        if prefix:
+            try:
+                fd = openat2(
+                    self._fd, os.fsencode(prefix[:-1]), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                )
+            except OSError as exc:
+                if exc.errno == errno.EXDEV:
+                    return prefix, None, "another filesystem is mounted there"
+                return prefix, None, f"cannot enter directory ({exc.strerror})"
+        else:
+            fd = os.dup(self._fd)
+        out: list[tuple[str, os.stat_result]] = []
+        try:
+            with os.scandir(fd) as it:
+                for de in it:
+                    try:
+                        out.append((de.name, de.stat(follow_symlinks=False)))
+                    except FileNotFoundError:
+                        continue
+        finally:
+            os.close(fd)
+        return prefix, out, ""
+
     def lstat(self, rel: bytes | str) -> Entry:
         """The entry at ``rel`` (a link is described, not followed)."""
         parent, name = self._parent(rel)
@@ -430,6 +494,7 @@ class SafeWriter:
     max_total_size: int = 500 << 20
     written: int = 0
     _fd: int = -1
+    _last: tuple[bytes, int] | None = None
 
     def __post_init__(self) -> None:
         _require()
@@ -443,6 +508,9 @@ class SafeWriter:
 
     def close(self) -> None:
         """Release the root fd; idempotent."""
+        if self._last is not None:
+            os.close(self._last[1])
+            self._last = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -450,6 +518,10 @@ class SafeWriter:
     def _parent(self, rel: bytes | str, *, make: bool) -> tuple[int, bytes]:
         """An fd on the parent directory of ``rel`` (made if ``make``) and the last name."""
         parts = check_name(rel)
+        key = b"/".join(parts[:-1])
+        # Files usually arrive grouped by directory: reuse the last parent fd.
+        if self._last is not None and self._last[0] == key:
+            return os.dup(self._last[1]), parts[-1]
         fd = os.dup(self._fd)
         try:
             for part in parts[:-1]:
@@ -469,6 +541,9 @@ class SafeWriter:
         except BaseException:
             os.close(fd)
             raise
+        if self._last is not None:
+            os.close(self._last[1])
+        self._last = (key, os.dup(fd))
         return fd, parts[-1]
 
     def mkdir(self, rel: bytes | str, mode: int = 0o755) -> None:

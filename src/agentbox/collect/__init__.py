@@ -1,1 +1,34 @@
-"""agentbox.collect."""
+"""Result collection: a trusted shadow git dir, never the agent's ``.git``.
+
+::
+
+    base = prepare(repo, workspace, shadow_git, base_index,
+                   commit="HEAD", include_uncommitted=False, owner=None)  # -> Base
+    # ... the agent runs in workspace, then its sandbox is stopped ...
+    got = collect(workspace, shadow_git, base_index, base,
+                  task_id="t-1", message="Fix the flaky test")         # -> Collected
+    branch = publish(shadow_git, repo, task_id="t-1", commit=got.commit)  # "agentbox/t-1"
+    report = Report(task_id="t-1", status="done"); report.add_collected(got)
+
+See docs/explanation/result-collection.md for the threat model and decisions.
+"""
+
+from agentbox.collect._collect import branch_name, collect
+from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
+from agentbox.collect._prepare import prepare
+from agentbox.collect._publish import publish
+from agentbox.collect.report import Report, Tokens
+
+__all__ = [
+    "Base",
+    "Collected",
+    "DiffStat",
+    "Limits",
+    "Report",
+    "Skipped",
+    "Tokens",
+    "branch_name",
+    "collect",
+    "prepare",
+    "publish",
+]

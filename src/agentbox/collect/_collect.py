@@ -1,0 +1,379 @@
+"""Turning what the agent left in the workspace into a commit: :func:`collect`.
+
+Git never looks at the workspace. We walk it with :mod:`agentbox.safepath`
+(openat2 beneath the root, no links followed, one ``lstat`` per entry), compare
+each entry's stat with the snapshot taken at the trusted moment, read only the
+changed files (``O_NOFOLLOW``, beneath the root, capped), store them as blobs in
+the shadow dir ourselves, and feed ``git update-index --index-info`` a list of
+(mode, blob, path) over a temporary copy of the base index. ``write-tree``,
+``commit-tree`` and ``update-ref`` then run in the shadow dir only.
+
+Decisions (documented in docs/explanation/result-collection.md):
+
+* the workspace's own ``.git`` (file, dir or link) is never read; a nested
+  ``.git`` (any case variant) is skipped and reported: an embedded repository
+  is collected as plain files without its ``.git``;
+* symlinks are recorded as links (mode 120000, the target as the blob);
+* FIFOs, sockets and devices are skipped and reported;
+* only 100644/100755 are recorded: setuid, setgid and sticky bits are dropped
+  (noted);
+* a file with more links than the walk found inside the workspace is a hard
+  link to something outside: skipped and reported (its content is never read);
+  hard links wholly inside the workspace are collected;
+* names with control characters (newline included) and names git refuses
+  (``.git`` look-alikes, a symlinked ``.gitmodules``) are skipped and reported;
+* a skipped path keeps its base version; base files that are gone are deleted.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import stat
+import tempfile
+import unicodedata
+from pathlib import Path
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.collect._git import ShadowGit
+from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
+from agentbox.collect._objects import BlobWriter
+from agentbox.collect._statcache import StatCache, stat_key
+from agentbox.errors import CollectError, CommandError, PathRefused
+from agentbox.paths import validate_task_id
+from agentbox.safepath import MAX_NAME, SizeRefused, Tree, show
+
+__all__ = ["branch_name", "collect"]
+
+log = get_logger("collect")
+
+_CONTROL = {chr(c) for c in [*range(0x20), 0x7F]}
+# Code points HFS+ ignores: ".g\u200cit" is ".git" there (git's is_hfs_dotgit).
+_HFS_IGNORABLE = dict.fromkeys(
+    [0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF]
+)
+_SPECIAL_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
+
+
+def branch_name(task_id: str) -> str:
+    """``agentbox/<task-id>`` (the id validated)."""
+    return f"agentbox/{validate_task_id(task_id)}"
+
+
+def _is_dotgit(name: str) -> bool:
+    """``.git`` as Windows and macOS checkouts would see it (git refuses these too)."""
+    folded = unicodedata.normalize("NFC", name.translate(_HFS_IGNORABLE)).lower()
+    stripped = folded.rstrip(" .")
+    return stripped in (".git", "git~1") or (
+        stripped.startswith(".git") and stripped[4:5] in (":",)
+    )
+
+
+def _bad_name(name: str) -> str | None:
+    if any(c in _CONTROL for c in name):
+        return "control character in name (refused: newlines break every line-based tool)"
+    if len(os.fsencode(name)) > MAX_NAME:
+        return "name over 255 bytes"
+    return None
+
+
+class _Walk:
+    """The outcome of walking the workspace against the base snapshot."""
+
+    def __init__(self, base: dict[str, tuple[int, int, int, int, int, int]], limits: Limits):
+        self.base = base
+        self.limits = limits
+        self.seen: set[str] = set()
+        self.changed: list[tuple[str, int, os.stat_result]] = []
+        self.hard: list[tuple[str, int, os.stat_result]] = []
+        self.links: collections.Counter[tuple[int, int]] = collections.Counter()
+        self.blocked: set[str] = set()
+        self.kept_prefixes: list[str] = []
+        self.skipped: list[Skipped] = []
+        self.notes: list[Skipped] = []
+        self.count = 0
+        self.truncated = False
+
+    def skip(self, rel: str, reason: str) -> None:
+        self.skipped.append(Skipped(path=show(os.fsencode(rel)), reason=reason))
+        if rel in self.base:
+            self.seen.add(rel)  # a skipped path keeps its base version
+
+    def descend(self, rel: str) -> bool:
+        return rel not in self.blocked
+
+    def entry(self, prefix: str, name: str, st: os.stat_result) -> None:
+        rel = prefix + name
+        mode = st.st_mode
+        if not prefix and name == ".git":
+            self.blocked.add(rel)  # the agent's own repository: data, never read
+            return
+        if _is_dotgit(name):
+            self.blocked.add(rel)
+            self.skip(rel, "nested .git (an embedded repository is collected without it)")
+            return
+        bad = _bad_name(name)
+        if bad is not None:
+            self.blocked.add(rel)
+            self.skip(rel, bad)
+            if stat.S_ISDIR(mode):
+                self.kept_prefixes.append(rel + "/")
+            return
+        base = self.base.get(rel)
+        if stat.S_ISDIR(mode):
+            if base is not None and base[0] == 0o160000:
+                self.blocked.add(rel)  # a submodule: its pointer is kept as in the base
+                self.seen.add(rel)
+            return
+        if stat.S_ISREG(mode):
+            gm = 0o100755 if mode & stat.S_IXUSR else 0o100644
+            if mode & _SPECIAL_BITS:
+                self.notes.append(
+                    Skipped(path=show(os.fsencode(rel)), reason="setuid/setgid/sticky bit dropped")
+                )
+        elif stat.S_ISLNK(mode):
+            gm = 0o120000
+            if name.lower() == ".gitmodules":
+                self.skip(rel, "a symlinked .gitmodules (git refuses it)")
+                return
+        else:
+            kind = (
+                "fifo"
+                if stat.S_ISFIFO(mode)
+                else "socket"
+                if stat.S_ISSOCK(mode)
+                else "device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "unknown file type"
+            )
+            self.skip(rel, f"{kind} (not collected)")
+            return
+        if base is not None and base == stat_key(gm, st):
+            self.seen.add(rel)
+            return
+        if gm != 0o120000 and st.st_nlink > 1:
+            self.hard.append((rel, gm, st))
+            self.links[(st.st_dev, st.st_ino)] += 1
+            return
+        self.changed.append((rel, gm, st))
+
+    def resolve_hardlinks(self) -> None:
+        for rel, gm, st in self.hard:
+            inside = self.links[(st.st_dev, st.st_ino)]
+            if inside < st.st_nlink:
+                self.skip(
+                    rel,
+                    f"hard link to a file outside the workspace ({st.st_nlink} links, "
+                    f"{inside} inside): content not read",
+                )
+            else:
+                self.notes.append(
+                    Skipped(
+                        path=show(os.fsencode(rel)),
+                        reason=f"hard link ({st.st_nlink} links, all inside): collected as a file",
+                    )
+                )
+                self.changed.append((rel, gm, st))
+
+    def deleted(self) -> list[str]:
+        if self.truncated:
+            return []  # an incomplete walk must not delete what it did not see
+        changed = {rel for rel, _, _ in self.changed}
+        prefixes = tuple(self.kept_prefixes)
+        return [
+            rel
+            for rel in self.base
+            if rel not in self.seen
+            and rel not in changed
+            and not (prefixes and rel.startswith(prefixes))
+        ]
+
+
+def _walk(workspace: Path, base: dict[str, tuple[int, int, int, int, int, int]],
+          limits: Limits, tree: Tree) -> _Walk:  # fmt: skip
+    w = _Walk(base, limits)
+    for prefix, entries in tree.scan(w.descend, threads=limits.threads):
+        for name, st in entries:
+            w.count += 1
+            if w.count > limits.max_files:
+                w.truncated = True
+                break
+            w.entry(prefix, name, st)
+        if w.truncated:
+            w.skipped.append(
+                Skipped(path=".", reason=f"more than {limits.max_files} entries: walk stopped")
+            )
+            break
+    for rel, reason in tree.skipped:
+        w.skip(os.fsdecode(rel), reason)
+        w.kept_prefixes.append(os.fsdecode(rel) + "/")
+    w.resolve_hardlinks()
+    return w
+
+
+def _read_changed(w: _Walk, tree: Tree, blobs: BlobWriter) -> tuple[list[bytes], int, int]:
+    """Store every changed entry as a blob; return index-info records, files and bytes read."""
+    records: list[bytes] = []
+    total = 0
+    nread = 0
+    for rel, gm, st in sorted(w.changed):
+        relb = os.fsencode(rel)
+        try:
+            if gm == 0o120000:
+                data = tree.readlink(relb)
+            else:
+                if st.st_size > w.limits.max_file_size:
+                    w.skip(rel, f"over the per-file cap ({st.st_size} > "
+                                f"{w.limits.max_file_size} bytes)")  # fmt: skip
+                    continue
+                if total + st.st_size > w.limits.max_total_size:
+                    w.skip(rel, f"over the total cap ({w.limits.max_total_size} bytes)")
+                    continue
+                data = tree.read(relb, limit=w.limits.max_file_size)
+        except SizeRefused:
+            w.skip(rel, f"over the per-file cap ({w.limits.max_file_size} bytes)")
+            continue
+        except PathRefused as exc:
+            w.skip(rel, f"could not be read safely: {exc}")
+            continue
+        total += len(data)
+        nread += 1
+        w.seen.add(rel)
+        records.append(b"%o %s\t%s" % (gm, blobs.write(data).encode(), relb))
+    return records, nread, total
+
+
+def _update_index(
+    shadow: ShadowGit, index: Path, records: list[bytes], w: _Walk, object_format: str
+) -> None:
+    """``update-index -z --index-info``; a path git refuses is dropped and reported."""
+    zero = "0" * (64 if object_format == "sha256" else 40)
+    deletions = [b"0 %s\t%s" % (zero.encode(), os.fsencode(rel)) for rel in w.deleted()]
+    pending = deletions + records
+    for _attempt in range(50):
+        if not pending:
+            return
+        try:
+            shadow.run("update-index", "-z", "--index-info", index=index,
+                       input=b"\0".join(pending) + b"\0")  # fmt: skip
+            return
+        except CommandError as exc:
+            bad = _refused_path(exc.stderr)
+            match = [r for r in pending if r.partition(b"\t")[2] == bad]
+            if bad is None or not match:
+                raise CollectError(f"git update-index failed: {exc}") from exc
+            pending = [r for r in pending if r not in match]
+            # git died before committing its index lock: the index is still the base one.
+            w.skip(os.fsdecode(bad), "git refuses this path")
+    raise CollectError("git update-index refused too many paths")
+
+
+def _refused_path(stderr: str) -> bytes | None:
+    for line in stderr.splitlines():
+        for marker in ("unable to update ", "invalid path '"):
+            if marker in line:
+                tail = line.split(marker, 1)[1]
+                return os.fsencode(tail.rstrip("'"))
+    return None
+
+
+def _diffstat(shadow: ShadowGit, base: str, commit: str) -> DiffStat:
+    out = shadow.run("diff-tree", "-r", "-z", "--numstat", "--no-renames", base, commit).stdout
+    files = ins = dels = 0
+    for rec in out.split("\0"):
+        if not rec or "\t" not in rec:
+            continue
+        added, deleted, _path = rec.split("\t", 2)
+        files += 1
+        ins += int(added) if added.isdigit() else 0
+        dels += int(deleted) if deleted.isdigit() else 0
+    return DiffStat(files_changed=files, insertions=ins, deletions=dels)
+
+
+def _diff_text(shadow: ShadowGit, base: str, commit: str, cap: int) -> tuple[str, bool]:
+    chunks: list[bytes] = []
+    size = 0
+    truncated = False
+
+    def keep(chunk: bytes) -> None:
+        nonlocal size, truncated
+        if size < cap:
+            chunks.append(chunk[: cap - size])
+            size += len(chunks[-1])
+        if size >= cap:
+            truncated = True
+
+    argv = shadow.argv(["diff-tree", "-p", "-r", "--no-color", "--no-ext-diff", "--no-textconv",
+                        "--no-renames", "--binary", base, commit])  # fmt: skip
+    err: list[bytes] = []
+    rc = _proc.stream(argv, on_stdout=keep, on_stderr=err.append, env=shadow.env(),
+                      cwd=shadow.git_dir, timeout=shadow.timeout)  # fmt: skip
+    if rc != 0:
+        raise CollectError(f"git diff-tree failed: {b''.join(err).decode(errors='replace')}")
+    text = b"".join(chunks).decode("utf-8", "replace")
+    if truncated:
+        text += f"\n[diff truncated at {cap} bytes; see the branch for the rest]\n"
+    return text, truncated
+
+
+def collect(
+    workspace: Path,
+    shadow_git: Path,
+    base_index: Path,
+    base: Base,
+    *,
+    task_id: str,
+    message: str,
+    limits: Limits | None = None,
+) -> Collected:
+    """Commit what the agent left in ``workspace`` to ``refs/heads/agentbox/<task-id>``.
+
+    Runs in the shadow dir only, over a temporary copy of ``base_index``; the
+    parent is ``base.base_commit``; author and committer ``agentbox
+    <agentbox@localhost>``; the message is ``message`` plus an
+    ``agentbox-task: <id>`` trailer. Collecting twice replaces the branch.
+    Raises :class:`~agentbox.errors.CollectError` (the workspace is kept).
+    """
+    limits = limits or Limits()
+    workspace, shadow_git, base_index = (
+        Path(p).absolute() for p in (workspace, shadow_git, base_index)
+    )
+    branch = branch_name(task_id)
+    cache = StatCache.load(StatCache.path_for(base_index)).entries
+    if not base_index.is_file():
+        raise CollectError(f"base index missing: {base_index}")
+    with ShadowGit(shadow_git) as shadow, Tree(workspace) as tree, \
+            tempfile.TemporaryDirectory(prefix="agentbox-index-") as tmp:  # fmt: skip
+        w = _walk(workspace, cache, limits, tree)
+        blobs = BlobWriter(shadow_git, base.object_format)
+        records, nread, nbytes = _read_changed(w, tree, blobs)
+        index = Path(tmp) / "index"
+        shutil.copyfile(base_index, index)
+        _update_index(shadow, index, records, w, base.object_format)
+        tree_id = shadow.run("write-tree", index=index).stdout.strip()
+        body = message.strip() or "agentbox task"
+        full = f"{body}\n\nagentbox-task: {task_id}\n"
+        commit = shadow.run("commit-tree", tree_id, "-p", base.base_commit,
+                            input=full).stdout.strip()  # fmt: skip
+        shadow.run("update-ref", f"refs/heads/{branch}", commit)
+        diffstat = _diffstat(shadow, base.base_commit, commit)
+        diff, truncated = _diff_text(shadow, base.base_commit, commit, limits.max_diff_bytes)
+    log.info("collected", task_id=task_id, commit=commit, files=diffstat.files_changed,
+             skipped=len(w.skipped))  # fmt: skip
+    return Collected(
+        commit=commit,
+        branch=branch,
+        base_commit=base.base_commit,
+        tree=tree_id,
+        changed=tree_id != base.tree,
+        diffstat=diffstat,
+        diff=diff,
+        diff_truncated=truncated,
+        skipped=w.skipped,
+        notes=w.notes,
+        files_seen=w.count,
+        files_read=nread,
+        bytes_read=nbytes,
+    )

@@ -1,0 +1,149 @@
+"""Running git safely: the trusted shadow dir, and read-only commands in the user's repo.
+
+Two kinds of git invocations exist and they never mix:
+
+* :class:`ShadowGit` runs git with ``--git-dir=SHADOW`` (a bare repository we
+  made), an environment built from nothing (no ``GIT_*`` inherited, system and
+  global config off, ``HOME`` an empty temp dir), and ``-c core.hooksPath=/dev/null
+  -c core.fsmonitor=false -c core.untrackedCache=false -c core.symlinks=true`` on
+  every command line. It is never pointed at a work tree the agent wrote: every
+  file it learns about was read by :mod:`agentbox.safepath` and handed to it.
+* :func:`user_git` runs git in the user's repository: only read-only commands
+  (``rev-parse``, ``status --no-optional-locks``, ``ls-files``) and the final
+  ``fetch`` of the result branch, with hooks and fsmonitor off.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from agentbox import _proc
+from agentbox._proc import Result
+
+__all__ = ["SAFE_CONFIG", "ShadowGit", "clean_env", "user_git"]
+
+#: ``-c`` options on every git command line we run (the threats they answer:
+#: hooks, an fsmonitor command, a stale untracked cache, symlinks written as files).
+SAFE_CONFIG: tuple[str, ...] = (
+    "-c",
+    "core.hooksPath=/dev/null",
+    "-c",
+    "core.fsmonitor=false",
+    "-c",
+    "core.untrackedCache=false",
+    "-c",
+    "core.symlinks=true",
+)
+
+_DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def clean_env(home: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """An environment for git built from nothing: no GIT_* leaks in from our caller."""
+    env = {
+        "PATH": os.environ.get("PATH", _DEFAULT_PATH),
+        "HOME": home,
+        "LC_ALL": "C",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "GIT_ATTR_NOSYSTEM": "1",
+        "GIT_TERMINAL_PROMPT": "0",
+        "GIT_NO_REPLACE_OBJECTS": "1",
+        "GIT_OPTIONAL_LOCKS": "0",
+        "GIT_AUTHOR_NAME": "agentbox",
+        "GIT_AUTHOR_EMAIL": "agentbox@localhost",
+        "GIT_COMMITTER_NAME": "agentbox",
+        "GIT_COMMITTER_EMAIL": "agentbox@localhost",
+    }
+    if extra:
+        env.update(extra)
+    return env
+
+
+class ShadowGit:
+    """git against the trusted bare shadow dir; use as a context manager (owns a temp HOME)."""
+
+    def __init__(self, git_dir: Path, *, timeout: float = 300.0) -> None:
+        self.git_dir = Path(git_dir).absolute()
+        self.timeout = timeout
+        self._home = tempfile.TemporaryDirectory(prefix="agentbox-githome-")
+
+    def __enter__(self) -> ShadowGit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the temporary HOME; idempotent."""
+        self._home.cleanup()
+
+    def env(self, index: Path | None = None, **extra: str) -> dict[str, str]:
+        """The environment for a shadow git command (``GIT_INDEX_FILE`` if ``index``)."""
+        more = dict(extra)
+        if index is not None:
+            more["GIT_INDEX_FILE"] = str(Path(index).absolute())
+        return clean_env(self._home.name, more)
+
+    def argv(self, args: Sequence[str | os.PathLike[str]]) -> list[str]:
+        """The full argv: git, the safe config, ``--git-dir=SHADOW``, then ``args``."""
+        return ["git", *SAFE_CONFIG, f"--git-dir={self.git_dir}", *(os.fspath(a) for a in args)]
+
+    def run(
+        self,
+        *args: str | os.PathLike[str],
+        index: Path | None = None,
+        input: bytes | str | None = None,
+        check: bool = True,
+        env: Mapping[str, str] | None = None,
+    ) -> Result:
+        """Run one git command against the shadow dir and return its output."""
+        full_env = self.env(index)
+        if env:
+            full_env.update(env)
+        # cwd is the shadow dir itself: never the workspace, whose .git git would discover.
+        return _proc.run(
+            self.argv(args),
+            timeout=self.timeout,
+            check=check,
+            input=input,
+            env=full_env,
+            cwd=self.git_dir if self.git_dir.is_dir() else self.git_dir.parent,
+        )
+
+
+def user_git(
+    repo: Path,
+    *args: str | os.PathLike[str],
+    check: bool = True,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+) -> Result:
+    """Run git in the user's repo: hooks and fsmonitor off, no optional locks.
+
+    The user's own global config still applies (it is theirs and trusted), but
+    no ``GIT_*`` variable of our caller leaks in. ``safe.directory`` is set on
+    the command line because the launcher may run as a different user than
+    the repo's owner.
+    """
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    base.update({"LC_ALL": "C", "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"})
+    if env:
+        base.update(env)
+    argv = [
+        "git",
+        "--no-optional-locks",
+        "-c",
+        "core.hooksPath=/dev/null",
+        "-c",
+        "core.fsmonitor=false",
+        "-c",
+        f"safe.directory={repo}",
+        "-C",
+        os.fspath(repo),
+        *(os.fspath(a) for a in args),
+    ]
+    return _proc.run(argv, timeout=timeout, check=check, env=base)

@@ -1,0 +1,87 @@
+"""Value objects of result collection: the base, the limits, what was collected."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Base", "Collected", "DiffStat", "Limits", "Skipped"]
+
+
+class Base(BaseModel):
+    """The trusted starting point of a task, recorded by :func:`prepare`.
+
+    ``base_commit`` is the parent of the result commit: the user's commit, or
+    (with uncommitted changes included) a commit of ours on top of it that
+    holds them. Serialisable (``model_dump_json``) so the launcher can store it.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    base_commit: str
+    tree: str
+    head_commit: str
+    object_format: str = "sha1"
+    include_uncommitted: bool = False
+
+
+class Limits(BaseModel):
+    """Caps on what collection reads and returns."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_file_size: int = Field(default=50 << 20, gt=0)
+    """A changed file larger than this is skipped (reported)."""
+    max_total_size: int = Field(default=500 << 20, gt=0)
+    """New content read beyond this total is skipped (reported)."""
+    max_files: int = Field(default=500_000, gt=0)
+    """Entries walked beyond this stop the walk (reported; unseen base files are kept)."""
+    max_diff_bytes: int = Field(default=1 << 20, gt=0)
+    """The unified diff returned is cut here, with a truncation note."""
+    threads: int = Field(default=4, ge=1, le=32)
+    """Worker threads that stat the workspace."""
+
+
+class Skipped(BaseModel):
+    """One path that was not collected as the agent left it, and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    reason: str
+
+
+class DiffStat(BaseModel):
+    """Files changed, lines inserted and deleted between the base and the result."""
+
+    model_config = ConfigDict(frozen=True)
+
+    files_changed: int = 0
+    insertions: int = 0
+    deletions: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.files_changed} file(s) changed, "
+            f"{self.insertions} insertion(s)(+), {self.deletions} deletion(s)(-)"
+        )
+
+
+class Collected(BaseModel):
+    """What :func:`collect` produced in the shadow dir."""
+
+    model_config = ConfigDict(frozen=True)
+
+    commit: str
+    branch: str
+    base_commit: str
+    tree: str
+    changed: bool
+    diffstat: DiffStat
+    diff: str
+    diff_truncated: bool = False
+    skipped: list[Skipped] = Field(default_factory=list)
+    notes: list[Skipped] = Field(default_factory=list)
+    """Paths collected with a change of ours (setuid dropped, hard links)."""
+    files_seen: int = 0
+    files_read: int = 0
+    bytes_read: int = 0

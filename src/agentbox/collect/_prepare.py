@@ -1,0 +1,308 @@
+"""Making a workspace at a trusted moment: :func:`prepare`.
+
+The user's repo is only read: ``rev-parse``, ``status --no-optional-locks``,
+and ``upload-pack`` (run by our ``fetch`` from the shadow side). With
+uncommitted changes included, ``git add -A`` runs against a *copy* of the
+user's index and writes its objects into the shadow dir
+(``GIT_OBJECT_DIRECTORY``), so neither the user's index nor object store change.
+
+The workspace gets exactly the bytes of the base tree, written by us through
+:class:`~agentbox.safepath.SafeWriter` from ``git cat-file --batch`` (no smudge
+filter, no eol conversion, no ``export-ignore``), and a fresh ``.git`` of its own
+(one root commit of the base tree, no hooks) that the agent may wreck:
+collection never reads it. Then the workspace is stat-ed and the stat data
+saved next to the base index (see :mod:`agentbox.collect._statcache`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.collect._git import ShadowGit, user_git
+from agentbox.collect._model import Base
+from agentbox.collect._statcache import StatCache, snapshot
+from agentbox.errors import CollectError, CommandError, PathRefused, RefusedError
+from agentbox.safepath import SafeWriter, Tree, openat2
+
+__all__ = ["prepare"]
+
+log = get_logger("collect")
+
+_HEX = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
+#: Characters that would need quoting in a ``file://`` URL: fall back to a full fetch.
+_URL_UNSAFE = re.compile(r"[%#?\s]")
+
+
+def _refused(message: str, repo: Path) -> RefusedError:
+    return RefusedError(f"{message}: {repo}")
+
+
+def _inspect(repo: Path, commit: str) -> tuple[str, str, str]:
+    """Return (object format, commit sha, HEAD sha) of the user's repo, or refuse."""
+    if not commit or commit.startswith("-") or "\0" in commit:
+        raise _refused(f"bad commit name {commit!r:.80}", repo)
+    try:
+        res = user_git(repo, "rev-parse", "--show-toplevel", "--show-object-format")
+    except CommandError as exc:
+        raise _refused("not a git repository", repo) from exc
+    top, fmt = res.stdout.splitlines()[:2]
+    if Path(top).resolve() != repo:
+        raise _refused(f"not the top level of its repository ({top})", repo)
+    head = user_git(repo, "rev-parse", "--verify", "--quiet", "HEAD^{commit}", check=False)
+    if head.returncode != 0:
+        raise _refused("the repository has no commits", repo)
+    res = user_git(
+        repo, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{commit}^{{commit}}",
+        check=False,
+    )  # fmt: skip
+    if res.returncode != 0 or not _HEX.fullmatch(res.stdout.strip()):
+        raise _refused(f"no such commit {commit!r:.80}", repo)
+    return fmt.strip(), res.stdout.strip(), head.stdout.strip()
+
+
+def _dirty(repo: Path) -> list[str]:
+    """Tracked paths with staged or unstaged changes (untracked files do not count)."""
+    out = user_git(
+        repo, "status", "--porcelain=v1", "-z", "--untracked-files=no",
+        "--ignore-submodules=all", "--no-renames",
+    ).stdout  # fmt: skip
+    return [rec[3:] for rec in out.split("\0") if rec]
+
+
+def _fetch_base(shadow: ShadowGit, repo: Path, sha: str) -> None:
+    # Shallow (depth 1) through file:// so a big history is not copied; a path
+    # that a URL would mangle falls back to a plain local fetch of the history.
+    if _URL_UNSAFE.search(str(repo)):
+        source, depth = str(repo), []
+    else:
+        source, depth = f"file://{repo}", ["--depth=1"]
+    shadow.run(
+        "-c", f"safe.directory={repo}", "fetch", "--quiet", "--no-tags",
+        "--no-write-fetch-head", *depth, source, f"{sha}:refs/agentbox/head",
+    )  # fmt: skip
+
+
+def _snapshot_uncommitted(shadow: ShadowGit, repo: Path, head: str) -> str:
+    """A commit (in the shadow dir) of HEAD plus tracked changes and untracked files."""
+    git_path = user_git(repo, "rev-parse", "--path-format=absolute", "--git-path", "objects",
+                        "--git-path", "index").stdout.splitlines()  # fmt: skip
+    objects, index = Path(git_path[0]), Path(git_path[1])
+    with tempfile.TemporaryDirectory(prefix="agentbox-snap-") as tmp:
+        tmp_index = Path(tmp) / "index"
+        if index.is_file():
+            shutil.copyfile(index, tmp_index)  # stat data makes add -A cheap
+        env = {
+            "GIT_INDEX_FILE": str(tmp_index),
+            "GIT_OBJECT_DIRECTORY": str(shadow.git_dir / "objects"),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(objects),
+        }
+        if not index.is_file():
+            user_git(repo, "read-tree", head, env=env)
+        user_git(repo, "add", "-A", env=env)
+        tree = user_git(repo, "write-tree", env=env).stdout.strip()
+    # Objects HEAD's tree shares were read through the alternate; make sure the
+    # shadow dir holds every object of the snapshot itself.
+    shadow.run("cat-file", "-e", f"{tree}^{{tree}}")
+    return shadow.run(
+        "commit-tree", tree, "-p", head, "-m", "agentbox: uncommitted changes at the start"
+    ).stdout.strip()
+
+
+def _tree_entries(shadow: ShadowGit, tree: str) -> list[tuple[int, str, bytes]]:
+    out = shadow.run("ls-tree", "-r", "-z", "--full-tree", tree).stdout.encode(
+        "utf-8", "surrogateescape"
+    )
+    entries = []
+    for rec in out.split(b"\0"):
+        if not rec:
+            continue
+        meta, _, path = rec.partition(b"\t")
+        mode, _kind, oid = meta.split(b" ")
+        entries.append((int(mode, 8), oid.decode(), path))
+    return entries
+
+
+def _write_workspace(shadow: ShadowGit, tree: str, workspace: Path) -> dict[str, int]:
+    """Write the base tree's exact bytes; return {path: git mode} of every entry."""
+    entries = _tree_entries(shadow, tree)
+    modes: dict[str, int] = {}
+    blobs = [(m, oid, p) for m, oid, p in entries if m != 0o160000]
+    with SafeWriter(workspace, max_file_size=1 << 62, max_total_size=1 << 62) as writer:
+        for mode, _oid, path in entries:
+            modes[os.fsdecode(path)] = mode
+            if mode == 0o160000:  # a submodule: an empty directory, as git checks out
+                writer.mkdir(path)
+        for (mode, _oid, path), data in zip(blobs, _cat_blobs(shadow, blobs), strict=True):
+            if mode == 0o120000:
+                writer.symlink(path, data)
+            else:
+                writer.write_file(path, data, mode=0o755 if mode == 0o100755 else 0o644)
+    return modes
+
+
+def _cat_blobs(shadow: ShadowGit, blobs: list[tuple[int, str, bytes]]) -> Iterator[bytes]:
+    """The content of each blob, in order, from one ``git cat-file --batch``."""
+    # Not streamed into memory whole: batches of objects keep memory bounded.
+    batch: list[str] = []
+    size = 0
+    for _mode, oid, _path in blobs:
+        batch.append(oid)
+        size += 1
+        if size >= 2000:
+            yield from _cat_batch(shadow, batch)
+            batch, size = [], 0
+    if batch:
+        yield from _cat_batch(shadow, batch)
+
+
+def _cat_batch(shadow: ShadowGit, oids: list[str]) -> Iterator[bytes]:
+    chunks: list[bytes] = []
+    with tempfile.TemporaryFile() as stdin:
+        stdin.write(("\n".join(oids) + "\n").encode())
+        stdin.seek(0)
+        err: list[bytes] = []
+        rc = _proc.stream(
+            shadow.argv(["cat-file", "--batch"]),
+            on_stdout=chunks.append,
+            on_stderr=err.append,
+            env=shadow.env(),
+            cwd=shadow.git_dir,
+            stdin=stdin.fileno(),
+            timeout=shadow.timeout,
+        )
+    if rc != 0:
+        raise CommandError(shadow.argv(["cat-file", "--batch"]), rc, b"".join(err).decode())
+    buf = b"".join(chunks)
+    pos = 0
+    for oid in oids:
+        nl = buf.index(b"\n", pos)
+        header = buf[pos:nl].split(b" ")
+        if len(header) != 3 or header[0].decode() != oid:
+            raise CollectError(f"unexpected cat-file output for {oid}")
+        size = int(header[2])
+        yield buf[nl + 1 : nl + 1 + size]
+        pos = nl + 1 + size + 1
+
+
+def _init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str) -> None:
+    """Give the workspace a fresh ``.git`` of its own: one root commit of the base tree."""
+    root = shadow.run(
+        "commit-tree", tree, "-m", f"agentbox: workspace base (from {base[:12]})"
+    ).stdout.strip()
+    shadow.run("update-ref", "refs/agentbox/workspace", root)
+    agent_git = workspace / ".git"
+    with ShadowGit(agent_git) as ws:
+        ws.run("init", "--quiet", "--template=", "--initial-branch=main", "--bare")
+        ws.run("config", "core.bare", "false")
+        ws.run("config", "user.name", "agentbox agent")
+        ws.run("config", "user.email", "agent@agentbox.invalid")
+        ws.run(
+            "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", "--update-head-ok",
+            str(shadow.git_dir), "refs/agentbox/workspace:refs/heads/main",
+        )  # fmt: skip
+        ws.run("read-tree", "main", index=agent_git / "index")
+
+
+def prepare(
+    repo: Path,
+    workspace: Path,
+    shadow_git: Path,
+    base_index: Path,
+    *,
+    commit: str = "HEAD",
+    include_uncommitted: bool = False,
+    owner: tuple[int, int] | None = None,
+) -> Base:
+    """Make ``workspace`` a fresh copy of ``repo`` at ``commit`` and the trusted shadow dir.
+
+    Refuses (:class:`~agentbox.errors.RefusedError`, nothing written) a path
+    that is not the top of a git repository, a repo without commits, a commit
+    that does not exist, tracked uncommitted changes when
+    ``include_uncommitted`` is off, ``include_uncommitted`` with a commit other
+    than HEAD, and a ``workspace``/``shadow_git``/``base_index`` that already exists.
+    With ``include_uncommitted``, tracked modifications and untracked files
+    that are not ignored are part of the base (a commit of ours on top of HEAD).
+
+    ``owner=(uid, gid)`` chowns the workspace (never following a link) *before*
+    its stat data is saved; a chown after ``prepare`` changes every file's ctime
+    and makes the next collection re-read every file (still correct, only slower).
+    """
+    repo = Path(repo).resolve()
+    workspace, shadow_git, base_index = (
+        Path(p).absolute() for p in (workspace, shadow_git, base_index)
+    )
+    fmt, sha, head = _inspect(repo, commit)
+    if include_uncommitted and sha != head:
+        raise _refused("include_uncommitted works only with the HEAD commit", repo)
+    if not include_uncommitted:
+        dirty = _dirty(repo)
+        if dirty and sha == head:
+            shown = ", ".join(dirty[:5]) + (" …" if len(dirty) > 5 else "")
+            raise _refused(f"uncommitted changes ({shown}); commit them or include them", repo)
+    for path, what in ((workspace, "workspace"), (shadow_git, "shadow git dir"),
+                       (base_index, "base index")):  # fmt: skip
+        if path.exists() or path.is_symlink():
+            raise PathRefused(f"{what} already exists", path=path)
+    made: list[Path] = []
+    try:
+        with ShadowGit(shadow_git) as shadow:
+            made.append(shadow_git)
+            shadow.run("init", "--quiet", "--bare", "--template=", f"--object-format={fmt}")
+            _fetch_base(shadow, repo, sha)
+            base_commit = _snapshot_uncommitted(shadow, repo, head) if include_uncommitted else sha
+            shadow.run("update-ref", "refs/agentbox/base", base_commit)
+            tree = shadow.run("rev-parse", f"{base_commit}^{{tree}}").stdout.strip()
+            made.append(workspace)
+            workspace.mkdir(mode=0o755)
+            modes = _write_workspace(shadow, tree, workspace)
+            _init_agent_git(shadow, workspace, tree, base_commit)
+            if owner is not None:
+                _chown_tree(workspace, *owner)
+            made.append(base_index)
+            tmp_index = base_index.with_name(base_index.name + ".tmp")
+            shadow.run("read-tree", tree, index=tmp_index)
+            StatCache(snapshot(workspace, modes)).save(StatCache.path_for(base_index))
+            tmp_index.rename(base_index)
+    except BaseException:
+        for path in made:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            StatCache.path_for(base_index).unlink()
+        raise
+    log.info("prepared", repo=str(repo), base=base_commit, tree=tree)
+    return Base(
+        base_commit=base_commit,
+        tree=tree,
+        head_commit=head,
+        object_format=fmt,
+        include_uncommitted=include_uncommitted,
+    )
+
+
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    """``chown -R -h`` beneath ``root``: every entry, links themselves, never followed."""
+    os.chown(root, uid, gid, follow_symlinks=False)
+    with Tree(root) as tree:
+        for entry in tree.walk():
+            parent, _, name = entry.path.rpartition(b"/")
+            fd = (
+                openat2(tree.fd, parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                if parent
+                else os.dup(tree.fd)
+            )
+            try:
+                os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
+            finally:
+                os.close(fd)
