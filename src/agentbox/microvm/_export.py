@@ -1,0 +1,76 @@
+"""Writing a tar stream from a guest onto the host through the safe path layer.
+
+The archive is hostile input: member names are checked by
+:func:`agentbox.safepath.check_name` (no ``..``, no absolute paths, no
+control characters), links are recreated as links and never followed,
+hard links, devices, FIFOs and sockets are skipped, and modes are normalised
+(setuid/setgid dropped) by :class:`agentbox.safepath.SafeWriter`. Nothing is
+ever extracted with ``tarfile``'s own ``extract``.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+from agentbox._log import get_logger
+from agentbox.errors import PathRefused
+from agentbox.safepath import SafeWriter
+
+__all__ = ["MAX_EXPORT_BYTES", "MAX_EXPORT_FILE", "write_tar"]
+
+log = get_logger("microvm.export")
+
+#: Total bytes a copy-out may write (the /data disk's size).
+MAX_EXPORT_BYTES = 8 * 1024**3
+#: Largest single file a copy-out may write.
+MAX_EXPORT_FILE = 2 * 1024**3
+
+
+def write_tar(tf: tarfile.TarFile, dest: Path) -> list[tuple[str, str]]:
+    """Write ``tf``'s members (in stream order) under ``dest``; return what was skipped.
+
+    The archive's first path component is the copied entry's own name and
+    becomes ``dest`` itself. ``dest`` must not exist yet; its parent must.
+    """
+    if dest.exists() or dest.is_symlink():
+        raise PathRefused("copy-out destination exists", path=dest)
+    skipped: list[tuple[str, str]] = []
+    made_root = False
+    with SafeWriter(dest.parent, max_file_size=MAX_EXPORT_FILE,
+                    max_total_size=MAX_EXPORT_BYTES) as w:  # fmt: skip
+        for m in tf:
+            parts = [p for p in m.name.split("/") if p not in ("", ".")]
+            if not parts:
+                continue
+            rel = "/".join([dest.name, *parts[1:]])
+            if len(parts) == 1 and not m.isdir():
+                if m.isfile():
+                    f = tf.extractfile(m)
+                    w.write_file(dest.name, f if f is not None else b"", m.mode)
+                    made_root = True
+                else:
+                    skipped.append((m.name, "not a regular file"))
+                continue
+            if not made_root:
+                w.mkdir(dest.name, 0o755)
+                made_root = True
+            try:
+                if m.isdir():
+                    w.mkdir(rel, m.mode)
+                elif m.isfile():
+                    f = tf.extractfile(m)
+                    w.write_file(rel, f if f is not None else b"", m.mode)
+                elif m.issym():
+                    w.symlink(rel, m.linkname)
+                else:
+                    skipped.append((m.name, "hard link" if m.islnk() else "special file"))
+            except PathRefused as exc:
+                from agentbox.safepath import SizeRefused
+
+                if isinstance(exc, SizeRefused):
+                    raise
+                skipped.append((m.name, str(exc)))
+    if skipped:
+        log.info("copy-out skipped entries", dest=str(dest), count=len(skipped))
+    return skipped

@@ -1,0 +1,143 @@
+"""The initramfs: busybox, the virtio modules, ``/init`` and the guest agent.
+
+``/init`` (PID 1) loads the modules, mounts the image's root read-only from the
+disk labelled ``agentbox-root``, puts tmpfs on ``/tmp``, ``/run`` and
+``$HOME``, binds this initramfs's ``/agentbox`` read-only at ``/opt/agentbox``
+(the workload cannot overwrite the agent), brings ``lo`` up (there is no other
+interface), and runs the agent in a chroot of the root with the image's
+``python3``. ``/data`` is mounted later by the agent, at ``hello``: a snapshot
+taken before then holds nothing of any workspace.
+
+With ``agentbox_marker=1`` on the kernel command line ``/init`` instead prints
+:data:`MARKER` from the image's python and powers off: the bare-boot baseline
+of the benchmark and the KVM probe use it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from agentbox.config import Settings
+from agentbox.errors import ImageError
+from agentbox.guest import agent as agent_module
+from agentbox.microvm._kernel import MODULES, Kernel
+
+__all__ = ["INIT_SCRIPT", "MARKER", "build_cpio", "ensure_initramfs"]
+
+MARKER = "AGENTBOX-GUEST-MARKER"
+ROOT_LABEL = "agentbox-root"
+
+_APPLETS = ("sh", "mount", "insmod", "findfs", "mkdir", "chroot", "ip", "reboot", "sleep", "cat")
+
+INIT_SCRIPT = f"""#!/bin/sh
+# agentbox microVM init (PID 1). Any failure reboots, which ends the VM (-no-reboot).
+export PATH=/bin
+fail() {{ echo "agentbox-init: $*" > /dev/console; reboot -f; }}
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in {" ".join(MODULES)}; do insmod /lib/modules/$m.ko || fail "insmod $m"; done
+[ -n "$agentbox_probe" ] && {{ echo "{MARKER}" > /dev/console; reboot -f; }}
+i=0
+while ! root=$(findfs LABEL={ROOT_LABEL} 2>/dev/null); do
+  i=$((i+1)); [ $i -gt 400 ] && fail "no root disk"; sleep 0.02
+done
+mount -t ext4 -o ro,noload,nodev "$root" /newroot || fail "mount root"
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /newroot/tmp
+mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /newroot/run
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /newroot/home/agent
+mount --bind /agentbox /newroot/opt/agentbox && mount -o remount,bind,ro /newroot/opt/agentbox
+mount --move /dev /newroot/dev
+mkdir -p /newroot/dev/pts /newroot/dev/shm
+mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620 devpts /newroot/dev/pts
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /newroot/dev/shm
+mount --move /proc /newroot/proc
+mount --move /sys /newroot/sys
+ip link set lo up
+if [ -n "$agentbox_marker" ]; then
+  chroot /newroot /usr/bin/python3 -I -S -c 'print("{MARKER}")'
+  reboot -f
+fi
+chroot /newroot /usr/bin/python3 -I -S /opt/agentbox/agent.py
+fail "agent exited"
+"""
+
+
+def _entry(name: str, mode: int, data: bytes = b"", rdev: tuple[int, int] = (0, 0)) -> bytes:
+    name_b = name.encode() + b"\0"
+    fields = (0, mode, 0, 0, 1, 0, len(data), 0, 0, rdev[0], rdev[1], len(name_b), 0)
+    head = b"070701" + b"".join(f"{v:08x}".encode() for v in fields)
+    out = head + name_b
+    out += b"\0" * (-len(out) % 4)
+    out += data
+    out += b"\0" * (-len(out) % 4)
+    return out
+
+
+def build_cpio(files: dict[str, tuple[int, bytes]], dirs: list[str]) -> bytes:
+    """An uncompressed ``newc`` archive: ``files`` maps path → (mode, content).
+
+    Symlinks are given as mode ``0o120777`` with the target as content; owner
+    root, mtime 0, so the archive is reproducible.
+    """
+    parts = [_entry(d, 0o040755) for d in dirs]
+    parts.append(_entry("dev/console", 0o020600, rdev=(5, 1)))
+    parts += [_entry(p, mode, data) for p, (mode, data) in sorted(files.items())]
+    parts.append(_entry("TRAILER!!!", 0))
+    blob = b"".join(parts)
+    return blob + b"\0" * (-len(blob) % 512)
+
+
+def _has_interp(elf: bytes) -> bool:
+    """Whether an ELF64 binary asks for a dynamic loader (a PT_INTERP header)."""
+    if not elf.startswith(b"\x7fELF") or len(elf) < 64:
+        return True
+    phoff = int.from_bytes(elf[0x20:0x28], "little")
+    phentsize = int.from_bytes(elf[0x36:0x38], "little")
+    phnum = int.from_bytes(elf[0x38:0x3A], "little")
+    for i in range(phnum):
+        off = phoff + i * phentsize
+        if int.from_bytes(elf[off : off + 4], "little") == 3:  # PT_INTERP
+            return True
+    return False
+
+
+def ensure_initramfs(settings: Settings, kernel: Kernel) -> Path:
+    """The cached initramfs for ``kernel`` and the current agent (keyed by content)."""
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        raise ImageError("busybox not found (fix: apt-get install busybox-static)")
+    bb = Path(busybox).read_bytes()
+    if _has_interp(bb):
+        raise ImageError("busybox is dynamically linked (fix: apt-get install busybox-static)")
+    agent = Path(agent_module.__file__).read_bytes()
+    files: dict[str, tuple[int, bytes]] = {
+        "init": (0o100755, INIT_SCRIPT.encode()),
+        "bin/busybox": (0o100755, bb),
+        "agentbox/agent.py": (0o100644, agent),
+    }
+    for applet in _APPLETS:
+        files[f"bin/{applet}"] = (0o120777, b"busybox")
+    for m in MODULES:
+        files[f"lib/modules/{m}.ko"] = (0o100644, (kernel.modules / f"{m}.ko").read_bytes())
+    dirs = ["agentbox", "bin", "dev", "lib", "lib/modules", "newroot", "proc", "sys"]
+    h = hashlib.sha256(kernel.release.encode())
+    for p, (mode, data) in sorted(files.items()):
+        h.update(f"{p}:{mode}:{len(data)}:".encode() + data)
+    out_dir = settings.cache_dir / "microvm" / "initramfs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{h.hexdigest()[:16]}.cpio"
+    if out.is_file():
+        return out
+    with (out_dir / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_file():
+            tmp = out.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(build_cpio(files, dirs))
+            tmp.chmod(0o644)
+            tmp.replace(out)
+    return out
