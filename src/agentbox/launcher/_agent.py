@@ -44,6 +44,7 @@ LAUNCHER_ENV_NAMES = frozenset(
         "DISABLE_TELEMETRY",
         "DISABLE_ERROR_REPORTING",
         "HOME",
+        "PYTHONDONTWRITEBYTECODE",
     }
 )
 
@@ -80,6 +81,8 @@ def agent_env(token: str) -> dict[str, str]:
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
         "HOME": HOME_IN_SANDBOX,
+        # Bytecode caches are noise in a result branch.
+        "PYTHONDONTWRITEBYTECODE": "1",
     }
 
 

@@ -39,7 +39,7 @@ from agentbox._log import get_logger
 from agentbox.backends import get_backend
 from agentbox.backends.base import SandboxSpec
 from agentbox.boxfile import Boxfile
-from agentbox.collect import Base, collect, prepare, publish
+from agentbox.collect import Base, Report, Tokens, collect, prepare, publish
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, PathRefused, PolicyRefused
 from agentbox.gateway import read_usage, spawn_gateway
@@ -67,8 +67,6 @@ log = get_logger("launcher.task")
 SANDBOX_LABEL = "io.agentbox.task"
 #: Seconds past the deadline after which the watchdog process removes the sandbox.
 WATCHDOG_GRACE = 30.0
-#: The diff kept for a result is capped (the full one is in the shadow git dir).
-MAX_DIFF_BYTES = 1 << 20
 #: The agent's final message kept in the report is capped.
 MAX_MESSAGE_CHARS = 8000
 
@@ -174,25 +172,6 @@ def read_diff(paths: TaskPaths) -> tuple[str, bool]:
     return data.decode(errors="replace"), truncated
 
 
-def _shadow_diff(paths: TaskPaths, base_commit: str, commit: str) -> tuple[str, bool]:
-    """The diff between two commits of the shadow git dir (ours, trusted, no hooks)."""
-    if not base_commit or not commit:
-        return "", False
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1",
-           "GIT_CONFIG_GLOBAL": "/dev/null", "LC_ALL": "C", "HOME": "/nonexistent"}  # fmt: skip
-    argv = ["git", "--git-dir", str(paths.shadow_git), "-c", "core.hooksPath=/dev/null",
-            "-c", "diff.external=", "-c", "core.pager=cat", "diff", "--no-ext-diff",
-            "--no-textconv", "--binary", "--no-color", base_commit, commit]  # fmt: skip
-    try:
-        out = _proc.run(argv, timeout=120, env=env).stdout
-    except AgentboxError as exc:
-        return f"(diff unavailable: {exc})", False
-    raw = out.encode()
-    if len(raw) > MAX_DIFF_BYTES:
-        return raw[:MAX_DIFF_BYTES].decode(errors="ignore"), True
-    return out, False
-
-
 def _save_base(paths: TaskPaths, base: Base) -> None:
     (paths.root / "base.json").write_bytes(_BASE.dump_json(base))
 
@@ -202,16 +181,6 @@ def _load_base(paths: TaskPaths) -> Base | None:
         return _BASE.validate_json((paths.root / "base.json").read_bytes())
     except (OSError, ValueError):
         return None
-
-
-def _as_dict(obj: Any) -> dict[str, Any]:
-    if obj is None:
-        return {}
-    if hasattr(obj, "to_dict"):
-        return dict(obj.to_dict())
-    if hasattr(obj, "model_dump"):
-        return dict(obj.model_dump(mode="json"))
-    return dict(TypeAdapter(type(obj)).dump_python(obj, mode="json"))
 
 
 def _tokens(paths: TaskPaths) -> tuple[TokenUsage, dict[str, Any]]:
@@ -240,9 +209,20 @@ def _collect_and_finish(
     """Collect whatever the workspace holds, publish it, write the report, mark the task."""
     store.update(row.id, expect={"running", "collecting"}, status="collecting")
     tokens, usage_extra = _tokens(paths)
+    refusals = usage_extra.get("refusals") or {}
     base = _load_base(paths)
     message = _final_message(paths.log_dir / "agent.jsonl")
-    report: dict[str, Any] = {}
+    report = Report(
+        task_id=row.id,
+        status=status,
+        exit_code=exit_code,
+        model=row.model,
+        tokens=Tokens(**tokens.model_dump()),
+        budget=row.budget,
+        base_commit=base.base_commit if base is not None else None,
+        final_message=message or None,
+        refused=[f"gateway refused {n} request(s): {why}" for why, n in refusals.items()],
+    )
     commit = ""
     branch = ""
     diff, truncated = "", False
@@ -259,13 +239,11 @@ def _collect_and_finish(
                 task_id=row.id,
                 message=_commit_message(row, status),
             )
-            commit = str(getattr(collected, "commit", "") or "")
-            report = _as_dict(getattr(collected, "report", None))
-            diff, truncated = _shadow_diff(paths, str(getattr(base, "commit", "")), commit)
+            report.add_collected(collected)
+            commit, diff, truncated = collected.commit, collected.diff, collected.diff_truncated
+            report.branch = None
             if row.publish and commit:
-                branch = str(
-                    publish(paths.shadow_git, Path(row.repo), task_id=row.id, commit=commit)
-                )
+                branch = publish(paths.shadow_git, Path(row.repo), task_id=row.id, commit=commit)
                 tlog(f"published {branch}")
         except AgentboxError as exc:
             tlog(f"collection failed: {exc}")
@@ -274,25 +252,16 @@ def _collect_and_finish(
             error = f"collection failed: {exc}"
     finished = time.time()
     started = row.started_at or row.created_at
-    report.update(
-        {
-            "task_id": row.id,
-            "status": status,
-            "exit_code": exit_code,
-            "error": error,
-            "model": row.model,
-            "repo": row.repo,
-            "branch": branch,
-            "commit": commit,
-            "base_commit": str(getattr(base, "commit", "")) if base is not None else "",
-            "tokens": {**tokens.model_dump(), "total": tokens.total, **usage_extra},
-            "duration_s": round(finished - started, 3),
-            "deadline_s": row.deadline,
-            "final_message": message,
-        }
-    )
+    report.status = status
+    report.error = error
+    report.branch = branch or None
+    report.duration_s = round(finished - started, 3)
+    data = report.model_dump(mode="json")
+    data["usage"] = usage_extra
+    data["deadline_s"] = row.deadline
+    data["repo"] = row.repo
     tmp = paths.report_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.write_text(json.dumps(data, indent=2, default=str))
     tmp.replace(paths.report_file)
     (paths.root / "result.diff").write_text(diff)
     if truncated:
@@ -329,13 +298,14 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     box = Boxfile.model_validate_json(row.boxfile or "{}")
     tlog(f"preparing the workspace from {row.repo}")
     try:
+        uid = settings.sandbox_host_uid
         base = prepare(
             Path(row.repo),
             paths.workspace,
             paths.shadow_git,
             paths.base_index,
-            commit=None,
             include_uncommitted=row.include_uncommitted,
+            owner=(uid, uid),
         )
         _save_base(paths, base)
         give_to_sandbox(paths.workspace, settings.sandbox_host_uid)

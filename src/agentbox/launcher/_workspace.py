@@ -29,8 +29,12 @@ def _chown_tree(dir_fd: int, uid: int, gid: int) -> int:
     with os.scandir(dir_fd) as it:
         entries = list(it)
     for entry in entries:
-        os.chown(entry.name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
-        count += 1
+        st = entry.stat(follow_symlinks=False)
+        # Re-owning only what differs keeps the ctime (and so collection's stat
+        # cache) of entries that already belong to the sandbox uid.
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            os.chown(entry.name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+            count += 1
         if entry.is_dir(follow_symlinks=False):
             try:
                 child = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -47,6 +51,9 @@ def _chown_tree(dir_fd: int, uid: int, gid: int) -> int:
 
 def give_to_sandbox(workspace: Path, uid: int, gid: int | None = None) -> int:
     """Re-own ``workspace`` and everything in it to ``uid:gid``; return the entries changed.
+
+    Entries already owned by ``uid:gid`` are left alone (``prepare`` may have
+    re-owned the tree already; this walk is then the check that it did).
 
     Refuses a workspace that is a link, not a directory, or not owned by this
     process (a workspace the launcher did not make).
@@ -66,10 +73,10 @@ def give_to_sandbox(workspace: Path, uid: int, gid: int | None = None) -> int:
                 path=workspace,
             )
         count = _chown_tree(fd, uid, gid)
-        os.fchown(fd, uid, gid)
-        # The sandbox user must be able to enter and write its workspace root.
-        os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o700)
-        return count + 1
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            os.fchown(fd, uid, gid)
+            count += 1
+        return count
     finally:
         os.close(fd)
 
