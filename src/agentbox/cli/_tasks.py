@@ -107,7 +107,13 @@ def _print_diff(res: TaskResult) -> None:
     if not res.diff.strip():
         console.print("[dim](no changes)[/dim]")
         return
-    console.print(Syntax(res.diff, "diff", theme="ansi_dark", background_color="default"))
+    if console.is_terminal:
+        console.print(
+            Syntax(res.diff, "diff", theme="ansi_dark", background_color="default", word_wrap=True)
+        )
+    else:  # piped: the diff as git printed it, never cut to a console width
+        sys.stdout.write(res.diff if res.diff.endswith("\n") else res.diff + "\n")
+        sys.stdout.flush()
     if res.diff_truncated:
         console.print(f"[yellow](diff truncated; full: git diff in {res.shadow_git})[/yellow]")
 
