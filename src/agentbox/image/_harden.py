@@ -13,7 +13,6 @@ Three steps, each answering part of the threat model (docs/explanation/image-har
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import stat
@@ -75,6 +74,10 @@ REMOVED_DATA = (
     "/usr/lib/dpkg",
     "/usr/libexec/dpkg",
     "/usr/share/dpkg",
+    "/usr/share/doc/apt",
+    "/usr/share/doc/dpkg",
+    "/usr/share/doc/libapt-pkg6.0",
+    "/usr/share/bash-completion/completions/apt",
 )
 #: What the sandbox's entrypoint, the agent and our guest programs run: all must resolve.
 ESSENTIAL = (
@@ -122,24 +125,22 @@ def _package_lists(root: Path, package: str) -> list[Path]:
 
 
 def _remove_package(root: Path, package: str, removed: list[str]) -> None:
-    dirs: list[Path] = []
+    """Remove every file and link a package's dpkg list names; its directories stay.
+
+    Directories are shared between packages (``/usr/lib``) and a listed
+    "directory" may be a link to one (merged /usr: ``/lib`` → ``usr/lib``), so
+    anything that resolves to a directory is left alone; the package's own
+    directories are in :data:`REMOVED_DATA`.
+    """
     for lst in _package_lists(root, package):
         for line in lst.read_text(errors="replace").splitlines():
             if not line.startswith("/") or line == "/.":
                 continue
-            # A listed "directory" may be a link to one (merged /usr: /lib → usr/lib);
-            # judge by what it resolves to, and never remove such a link.
-            full = resolve_in(root, line)
-            if full.is_dir():
-                dirs.append(full)
+            if resolve_in(root, line).is_dir():
                 continue
             p = resolve_parent_in(root, line)
             if p.is_symlink() or p.exists():
                 _unlink(p, removed, root)
-    # The package's own directories go when nothing else lives in them.
-    for d in sorted(set(dirs), key=lambda p: len(p.parts), reverse=True):
-        with contextlib.suppress(OSError):
-            d.rmdir()
 
 
 def harden(root: Path) -> dict[str, list[str]]:
