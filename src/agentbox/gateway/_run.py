@@ -14,10 +14,10 @@ from agentbox.errors import ConfigError
 from agentbox.gateway._app import Gateway, GatewayConfig
 from agentbox.gateway._replay import ReplayModel
 from agentbox.gateway._script import load_script
-from agentbox.gateway._serve import bind, parse_listen, private_socket_path, serve
+from agentbox.gateway._serve import ServerGroup, bind, parse_listen, private_socket_path, serve
 from agentbox.gateway.registry import ModelEntry
 
-__all__ = ["read_token", "run_gateway", "run_replay"]
+__all__ = ["build_gateway", "read_token", "run_gateway", "run_replay"]
 
 log = get_logger("gateway.run")
 
@@ -37,7 +37,7 @@ def read_token(*, token: str | None, token_file: Path | None) -> str:
     return token
 
 
-def run_gateway(
+def build_gateway(
     *,
     listen: str,
     token: str,
@@ -48,18 +48,24 @@ def run_gateway(
     usage_file: Path | None = None,
     max_body: int = 32 << 20,
     max_concurrency: int = 16,
-) -> None:
-    """Serve a gateway for one task until SIGTERM.
+) -> tuple[ServerGroup, Gateway, Path | None]:
+    """Bind the sockets and build the apps of one gateway (and its in-process replay model).
 
     ``upstream`` overrides the registry entry's: ``http(s)://…``, ``unix:/path`` (HTTP over a
     unix socket) or ``replay:SCRIPT`` (a replay model in this process, on a private socket).
+    Returns the server group, the gateway app, and the private directory to remove afterwards.
     """
     if budget < 1:
         raise ConfigError("--budget must be at least 1")
+    if max_concurrency < 1 or max_body < 1:
+        raise ConfigError("--max-concurrency and --max-body must be positive")
     target = upstream or (f"replay:{entry.upstream}" if entry.kind == "replay" else entry.upstream)
+    lst = parse_listen(listen)
     apps: list[tuple[Any, Any]] = []
     uds: str | None = None
     replay_dir: Path | None = None
+    env_name = key_env or entry.key_env
+    key: str | None = None
     if target.startswith("replay:"):
         script = load_script(Path(target[7:]))
         rpath = private_socket_path()
@@ -72,9 +78,7 @@ def run_gateway(
         base = target.rstrip("/")
     else:
         raise ConfigError(f"--upstream {target!r}: use http(s)://…, unix:/path or replay:SCRIPT")
-    env_name = key_env or entry.key_env
-    key: str | None = None
-    if env_name and not target.startswith("replay:"):
+    if env_name and replay_dir is None:
         key = os.environ.get(env_name)
         if not key and entry.kind == "anthropic":
             raise ConfigError(
@@ -92,10 +96,16 @@ def run_gateway(
         max_concurrency=max_concurrency,
     )
     gateway = Gateway(cfg)
-    apps.append((gateway, bind(parse_listen(listen))))
-    log.info("gateway listening", listen=listen, model=entry.name, budget=budget)
+    apps.append((gateway, bind(lst)))
+    return ServerGroup(apps), gateway, replay_dir
+
+
+def run_gateway(*, listen: str, **kwargs: Any) -> None:
+    """Serve a gateway for one task until SIGTERM (arguments as :func:`build_gateway`)."""
+    group, gateway, replay_dir = build_gateway(listen=listen, **kwargs)
+    log.info("gateway listening", listen=listen, model=gateway.cfg.entry.name)
     try:
-        asyncio.run(serve(apps))
+        asyncio.run(group.run())
     finally:
         gateway.write_usage()
         if replay_dir is not None:

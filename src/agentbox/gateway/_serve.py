@@ -24,7 +24,7 @@ import uvicorn
 from agentbox._log import get_logger
 from agentbox.errors import ConfigError, PolicyRefused
 
-__all__ = ["Listen", "bind", "parse_listen", "serve"]
+__all__ = ["Listen", "ServerGroup", "bind", "parse_listen", "serve"]
 
 log = get_logger("gateway.serve")
 
@@ -118,29 +118,49 @@ def _config(app: Any) -> uvicorn.Config:
     )
 
 
-async def serve(apps: list[tuple[Any, socket.socket]]) -> None:
-    """Serve each app on its socket until SIGTERM/SIGINT, then shut all down gracefully."""
-    servers = [_Server(_config(app)) for app, _ in apps]
-    loop = asyncio.get_running_loop()
+class ServerGroup:
+    """uvicorn servers sharing one event loop (a gateway and its in-process upstream)."""
 
-    def stop() -> None:
-        for s in servers:
+    def __init__(self, apps: list[tuple[Any, socket.socket]]) -> None:
+        self.apps = apps
+        self.servers = [_Server(_config(app)) for app, _ in apps]
+
+    def stop(self) -> None:
+        """Ask every server to shut down gracefully (safe from another thread)."""
+        for s in self.servers:
             s.should_exit = True
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
-    try:
-        # Upstream servers (listed first) start before the gateway accepts clients.
-        tasks = [
-            asyncio.ensure_future(s.serve(sockets=[sock]))
-            for s, (_, sock) in zip(servers, apps, strict=True)
-        ]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        stop()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+    @property
+    def started(self) -> bool:
+        """Every server is accepting connections."""
+        return all(s.started for s in self.servers)
+
+    async def run(self, *, signals: bool = True) -> None:
+        """Serve until stopped (SIGTERM/SIGINT with ``signals``), then shut down."""
+        loop = asyncio.get_running_loop()
+        if signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        try:
+            # The sockets already listen (bind() did), so clients queue until serving starts.
+            tasks = [
+                asyncio.ensure_future(server.serve(sockets=[sock]))
+                for server, (_, sock) in zip(self.servers, self.apps, strict=True)
+            ]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            self.stop()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            if signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            for _, sock in self.apps:
+                sock.close()
+
+
+async def serve(apps: list[tuple[Any, socket.socket]]) -> None:
+    """Serve each app on its socket until SIGTERM/SIGINT, then shut all down gracefully."""
+    await ServerGroup(apps).run()
 
 
 def private_socket_path() -> Path:
