@@ -215,7 +215,7 @@ async def _delegate_wait_result(client: Client, stack: Stack) -> None:
         )
         text = _text(res)
         assert not res.is_error, text
-        assert "+def greet(name):" in text
+        assert "+def greet(name):" in text, text
         m = re.search(r"task (\S+): done", text)
         assert m, text
         tid = m.group(1)
