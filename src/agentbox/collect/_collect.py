@@ -22,7 +22,12 @@ Decisions (documented in docs/explanation/result-collection.md):
   hard links wholly inside the workspace are collected;
 * names with control characters (newline included) and names git refuses
   (``.git`` look-alikes, a symlinked ``.gitmodules``) are skipped and reported;
-* a skipped path keeps its base version; base files that are gone are deleted.
+* a skipped path keeps its base version; base files that are gone are deleted;
+* new files the workspace's ``.gitignore`` files ignore are left out, as
+  ``git add -A`` would (``git check-ignore`` in the shadow dir, on paths our
+  walk found; ``.gitignore`` files are read by git with ``O_NOFOLLOW``, and if
+  any ``.gitignore`` is a FIFO or device the ignore rules are not applied at
+  all, since opening it could block).
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ class _Walk:
         self.notes: list[Skipped] = []
         self.count = 0
         self.truncated = False
+        self.ignored = 0
+        self.odd_gitignore = False
 
     def skip(self, rel: str, reason: str) -> None:
         self.skipped.append(Skipped(path=show(os.fsencode(rel)), reason=reason))
@@ -121,6 +128,10 @@ class _Walk:
             if stat.S_ISDIR(mode):
                 self.kept_prefixes.append(rel + "/")
             return
+        if name == ".gitignore" and not (
+            stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode)
+        ):
+            self.odd_gitignore = True
         base = self.base.get(rel)
         if stat.S_ISDIR(mode):
             if base is not None and base[0] == 0o160000:
@@ -211,6 +222,28 @@ def _walk(workspace: Path, base: dict[str, tuple[int, int, int, int, int, int]],
         w.kept_prefixes.append(os.fsdecode(rel) + "/")
     w.resolve_hardlinks()
     return w
+
+
+def _apply_ignores(w: _Walk, shadow: ShadowGit, workspace: Path) -> None:
+    """Drop new paths that the workspace's ``.gitignore`` files ignore."""
+    new = [rel for rel, _, _ in w.changed if rel not in w.base]
+    if not new:
+        return
+    if w.odd_gitignore:
+        w.notes.append(Skipped(path=".gitignore", reason="a .gitignore is not a regular file: "
+                                                         "ignore rules not applied"))  # fmt: skip
+        return
+    rc, out = shadow.run_bytes(
+        f"--work-tree={workspace}", "check-ignore", "--no-index", "-z", "--stdin",
+        input=b"\0".join(os.fsencode(r) for r in new) + b"\0", cwd=workspace,
+    )  # fmt: skip
+    if rc not in (0, 1):
+        w.notes.append(Skipped(path=".gitignore", reason="git check-ignore failed: ignore "
+                                                         "rules not applied"))  # fmt: skip
+        return
+    ignored = {os.fsdecode(p) for p in out.split(b"\0") if p}
+    w.ignored = len(ignored)
+    w.changed = [c for c in w.changed if c[0] not in ignored]
 
 
 def _read_changed(w: _Walk, tree: Tree, blobs: BlobWriter) -> tuple[list[bytes], int, int]:
@@ -347,6 +380,7 @@ def collect(
     with ShadowGit(shadow_git) as shadow, Tree(workspace) as tree, \
             tempfile.TemporaryDirectory(prefix="agentbox-index-") as tmp:  # fmt: skip
         w = _walk(workspace, cache, limits, tree)
+        _apply_ignores(w, shadow, workspace)
         blobs = BlobWriter(shadow_git, base.object_format)
         records, nread, nbytes = _read_changed(w, tree, blobs)
         index = Path(tmp) / "index"
@@ -374,6 +408,7 @@ def collect(
         skipped=w.skipped,
         notes=w.notes,
         files_seen=w.count,
+        files_ignored=w.ignored,
         files_read=nread,
         bytes_read=nbytes,
     )

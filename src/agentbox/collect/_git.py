@@ -99,8 +99,13 @@ class ShadowGit:
         input: bytes | str | None = None,
         check: bool = True,
         env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> Result:
-        """Run one git command against the shadow dir and return its output."""
+        """Run one git command against the shadow dir and return its output.
+
+        ``cwd`` defaults to the shadow dir; it is the workspace only for
+        ``check-ignore``, which takes paths relative to its work tree.
+        """
         full_env = self.env(index)
         if env:
             full_env.update(env)
@@ -111,8 +116,32 @@ class ShadowGit:
             check=check,
             input=input,
             env=full_env,
-            cwd=self.git_dir if self.git_dir.is_dir() else self.git_dir.parent,
+            cwd=cwd or (self.git_dir if self.git_dir.is_dir() else self.git_dir.parent),
         )
+
+    def run_bytes(
+        self,
+        *args: str | os.PathLike[str],
+        input: bytes | None = None,
+        cwd: Path | None = None,
+    ) -> tuple[int, bytes]:
+        """Run one git command; return its exit code and raw stdout (paths stay bytes)."""
+        out: list[bytes] = []
+        err: list[bytes] = []
+        with tempfile.TemporaryFile() as stdin:
+            if input is not None:
+                stdin.write(input)
+                stdin.seek(0)
+            rc = _proc.stream(
+                self.argv(args),
+                on_stdout=out.append,
+                on_stderr=err.append,
+                timeout=self.timeout,
+                env=self.env(),
+                cwd=cwd or self.git_dir,
+                stdin=stdin.fileno(),
+            )
+        return rc, b"".join(out)
 
 
 def user_git(

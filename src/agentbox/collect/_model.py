@@ -83,5 +83,7 @@ class Collected(BaseModel):
     notes: list[Skipped] = Field(default_factory=list)
     """Paths collected with a change of ours (setuid dropped, hard links)."""
     files_seen: int = 0
+    files_ignored: int = 0
+    """New files left out because the workspace's ``.gitignore`` ignores them."""
     files_read: int = 0
     bytes_read: int = 0

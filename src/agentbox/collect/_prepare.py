@@ -117,9 +117,9 @@ def _snapshot_uncommitted(shadow: ShadowGit, repo: Path, head: str) -> str:
 
 
 def _tree_entries(shadow: ShadowGit, tree: str) -> list[tuple[int, str, bytes]]:
-    out = shadow.run("ls-tree", "-r", "-z", "--full-tree", tree).stdout.encode(
-        "utf-8", "surrogateescape"
-    )
+    rc, out = shadow.run_bytes("ls-tree", "-r", "-z", "--full-tree", tree)
+    if rc != 0:
+        raise CollectError(f"git ls-tree {tree} failed in the shadow dir")
     entries = []
     for rec in out.split(b"\0"):
         if not rec:

@@ -1,0 +1,214 @@
+"""prepare / collect / publish with real git: the ordinary paths and the refusals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from test_collect_support import git, make_repo, prepare_in, repo_state
+
+from agentbox.collect import Limits, Report, collect, publish
+from agentbox.errors import CollectError, PathRefused, RefusedError
+
+FILES = {
+    "README.md": "hello\n",
+    "src/app.py": "def f():\n    return 1\n",
+    "src/util/helpers.py": "X = 1\n",
+    "bin/run.sh": "#!/bin/sh\necho run\n",
+    "docs/a.txt": "a\n",
+    ".gitignore": "*.pyc\n__pycache__/\n",
+    "crlf.txt": b"one\r\ntwo\r\n",
+}
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    r = make_repo(tmp_path / "user repo", FILES, mode_x=("bin/run.sh",))
+    os.symlink("src/app.py", r / "app-link")
+    git(r, "add", "app-link")
+    git(r, "commit", "-q", "-m", "link")
+    return r
+
+
+def _collect(p, task_id: str = "t-1", **kw):  # type: ignore[no-untyped-def]
+    return collect(p.ws, p.shadow, p.index, p.base, task_id=task_id, message="the task", **kw)
+
+
+def test_prepare_makes_an_exact_copy_with_its_own_git(repo: Path, tmp_path: Path) -> None:
+    before = repo_state(repo)
+    p = prepare_in(tmp_path / "task", repo)
+    assert p.base.base_commit == git(repo, "rev-parse", "HEAD").strip()
+    assert p.base.tree == git(repo, "rev-parse", "HEAD^{tree}").strip()
+    assert (p.ws / "crlf.txt").read_bytes() == b"one\r\ntwo\r\n"  # exact bytes, no filter
+    assert os.readlink(p.ws / "app-link") == "src/app.py"
+    assert os.stat(p.ws / "bin/run.sh").st_mode & 0o777 == 0o755
+    # The agent's repo: one commit of the base tree, clean, no hooks.
+    assert git(p.ws, "rev-parse", "HEAD^{tree}").strip() == p.base.tree
+    assert git(p.ws, "status", "--porcelain") == ""
+    assert not (p.ws / ".git/hooks").exists()
+    assert p.index.is_file() and Path(str(p.index) + ".stat").is_file()
+    assert repo_state(repo) == before
+
+
+def test_collect_records_changes_as_a_commit_on_the_base(repo: Path, tmp_path: Path) -> None:
+    p = prepare_in(tmp_path / "task", repo)
+    (p.ws / "src/app.py").write_text("def f():\n    return 2\n")
+    (p.ws / "new/deep").mkdir(parents=True)
+    (p.ws / "new/deep/file.txt").write_text("new\n")
+    (p.ws / "docs/a.txt").unlink()
+    (p.ws / "README.md").chmod(0o755)
+    (p.ws / "app-link").unlink()
+    os.symlink("README.md", p.ws / "app-link")
+    (p.ws / "src/util").rename(p.ws / "src/util2")  # a directory moved
+    (p.ws / "mod.pyc").write_bytes(b"ignored")  # ignored by .gitignore: left out
+    got = _collect(p)
+    assert got.branch == "agentbox/t-1"
+    assert got.changed
+    sh = ["--git-dir", str(p.shadow)]
+    assert git(tmp_path, *sh, "rev-parse", f"{got.commit}^").strip() == p.base.base_commit
+    assert git(tmp_path, *sh, "rev-parse", "refs/heads/agentbox/t-1").strip() == got.commit
+    author = git(tmp_path, *sh, "log", "-1", "--format=%an <%ae>%n%B", got.commit)
+    assert author.startswith("agentbox <agentbox@localhost>") and "agentbox-task: t-1" in author
+    names = git(tmp_path, *sh, "diff", "--name-status", "--no-renames", p.base.base_commit,
+                got.commit).splitlines()  # fmt: skip
+    assert sorted(names) == sorted([
+        "M\tREADME.md", "M\tapp-link", "D\tdocs/a.txt", "A\tnew/deep/file.txt",
+        "M\tsrc/app.py", "D\tsrc/util/helpers.py", "A\tsrc/util2/helpers.py",
+    ])  # fmt: skip
+    ls = git(tmp_path, *sh, "ls-tree", "-r", got.commit)
+    assert "120000 blob" in next(x for x in ls.splitlines() if x.endswith("app-link"))
+    assert "100755" in next(x for x in ls.splitlines() if x.endswith("README.md"))
+    assert got.files_ignored == 1
+    assert got.diffstat.files_changed == 7
+    assert "+    return 2" in got.diff
+    # Only what changed was read: unchanged files cost a stat, not a read.
+    assert got.files_read == 5
+
+
+def test_unchanged_workspace_gives_an_empty_commit(repo: Path, tmp_path: Path) -> None:
+    p = prepare_in(tmp_path / "task", repo)
+    git(p.ws, "commit", "-q", "--allow-empty", "-m", "agent commit")  # the agent's .git: ignored
+    got = _collect(p)
+    assert not got.changed and got.files_read == 0 and got.diffstat.files_changed == 0
+
+
+def test_caps_and_truncated_diff(repo: Path, tmp_path: Path) -> None:
+    p = prepare_in(tmp_path / "task", repo)
+    (p.ws / "big.bin").write_bytes(b"x" * 5000)
+    for i in range(5):
+        (p.ws / f"f{i}.txt").write_text(f"{i}\n" * 450)
+    got = _collect(p, limits=Limits(max_file_size=4000, max_total_size=3000, max_diff_bytes=500))
+    reasons = {s.path: s.reason for s in got.skipped}
+    assert "per-file cap" in reasons["big.bin"]
+    assert any("total cap" in r for r in reasons.values())
+    assert got.diff_truncated and "[diff truncated at 500 bytes" in got.diff
+
+
+def test_collect_twice_replaces_the_branch(repo: Path, tmp_path: Path) -> None:
+    p = prepare_in(tmp_path / "task", repo)
+    (p.ws / "a.txt").write_text("1\n")
+    first = _collect(p)
+    (p.ws / "a.txt").write_text("2\n")
+    second = _collect(p)
+    assert first.commit != second.commit
+    assert git(tmp_path, "--git-dir", str(p.shadow), "rev-parse", f"{second.commit}^").strip() \
+        == p.base.base_commit  # fmt: skip
+
+
+def test_publish_adds_only_the_branch(repo: Path, tmp_path: Path) -> None:
+    p = prepare_in(tmp_path / "task", repo)
+    (p.ws / "src/app.py").write_text("changed\n")
+    got = _collect(p)
+    before = repo_state(repo)
+    assert publish(p.shadow, repo, task_id="t-1", commit=got.commit) == "agentbox/t-1"
+    assert repo_state(repo) == before
+    assert git(repo, "rev-parse", "agentbox/t-1").strip() == got.commit
+    assert git(repo, "show", "agentbox/t-1:src/app.py") == "changed\n"
+    with pytest.raises(CollectError):
+        publish(p.shadow, repo, task_id="t-1", commit="0" * 40)
+
+
+def test_publish_refuses_a_checked_out_branch(repo: Path, tmp_path: Path) -> None:
+    p = prepare_in(tmp_path / "task", repo)
+    (p.ws / "x").write_text("x\n")
+    got = _collect(p)
+    git(repo, "checkout", "-q", "-b", "agentbox/t-1")
+    with pytest.raises(CollectError):
+        publish(p.shadow, repo, task_id="t-1", commit=got.commit)
+
+
+def test_owner_chown_before_snapshot(repo: Path, tmp_path: Path) -> None:
+    p = prepare_in(tmp_path / "task", repo, owner=(164000, 164000))
+    assert all(
+        os.lstat(Path(d, n)).st_uid == 164000 for d, ds, fs in os.walk(p.ws) for n in ds + fs
+    )
+    (p.ws / "README.md").write_text("x\n")
+    assert _collect(p).files_read == 1
+
+
+def test_include_uncommitted(repo: Path, tmp_path: Path) -> None:
+    (repo / "README.md").write_text("local edit\n")
+    (repo / "untracked.txt").write_text("u\n")
+    (repo / "junk.pyc").write_text("ignored\n")
+    before = repo_state(repo)
+    with pytest.raises(RefusedError, match="uncommitted"):
+        prepare_in(tmp_path / "refused", repo)
+    assert not any((tmp_path / "refused").iterdir())
+    p = prepare_in(tmp_path / "task", repo, include_uncommitted=True)
+    assert (p.ws / "README.md").read_text() == "local edit\n"
+    assert (p.ws / "untracked.txt").exists() and not (p.ws / "junk.pyc").exists()
+    assert p.base.base_commit != p.base.head_commit
+    (p.ws / "new.txt").write_text("n\n")
+    got = _collect(p)
+    publish(p.shadow, repo, task_id="t-1", commit=got.commit)
+    assert repo_state(repo) == before
+    assert git(repo, "rev-parse", "agentbox/t-1~2").strip() == p.base.head_commit
+
+
+@pytest.mark.parametrize("case", ["not-git", "no-commit", "bad-name", "not-top", "empty"])
+def test_prepare_refuses_before_writing(case: str, repo: Path, tmp_path: Path) -> None:
+    target, commit = repo, "HEAD"
+    if case == "not-git":
+        target = tmp_path / "plain"
+        target.mkdir()
+    elif case == "no-commit":
+        commit = "f" * 40
+    elif case == "bad-name":
+        commit = "--upload-pack=touch /tmp/x"
+    elif case == "not-top":
+        target = repo / "src"
+    elif case == "empty":
+        target = tmp_path / "empty"
+        target.mkdir()
+        git(target, "init", "-q")
+    with pytest.raises(RefusedError):
+        prepare_in(tmp_path / "task", target, commit=commit)
+    assert not (tmp_path / "task").exists() or not any((tmp_path / "task").iterdir())
+
+
+def test_prepare_refuses_existing_paths_and_cleans_up(repo: Path, tmp_path: Path) -> None:
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task/ws").mkdir()
+    with pytest.raises(PathRefused):
+        prepare_in(tmp_path / "task", repo)
+    assert not (tmp_path / "task/shadow.git").exists()
+    shutil.rmtree(tmp_path / "task/ws")
+    p = prepare_in(tmp_path / "task", repo, commit="HEAD~1")
+    assert not (p.ws / "app-link").exists()
+
+
+def test_report_json_and_text(repo: Path, tmp_path: Path) -> None:
+    p = prepare_in(tmp_path / "task", repo)
+    os.mkfifo(p.ws / "pipe")
+    (p.ws / "README.md").write_text("new\n")
+    got = _collect(p)
+    r = Report(task_id="t-1", status="done", exit_code=0, final_message="Done.\nAll good.")
+    r.tokens.input, r.tokens.output = 10, 5
+    r.add_collected(got)
+    again = Report.model_validate_json(r.to_json())
+    assert again == r
+    text = r.to_text()
+    assert "agentbox/t-1" in text and "pipe: fifo" in text and "tokens    15" in text
+    assert "1 file(s) changed" in text and "  All good." in text
