@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from agentbox.errors import TaskError, TaskNotFound
+from agentbox.errors import TaskIdRefused, TaskNotFound
 from agentbox.launcher.api import TaskInfo, TokenUsage
 
 __all__ = ["Owner", "Store", "TaskRow"]
@@ -201,14 +201,14 @@ class Store:
             db.close()
 
     def insert(self, **fields: Any) -> None:
-        """Insert a new task; :class:`TaskError` if the id is taken."""
+        """Insert a new task; :class:`TaskIdRefused` if the id is taken."""
         cols = ", ".join(fields)
         marks = ", ".join("?" for _ in fields)
         try:
             with self._conn() as db:
                 db.execute(f"INSERT INTO tasks ({cols}) VALUES ({marks})", tuple(fields.values()))  # noqa: S608
         except sqlite3.IntegrityError as exc:
-            raise TaskError("a task with this id exists", task_id=fields.get("id")) from exc
+            raise TaskIdRefused(f"a task with the id {fields.get('id')} exists") from exc
 
     def get(self, task_id: str) -> TaskRow:
         with self._conn() as db:

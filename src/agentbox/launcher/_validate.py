@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agentbox import _proc
 from agentbox.boxfile import Boxfile
@@ -28,6 +29,7 @@ from agentbox.errors import (
 from agentbox.gateway.registry import DEFAULT_MODEL, Registry
 from agentbox.launcher.api import (
     DEFAULT_BUDGET,
+    DEFAULT_DEADLINE,
     MAX_BUDGET,
     MAX_DEADLINE,
     MAX_TASK_CHARS,
@@ -106,6 +108,11 @@ def _check_repo(settings: Settings, repo: str, include_uncommitted: bool) -> Pat
     return real
 
 
+def _first(*values: Any) -> Any:
+    """The first value that is not None (0 is a value, and out of range, not a default)."""
+    return next(v for v in values if v is not None)
+
+
 def validate(
     req: TaskRequest,
     settings: Settings,
@@ -117,7 +124,7 @@ def validate(
     task_id = validate_task_id(req.task_id) if req.task_id is not None else new_task_id()
     if not req.task.strip() or len(req.task) > MAX_TASK_CHARS or "\0" in req.task:
         raise PolicyRefused(f"the task text must be 1..{MAX_TASK_CHARS} characters, without NUL")
-    model = req.model or (boxfile.model if boxfile else None)
+    model = req.model if req.model is not None else (boxfile.model if boxfile else None)
     if model is None:
         names = registry.names()
         model = DEFAULT_MODEL if DEFAULT_MODEL in registry else (names[0] if names else "")
@@ -125,11 +132,15 @@ def validate(
         registry.get(model)
     except ConfigError as exc:
         raise PolicyRefused(str(exc)) from exc
-    budget = req.budget or (boxfile.budget if boxfile else None) or DEFAULT_BUDGET
-    if not 1 <= budget <= MAX_BUDGET:
+    budget = _first(req.budget, boxfile.budget if boxfile else None, DEFAULT_BUDGET)
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
         raise PolicyRefused(f"budget must be 1..{MAX_BUDGET} tokens, got {budget}")
-    deadline = req.deadline or (boxfile.deadline if boxfile else None) or 3600.0
-    if not MIN_DEADLINE <= deadline <= MAX_DEADLINE:
+    deadline = _first(req.deadline, boxfile.deadline if boxfile else None, DEFAULT_DEADLINE)
+    if (
+        isinstance(deadline, bool)
+        or not isinstance(deadline, int | float)
+        or not MIN_DEADLINE <= deadline <= MAX_DEADLINE
+    ):
         raise PolicyRefused(
             f"deadline must be {MIN_DEADLINE:g}..{MAX_DEADLINE:g} s, got {deadline:g}"
         )
