@@ -21,6 +21,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -178,8 +179,8 @@ def _build_base(images: Path, key: str, sources: _keys.AptSources, say: Progress
         raise
 
 
-#: Finished images kept besides the newest: one, so a running sandbox's image survives a rebuild.
-KEEP_PREVIOUS = 1
+#: Finished images kept besides the newest, so a running sandbox's image survives a rebuild.
+KEEP_PREVIOUS = 2
 
 
 def _prune(images: Path, key: str, base: str) -> list[str]:
@@ -260,6 +261,11 @@ def build_default(
             f"Claude Code binary not found at {claude}: run scripts/setup.sh "
             f"(it installs @anthropic-ai/claude-code@{settings.claude_code_version})"
         )
+    for tool, package in (("mmdebstrap", "mmdebstrap"), ("podman", "podman"), ("tar", "tar")):
+        if shutil.which(tool) is None:
+            raise ImageError(
+                f"{tool} not found: the image build needs it (apt-get install {package})"
+            )
     say("inputs: hashing apt sources, Claude Code, guest programs")
     sources = _keys.host_apt_sources()
     bkey = _keys.base_key(sources)

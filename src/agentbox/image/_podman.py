@@ -28,6 +28,14 @@ __all__ = [
 _REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,255}")
 
 
+def _run(argv: Sequence[str], *, timeout: float = 120, check: bool = True) -> _proc.Result:
+    """``_proc.run`` with a missing podman binary reported as ImageError."""
+    try:
+        return _proc.run(argv, timeout=timeout, check=check)
+    except FileNotFoundError as exc:
+        raise ImageError(f"podman not found ({exc.filename}): apt-get install podman") from exc
+
+
 def check_reference(name: str) -> str:
     """Return ``name`` if it looks like an image reference, else raise ImageError."""
     if not isinstance(name, str) or not _REF_RE.fullmatch(name):
@@ -39,7 +47,7 @@ def inspect(name: str) -> dict[str, Any] | None:
     """``podman image inspect`` of ``name`` as a dict, or None when podman has no such image."""
     check_reference(name)
     try:
-        res = _proc.run(["podman", "image", "inspect", "--format", "json", name], check=False)
+        res = _run(["podman", "image", "inspect", "--format", "json", name], check=False)
     except AgentboxError as exc:
         raise ImageError(f"podman image inspect {name} failed: {exc}") from exc
     if res.returncode != 0:
@@ -62,7 +70,7 @@ def labels_of(info: dict[str, Any]) -> dict[str, str]:
 def list_labelled(label: str) -> list[dict[str, Any]]:
     """Every local image carrying ``label`` (``podman images --format json``)."""
     try:
-        res = _proc.run(
+        res = _run(
             ["podman", "images", "--filter", f"label={label}", "--format", "json"], timeout=60
         )
         data = json.loads(res.stdout or "[]")
@@ -78,7 +86,7 @@ def import_tarball(tarball: Path, *, reference: str, changes: Sequence[str]) -> 
         argv += ["--change", change]
     argv += ["--message", "agentbox image build", str(tarball), check_reference(reference)]
     try:
-        res = _proc.run(argv, timeout=900)
+        res = _run(argv, timeout=900)
     except CommandError as exc:
         raise ImageError(f"podman import of {tarball} failed: {exc}") from exc
     out = res.stdout.strip().splitlines()
@@ -88,7 +96,7 @@ def import_tarball(tarball: Path, *, reference: str, changes: Sequence[str]) -> 
 def tag(source: str, target: str) -> None:
     """Tag image ``source`` as ``target``."""
     try:
-        _proc.run(["podman", "tag", check_reference(source), check_reference(target)])
+        _run(["podman", "tag", check_reference(source), check_reference(target)])
     except CommandError as exc:
         raise ImageError(f"podman tag {source} {target} failed: {exc}") from exc
 
@@ -101,7 +109,7 @@ def remove_names(names: Sequence[str]) -> None:
     if not names:
         return
     try:
-        _proc.run(["podman", "rmi", *(check_reference(n) for n in names)], timeout=120)
+        _run(["podman", "rmi", *(check_reference(n) for n in names)], timeout=120)
     except CommandError as exc:
         raise ImageError(
             f"podman rmi {' '.join(names)} failed (is a sandbox still using it?): {exc}"
