@@ -177,6 +177,7 @@ class Fixture:
         *,
         uid: int,
         pids_max: int,
+        runtime: str = "runc",
         workspace: str = "/workspace",
         extra_mounts: tuple[str, ...] = (),
     ) -> dict[str, object]:
@@ -200,6 +201,7 @@ class Fixture:
         ]
         return {
             "uid": uid,
+            "runtime": runtime,
             "pids_max": pids_max,
             "workspace": workspace,
             "host_ports": self.ports,

@@ -133,7 +133,10 @@ class LatencyMeter:
     """
 
     interval: float = 0.005
+    cgroup: Path | None = None
+    """A pids cgroup directory to read ``pids.current`` from at every sample."""
     samples: list[float] = field(default_factory=list)
+    peak_pids: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -148,6 +151,10 @@ class LatencyMeter:
             t0 = time.monotonic()
             time.sleep(self.interval)
             self.samples.append(time.monotonic() - t0 - self.interval)
+            if self.cgroup is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    n = int((self.cgroup / "pids.current").read_text())
+                    self.peak_pids = max(self.peak_pids, n)
 
     def stop(self) -> None:
         """Stop sampling (idempotent)."""

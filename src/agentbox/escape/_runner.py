@@ -230,6 +230,12 @@ def host_outcomes(pids: list[int], view: HostView) -> list[Outcome]:
         seen = results[0][1] if results else "no process"
         if not own and results:
             seen = next(r[1] for r in results if not r[0])
+        if view.runtime == "runsc" and kind in ("pid", "cgroup") and not own:
+            # The workload's pid and cgroup namespaces are the Sentry's own (emulated); the
+            # Sentry and gofer processes themselves run in the host's, like a VMM does.
+            add(f"host.ns_{kind}", None, f"gVisor: the workload's {kind} namespace is the "
+                f"Sentry's own; the Sentry process is in the host's ({seen})")  # fmt: skip
+            continue
         add(f"host.ns_{kind}", own, seen)
     add_limits(add, init, view)
     return out
@@ -280,10 +286,18 @@ def add_limits(add: Callable[[str, bool | None, str], None], init: int, view: Ho
     add("host.memory_limit", okm, f"memory limit={mem or '?'} (want <= {view.memory})")
 
 
-def forkbomb_outcomes(box: _Execs, view: HostView, target: int = FORKBOMB_TARGET) -> list[Outcome]:
-    """Fork-bomb inside while a host thread measures its own latency."""
+def forkbomb_outcomes(
+    box: _Execs, view: HostView, init_pid: int = 0, target: int = FORKBOMB_TARGET
+) -> list[Outcome]:
+    """Fork-bomb inside while a host thread measures its own latency and the cgroup's pids.
+
+    Contained means: the host never counted more than the limit in the sandbox's
+    cgroup and the bomb did not get all it asked for. Under gVisor the Sentry's
+    own threads count against the same limit, so the bomb can take the sandbox
+    down with it; that is containment too (the host is unaffected), and is said.
+    """
     specs = {p.id: p for p in PROBES}
-    meter = hc.LatencyMeter()
+    meter = hc.LatencyMeter(cgroup=hc.cgroup_dir(init_pid, "pids") if init_pid else None)
     meter.start()
     err = ""
     data: dict[str, Any] = {}
@@ -295,13 +309,18 @@ def forkbomb_outcomes(box: _Execs, view: HostView, target: int = FORKBOMB_TARGET
         meter.stop()
     fb = data.get("forkbomb") if isinstance(data.get("forkbomb"), dict) else None
     out = []
+    peak = f"host saw at most {meter.peak_pids} pids in its cgroup" if meter.peak_pids else ""
+    under = 0 < meter.peak_pids <= view.pids_max
+    spec = specs["host.forkbomb_contained"]
     if fb is None:
-        out.append(_outcome(specs["host.forkbomb_contained"], "error", f"no answer: {err[:300]}"))
+        # No answer: the sandbox died under the bomb. Contained only if the host saw the cap.
+        seen = f"the sandbox died under the bomb ({err[:160]}); {peak or 'no pids read'}"
+        out.append(_outcome(spec, "pass" if under else "error", seen))
     else:
         forked = int(fb.get("forked", 0))
-        ok = forked < target and forked <= view.pids_max
-        seen = f"forked {forked}/{target} children, then {fb.get('error') or 'no error'}"
-        out.append(_outcome(specs["host.forkbomb_contained"], "pass" if ok else "fail", seen))
+        ok = forked < target and forked <= view.pids_max and (under or not meter.peak_pids)
+        seen = f"forked {forked}/{target} children, then {fb.get('error') or 'no error'}; {peak}"
+        out.append(_outcome(spec, "pass" if ok else "fail", seen))
     out.append(latency_outcome(meter))
     return out
 
@@ -362,8 +381,13 @@ def run_real(
     image: str,
     runtime: str,
     isolation: str,
-) -> tuple[list[Outcome], dict[str, object]]:
-    """Start one real sandbox, run every probe, destroy it. Returns outcomes and facts."""
+    during: Callable[[Sandbox], list[Outcome]] | None = None,
+) -> tuple[list[Outcome], list[Outcome], dict[str, object]]:
+    """Start one real sandbox, run every probe, destroy it.
+
+    ``during`` runs against the live sandbox after the probes (the exec-level
+    controls); returns (outcomes, what ``during`` returned, facts).
+    """
     spec = real_spec(fx, settings, image, runtime, isolation)
     backend.check(spec)
     facts: dict[str, object] = {}
@@ -373,22 +397,43 @@ def run_real(
         pids_max=spec.resources.pids,
         memory=spec.resources.memory,
     )
+    cfg = fx.probe_config(uid=spec.uid, pids_max=spec.resources.pids, runtime=runtime)
+    # 1. The agent's own path: the probe is the sandbox's main command (backend.run), exactly
+    #    as the launcher runs claude. These are the inside results that count.
+    t0 = time.monotonic()
+    res = backend.run(
+        spec.replace(name=spec.name + "-run"),
+        ["python3", "-I", "-S", "-c", probe_source()],
+        stdin=json.dumps(cfg).encode(),
+    )
+    data = _parse_json(res.stdout, f"probe program as main command (exit {res.exit_code})")
+    facts["run_seconds"] = round(time.monotonic() - t0, 2)
+    facts["kernel_inside"] = str(data.get("kernel", "?"))[:80]
+    facts["probe_seconds"] = data.get("seconds")
+    outcomes = inside_outcomes(data)
+    # 2. A long-lived sandbox of the same spec: host-side checks, exec'd probes, fork bomb.
     t0 = time.monotonic()
     box = backend.create(spec)
     facts["start_seconds"] = round(time.monotonic() - t0, 2)
     try:
-        cfg = fx.probe_config(uid=spec.uid, pids_max=spec.resources.pids)
-        data = run_probe_program(box, cfg)
-        facts["kernel_inside"] = str(data.get("kernel", "?"))[:80]
-        facts["probe_seconds"] = data.get("seconds")
-        outcomes = inside_outcomes(data)
+        # The same probes exec'd in (how `agentbox smoke` and copy_in/out reach a sandbox):
+        # differences from the main-command path are reported as facts, not verdicts.
+        via_exec = {o.id: o for o in inside_outcomes(run_probe_program(box, cfg))}
+        facts["exec_path_differences"] = {
+            o.id: f"{o.status} as main command, {via_exec[o.id].status} via exec: "
+            f"{via_exec[o.id].seen[:120]}"
+            for o in outcomes
+            if o.id in via_exec and via_exec[o.id].status != o.status
+        }
         pids = sandbox_pids(box, backend.name)
         facts["host_pids"] = len(pids)
         outcomes += host_outcomes(pids, view)
         outcomes.append(kernel_outcome(box, runtime, backend.name))
-        outcomes += forkbomb_outcomes(box, view)
+        # Before the fork bomb: under gVisor the bomb may take the sandbox down.
+        extra = during(box) if during is not None else []
+        outcomes += forkbomb_outcomes(box, view, pids[0] if pids else 0)
     finally:
         box.destroy()
     order = {p.id: i for i, p in enumerate(PROBES)}
     outcomes.sort(key=lambda o: order.get(o.id, 999))
-    return outcomes, facts
+    return outcomes, extra, facts
