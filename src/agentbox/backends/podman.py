@@ -258,9 +258,9 @@ class PodmanSandbox:
         The sandbox packs ``src`` with ``tar`` (running as the sandbox uid, links
         resolve inside its own root); a stopped sandbox is packed by
         ``podman cp`` (which resolves inside the container's root). The host
-        unpacks with tarfile's ``data`` filter: no absolute names, no ``..``, no
-        links pointing outside ``dest``, no devices, setuid/setgid bits dropped.
-        ``dest`` must not exist yet.
+        unpacks with tarfile's ``data`` filter: an entry with an absolute name,
+        ``..``, a link pointing outside ``dest`` or a device is skipped (and
+        logged), setuid/setgid bits are dropped. ``dest`` must not exist yet.
         """
         src_p = PurePosixPath(src)
         if not src_p.is_absolute() or ".." in src_p.parts or src_p == PurePosixPath("/"):
@@ -271,11 +271,23 @@ class PodmanSandbox:
             self._pack(src_p, archive)
             archive.seek(0)
             with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".agentbox-copy-") as tmp:
+                skipped: list[str] = []
+
+                def safe(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+                    try:
+                        return tarfile.data_filter(member, path)
+                    except tarfile.FilterError:
+                        skipped.append(member.name[:200])
+                        return None
+
                 try:
                     with tarfile.open(fileobj=archive, mode="r:") as tar:
-                        tar.extractall(tmp, filter="data")
+                        tar.extractall(tmp, filter=safe)
                 except (tarfile.TarError, OSError) as exc:
                     raise SandboxError(f"copy_out of {src}: {exc}", sandbox=self.name) from exc
+                if skipped:
+                    log.warning("copy_out skipped unsafe entries", sandbox=self.name, n=len(skipped),
+                                first=skipped[:5])  # fmt: skip
                 got = Path(tmp) / src_p.name
                 if not got.exists() and not got.is_symlink():
                     raise SandboxError(f"copy_out: {src} not found", sandbox=self.name)

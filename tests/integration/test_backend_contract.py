@@ -1,0 +1,244 @@
+"""The backend Protocol's contract, parametrised over the backends present on this host.
+
+Every backend (podman under each usable OCI runtime; the qemu engineer adds
+qemu) must pass the same tests: one-shot run with exit code and separate
+streams, deadlines, create/exec/env/stdin, copy in and out without following
+links out, posture, idempotent destroy, and the gateway path (127.0.0.1:
+GATEWAY_PORT inside reaching ``gateway_dir/gateway.sock`` on the host).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import tempfile
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agentbox import _host
+from agentbox.backends import get_backend
+from agentbox.backends.base import (
+    GATEWAY_PORT,
+    GATEWAY_SOCKET_NAME,
+    Backend,
+    Sandbox,
+    SandboxSpec,
+)
+from agentbox.boxfile import Boxfile
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError
+from agentbox.sandbox import spec_from_boxfile
+
+pytestmark = pytest.mark.podman
+
+CASES = [
+    pytest.param(("podman", rt), id=f"podman-{rt}")
+    for rt in ("runc", "runsc")
+    if _host.podman_runtime(rt).ok
+]
+
+
+class Case:
+    """One backend under test: makes specs for it."""
+
+    def __init__(self, backend: Backend, settings: Settings, runtime: str | None) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.runtime = runtime
+
+    def spec(self, **kw: object) -> SandboxSpec:
+        fields: dict[str, object] = {"backend": self.backend.name}
+        if self.runtime:
+            fields["runtime"] = self.runtime
+        fields.update({k: v for k, v in kw.items() if k in Boxfile.model_fields})
+        extra = {k: v for k, v in kw.items() if k not in Boxfile.model_fields}
+        return spec_from_boxfile(Boxfile.from_dict(fields), self.settings, **extra)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(
+    request: pytest.FixtureRequest,
+    default_image: str,
+    settings_factory: Callable[[], Settings],
+) -> Case:
+    name, runtime = request.param
+    settings = settings_factory()
+    return Case(get_backend(name, settings), settings, runtime)
+
+
+@pytest.fixture(scope="module")
+def live(case: Case, workspace_factory: Callable[[Settings], Path]) -> Iterator[Sandbox]:
+    """One sandbox per backend, shared by the exec/copy/posture tests of this module."""
+    spec = case.spec(workspace=workspace_factory(case.settings))
+    case.backend.check(spec)
+    box = case.backend.create(spec)
+    try:
+        yield box
+    finally:
+        box.destroy()
+
+
+def test_run_exit_code_and_separate_streams(case: Case) -> None:
+    spec = case.spec()
+    res = case.backend.run(spec, ["sh", "-c", "echo out; echo err >&2; exit 7"])
+    assert (res.exit_code, res.stdout, res.stderr, res.timed_out) == (7, b"out\n", b"err\n", False)
+
+
+def test_run_streams_to_callbacks(case: Case) -> None:
+    chunks: list[bytes] = []
+    res = case.backend.run(
+        case.spec(), ["sh", "-c", "echo one; echo two"], on_stdout=chunks.append, stdin=None
+    )
+    assert res.exit_code == 0 and res.stdout == b""
+    assert b"".join(chunks) == b"one\ntwo\n"
+
+
+def test_run_stdin(case: Case) -> None:
+    res = case.backend.run(case.spec(), ["wc", "-c"], stdin=b"x" * 1000)
+    assert res.stdout.strip() == b"1000"
+
+
+def test_run_deadline_kills_and_says_so(case: Case) -> None:
+    res = case.backend.run(case.spec(deadline=1.5), ["sleep", "60"])
+    assert res.timed_out
+    assert res.exit_code != 0
+
+
+def test_exec_env_stdin_and_workdir(live: Sandbox) -> None:
+    res = live.exec(["sh", "-c", "pwd; id -u; echo $FOO; cat"], env={"FOO": "bar"}, stdin=b"in")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.decode().split("\n") == ["/workspace", "64000", "bar", "in"]
+
+
+def test_exec_timeout(live: Sandbox) -> None:
+    res = live.exec(["sleep", "30"], timeout=1)
+    assert res.timed_out
+    assert live.exec(["true"]).exit_code == 0  # the sandbox survives
+
+
+def test_copy_roundtrip(live: Sandbox, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "f.txt").write_text("hello\n")
+    live.copy_in(src, "/workspace/copied")
+    # Python's stat, not coreutils': gVisor 2022-12 answers coreutils' statx with EINVAL here.
+    probe = "import os; print(open('/workspace/copied/sub/f.txt').read().strip(), "
+    probe += "os.stat('/workspace/copied').st_uid)"
+    res = live.exec(["python3", "-c", probe])
+    assert res.stdout.decode().split() == ["hello", "64000"], res.stderr
+    live.exec(["sh", "-c", "echo new > /workspace/copied/sub/g.txt"])
+    live.copy_out("/workspace/copied", tmp_path / "out")
+    assert (tmp_path / "out/sub/g.txt").read_text() == "new\n"
+
+
+def test_copy_out_never_follows_links_out(live: Sandbox, tmp_path: Path) -> None:
+    script = (
+        "mkdir -p /tmp/evil && echo inner > /tmp/evil/ok && "
+        "ln -sf /etc/shadow /tmp/evil/abs && ln -sf ../../../../etc/passwd /tmp/evil/rel && "
+        "ln -sfn / /tmp/evil/root"
+    )
+    assert live.exec(["sh", "-c", script]).exit_code == 0
+    live.copy_out("/tmp/evil", tmp_path / "evil")
+    out = tmp_path / "evil"
+    assert (out / "ok").read_text() == "inner\n"
+    for name in ("abs", "rel", "root"):
+        p = out / name
+        # Either dropped, or a link whose target stays inside the copy: never host data.
+        if p.is_symlink():
+            assert out.resolve() in p.resolve().parents or p.resolve() == out.resolve()
+        assert not (p.exists() and p.resolve() in (Path("/etc/shadow"), Path("/etc/passwd")))
+
+
+def test_posture_is_ok(live: Sandbox) -> None:
+    posture = live.posture()
+    failed = [c for c in posture.checks if not c.ok]
+    assert posture.ok, failed
+    assert {c.where for c in posture.checks} == {"inside", "host"}
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        reply = json.dumps({"path": self.path, "len": len(body)}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def get_request(self) -> tuple[object, tuple[str, int]]:
+        conn, _ = super().get_request()
+        return conn, ("sandbox", 0)  # BaseHTTPRequestHandler wants a (host, port)
+
+
+CLIENT = (
+    r"""
+import json, sys, threading, urllib.request
+N = int(sys.argv[1]); res = {}
+def one(i):
+    body = b"x" * (i * 100000)
+    req = urllib.request.Request(f"http://127.0.0.1:%d/r/{i}", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=20) as r:
+        res[i] = json.loads(r.read())
+ts = [threading.Thread(target=one, args=(i,)) for i in range(N)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(json.dumps(res, sort_keys=True))
+"""
+    % GATEWAY_PORT
+)
+
+
+@pytest.fixture
+def gateway_dir(case: Case) -> Iterator[Path]:
+    gw = Path(tempfile.mkdtemp(prefix="gw-", dir=case.settings.data_dir))
+    gw.chmod(0o755)
+    server = _UnixHTTPServer(str(gw / GATEWAY_SOCKET_NAME), _Handler)
+    (gw / GATEWAY_SOCKET_NAME).chmod(0o666)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield gw
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _check_replies(stdout: bytes, n: int) -> None:
+    got = json.loads(stdout)
+    assert got == {str(i): {"path": f"/r/{i}", "len": i * 100000} for i in range(n)}
+
+
+def test_gateway_reachable_from_run(case: Case, gateway_dir: Path) -> None:
+    res = case.backend.run(case.spec(gateway_dir=gateway_dir), ["python3", "-c", CLIENT, "6"])
+    assert res.exit_code == 0, res.stderr
+    _check_replies(res.stdout, 6)
+
+
+def test_gateway_reachable_from_exec(
+    case: Case, gateway_dir: Path, workspace_factory: Callable[[Settings], Path]
+) -> None:
+    spec = case.spec(gateway_dir=gateway_dir, workspace=workspace_factory(case.settings))
+    with case.backend.create(spec) as box:
+        res = box.exec(["python3", "-c", CLIENT, "8"], timeout=60)
+        assert res.exit_code == 0, res.stderr
+        _check_replies(res.stdout, 8)
+
+
+def test_destroy_is_idempotent(case: Case) -> None:
+    box = case.backend.create(case.spec())
+    box.destroy()
+    box.destroy()
+    with pytest.raises(AgentboxError):
+        box.exec(["true"])
