@@ -27,7 +27,15 @@ app = typer.Typer(
 )
 
 #: Modules under agentbox.cli that each define ``register(app)``.
-COMMAND_MODULES: tuple[str, ...] = ("_mcp", "_tasks", "_gateway", "_image", "_doctor", "_sandbox")
+COMMAND_MODULES: tuple[str, ...] = (
+    "_mcp",
+    "_tasks",
+    "_gateway",
+    "_image",
+    "_doctor",
+    "_sandbox",
+    "_escape",
+)
 
 err_console = Console(stderr=True)
 
