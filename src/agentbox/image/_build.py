@@ -261,6 +261,8 @@ def build_default(
             f"Claude Code binary not found at {claude}: run scripts/setup.sh "
             f"(it installs @anthropic-ai/claude-code@{settings.claude_code_version})"
         )
+    if os.geteuid() != 0:
+        raise ImageError("agentbox image build runs as root (mmdebstrap root mode, podman as root)")
     for tool, package in (("mmdebstrap", "mmdebstrap"), ("podman", "podman"), ("tar", "tar")):
         if shutil.which(tool) is None:
             raise ImageError(
