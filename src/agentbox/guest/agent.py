@@ -2,7 +2,7 @@
 
 It runs inside every qemu/firecracker guest as root, started by the
 initramfs's ``/init`` (PID 1) inside the chroot of the image's read-only
-root, from a read-only bind of the initramfs (``/opt/agentbox``): the
+root, from a read-only bind of the initramfs (``/opt/agentbox/vm``): the
 workload cannot overwrite it. It must run on the image's stdlib ``python3``
 and imports nothing of agentbox; the host imports the frame helpers from this
 same file, so both ends share one definition of the wire format.
@@ -262,6 +262,9 @@ class Agent:
             # Drop whatever a snapshot's template cached of the placeholder disk.
             fcntl.ioctl(f, 0x1261)  # BLKFLSBUF
         _mount(dev, "/workspace", "ext4", 0x2 | 0x4)  # MS_NOSUID | MS_NODEV
+        # mkfs.ext4 made it; the workspace should look exactly like the host's copy.
+        with contextlib.suppress(OSError):
+            os.rmdir("/workspace/lost+found")
         st = os.lstat("/workspace")
         if st.st_uid != self.uid:
             old = st.st_uid

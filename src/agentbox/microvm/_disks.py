@@ -23,8 +23,10 @@ DATA_LABEL = "agentbox-data"
 #: Size of every ``/data`` disk (sparse: only what is written takes space).
 DATA_DISK_BYTES = 8 * 1024**3
 #: Mount points the guest's /init and agent need in the read-only root.
-_MOUNT_POINTS = ("workspace", "opt", "opt/agentbox", "home", "home/agent", "tmp", "run",
-                 "proc", "sys", "dev")  # fmt: skip
+_MOUNT_POINTS = ("workspace", "opt", "opt/agentbox", "opt/agentbox/vm", "home", "home/agent",
+                 "tmp", "run", "proc", "sys", "dev")  # fmt: skip
+#: Bumped when the disk layout (mount points, mkfs options) changes: old disks are not reused.
+LAYOUT = "v2"
 
 
 def _tree_bytes(root: Path) -> int:
@@ -44,7 +46,7 @@ def ensure_root_disk(settings: Settings, rootfs: Path, key: str) -> Path:
         raise ImageError(f"image root {rootfs} has no usr/bin/python3 (the guest agent needs it)")
     out_dir = settings.cache_dir / "microvm" / "disks"
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"root-{key[:32]}.img"
+    out = out_dir / f"root-{LAYOUT}-{key[:32]}.img"
     if out.is_file():
         return out
     with (out_dir / ".lock").open("w") as lock:

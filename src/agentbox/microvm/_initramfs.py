@@ -2,8 +2,9 @@
 
 ``/init`` (PID 1) loads the modules, mounts the image's root read-only from the
 disk labelled ``agentbox-root``, puts tmpfs on ``/tmp``, ``/run`` and
-``$HOME``, binds this initramfs's ``/agentbox`` read-only at ``/opt/agentbox``
-(the workload cannot overwrite the agent), brings ``lo`` up (there is no other
+``$HOME``, binds this initramfs's ``/agentbox`` read-only at
+``/opt/agentbox/vm`` (the workload cannot overwrite the agent; the image's
+own ``/opt/agentbox`` stays visible), brings ``lo`` up (there is no other
 interface), and runs the agent in a chroot of the root with the image's
 ``python3``. ``/data`` is mounted later by the agent, at ``hello``: a snapshot
 taken before then holds nothing of any workspace.
@@ -50,7 +51,7 @@ mount -t ext4 -o ro,noload,nodev "$root" /newroot || fail "mount root"
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /newroot/tmp
 mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /newroot/run
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /newroot/home/agent
-mount --bind /agentbox /newroot/opt/agentbox && mount -o remount,bind,ro /newroot/opt/agentbox
+mount --bind /agentbox /newroot/opt/agentbox/vm && mount -o remount,bind,ro /newroot/opt/agentbox/vm
 mount --move /dev /newroot/dev
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620 devpts /newroot/dev/pts
@@ -62,7 +63,7 @@ if [ -n "$agentbox_marker" ]; then
   chroot /newroot /usr/bin/python3 -I -S -c 'print("{MARKER}")'
   reboot -f
 fi
-chroot /newroot /usr/bin/python3 -I -S /opt/agentbox/agent.py
+chroot /newroot /usr/bin/python3 -I -S /opt/agentbox/vm/agent.py
 fail "agent exited"
 """
 

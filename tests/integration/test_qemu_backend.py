@@ -1,0 +1,260 @@
+"""The qemu backend against a real QEMU (TCG here) and the real default image.
+
+One restored sandbox is shared by the session (boots are seconds under TCG);
+tests that need their own VM (cold boot, deadline, a dead guest) make one.
+"""
+
+from __future__ import annotations
+
+import os
+import socketserver
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentbox.backends.base import SandboxSpec
+from agentbox.backends.qemu import QemuBackend, QemuSandbox
+from agentbox.boxfile import Resources
+from agentbox.config import Settings
+from agentbox.errors import GuestError
+from agentbox.microvm._guest import KernelFacts
+
+pytestmark = pytest.mark.qemu
+
+RES = Resources(memory="1GiB", cpus=1)
+
+
+@pytest.fixture(scope="session")
+def qemu_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    data = tmp_path_factory.mktemp("qemu-data")
+    return Settings(data_dir=data)
+
+
+@pytest.fixture(scope="session")
+def qemu_rootfs() -> tuple[Path, str]:
+    """The default image's kept root (built once, cached by hash)."""
+    from agentbox.image import build_default
+
+    info = build_default(Settings())
+    assert info.rootfs is not None and info.hash is not None
+    return info.rootfs, info.hash
+
+
+@pytest.fixture(scope="session")
+def qemu_backend(qemu_settings: Settings, qemu_rootfs: tuple[Path, str]) -> QemuBackend:
+    return QemuBackend(qemu_settings, rootfs=qemu_rootfs)
+
+
+class _Echo(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        line = self.rfile.readline(4096)
+        time.sleep(0.2)  # overlap the concurrent connections
+        self.wfile.write(b"echo:" + line)
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+@pytest.fixture(scope="session")
+def gateway_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    d = tmp_path_factory.mktemp("gw")
+    srv = _Server(str(d / "gateway.sock"), _Echo)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield d
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ws = tmp_path_factory.mktemp("ws")
+    (ws / "README").write_text("hello from the host\n")
+    (ws / "sub").mkdir()
+    (ws / "sub/data.bin").write_bytes(os.urandom(300_000))
+    return ws
+
+
+@pytest.fixture(scope="session")
+def vm(
+    qemu_backend: QemuBackend, workspace: Path, gateway_dir: Path
+) -> Iterator[QemuSandbox]:
+    spec = SandboxSpec(
+        name="qemu-session", image="default", resources=RES, workspace=workspace,
+        gateway_dir=gateway_dir, env={"FROM_SPEC": "1"},
+    )  # fmt: skip
+    sb = qemu_backend.create(spec)
+    yield sb
+    sb.destroy()
+    assert not sb.vm_dir.exists()
+    assert not sb.vm.alive()
+
+
+def test_exec_streams_output_and_exit_code(vm: QemuSandbox) -> None:
+    res = vm.exec(["sh", "-c", "echo out; echo err >&2; exit 7"])
+    assert (res.exit_code, res.stdout, res.stderr) == (7, b"out\n", b"err\n")
+    chunks: list[bytes] = []
+    res = vm.exec(["sh", "-c", "for i in 1 2 3; do echo $i; done"], on_stdout=chunks.append)
+    assert b"".join(chunks) == b"1\n2\n3\n" and res.stdout == b""
+
+
+def test_exec_identity_env_stdin_and_workdir(vm: QemuSandbox) -> None:
+    res = vm.exec(
+        ["sh", "-c", 'id -u; echo "$FROM_SPEC$EXTRA"; pwd; cat'], env={"EXTRA": "x"}, stdin=b"in"
+    )
+    assert res.stdout == b"64000\n1x\n/workspace\nin"
+
+
+def test_guest_runs_its_own_kernel(vm: QemuSandbox) -> None:
+    res = vm.exec(["uname", "-r"])
+    assert res.stdout.decode().strip() != os.uname().release
+    assert res.stdout.decode().startswith("6.1.")
+
+
+def test_every_command_is_preceded_by_a_check(
+    vm: QemuSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert vm.session is not None
+    sent: list[str] = []
+    orig = vm.session.channel.send_ctrl
+
+    def spy(msg: dict[str, object], stream: int = 0) -> None:
+        sent.append(str(msg["op"]))
+        orig(msg, stream)
+
+    monkeypatch.setattr(vm.session.channel, "send_ctrl", spy)
+    vm.exec(["true"])
+    vm.exec(["true"])
+    assert sent == ["check", "exec", "check", "exec"]
+
+
+def test_a_guest_reporting_the_hosts_kernel_is_refused(
+    vm: QemuSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert vm.session is not None
+    facts = vm.session.last_check
+    monkeypatch.setattr(
+        vm.session, "host", KernelFacts(str(facts["release"]), str(facts["boot_id"]))
+    )
+    with pytest.raises(GuestError, match="host's kernel"):
+        vm.exec(["touch", "/workspace/should-not-exist"])
+    monkeypatch.undo()
+    assert vm.exec(["test", "-e", "/workspace/should-not-exist"]).exit_code == 1
+
+
+def test_workspace_is_the_data_disk(vm: QemuSandbox, workspace: Path) -> None:
+    res = vm.exec(["sh", "-c", "cat README; stat -c %u sub/data.bin; sha256sum sub/data.bin"])
+    import hashlib
+
+    digest = hashlib.sha256((workspace / "sub/data.bin").read_bytes()).hexdigest()
+    assert res.stdout.decode().splitlines() == ["hello from the host", "64000", f"{digest}  sub/data.bin"]
+    res = vm.exec(["sh", "-c", "findmnt -no SOURCE,FSTYPE /workspace || mount | grep workspace"])
+    assert b"ext4" in res.stdout
+
+
+def test_root_and_agent_are_read_only(vm: QemuSandbox) -> None:
+    res = vm.exec(["sh", "-c", "touch /usr/x; echo $?; echo x > /opt/agentbox/vm/agent.py; echo $?"])
+    assert res.stdout.split() == [b"1", b"1"] or res.stdout.split() == [b"1", b"2"]
+    assert vm.exec(["sh", "-c", "test -e /dev/kvm"]).exit_code == 1
+
+
+def test_timeout_kills_the_command_not_the_sandbox(vm: QemuSandbox) -> None:
+    t0 = time.monotonic()
+    res = vm.exec(["sleep", "600"], timeout=2)
+    assert res.timed_out and time.monotonic() - t0 < 60
+    assert vm.exec(["echo", "alive"]).stdout == b"alive\n"
+
+
+def test_copy_in_and_out_through_the_safe_path_layer(vm: QemuSandbox, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d/f.txt").write_text("payload")
+    vm.copy_in(src, "/workspace/incoming")
+    assert vm.exec(["cat", "/workspace/incoming/d/f.txt"]).stdout == b"payload"
+    # hostile shapes, made by the workload inside the guest
+    vm.exec(["sh", "-c", "cd /workspace/incoming && ln -s /etc/shadow evil && mkfifo pipe &&"
+             " cp /bin/true suid && chmod 4755 suid && ln -s ../../../../ up"])  # fmt: skip
+    out = tmp_path / "out"
+    vm.copy_out("/workspace/incoming", out)
+    assert (out / "d/f.txt").read_text() == "payload"
+    assert (out / "evil").is_symlink() and os.readlink(out / "evil") == "/etc/shadow"
+    assert not (out / "pipe").exists()
+    assert (out / "suid").stat().st_mode & 0o7777 == 0o755
+    single = tmp_path / "single.txt"
+    vm.copy_out("/workspace/incoming/d/f.txt", single)
+    assert single.read_text() == "payload"
+
+
+def test_gateway_streams_are_multiplexed_and_concurrent(vm: QemuSandbox) -> None:
+    script = """
+import socket, threading
+out = {}
+def one(i):
+    s = socket.create_connection(("127.0.0.1", 8080), timeout=60)
+    s.sendall(b"conn-%d\\n" % i)
+    buf = b""
+    while chunk := s.recv(100):
+        buf += chunk
+    out[i] = buf
+ts = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+[t.start() for t in ts]; [t.join() for t in ts]
+for i in sorted(out): print(out[i].decode().strip())
+"""
+    res = vm.exec(["python3", "-c", script], timeout=120)
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.decode().splitlines() == [f"echo:conn-{i}" for i in range(8)]
+
+
+def test_snapshot_clones_have_distinct_randomness(
+    qemu_backend: QemuBackend, vm: QemuSandbox
+) -> None:
+    assert vm.restored
+    spec = SandboxSpec(name="qemu-clone", image="default", resources=RES)
+    with qemu_backend.create(spec) as other:
+        a = vm.exec(["sh", "-c", "head -c 16 /dev/urandom | od -An -tx1"]).stdout
+        b = other.exec(["sh", "-c", "head -c 16 /dev/urandom | od -An -tx1"]).stdout
+        assert a and b and a != b
+        assert other.exec(["ls", "-A", "/workspace"]).stdout in (b"", b"lost+found\n")
+
+
+@pytest.mark.slow
+def test_cold_boot_and_one_shot_run_syncs_the_workspace(
+    qemu_settings: Settings, qemu_rootfs: tuple[Path, str], tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "keep").write_text("k")
+    (ws / "gone").write_text("g")
+    backend = QemuBackend(qemu_settings, rootfs=qemu_rootfs, cold=True)
+    spec = SandboxSpec(name="qemu-cold", image="default", resources=RES, workspace=ws)
+    res = backend.run(spec, ["sh", "-c", "rm gone; echo new > made; mkdir -p a/b; uname -r"])
+    assert res.exit_code == 0 and res.stdout.startswith(b"6.1.")
+    assert sorted(p.name for p in ws.iterdir()) == ["a", "keep", "made"]
+    assert (ws / "made").read_text() == "new\n"
+    assert not list((qemu_settings.data_dir / "microvm").glob("qemu-cold-*"))
+
+
+def test_deadline_kills_the_vm(qemu_backend: QemuBackend) -> None:
+    spec = SandboxSpec(name="qemu-deadline", image="default", resources=RES, deadline=20)
+    t0 = time.monotonic()
+    res = qemu_backend.run(spec, ["sleep", "600"])
+    assert res.timed_out and time.monotonic() - t0 < 120
+
+
+def test_a_dead_guest_is_reported_and_the_host_moves_on(qemu_backend: QemuBackend) -> None:
+    spec = SandboxSpec(name="qemu-dies", image="default", resources=RES)
+    with qemu_backend.create(spec) as sb:
+        os.kill(sb.vm.vmm_pid(), 9)
+        with pytest.raises(GuestError):
+            sb.exec(["true"], timeout=30)
+        assert (sb.vm_dir / "data.img").exists()  # partial /data kept until destroy
+
+
+def test_cleanup_orphans_ignores_live_owners(qemu_backend: QemuBackend) -> None:
+    assert qemu_backend.cleanup_orphans() == []
+
+

@@ -1,0 +1,206 @@
+"""The guest channel's wire format and the host's defensive reader, over real sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from agentbox.errors import GuestError
+from agentbox.guest.agent import (
+    CTRL,
+    GW,
+    MAX_CTRL,
+    MAX_PAYLOAD,
+    STDOUT,
+    FrameReader,
+    ProtocolError,
+    decode_ctrl,
+    encode_ctrl,
+    encode_frame,
+    proof,
+)
+from agentbox.microvm._channel import MAX_QUEUED, Channel, GuestTimeout
+from agentbox.microvm._guest import GuestSession, KernelFacts
+
+
+def test_frames_roundtrip_in_any_chunking() -> None:
+    blob = encode_ctrl({"op": "x", "n": 1}, 4) + encode_frame(STDOUT, 4, b"abc") + encode_frame(
+        GW, 7, b""
+    )
+    for size in (1, 3, 9, len(blob)):
+        r = FrameReader()
+        got = []
+        for i in range(0, len(blob), size):
+            got += r.feed(blob[i : i + size])
+        assert got == [(CTRL, 4, b'{"op":"x","n":1}'), (STDOUT, 4, b"abc"), (GW, 7, b"")]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        struct.pack(">BII", 99, 0, 0),  # unknown type
+        struct.pack(">BII", STDOUT, 0, MAX_PAYLOAD + 1),  # oversized data frame
+        struct.pack(">BII", CTRL, 0, MAX_CTRL + 1),  # oversized control frame
+    ],
+)
+def test_reader_rejects_bad_headers_before_buffering(raw: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        FrameReader().feed(raw)
+
+
+@pytest.mark.parametrize("payload", [b"not json", b"[1,2]", b'{"no":"op"}', b'{"op":3}', b"\xff"])
+def test_ctrl_must_be_an_object_with_an_op(payload: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_ctrl(payload)
+
+
+def test_encoder_refuses_what_the_reader_would_refuse() -> None:
+    with pytest.raises(ProtocolError):
+        encode_frame(STDOUT, 0, b"x" * (MAX_PAYLOAD + 1))
+    with pytest.raises(ProtocolError):
+        encode_ctrl({"op": "x", "pad": "y" * MAX_CTRL})
+
+
+def test_proof_depends_on_token_and_nonce() -> None:
+    assert proof("t", "n") != proof("t", "m") != proof("u", "n")
+
+
+class FakeGuest:
+    """The guest end of a socketpair, scripted by the test."""
+
+    def __init__(self) -> None:
+        self.host_sock, self.sock = socket.socketpair()
+        self.broken: list[str] = []
+        self.chan = Channel(self.host_sock, name="fake", on_broken=self.broken.append)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        self.chan.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def guest() -> FakeGuest:
+    g = FakeGuest()
+    yield g  # type: ignore[misc]
+    g.close()
+
+
+def _wait_broken(g: FakeGuest, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not g.broken and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        struct.pack(">BII", 42, 0, 0),
+        struct.pack(">BII", STDOUT, 2, 1 << 30),
+        encode_frame(CTRL, 0, b"{broken"),
+    ],
+)
+def test_malformed_frame_breaks_the_channel_and_wakes_waiters(guest: FakeGuest, bad: bytes) -> None:
+    done: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            guest.chan.wait(0, {"ready"}, 30)
+        except GuestError as exc:
+            done.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    guest.send(bad)
+    t.join(10)
+    assert done and not isinstance(done[0], GuestTimeout)
+    _wait_broken(guest)
+    assert guest.broken and "protocol violation" in guest.broken[0]
+    with pytest.raises(GuestError):
+        guest.chan.send_ctrl({"op": "check", "nonce": "x"})
+
+
+def test_control_flood_breaks_the_channel(guest: FakeGuest) -> None:
+    msg = encode_ctrl({"op": "noise"})
+    guest.send(msg * (MAX_QUEUED + 10))
+    _wait_broken(guest)
+    assert guest.broken and "flood" in guest.broken[0]
+
+
+def test_data_flood_to_unknown_streams_is_dropped_and_host_stays_responsive(
+    guest: FakeGuest,
+) -> None:
+    chunk = encode_frame(STDOUT, 12345, b"x" * MAX_PAYLOAD)
+
+    def flood() -> None:
+        for _ in range(200):  # 50 MiB
+            guest.send(chunk)
+        guest.send(encode_ctrl({"op": "ready", "release": "r", "boot_id": "b"}))
+
+    t = threading.Thread(target=flood)
+    t.start()
+    assert guest.chan.wait(0, {"ready"}, 60)["op"] == "ready"
+    t.join(30)
+    assert not guest.broken
+
+
+def test_silent_guest_times_out(guest: FakeGuest) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(GuestTimeout):
+        guest.chan.wait(0, {"ready"}, 0.3)
+    assert time.monotonic() - t0 < 5
+
+
+def _answer_checks(g: FakeGuest, facts: dict[str, str], token_box: list[str], wrong: bool) -> None:
+    r = FrameReader()
+    while True:
+        try:
+            data = g.sock.recv(65536)
+        except OSError:
+            return
+        if not data:
+            return
+        for _, stream, payload in r.feed(data):
+            msg = json.loads(payload)
+            if msg["op"] == "hello":
+                token_box.append(msg["token"])
+                g.send(encode_ctrl({"op": "hello_ok", **facts}))
+            elif msg["op"] == "check":
+                nonce = msg["nonce"]
+                p = proof("not-the-token" if wrong else token_box[0], nonce)
+                g.send(encode_ctrl({"op": "check_ok", "nonce": nonce, "proof": p, **facts}, stream))
+
+
+@pytest.mark.parametrize(
+    ("facts", "wrong_token", "ok"),
+    [
+        ({"release": "6.1.0-guest", "boot_id": "guest-boot"}, False, True),
+        ({"release": "HOST", "boot_id": "guest-boot"}, False, False),
+        ({"release": "6.1.0-guest", "boot_id": "HOST-BOOT"}, False, False),
+        ({"release": "6.1.0-guest", "boot_id": "guest-boot"}, True, False),
+    ],
+)
+def test_kernel_and_nonce_check(
+    guest: FakeGuest, facts: dict[str, str], wrong_token: bool, ok: bool
+) -> None:
+    tokens: list[str] = []
+    t = threading.Thread(target=_answer_checks, args=(guest, facts, tokens, wrong_token), daemon=True)
+    t.start()
+    s = GuestSession(guest.chan, name="fake", host=KernelFacts("HOST", "HOST-BOOT"))
+    if facts["release"] == "HOST" or facts["boot_id"] == "HOST-BOOT":
+        with pytest.raises(GuestError, match="host's kernel"):
+            s.hello(uid=1, mount_data=False, gateway=None, timeout=5)
+        return
+    s.hello(uid=1, mount_data=False, gateway=None, timeout=5)
+    if ok:
+        assert s.check(timeout=5)["release"] == "6.1.0-guest"
+    else:
+        with pytest.raises(GuestError, match="nonce"):
+            s.check(timeout=5)
