@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import http.server
 import json
-import tempfile
 import socketserver
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -183,21 +183,18 @@ class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer
         return conn, ("sandbox", 0)  # BaseHTTPRequestHandler wants a (host, port)
 
 
-CLIENT = (
-    r"""
+CLIENT = r"""
 import json, sys, threading, urllib.request
 N = int(sys.argv[1]); res = {}
 def one(i):
     body = b"x" * (i * 100000)
-    req = urllib.request.Request(f"http://127.0.0.1:%d/r/{i}", data=body, method="POST")
+    req = urllib.request.Request(f"http://127.0.0.1:PORT/r/{i}", data=body, method="POST")
     with urllib.request.urlopen(req, timeout=20) as r:
         res[i] = json.loads(r.read())
 ts = [threading.Thread(target=one, args=(i,)) for i in range(N)]
 [t.start() for t in ts]; [t.join() for t in ts]
 print(json.dumps(res, sort_keys=True))
-"""
-    % GATEWAY_PORT
-)
+""".replace("PORT", str(GATEWAY_PORT))
 
 
 @pytest.fixture
