@@ -363,3 +363,43 @@ def test_bad_tool_calls_refused_over_http(http_server: HttpServer, world: World)
 
 def test_bad_tool_calls_refused_over_stdio(world: World) -> None:
     anyio.run(_check_refusals, _stdio_client(world), world)
+
+
+def test_confined_dropped_process_fetches_only_into_the_repo(world: World) -> None:
+    # A launcher-like shadow dir (root-owned, readable) holding agentbox/t-1.
+    shadow = world.base / "shadow.git"
+    shutil.copytree(world.repo / ".git", shadow, symlinks=True)
+    subprocess.run(["chown", "-R", "0:0", str(shadow)], check=True)
+    _git(shadow, "config", "core.bare", "true")
+    _git(shadow, "branch", "agentbox/t-1", "main")
+    commit = _git(shadow, "rev-parse", "agentbox/t-1").strip()
+    code = f"""
+import os, sys
+from pathlib import Path
+from agentbox.mcp import drop_privileges, fetch_branch, resolve_identity
+from agentbox.mcp._confine import confine_filesystem
+ident = resolve_identity({str(MCP_UID)!r}, Path({str(world.repos)!r}), None)
+confine_filesystem(ident.uid, {{ident.gid}}, writable=[Path({str(world.repos)!r})])
+drop_privileges(ident)
+print(fetch_branch(Path({str(world.repo)!r}), Path({str(shadow)!r}), "t-1", {commit!r}))
+for p in [{str(world.base / "planted")!r}, "/var/tmp/agentbox-planted"]:
+    try:
+        open(p, "w")
+        print("WROTE", p)
+        sys.exit(1)
+    except OSError:
+        pass
+"""
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=world.env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "agentbox/t-1" in res.stdout
+    assert (
+        _git(world.repo, "-c", f"safe.directory={world.repo}", "rev-parse", "agentbox/t-1").strip()
+        == commit
+    )
+    ref = world.repo / ".git" / "refs" / "heads" / "agentbox" / "t-1"
+    assert ref.stat().st_uid == MCP_UID  # written as the user, not as root
+    assert not (world.base / "planted").exists()
+    assert not Path("/var/tmp/agentbox-planted").exists()

@@ -9,9 +9,12 @@ Done while still root, just before the privilege drop:
   host where Python sits in ``/root``, a 0700 directory): that directory is
   covered with an empty tmpfs into which only the needed paths are bind-mounted
   again, which also hides everything else in it;
+* ``/dev/shm`` becomes a small private tmpfs (scratch for a fetch's throw-away
+  git config; it dies with the namespace);
 * then every mount is made read-only (``mount_setattr(AT_RECURSIVE)``) except
-  the repos root, which is bind-mounted on itself read-write: fetching result
-  branches into the user's repos is the only write the MCP side does.
+  that scratch dir and the repos root, which is bind-mounted on itself read-write:
+  fetching result branches into the user's repos is the only write the MCP
+  side does to the host.
 """
 
 from __future__ import annotations
@@ -21,17 +24,22 @@ import ctypes.util
 import os
 import stat
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from agentbox._log import get_logger
 from agentbox.errors import UnsupportedError
 
-__all__ = ["confine_filesystem", "needed_paths"]
+__all__ = ["SCRATCH", "confine_filesystem", "needed_paths"]
 
 log = get_logger("mcp.confine")
 
 CLONE_NEWNS = 0x00020000
+#: The private writable scratch dir (TMPDIR) of the confined server.
+SCRATCH = "/dev/shm"
+MS_NOSUID = 2
+MS_NODEV = 4
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
@@ -126,15 +134,20 @@ def confine_filesystem(uid: int, gids: Iterable[int], writable: Iterable[Path]) 
     covers: dict[Path, list[tuple[Path, int]]] = {}
     _check(libc.unshare(ctypes.c_int(CLONE_NEWNS)), "unshare(CLONE_NEWNS)")
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    for p in needed_paths():
+
+    # Opened in the new namespace: a bind source must belong to it (else EINVAL).
+    def pin(p: Path) -> tuple[Path, int]:
+        return p, os.open(p, os.O_PATH | os.O_CLOEXEC)
+
+    needed = needed_paths()
+    for p in needed:
         block = _blocking_ancestor(p, uid, gidset)
         if block is None:
             continue
         if block in (p, Path("/")):
             raise UnsupportedError(f"uid {uid} cannot read {p}, which the MCP server runs from")
-        # Opened in the new namespace: a bind source must belong to it (else EINVAL).
-        fd = os.open(p, os.O_PATH | os.O_CLOEXEC)
-        covers.setdefault(block, []).append((p, fd))
+        covers.setdefault(block, []).append(pin(p))
+    rw = [pin(Path(w).resolve()) for w in writable]
     # Shallowest cover first, so a deeper one is made inside it.
     for block in sorted(covers, key=lambda b: len(b.parts)):
         for parent in covers:
@@ -145,11 +158,19 @@ def confine_filesystem(uid: int, gids: Iterable[int], writable: Iterable[Path]) 
             p.mkdir(parents=True, exist_ok=True)
             _mount(libc, f"/proc/self/fd/{fd}", str(p), None, MS_BIND | MS_REC)
             os.close(fd)
+    # A private scratch dir (git's throw-away config for a fetch), gone with the namespace.
+    # /dev/shm, not /tmp: a fresh /tmp would hide repos and data dirs that live there.
+    _mount(libc, "tmpfs", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=4m")
     _setattr(libc, "/", set_=MOUNT_ATTR_RDONLY)
-    for w in writable:
-        real = str(Path(w).resolve())
-        _mount(libc, real, real, None, MS_BIND | MS_REC)
-        _setattr(libc, real, clr=MOUNT_ATTR_RDONLY, set_=MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+    _setattr(libc, SCRATCH, clr=MOUNT_ATTR_RDONLY)
+    os.environ["TMPDIR"] = SCRATCH  # everything else is read-only from here on
+    tempfile.tempdir = None
+    for p, fd in rw:
+        _mount(libc, f"/proc/self/fd/{fd}", str(p), None, MS_BIND | MS_REC)
+        os.close(fd)
+        _setattr(libc, str(p), clr=MOUNT_ATTR_RDONLY, set_=MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
     log.info(
-        "filesystem confined", covered=[str(c) for c in covers], writable=[str(w) for w in writable]
+        "filesystem confined",
+        covered=[str(c) for c in covers],
+        writable=[str(p) for p, _ in rw],
     )

@@ -2,14 +2,20 @@
 
 The branch comes from the launcher's trusted shadow git dir, never from the
 agent's workspace. Hooks are off for the fetch (``core.hooksPath=/dev/null``),
-tags are not fetched, and the refspec names exactly ``agentbox/<id>``; the
-shadow dir is marked safe for this one command only (it belongs to the
-launcher, not to us).
+tags are not fetched, and the refspec names exactly ``agentbox/<id>``.
+
+The shadow dir belongs to the launcher (root), so git's ownership check must
+be told it is safe. ``-c safe.directory=…`` is not enough: for a local fetch
+git clears ``GIT_CONFIG_PARAMETERS`` before it runs ``upload-pack`` in the
+other repository, so the setting goes in a throw-away global config file
+(``GIT_CONFIG_GLOBAL``) that names only that one shadow dir; system config is
+off.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from agentbox import _proc
@@ -24,12 +30,12 @@ def branch_name(task_id: str) -> str:
     return f"agentbox/{validate_task_id(task_id)}"
 
 
-def _git_env() -> dict[str, str]:
-    # No system or global config: only the user's own repo config applies.
+def _git_env(global_config: Path | None = None) -> dict[str, str]:
+    # No system config and no user global config: only the repo's own config and ours.
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "GIT_CONFIG_GLOBAL": str(global_config) if global_config else "/dev/null",
         "GIT_TERMINAL_PROMPT": "0",
         "LC_ALL": "C",
     }
@@ -65,8 +71,15 @@ def fetch_branch(repo: Path, shadow_git: Path, task_id: str, commit: str) -> str
         str(shadow_git),
         f"+{ref}:{ref}",
     ]
+    if any(c in str(shadow_git) for c in '\n"\\'):
+        raise PathRefused(
+            "shadow git dir path has characters git config cannot hold", path=shadow_git
+        )
     try:
-        _proc.run(argv, timeout=120, env=_git_env())
+        with tempfile.TemporaryDirectory(prefix="agentbox-mcp-git-") as tmp:
+            cfg = Path(tmp) / "gitconfig"
+            cfg.write_text(f'[safe]\n\tdirectory = "{shadow_git}"\n')
+            _proc.run(argv, timeout=120, env=_git_env(cfg))
         got = _proc.run(
             ["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
             timeout=30,
