@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import grp
 import os
+import signal
 import stat
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -164,7 +166,11 @@ def serve(launcher: Launcher, *, path: Path | None = None) -> None:
             create_app(launcher), uds=str(path), log_level="warning", lifespan="off"
         )
         server = _Server(config, path)
-        server.run()
+        # uvicorn re-raises SIGTERM once it has shut down; make that an exit that
+        # runs the clean-up below instead of the default kill.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
     finally:
         os.umask(old)
         with contextlib.suppress(FileNotFoundError):
