@@ -75,7 +75,7 @@ def escape_test(
         for r in reports:
             print_report(r, console)
     if not all(r.ok for r in reports):
-        raise typer.Exit(1)
+        raise SystemExit(1)
 
 
 def register(app: typer.Typer) -> None:

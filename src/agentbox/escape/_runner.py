@@ -401,10 +401,10 @@ def run_real(
     # 1. The agent's own path: the probe is the sandbox's main command (backend.run), exactly
     #    as the launcher runs claude. These are the inside results that count.
     t0 = time.monotonic()
+    # The config rides in the environment: stdin would be a host file passed through.
     res = backend.run(
-        spec.replace(name=spec.name + "-run"),
+        spec.replace(name=spec.name + "-run", env={"ABX_PROBE_CONFIG": json.dumps(cfg)}),
         ["python3", "-I", "-S", "-c", probe_source()],
-        stdin=json.dumps(cfg).encode(),
     )
     data = _parse_json(res.stdout, f"probe program as main command (exit {res.exit_code})")
     facts["run_seconds"] = round(time.monotonic() - t0, 2)

@@ -9,8 +9,8 @@ One invocation runs every inside probe and prints one JSON object on stdout::
 (the escape suite calls that "fired"), None when the probe does not apply here
 (e.g. the kernel has no ``/proc/kcore``); ``seen`` says what was observed.
 
-The configuration (nonces, host ports, paths planted by the host) arrives as
-JSON on stdin, never on the command line. Each probe runs in a forked child
+The configuration (nonces, host ports, paths planted by the host; no secret)
+arrives as JSON in ``ABX_PROBE_CONFIG`` or on stdin, never on the command line. Each probe runs in a forked child
 with a hard time limit, so a probe that blocks (a connect, a read of a
 device) is killed and reported, never hangs the run. Nothing here writes to a
 host-shared place except inside ``/tmp``; writable kernel files are only
@@ -666,10 +666,21 @@ def p_ro_mount():
 def p_remount():
     seen = []
     ok = True
+    opts = {m[0]: m[2] for m in mountinfo()}
     for target in [t for t in (CFG.get("ro_mount"), "/", "/usr") if t]:
+        mopts = opts.get(target)
+        if mopts is None:
+            continue  # /usr is usually part of /
+        if "rw" in mopts:
+            # Already writable: that is the finding; never remount a writable mount (on a
+            # weakened control or the host, that would change real mount flags).
+            ok = False
+            seen.append(f"{target} is mounted rw")
+            continue
         done, what = mount("none", target, "", MS_REMOUNT | MS_BIND, None)
         if done:
             ok = False
+            mount("none", target, "", MS_REMOUNT | MS_BIND | MS_RDONLY, None)  # put it back
         seen.append(f"remount {target} rw: {what}")
     return result(ok, "; ".join(seen))
 
@@ -1289,7 +1300,9 @@ def main(argv):
             print(json.dumps(sorted(PROBES)))
             return 0
     try:
-        raw = sys.stdin.read() if not sys.stdin.isatty() else ""
+        raw = os.environ.get("ABX_PROBE_CONFIG", "")
+        if not raw and not sys.stdin.isatty():
+            raw = sys.stdin.read()
         CFG = json.loads(raw) if raw.strip() else {}
     except ValueError:
         CFG = {}
