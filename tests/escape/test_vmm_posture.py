@@ -131,11 +131,10 @@ def test_fork_bomb_leaves_the_host_responsive(backend: QemuBackend) -> None:
         t = threading.Thread(target=probe)
         t.start()
         try:
-            res = sb.exec(["sh", "-c", "b(){ b|b& }; b"], timeout=20)
+            sb.exec(["sh", "-c", "b(){ b|b& }; b"], timeout=20)
         finally:
             stop.set()
             t.join()
-        assert res.timed_out or res.exit_code != 0 or True  # the bomb's fate is the guest's
         vmm = psutil.Process(sb.vm.vmm_pid())
         assert vmm.num_threads() <= 128
         # a check, not a benchmark: the host kept answering within a generous bound

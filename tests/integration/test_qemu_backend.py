@@ -80,9 +80,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vm(
-    qemu_backend: QemuBackend, workspace: Path, gateway_dir: Path
-) -> Iterator[QemuSandbox]:
+def vm(qemu_backend: QemuBackend, workspace: Path, gateway_dir: Path) -> Iterator[QemuSandbox]:
     spec = SandboxSpec(
         name="qemu-session", image="default", resources=RES, workspace=workspace,
         gateway_dir=gateway_dir, env={"FROM_SPEC": "1"},
@@ -151,13 +149,19 @@ def test_workspace_is_the_data_disk(vm: QemuSandbox, workspace: Path) -> None:
     import hashlib
 
     digest = hashlib.sha256((workspace / "sub/data.bin").read_bytes()).hexdigest()
-    assert res.stdout.decode().splitlines() == ["hello from the host", "64000", f"{digest}  sub/data.bin"]
+    assert res.stdout.decode().splitlines() == [
+        "hello from the host",
+        "64000",
+        f"{digest}  sub/data.bin",
+    ]
     res = vm.exec(["sh", "-c", "findmnt -no SOURCE,FSTYPE /workspace || mount | grep workspace"])
     assert b"ext4" in res.stdout
 
 
 def test_root_and_agent_are_read_only(vm: QemuSandbox) -> None:
-    res = vm.exec(["sh", "-c", "touch /usr/x; echo $?; echo x > /opt/agentbox/vm/agent.py; echo $?"])
+    res = vm.exec(
+        ["sh", "-c", "touch /usr/x; echo $?; echo x > /opt/agentbox/vm/agent.py; echo $?"]
+    )
     assert res.stdout.split() == [b"1", b"1"] or res.stdout.split() == [b"1", b"2"]
     assert vm.exec(["sh", "-c", "test -e /dev/kvm"]).exit_code == 1
 
@@ -256,5 +260,3 @@ def test_a_dead_guest_is_reported_and_the_host_moves_on(qemu_backend: QemuBacken
 
 def test_cleanup_orphans_ignores_live_owners(qemu_backend: QemuBackend) -> None:
     assert qemu_backend.cleanup_orphans() == []
-
-

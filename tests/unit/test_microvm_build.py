@@ -100,7 +100,9 @@ def test_kvm_argv(tmp_path: Path) -> None:
 
 
 def test_jail_argv_binds_only_declared_files(tmp_path: Path) -> None:
-    spec = JailSpec(((tmp_path / "k", "/vm/vmlinux"),), ((tmp_path / "run", "/vm/run"),), 1234, 1234)
+    spec = JailSpec(
+        ((tmp_path / "k", "/vm/vmlinux"),), ((tmp_path / "run", "/vm/run"),), 1234, 1234
+    )
     argv = jail_argv(spec, ["qemu-system-x86_64", "-x"])
     binds = [(argv[i], argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a.endswith("bind")]
     assert binds == [
@@ -115,5 +117,3 @@ def test_jail_argv_binds_only_declared_files(tmp_path: Path) -> None:
     assert "--reuid=1234" in argv[sp:] and "--no-new-privs" in argv[sp:]
     assert "--bounding-set=-all" in argv[sp:]
     assert argv[-2:] == ["qemu-system-x86_64", "-x"]
-
-

@@ -29,8 +29,10 @@ from agentbox.microvm._guest import GuestSession, KernelFacts
 
 
 def test_frames_roundtrip_in_any_chunking() -> None:
-    blob = encode_ctrl({"op": "x", "n": 1}, 4) + encode_frame(STDOUT, 4, b"abc") + encode_frame(
-        GW, 7, b""
+    blob = (
+        encode_ctrl({"op": "x", "n": 1}, 4)
+        + encode_frame(STDOUT, 4, b"abc")
+        + encode_frame(GW, 7, b"")
     )
     for size in (1, 3, 9, len(blob)):
         r = FrameReader()
@@ -191,7 +193,9 @@ def test_kernel_and_nonce_check(
     guest: FakeGuest, facts: dict[str, str], wrong_token: bool, ok: bool
 ) -> None:
     tokens: list[str] = []
-    t = threading.Thread(target=_answer_checks, args=(guest, facts, tokens, wrong_token), daemon=True)
+    t = threading.Thread(
+        target=_answer_checks, args=(guest, facts, tokens, wrong_token), daemon=True
+    )
     t.start()
     s = GuestSession(guest.chan, name="fake", host=KernelFacts("HOST", "HOST-BOOT"))
     if facts["release"] == "HOST" or facts["boot_id"] == "HOST-BOOT":

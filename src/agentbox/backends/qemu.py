@@ -37,7 +37,6 @@ from agentbox.backends.base import (
 )
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, GuestError, ImageError, SandboxError, UnsupportedError
-from agentbox.microvm import posture as posture_mod
 from agentbox.microvm._channel import Channel
 from agentbox.microvm._disks import ensure_root_disk, make_data_disk
 from agentbox.microvm._export import write_tar
@@ -47,6 +46,7 @@ from agentbox.microvm._kernel import ensure_kernel
 from agentbox.microvm._snapshot import ensure_snapshot, wait_incoming
 from agentbox.microvm._vm import Vm, VmConfig
 from agentbox.microvm.kvm import probe_kvm
+from agentbox.microvm.posture import read_posture
 
 __all__ = ["QemuBackend", "QemuSandbox", "probe_kvm", "vmm_uid"]
 
@@ -388,7 +388,7 @@ class QemuSandbox:
 
     def posture(self) -> Posture:
         """Host-side facts read off the live VMM, and inside facts from the guest."""
-        return posture_mod.read_posture(self)
+        return read_posture(self)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Sync and power the guest off (kill after ``timeout``); the /data disk is kept."""

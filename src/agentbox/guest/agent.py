@@ -35,7 +35,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 
@@ -215,8 +214,10 @@ class Agent:
             for ftype, stream, payload in reader.feed(chunk):
                 try:
                     self.dispatch(ftype, stream, payload)
-                except Exception as exc:  # noqa: BLE001 - report, keep serving
-                    self.ctrl({"op": "error", "id": stream, "error": f"{type(exc).__name__}: {exc}"})
+                except Exception as exc:
+                    self.ctrl(
+                        {"op": "error", "id": stream, "error": f"{type(exc).__name__}: {exc}"}
+                    )
 
     def dispatch(self, ftype: int, stream: int, payload: bytes) -> None:
         if ftype == CTRL:
@@ -345,7 +346,9 @@ class Agent:
             self.send(encode_frame(ftype, stream, chunk))
         self.send(encode_frame(ftype, stream, b""))
 
-    def _reap(self, proc: subprocess.Popen[bytes], pumps: list[threading.Thread], stream: int) -> None:
+    def _reap(
+        self, proc: subprocess.Popen[bytes], pumps: list[threading.Thread], stream: int
+    ) -> None:
         code = proc.wait()
         for t in pumps:
             t.join()
@@ -397,7 +400,7 @@ class Agent:
                 st = os.lstat(dest)
                 if st.st_uid == 0 and dest.startswith("/workspace"):
                     os.lchown(dest, self.uid, self.uid)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
         self.ctrl({"op": "put_ok", "error": err}, stream)
 
@@ -408,7 +411,7 @@ class Agent:
         import tarfile
 
         class Sink:
-            def write(s, b: bytes) -> int:  # noqa: N805
+            def write(s, b: bytes) -> int:
                 for i in range(0, len(b), MAX_PAYLOAD):
                     self.send(encode_frame(FILE, stream, bytes(b[i : i + MAX_PAYLOAD])))
                 return len(b)
@@ -419,7 +422,7 @@ class Agent:
                 raise FileNotFoundError(src)
             with tarfile.open(fileobj=Sink(), mode="w|", format=tarfile.PAX_FORMAT) as tf:  # type: ignore[call-overload]
                 tf.add(src, arcname=os.path.basename(src.rstrip("/")) or ".", recursive=True)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
         self.send(encode_frame(FILE, stream, b""))
         self.ctrl({"op": "get_ok", "error": err}, stream)
@@ -474,4 +477,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -155,7 +155,7 @@ class Channel:
                     self._dispatch(ftype, stream, payload)
         except (ProtocolError, GuestError) as exc:
             self._break(f"protocol violation: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a handler bug must not hang every waiter
+        except Exception as exc:
             log.exception("channel reader failed", sandbox=self.name)
             self._break(f"reader failed: {exc}")
 

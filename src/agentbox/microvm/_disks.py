@@ -34,7 +34,7 @@ def _tree_bytes(root: Path) -> int:
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                total += (Path(dirpath) / name).lstat().st_blocks * 512
             except OSError:
                 continue
     return total

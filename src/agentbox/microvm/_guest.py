@@ -229,10 +229,12 @@ class GuestSession:
         finally:
             self.channel.close_stream(sid)
         if msg.get("error"):
-            raise GuestError(f"copy into {dest} failed: {str(msg['error'])[:300]}", sandbox=self.name)
+            raise GuestError(
+                f"copy into {dest} failed: {str(msg['error'])[:300]}", sandbox=self.name
+            )
 
     def get_tar(
-        self, src: str, consume: Callable[[tarfile.TarFile], None], timeout: float = 600.0
+        self, src: str, consume: Callable[[tarfile.TarFile], object], timeout: float = 600.0
     ) -> None:
         """Stream ``src`` out of the guest as a tar and hand the open archive to ``consume``.
 
@@ -257,14 +259,18 @@ class GuestSession:
                 while not reader.eof:  # drain the rest so the reader thread never stalls
                     reader.read(1 << 20)
             except tarfile.TarError as exc:
-                raise GuestError(f"guest sent a bad archive for {src}: {exc}", sandbox=self.name) from exc
+                raise GuestError(
+                    f"guest sent a bad archive for {src}: {exc}", sandbox=self.name
+                ) from exc
             finally:
                 pipe.dead = True
             msg = self.channel.wait(sid, {"get_ok"}, timeout)
         finally:
             self.channel.close_stream(sid)
         if msg.get("error"):
-            raise GuestError(f"copy out of {src} failed: {str(msg['error'])[:300]}", sandbox=self.name)
+            raise GuestError(
+                f"copy out of {src} failed: {str(msg['error'])[:300]}", sandbox=self.name
+            )
 
     # -- gateway streams (called by the channel's reader for each guest connection)
     def on_gateway_open(self, sid: int) -> None:

@@ -175,7 +175,9 @@ def _preexec(procs_files: list[str]) -> Callable[[], None]:
     return hook
 
 
-_Job = tuple[list[str], list[str], tuple[int, ...], "int | None", "int | None", "queue.Queue[object]"]
+_Job = tuple[
+    list[str], list[str], tuple[int, ...], "int | None", "int | None", "queue.Queue[object]"
+]
 _jobs: queue.Queue[_Job] = queue.Queue()
 _spawner: threading.Thread | None = None
 _spawner_lock = threading.Lock()
@@ -192,10 +194,10 @@ def _serve() -> None:
                 stderr=stderr_fd if stderr_fd is not None else subprocess.DEVNULL,
                 pass_fds=fds,
                 start_new_session=True,
-                preexec_fn=_preexec(procs),  # noqa: PLW1509 - the hook is async-signal-safe enough
+                preexec_fn=_preexec(procs),
             )
             reply.put(proc)
-        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+        except BaseException as exc:
             reply.put(exc)
 
 
@@ -215,7 +217,9 @@ def spawn(
             _spawner.start()
     reply: queue.Queue[object] = queue.Queue()
     log.debug("spawn", argv=list(argv))
-    _jobs.put((list(argv), cgroup.procs_files if cgroup else [], pass_fds, stdout_fd, stderr_fd, reply))
+    _jobs.put(
+        (list(argv), cgroup.procs_files if cgroup else [], pass_fds, stdout_fd, stderr_fd, reply)
+    )
     got = reply.get()
     if isinstance(got, BaseException):
         raise SandboxError(f"cannot start the VMM: {got}") from got

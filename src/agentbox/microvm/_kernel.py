@@ -57,10 +57,8 @@ def decompress_bzimage(bzimage: bytes) -> bytes:
     offset, length = struct.unpack_from("<II", bzimage, 0x248)
     start = (setup_sects + 1) * 512 + offset
     payload = bzimage[start : start + length]
-    for magic, argv in _DECOMPRESSORS:
-        if payload.startswith(magic):
-            break
-    else:
+    argv = next((a for magic, a in _DECOMPRESSORS if payload.startswith(magic)), None)
+    if argv is None:
         raise ImageError(f"bzImage payload has an unknown compression: {payload[:6].hex()}")
     # Decompressors complain about the 4-byte size trailer after the stream;
     # what counts is a whole ELF on stdout, checked below.
@@ -68,7 +66,7 @@ def decompress_bzimage(bzimage: bytes) -> bytes:
     elf = proc.stdout
     if not elf.startswith(b"\x7fELF") or len(elf) < 64:
         raise ImageError(f"{argv[0]} did not yield an ELF vmlinux: {proc.stderr[-300:]!r}")
-    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    (shoff,) = struct.unpack_from("<Q", elf, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
     if shoff + shentsize * shnum > len(elf):
         raise ImageError("decompressed vmlinux is truncated")

@@ -70,7 +70,7 @@ def run_qmp(
     def worker() -> None:
         try:
             result.extend(asyncio.run(asyncio.wait_for(_session(path, commands), timeout)))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:
             error.append(exc)
 
     t = threading.Thread(target=worker, name="agentbox-qmp", daemon=True)
@@ -82,5 +82,7 @@ def run_qmp(
         exc = error[0]
         if isinstance(exc, SandboxError):
             raise exc
-        raise SandboxError(f"QMP {[c[0] for c in commands]} failed: {exc}", sandbox=name or None) from exc
+        raise SandboxError(
+            f"QMP {[c[0] for c in commands]} failed: {exc}", sandbox=name or None
+        ) from exc
     return result

@@ -104,7 +104,9 @@ def wait_incoming(vm: Vm, timeout: float = 60.0) -> None:
             status = vm.qmp(("query-status", None), timeout=10)[0]
         except SandboxError:
             if not vm.alive():
-                raise SandboxError(f"restore failed: {vm.log_tail()}", sandbox=vm.cfg.name) from None
+                raise SandboxError(
+                    f"restore failed: {vm.log_tail()}", sandbox=vm.cfg.name
+                ) from None
             status = {}
         if isinstance(status, dict) and status.get("status") in {"paused", "prelaunch"}:
             break

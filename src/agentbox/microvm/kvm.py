@@ -61,7 +61,7 @@ def probe_kvm(settings: Settings) -> _host.Facility:
 
 
 def _probe(settings: Settings) -> _host.Facility:
-    if not os.path.exists("/dev/kvm"):
+    if not Path("/dev/kvm").exists():
         return _host.Facility("kvm", False, "no /dev/kvm", "enable KVM (or nested virt); TCG works")
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return _host.Facility("kvm", False, "/dev/kvm not accessible", "add yourself to group kvm")
@@ -74,7 +74,9 @@ def _probe(settings: Settings) -> _host.Facility:
     if ok:
         return _host.Facility("kvm", True, f"booted the guest under KVM in {detail}")
     return _host.Facility(
-        "kvm", False, f"KVM cannot boot a stock guest kernel here ({detail}); using TCG",
+        "kvm",
+        False,
+        f"KVM cannot boot a stock guest kernel here ({detail}); using TCG",
         "a host with VT-x/AMD-V (this one may be a PVM guest)",
     )
 

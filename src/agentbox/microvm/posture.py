@@ -39,7 +39,7 @@ class ThreadStatus:
 def thread_status(pid: int) -> list[ThreadStatus]:
     """Every thread of ``pid`` as :class:`ThreadStatus`."""
     out = []
-    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+    for tid in sorted((p.name for p in Path(f"/proc/{pid}/task").iterdir()), key=int):
         fields: dict[str, str] = {}
         try:
             text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
@@ -81,9 +81,7 @@ def _cgroup_limits(pid: int) -> dict[str, str]:
     return limits
 
 
-def vmm_checks(
-    pid: int, *, want_uid: int, strict: bool, accel: str = "tcg"
-) -> list[PostureCheck]:
+def vmm_checks(pid: int, *, want_uid: int, strict: bool, accel: str = "tcg") -> list[PostureCheck]:
     """Host-side checks of the VMM process ``pid``."""
     threads = thread_status(pid)
     checks: list[PostureCheck] = []
@@ -107,8 +105,8 @@ def vmm_checks(
             ",".join(map(str, sorted(uids))), os.getuid() not in uids)  # fmt: skip
     for ns in NAMESPACES:
         try:
-            theirs = os.readlink(f"/proc/{pid}/ns/{ns}")
-            ours = os.readlink(f"/proc/self/ns/{ns}")
+            theirs = str(Path(f"/proc/{pid}/ns/{ns}").readlink())
+            ours = str(Path(f"/proc/self/ns/{ns}").readlink())
         except OSError as exc:
             add(f"vmm own {ns} namespace", "differs from the host's", str(exc), False)
             continue
@@ -118,7 +116,7 @@ def vmm_checks(
     add("vmm pids limit", "a number", pids, pids.isdigit())
     mem = limits.get("memory", "max")
     add("vmm memory limit", "< unlimited", mem, mem.isdigit() and int(mem) < 1 << 50)
-    kvm_visible = os.path.exists(f"/proc/{pid}/root/dev/kvm")
+    kvm_visible = Path(f"/proc/{pid}/root/dev/kvm").exists()
     add("vmm jail holds /dev/kvm only under kvm", "absent" if accel != "kvm" else "present",
         "present" if kvm_visible else "absent", kvm_visible == (accel == "kvm"))  # fmt: skip
     return checks
@@ -135,7 +133,7 @@ def read_posture(sb: QemuSandbox) -> Posture:
                        "id -u; ls /sys/class/net | tr '\\n' ' '; echo;"
                        " if [ -e /dev/kvm ]; then echo kvm; else echo nokvm; fi"],
                       timeout=60)  # fmt: skip
-        lines = res.stdout.decode(errors="replace").splitlines() + ["", "", ""]
+        lines = [*res.stdout.decode(errors="replace").splitlines(), "", "", ""]
     except AgentboxError as exc:
         lines = [f"error: {exc}", "", ""]
     assert sb.session is not None
