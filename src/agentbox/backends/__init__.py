@@ -19,6 +19,8 @@ __all__ = ["BACKENDS", "get_backend"]
 #: Backend name → "module:ClassName"; the class is called as ``Class(settings, **kw)``.
 BACKENDS: dict[str, str] = {
     "podman": "agentbox.backends.podman:PodmanBackend",
+    "qemu": "agentbox.backends.qemu:QemuBackend",
+    "firecracker": "agentbox.backends.firecracker:FirecrackerBackend",
 }
 
 
