@@ -88,7 +88,7 @@ def image_facts(image: str, *, refresh: bool = False) -> ImageFacts:
     except CommandError as exc:
         fix = (
             "run `agentbox image build`"
-            if image == DEFAULT_IMAGE
+            if image.partition(":")[0] == DEFAULT_IMAGE.partition(":")[0]
             else "build or load it locally (agentbox never pulls)"
         )
         raise ImageError(f"image {image} is not in podman's local storage; {fix}") from exc
