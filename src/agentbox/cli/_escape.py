@@ -41,7 +41,7 @@ def _runtimes(backend: str, asked: list[str] | None, default: str) -> list[str]:
 
 def escape_test(
     backend: str = BackendOpt,
-    runtime: list[str] | None = RuntimeOpt,  # noqa: B008 (typer's idiom)
+    runtime: list[str] | None = RuntimeOpt,
     isolation: str = IsolationOpt,
     as_json: bool = JsonOpt,
     controls: bool = ControlsOpt,

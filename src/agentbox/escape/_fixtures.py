@@ -37,10 +37,10 @@ log = get_logger("escape")
 
 #: The fake token's shape: the probe searches for the pattern, so the token itself
 #: never has to be sent into the sandbox.
-TOKEN_PREFIX = "abxfake"
+TOKEN_PREFIX = "abxfake"  # noqa: S105 (a fake token, planted on purpose)
 TOKEN_REGEX = TOKEN_PREFIX + "[0-9a-f]{40}"
 #: Where the host plants the token in its own environment (the launcher side).
-TOKEN_ENV = "ANTHROPIC_API_KEY"
+TOKEN_ENV = "ANTHROPIC_API_KEY"  # noqa: S105 (a variable name)
 RO_TARGET = "/opt/declared"
 
 
@@ -160,7 +160,8 @@ class Fixture:
         fake_engine.bind(str(self.weak_dir / "podman.sock"))
         fake_engine.listen(1)
         self._socks.append(fake_engine)
-        os.chmod(self.gateway_dir / GATEWAY_SOCKET_NAME, 0o666)
+        # The sandbox uid must be able to connect, as to the real gateway socket.
+        (self.gateway_dir / GATEWAY_SOCKET_NAME).chmod(0o666)
 
     def _start_decoy(self) -> None:
         self._decoy = subprocess.Popen(
@@ -214,7 +215,7 @@ class Fixture:
                 "10.0.2.2",
                 "10.0.2.100",
                 "169.254.1.1",
-            ],  # fmt: skip
+            ],
             "abstract_name": self.abstract_name,
             "host_marker": str(self.marker),
             "marker_nonce": self.marker_nonce,

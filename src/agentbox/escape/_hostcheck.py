@@ -11,7 +11,6 @@ never a pass.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Iterable
@@ -58,7 +57,7 @@ def read_threads(pids: Iterable[int]) -> list[ThreadStatus]:
     out: list[ThreadStatus] = []
     for pid in pids:
         try:
-            tids = sorted(int(t) for t in os.listdir(_PROC / str(pid) / "task"))
+            tids = sorted(int(t.name) for t in (_PROC / str(pid) / "task").iterdir())
         except OSError:
             continue
         for tid in tids:
@@ -85,8 +84,8 @@ def read_threads(pids: Iterable[int]) -> list[ThreadStatus]:
 def namespace_differs(pid: int, kind: str) -> tuple[bool, str]:
     """Whether ``pid`` is in a different ``kind`` namespace than this (host) process."""
     try:
-        mine = os.readlink(f"/proc/self/ns/{kind}")
-        theirs = os.readlink(f"/proc/{pid}/ns/{kind}")
+        mine = str(Path(f"/proc/self/ns/{kind}").readlink())
+        theirs = str(Path(f"/proc/{pid}/ns/{kind}").readlink())
     except OSError as exc:
         return False, f"unreadable: {exc.strerror}"
     return mine != theirs, f"sandbox {theirs} vs host {mine}"

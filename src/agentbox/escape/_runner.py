@@ -33,7 +33,7 @@ from agentbox.config import Settings
 from agentbox.errors import AgentboxError, SandboxError
 from agentbox.escape import _hostcheck as hc
 from agentbox.escape._fixtures import RO_TARGET, Fixture
-from agentbox.escape._model import Outcome, ProbeSpec, Report, Status
+from agentbox.escape._model import Outcome, ProbeSpec, Status
 from agentbox.escape._registry import PROBES
 
 __all__ = [
@@ -157,13 +157,9 @@ class HostView:
         self.memory = memory
 
 
-def _host_userns() -> str:
-    return os.readlink("/proc/self/ns/user")
-
-
 def _in_host_userns(pid: int) -> bool:
     try:
-        return os.readlink(f"/proc/{pid}/ns/user") == _host_userns()
+        return Path(f"/proc/{pid}/ns/user").readlink() == Path("/proc/self/ns/user").readlink()
     except OSError:
         return True  # unreadable: assume the worst
 
@@ -190,10 +186,10 @@ def host_outcomes(pids: list[int], view: HostView) -> list[Outcome]:
         # gVisor's sentry and gofer hold some inside user namespaces of their own.
         host_ns = {t.pid: _in_host_userns(t.pid) for t in threads}
         eff = [t for t in threads if (t.cap_eff or t.cap_prm) and host_ns[t.pid]]
-        own = sorted(
+        in_own = sorted(
             {f"{t.name}:{t.cap_eff:#x}" for t in threads if t.cap_eff and not host_ns[t.pid]}
         )
-        note = f"; in own user namespaces only: {own}" if own else ""
+        note = f"; in own user namespaces only: {in_own}" if in_own else ""
         add(
             "host.caps_effective",
             not eff,
@@ -339,13 +335,12 @@ def latency_outcome(meter: hc.LatencyMeter) -> Outcome:
 def kernel_outcome(box: _Execs, runtime: str, backend_name: str) -> Outcome:
     """Own kernel: release and boot id inside vs the host's (n/a on runc/crun: shared by design)."""
     spec = next(p for p in PROBES if p.id == "host.own_kernel")
-    res = box.exec(
-        ["python3", "-I", "-S", "-c",
-         "import os;print(os.uname().release);print(open('/proc/sys/kernel/random/boot_id').read())"],
-        timeout=30,
-    )  # fmt: skip
+    code = (
+        "import os;print(os.uname().release);print(open('/proc/sys/kernel/random/boot_id').read())"
+    )
+    res = box.exec(["python3", "-I", "-S", "-c", code], timeout=30)
     lines = res.stdout.decode(errors="replace").split()
-    rel, boot = (lines + ["?", "?"])[:2]
+    rel, boot = [*lines, "?", "?"][:2]
     host_rel = os.uname().release
     host_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     differs = rel != host_rel and boot != host_boot

@@ -10,19 +10,25 @@ One invocation runs every inside probe and prints one JSON object on stdout::
 (e.g. the kernel has no ``/proc/kcore``); ``seen`` says what was observed.
 
 The configuration (nonces, host ports, paths planted by the host; no secret)
-arrives as JSON in ``ABX_PROBE_CONFIG`` or on stdin, never on the command line. Each probe runs in a forked child
-with a hard time limit, so a probe that blocks (a connect, a read of a
-device) is killed and reported, never hangs the run. Nothing here writes to a
+arrives as JSON in ``ABX_PROBE_CONFIG`` or on stdin, never on the command line.
+Each probe runs in a forked child with a hard time limit, so a probe that
+blocks (a connect, a read of a device) is killed and reported, never hangs
+the run. Nothing here writes to a
 host-shared place except inside ``/tmp``; writable kernel files are only
 *opened* for writing, never written, so running this on a weakened sandbox
 (the positive controls) changes nothing on the host.
 
 ``--forkbomb N`` instead forks up to N sleeping children, reports how many it
 got, and kills them: the host measures its own latency meanwhile.
+
+One file on purpose (it is sent into the sandbox as ``python3 -c`` or run from
+``/opt/agentbox/probe.py``), grouped by area: identity, network, filesystem,
+kernel surfaces, namespaces and devices, the token, limits, the runner.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -35,6 +41,8 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 PROBE_VERSION = 1
 PER_PROBE_TIMEOUT = 8.0
@@ -56,11 +64,12 @@ PTRACE_DETACH = 17
 TIOCSTI = 0x5412
 PSEUDO_FS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "mqueue", "securityfs", "debugfs"}
 
-CFG: dict = {}
-_libc = None
+Result = dict[str, Any]
+CFG: dict[str, Any] = {}
+_libc: Any = None
 
 
-def libc():
+def libc() -> Any:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -68,18 +77,18 @@ def libc():
     return _libc
 
 
-def err(e):
+def err(e: OSError | int) -> str:
     """A short name for an OSError or errno value."""
     n = e.errno if isinstance(e, OSError) else int(e)
     return errno.errorcode.get(n or 0, str(n))
 
 
-def read(path, limit=65536):
+def read(path: str, limit: int = 65536) -> bytes:
     with open(path, "rb") as f:
         return f.read(limit)
 
 
-def status_fields(path):
+def status_fields(path: str) -> dict[str, str]:
     out = {}
     for line in read(path).decode(errors="replace").splitlines():
         k, _, v = line.partition(":")
@@ -87,7 +96,7 @@ def status_fields(path):
     return out
 
 
-def mountinfo():
+def mountinfo() -> list[tuple[str, str, list[str], list[str], str]]:
     """[(target, fstype, mount options, super options, root)] of this mount namespace."""
     rows = []
     for line in read("/proc/self/mountinfo", 1 << 20).decode(errors="replace").splitlines():
@@ -101,10 +110,12 @@ def mountinfo():
     return rows
 
 
-WALK_CUT = []
+WALK_CUT: list[str] = []
 
 
-def walk(top, budget, skip=("/proc", "/sys", "/dev")):
+def walk(
+    top: str, budget: float, skip: tuple[str, ...] = ("/proc", "/sys", "/dev")
+) -> Iterator[tuple[str, os.stat_result]]:
     """Yield (path, lstat) below ``top`` without following links; stops after ``budget`` seconds
 
     (and notes the cut in ``WALK_CUT``, so a probe can say its search was partial).
@@ -133,7 +144,7 @@ def walk(top, budget, skip=("/proc", "/sys", "/dev")):
                 stack.append(p)
 
 
-def try_open_write(path):
+def try_open_write(path: str) -> tuple[bool, str]:
     """Open ``path`` for writing and close it at once: never writes a byte."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
@@ -143,15 +154,20 @@ def try_open_write(path):
     return True, "opened for writing"
 
 
-def mount(src, target, fstype, flags=0, data=None):
+def mount(
+    src: str, target: str, fstype: str, flags: int = 0, data: str | None = None
+) -> tuple[bool, str]:
     r = libc().mount(
-        src.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+        src.encode(),
+        target.encode(),
+        fstype.encode() if fstype else None,
+        flags,
         data.encode() if data else None,
-    )  # fmt: skip
+    )
     return r == 0, err(ctypes.get_errno()) if r != 0 else "mounted"
 
 
-def in_child_ns(flags, fn):
+def in_child_ns(flags: int, fn: Callable[[], Any]) -> dict[str, Any]:
     """Run ``fn`` in a forked child after unshare(flags); return (unshared, fn's result)."""
     rfd, wfd = os.pipe()
     pid = os.fork()
@@ -176,43 +192,44 @@ def in_child_ns(flags, fn):
                 break
             data += chunk
     os.close(rfd)
-    try:
+    with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
     os.waitpid(pid, 0)
     try:
-        return json.loads(data.decode())
+        res = json.loads(data.decode())
+        if not isinstance(res, dict):
+            raise ValueError("not an object")
+        return res
     except ValueError:
         return {"unshare": False, "errno": "no answer"}
 
 
-def readable(fd, timeout):
+def readable(fd: int, timeout: float) -> bool:
     """poll(2), not select(2): gVisor's OCI seccomp refuses select here."""
     p = select.poll()
     p.register(fd, select.POLLIN | select.POLLHUP)
     return bool(p.poll(int(timeout * 1000)))
 
 
-PROBES = {}
+PROBES: dict[str, Callable[[], Result]] = {}
 
 
-def probe(pid):
-    def deco(fn):
+def probe(pid: str) -> Callable[[Callable[[], Result]], Callable[[], Result]]:
+    def deco(fn: Callable[[], Result]) -> Callable[[], Result]:
         PROBES[pid] = fn
         return fn
 
     return deco
 
 
-def result(ok, seen):
+def result(ok: bool | None, seen: object) -> Result:
     return {"ok": ok, "seen": str(seen)[:400]}
 
 
 # -- identity and privileges ------------------------------------------------
 
 
-def _threads_field(field):
+def _threads_field(field: str) -> dict[str, str]:
     vals = {}
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -223,7 +240,7 @@ def _threads_field(field):
 
 
 @probe("caps.effective")
-def p_capeff():
+def p_capeff() -> Result:
     seen = {}
     for f in ("CapEff", "CapPrm", "CapAmb"):
         seen.update({f"{f}": v for v in _threads_field(f).values() if v != "?"})
@@ -234,13 +251,13 @@ def p_capeff():
 
 
 @probe("caps.bounding")
-def p_capbnd():
+def p_capbnd() -> Result:
     vals = set(_threads_field("CapBnd").values())
     return result(all(int(v, 16) == 0 for v in vals), "CapBnd=" + ",".join(sorted(vals)))
 
 
 @probe("privs.no_new_privs")
-def p_nnp():
+def p_nnp() -> Result:
     # gVisor's /proc does not show NoNewPrivs; prctl(PR_GET_NO_NEW_PRIVS) is answered everywhere.
     vals = set(_threads_field("NoNewPrivs").values()) - {"?"}
     pr = libc().prctl(39, 0, 0, 0, 0)
@@ -249,25 +266,23 @@ def p_nnp():
 
 
 @probe("privs.seccomp")
-def p_seccomp():
+def p_seccomp() -> Result:
     # gVisor shows Seccomp 0 in /proc but answers prctl(PR_GET_SECCOMP) for its own filter.
     vals = set(_threads_field("Seccomp").values()) - {"?"}
     pr = libc().prctl(21, 0, 0, 0, 0)
     e = err(ctypes.get_errno()) if pr < 0 else ""
-    if gvisor():
-        ok = pr == 2
-    else:
-        ok = vals == {"2"} and pr in (2, -1)  # -1: the filter itself refuses prctl: still on
+    # -1: the filter itself refuses prctl, so one is on.
+    ok = pr == 2 if gvisor() else vals == {"2"} and pr in (2, -1)
     return result(ok, f"Seccomp={','.join(sorted(vals)) or 'not shown'} prctl={pr}{e}")
 
 
-def gvisor():
+def gvisor() -> bool:
     """Under runsc the host says so (runtime in the config); the kernel release agrees."""
     return CFG.get("runtime") == "runsc"
 
 
 @probe("identity.uid")
-def p_uid():
+def p_uid() -> Result:
     want = int(CFG.get("uid", 64000))
     ids = (os.getuid(), os.geteuid(), os.getgid(), os.getegid())
     groups = os.getgroups()
@@ -276,7 +291,7 @@ def p_uid():
 
 
 @probe("identity.uid_map")
-def p_uid_map():
+def p_uid_map() -> Result:
     text = read("/proc/self/uid_map").decode().strip()
     rows = [line.split() for line in text.splitlines()]
     if gvisor():
@@ -291,7 +306,7 @@ def p_uid_map():
 
 
 @probe("net.only_lo")
-def p_ifaces():
+def p_ifaces() -> Result:
     names = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
     if not names:
         lines = read("/proc/net/dev").decode().splitlines()[2:]
@@ -299,7 +314,9 @@ def p_ifaces():
     return result(names == ["lo"], "interfaces: " + ",".join(names))
 
 
-def routable(addr, port, proto=socket.SOCK_STREAM, timeout=1.5):
+def routable(
+    addr: str, port: int, proto: int = socket.SOCK_STREAM, timeout: float = 1.5
+) -> tuple[bool, str]:
     """(left the sandbox?, what happened) for one connect attempt."""
     fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
     s = socket.socket(fam, proto)
@@ -313,15 +330,21 @@ def routable(addr, port, proto=socket.SOCK_STREAM, timeout=1.5):
         return True, "timed out (packets left: there is a route)"
     except OSError as e:
         # Unreachable or refused-by-policy means no route; anything else means a route exists.
-        if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EACCES, errno.EPERM,
-                       errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # fmt: skip
+        if e.errno in (
+            errno.ENETUNREACH,
+            errno.EHOSTUNREACH,
+            errno.EACCES,
+            errno.EPERM,
+            errno.EADDRNOTAVAIL,
+            errno.EAFNOSUPPORT,
+        ):
             return False, err(e)
         return True, err(e)
     finally:
         s.close()
 
 
-def nameservers():
+def nameservers() -> list[str]:
     out = []
     try:
         for line in read("/etc/resolv.conf").decode(errors="replace").splitlines():
@@ -334,7 +357,7 @@ def nameservers():
 
 
 @probe("net.dns")
-def p_dns():
+def p_dns() -> Result:
     seen = []
     fired = False
     for ns in nameservers()[:3] or ["9.9.9.9"]:
@@ -354,7 +377,7 @@ def p_dns():
 
 
 @probe("net.https")
-def p_https():
+def p_https() -> Result:
     seen = []
     fired = False
     for addr in CFG.get("internet_addrs", ["1.1.1.1", "8.8.8.8"]):
@@ -365,7 +388,7 @@ def p_https():
 
 
 @probe("net.metadata")
-def p_metadata():
+def p_metadata() -> Result:
     seen = []
     fired = False
     for addr in ("169.254.169.254", "169.254.170.2", "fd00:ec2::254"):
@@ -376,7 +399,7 @@ def p_metadata():
 
 
 @probe("net.host_loopback")
-def p_loopback():
+def p_loopback() -> Result:
     ports = [int(p) for p in CFG.get("host_ports", [])]
     hosts = CFG.get("host_names", ["127.0.0.1", "localhost", "host.containers.internal"])
     reached = []
@@ -406,7 +429,7 @@ def p_loopback():
 
 
 @probe("net.host_abstract_socket")
-def p_abstract():
+def p_abstract() -> Result:
     name = CFG.get("abstract_name", "")
     if not name:
         return result(None, "no host abstract socket given")
@@ -440,7 +463,7 @@ def p_abstract():
 # -- filesystem ------------------------------------------------------------------
 
 
-def refuses_create(directory):
+def refuses_create(directory: str) -> tuple[bool, str]:
     path = os.path.join(directory, f".agentbox-probe-{os.getpid()}")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -452,18 +475,18 @@ def refuses_create(directory):
 
 
 @probe("fs.root_readonly")
-def p_root_ro():
+def p_root_ro() -> Result:
     outs = [refuses_create(d) for d in ("/", "/etc", "/var", "/root", "/opt")]
     return result(all(o[0] for o in outs), "; ".join(o[1] for o in outs))
 
 
 @probe("fs.usr_readonly")
-def p_usr_ro():
+def p_usr_ro() -> Result:
     outs = [refuses_create(d) for d in ("/usr", "/usr/bin", "/usr/lib", "/usr/local/bin")]
     return result(all(o[0] for o in outs), "; ".join(o[1] for o in outs))
 
 
-def cannot_overwrite(path):
+def cannot_overwrite(path: str) -> tuple[bool | None, str]:
     """(True if every way of replacing ``path`` failed, what happened)."""
     if not os.path.exists(path):
         return None, f"{path} absent"
@@ -487,7 +510,7 @@ def cannot_overwrite(path):
 
 
 @probe("fs.guest_programs_immutable")
-def p_opt():
+def p_opt() -> Result:
     base = CFG.get("guest_dir", "/opt/agentbox")
     if not os.path.isdir(base):
         return result(None, f"{base} absent")
@@ -497,7 +520,7 @@ def p_opt():
 
 
 @probe("fs.agent_binary_immutable")
-def p_claude():
+def p_claude() -> Result:
     cands = [os.path.join(d, "claude") for d in os.environ.get("PATH", "").split(":") if d] + [
         "/usr/local/bin/claude",
         "/opt/claude/claude",
@@ -515,7 +538,7 @@ def p_claude():
     return result(all(o[0] for o in outs), "; ".join(o[1] for o in outs))
 
 
-def sockets_below(roots, budget=3.0):
+def sockets_below(roots: list[str], budget: float = 3.0) -> list[str]:
     out = []
     for r in roots:
         for p, st in walk(r, budget):
@@ -525,53 +548,77 @@ def sockets_below(roots, budget=3.0):
 
 
 @probe("fs.no_container_socket")
-def p_container_sock():
+def p_container_sock() -> Result:
     known = [
-        "/var/run/docker.sock", "/run/docker.sock", "/run/podman/podman.sock",
-        "/var/run/podman/podman.sock", "/run/containerd/containerd.sock",
-        "/var/run/crio/crio.sock", "/run/user/0/podman/podman.sock", "/var/run/cri-dockerd.sock",
-    ]  # fmt: skip
+        "/var/run/docker.sock",
+        "/run/docker.sock",
+        "/run/podman/podman.sock",
+        "/var/run/podman/podman.sock",
+        "/run/containerd/containerd.sock",
+        "/var/run/crio/crio.sock",
+        "/run/user/0/podman/podman.sock",
+        "/var/run/cri-dockerd.sock",
+    ]
     present = [k for k in known if os.path.exists(k)]
     env = [k for k in ("DOCKER_HOST", "CONTAINER_HOST") if k in os.environ]
-    names = [s for s in sockets_below(["/run", "/var/run", "/tmp", "/home"]) if re.search(
-        r"(docker|podman|containerd|crio|libpod)", s)]  # fmt: skip
+    names = [
+        s
+        for s in sockets_below(["/run", "/var/run", "/tmp", "/home"])
+        if re.search(r"(docker|podman|containerd|crio|libpod)", s)
+    ]
     bad = present + env + names
     return result(not bad, "found: " + ",".join(bad) if bad else "no engine socket or env")
 
 
 @probe("fs.launcher_socket_hidden")
-def p_launcher_sock():
+def p_launcher_sock() -> Result:
     allowed = set(CFG.get("allowed_sockets", []))
     roots = sorted({m[0] for m in mountinfo() if m[1] not in PSEUDO_FS and m[0] != "/dev"})
     found = [s for s in sockets_below(roots, 4.0) if s not in allowed]
     named = CFG.get("launcher_socket")
     if named and os.path.exists(named):
         found.append(named)
-    return result(not found, "unexpected sockets: " + ",".join(found[:8]) if found else
-                  f"only allowed sockets ({sorted(allowed)}) under {len(roots)} mounts")  # fmt: skip
+    return result(
+        not found,
+        "unexpected sockets: " + ",".join(found[:8])
+        if found
+        else f"only allowed sockets ({sorted(allowed)}) under {len(roots)} mounts",
+    )
 
 
 @probe("image.no_package_manager")
-def p_pkg():
+def p_pkg() -> Result:
     tools = ["apt", "apt-get", "dpkg", "apk", "yum", "dnf", "microdnf", "rpm", "pacman", "zypper"]
     return _which(tools)
 
 
 @probe("image.no_su_sudo")
-def p_su():
+def p_su() -> Result:
     return _which(["su", "sudo", "doas", "pkexec"])
 
 
-def _which(tools):
+def _which(tools: list[str]) -> Result:
     dirs = set(os.environ.get("PATH", "").split(":")) | {
-        "/bin", "/sbin", "/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"}  # fmt: skip
-    found = sorted({os.path.join(d, t) for d in dirs for t in tools
-                    if d and os.path.lexists(os.path.join(d, t))})  # fmt: skip
+        "/bin",
+        "/sbin",
+        "/usr/bin",
+        "/usr/sbin",
+        "/usr/local/bin",
+        "/usr/local/sbin",
+    }
+    found = sorted(
+        {
+            os.path.join(d, t)
+            for d in dirs
+            for t in tools
+            if d and os.path.lexists(os.path.join(d, t))
+        }
+    )
     return result(not found, "found: " + ",".join(found) if found else "none of " + ",".join(tools))
 
 
 @probe("image.no_setuid")
-def p_setuid():
+def p_setuid() -> Result:
     found = []
     roots = sorted({m[0] for m in mountinfo() if m[1] not in PSEUDO_FS})
     roots = [r for r in roots if not r.startswith(("/proc", "/sys", "/dev"))]
@@ -579,23 +626,32 @@ def p_setuid():
         if stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
             found.append(p)
     cut = f" (search cut at {WALK_CUT})" if WALK_CUT else ""
-    return result(not found, f"setuid/setgid: {found[:10]}{cut}" if found else
-                  f"none under / ({len(roots)} mounts){cut}")  # fmt: skip
+    return result(
+        not found,
+        f"setuid/setgid: {found[:10]}{cut}"
+        if found
+        else f"none under / ({len(roots)} mounts){cut}",
+    )
 
 
 @probe("fs.declared_mounts_only")
-def p_mounts():
+def p_mounts() -> Result:
     allowed = CFG.get("allowed_mounts")
     if allowed is None:
         return result(None, "no mount allow-list given")
     prefixes = tuple(CFG.get("allowed_mount_prefixes", ["/proc/", "/sys/", "/dev/"]))
-    extra = sorted({m[0] for m in mountinfo()
-                    if m[0] not in allowed and not m[0].startswith(prefixes)})  # fmt: skip
-    return result(not extra, "undeclared mounts: " + ",".join(extra[:10]) if extra else
-                  "mount targets are exactly the declared set")  # fmt: skip
+    extra = sorted(
+        {m[0] for m in mountinfo() if m[0] not in allowed and not m[0].startswith(prefixes)}
+    )
+    return result(
+        not extra,
+        "undeclared mounts: " + ",".join(extra[:10])
+        if extra
+        else "mount targets are exactly the declared set",
+    )
 
 
-def marker_hits(paths):
+def marker_hits(paths: list[str]) -> list[str]:
     nonce = CFG.get("marker_nonce", "")
     hits = []
     for p in paths:
@@ -608,29 +664,37 @@ def marker_hits(paths):
 
 
 @probe("fs.host_paths_invisible")
-def p_host_paths():
+def p_host_paths() -> Result:
     marker = CFG.get("host_marker")
     if not marker:
         return result(None, "no host marker given")
     cands = [marker] + [m[0].rstrip("/") + marker for m in mountinfo() if m[0] != "/"]
     cands += [p for p in ("/etc/shadow",) if False]
     hits = marker_hits(cands)
-    return result(not hits, f"host marker visible at {hits}" if hits else
-                  f"host marker invisible at {len(cands)} candidate paths")  # fmt: skip
+    return result(
+        not hits,
+        f"host marker visible at {hits}"
+        if hits
+        else f"host marker invisible at {len(cands)} candidate paths",
+    )
 
 
 @probe("fs.symlink_resolves_inside")
-def p_symlink():
+def p_symlink() -> Result:
     links = CFG.get("workspace_links", [])
     if not links:
         return result(None, "no planted links")
     hits = marker_hits(links)
-    return result(not hits, f"links reached the host marker: {hits}" if hits else
-                  f"{len(links)} host-planted links resolved inside (marker not reached)")  # fmt: skip
+    return result(
+        not hits,
+        f"links reached the host marker: {hits}"
+        if hits
+        else f"{len(links)} host-planted links resolved inside (marker not reached)",
+    )
 
 
 @probe("fs.no_dotdot_escape")
-def p_dotdot():
+def p_dotdot() -> Result:
     ws = CFG.get("workspace", "/workspace")
     marker = CFG.get("host_marker")
     parent_name = CFG.get("parent_marker_name")
@@ -646,7 +710,7 @@ def p_dotdot():
 
 
 @probe("fs.readonly_mount_refuses_writes")
-def p_ro_mount():
+def p_ro_mount() -> Result:
     target = CFG.get("ro_mount")
     if not target:
         return result(None, "no declared read-only mount")
@@ -663,7 +727,7 @@ def p_ro_mount():
 
 
 @probe("fs.readonly_remount_refused")
-def p_remount():
+def p_remount() -> Result:
     seen = []
     ok = True
     opts = {m[0]: m[2] for m in mountinfo()}
@@ -686,10 +750,13 @@ def p_remount():
 
 
 @probe("fs.rw_mounts_nosuid_nodev")
-def p_nosuid():
+def p_nosuid() -> Result:
     if gvisor():
-        return result(None, "gVisor does not report mount flags; devices and setuid are the "
-                      "Sentry's own (host.no_new_privs, dev.mknod cover the threat)")  # fmt: skip
+        return result(
+            None,
+            "gVisor does not report mount flags; devices and setuid are the "
+            "Sentry's own (host.no_new_privs, dev.mknod cover the threat)",
+        )
     bad = []
     for target, fstype, opts, _sopts, _root in mountinfo():
         if "rw" not in opts or fstype in ("proc", "sysfs"):
@@ -710,11 +777,11 @@ def p_nosuid():
 # -- kernel surfaces ------------------------------------------------------------
 
 
-def host_lacks(path):
+def host_lacks(path: str) -> bool:
     return path in CFG.get("host_missing", [])
 
 
-def _kwrite(path):
+def _kwrite(path: str) -> Result:
     if not os.path.exists(path):
         if host_lacks(path):
             return result(None, f"{path}: this kernel has none (checked on the host)")
@@ -724,27 +791,27 @@ def _kwrite(path):
 
 
 @probe("kernel.core_pattern_writable")
-def p_core_pattern():
+def p_core_pattern() -> Result:
     return _kwrite("/proc/sys/kernel/core_pattern")
 
 
 @probe("kernel.modprobe_writable")
-def p_modprobe():
+def p_modprobe() -> Result:
     return _kwrite("/proc/sys/kernel/modprobe")
 
 
 @probe("kernel.uevent_helper_writable")
-def p_uevent():
+def p_uevent() -> Result:
     return _kwrite("/sys/kernel/uevent_helper")
 
 
 @probe("kernel.sysrq_trigger_writable")
-def p_sysrq():
+def p_sysrq() -> Result:
     return _kwrite("/proc/sysrq-trigger")
 
 
 @probe("kernel.binfmt_misc_register")
-def p_binfmt():
+def p_binfmt() -> Result:
     reg = "/proc/sys/fs/binfmt_misc/register"
     seen = []
     fired = False
@@ -769,7 +836,7 @@ def p_binfmt():
 
 
 @probe("kernel.kallsyms_addresses")
-def p_kallsyms():
+def p_kallsyms() -> Result:
     path = "/proc/kallsyms"
     if not os.path.exists(path):
         return result(True, f"{path} absent in the sandbox")
@@ -784,7 +851,7 @@ def p_kallsyms():
     return result(not nonzero, f"{len(nonzero)}/{len(addrs)} symbol addresses non-zero")
 
 
-def _readable(path, tries=1):
+def _readable(path: str) -> tuple[bool | None, str]:
     if not os.path.exists(path):
         if host_lacks(path):
             return None, f"{path}: this kernel has none (checked on the host)"
@@ -803,20 +870,20 @@ def _readable(path, tries=1):
 
 
 @probe("kernel.kcore_readable")
-def p_kcore():
+def p_kcore() -> Result:
     got, what = _readable("/proc/kcore")
     return result(None if got is None else not got, what)
 
 
 @probe("kernel.kmsg_readable")
-def p_kmsg():
+def p_kmsg() -> Result:
     outs = [_readable(p) for p in ("/dev/kmsg", "/proc/kmsg")]
     got = any(o[0] for o in outs)
     return result(not got, "; ".join(o[1] for o in outs))
 
 
 @probe("kernel.sched_debug_readable")
-def p_sched_debug():
+def p_sched_debug() -> Result:
     outs = [_readable(p) for p in ("/proc/sched_debug", "/sys/kernel/debug/sched/debug")]
     seen = [o[1] for o in outs]
     got = any(o[0] for o in outs)
@@ -839,7 +906,7 @@ def p_sched_debug():
 
 
 @probe("kernel.keyring_syscalls")
-def p_keyring():
+def p_keyring() -> Result:
     # The session keyring is the sandbox's own (runc makes one per container); being able
     # to add keys or request them from the kernel is the surface the audit tools flag.
     r = libc().syscall(SYS_ADD_KEY, b"user", b"agentbox-probe", b"x", 1, KEY_SPEC_SESSION_KEYRING)
@@ -858,7 +925,7 @@ def p_keyring():
 
 
 @probe("kernel.proc_keys_readable")
-def p_proc_keys():
+def p_proc_keys() -> Result:
     try:
         data = read("/proc/keys")
     except OSError as e:
@@ -874,13 +941,15 @@ def p_proc_keys():
 
 
 @probe("ns.userns_creation")
-def p_userns():
+def p_userns() -> Result:
     res = in_child_ns(CLONE_NEWUSER, lambda: "ok")
-    return result(not res.get("unshare"), "unshare(CLONE_NEWUSER): " +
-                  ("succeeded" if res.get("unshare") else res.get("errno", "?")))  # fmt: skip
+    return result(
+        not res.get("unshare"),
+        "unshare(CLONE_NEWUSER): " + ("succeeded" if res.get("unshare") else res.get("errno", "?")),
+    )
 
 
-def _cgroup_mount_and_release_agent():
+def _cgroup_mount_and_release_agent() -> tuple[list[str], bool]:
     d = f"/tmp/.agentbox-cg-{os.getpid()}"
     out = []
     try:
@@ -889,13 +958,17 @@ def _cgroup_mount_and_release_agent():
         return [f"mkdir {err(e)}"], False
     fired = False
     # Existing hierarchies first: a new named one would be global state on a weak host.
-    for fstype, data in (("cgroup", "memory"), ("cgroup", "pids"), ("cgroup2", None),
-                         ("cgroup", "none,name=agentboxprobe")):  # fmt: skip
+    for fstype, data in (
+        ("cgroup", "memory"),
+        ("cgroup", "pids"),
+        ("cgroup2", None),
+        ("cgroup", "none,name=agentboxprobe"),
+    ):
         done, what = mount("cgroup", d, fstype, 0, data)
         out.append(f"mount {fstype} {data or ''}: {what}")
         if done:
             fired = True
-            w, ww = try_open_write(d + "/release_agent")
+            _w, ww = try_open_write(d + "/release_agent")
             out.append(f"release_agent: {ww}")
             libc().umount2(d.encode(), 2)
             break
@@ -904,7 +977,7 @@ def _cgroup_mount_and_release_agent():
 
 
 @probe("ns.cgroup_escape")
-def p_cgroup():
+def p_cgroup() -> Result:
     seen = []
     fired = False
     for p, _st in walk("/sys/fs/cgroup", 2.0, skip=()):
@@ -916,8 +989,9 @@ def p_cgroup():
     out, f2 = _cgroup_mount_and_release_agent()
     seen += out
     fired |= f2
-    res = in_child_ns(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWCGROUP,
-                      lambda: _cgroup_mount_and_release_agent())  # fmt: skip
+    res = in_child_ns(
+        CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWCGROUP, lambda: _cgroup_mount_and_release_agent()
+    )
     if res.get("unshare"):
         inner, f3 = res.get("result", ([], False))
         seen.append("after unshare -Umc: " + ", ".join(inner))
@@ -928,7 +1002,7 @@ def p_cgroup():
 
 
 @probe("ns.mount_syscall")
-def p_mount():
+def p_mount() -> Result:
     d = f"/tmp/.agentbox-mnt-{os.getpid()}"
     os.mkdir(d)
     try:
@@ -944,11 +1018,13 @@ def p_mount():
 
 
 @probe("dev.mknod")
-def p_mknod():
+def p_mknod() -> Result:
     seen = []
     fired = False
-    for name, mode, dev in (("blk", stat.S_IFBLK, os.makedev(8, 0)),
-                            ("chr", stat.S_IFCHR, os.makedev(1, 1))):  # fmt: skip
+    for name, mode, dev in (
+        ("blk", stat.S_IFBLK, os.makedev(8, 0)),
+        ("chr", stat.S_IFCHR, os.makedev(1, 1)),
+    ):
         p = f"/tmp/.agentbox-{name}-{os.getpid()}"
         try:
             os.mknod(p, mode | 0o600, dev)
@@ -974,7 +1050,7 @@ def p_mknod():
 
 
 @probe("dev.host_disks_invisible")
-def p_disks():
+def p_disks() -> Result:
     found = []
     for p, st in walk("/dev", 2.0, skip=()):
         if stat.S_ISBLK(st.st_mode):
@@ -983,13 +1059,13 @@ def p_disks():
 
 
 @probe("dev.no_kvm")
-def p_kvm():
+def p_kvm() -> Result:
     present = os.path.exists("/dev/kvm")
     return result(not present, "/dev/kvm present" if present else "/dev/kvm absent")
 
 
 @probe("tty.tiocsti")
-def p_tiocsti():
+def p_tiocsti() -> Result:
     seen = []
     fired = False
     fds = [0, 1, 2]
@@ -1014,7 +1090,7 @@ def p_tiocsti():
     return result(not fired, "; ".join(seen))
 
 
-def _fd_targets(pid):
+def _fd_targets(pid: str) -> dict[int, str]:
     out = {}
     base = f"/proc/{pid}/fd"
     for n in os.listdir(base):
@@ -1026,10 +1102,19 @@ def _fd_targets(pid):
 
 
 @probe("fd.no_leaked_fds")
-def p_fds():
-    allow = [re.compile(p) for p in CFG.get("fd_allow", [
-        r"^/dev/null$", r"^pipe:\[\d+\]$", r"^/dev/pts/\d+$", r"^anon_inode:\[?(eventpoll|signalfd|eventfd|timerfd|pidfd)\]?$",
-    ])]  # fmt: skip
+def p_fds() -> Result:
+    allow = [
+        re.compile(p)
+        for p in CFG.get(
+            "fd_allow",
+            [
+                r"^/dev/null$",
+                r"^pipe:\[\d+\]$",
+                r"^/dev/pts/\d+$",
+                r"^anon_inode:\[?(eventpoll|signalfd|eventfd|timerfd|pidfd)\]?$",
+            ],
+        )
+    ]
     bad = []
     checked = []
     for pid in ("1", "self"):
@@ -1048,9 +1133,9 @@ def p_fds():
     return result(not bad, "; ".join(bad[:6]) if bad else ", ".join(checked))
 
 
-def _decoys():
+def _decoys() -> list[int]:
     nonce = CFG.get("decoy_nonce", "")
-    found = []
+    found: list[int] = []
     if not nonce:
         return found
     for p in os.listdir("/proc"):
@@ -1065,17 +1150,21 @@ def _decoys():
 
 
 @probe("proc.host_processes_invisible")
-def p_pidns():
+def p_pidns() -> Result:
     if not CFG.get("decoy_nonce"):
         return result(None, "no host decoy given")
     pids = [p for p in os.listdir("/proc") if p.isdigit()]
     found = _decoys()
-    return result(not found, f"host decoy visible as pid {found}" if found else
-                  f"{len(pids)} processes visible, host decoy not among them")  # fmt: skip
+    return result(
+        not found,
+        f"host decoy visible as pid {found}"
+        if found
+        else f"{len(pids)} processes visible, host decoy not among them",
+    )
 
 
 @probe("proc.ptrace_outside")
-def p_ptrace():
+def p_ptrace() -> Result:
     if not CFG.get("decoy_nonce"):
         return result(None, "no host decoy given")
     found = _decoys()
@@ -1088,10 +1177,8 @@ def p_ptrace():
         if r == 0:
             fired = True
             seen.append(f"PTRACE_ATTACH {pid}: attached")
-            try:
+            with contextlib.suppress(OSError):
                 os.waitpid(pid, 0)
-            except OSError:
-                pass
             libc().ptrace(PTRACE_DETACH, pid, None, None)
         else:
             seen.append(f"PTRACE_ATTACH {pid}: {err(ctypes.get_errno())}")
@@ -1101,12 +1188,12 @@ def p_ptrace():
 # -- the agent's token -----------------------------------------------------------
 
 
-def _token_re():
+def _token_re() -> re.Pattern[bytes]:
     return re.compile(CFG.get("token_regex", "x^").encode())
 
 
 @probe("token.env")
-def p_token_env():
+def p_token_env() -> Result:
     rx = _token_re()
     hits = [k for k, v in os.environ.items() if rx.search(v.encode()) or rx.search(k.encode())]
     for p in os.listdir("/proc"):
@@ -1120,7 +1207,7 @@ def p_token_env():
 
 
 @probe("token.cmdline")
-def p_token_cmdline():
+def p_token_cmdline() -> Result:
     rx = _token_re()
     hits = []
     for p in os.listdir("/proc"):
@@ -1134,13 +1221,27 @@ def p_token_cmdline():
 
 
 @probe("token.files")
-def p_token_files():
+def p_token_files() -> Result:
     rx = _token_re()
     hits = []
     scanned = 0
-    roots = ["/workspace", "/home", "/tmp", "/run", "/etc", "/opt", "/root", "/var", "/mnt",
-             "/srv", "/media"] + [m[0] for m in mountinfo() if m[1] not in PSEUDO_FS and
-                                  not m[0].startswith(("/proc", "/sys", "/dev", "/usr"))]  # fmt: skip
+    roots = [
+        "/workspace",
+        "/home",
+        "/tmp",
+        "/run",
+        "/etc",
+        "/opt",
+        "/root",
+        "/var",
+        "/mnt",
+        "/srv",
+        "/media",
+    ] + [
+        m[0]
+        for m in mountinfo()
+        if m[1] not in PSEUDO_FS and not m[0].startswith(("/proc", "/sys", "/dev", "/usr"))
+    ]
     deadline = time.monotonic() + 5.0
     seen_roots = set()
     for r in roots:
@@ -1165,7 +1266,7 @@ def p_token_files():
 # -- limits -----------------------------------------------------------------------
 
 
-def _cgroup_value(controller, name):
+def _cgroup_value(controller: str, name: str) -> str | None:
     bases = []
     try:
         for line in read("/proc/self/cgroup").decode().splitlines():
@@ -1184,7 +1285,7 @@ def _cgroup_value(controller, name):
 
 
 @probe("limits.pids_visible")
-def p_pids_limit():
+def p_pids_limit() -> Result:
     v = _cgroup_value("pids", "pids.max")
     want = int(CFG.get("pids_max", 512))
     if v is None:
@@ -1193,7 +1294,7 @@ def p_pids_limit():
     return result(ok, f"pids.max={v} (want <= {want})")
 
 
-def forkbomb(n, hold):
+def forkbomb(n: int, hold: float) -> tuple[int, str, float]:
     """Fork up to ``n`` children that sleep; return (forked, first error)."""
     kids = []
     first = ""
@@ -1212,22 +1313,18 @@ def forkbomb(n, hold):
     took = time.monotonic() - t0
     time.sleep(min(hold, 1.0))
     for pid in kids:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     for pid in kids:
-        try:
+        with contextlib.suppress(OSError):
             os.waitpid(pid, 0)
-        except OSError:
-            pass
     return len(kids), first, took
 
 
 # -- runner -------------------------------------------------------------------------
 
 
-def run_one(name, fn, timeout):
+def run_one(name: str, fn: Callable[[], Result], timeout: float) -> Result:
     """Run probe ``fn`` in a forked child; kill it past ``timeout``."""
     rfd, wfd = os.pipe()
     pid = os.fork()
@@ -1239,8 +1336,11 @@ def run_one(name, fn, timeout):
             try:
                 res = fn()
             except Exception as e:  # a probe that crashes reports it, never passes
-                res = {"ok": False, "seen": f"probe crashed: {type(e).__name__}: {e}"[:400],
-                       "error": True}  # fmt: skip
+                res = {
+                    "ok": False,
+                    "seen": f"probe crashed: {type(e).__name__}: {e}"[:400],
+                    "error": True,
+                }
             data = json.dumps(res).encode()
             while data:
                 data = data[os.write(wfd, data) :]
@@ -1263,14 +1363,10 @@ def run_one(name, fn, timeout):
         data += chunk
     os.close(rfd)
     for target in (-pid, pid):
-        try:
+        with contextlib.suppress(OSError):
             os.kill(target, signal.SIGKILL)
-        except OSError:
-            pass
-    try:
+    with contextlib.suppress(OSError):
         os.waitpid(pid, 0)
-    except OSError:
-        pass
     if timed_out:
         return {"ok": False, "seen": f"probe timed out after {timeout:g}s", "error": True}
     try:
@@ -1282,7 +1378,7 @@ def run_one(name, fn, timeout):
         return {"ok": False, "seen": "probe gave no answer", "error": True}
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     global CFG
     only = None
     fork_n = None
@@ -1310,9 +1406,19 @@ def main(argv):
         CFG = {}
     if fork_n is not None:
         n, first, took = forkbomb(fork_n, hold)
-        print(json.dumps({"probe_version": PROBE_VERSION,
-                          "forkbomb": {"forked": n, "target": fork_n, "error": first,
-                                       "seconds": round(took, 3)}}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "probe_version": PROBE_VERSION,
+                    "forkbomb": {
+                        "forked": n,
+                        "target": fork_n,
+                        "error": first,
+                        "seconds": round(took, 3),
+                    },
+                }
+            )
+        )
         return 0
     results = {}
     t0 = time.monotonic()
