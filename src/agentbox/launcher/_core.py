@@ -284,7 +284,7 @@ class Launcher:
             for r in self.store.all()
             if r.sandbox and not r.info().terminal and r.owner is not None and r.owner.alive()
         }
-        for name in _runner.list_task_sandboxes():
+        for name in _runner.list_task_sandboxes(self.settings):
             if name not in live:
                 log.warning("removing orphan sandbox", sandbox=name)
                 kill_sandbox("podman", name)

@@ -23,6 +23,7 @@ launcher finishes the job with :func:`finish_orphan`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -65,6 +66,8 @@ log = get_logger("launcher.task")
 
 #: Label naming the task a sandbox belongs to (orphans are found by it).
 SANDBOX_LABEL = "io.agentbox.task"
+#: Label naming the data dir (hashed) whose launcher owns the sandbox.
+DATA_LABEL = "io.agentbox.data"
 #: Seconds past the deadline after which the watchdog process removes the sandbox.
 WATCHDOG_GRACE = 30.0
 #: The agent's final message kept in the report is capped.
@@ -128,14 +131,18 @@ def kill_gateway(gw: Owner) -> None:
     _kill(gw.pid, gw.start)
 
 
-def list_task_sandboxes() -> list[str]:
-    """Names of the podman containers that carry a task label."""
+def data_label(settings: Settings) -> str:
+    """A label value naming this data dir: launchers of other data dirs leave our sandboxes be."""
+    return hashlib.sha256(str(settings.data_dir).encode()).hexdigest()[:16]
+
+
+def list_task_sandboxes(settings: Settings) -> list[str]:
+    """Names of the podman containers of tasks of this data dir."""
+    argv = ["podman", "ps", "-a", "--filter", f"label={SANDBOX_LABEL}",
+            "--filter", f"label={DATA_LABEL}={data_label(settings)}",
+            "--format", "{{.Names}}"]  # fmt: skip
     try:
-        res = _proc.run(
-            ["podman", "ps", "-a", "--filter", f"label={SANDBOX_LABEL}", "--format", "{{.Names}}"],
-            timeout=60,
-            check=False,
-        )
+        res = _proc.run(argv, timeout=60, check=False)
     except AgentboxError:
         return []
     return [n for n in res.stdout.split() if n.startswith("agentbox-task-")]
@@ -361,7 +368,7 @@ def _run_sandbox(
             workspace=paths.workspace,
             gateway_dir=paths.gateway_dir,
             extra_env=agent_env(token),
-            labels={SANDBOX_LABEL: task_id},
+            labels={SANDBOX_LABEL: task_id, DATA_LABEL: data_label(settings)},
         ).replace(deadline=row.deadline)
         _check_spec(spec, box, paths, settings)
         argv = agent_argv(row.task)
