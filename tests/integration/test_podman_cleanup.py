@@ -1,0 +1,101 @@
+"""A killed or timed-out sandbox leaves nothing behind: no container, no conmon, no mount,
+no process. Checked from the host: podman's list, psutil over every process's command line,
+and /proc/self/mountinfo (the container's id names its storage and shm mounts)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agentbox import _host
+from agentbox.backends.podman import PodmanBackend
+from agentbox.boxfile import Boxfile
+from agentbox.config import Settings
+from agentbox.sandbox import spec_from_boxfile
+
+pytestmark = pytest.mark.podman
+
+RUNTIMES = [rt for rt in ("runc", "runsc") if _host.podman_runtime(rt).ok]
+
+
+def _leftovers(name: str, short_id: str) -> list[str]:
+    found = []
+    ps = subprocess.run(
+        ["podman", "ps", "-a", "--filter", f"name=^{name}$", "--format", "{{.Names}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    found += [f"container {n}" for n in ps]
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if (name in cmd or short_id in cmd) and p.info["pid"] != psutil.Process().pid:
+            found.append(f"process {p.info['pid']}: {cmd[:120]}")
+    found += [
+        f"mount {line.split()[4]}"
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if short_id in line
+    ]
+    return found
+
+
+def _assert_gone(name: str, short_id: str) -> None:
+    assert len(short_id) == 12 and all(c in "0123456789abcdef" for c in short_id), short_id
+    deadline = time.monotonic() + 10
+    while (left := _leftovers(name, short_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)  # conmon exits just after the container; give it a moment
+    assert left == [], left
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_run_past_its_deadline_leaves_nothing(
+    sandbox_settings: Settings, default_image: str, runtime: str
+) -> None:
+    spec = spec_from_boxfile(Boxfile(runtime=runtime, deadline=2), sandbox_settings)
+    seen: list[bytes] = []
+    # The container's hostname is its short id; print it, then outlive the deadline.
+    res = PodmanBackend(sandbox_settings).run(
+        spec, ["sh", "-c", "cat /etc/hostname; exec sleep 60"], on_stdout=seen.append
+    )
+    assert res.timed_out
+    _assert_gone(spec.name, b"".join(seen).decode().strip())
+
+
+def test_run_killed_from_inside_leaves_nothing(
+    sandbox_settings: Settings, default_image: str
+) -> None:
+    spec = spec_from_boxfile(Boxfile(), sandbox_settings)
+    res = PodmanBackend(sandbox_settings).run(spec, ["sh", "-c", "cat /etc/hostname; kill -9 $$"])
+    assert res.exit_code == 137 and not res.timed_out
+    _assert_gone(spec.name, res.stdout.decode().strip())
+
+
+def test_sandbox_past_its_deadline_is_destroyed(
+    sandbox_settings: Settings, default_image: str
+) -> None:
+    spec = spec_from_boxfile(Boxfile(deadline=2), sandbox_settings)
+    box = PodmanBackend(sandbox_settings).create(spec)
+    short_id = box.exec(["cat", "/etc/hostname"]).stdout.decode().strip()
+    time.sleep(3)
+    assert box.expired
+    _assert_gone(spec.name, short_id)
+    box.destroy()  # idempotent after the watchdog did it
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_killed_sandbox_is_destroyed_with_nothing_left(
+    sandbox_settings: Settings, default_image: str, runtime: str
+) -> None:
+    spec = spec_from_boxfile(Boxfile(runtime=runtime), sandbox_settings)
+    box = PodmanBackend(sandbox_settings).create(spec)
+    short_id = box.exec(["cat", "/etc/hostname"]).stdout.decode().strip()
+    live = _leftovers(spec.name, short_id)  # the check can see a live sandbox
+    assert any(x.startswith("container") for x in live), live
+    assert any(x.startswith("process") for x in live), live
+    subprocess.run(["podman", "kill", "--signal", "KILL", spec.name], check=True)
+    box.destroy()
+    _assert_gone(spec.name, short_id)
