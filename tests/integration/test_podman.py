@@ -225,3 +225,28 @@ def test_cleanup_orphans_removes_sandboxes_whose_owner_died(
     finally:
         mine.destroy()
     assert not _exists(mine.name)
+
+
+# --- posture can fail ------------------------------------------------------------------------
+
+
+def test_posture_sees_a_deliberately_weakened_sandbox(
+    sandbox_settings: Settings, default_image: str
+) -> None:
+    """Positive control: the posture checks fire on a sandbox weakened through the
+    escape suite's ``unsafe_extra_args`` (never reachable from a Boxfile)."""
+    weak = PodmanBackend(
+        sandbox_settings,
+        unsafe_extra_args=("--security-opt", "seccomp=unconfined", "--cap-add", "SYS_ADMIN"),
+    )
+    with weak.create(spec_from_boxfile(Boxfile(), sandbox_settings)) as box:
+        posture = box.posture()
+    failed = {(c.where, c.name) for c in posture.checks if not c.ok}
+    assert not posture.ok
+    assert {
+        ("inside", "Seccomp"),
+        ("inside", "CapBnd"),
+        ("host", "Seccomp (every thread)"),
+        ("host", "CapBnd (every thread)"),
+        ("host", "CapAdd"),
+    } <= failed, failed
