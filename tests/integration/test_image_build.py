@@ -49,8 +49,10 @@ def built() -> ImageInfo:
     return build_default(Settings())
 
 
-def _run(image: str, *cmd: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
-    who = ["--user", user] if user else []
+def _run(
+    image: str, *cmd: str, user: str | None = None, tmpfs: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    who = (["--user", user] if user else []) + (["--tmpfs", tmpfs] if tmpfs else [])
     return subprocess.run(
         [*RUN, *who, image, *cmd], capture_output=True, text=True, timeout=120, check=False
     )
@@ -102,6 +104,19 @@ def test_runs_as_agent_with_config(built: ImageInfo) -> None:
     )[0]
     assert info["Config"]["Labels"][HASH_LABEL] == built.hash
     assert info["Config"]["Entrypoint"] == ["/usr/bin/tini", "--"]
+
+
+def test_home_tmpfs_is_writable_by_the_agent(built: ImageInfo) -> None:
+    # podman 4.3 gives a tmpfs on an existing image dir that dir's mode, ignoring mode=.
+    res = _run(
+        built.name,
+        "sh",
+        "-c",
+        'touch "$HOME/x" && stat -c %a "$HOME"',
+        tmpfs="/home/agent:mode=1777",
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "1777"
 
 
 def test_claude_and_tools_run_offline(built: ImageInfo) -> None:

@@ -29,6 +29,7 @@ def root(tmp_path: Path) -> Path:
         (r / d).mkdir(parents=True)
     for d in ("workspace", "run/agentbox/gw", "home/agent"):
         (r / d).mkdir(parents=True)
+    (r / "home/agent").chmod(0o1777)
     (r / "bin").symlink_to("usr/bin")
     (r / "sbin").symlink_to("usr/sbin")
     (r / "lib").symlink_to("usr/lib")
@@ -100,6 +101,7 @@ def test_missing_agent_user_guest_and_essentials_refused(root: Path) -> None:
     (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
     (root / "usr/bin/rg").unlink()
     (root / "lib").unlink()
+    (root / "home/agent").chmod(0o755)
     with pytest.raises(ImageError) as err:
         verify(root, guest_names=["relay.py", "agent.py"])
     msg = str(err.value)
@@ -107,7 +109,8 @@ def test_missing_agent_user_guest_and_essentials_refused(root: Path) -> None:
     assert "guest program missing: /opt/agentbox/agent.py" in msg
     assert "essential program missing: /usr/bin/rg" in msg
     assert "essential directory missing: /lib" in msg
-    assert "4 problem(s)" in msg
+    assert "/home/agent must be mode 0o1777" in msg
+    assert "5 problem(s)" in msg
 
 
 def _dpkg_list(root: Path, package: str, paths: list[str]) -> None:

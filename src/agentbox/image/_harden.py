@@ -41,6 +41,8 @@ AGENT_HOME = "/home/agent"
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Empty mount points the backends bind or tmpfs over.
 MOUNT_POINTS = ("/workspace", "/run/agentbox/gw", AGENT_HOME)
+#: Mode of the image's $HOME (see :func:`install`: a tmpfs over it inherits it).
+HOME_MODE = 0o1777
 
 #: Package managers and identity changers: none may be on any PATH dir of the image.
 FORBIDDEN_ON_PATH = frozenset(
@@ -249,7 +251,12 @@ def install(
         d = resolve_parent_in(root, mp)
         d.mkdir(mode=0o755, parents=True, exist_ok=True)
         d.chmod(0o755)
-    os.chown(resolve_in(root, AGENT_HOME), uid, uid)
+    home = resolve_in(root, AGENT_HOME)
+    os.chown(home, uid, uid)
+    # podman (4.3, runc) gives a tmpfs mounted on a directory that exists in the image
+    # that directory's mode, owned by root, and ignores the tmpfs `mode=` option: the
+    # sandbox's $HOME tmpfs is writable by the agent only if the image's is 1777.
+    home.chmod(HOME_MODE)
 
 
 def verify(
@@ -313,6 +320,9 @@ def verify(
     for mp in MOUNT_POINTS:
         if not resolve_in(root, mp).is_dir():
             problems.append(f"mount point missing: {mp}")
+    home = resolve_in(root, AGENT_HOME)
+    if home.is_dir() and stat.S_IMODE(home.lstat().st_mode) != HOME_MODE:
+        problems.append(f"{AGENT_HOME} must be mode {oct(HOME_MODE)} (a tmpfs over it inherits it)")
     if problems:
         shown = problems[:40]
         more = f"\n  … and {len(problems) - 40} more" if len(problems) > 40 else ""

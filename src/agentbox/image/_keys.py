@@ -41,7 +41,7 @@ __all__ = [
 #: Bump when the way the base root is built changes (options, hooks).
 BUILDER_VERSION = "1"
 #: Bump when hardening, the added files or the podman config change.
-HARDENING_VERSION = "3"
+HARDENING_VERSION = "4"
 SUITE = "bookworm"
 
 #: On top of ``--variant=minbase`` (which brings coreutils, bash, grep, sed, findutils,
