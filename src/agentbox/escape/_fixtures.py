@@ -223,6 +223,7 @@ class Fixture:
             "workspace_links": [f"{workspace}/link-marker", f"{workspace}/link-dir/marker"],
             "ro_mount": RO_TARGET,
             "allowed_mounts": allowed,
+            "allowed_mount_prefixes": ["/proc/", "/sys/", "/dev/", "/opt/agentbox/"],
             "allowed_sockets": [f"{GATEWAY_DIR_IN_SANDBOX}/{GATEWAY_SOCKET_NAME}"],
             "launcher_socket": str(self.launcher_dir / "launcher.sock"),
             "decoy_nonce": self.decoy_nonce,

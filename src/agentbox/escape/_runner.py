@@ -30,7 +30,7 @@ from agentbox._log import get_logger
 from agentbox.backends.base import Backend, BindMount, Sandbox, SandboxSpec
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
-from agentbox.errors import AgentboxError, SandboxError
+from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
 from agentbox.escape import _hostcheck as hc
 from agentbox.escape._fixtures import RO_TARGET, Fixture
 from agentbox.escape._model import Outcome, ProbeSpec, Status
@@ -109,8 +109,12 @@ def _outcome(spec: ProbeSpec, status: Status, seen: str) -> Outcome:
     return Outcome(spec.id, spec.where, spec.tried, spec.expected, seen[:400], status)
 
 
-def inside_outcomes(data: dict[str, Any]) -> list[Outcome]:
-    """Turn the probe program's JSON into outcomes; a probe it did not answer is an error."""
+def inside_outcomes(data: dict[str, Any], *, vm: bool = False) -> list[Outcome]:
+    """Turn the probe program's JSON into outcomes; a probe it did not answer is an error.
+
+    On a microVM (``vm``), probes of a shared kernel's surface are n/a: what they
+    read is the guest's own kernel. What they saw is still reported.
+    """
     results = data.get("results")
     results = results if isinstance(results, dict) else {}
     out = []
@@ -125,6 +129,8 @@ def inside_outcomes(data: dict[str, Any]) -> list[Outcome]:
         status: Status = "n/a" if ok is None else "pass" if ok is True else "fail"
         if r.get("error"):
             status = "error"
+        if vm and spec.applies == "container":
+            status, seen = "n/a", f"microVM: the guest's own kernel (saw: {seen})"
         out.append(_outcome(spec, status, seen))
     return out
 
@@ -136,8 +142,12 @@ def sandbox_pids(box: Sandbox, backend_name: str) -> list[int]:
     """
     getter = getattr(box, "host_pids", None)
     if callable(getter):
-        pids = [int(p) for p in getter()]
-        return sorted({q for p in pids for q in hc.cgroup_pids(p)})
+        return sorted({int(p) for p in getter()})
+    vm = getattr(box, "vm", None)
+    vmm_pid = getattr(vm, "vmm_pid", None)
+    if callable(vmm_pid):
+        # A microVM: the VMM process is what a guest that breaks out would become.
+        return [int(vmm_pid())]
     if backend_name != "podman":
         raise SandboxError(f"backend {backend_name} exposes no host pids", sandbox=box.name)
     res = _proc.run(["podman", "inspect", "--format", "{{.State.Pid}}", box.name], timeout=30)
@@ -150,7 +160,18 @@ def sandbox_pids(box: Sandbox, backend_name: str) -> list[int]:
 class HostView:
     """What the host expects of a sandbox's processes, per backend/runtime."""
 
-    def __init__(self, *, runtime: str, mapped_uid: int, pids_max: int, memory: int) -> None:
+    def __init__(
+        self,
+        *,
+        runtime: str,
+        mapped_uid: int,
+        pids_max: int,
+        memory: int,
+        vm: bool = False,
+        isolation: str = "standard",
+    ) -> None:
+        self.vm = vm
+        self.isolation = isolation
         self.runtime = runtime
         self.mapped_uid = mapped_uid
         self.pids_max = pids_max
@@ -211,13 +232,20 @@ def host_outcomes(pids: list[int], view: HostView) -> list[Outcome]:
         me = {os.getuid(), int(os.environ.get("SUDO_UID", os.getuid()))}
         uids = sorted({u for t in threads for u in t.uids})
         bad = [u for u in uids if u == 0 or u in me]
-        if view.runtime == "runsc":
-            ok = not bad
-            want = "not 0 / not yours (gVisor: sentry as nobody, gofer as mapped root)"
+        if view.vm and view.isolation != "strict":
+            ok_uid: bool | None = None
+            seen_uid = f"standard isolation runs the VMM as your uid by design: host uids {uids}"
+        elif view.vm:
+            ok_uid = not bad and uids == [view.mapped_uid]
+            seen_uid = f"VMM host uids {uids} (want only {view.mapped_uid}, not 0/yours)"
+        elif view.runtime == "runsc":
+            ok_uid = not bad
+            seen_uid = f"host uids {uids} (want not 0/yours: gVisor's Sentry runs as nobody, "
+            seen_uid += "its gofer as the mapped root)"
         else:
-            ok = not bad and uids == [view.mapped_uid]
-            want = f"only {view.mapped_uid}"
-        add("host.uid", ok, f"host uids {uids} (want {want})")
+            ok_uid = not bad and uids == [view.mapped_uid]
+            seen_uid = f"host uids {uids} (want only {view.mapped_uid})"
+        add("host.uid", ok_uid, seen_uid)
     init = pids[0] if pids else 0
     add_uid_map(add, pids, view)
     for kind in ("net", "pid", "ipc", "uts", "user", "cgroup"):
@@ -226,6 +254,10 @@ def host_outcomes(pids: list[int], view: HostView) -> list[Outcome]:
         seen = results[0][1] if results else "no process"
         if not own and results:
             seen = next(r[1] for r in results if not r[0])
+        if view.vm and kind == "user" and not own:
+            add("host.ns_user", None, "the VMM runs as a plain unprivileged host uid, without a "
+                f"user namespace of its own ({seen}); see host.uid")  # fmt: skip
+            continue
         if view.runtime == "runsc" and kind in ("pid", "cgroup") and not own:
             # The workload's pid and cgroup namespaces are the Sentry's own (emulated); the
             # Sentry and gofer processes themselves run in the host's, like a VMM does.
@@ -241,6 +273,9 @@ def add_uid_map(
     add: Callable[[str, bool | None, str], None], pids: list[int], view: HostView
 ) -> None:
     """The uid map: no range may reach host uid 0, and (runc) the sandbox uid is the mapped one."""
+    if view.vm and pids and not any(hc.namespace_differs(p, "user")[0] for p in pids):
+        add("host.uid_map", None, "the VMM is in the host's user namespace (no map); see host.uid")
+        return
     rows: list[str] = []
     ok = bool(pids)
     for pid in pids:
@@ -308,7 +343,11 @@ def forkbomb_outcomes(
     peak = f"host saw at most {meter.peak_pids} pids in its cgroup" if meter.peak_pids else ""
     under = 0 < meter.peak_pids <= view.pids_max
     spec = specs["host.forkbomb_contained"]
-    if fb is None:
+    if view.vm and fb is not None:
+        # The guest's processes live in the guest kernel: what counts is the VMM on the host.
+        seen = f"guest forked {fb.get('forked')}/{target} in its own kernel; {peak}"
+        out.append(_outcome(spec, "pass" if under else "fail", seen))
+    elif fb is None:
         # No answer: the sandbox died under the bomb. Contained only if the host saw the cap.
         seen = f"the sandbox died under the bomb ({err[:160]}); {peak or 'no pids read'}"
         out.append(_outcome(spec, "pass" if under else "error", seen))
@@ -368,6 +407,17 @@ def real_spec(
     )
 
 
+def vmm_uid(settings: Settings, isolation: str) -> int:
+    """The host uid a microVM's VMM runs as: not yours under strict, yours under standard."""
+    with contextlib.suppress(ImportError):
+        from agentbox.backends.qemu import vmm_uid as qemu_vmm_uid
+
+        return qemu_vmm_uid(settings, "strict" if isolation == "strict" else "standard")
+    if isolation == "strict":
+        return settings.subid_base + 65536 + 1
+    return os.getuid()
+
+
 def run_real(
     backend: Backend,
     settings: Settings,
@@ -384,15 +434,29 @@ def run_real(
     controls); returns (outcomes, what ``during`` returned, facts).
     """
     spec = real_spec(fx, settings, image, runtime, isolation)
-    backend.check(spec)
+    try:
+        backend.check(spec)
+    except UnsupportedError as exc:
+        # A backend without host directory sharing (qemu: disks only) gets no declared
+        # mount; the read-only-mount probes then say n/a, explicitly.
+        if "mount" not in str(exc):
+            raise
+        spec = spec.replace(mounts=())
+        backend.check(spec)
     facts: dict[str, object] = {}
+    vm = backend.name != "podman"
     view = HostView(
         runtime=runtime,
-        mapped_uid=settings.sandbox_host_uid,
+        mapped_uid=vmm_uid(settings, isolation) if vm else settings.sandbox_host_uid,
         pids_max=spec.resources.pids,
-        memory=spec.resources.memory,
+        # A VMM's cgroup holds the guest's RAM plus QEMU itself: allow 1 GiB over.
+        memory=spec.resources.memory + (1024**3 if vm else 0),
+        vm=vm,
+        isolation=isolation,
     )
     cfg = fx.probe_config(uid=spec.uid, pids_max=spec.resources.pids, runtime=runtime)
+    if not spec.mounts:
+        cfg["ro_mount"] = None
     # 1. The agent's own path: the probe is the sandbox's main command (backend.run), exactly
     #    as the launcher runs claude. These are the inside results that count.
     t0 = time.monotonic()
@@ -405,7 +469,7 @@ def run_real(
     facts["run_seconds"] = round(time.monotonic() - t0, 2)
     facts["kernel_inside"] = str(data.get("kernel", "?"))[:80]
     facts["probe_seconds"] = data.get("seconds")
-    outcomes = inside_outcomes(data)
+    outcomes = inside_outcomes(data, vm=vm)
     # 2. A long-lived sandbox of the same spec: host-side checks, exec'd probes, fork bomb.
     t0 = time.monotonic()
     box = backend.create(spec)
@@ -413,7 +477,7 @@ def run_real(
     try:
         # The same probes exec'd in (how `agentbox smoke` and copy_in/out reach a sandbox):
         # differences from the main-command path are reported as facts, not verdicts.
-        via_exec = {o.id: o for o in inside_outcomes(run_probe_program(box, cfg))}
+        via_exec = {o.id: o for o in inside_outcomes(run_probe_program(box, cfg), vm=vm)}
         facts["exec_path_differences"] = {
             o.id: f"{o.status} as main command, {via_exec[o.id].status} via exec: "
             f"{via_exec[o.id].seen[:120]}"
