@@ -51,6 +51,16 @@ CHAT_SCRIPT: dict[str, Any] = {
 }
 
 
+def wait_usage(path: Path, done: Any, timeout: float = 10.0) -> Usage:
+    """Read the usage file of a gateway process until ``done(usage)`` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        u = read_usage(path)
+        if done(u) or time.monotonic() > deadline:
+            return u
+        time.sleep(0.01)
+
+
 def write_script(directory: Path, script: dict[str, Any], name: str = "script.yaml") -> Path:
     """Write ``script`` as YAML into ``directory`` and return its path."""
     path = directory / name
@@ -126,7 +136,12 @@ class RunningGateway:
     uds: str | None = None
 
     def usage(self) -> Usage:
-        """The usage file as the launcher would read it."""
+        """The usage file as the launcher would read it, once every request is written."""
+        deadline = time.monotonic() + 10
+        while self.gateway.active or not self.gateway.usage_settled:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gateway did not settle")
+            time.sleep(0.002)
         return read_usage(self.usage_file)
 
     def auth(self) -> dict[str, str]:

@@ -361,21 +361,11 @@ def test_dropped_streams_are_billed(tmp_path: Path) -> None:
                 await asyncio.gather(*[drop(c, rnd.randint(400, 4000)) for _ in range(12)])
 
         asyncio.run(go())
-        deadline = asyncio.run(_wait_settled(gw))
-        u = gw.usage()
-        assert deadline and u.reserved == 0
+        u = gw.usage()  # waits until every handler, the dropped ones too, has finished
+        assert u.reserved == 0
         assert u.dropped_streams == 12 and u.requests == 12
         # Input known from message_start; output: the worst case (max_tokens), never less.
         assert (u.input, u.output) == (12 * 77, 12 * 200)
-
-
-async def _wait_settled(gw: Any) -> bool:
-    for _ in range(200):
-        u = gw.usage()
-        if u.reserved == 0 and u.dropped_streams + u.requests >= 0 and u.output >= 2400:
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 def test_unix_socket_mode_and_listen_policy(tmp_path: Path) -> None:

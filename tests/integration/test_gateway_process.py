@@ -15,7 +15,7 @@ import pytest
 from agentbox.config import Settings
 from agentbox.errors import ConfigError, GatewayError
 from agentbox.gateway import read_usage, spawn_gateway
-from gateway_helpers import CHAT_SCRIPT, write_script
+from gateway_helpers import CHAT_SCRIPT, wait_usage, write_script
 
 
 def _token(tmp_path: Path) -> tuple[str, Path]:
@@ -58,7 +58,7 @@ def test_spawn_serve_stop(tmp_path: Path, settings: Settings) -> None:
         )
         assert msg.content[0].text == "Hello from the replay model."  # type: ignore[union-attr]
         assert msg.model == "replay-demo"
-        u = read_usage(usage)
+        u = wait_usage(usage, lambda u: u.output > 0)  # written just after the answer
         assert (u.input, u.output, u.requests) == (11, 7, 1)
     finally:
         code = handle.stop()

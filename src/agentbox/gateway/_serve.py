@@ -85,7 +85,9 @@ def bind(listen: Listen) -> socket.socket:
         listen.path.chmod(0o660)
     else:
         family = socket.AF_INET6 if ":" in listen.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio turns on TCP_NODELAY only for sockets whose proto
+        # says TCP, and without it Nagle + delayed ACKs add 40 ms to keep-alive requests.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((listen.host, listen.port))

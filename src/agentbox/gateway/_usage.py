@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from agentbox.errors import GatewayError
 
-__all__ = ["Usage", "read_usage", "write_usage"]
+__all__ = ["Usage", "read_usage", "write_bytes_atomic", "write_usage"]
 
 
 class Usage(BaseModel):
@@ -54,7 +54,11 @@ class Usage(BaseModel):
 
 def write_usage(path: Path, usage: Usage) -> None:
     """Replace ``path`` with ``usage`` atomically (temp file in the same dir + ``os.replace``)."""
-    data = usage.model_dump_json(indent=1).encode()
+    write_bytes_atomic(path, usage.model_dump_json(indent=1).encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (temp file in the same dir + rename)."""
     fd, name = tempfile.mkstemp(prefix=".usage-", dir=path.parent)
     tmp = Path(name)
     try:

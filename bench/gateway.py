@@ -1,0 +1,239 @@
+"""Benchmark: latency the gateway adds, and its request rate, against the replay model.
+
+Same run, same machine: the replay model is called directly (the baseline) and
+through a gateway (``--upstream http://127.0.0.1:…``), each a separate process.
+The gateway is pinned to one CPU (``--gateway-cpu``) so the request rate is a
+one-core figure. The client is a minimal keep-alive HTTP/1.1 client on asyncio
+(httpx's own per-request cost would hide the gateway's).
+
+Reports p50/p99 of full-stream latency at 1 and 64 concurrent streaming clients,
+the difference (what the gateway adds), and requests/s for small non-streamed
+calls; plus the host's load average before and after (the box is shared).
+
+    .venv/bin/python bench/gateway.py [--requests 400] [--gateway-cpu 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPT = """
+name: bench
+main: all
+chunk_size: 16
+turns:
+  - text: "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over it again."
+    usage: {input_tokens: 12, output_tokens: 20}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(port)
+
+
+def request_bytes(port: int, token: str, stream: bool) -> bytes:
+    body = json.dumps(
+        {
+            "model": "bench",
+            "max_tokens": 64,
+            "stream": stream,
+            "messages": [{"role": "user", "content": "Say something short."}],
+        }
+    ).encode()
+    head = (
+        f"POST /v1/messages HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+        f"x-api-key: {token}\r\nanthropic-version: 2023-06-01\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection that reads whole responses."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.r, self.w = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        return cls(r, w)
+
+    async def call(self, req: bytes) -> int:
+        self.w.write(req)
+        head = await self.r.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        lower = head.lower()
+        if b"transfer-encoding: chunked" in lower:
+            while True:
+                size_line = await self.r.readuntil(b"\r\n")
+                size = int(size_line.strip().split(b";")[0], 16)
+                await self.r.readexactly(size + 2)
+                if size == 0:
+                    break
+        else:
+            i = lower.index(b"content-length:")
+            n = int(lower[i + 15 : lower.index(b"\r\n", i)])
+            await self.r.readexactly(n)
+        return status
+
+    def close(self) -> None:
+        self.w.close()
+
+
+async def latencies(port: int, token: str, clients: int, per_client: int) -> list[float]:
+    req = request_bytes(port, token, stream=True)
+    out: list[float] = []
+
+    async def one() -> None:
+        c = await Conn.open(port)
+        await c.call(req)  # warm the connection
+        for _ in range(per_client):
+            t = time.perf_counter()
+            status = await c.call(req)
+            out.append(time.perf_counter() - t)
+            assert status == 200, status
+        c.close()
+
+    await asyncio.gather(*[one() for _ in range(clients)])
+    return out
+
+
+async def rate(port: int, token: str, clients: int, total: int) -> float:
+    req = request_bytes(port, token, stream=False)
+    per = total // clients
+    conns = [await Conn.open(port) for _ in range(clients)]
+    for c in conns:
+        await c.call(req)
+
+    async def run(c: Conn) -> None:
+        for _ in range(per):
+            assert await c.call(req) == 200
+
+    t = time.perf_counter()
+    await asyncio.gather(*[run(c) for c in conns])
+    dt = time.perf_counter() - t
+    for c in conns:
+        c.close()
+    return per * clients / dt
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=400, help="requests per latency series")
+    ap.add_argument("--rate-requests", type=int, default=4000)
+    ap.add_argument("--gateway-cpu", type=int, default=0)
+    ap.add_argument("--upstream-cpu", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="agentbox-bench-"))
+    script = tmp / "bench.yaml"
+    script.write_text(SCRIPT)
+    token = secrets.token_urlsafe(24)
+    (tmp / "token").write_text(token)
+    up_port, gw_port = free_port(), free_port()
+    py = [sys.executable, "-m", "agentbox"]
+    up = subprocess.Popen(
+        [*py, "model", "serve", "--script", str(script), "--listen", f"tcp:127.0.0.1:{up_port}"]
+    )
+    gw = subprocess.Popen(
+        [*py, "gateway", "--listen", f"tcp:127.0.0.1:{gw_port}", "--token-file",
+         str(tmp / "token"), "--model", "replay-demo", "--budget", str(10**13),
+         "--upstream", f"http://127.0.0.1:{up_port}", "--max-concurrency", "256",
+         "--usage-file", str(tmp / "usage.json")]
+    )  # fmt: skip
+    try:
+        wait_port(up_port, up)
+        wait_port(gw_port, gw)
+        ncpu = os.cpu_count() or 1
+        os.sched_setaffinity(gw.pid, {args.gateway_cpu % ncpu})
+        os.sched_setaffinity(up.pid, {args.upstream_cpu % ncpu})
+        load0 = os.getloadavg()
+        rows = []
+        for clients in (1, 64):
+            per = max(1, args.requests // clients)
+            if clients == 64:
+                per = max(per, 10)
+            d = asyncio.run(latencies(up_port, token, clients, per))
+            g = asyncio.run(latencies(gw_port, token, clients, per))
+            rows.append(
+                {
+                    "clients": clients,
+                    "n": len(d),
+                    "direct_p50_ms": pct(d, 50),
+                    "gateway_p50_ms": pct(g, 50),
+                    "added_p50_ms": pct(g, 50) - pct(d, 50),
+                    "direct_p99_ms": pct(d, 99),
+                    "gateway_p99_ms": pct(g, 99),
+                    "added_p99_ms": pct(g, 99) - pct(d, 99),
+                    "direct_mean_ms": statistics.mean(d) * 1000,
+                    "gateway_mean_ms": statistics.mean(g) * 1000,
+                }
+            )
+        rd = asyncio.run(rate(up_port, token, 16, args.rate_requests))
+        rg = asyncio.run(rate(gw_port, token, 16, args.rate_requests))
+        load1 = os.getloadavg()
+    finally:
+        for p in (gw, up):
+            p.terminate()
+        for p in (gw, up):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    result = {
+        "latency": rows,
+        "rate": {"direct_rps": rd, "gateway_rps": rg, "ratio": rg / rd},
+        "loadavg_before": load0,
+        "loadavg_after": load1,
+        "cpus": os.cpu_count(),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"host: {os.cpu_count()} CPUs, load average before {load0[0]:.2f}, after {load1[0]:.2f}")
+    print("streaming latency (full stream, ms)")
+    print(f"{'clients':>7} {'n':>5} {'direct p50':>10} {'gw p50':>8} {'added p50':>9} "
+          f"{'direct p99':>10} {'gw p99':>8} {'added p99':>9}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['clients']:>7} {r['n']:>5} {r['direct_p50_ms']:>10.2f} {r['gateway_p50_ms']:>8.2f} "
+            f"{r['added_p50_ms']:>9.2f} {r['direct_p99_ms']:>10.2f} {r['gateway_p99_ms']:>8.2f} "
+            f"{r['added_p99_ms']:>9.2f}"
+        )
+    print("non-streamed small calls, 16 keep-alive clients")
+    print(f"  direct {rd:8.0f} req/s   gateway (1 CPU) {rg:8.0f} req/s   ratio {rg / rd:.2f}")
+
+
+if __name__ == "__main__":
+    main()
