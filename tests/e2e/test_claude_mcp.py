@@ -142,6 +142,8 @@ def world() -> Iterator[dict[str, object]]:
         "AGENTBOX_REPOS_ROOT": str(repos),
         "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
     }
+    if "PYTHONPATH" in os.environ:  # run against another source tree
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     launcher = subprocess.Popen(
         [*AGENTBOX, "launcher", "serve"],
         env=env,
@@ -201,7 +203,7 @@ def test_host_claude_delegates_and_gets_the_diff(
                 "type": "stdio",
                 "command": sys.executable,
                 "args": ["-m", "agentbox", "mcp", "--user", str(MCP_UID)],
-                "env": {k: v for k, v in env.items() if k.startswith("AGENTBOX_")},
+                "env": {k: v for k, v in env.items() if k.startswith(("AGENTBOX_", "PYTHON"))},
             }
         else:
             port = _free_port()

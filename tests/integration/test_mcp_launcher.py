@@ -165,6 +165,8 @@ def _make_stack(base: Path) -> Stack:
         "AGENTBOX_REPOS_ROOT": str(repos),
         "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
     }
+    if "PYTHONPATH" in os.environ:  # run against another source tree
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return Stack(base, repos, data, env)
 
 
