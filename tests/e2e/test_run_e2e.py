@@ -1,0 +1,322 @@
+"""End to end: the real Claude Code binary in the hardened podman sandbox, through the
+task's own gateway, driven by replay scripts; the result is a branch in a real repo.
+
+One launcher runs every task of this module at once (it is also the concurrency
+test): a task that edits files, one that creates files and runs the repo's tests
+(the built-in ``replay-demo``), one that overruns its budget, one that hits its
+deadline, and one that plants the git-attack corpus in its workspace.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agentbox.config import Settings
+from agentbox.gateway import DEMO_SCRIPT
+from agentbox.launcher import Launcher, TaskInfo, TaskRequest, TaskResult
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.claude,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "demo" / "sample-repo"
+EDIT_SCRIPT = ROOT / "demo" / "replay-demo.yaml"
+NONCE = secrets.token_hex(6)
+#: Host path every planted hook/filter/pager would touch if it ever ran on the host.
+SENTINEL = f"/tmp/agentbox-sentinel-{NONCE}"
+
+BUDGET_SCRIPT = """\
+name: budget
+turns:
+  - text: "Writing the first part."
+    tool_use:
+      - name: Write
+        input: {file_path: "{{cwd}}/partial.txt", content: "written before the budget ran out\\n"}
+    usage: {input_tokens: 900000, output_tokens: 10}
+  - text: "Writing the second part."
+    tool_use:
+      - name: Write
+        input: {file_path: "{{cwd}}/never.txt", content: "never\\n"}
+  - text: "Done."
+"""
+
+DEADLINE_SCRIPT = """\
+name: deadline
+turns:
+  - text: "First a file, then a long command."
+    tool_use:
+      - name: Write
+        input: {file_path: "{{cwd}}/partial.txt", content: "written before the deadline\\n"}
+  - tool_use:
+      - name: Bash
+        input: {command: "python3 -c 'import time; time.sleep(300)'", description: "Wait a long time", timeout: 600000}
+  - text: "Done."
+"""
+
+# Every command runs INSIDE the sandbox (Claude Code's Bash tool). Each planted
+# trap would touch SENTINEL-<what> if git or a tool on the host ever ran it.
+ATTACK_COMMANDS = r"""
+set -u
+S=__SENTINEL__
+cd /workspace
+for h in pre-commit post-commit post-checkout post-index-change reference-transaction \
+         pre-auto-gc post-merge fsmonitor-watchman pre-push; do
+  printf '#!/bin/sh\ntouch %s-hook-%s\n' "$S" "$h" > .git/hooks/$h; chmod +x .git/hooks/$h
+done
+mkdir -p evilhooks && cp .git/hooks/pre-commit evilhooks/pre-commit
+git config core.hooksPath /workspace/evilhooks
+git config core.fsmonitor "touch $S-fsmonitor; false"
+git config filter.evil.clean "touch $S-clean; cat"
+git config filter.evil.smudge "touch $S-smudge; cat"
+git config filter.evil.process "touch $S-process"
+git config diff.external "touch $S-diffext"
+git config diff.evil.textconv "touch $S-textconv; cat"
+git config core.pager "touch $S-pager; cat"
+git config include.path /etc/agentbox-evil.inc
+git config core.sshCommand "touch $S-ssh"
+printf '* filter=evil diff=evil\n' > .gitattributes
+mkdir -p .git/objects/info && echo /var/lib/agentbox > .git/objects/info/alternates
+ln -s /etc/shadow shadow-link
+ln -s / root-link
+ln -s ../../../../../../etc/passwd climb-link
+echo payload > normal.txt
+ln normal.txt hardlink.txt
+mkfifo fifo
+mknod dev-null c 1 3 2>/dev/null || echo "mknod refused (no CAP_MKNOD)"
+cp /bin/true setuid-true && chmod 4755 setuid-true || true
+mkdir embedded && git -C embedded init -q && echo x > embedded/x && \
+  git -C embedded add x && git -C embedded -c user.name=a -c user.email=a@b commit -qm x
+mkdir gitfile && printf 'gitdir: /etc\n' > gitfile/.git
+touch "$(printf 'new\nline')" "$(printf 'ctrl\001char')"
+truncate -s 64G huge.sparse
+git status >/dev/null 2>&1 || true
+git -c user.name=a -c user.email=a@b commit -q --allow-empty -m x >/dev/null 2>&1 || true
+echo "inside: $(ls /tmp | grep agentbox-sentinel | tr '\n' ' ')"
+echo planted
+"""
+
+ATTACK_SCRIPT_TEMPLATE = """\
+name: attack
+turns:
+  - text: "Planting."
+    tool_use:
+      - name: Bash
+        input:
+          command: {command}
+          description: "Plant the git attack corpus"
+  - match: "planted"
+    text: "Planted everything."
+"""
+
+
+def _yaml_str(s: str) -> str:
+    import json
+
+    return json.dumps(s)  # a JSON string is a valid YAML scalar
+
+
+@dataclass
+class Run:
+    info: TaskInfo
+    result: TaskResult
+    repo: Path
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {"PATH": os.environ["PATH"], "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env
+    ).stdout
+
+
+def _make_repo(path: Path) -> Path:
+    shutil.copytree(SAMPLE, path)
+    _git(path, "init", "-q", "-b", "main")
+    _git(path, "add", "-A")
+    _git(path, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
+    return path
+
+
+@pytest.fixture(scope="module")
+def e2e() -> Iterator[tuple[Settings, dict[str, Run]]]:
+    from agentbox.image import build_default
+
+    build_default(Settings())
+    base = Path(tempfile.mkdtemp(prefix="agentbox-e2e-", dir="/var/tmp"))
+    base.chmod(0o711)
+    scripts = base / "scripts"
+    scripts.mkdir()
+    (scripts / "budget.yaml").write_text(BUDGET_SCRIPT)
+    (scripts / "deadline.yaml").write_text(DEADLINE_SCRIPT)
+    (scripts / "attack.yaml").write_text(
+        ATTACK_SCRIPT_TEMPLATE.format(
+            command=_yaml_str(ATTACK_COMMANDS.replace("__SENTINEL__", SENTINEL))
+        )
+    )
+    (base / "models.toml").write_text(
+        f"""
+[models.replay-demo]
+kind = "replay"
+upstream = "{DEMO_SCRIPT}"
+[models.replay-edit]
+kind = "replay"
+upstream = "{EDIT_SCRIPT}"
+[models.replay-budget]
+kind = "replay"
+upstream = "scripts/budget.yaml"
+[models.replay-deadline]
+kind = "replay"
+upstream = "scripts/deadline.yaml"
+[models.replay-attack]
+kind = "replay"
+upstream = "scripts/attack.yaml"
+"""
+    )
+    (base / "data").mkdir()
+    (base / "repos").mkdir()
+    settings = Settings(
+        data_dir=base / "data", repos_root=base / "repos", models_file=base / "models.toml"
+    )
+    plan = {
+        "edit": ("replay-edit", {}),
+        "create": ("replay-demo", {}),
+        "budget": ("replay-budget", {"budget": 1_000_000}),
+        "deadline": ("replay-deadline", {"deadline": 20.0}),
+        "attack": ("replay-attack", {}),
+    }
+    launcher = Launcher(settings, max_tasks=len(plan))
+    runs: dict[str, Run] = {}
+    try:
+        ids = {}
+        for name, (model, extra) in plan.items():
+            repo = _make_repo(settings.repos_root / name)
+            req = TaskRequest(
+                repo=str(repo), task=f"e2e {name}: do the scripted work", model=model,
+                deadline=extra.get("deadline", 300.0), budget=extra.get("budget"),
+                task_id=f"e2e-{name}-{NONCE}",
+            )  # fmt: skip
+            ids[name] = (launcher.submit(req).id, repo)
+        for name, (task_id, repo) in ids.items():
+            info = launcher.wait(task_id, timeout=600)
+            runs[name] = Run(info, launcher.result(task_id), repo)
+        yield settings, runs
+    finally:
+        launcher.close()
+        for p in Path("/tmp").glob(f"agentbox-sentinel-{NONCE}*"):
+            p.unlink()
+        if not os.environ.get("AGENTBOX_E2E_KEEP"):
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _files(run: Run) -> list[str]:
+    return _git(run.repo, "ls-tree", "-r", "--name-only", "-z", run.result.branch).split("\0")
+
+
+def test_a_task_that_edits_files(e2e: tuple[Settings, dict[str, Run]]) -> None:
+    run = e2e[1]["edit"]
+    assert run.info.status == "done", run.info.error
+    assert run.info.exit_code == 0
+    assert run.result.branch == run.info.branch == f"agentbox/{run.info.id}"
+    core = _git(run.repo, "show", f"{run.result.branch}:calc/core.py")
+    assert "def multiply(a: float, b: float) -> float:" in core
+    assert "test_multiply" in _git(run.repo, "show", f"{run.result.branch}:tests/test_core.py")
+    assert "+def multiply" in run.result.diff
+    # The agent's tests ran inside the sandbox and passed (its last message says so).
+    assert "passes" in run.result.report["final_message"]
+    # The parent is the base commit; the user's checkout is untouched.
+    assert (
+        _git(run.repo, "rev-parse", f"{run.result.branch}^").strip()
+        == _git(run.repo, "rev-parse", "main").strip()
+    )
+    assert _git(run.repo, "status", "--porcelain") == ""
+    # Tokens come from the gateway's usage file.
+    assert run.info.tokens.input > 0 and run.info.tokens.output > 0
+    assert run.result.report["tokens"]["input"] == run.info.tokens.input
+
+
+def test_a_task_that_creates_files_and_runs_the_tests(e2e: tuple[Settings, dict[str, Run]]) -> None:
+    settings, runs = e2e
+    run = runs["create"]
+    assert run.info.status == "done", run.info.error
+    files = _files(run)
+    assert "textutil.py" in files and "test_textutil.py" in files
+    assert not any("__pycache__" in f for f in files)
+    assert run.result.report["diffstat"]["files_changed"] == 2
+    # The agent ran the tests in the sandbox: the test output is in its log.
+    log = (settings.data_dir / "tasks" / run.info.id / "logs" / "agent.jsonl").read_text()
+    assert "Ran 2 tests" in log and "OK" in log
+
+
+def test_a_task_that_overruns_its_budget(e2e: tuple[Settings, dict[str, Run]]) -> None:
+    run = e2e[1]["budget"]
+    assert run.info.status == "failed"
+    assert "budget exhausted" in (run.info.error or "")
+    usage = run.result.report["usage"]
+    assert usage["exhausted"] is True
+    assert sum(usage["refusals"].values()) >= 1  # the gateway answered 403
+    assert run.result.report["refused"]
+    # The partial result is kept: the first file was collected, the second never written.
+    files = _files(run)
+    assert "partial.txt" in files and "never.txt" not in files
+
+
+def test_a_task_that_hits_its_deadline(e2e: tuple[Settings, dict[str, Run]]) -> None:
+    run = e2e[1]["deadline"]
+    assert run.info.status == "timed_out", run.info.error
+    assert run.info.finished_at is not None and run.info.started_at is not None
+    assert run.info.finished_at - run.info.started_at < 20.0 + 60.0
+    assert "partial.txt" in _files(run)
+    out = subprocess.run(
+        ["podman", "ps", "-a", "--filter", f"name=agentbox-task-{run.info.id}", "-q"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert out.strip() == ""
+
+
+def test_the_git_attack_corpus_through_a_real_sandbox(e2e: tuple[Settings, dict[str, Run]]) -> None:
+    settings, runs = e2e
+    run = runs["attack"]
+    assert run.info.status == "done", run.info.error
+    log = (settings.data_dir / "tasks" / run.info.id / "logs" / "agent.jsonl").read_text()
+    assert "planted" in log
+    # Positive control: the planted config is live: git inside the sandbox ran the
+    # fsmonitor and the filter process (they touched the sentinel in the sandbox's
+    # own /tmp, a tmpfs), so the same traps would fire if git on the host read them.
+    assert f"agentbox-sentinel-{NONCE}-fsmonitor" in log
+    assert f"agentbox-sentinel-{NONCE}-process" in log
+    notes = {s["path"] for s in run.result.report["notes"]}
+    assert "setuid-true" in notes
+    branch = run.result.branch
+    files = _files(run)
+    # The agent's .git is never collected; links are links, never their targets.
+    assert not any(f == ".git" or f.startswith(".git/") for f in files)
+    tree = _git(run.repo, "ls-tree", "-r", branch)
+    for link in ("shadow-link", "root-link", "climb-link"):
+        assert "120000 blob" in next(line for line in tree.splitlines() if line.endswith(link))
+    assert _git(run.repo, "cat-file", "-p", f"{branch}:shadow-link") == "/etc/shadow"
+    assert "root:" not in run.result.diff
+    # FIFOs and the huge sparse file are skipped and reported; setuid bits dropped.
+    skipped = {s["path"] for s in run.result.report["skipped"]}
+    assert "fifo" in skipped and "fifo" not in files
+    assert "huge.sparse" in skipped and "huge.sparse" not in files
+    assert "100755 blob" in next(ln for ln in tree.splitlines() if ln.endswith("setuid-true"))
+    # Git work on the host after publishing runs none of the planted commands.
+    _git(run.repo, "diff", "main", branch)
+    _git(run.repo, "log", "-p", "-1", branch)
+    _git(run.repo, "fsck", "--no-dangling")
+    assert list(Path("/tmp").glob(f"agentbox-sentinel-{NONCE}*")) == []
+    # The user's repo config was not touched by the agent's config.
+    assert "evil" not in (run.repo / ".git" / "config").read_text()
