@@ -62,7 +62,10 @@ turns:
         input: {file_path: "{{cwd}}/partial.txt", content: "written before the deadline\\n"}
   - tool_use:
       - name: Bash
-        input: {command: "python3 -c 'import time; time.sleep(300)'", description: "Wait a long time", timeout: 600000}
+        input:
+          command: "python3 -c 'import time; time.sleep(300)'"
+          description: "Wait a long time"
+          timeout: 600000
   - text: "Done."
 """
 
