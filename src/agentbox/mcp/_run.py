@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -137,14 +138,21 @@ def _agentbox_argv(*args: str) -> list[str]:
 
 
 def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    # Connectable, not merely present: a stale socket from an earlier run may still
+    # be there until the new launcher replaces it, and the MCP server pins the inode.
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise SandboxError(f"the launcher exited with {proc.returncode} before it listened")
-        if path.exists():
-            return
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(str(path))
+            except OSError:
+                pass
+            else:
+                return
         time.sleep(0.1)
-    raise SandboxError(f"the launcher did not create {path} within {timeout:g}s")
+    raise SandboxError(f"the launcher did not listen on {path} within {timeout:g}s")
 
 
 def serve(settings: Settings, listen: str, *, user: str | None, max_pending: int) -> int:
