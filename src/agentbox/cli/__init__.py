@@ -12,6 +12,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from agentbox._log import configure
 from agentbox.errors import AgentboxError, RefusedError, UnsupportedError
@@ -69,7 +70,8 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except AgentboxError as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False, markup=True)
+        # The message may hold untrusted text (paths, agent output): never parse it as markup.
+        err_console.print(Text.assemble(("error: ", "red"), str(exc)), highlight=False)
         code = 3 if isinstance(exc, RefusedError) else 4 if isinstance(exc, UnsupportedError) else 1
         sys.exit(code)
     except typer.Exit as exc:
