@@ -66,23 +66,15 @@ for _mod in COMMAND_MODULES:
 
 
 def main() -> None:
-    """Entry point: run the app; agentbox errors become one red line and an exit code."""
+    """Entry point: run the app; agentbox errors become one red line and an exit code.
+
+    Usage errors are click's (exit 2); refusals exit 3, missing host facilities 4,
+    other agentbox errors 1.
+    """
     try:
-        app(standalone_mode=False)
+        app()
     except AgentboxError as exc:
         # The message may hold untrusted text (paths, agent output): never parse it as markup.
         err_console.print(Text.assemble(("error: ", "red"), str(exc)), highlight=False)
         code = 3 if isinstance(exc, RefusedError) else 4 if isinstance(exc, UnsupportedError) else 1
         sys.exit(code)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        err_console.print("aborted")
-        sys.exit(130)
-    except Exception as exc:  # click usage errors and the like
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
