@@ -45,7 +45,6 @@ a race can at worst make an open fail, never escape.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
 import enum
@@ -346,74 +345,90 @@ class Tree:
             finally:
                 os.close(sub)
 
-    def scan(
-        self, descend: Callable[[str], bool] | None = None, *, threads: int = 4
-    ) -> Iterator[tuple[str, list[tuple[str, os.stat_result]]]]:
-        """Yield ``(prefix, [(name, lstat), ...])`` for every directory, in no set order.
+    def dirs(
+        self, descend: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, int, list[os.DirEntry[str]]]]:
+        """Yield ``(prefix, dir_fd, entries)`` for every directory, depth first.
 
-        The fast path of collection: names are ``str`` (``os.fsdecode``, so
-        surrogate-escaped bytes round-trip through ``os.fsencode``), ``prefix`` is
-        ``""`` for the root or ``"a/b/"``. Worker threads open each directory
-        from the root fd with openat2 (no links, no other filesystem) and
-        ``lstat`` its entries, so the kernel work overlaps; ``descend(rel)`` is
-        asked (in the caller's thread) before a subdirectory is queued.
+        The fast path of collection. ``prefix`` is ``""`` for the root, else
+        ``"a/b/"``; names are ``str`` (``os.fsdecode``: surrogate-escaped bytes
+        round-trip through ``os.fsencode``). ``dir_fd`` and the entries'
+        ``stat(follow_symlinks=False)`` (an ``fstatat`` on that fd, nothing
+        resolved) are valid only until the generator resumes: the kind from
+        ``d_type`` (``is_file``/``is_dir``/``is_symlink`` with
+        ``follow_symlinks=False``) costs no system call. Each directory is
+        opened from the root fd with openat2 (no links, no other filesystem);
+        ``descend(rel)`` is asked after the caller has handled the batch.
         Directories that cannot be entered go to :attr:`skipped`.
         """
-        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            pending = {pool.submit(self._list, "")}
-            while pending:
-                done, pending = concurrent.futures.wait(
-                    pending, return_when=concurrent.futures.FIRST_COMPLETED
-                )
-                for fut in done:
-                    prefix, entries, error = fut.result()
-                    if entries is None:
-                        self.skipped.append((os.fsencode(prefix[:-1]), error or "unreadable"))
-                        continue
-                    yield prefix, entries
-                    depth = prefix.count("/") + 1
-                    for name, st in entries:
-                        if not stat.S_ISDIR(st.st_mode):
-                            continue
-                        rel = prefix + name
-                        if descend is not None and not descend(rel):
-                            continue
-                        if depth > self.max_depth:
-                            reason = f"directory nested deeper than {self.max_depth}"
-                            self.skipped.append((os.fsencode(rel), reason))
-                            continue
-                        pending.add(pool.submit(self._list, rel + "/"))
-
-    def _list(self, prefix: str) -> tuple[str, list[tuple[str, os.stat_result]] | None, str]:
-        """One directory's entries with their lstat; runs in a worker thread."""
-        if prefix:
+        stack = [""]
+        while stack:
+            prefix = stack.pop()
             try:
-                fd = openat2(
-                    self._fd, os.fsencode(prefix[:-1]), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                fd = (
+                    openat2(
+                        self._fd,
+                        os.fsencode(prefix[:-1]),
+                        os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                    )
+                    if prefix
+                    else os.dup(self._fd)
                 )
             except OSError as exc:
-                if exc.errno == errno.EXDEV:
-                    return prefix, None, "another filesystem is mounted there"
-                return prefix, None, f"cannot enter directory ({exc.strerror})"
-        else:
-            fd = os.dup(self._fd)
-        out: list[tuple[str, os.stat_result]] = []
-        try:
-            with os.scandir(fd) as it:
-                for de in it:
-                    try:
-                        out.append((de.name, de.stat(follow_symlinks=False)))
-                    except FileNotFoundError:
+                reason = (
+                    "another filesystem is mounted there"
+                    if exc.errno == errno.EXDEV
+                    else f"cannot enter directory ({exc.strerror})"
+                )
+                self.skipped.append((os.fsencode(prefix[:-1]), reason))
+                continue
+            try:
+                with os.scandir(fd) as it:
+                    entries = list(it)
+                yield prefix, fd, entries
+                depth = prefix.count("/") + 1
+                # Still before close: is_dir() may need fstatat on fd (DT_UNKNOWN).
+                for de in reversed(entries):
+                    if not de.is_dir(follow_symlinks=False):
                         continue
-        finally:
-            os.close(fd)
-        return prefix, out, ""
+                    rel = prefix + de.name
+                    if descend is not None and not descend(rel):
+                        continue
+                    if depth > self.max_depth:
+                        reason = f"directory nested deeper than {self.max_depth}"
+                        self.skipped.append((os.fsencode(rel), reason))
+                        continue
+                    stack.append(rel + "/")
+            finally:
+                os.close(fd)
+
+    def scan(
+        self, descend: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, list[tuple[str, os.stat_result]]]]:
+        """Like :meth:`dirs`, with every entry's ``lstat``: ``(prefix, [(name, st), ...])``."""
+        for prefix, _fd, entries in self.dirs(descend):
+            out: list[tuple[str, os.stat_result]] = []
+            for de in entries:
+                try:
+                    out.append((de.name, de.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue
+            yield prefix, out
 
     def lstat(self, rel: bytes | str) -> Entry:
         """The entry at ``rel`` (a link is described, not followed)."""
         parent, name = self._parent(rel)
         try:
             return _entry(os.fsencode(rel), os.stat(name, dir_fd=parent, follow_symlinks=False))
+        finally:
+            if parent != self._fd:
+                os.close(parent)
+
+    def stat(self, rel: bytes | str) -> os.stat_result:
+        """``lstat`` of ``rel`` beneath the root (no link on the way, the last not followed)."""
+        parent, name = self._parent(rel)
+        try:
+            return os.stat(name, dir_fd=parent, follow_symlinks=False)
         finally:
             if parent != self._fd:
                 os.close(parent)

@@ -212,3 +212,30 @@ def test_report_json_and_text(repo: Path, tmp_path: Path) -> None:
     text = r.to_text()
     assert "agentbox/t-1" in text and "pipe: fifo" in text and "tokens    15" in text
     assert "1 file(s) changed" in text and "  All good." in text
+
+
+@pytest.mark.timeout(120)
+def test_git_is_only_a_stat_oracle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """diff-files must never open a workspace file: a FIFO .gitattributes would hang it."""
+    from agentbox.collect import _collect as cmod
+
+    repo = make_repo(tmp_path / "r", {"pkg/__init__.py": "", "pkg/m.py": "x\n",
+                                      ".gitattributes": "*.py text\n"})  # fmt: skip
+    p = prepare_in(tmp_path / "task", repo)
+    os.utime(p.ws / "pkg/__init__.py", (1, 1))  # an empty tracked file with a new stat
+    (p.ws / ".gitattributes").unlink()
+    os.mkfifo(p.ws / ".gitattributes")
+    os.mkfifo(p.ws / "pkg/.gitattributes")
+    reported: list[set[str] | None] = []
+    orig = cmod._git_changed
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        reported.append(orig(*args))
+        return reported[-1]
+
+    monkeypatch.setattr(cmod, "_git_changed", spy)
+    got = _collect(p)
+    assert reported and reported[0] is not None  # git answered, no fallback
+    assert "pkg/__init__.py" in reported[0] and "pkg/m.py" not in reported[0]
+    assert {s.path for s in got.skipped} == {".gitattributes", "pkg/.gitattributes"}
+    assert got.files_read == 1 and got.diffstat.files_changed == 0  # same (empty) content

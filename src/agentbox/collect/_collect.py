@@ -1,12 +1,15 @@
 """Turning what the agent left in the workspace into a commit: :func:`collect`.
 
-Git never looks at the workspace. We walk it with :mod:`agentbox.safepath`
-(openat2 beneath the root, no links followed, one ``lstat`` per entry), compare
-each entry's stat with the snapshot taken at the trusted moment, read only the
-changed files (``O_NOFOLLOW``, beneath the root, capped), store them as blobs in
-the shadow dir ourselves, and feed ``git update-index --index-info`` a list of
-(mode, blob, path) over a temporary copy of the base index. ``write-tree``,
-``commit-tree`` and ``update-ref`` then run in the shadow dir only.
+Git never reads the workspace. We walk it with :mod:`agentbox.safepath`
+(openat2 beneath the root, no links followed), while ``git diff-files`` (with
+the shadow dir as repository and the stat-seeded base index) tells which
+tracked paths' lstat changed: it stats, it never opens a file. Whatever git
+names, and every entry git does not know, we lstat ourselves and compare with
+the snapshot taken at the trusted moment; only changed files are read
+(``O_NOFOLLOW``, beneath the root, capped), stored as blobs in the shadow dir by
+us, and fed to ``git update-index --index-info`` as (mode, blob, path) over a
+temporary copy of the base index. ``write-tree``, ``commit-tree`` and
+``update-ref`` then run in the shadow dir only.
 
 Decisions (documented in docs/explanation/result-collection.md):
 
@@ -33,6 +36,7 @@ Decisions (documented in docs/explanation/result-collection.md):
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import shutil
 import stat
@@ -202,24 +206,82 @@ class _Walk:
         ]
 
 
-def _walk(workspace: Path, base: dict[str, tuple[int, int, int, int, int, int]],
-          limits: Limits, tree: Tree) -> _Walk:  # fmt: skip
+def _git_changed(shadow: ShadowGit, workspace: Path, index: Path) -> set[str] | None:
+    """Tracked paths whose lstat no longer matches the base index, or None if git failed.
+
+    git is only a stat oracle here: ``diff-files`` lstats the tracked paths
+    (in C, with its preload threads) and never reads a file, because the base
+    index records no empty size and no racily-clean entry (see ``_index``).
+    Every path it names is then lstat-ed and read by us through safepath.
+    """
+    rc, out = shadow.run_bytes(
+        "-c", "core.trustctime=true", "-c", "core.checkStat=default",
+        "-c", "core.preloadIndex=true", f"--work-tree={workspace}",
+        "diff-files", "-z", "--name-only", "--ignore-submodules=all", index=index,
+    )  # fmt: skip
+    if rc != 0:
+        log.warning("git diff-files failed; every tracked file is stat-ed instead", rc=rc)
+        return None
+    return {os.fsdecode(p) for p in out.split(b"\0") if p}
+
+
+def _same_kind(git_mode: int, de: os.DirEntry[str]) -> bool:
+    """Is ``de`` (by ``d_type``, no system call) still the kind of its base entry?"""
+    if git_mode == 0o120000:
+        return de.is_symlink()
+    return git_mode != 0o160000 and de.is_file(follow_symlinks=False)
+
+
+def _walk(
+    base: dict[str, tuple[int, int, int, int, int, int]],
+    limits: Limits,
+    tree: Tree,
+    reported: concurrent.futures.Future[set[str] | None],
+) -> _Walk:
+    """Walk the workspace by ``d_type``; only entries git cannot vouch for are stat-ed here.
+
+    A name that is in the base with the same kind (file or link, from
+    ``d_type``: no system call) is left to ``git diff-files`` (``reported``,
+    running meanwhile); everything else (new names, changed kinds, special
+    files, directories) is lstat-ed and judged by :meth:`_Walk.entry`.
+    """
     w = _Walk(base, limits)
-    for prefix, entries in tree.scan(w.descend, threads=limits.threads):
-        for name, st in entries:
+    trusted: list[str] = []
+    for prefix, _fd, entries in tree.dirs(w.descend):
+        for de in entries:
             w.count += 1
             if w.count > limits.max_files:
                 w.truncated = True
                 break
-            w.entry(prefix, name, st)
+            rel = prefix + de.name
+            known = base.get(rel)
+            if known is not None and _same_kind(known[0], de):
+                trusted.append(rel)
+                continue
+            try:
+                st = de.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            w.entry(prefix, de.name, st)
         if w.truncated:
             w.skipped.append(
                 Skipped(path=".", reason=f"more than {limits.max_files} entries: walk stopped")
             )
             break
-    for rel, reason in tree.skipped:
-        w.skip(os.fsdecode(rel), reason)
-        w.kept_prefixes.append(os.fsdecode(rel) + "/")
+    changed = reported.result()
+    for rel in trusted:
+        if changed is not None and rel not in changed:
+            w.seen.add(rel)
+            continue
+        try:
+            st = tree.stat(rel)
+        except (PathRefused, FileNotFoundError):
+            continue  # gone: a deletion
+        prefix, _, name = rel.rpartition("/")
+        w.entry(prefix + "/" if prefix else "", name, st)
+    for rel_b, reason in tree.skipped:
+        w.skip(os.fsdecode(rel_b), reason)
+        w.kept_prefixes.append(os.fsdecode(rel_b) + "/")
     w.resolve_hardlinks()
     return w
 
@@ -379,12 +441,15 @@ def collect(
         raise CollectError(f"base index missing: {base_index}")
     with ShadowGit(shadow_git) as shadow, Tree(workspace) as tree, \
             tempfile.TemporaryDirectory(prefix="agentbox-index-") as tmp:  # fmt: skip
-        w = _walk(workspace, cache, limits, tree)
+        index = Path(tmp) / "index"
+        shutil.copyfile(base_index, index)  # a fresh mtime: no entry is racily clean
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # git lstats the tracked files while we walk directories by d_type.
+            reported = pool.submit(_git_changed, shadow, workspace, index)
+            w = _walk(cache, limits, tree, reported)
         _apply_ignores(w, shadow, workspace)
         blobs = BlobWriter(shadow_git, base.object_format)
         records, nread, nbytes = _read_changed(w, tree, blobs)
-        index = Path(tmp) / "index"
-        shutil.copyfile(base_index, index)
         _update_index(shadow, index, records, w, base.object_format)
         tree_id = shadow.run("write-tree", index=index).stdout.strip()
         body = message.strip() or "agentbox task"

@@ -124,6 +124,7 @@ class ShadowGit:
         *args: str | os.PathLike[str],
         input: bytes | None = None,
         cwd: Path | None = None,
+        index: Path | None = None,
     ) -> tuple[int, bytes]:
         """Run one git command; return its exit code and raw stdout (paths stay bytes)."""
         out: list[bytes] = []
@@ -137,7 +138,7 @@ class ShadowGit:
                 on_stdout=out.append,
                 on_stderr=err.append,
                 timeout=self.timeout,
-                env=self.env(),
+                env=self.env(index),
                 cwd=cwd or self.git_dir,
                 stdin=stdin.fileno(),
             )

@@ -37,8 +37,6 @@ class Limits(BaseModel):
     """Entries walked beyond this stop the walk (reported; unseen base files are kept)."""
     max_diff_bytes: int = Field(default=1 << 20, gt=0)
     """The unified diff returned is cut here, with a truncation note."""
-    threads: int = Field(default=4, ge=1, le=32)
-    """Worker threads that stat the workspace."""
 
 
 class Skipped(BaseModel):

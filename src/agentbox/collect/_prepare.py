@@ -21,14 +21,16 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.collect._git import ShadowGit, user_git
+from agentbox.collect._index import fill_stat
 from agentbox.collect._model import Base
-from agentbox.collect._statcache import StatCache, snapshot
+from agentbox.collect._statcache import StatCache, keys, snapshot
 from agentbox.errors import CollectError, CommandError, PathRefused, RefusedError
 from agentbox.safepath import SafeWriter, Tree, openat2
 
@@ -268,9 +270,20 @@ def prepare(
                 _chown_tree(workspace, *owner)
             made.append(base_index)
             tmp_index = base_index.with_name(base_index.name + ".tmp")
+            stats = snapshot(workspace)
             shadow.run("read-tree", tree, index=tmp_index)
-            StatCache(snapshot(workspace, modes)).save(StatCache.path_for(base_index))
+            fill_stat(
+                tmp_index,
+                {
+                    os.fsencode(r): stats[r]
+                    for r, m in modes.items()
+                    if m != 0o160000 and r in stats
+                },
+                fmt,
+            )
+            StatCache(keys(stats, modes)).save(StatCache.path_for(base_index))
             tmp_index.rename(base_index)
+            _past_second(max((st.st_ctime_ns for st in stats.values()), default=0))
     except BaseException:
         for path in made:
             if path.is_dir() and not path.is_symlink():
@@ -289,6 +302,17 @@ def prepare(
         object_format=fmt,
         include_uncommitted=include_uncommitted,
     )
+
+
+def _past_second(ctime_ns: int) -> None:
+    """Return only once the clock is in a later second than ``ctime_ns``.
+
+    git compares stat times in whole seconds unless built with USE_NSEC; an
+    agent's write in the same second as our snapshot, keeping size and mtime,
+    could then look unchanged to it. After this, every write has a later ctime.
+    """
+    while time.time_ns() // 1_000_000_000 <= ctime_ns // 1_000_000_000:
+        time.sleep(0.05)
 
 
 def _chown_tree(root: Path, uid: int, gid: int) -> None:

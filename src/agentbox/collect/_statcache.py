@@ -25,7 +25,7 @@ from pathlib import Path
 from agentbox.errors import CollectError
 from agentbox.safepath import Tree
 
-__all__ = ["StatCache", "StatKey", "snapshot", "stat_key"]
+__all__ = ["StatCache", "StatKey", "keys", "snapshot", "stat_key"]
 
 #: (git mode, st_mode, size, mtime_ns, ctime_ns, ino)
 StatKey = tuple[int, int, int, int, int, int]
@@ -37,16 +37,20 @@ def stat_key(git_mode: int, st: os.stat_result) -> StatKey:
     return (git_mode, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
-def snapshot(workspace: Path, modes: dict[str, int]) -> dict[str, StatKey]:
-    """Stat every base entry (``modes``: path -> git mode) in the workspace."""
-    out: dict[str, StatKey] = {}
+def snapshot(workspace: Path) -> dict[str, os.stat_result]:
+    """``lstat`` of every entry in the workspace but its ``.git`` (directories excluded)."""
+    out: dict[str, os.stat_result] = {}
     with Tree(workspace) as tree:
         for prefix, entries in tree.scan(lambda rel: rel != ".git"):
             for name, st in entries:
-                rel = prefix + name
-                mode = modes.get(rel)
-                if mode is not None and not stat.S_ISDIR(st.st_mode):
-                    out[rel] = stat_key(mode, st)
+                if not stat.S_ISDIR(st.st_mode):
+                    out[prefix + name] = st
+    return out
+
+
+def keys(stats: dict[str, os.stat_result], modes: dict[str, int]) -> dict[str, StatKey]:
+    """The saved form: base entries only (``modes``: path -> git mode)."""
+    out = {rel: stat_key(mode, stats[rel]) for rel, mode in modes.items() if rel in stats}
     # Submodule entries are directories: recorded with a zero stat, always "kept".
     for rel, mode in modes.items():
         if mode == 0o160000:

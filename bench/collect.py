@@ -1,0 +1,143 @@
+"""Collection time on a 50,000-file repo with 100 changed files, against `git status`.
+
+Usage: .venv/bin/python bench/collect.py [--files 50000] [--changed 100] [--runs 7]
+
+Builds the repo with `git fast-import` in a temp dir, prepares a workspace with
+agentbox.collect.prepare, changes files (80 edited, 10 added, 10 deleted), then
+times, alternately in the same run:
+
+* baseline: `git status --porcelain` in the workspace (its own fresh .git, index
+  refreshed once beforehand so git uses its stat cache, as a user's would);
+* agentbox: collect() (walk + stat compare + blobs + index + commit + diff);
+* agentbox walk only: the stat scan of the workspace, for the breakdown;
+* agentbox, no stat snapshot: collect() with an empty stat cache (reads every file).
+
+Prints medians and the ratio to `git status` (target: collect <= 1.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from agentbox.collect import collect, prepare
+from agentbox.collect._statcache import StatCache
+from agentbox.safepath import Tree
+
+ENV = {
+    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+    "HOME": "/nonexistent",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "LC_ALL": "C",
+}
+
+
+def make_repo(path: Path, nfiles: int) -> None:
+    """A repo with ``nfiles`` small files in a 3-level layout, made by fast-import."""
+    subprocess.run(["git", "init", "-q", "-b", "main", str(path)], env=ENV, check=True)
+    lines = [b"commit refs/heads/main\ncommitter b <b@b> 0 +0000\ndata 4\ninit\n"]
+    for i in range(nfiles):
+        data = b"line %d of a generated source file\n" % i * 4
+        rel = b"pkg%02d/mod%03d/file%05d.py" % (i % 50, (i // 50) % 200, i)
+        lines.append(b"M 100644 inline %s\ndata %d\n%s\n" % (rel, len(data), data))
+    subprocess.run(["git", "fast-import", "--quiet"], cwd=path, input=b"".join(lines),
+                   env=ENV, check=True)  # fmt: skip
+    subprocess.run(["git", "checkout", "-q", "main"], cwd=path, env=ENV, check=True)
+
+
+def change(ws: Path, nchanged: int) -> None:
+    """Edit 80%, add 10%, delete 10% of ``nchanged`` files, spread over the tree."""
+    files = sorted(p for p in ws.glob("pkg*/mod*/*.py"))
+    step = max(1, len(files) // nchanged)
+    picked = files[::step][:nchanged]
+    n_edit = nchanged * 8 // 10
+    n_add = nchanged // 10
+    for i, p in enumerate(picked):
+        if i < n_edit:
+            if i % 2:
+                p.write_bytes(p.read_bytes().replace(b"line", b"LINE", 1))  # same size
+            else:
+                p.write_bytes(p.read_bytes() + b"# edited\n")
+        elif i < n_edit + n_add:
+            (p.parent / f"new_{i}.py").write_text(f"NEW = {i}\n")
+        else:
+            p.unlink()
+
+
+def timed(fn: object) -> float:
+    t0 = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", type=int, default=50_000)
+    ap.add_argument("--changed", type=int, default=100)
+    ap.add_argument("--runs", type=int, default=7)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="agentbox-bench-") as tmp_s:
+        tmp = Path(tmp_s)
+        t0 = time.perf_counter()
+        make_repo(tmp / "repo", args.files)
+        t_make = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        base = prepare(tmp / "repo", tmp / "ws", tmp / "shadow.git", tmp / "base.index")
+        t_prepare = time.perf_counter() - t0
+        ws = tmp / "ws"
+        # The workspace's own .git has no stat data yet; one refresh, as a user's clone has.
+        subprocess.run(["git", "update-index", "-q", "--refresh"], cwd=ws, env=ENV, check=False)
+        change(ws, args.changed)
+        # A base index copy with an empty stat snapshot: what collection costs without it.
+        shutil.copyfile(tmp / "base.index", tmp / "nostat.index")
+        StatCache({k: (v[0], 0, -1, 0, 0, 0) for k, v in
+                   StatCache.load(StatCache.path_for(tmp / "base.index")).entries.items()}
+                  ).save(StatCache.path_for(tmp / "nostat.index"))  # fmt: skip
+
+        def git_status() -> None:
+            subprocess.run(["git", "status", "--porcelain"], cwd=ws, env=ENV, check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
+
+        def ours() -> None:
+            got = collect(ws, tmp / "shadow.git", tmp / "base.index", base,
+                          task_id="bench", message="bench")  # fmt: skip
+            assert got.diffstat.files_changed == args.changed, got.diffstat
+
+        def walk_only() -> None:
+            with Tree(ws) as tree:
+                for _ in tree.scan(lambda r: r != ".git"):
+                    pass
+
+        def no_snapshot() -> None:
+            collect(ws, tmp / "shadow.git", tmp / "nostat.index", base,
+                    task_id="bench-nostat", message="bench")  # fmt: skip
+
+        git_status()
+        ours()  # warm the page cache and imports for both
+        rows: dict[str, list[float]] = {"git status": [], "collect": [], "walk only": []}
+        for _ in range(args.runs):
+            rows["git status"].append(timed(git_status))
+            rows["collect"].append(timed(ours))
+            rows["walk only"].append(timed(walk_only))
+        rows["collect, no stat snapshot"] = [timed(no_snapshot) for _ in range(2)]
+    base_t = statistics.median(rows["git status"])
+    print(f"repo: {args.files} files, {args.changed} changed; made in {t_make:.1f} s, "
+          f"prepare() in {t_prepare:.1f} s; {args.runs} runs, medians")  # fmt: skip
+    print(f"{'what':<28} {'median s':>9} {'min s':>8} {'vs git status':>14}")
+    for name, vals in rows.items():
+        med = statistics.median(vals)
+        print(f"{name:<28} {med:>9.3f} {min(vals):>8.3f} {med / base_t:>13.2f}x")
+    ratio = statistics.median(rows["collect"]) / base_t
+    print(f"target collect <= 1.5x git status: {'met' if ratio <= 1.5 else 'NOT met'} "
+          f"({ratio:.2f}x)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
