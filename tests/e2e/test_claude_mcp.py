@@ -3,7 +3,8 @@
 A host-side ``claude -p`` (the real binary, HOME in a temp dir) is driven by a
 host-side replay model whose script calls ``mcp__agentbox__delegate`` with
 ``wait=true``. agentbox's MCP server (stdio, spawned by claude from an
-``--mcp-config`` file, or streamable HTTP with the bearer token) asks the real
+``--mcp-config`` file, or streamable HTTP added with the exact ``claude mcp add``
+line ``agentbox serve`` prints) asks the real
 launcher, which runs the sandboxed Claude Code in podman through its own gateway
 and replay model. The host side must get the diff back: the host script's next
 turn only says ``DELEGATION-OK`` if the tool result it received contains the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -27,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.config import Settings
-from agentbox.mcp import token_path
+from agentbox.mcp import claude_add_command, token_path
 
 pytestmark = [
     pytest.mark.podman,
@@ -217,13 +219,7 @@ def test_host_claude_delegates_and_gets_the_diff(
             procs.append(mcp)
             _wait_port(port, mcp)
             token = token_path(Path(env["AGENTBOX_DATA_DIR"])).read_text().strip()
-            server = {
-                "type": "http",
-                "url": f"http://127.0.0.1:{port}/mcp",
-                "headers": {"Authorization": f"Bearer {token}"},
-            }
-        config = tmp_path / "mcp.json"
-        config.write_text(json.dumps({"mcpServers": {"agentbox": server}}))
+            server = None  # added below with the exact line `agentbox serve` prints
         home = tmp_path / "home"
         home.mkdir()
         claude_env = {
@@ -234,8 +230,18 @@ def test_host_claude_delegates_and_gets_the_diff(
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "MCP_TOOL_TIMEOUT": "600000",
         }
-        argv = [str(Settings().claude_binary), "-p", "Add a greet function to my repo."]
-        argv += ["--mcp-config", str(config), "--strict-mcp-config"]
+        claude = str(Settings().claude_binary)
+        argv = [claude, "-p", "Add a greet function to my repo."]
+        if server is not None:
+            config = tmp_path / "mcp.json"
+            config.write_text(json.dumps({"mcpServers": {"agentbox": server}}))
+            argv += ["--mcp-config", str(config), "--strict-mcp-config"]
+        else:
+            add = shlex.split(claude_add_command("127.0.0.1", port, token))
+            assert add[0] == "claude"
+            subprocess.run(
+                [claude, *add[1:]], env=claude_env, cwd=tmp_path, check=True, capture_output=True
+            )
         argv += ["--allowedTools", "mcp__agentbox__delegate"]
         argv += ["--output-format", "stream-json", "--verbose"]
         res = subprocess.run(
