@@ -181,12 +181,13 @@ def test_copy_in_and_out_through_the_safe_path_layer(vm: QemuSandbox, tmp_path: 
     assert vm.exec(["cat", "/workspace/incoming/d/f.txt"]).stdout == b"payload"
     # hostile shapes, made by the workload inside the guest
     vm.exec(["sh", "-c", "cd /workspace/incoming && ln -s /etc/shadow evil && mkfifo pipe &&"
-             " cp /bin/true suid && chmod 4755 suid && ln -s ../../../../ up"])  # fmt: skip
+             " cp /bin/true suid && chmod 4755 suid && ln -s ../../../../ up && ln -s d/f.txt in"])  # fmt: skip
     out = tmp_path / "out"
     vm.copy_out("/workspace/incoming", out)
     assert (out / "d/f.txt").read_text() == "payload"
-    assert (out / "evil").is_symlink() and os.readlink(out / "evil") == "/etc/shadow"
+    assert not (out / "evil").is_symlink() and not (out / "up").exists()  # point out: dropped
     assert not (out / "pipe").exists()
+    assert (out / "in").is_symlink() and (out / "in").read_text() == "payload"
     assert (out / "suid").stat().st_mode & 0o7777 == 0o755
     single = tmp_path / "single.txt"
     vm.copy_out("/workspace/incoming/d/f.txt", single)

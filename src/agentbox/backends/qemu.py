@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -72,6 +73,7 @@ def vmm_uid(settings: Settings, isolation: Literal["standard", "strict"]) -> int
     return os.getuid()
 
 
+@functools.cache
 def _qemu_version(binary: str) -> str:
     try:
         return _proc.run([binary, "--version"], timeout=30).stdout.split("\n")[0]
@@ -285,7 +287,6 @@ class QemuSandbox:
 
     def _connect(self) -> None:
         t0 = time.monotonic()
-        self._watchdog.start()
         if self.restored:
             wait_incoming(self.vm, timeout=BOOT_TIMEOUT)
         sock = self.vm.connect(BOOT_TIMEOUT)
@@ -300,6 +301,9 @@ class QemuSandbox:
             gw = self.spec.gateway_dir / GATEWAY_SOCKET_NAME
         session.hello(uid=self.spec.uid, mount_data=True, gateway=gw, timeout=BOOT_TIMEOUT)
         self.boot_seconds = time.monotonic() - t0
+        # The deadline is the workload's: it starts once the guest is ready.
+        self.deadline_at = time.monotonic() + self.spec.deadline
+        self._watchdog.start()
 
     def _on_broken(self, why: str) -> None:
         # A guest that breaks the protocol (or dies) is killed; its /data disk stays
@@ -362,7 +366,7 @@ class QemuSandbox:
     def copy_out(self, src: str, dest: Path) -> None:
         """Copy ``src`` out of the guest to ``dest`` through the safe path layer.
 
-        Links are recreated, never followed; devices, FIFOs and sockets are
+        Links are recreated when they point inside the copy, never followed; devices, FIFOs and sockets are
         skipped; setuid/setgid bits dropped. ``dest`` must not exist yet.
         """
         self._session().get_tar(src, lambda tf: write_tar(tf, dest))

@@ -2,7 +2,8 @@
 
 The archive is hostile input: member names are checked by
 :func:`agentbox.safepath.check_name` (no ``..``, no absolute paths, no
-control characters), links are recreated as links and never followed,
+control characters), links are recreated as links (only those whose target stays inside the
+copy) and never followed,
 hard links, devices, FIFOs and sockets are skipped, and modes are normalised
 (setuid/setgid dropped) by :class:`agentbox.safepath.SafeWriter`. Nothing is
 ever extracted with ``tarfile``'s own ``extract``.
@@ -10,6 +11,7 @@ ever extracted with ``tarfile``'s own ``extract``.
 
 from __future__ import annotations
 
+import posixpath
 import tarfile
 from pathlib import Path
 
@@ -25,6 +27,14 @@ log = get_logger("microvm.export")
 MAX_EXPORT_BYTES = 8 * 1024**3
 #: Largest single file a copy-out may write.
 MAX_EXPORT_FILE = 2 * 1024**3
+
+
+def _inside(parts: list[str], target: str) -> bool:
+    """Whether a link at ``parts`` (relative to the copy) with ``target`` stays inside it."""
+    if not target or target.startswith("/"):
+        return False
+    joined = posixpath.normpath(posixpath.join(*(parts[:-1] or ["."]), target))
+    return joined != ".." and not joined.startswith("../")
 
 
 def write_tar(tf: tarfile.TarFile, dest: Path) -> list[tuple[str, str]]:
@@ -62,7 +72,10 @@ def write_tar(tf: tarfile.TarFile, dest: Path) -> list[tuple[str, str]]:
                     f = tf.extractfile(m)
                     w.write_file(rel, f if f is not None else b"", m.mode)
                 elif m.issym():
-                    w.symlink(rel, m.linkname)
+                    if _inside(parts[1:], m.linkname):
+                        w.symlink(rel, m.linkname)
+                    else:
+                        skipped.append((m.name, "link pointing out of the copy"))
                 else:
                     skipped.append((m.name, "hard link" if m.islnk() else "special file"))
             except PathRefused as exc:
