@@ -40,6 +40,7 @@ CASES = [
     for rt in ("runc", "runsc")
     if _host.podman_runtime(rt).ok
 ]
+CASES.append(pytest.param(("qemu", None), id="qemu", marks=pytest.mark.qemu))
 
 
 class Case:
@@ -191,7 +192,17 @@ def one(i):
     req = urllib.request.Request(f"http://127.0.0.1:PORT/r/{i}", data=body, method="POST")
     with urllib.request.urlopen(req, timeout=20) as r:
         res[i] = json.loads(r.read())
+def half_close():
+    import socket
+    s = socket.create_connection(("127.0.0.1", PORT), timeout=20)
+    s.sendall(b"POST /half HTTP/1.0\r\nContent-Length: 3\r\n\r\nabc")
+    s.shutdown(socket.SHUT_WR)  # the reply must still come back through the relay
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    res["half"] = json.loads(data.split(b"\r\n\r\n", 1)[1])
 ts = [threading.Thread(target=one, args=(i,)) for i in range(N)]
+ts.append(threading.Thread(target=half_close))
 [t.start() for t in ts]; [t.join() for t in ts]
 print(json.dumps(res, sort_keys=True))
 """.replace("PORT", str(GATEWAY_PORT))
@@ -214,7 +225,9 @@ def gateway_dir(case: Case) -> Iterator[Path]:
 
 def _check_replies(stdout: bytes, n: int) -> None:
     got = json.loads(stdout)
-    assert got == {str(i): {"path": f"/r/{i}", "len": i * 100000} for i in range(n)}
+    want: dict[str, object] = {str(i): {"path": f"/r/{i}", "len": i * 100000} for i in range(n)}
+    want["half"] = {"path": "/half", "len": 3}
+    assert got == want
 
 
 def test_gateway_reachable_from_run(case: Case, gateway_dir: Path) -> None:
