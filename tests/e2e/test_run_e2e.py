@@ -220,7 +220,7 @@ upstream = "scripts/attack.yaml"
         launcher.close()
         for p in Path("/tmp").glob(f"agentbox-sentinel-{NONCE}*"):
             p.unlink()
-        if not os.environ.get("AGENTBOX_E2E_KEEP"):
+        if not os.environ.get("E2E_KEEP_DIRS"):
             shutil.rmtree(base, ignore_errors=True)
 
 

@@ -140,12 +140,19 @@ def _secure_socket(path: Path) -> None:
 
 
 class _Server(uvicorn.Server):
+    """Binds the socket under a tight umask, then restores the umask for everything else."""
+
     def __init__(self, config: uvicorn.Config, path: Path) -> None:
         super().__init__(config)
         self._path = path
 
     async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
+        old = os.umask(0o117)  # the socket is born 0660, never briefly world-writable
+        try:
+            await super().startup(sockets)
+        finally:
+            # Task dirs and workspaces are made with the normal umask.
+            os.umask(old)
         _secure_socket(self._path)
 
 
@@ -160,7 +167,6 @@ def serve(launcher: Launcher, *, path: Path | None = None) -> None:
         if not stat.S_ISSOCK(st.st_mode):
             raise PathRefused("refusing to replace a non-socket at the launcher socket", path=path)
         path.unlink()
-    old = os.umask(0o117)  # the socket is born 0660, never briefly world-writable
     try:
         config = uvicorn.Config(
             create_app(launcher), uds=str(path), log_level="warning", lifespan="off"
@@ -172,7 +178,6 @@ def serve(launcher: Launcher, *, path: Path | None = None) -> None:
         with contextlib.suppress(KeyboardInterrupt):
             server.run()
     finally:
-        os.umask(old)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         # Running tasks are cancelled and collected; a crash instead leaves them

@@ -1,0 +1,196 @@
+"""A launcher killed (SIGKILL) while its task runs; a new launcher reconciles it.
+
+``agentbox launcher serve`` runs as a real process; the task is submitted through
+the real unix-socket client; the agent (real Claude Code in the podman sandbox)
+has written a file and is in a long command when the launcher dies. The new
+launcher must remove the orphan sandbox, gateway and watchdog, collect what the
+agent wrote, publish it and mark the task.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agentbox.config import Settings
+from agentbox.gateway import read_usage
+from agentbox.launcher import LauncherClient, TaskRequest
+from agentbox.paths import TaskPaths
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.claude,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SLOW_SCRIPT = """\
+name: slow
+turns:
+  - text: "Writing, then a long command."
+    tool_use:
+      - name: Write
+        input: {file_path: "{{cwd}}/partial.txt", content: "written before the launcher died\\n"}
+  - tool_use:
+      - name: Bash
+        input:
+          command: "python3 -c 'import time; time.sleep(240)'"
+          description: "A long command"
+          timeout: 600000
+  - text: "Done."
+"""
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+class Served:
+    """``agentbox launcher serve`` as a child process with its own settings."""
+
+    def __init__(self, env: dict[str, str], sock: Path) -> None:
+        self.sock = sock
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agentbox", "launcher", "serve"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert self.proc.poll() is None, "launcher exited"
+            assert time.monotonic() < deadline, "launcher did not listen"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def world() -> Iterator[tuple[Settings, dict[str, str], Path]]:
+    from agentbox.image import build_default
+
+    build_default(Settings())
+    base = Path(tempfile.mkdtemp(prefix="agentbox-restart-", dir="/var/tmp"))
+    base.chmod(0o711)
+    (base / "slow.yaml").write_text(SLOW_SCRIPT)
+    (base / "models.toml").write_text(
+        '[models.replay-slow]\nkind = "replay"\nupstream = "slow.yaml"\n'
+    )
+    (base / "data").mkdir()
+    (base / "repos").mkdir()
+    repo = base / "repos" / "proj"
+    shutil.copytree(ROOT / "demo" / "sample-repo", repo)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "s")
+    env = {
+        "PATH": os.environ["PATH"],
+        "AGENTBOX_DATA_DIR": str(base / "data"),
+        "AGENTBOX_REPOS_ROOT": str(base / "repos"),
+        "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
+    }
+    settings = Settings(
+        data_dir=base / "data", repos_root=base / "repos", models_file=base / "models.toml"
+    )
+    try:
+        yield settings, env, repo
+    finally:
+        if not os.environ.get("E2E_KEEP_DIRS"):
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def test_launcher_killed_mid_task_is_reconciled(
+    world: tuple[Settings, dict[str, str], Path],
+) -> None:
+    settings, env, repo = world
+    sock = settings.data_dir / "launcher.sock"
+    first = Served(env, sock)
+    second = None
+    try:
+        with LauncherClient(sock) as client:
+            info = client.submit(
+                TaskRequest(repo=str(repo), task="write, then wait", model="replay-slow",
+                            deadline=600.0, task_id="restart-1")
+            )  # fmt: skip
+            paths = TaskPaths(settings.data_dir, info.id)
+            # Wait until the agent wrote its file and is inside the long command.
+            end = time.monotonic() + 180
+            while True:
+                info = client.get(info.id)
+                assert not info.terminal, info
+                try:
+                    if info.status == "running" and read_usage(paths.usage_file).requests >= 2:
+                        break
+                except Exception:  # the usage file appears with the gateway
+                    pass
+                assert time.monotonic() < end, "the agent never got to its long command"
+                time.sleep(0.5)
+            time.sleep(2.0)
+        # Facts about what the dead launcher leaves running.
+        import sqlite3
+
+        db = sqlite3.connect(settings.data_dir / "state.db")
+        gw_pid, wd_pid = db.execute(
+            "SELECT gateway_pid, watchdog_pid FROM tasks WHERE id = 'restart-1'"
+        ).fetchone()
+        db.close()
+        assert psutil.pid_exists(gw_pid) and psutil.pid_exists(wd_pid)
+
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(30)
+        sock.unlink(missing_ok=True)
+        # The sandbox outlives the launcher (conmon holds it): it is an orphan now.
+        names = subprocess.run(
+            ["podman", "ps", "--format", "{{.Names}}"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert "agentbox-task-restart-1" in names
+
+        second = Served(env, sock)  # reconciles before it listens
+        with LauncherClient(sock) as client:
+            info = client.get("restart-1")
+            assert info.status == "failed", info
+            assert "launcher died" in (info.error or "")
+            res = client.result("restart-1")
+        assert res.branch == "agentbox/restart-1"
+        assert (
+            _git(repo, "show", f"{res.branch}:partial.txt") == "written before the launcher died\n"
+        )
+        assert "partial.txt" in res.diff
+        names = subprocess.run(
+            ["podman", "ps", "-a", "--format", "{{.Names}}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        assert "agentbox-task-restart-1" not in names
+        for pid in (gw_pid, wd_pid):
+            assert (
+                not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            )
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+        subprocess.run(
+            ["podman", "rm", "-f", "-t", "0", "agentbox-task-restart-1"], capture_output=True
+        )
