@@ -191,7 +191,7 @@ def one(i):
     body = b"x" * (i * 100000)
     req = urllib.request.Request(f"http://127.0.0.1:PORT/r/{i}", data=body, method="POST")
     with urllib.request.urlopen(req, timeout=20) as r:
-        res[i] = json.loads(r.read())
+        res[str(i)] = json.loads(r.read())
 def half_close():
     import socket
     s = socket.create_connection(("127.0.0.1", PORT), timeout=20)
