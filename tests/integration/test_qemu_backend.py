@@ -180,8 +180,11 @@ def test_copy_in_and_out_through_the_safe_path_layer(vm: QemuSandbox, tmp_path: 
     vm.copy_in(src, "/workspace/incoming")
     assert vm.exec(["cat", "/workspace/incoming/d/f.txt"]).stdout == b"payload"
     # hostile shapes, made by the workload inside the guest
-    vm.exec(["sh", "-c", "cd /workspace/incoming && ln -s /etc/shadow evil && mkfifo pipe &&"
-             " cp /bin/true suid && chmod 4755 suid && ln -s ../../../../ up && ln -s d/f.txt in"])  # fmt: skip
+    hostile = (
+        "cd /workspace/incoming && ln -s /etc/shadow evil && mkfifo pipe &&"
+        " cp /bin/true suid && chmod 4755 suid && ln -s ../../../../ up && ln -s d/f.txt in"
+    )
+    vm.exec(["sh", "-c", hostile])
     out = tmp_path / "out"
     vm.copy_out("/workspace/incoming", out)
     assert (out / "d/f.txt").read_text() == "payload"
