@@ -99,6 +99,7 @@ def world() -> Iterator[World]:
     # A placeholder launcher socket that accepts nothing: a request reaching it hangs.
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(data / "launcher.sock"))
+    (data / "launcher.sock").chmod(0o666)  # reachable by the dropped server, but it never answers
     env = {
         "PATH": os.environ["PATH"],
         "HOME": str(base),
@@ -230,7 +231,7 @@ def test_non_loopback_bind_refused_at_start(world: World, listen: str) -> None:
         timeout=60,
     )
     assert res.returncode != 0
-    assert "loopback" in res.stderr
+    assert "loopback address only" in " ".join(res.stderr.split())
     assert not token_path(world.data).exists()  # refused before anything was written
 
 
@@ -245,7 +246,21 @@ def test_root_owned_repos_root_needs_a_user(world: World) -> None:
         stdin=subprocess.DEVNULL,
     )
     assert res.returncode == 3
-    assert "will not run as root" in res.stderr
+    assert "will not run as root" in " ".join(res.stderr.split())
+
+
+def test_unreachable_launcher_socket_refused_at_start(world: World) -> None:
+    (world.data / "launcher.sock").chmod(0o660)  # root:root, and the server is not in group 0
+    res = subprocess.run(
+        [sys.executable, "-m", "agentbox", "mcp", "--user", str(MCP_UID)],
+        env=world.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert res.returncode == 4, res.stderr
+    assert "groupadd --system agentbox" in " ".join(res.stderr.split())
 
 
 # -- privileges -------------------------------------------------------------------

@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -83,6 +84,7 @@ def prepare(
                 fix="start it first: agentbox launcher serve (or run agentbox serve)",
             ) from exc
         sock_path = Path(f"/proc/self/fd/{fd}")
+        _check_socket_access(os.fstat(fd), identity, sock)
         confine_filesystem(
             identity.uid, {identity.gid, *identity.groups}, writable=[settings.repos_root]
         )
@@ -94,6 +96,23 @@ def prepare(
         max_pending=max_pending,
     )
     return Prepared(config=config, token=token, identity=identity)
+
+
+def _check_socket_access(st: os.stat_result, identity: Identity, sock: Path) -> None:
+    """Refuse to start if the dropped server could not connect to the launcher at all."""
+    if st.st_uid == identity.uid:
+        ok = bool(st.st_mode & stat.S_IWUSR)
+    elif st.st_gid in (identity.gid, *identity.groups):
+        ok = bool(st.st_mode & stat.S_IWGRP)
+    else:
+        ok = bool(st.st_mode & stat.S_IWOTH)
+    if not ok:
+        raise UnsupportedError(
+            f"uid {identity.uid} could not connect to the launcher socket {sock} "
+            f"(mode {st.st_mode & 0o777:o}, group {st.st_gid})",
+            fix="groupadd --system agentbox, then restart the launcher (it gives its socket "
+            "to that group, and the MCP server joins it)",
+        )
 
 
 def run_stdio(prepared: Prepared) -> None:
