@@ -94,7 +94,7 @@ def baseline(base: Path, script: Path, runs: int) -> list[float]:
         }
         times = []
         for i in range(runs):
-            repo = make_repo(base / f"host-{i}")
+            repo = make_repo(base / f"host-{i}-{secrets.token_hex(3)}")
             t0 = time.perf_counter()
             subprocess.run(
                 [str(settings.claude_binary), *FLAGS, "--", "Check the repo."],
@@ -112,7 +112,7 @@ def agentbox_api(settings: Settings, runs: int) -> tuple[list[float], list[float
     total, before, after = [], [], []
     with Launcher(settings, max_tasks=1) as launcher:
         for i in range(runs):
-            repo = make_repo(settings.repos_root / f"api-{i}")
+            repo = make_repo(settings.repos_root / f"api-{i}-{secrets.token_hex(3)}")
             t0 = time.perf_counter()
             info = launcher.submit(
                 TaskRequest(repo=str(repo), task="Check the repo.", model="one-turn",
@@ -150,7 +150,7 @@ def agentbox_cli(base: Path, runs: int) -> list[float]:
     }
     times = []
     for i in range(runs):
-        repo = make_repo(base / "repos" / f"cli-{i}")
+        repo = make_repo(base / "repos" / f"cli-{i}-{secrets.token_hex(3)}")
         t0 = time.perf_counter()
         subprocess.run(
             [sys.executable, "-m", "agentbox", "run", "--repo", str(repo), "--model", "one-turn",
