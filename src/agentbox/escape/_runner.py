@@ -255,8 +255,8 @@ def host_outcomes(pids: list[int], view: HostView) -> list[Outcome]:
         if not own and results:
             seen = next(r[1] for r in results if not r[0])
         if view.vm and kind == "user" and not own:
-            add("host.ns_user", None, "the VMM runs as a plain unprivileged host uid, without a "
-                f"user namespace of its own ({seen}); see host.uid")  # fmt: skip
+            add("host.ns_user", None, "the VMM has no user namespace of its own: it runs as a "
+                f"host uid with capabilities dropped ({seen}); see host.uid")  # fmt: skip
             continue
         if view.runtime == "runsc" and kind in ("pid", "cgroup") and not own:
             # The workload's pid and cgroup namespaces are the Sentry's own (emulated); the
