@@ -331,6 +331,10 @@ def _bad_calls(world: World) -> list[tuple[str, dict[str, object], str]]:
     rootowned = make_repo(world.repos / "rootowned", uid=0)
     (world.repos / "plain").mkdir()
     os.chown(world.repos / "plain", MCP_UID, MCP_UID)
+    gitfile = world.repos / "gitfile"
+    gitfile.mkdir()
+    (gitfile / ".git").write_text(f"gitdir: {outside}/.git\n")
+    subprocess.run(["chown", "-R", f"{MCP_UID}:{MCP_UID}", str(gitfile)], check=True)
     return [
         ("delegate", {"repo": str(outside), "task": "x"}, "outside"),
         ("delegate", {"repo": str(link), "task": "x"}, "outside"),
@@ -340,6 +344,7 @@ def _bad_calls(world: World) -> list[tuple[str, dict[str, object], str]]:
         ("delegate", {"repo": "proj", "task": "x"}, "absolute"),
         ("delegate", {"repo": str(rootowned), "task": "x"}, "owned by uid 0"),
         ("delegate", {"repo": str(world.repos / "plain"), "task": "x"}, "not a git"),
+        ("delegate", {"repo": str(gitfile), "task": "x"}, "gitdir files are refused"),
         ("delegate", {"repo": str(world.repos / "missing"), "task": "x"}, "does not exist"),
         ("delegate", {"repo": "/etc", "task": "x"}, "outside"),
         ("delegate", {"repo": str(world.repo)}, "task"),
