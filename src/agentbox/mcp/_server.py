@@ -147,12 +147,20 @@ class _Tools:
                 "(progress is reported meanwhile); false: return the task id at once."
             ),
         ] = False,
+        include_uncommitted: Annotated[
+            bool,
+            Field(
+                description="Also copy the repo's uncommitted changes into the agent's copy "
+                "(otherwise a repo with uncommitted changes is refused)."
+            ),
+        ] = False,
     ) -> str:
         """Delegate a coding task to a sandboxed Claude Code working on a copy of `repo`.
 
-        The agent edits a fresh copy (the repo's committed HEAD); your working tree is never
-        touched. When it stops, its changes become the commit on branch `agentbox/<task-id>`
-        in `repo`. Returns the task id, or with wait=true the report, the diff and the branch.
+        The agent edits a fresh copy (the repo's committed HEAD, plus uncommitted changes with
+        include_uncommitted=true); your working tree is never touched. When it stops, its
+        changes become the commit on branch `agentbox/<task-id>` in `repo`. Returns the task
+        id, or with wait=true the report, the diff and the branch.
         Refused: a repo outside the repos root, a symlinked path, a repo that is not yours or
         not a git repo, too many tasks already in flight.
         """
@@ -161,7 +169,13 @@ class _Tools:
         except PathRefused as exc:
             raise _tool_error(exc) from exc
         request = TaskRequest(
-            repo=str(path), task=task, model=model, budget=budget, deadline=deadline, publish=False
+            repo=str(path),
+            task=task,
+            model=model,
+            budget=budget,
+            deadline=deadline,
+            include_uncommitted=include_uncommitted,
+            publish=False,
         )
         async with self._submit_lock:
             tasks = await self._call(self.client.list)
