@@ -132,13 +132,25 @@ def test_cli_mount_outside_roots_refused(sandbox_settings: Settings, tmp_path: P
     ],
 )
 def test_cli_boxfile_refusals(
-    sandbox_settings: Settings, tmp_path: Path, boxfile: str, words: str
+    sandbox_settings: Settings,
+    tmp_path: Path,
+    boxfile: str,
+    words: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    # In-process (the subprocess path is covered above): refused while parsing.
+    from agentbox.cli import main
+
     bf = tmp_path / "Boxfile"
     bf.write_text(boxfile + "\n")
-    res = _cli(sandbox_settings, "exec", "--boxfile", str(bf), "--", "true")
-    assert res.returncode != 0
-    assert words in res.stderr
+    monkeypatch.setenv("AGENTBOX_DATA_DIR", str(sandbox_settings.data_dir))
+    monkeypatch.setenv("AGENTBOX_CONFIG", "/nonexistent")
+    monkeypatch.setattr(sys, "argv", ["agentbox", "exec", "--boxfile", str(bf), "--", "true"])
+    with pytest.raises(SystemExit) as ei:
+        main()
+    assert ei.value.code != 0
+    assert words in capsys.readouterr().err
 
 
 def test_spec_refuses_mount_outside_roots(sandbox_settings: Settings, tmp_path: Path) -> None:
