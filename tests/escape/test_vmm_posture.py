@@ -180,3 +180,13 @@ def test_killing_the_host_process_leaves_no_qemu(backend: QemuBackend, tmp_path:
     # a later backend instance reclaims what the dead process left
     leftover = QemuBackend(Settings(data_dir=tmp_path)).cleanup_orphans()
     assert len(leftover) == 1 and leftover[0].startswith("orphan-")
+
+
+def test_output_flood_is_bounded_and_times_out(sandbox: QemuSandbox) -> None:
+    if sandbox.spec.isolation == "strict":
+        pytest.skip("one flood is enough")
+    t0 = time.monotonic()
+    res = sandbox.exec(["sh", "-c", "cat /dev/zero"], timeout=8)
+    assert res.timed_out and time.monotonic() - t0 < 60
+    assert 0 < len(res.stdout) <= 64 * 1024**2
+    assert sandbox.exec(["echo", "still here"]).stdout == b"still here\n"

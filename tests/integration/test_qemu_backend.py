@@ -253,13 +253,26 @@ def test_deadline_kills_the_vm(qemu_backend: QemuBackend) -> None:
     assert res.timed_out and time.monotonic() - t0 < 120
 
 
-def test_a_dead_guest_is_reported_and_the_host_moves_on(qemu_backend: QemuBackend) -> None:
-    spec = SandboxSpec(name="qemu-dies", image="default", resources=RES)
+def test_a_dead_guests_partial_data_is_still_collected(
+    qemu_backend: QemuBackend, tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "old").write_text("o")
+    spec = SandboxSpec(name="qemu-dies", image="default", resources=RES, workspace=ws)
     with qemu_backend.create(spec) as sb:
+        script = (
+            "rm old; echo partial > p; ln -s /etc/shadow out; ln -s p in; mkfifo f;"
+            " cp /bin/true s; chmod 4755 s; sync"
+        )
+        assert sb.exec(["sh", "-c", script]).exit_code == 0
         os.kill(sb.vm.vmm_pid(), 9)
         with pytest.raises(GuestError):
             sb.exec(["true"], timeout=30)
-        assert (sb.vm_dir / "data.img").exists()  # partial /data kept until destroy
+        sb.sync_workspace()  # read off the dead guest's disk, in a jail, never mounted
+    assert sorted(p.name for p in ws.iterdir()) == ["in", "p", "s"]
+    assert (ws / "p").read_text() == "partial\n" and (ws / "in").is_symlink()
+    assert (ws / "s").stat().st_mode & 0o7777 == 0o755
 
 
 def test_cleanup_orphans_ignores_live_owners(qemu_backend: QemuBackend) -> None:

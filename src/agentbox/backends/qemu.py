@@ -39,6 +39,7 @@ from agentbox.backends.base import (
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, GuestError, ImageError, SandboxError, UnsupportedError
 from agentbox.microvm._channel import Channel
+from agentbox.microvm._diskexport import export_disk
 from agentbox.microvm._disks import ensure_root_disk, make_data_disk
 from agentbox.microvm._export import write_tar
 from agentbox.microvm._guest import GuestSession, host_kernel
@@ -215,8 +216,8 @@ class QemuBackend:
         with self.create(spec) as sb:
             left = max(1.0, sb.deadline_at - time.monotonic())
             res = sb.exec(argv, timeout=left, stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr)
-            if spec.workspace is not None and sb.alive():
-                sb.sync_workspace()
+            if spec.workspace is not None:
+                sb.sync_workspace()  # from the dead guest's disk if it was killed
             return res
 
     def cleanup_orphans(self) -> list[str]:
@@ -372,14 +373,23 @@ class QemuSandbox:
         self._session().get_tar(src, lambda tf: write_tar(tf, dest))
 
     def sync_workspace(self) -> None:
-        """Replace ``spec.workspace``'s content with the guest's ``/workspace``."""
+        """Replace ``spec.workspace``'s content with the guest's ``/workspace``.
+
+        From the live guest through its agent; from a dead guest (deadline,
+        crash) by reading its ``/data`` disk in userspace, in a jail.
+        """
         ws = self.spec.workspace
         if ws is None:
             return
-        self._session().sync()
         staging = ws.parent / f".{ws.name}.agentbox-export-{secrets.token_hex(4)}"
         try:
-            self.copy_out(WORKSPACE_IN_SANDBOX, staging)
+            if self.alive():
+                self._session().sync()
+                self.copy_out(WORKSPACE_IN_SANDBOX, staging)
+            else:
+                self.vm.terminate()
+                uid = vmm_uid(self.backend.settings, "strict")
+                export_disk(self.vm_dir / "data.img", staging, uid=uid)
             for entry in list(ws.iterdir()):
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry)
