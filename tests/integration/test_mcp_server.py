@@ -283,6 +283,38 @@ def test_server_process_has_no_privileges(http_server: HttpServer) -> None:
     assert "ro" in mounts["/"]
 
 
+def _as_server(pid: int, groups: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in the server's mount namespace with the server's uid and groups."""
+    cmd = ["nsenter", f"--target={pid}", "--mount", "--", "setpriv"]
+    cmd += [f"--reuid={MCP_UID}", f"--regid={MCP_UID}", f"--groups={groups}"]
+    cmd += ["--bounding-set=-all", "--no-new-privs", "--", *argv]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_server_view_cannot_open_launcher_paths(http_server: HttpServer, world: World) -> None:
+    pid = http_server.proc.pid
+    groups = process_posture(pid)["Groups"].replace(" ", ",") or str(MCP_UID)
+    tasks = world.data / "tasks" / "t-1"
+    tasks.mkdir(parents=True, mode=0o700)
+    (tasks / "secret").write_text("x")
+    for path in (token_path(world.data), tasks / "secret", world.data / "launcher.sock"):
+        res = _as_server(pid, groups, "cat", str(path))
+        assert res.returncode != 0 and "Permission denied" in res.stderr, (path, res)
+    for path in ("/etc/agentbox-mcp-planted", f"{world.base}/planted", "/tmp/agentbox-planted"):
+        res = _as_server(pid, groups, "touch", path)
+        assert res.returncode != 0, (path, res)
+        assert not Path(path).exists()
+    # ... while the repos root, the one place it writes to, is writable.
+    res = _as_server(pid, groups, "touch", str(world.repo / ".git" / "probe"))
+    assert res.returncode == 0, res.stderr
+    (world.repo / ".git" / "probe").unlink()
+
+
 def test_dropped_identity_cannot_open_launcher_paths(world: World) -> None:
     # The same drop the server does, then try what a compromised server would.
     tasks = world.data / "tasks" / "t-1"
