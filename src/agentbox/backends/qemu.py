@@ -367,8 +367,9 @@ class QemuSandbox:
     def copy_out(self, src: str, dest: Path) -> None:
         """Copy ``src`` out of the guest to ``dest`` through the safe path layer.
 
-        Links are recreated when they point inside the copy, never followed; devices, FIFOs and sockets are
-        skipped; setuid/setgid bits dropped. ``dest`` must not exist yet.
+        Links are recreated when they point inside the copy, never followed;
+        devices, FIFOs and sockets are skipped; setuid/setgid bits dropped.
+        ``dest`` must not exist yet.
         """
         self._session().get_tar(src, lambda tf: write_tar(tf, dest))
 
