@@ -9,11 +9,13 @@ deadline, and one that plants the git-attack corpus in its workspace.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.config import Settings
-from agentbox.gateway import DEMO_SCRIPT
+from agentbox.gateway import DEMO_SCRIPT, read_usage
 from agentbox.launcher import Launcher, TaskInfo, TaskRequest, TaskResult
 
 pytestmark = [
@@ -199,6 +201,7 @@ upstream = "scripts/attack.yaml"
         "budget": ("replay-budget", {"budget": 1_000_000}),
         "deadline": ("replay-deadline", {"deadline": 20.0}),
         "attack": ("replay-attack", {}),
+        "cancel": ("replay-deadline", {}),
     }
     launcher = Launcher(settings, max_tasks=len(plan))
     runs: dict[str, Run] = {}
@@ -212,6 +215,16 @@ upstream = "scripts/attack.yaml"
                 task_id=f"e2e-{name}-{NONCE}",
             )  # fmt: skip
             ids[name] = (launcher.submit(req).id, repo)
+        # Cancel one task once its agent wrote a file and is in its long command.
+        cancel_id = ids["cancel"][0]
+        usage = settings.data_dir / "tasks" / cancel_id / "usage.json"
+        for _ in range(600):
+            with contextlib.suppress(Exception):
+                if read_usage(usage).requests >= 2:
+                    break
+            time.sleep(0.5)
+        time.sleep(1.0)
+        launcher.cancel(cancel_id)
         for name, (task_id, repo) in ids.items():
             info = launcher.wait(task_id, timeout=600)
             runs[name] = Run(info, launcher.result(task_id), repo)
@@ -323,3 +336,12 @@ def test_the_git_attack_corpus_through_a_real_sandbox(e2e: tuple[Settings, dict[
     assert list(Path("/tmp").glob(f"agentbox-sentinel-{NONCE}*")) == []
     # The user's repo config was not touched by the agent's config.
     assert "evil" not in (run.repo / ".git" / "config").read_text()
+
+
+def test_a_task_cancelled_while_running(e2e: tuple[Settings, dict[str, Run]]) -> None:
+    run = e2e[1]["cancel"]
+    assert run.info.status == "cancelled", run.info.error
+    assert run.info.finished_at is not None and run.info.started_at is not None
+    assert run.info.finished_at - run.info.started_at < 120
+    # What the agent wrote before the cancel is collected and published.
+    assert "partial.txt" in _files(run)
