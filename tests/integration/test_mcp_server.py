@@ -267,14 +267,24 @@ def test_unreachable_launcher_socket_refused_at_start(world: World) -> None:
 
 
 def test_server_process_has_no_privileges(http_server: HttpServer) -> None:
-    st = process_posture(http_server.proc.pid)
-    assert st["Uid"].split() == [str(MCP_UID)] * 4
-    assert st["Gid"].split() == [str(MCP_UID)] * 4
-    for key in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
-        assert int(st[key], 16) == 0, (key, st[key])
-    assert st["NoNewPrivs"] == "1"
-    # Its own mount namespace, with the root read-only and only the repos root writable.
     pid = http_server.proc.pid
+
+    async def call() -> None:  # a tool call runs in a worker thread: one more to check
+        async with _http_client(http_server) as client:
+            res = await client.call_tool("status", {"id": "t-1"})
+            assert res.is_error  # the placeholder launcher never answers
+
+    anyio.run(call)
+    tids = [p.name for p in Path(f"/proc/{pid}/task").iterdir()]
+    assert len(tids) > 1  # each thread must carry the dropped state
+    for tid in tids:
+        st = process_posture(f"{pid}/task/{tid}")
+        assert st["Uid"].split() == [str(MCP_UID)] * 4, tid
+        assert st["Gid"].split() == [str(MCP_UID)] * 4, tid
+        for key in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            assert int(st[key], 16) == 0, (tid, key, st[key])
+        assert st["NoNewPrivs"] == "1", tid
+    # Its own mount namespace, with the root read-only and only the repos root writable.
     assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
     mounts = {}
     for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():

@@ -20,7 +20,6 @@ Done while still root, just before the privilege drop:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import stat
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from agentbox._log import get_logger
 from agentbox.errors import UnsupportedError
+from agentbox.mcp._privdrop import load_libc
 
 __all__ = ["SCRATCH", "confine_filesystem", "needed_paths"]
 
@@ -57,10 +57,6 @@ class _MountAttr(ctypes.Structure):
         ("propagation", ctypes.c_uint64),
         ("userns_fd", ctypes.c_uint64),
     ]
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def _check(rc: int, what: str) -> None:
@@ -128,7 +124,7 @@ def confine_filesystem(uid: int, gids: Iterable[int], writable: Iterable[Path]) 
     """Give this process (still root) a private read-only mount view; see the module doc."""
     if os.geteuid() != 0:
         raise UnsupportedError("confine_filesystem needs root (it runs before the drop)")
-    libc = _libc()
+    libc = load_libc()
     gidset = set(gids)
     # Which needed paths sit below a directory the target may not traverse.
     covers: dict[Path, list[tuple[Path, int]]] = {}

@@ -63,7 +63,8 @@ class Identity:
     groups: tuple[int, ...] = ()
 
 
-def _libc() -> ctypes.CDLL:
+def load_libc() -> ctypes.CDLL:
+    """The C library, with errno kept for :func:`ctypes.get_errno`."""
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -108,14 +109,6 @@ def resolve_identity(user: str | None, repos_root: Path, socket_path: Path | Non
     return Identity(uid=uid, gid=gid, groups=groups)
 
 
-def _status() -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        out[key] = value.strip()
-    return out
-
-
 def process_posture(pid: int | str = "self") -> dict[str, str]:
     """The privilege-relevant lines of ``/proc/<pid>/status`` (Uid, Cap*, NoNewPrivs…)."""
     keep = {"Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs"}
@@ -134,7 +127,12 @@ def drop_privileges(identity: Identity | None) -> None:
     that no capability is held. Raises :class:`PolicyRefused` if anything
     survives the drop.
     """
-    libc = _libc()
+    libc = load_libc()
+    # The bounding set, capset and no-new-privs are per thread: drop while we are the only one,
+    # so every thread started later inherits the dropped state.
+    threads = [p.name for p in Path("/proc/self/task").iterdir()]
+    if len(threads) != 1:
+        raise PolicyRefused(f"privilege drop needs a single-threaded process, found {threads}")
     if os.geteuid() == 0:
         if identity is None:
             raise PolicyRefused("started as root without an identity to drop to")
@@ -151,10 +149,10 @@ def drop_privileges(identity: Identity | None) -> None:
         err = ctypes.get_errno()
         raise PolicyRefused(f"capset to empty sets failed: {os.strerror(err)}")
     _prctl(libc, PR_SET_NO_NEW_PRIVS, 1)
-    st = _status()
-    held = {
-        k: st.get(k) for k in ("CapInh", "CapPrm", "CapEff", "CapAmb") if int(st.get(k, "0"), 16)
-    }
+    st = process_posture()
+    # The bounding set can only be emptied when we started as root (it needs CAP_SETPCAP).
+    sets = ["CapInh", "CapPrm", "CapEff", "CapAmb"] + (["CapBnd"] if identity else [])
+    held = {k: st.get(k) for k in sets if int(st.get(k, "0"), 16)}
     uids = st.get("Uid", "").split()
     if held or st.get("NoNewPrivs") != "1" or "0" in uids:
         raise PolicyRefused(f"privilege drop did not take: {held or st}")
