@@ -7,14 +7,24 @@ import time
 from agentbox._log import get_logger
 from agentbox.backends.base import Backend, Sandbox
 from agentbox.config import Settings
-from agentbox.errors import UnsupportedError
 from agentbox.escape._controls import exec_controls, run_weak_controls, stall_control
 from agentbox.escape._fixtures import Fixture
 from agentbox.escape._model import Outcome, Report
 from agentbox.escape._registry import PROBES
-from agentbox.escape._runner import run_real
+from agentbox.escape._runner import real_spec, run_real
 
 __all__ = ["run_suite"]
+
+
+def _exec_controls_on_podman(settings: Settings, fx: Fixture, image: str) -> list[Outcome]:
+    from agentbox.backends.podman import PodmanBackend
+
+    spec = real_spec(fx, settings, image, "runc", "standard").replace(
+        name=f"agentbox-escape-{fx.decoy_nonce[-12:]}"
+    )
+    with PodmanBackend(settings).create(spec) as box:
+        return exec_controls(box.name, settings.sandbox_uid)
+
 
 log = get_logger("escape")
 
@@ -40,13 +50,8 @@ def run_suite(
     with Fixture(uid=settings.sandbox_host_uid) as fx:
 
         def during(box: Sandbox) -> list[Outcome]:
-            if not controls:
+            if not controls or backend.name != "podman":
                 return []
-            if backend.name != "podman":
-                raise UnsupportedError(
-                    f"exec controls need a podman sandbox, not {backend.name}",
-                    fix="run --controls with --backend podman",
-                )
             return exec_controls(box.name, settings.sandbox_uid)
 
         outcomes, extra, facts = run_real(
@@ -59,6 +64,10 @@ def run_suite(
             got = run_weak_controls(
                 fx, image, uid=settings.sandbox_uid, mapped_uid=settings.sandbox_host_uid
             )
+            if backend.name != "podman":
+                # The exec-level controls need `podman exec -t` / `--preserve-fds`: they
+                # prove the probe program, so a hardened podman sandbox serves any backend.
+                extra = _exec_controls_on_podman(settings, fx, image)
             got += extra
             got.append(stall_control())
             order = {p.id: i for i, p in enumerate(PROBES)}
