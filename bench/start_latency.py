@@ -2,7 +2,8 @@
 
 Usage: .venv/bin/python bench/start_latency.py [--runs 15] [--runtime runc] [--compass]
 
-Times, interleaved round-robin in the same run so machine load hits all alike:
+Times, interleaved in the same run (shuffled each round, a short pause before each
+step) so machine load and background cleanup hit all alike:
 
 * raw podman run, first output: `podman run --rm` with the *same* hardening flags and
   image (built by the same function the backend uses), Popen → first stdout byte;
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--runtime", default="runc")
     ap.add_argument("--compass", action="store_true")
+    ap.add_argument("--settle", type=float, default=0.5, help="pause before each step (s)")
     args = ap.parse_args()
 
     settings = Settings()
@@ -173,8 +176,14 @@ def main() -> None:
             step()
         for v in rows.values():
             v.clear()
+        rng = random.Random(1)
         for _ in range(args.runs):
-            for step in steps:
+            # Shuffled each round, with a pause: a step must not pay for the previous
+            # one's background work (conmon's `podman container cleanup` after --rm).
+            order = steps[:]
+            rng.shuffle(order)
+            for step in order:
+                time.sleep(args.settle)
                 step()
     finally:
         if warm is not None:
