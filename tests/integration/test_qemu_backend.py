@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.backends.base import SandboxSpec
+from agentbox.backends.base import ExecResult, SandboxSpec
 from agentbox.backends.qemu import QemuBackend, QemuSandbox
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
@@ -273,6 +273,34 @@ def test_a_dead_guests_partial_data_is_still_collected(
     assert sorted(p.name for p in ws.iterdir()) == ["in", "p", "s"]
     assert (ws / "p").read_text() == "partial\n" and (ws / "in").is_symlink()
     assert (ws / "s").stat().st_mode & 0o7777 == 0o755
+
+
+def test_kill_by_name_ends_a_run_and_keeps_its_data(
+    qemu_backend: QemuBackend, tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    spec = SandboxSpec(name="qemu-cancel", image="default", resources=RES, workspace=ws)
+    written = threading.Event()
+    got: list[ExecResult] = []
+
+    def on_out(chunk: bytes) -> None:
+        if b"go" in chunk:
+            written.set()
+
+    def run() -> None:
+        script = "echo started > s; sync; echo go; sleep 600"
+        got.append(qemu_backend.run(spec, ["sh", "-c", script], on_stdout=on_out))
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert written.wait(120)
+    assert qemu_backend.kill("qemu-cancel")  # what a launcher's cancel calls
+    t.join(180)
+    assert got, "run() did not return after the kill"
+    assert got[0].exit_code == 137
+    assert (ws / "s").read_text() == "started\n"  # collected off the dead guest's disk
+    assert qemu_backend.kill("qemu-cancel") == []
 
 
 def test_cleanup_orphans_ignores_live_owners(qemu_backend: QemuBackend) -> None:

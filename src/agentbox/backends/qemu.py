@@ -50,7 +50,7 @@ from agentbox.microvm._vm import Vm, VmConfig
 from agentbox.microvm.kvm import probe_kvm
 from agentbox.microvm.posture import read_posture
 
-__all__ = ["QemuBackend", "QemuSandbox", "probe_kvm", "vmm_uid"]
+__all__ = ["QemuBackend", "QemuSandbox", "kill_sandbox", "probe_kvm", "vmm_uid"]
 
 log = get_logger("backends.qemu")
 
@@ -215,10 +215,25 @@ class QemuBackend:
         """One-shot: run ``argv``, write ``/workspace`` back to ``spec.workspace``, destroy."""
         with self.create(spec) as sb:
             left = max(1.0, sb.deadline_at - time.monotonic())
-            res = sb.exec(argv, timeout=left, stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr)
+            try:
+                res = sb.exec(
+                    argv, timeout=left, stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr
+                )
+            except GuestError as exc:
+                if sb.alive():
+                    raise
+                # Killed from outside (cancel, OOM, a crash): report it like a SIGKILL.
+                res = ExecResult(137, stderr=f"agentbox: the VM died: {exc}\n".encode())
             if spec.workspace is not None:
                 sb.sync_workspace()  # from the dead guest's disk if it was killed
             return res
+
+    def kill(self, name: str) -> list[str]:
+        """Kill now every VM created for sandbox ``name`` (its whole cgroup); idempotent.
+
+        The owner's ``exec`` then returns exit 137 and its ``/data`` stays collectable.
+        """
+        return kill_sandbox(self.settings, name)
 
     def cleanup_orphans(self) -> list[str]:
         """Remove VM dirs (and their VMMs, cgroups) whose owning process is gone."""
@@ -245,6 +260,28 @@ class QemuBackend:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d.name)
         return removed
+
+
+def kill_sandbox(settings: Settings, name: str) -> list[str]:
+    """Kill the VMMs of every VM created for sandbox ``name``; return the VM names."""
+    base = settings.data_dir / "microvm"
+    killed: list[str] = []
+    if not base.is_dir():
+        return killed
+    for d in base.iterdir():
+        try:
+            owner = json.loads((d / "owner").read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(owner, dict) or owner.get(LABEL) != name:
+            continue
+        for cg in _cgroup_dirs(d.name):
+            with contextlib.suppress(OSError, ValueError):
+                for pid in (cg / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), 9)
+        killed.append(d.name)
+    return killed
 
 
 def _pid_alive(pid: int) -> bool:

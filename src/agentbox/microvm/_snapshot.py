@@ -27,7 +27,7 @@ from agentbox.microvm._channel import Channel
 from agentbox.microvm._disks import make_data_disk
 from agentbox.microvm._guest import GuestSession, host_kernel
 from agentbox.microvm._qmp import wait_migration
-from agentbox.microvm._vm import Vm, VmConfig
+from agentbox.microvm._vm import TCG_CPU, Vm, VmConfig
 
 __all__ = ["ensure_snapshot", "snapshot_key", "wait_incoming"]
 
@@ -39,7 +39,7 @@ BOOT_TIMEOUT = 180.0
 def snapshot_key(cfg: VmConfig, qemu_version: str) -> str:
     """What a snapshot depends on: kernel, initramfs, root disk, VM shape, accel, QEMU."""
     parts = [cfg.kernel.release, cfg.initramfs.name, cfg.root_disk.name, str(cfg.memory_mib),
-             str(cfg.cpus), cfg.accel, qemu_version]  # fmt: skip
+             str(cfg.cpus), cfg.accel, TCG_CPU, qemu_version]  # fmt: skip
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 

@@ -31,6 +31,9 @@ log = get_logger("microvm.vm")
 
 #: QEMU's seccomp filter with every optional deny turned on.
 SANDBOX_FLAGS = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+#: The CPU model under TCG: ``max`` has the AVX/AVX2 that QEMU 7.2's TCG emulates and
+#: that Claude Code's native binary requires (under ``qemu64`` it dies with SIGILL).
+TCG_CPU = "max"
 #: TCG translation cache, MiB (QEMU's default is up to 1 GiB per VM).
 TCG_TB_MIB = 128
 #: Host memory the VMM may use beyond guest RAM (QEMU itself, TCG cache, I/O buffers).
@@ -85,7 +88,7 @@ def qemu_argv(cfg: VmConfig, *, in_jail: bool = True) -> list[str]:
     ]  # fmt: skip
     if cfg.marker:
         append.append("agentbox_marker=1")
-    cpu = "host" if cfg.accel == "kvm" else "qemu64"
+    cpu = "host" if cfg.accel == "kvm" else TCG_CPU
     accel = "kvm" if cfg.accel == "kvm" else f"tcg,tb-size={TCG_TB_MIB}"
     argv = [
         cfg.qemu_binary,
