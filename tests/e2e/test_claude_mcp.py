@@ -34,7 +34,6 @@ from agentbox.mcp import claude_add_command, token_path
 pytestmark = [
     pytest.mark.podman,
     pytest.mark.claude,
-    pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
 ]
 

@@ -234,7 +234,6 @@ async def _delegate_wait_result(client: Client, stack: Stack) -> None:
     assert _git(repo, "rev-parse", "--abbrev-ref", "HEAD").strip() == "main"
 
 
-@pytest.mark.slow
 def test_delegate_wait_result_over_stdio(stack: Stack) -> None:
     anyio.run(_delegate_wait_result, stack.stdio_client(), stack)
 
@@ -286,7 +285,6 @@ def http(stack: Stack) -> Iterator[Http]:
         _stop(proc)
 
 
-@pytest.mark.slow
 def test_delegate_wait_result_over_http(stack: Stack, http: Http) -> None:
     st = process_posture(http.proc.pid)
     assert int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0
@@ -322,7 +320,6 @@ async def _cancel_and_flood(client: Client, stack: Stack) -> None:
         assert "cancelled" in _text(res)
 
 
-@pytest.mark.slow
 def test_cancel_and_queue_limit_over_http(stack: Stack, http: Http) -> None:
     anyio.run(_cancel_and_flood, http.client(), stack)
 
