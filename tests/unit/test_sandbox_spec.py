@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -205,15 +207,23 @@ def test_crun_refused_with_the_cgroups_reason(settings: Settings) -> None:
     assert fac.detail in str(ei.value)
 
 
-def test_runsc_needs_mount_sources_the_gofer_can_reach(tmp_path: Path) -> None:
-    closed = tmp_path / "closed"
-    (closed / "ws").mkdir(parents=True)
-    closed.chmod(0o700)
-    os.chown(closed, 0, 0) if os.geteuid() == 0 else None
-    assert _searchable_by(closed / "ws", 100000) in (closed, tmp_path, *tmp_path.parents)
-    closed.chmod(0o711)
-    if _searchable_by(tmp_path, 100000) is None:
-        assert _searchable_by(closed / "ws", 100000) is None
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
+def test_runsc_needs_mount_sources_the_gofer_can_reach() -> None:
+    top = Path(tempfile.mkdtemp(dir="/var/tmp"))  # /var/tmp is 1777: the chain is ours
+    try:
+        top.chmod(0o711)
+        ws = top / "ws"
+        ws.mkdir()
+        ws.chmod(0o700)
+        # Owned by an unmapped id (root) and closed: the gofer (host uid 100000) cannot enter.
+        assert _searchable_by(ws, 100000) == ws
+        # Owned by mapped ids (the sandbox's 164000): the gofer's DAC override applies.
+        os.chown(ws, 164000, 164000)
+        assert _searchable_by(ws, 100000) is None
+        top.chmod(0o700)
+        assert _searchable_by(ws, 100000) == top
+    finally:
+        shutil.rmtree(top)
 
 
 def test_get_backend(settings: Settings) -> None:

@@ -177,12 +177,20 @@ def podman_global_args(runtime: str, *, gateway: bool = False) -> list[str]:
 
 
 def _searchable_by(path: Path, uid: int) -> Path | None:
-    """The first ancestor of ``path`` that host ``uid`` (no groups) cannot traverse."""
+    """The first ancestor of ``path`` that runsc's gofer (host ``uid``) cannot traverse.
+
+    The gofer is root of the container's user namespace (host ids ``uid`` ..
+    ``uid+65535``) with CAP_DAC_OVERRIDE there: a directory whose owner and
+    group are both mapped is always traversable; any other needs its x bit.
+    """
+    mapped = range(uid, uid + 65536)
     for d in [*reversed(path.parents), path]:
         try:
             st = d.stat()
         except OSError:
             return d
+        if st.st_uid in mapped and st.st_gid in mapped:
+            continue
         bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == uid else 0o001
         if not st.st_mode & bit:
             return d
