@@ -197,8 +197,16 @@ def _plant_files(ws: Path, outside: Path, markers: Path, *, fifo_gitignore: bool
         f.truncate(10 << 30)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corpus]:
+@pytest.fixture(scope="module", params=["git-oracle", "fallback"])
+def corpus(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Corpus]:
+    """The planted workspace, collected and published (with git's stat oracle, and without)."""
+    from agentbox.collect import _collect as cmod
+
+    mp = pytest.MonkeyPatch()
+    if request.param == "fallback":
+        mp.setattr(cmod, "_git_changed", lambda *a: None)
     tmp = tmp_path_factory.mktemp("attacks")
     outside, markers, found = _outside(tmp)
     repo = make_repo(
@@ -217,6 +225,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corpus]:
     before = repo_state(repo)
     got = collect(p.ws, p.shadow, p.index, p.base, task_id="attack", message="hostile")
     publish(p.shadow, repo, task_id="attack", commit=got.commit)
+    mp.undo()
     yield Corpus(p, outside, markers, found, got, before, repo_state(repo))
 
 

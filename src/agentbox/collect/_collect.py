@@ -49,7 +49,7 @@ from agentbox._log import get_logger
 from agentbox.collect._git import ShadowGit
 from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
 from agentbox.collect._objects import BlobWriter
-from agentbox.collect._statcache import StatCache, stat_key
+from agentbox.collect._statcache import MODES, BaseListing, load_keys, stat_key
 from agentbox.errors import CollectError, CommandError, PathRefused
 from agentbox.paths import validate_task_id
 from agentbox.safepath import MAX_NAME, SizeRefused, Tree, show
@@ -89,12 +89,15 @@ def _bad_name(name: str) -> str | None:
 
 
 class _Walk:
-    """The outcome of walking the workspace against the base snapshot."""
+    """The outcome of walking the workspace against the base."""
 
-    def __init__(self, base: dict[str, tuple[int, int, int, int, int, int]], limits: Limits):
+    def __init__(self, base: BaseListing, limits: Limits, keys: dict[str, bytes] | None):
         self.base = base
         self.limits = limits
-        self.seen: set[str] = set()
+        self.keys = keys  # stat keys: only when every entry is judged by us (no git)
+        self.judged: set[str] = set()
+        self.visited: set[str] = set()
+        self.deleted: list[str] = []
         self.changed: list[tuple[str, int, os.stat_result]] = []
         self.hard: list[tuple[str, int, os.stat_result]] = []
         self.links: collections.Counter[tuple[int, int]] = collections.Counter()
@@ -108,15 +111,19 @@ class _Walk:
         self.odd_gitignore = False
 
     def skip(self, rel: str, reason: str) -> None:
+        """Report ``rel``; a skipped path keeps its base version (if any)."""
         self.skipped.append(Skipped(path=show(os.fsencode(rel)), reason=reason))
-        if rel in self.base:
-            self.seen.add(rel)  # a skipped path keeps its base version
+
+    def note(self, rel: str, reason: str) -> None:
+        self.notes.append(Skipped(path=show(os.fsencode(rel)), reason=reason))
 
     def descend(self, rel: str) -> bool:
         return rel not in self.blocked
 
-    def entry(self, prefix: str, name: str, st: os.stat_result) -> None:
+    def entry(self, prefix: str, name: str, st: os.stat_result, base: int | None) -> None:
+        """Judge one entry from its lstat; ``base`` is its base git mode, if any."""
         rel = prefix + name
+        self.judged.add(rel)
         mode = st.st_mode
         if not prefix and name == ".git":
             self.blocked.add(rel)  # the agent's own repository: data, never read
@@ -136,38 +143,26 @@ class _Walk:
             stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode)
         ):
             self.odd_gitignore = True
-        base = self.base.get(rel)
         if stat.S_ISDIR(mode):
-            if base is not None and base[0] == 0o160000:
+            if base == 0o160000:
                 self.blocked.add(rel)  # a submodule: its pointer is kept as in the base
-                self.seen.add(rel)
+            elif base is not None:
+                self.deleted.append(rel)  # a base file replaced by a directory
             return
         if stat.S_ISREG(mode):
             gm = 0o100755 if mode & stat.S_IXUSR else 0o100644
             if mode & _SPECIAL_BITS:
-                self.notes.append(
-                    Skipped(path=show(os.fsencode(rel)), reason="setuid/setgid/sticky bit dropped")
-                )
+                self.note(rel, "setuid/setgid/sticky bit dropped")
         elif stat.S_ISLNK(mode):
             gm = 0o120000
             if name.lower() == ".gitmodules":
                 self.skip(rel, "a symlinked .gitmodules (git refuses it)")
                 return
         else:
-            kind = (
-                "fifo"
-                if stat.S_ISFIFO(mode)
-                else "socket"
-                if stat.S_ISSOCK(mode)
-                else "device"
-                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "unknown file type"
-            )
-            self.skip(rel, f"{kind} (not collected)")
+            self.skip(rel, f"{_kind(mode)} (not collected)")
             return
-        if base is not None and base == stat_key(gm, st):
-            self.seen.add(rel)
-            return
+        if self.keys is not None and self.keys.get(rel) == stat_key(gm, st):
+            return  # unchanged since the trusted moment
         if gm != 0o120000 and st.st_nlink > 1:
             self.hard.append((rel, gm, st))
             self.links[(st.st_dev, st.st_ino)] += 1
@@ -184,26 +179,30 @@ class _Walk:
                     f"{inside} inside): content not read",
                 )
             else:
-                self.notes.append(
-                    Skipped(
-                        path=show(os.fsencode(rel)),
-                        reason=f"hard link ({st.st_nlink} links, all inside): collected as a file",
-                    )
-                )
+                self.note(rel, f"hard link ({st.st_nlink} links, all inside): collected as a file")
                 self.changed.append((rel, gm, st))
 
-    def deleted(self) -> list[str]:
+    def all_deleted(self) -> list[str]:
+        """Base paths to remove: gone from a visited directory, or a directory not visited."""
         if self.truncated:
             return []  # an incomplete walk must not delete what it did not see
-        changed = {rel for rel, _, _ in self.changed}
-        prefixes = tuple(self.kept_prefixes)
-        return [
-            rel
-            for rel in self.base
-            if rel not in self.seen
-            and rel not in changed
-            and not (prefixes and rel.startswith(prefixes))
-        ]
+        gone = list(self.deleted)
+        kept = tuple(self.kept_prefixes) + tuple(b + "/" for b in self.blocked)
+        for prefix in self.base.dirs:
+            if prefix in self.visited or (kept and prefix.startswith(kept)):
+                continue
+            gone.extend(prefix + n for n in self.base.dirs[prefix][0].split("\0"))
+        return gone
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "unknown file type"
 
 
 def _git_changed(shadow: ShadowGit, workspace: Path, index: Path) -> set[str] | None:
@@ -225,70 +224,75 @@ def _git_changed(shadow: ShadowGit, workspace: Path, index: Path) -> set[str] | 
     return {os.fsdecode(p) for p in out.split(b"\0") if p}
 
 
-def _same_kind(git_mode: int, de: os.DirEntry[str]) -> bool:
-    """Is ``de`` (by ``d_type``, no system call) still the kind of its base entry?"""
-    if git_mode == 0o120000:
-        return de.is_symlink()
-    return git_mode != 0o160000 and de.is_file(follow_symlinks=False)
-
-
 def _walk(
-    base: dict[str, tuple[int, int, int, int, int, int]],
+    base: BaseListing,
     limits: Limits,
     tree: Tree,
-    reported: concurrent.futures.Future[set[str] | None],
+    reported: concurrent.futures.Future[set[str] | None] | None,
+    keys: dict[str, bytes] | None = None,
 ) -> _Walk:
     """Walk the workspace by ``d_type``; only entries git cannot vouch for are stat-ed here.
 
-    A name that is in the base with the same kind (file or link, from
-    ``d_type``: no system call) is left to ``git diff-files`` (``reported``,
-    running meanwhile); everything else (new names, changed kinds, special
-    files, directories) is lstat-ed and judged by :meth:`_Walk.entry`.
+    With ``reported`` (``git diff-files`` running meanwhile), a name that is in
+    the base with the same kind (file or link, from ``d_type``: no system
+    call) is left to git; everything else (new names, changed kinds, special
+    files, directories) is lstat-ed and judged by :meth:`_Walk.entry`. Without
+    it, every entry is lstat-ed and compared with the saved ``keys``.
     """
-    w = _Walk(base, limits)
-    trusted: list[str] = []
+    w = _Walk(base, limits, keys)
     for prefix, _fd, entries in tree.dirs(w.descend):
+        w.visited.add(prefix)
+        known = base.known(prefix)
+        if known:
+            present = {de.name for de in entries}
+            w.deleted.extend(prefix + n for n in known.keys() - present)
         for de in entries:
             w.count += 1
             if w.count > limits.max_files:
                 w.truncated = True
                 break
-            rel = prefix + de.name
-            known = base.get(rel)
-            if known is not None and _same_kind(known[0], de):
-                trusted.append(rel)
-                continue
+            code = known.get(de.name)
+            if (
+                reported is not None
+                and code is not None
+                and (
+                    de.is_symlink() if code == 2 else code < 2 and de.is_file(follow_symlinks=False)
+                )
+            ):
+                continue  # a tracked file or link, still one: git's diff-files judges it
             try:
                 st = de.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            w.entry(prefix, de.name, st)
+            w.entry(prefix, de.name, st, None if code is None else MODES[code])
         if w.truncated:
-            w.skipped.append(
-                Skipped(path=".", reason=f"more than {limits.max_files} entries: walk stopped")
-            )
+            w.skip(".", f"more than {limits.max_files} entries: walk stopped")
             break
-    changed = reported.result()
-    for rel in trusted:
-        if changed is not None and rel not in changed:
-            w.seen.add(rel)
-            continue
-        try:
-            st = tree.stat(rel)
-        except (PathRefused, FileNotFoundError):
-            continue  # gone: a deletion
-        prefix, _, name = rel.rpartition("/")
-        w.entry(prefix + "/" if prefix else "", name, st)
     for rel_b, reason in tree.skipped:
         w.skip(os.fsdecode(rel_b), reason)
         w.kept_prefixes.append(os.fsdecode(rel_b) + "/")
-    w.resolve_hardlinks()
     return w
+
+
+def _judge_reported(w: _Walk, tree: Tree, changed: set[str]) -> None:
+    """lstat and judge the tracked paths git found changed (that we left to it)."""
+    gone = set(w.deleted)
+    for rel in changed:
+        prefix, _, name = rel.rpartition("/")
+        prefix = prefix + "/" if prefix else ""
+        if rel in w.judged or rel in gone or prefix not in w.visited:
+            continue  # judged already, deleted, or under a directory not walked
+        try:
+            st = tree.stat(rel)
+        except (PathRefused, FileNotFoundError):
+            w.deleted.append(rel)
+            continue
+        w.entry(prefix, name, st, w.base.mode(rel))
 
 
 def _apply_ignores(w: _Walk, shadow: ShadowGit, workspace: Path) -> None:
     """Drop new paths that the workspace's ``.gitignore`` files ignore."""
-    new = [rel for rel, _, _ in w.changed if rel not in w.base]
+    new = [rel for rel, _, _ in w.changed if w.base.mode(rel) is None]
     if not new:
         return
     if w.odd_gitignore:
@@ -335,7 +339,6 @@ def _read_changed(w: _Walk, tree: Tree, blobs: BlobWriter) -> tuple[list[bytes],
             continue
         total += len(data)
         nread += 1
-        w.seen.add(rel)
         records.append(b"%o %s\t%s" % (gm, blobs.write(data).encode(), relb))
     return records, nread, total
 
@@ -345,7 +348,7 @@ def _update_index(
 ) -> None:
     """``update-index -z --index-info``; a path git refuses is dropped and reported."""
     zero = "0" * (64 if object_format == "sha256" else 40)
-    deletions = [b"0 %s\t%s" % (zero.encode(), os.fsencode(rel)) for rel in w.deleted()]
+    deletions = [b"0 %s\t%s" % (zero.encode(), os.fsencode(rel)) for rel in w.all_deleted()]
     pending = deletions + records
     for _attempt in range(50):
         if not pending:
@@ -436,9 +439,9 @@ def collect(
         Path(p).absolute() for p in (workspace, shadow_git, base_index)
     )
     branch = branch_name(task_id)
-    cache = StatCache.load(StatCache.path_for(base_index)).entries
     if not base_index.is_file():
         raise CollectError(f"base index missing: {base_index}")
+    listing = BaseListing.load(base_index)
     with ShadowGit(shadow_git) as shadow, Tree(workspace) as tree, \
             tempfile.TemporaryDirectory(prefix="agentbox-index-") as tmp:  # fmt: skip
         index = Path(tmp) / "index"
@@ -446,7 +449,14 @@ def collect(
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             # git lstats the tracked files while we walk directories by d_type.
             reported = pool.submit(_git_changed, shadow, workspace, index)
-            w = _walk(cache, limits, tree, reported)
+            w = _walk(listing, limits, tree, reported)
+            changed = reported.result()
+        if changed is None:  # no oracle: judge every entry against the saved stat keys
+            tree.skipped.clear()
+            w = _walk(listing, limits, tree, None, load_keys(base_index))
+        else:
+            _judge_reported(w, tree, changed)
+        w.resolve_hardlinks()
         _apply_ignores(w, shadow, workspace)
         blobs = BlobWriter(shadow_git, base.object_format)
         records, nread, nbytes = _read_changed(w, tree, blobs)

@@ -27,10 +27,10 @@ from pathlib import Path
 
 from agentbox import _proc
 from agentbox._log import get_logger
+from agentbox.collect import _statcache
 from agentbox.collect._git import ShadowGit, user_git
 from agentbox.collect._index import fill_stat
 from agentbox.collect._model import Base
-from agentbox.collect._statcache import StatCache, keys, snapshot
 from agentbox.errors import CollectError, CommandError, PathRefused, RefusedError
 from agentbox.safepath import SafeWriter, Tree, openat2
 
@@ -270,7 +270,7 @@ def prepare(
                 _chown_tree(workspace, *owner)
             made.append(base_index)
             tmp_index = base_index.with_name(base_index.name + ".tmp")
-            stats = snapshot(workspace)
+            stats = _statcache.snapshot(workspace)
             shadow.run("read-tree", tree, index=tmp_index)
             fill_stat(
                 tmp_index,
@@ -281,7 +281,7 @@ def prepare(
                 },
                 fmt,
             )
-            StatCache(keys(stats, modes)).save(StatCache.path_for(base_index))
+            _statcache.save(base_index, modes, stats)
             tmp_index.rename(base_index)
             _past_second(max((st.st_ctime_ns for st in stats.values()), default=0))
     except BaseException:
@@ -291,8 +291,7 @@ def prepare(
             else:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-        with contextlib.suppress(FileNotFoundError):
-            StatCache.path_for(base_index).unlink()
+        _statcache.remove(base_index)
         raise
     log.info("prepared", repo=str(repo), base=base_commit, tree=tree)
     return Base(
