@@ -137,8 +137,11 @@ class GateMiddleware:
         return host in ("127.0.0.1", "localhost", "::1") and port == self._port
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # no websockets: nothing here speaks them
+            await send({"type": "websocket.close", "code": 1008})
             return
         headers: dict[str, str] = {}
         for k, v in scope.get("headers", []):
