@@ -226,3 +226,26 @@ def test_watchdog_removes_the_sandbox_at_its_deadline(
         assert "deadline reached" in (tmp_path / "wd.log").read_text()
     finally:
         box.destroy()
+
+
+def test_cli_refusals_exit_3_and_create_nothing(settings: Settings, tmp_path: Path) -> None:
+    outside = make_repo(tmp_path / "outside")
+    env = {
+        "PATH": os.environ["PATH"],
+        "AGENTBOX_DATA_DIR": str(settings.data_dir),
+        "AGENTBOX_REPOS_ROOT": str(settings.repos_root),
+    }
+    agentbox = [sys.executable, "-m", "agentbox"]
+    for args in (
+        ["run", "--repo", str(outside), "do it"],
+        ["run", "--repo", str(outside), "--id", "Bad..Id", "do it"],
+    ):
+        res = subprocess.run([*agentbox, *args], env=env, capture_output=True, text=True)
+        assert res.returncode == 3, res.stderr
+        assert "error" in res.stderr
+    res = subprocess.run([*agentbox, "tasks", "--json"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert '"tasks": []' in res.stdout
+    assert not (settings.data_dir / "tasks").exists()
+    res = subprocess.run([*agentbox, "show", "nope"], env=env, capture_output=True, text=True)
+    assert res.returncode == 1 and "no such task" in res.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
@@ -24,7 +25,9 @@ from rich.text import Text
 
 from agentbox.boxfile import load_boxfile
 from agentbox.config import load_settings
+from agentbox.errors import PolicyRefused
 from agentbox.launcher.api import TaskInfo, TaskRequest, TaskResult
+from agentbox.paths import validate_task_id
 
 __all__ = ["register"]
 
@@ -146,16 +149,23 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
         box = load_boxfile(boxfile) if boxfile is not None else None
-        req = TaskRequest(
-            repo=str(repo.expanduser().absolute()),
-            task=task,
-            model=model,
-            budget=budget,
-            deadline=deadline,
-            task_id=task_id,
-            include_uncommitted=include_uncommitted,
-            publish=not no_publish,
-        )
+        if task_id is not None:
+            validate_task_id(task_id)
+        try:
+            req = TaskRequest(
+                repo=str(repo.expanduser().absolute()),
+                task=task,
+                model=model,
+                budget=budget,
+                deadline=deadline,
+                task_id=task_id,
+                include_uncommitted=include_uncommitted,
+                publish=not no_publish,
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise PolicyRefused(f"{where}: {first['msg']}") from exc
         launcher = _launcher()
         try:
             launcher.reconcile()
