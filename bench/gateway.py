@@ -4,8 +4,8 @@ Same run, same machine: the replay model is called directly (the baseline) and
 through a gateway (``--upstream http://127.0.0.1:…``), each a separate process.
 The one-core request rate is measured as requests per CPU-second the gateway
 process itself used (from /proc), which holds on a machine shared with other
-work; ``--gateway-cpu N`` pins it as well. The client is a minimal keep-alive HTTP/1.1 client on asyncio
-(httpx's own per-request cost would hide the gateway's).
+work; ``--gateway-cpu N`` pins it as well. The client is a minimal keep-alive
+HTTP/1.1 client on asyncio (httpx's own per-request cost would hide the gateway's).
 
 Reports p50/p99 of full-stream latency at 1 and 64 concurrent streaming clients,
 the difference (what the gateway adds), and requests/s for small non-streamed
