@@ -26,7 +26,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from agentbox._log import get_logger
-from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskNotFound
+from agentbox.errors import AgentboxError, PathRefused, RefusedError
 from agentbox.launcher.api import (
     MAX_BUDGET,
     MAX_DEADLINE,
@@ -256,12 +256,7 @@ class _Tools:
         return info
 
     async def _result_text(self, info: TaskInfo) -> str:
-        try:
-            res = await anyio.to_thread.run_sync(self.client.result, info.id)
-        except TaskNotFound as exc:
-            raise _tool_error(exc) from exc
-        except AgentboxError as exc:
-            raise _tool_error(exc) from exc
+        res = await self._call(self.client.result, info.id)
         fetched = await self._fetch(info, res)
         return _format_result(info, res, fetched, self.config.max_diff_chars)
 
