@@ -208,3 +208,17 @@ def test_kernel_and_nonce_check(
     else:
         with pytest.raises(GuestError, match="nonce"):
             s.check(timeout=5)
+
+
+def test_a_guest_that_stops_reading_cannot_wedge_a_send(
+    guest: FakeGuest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import agentbox.microvm._channel as ch
+
+    monkeypatch.setattr(ch, "SEND_TIMEOUT", 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(GuestError, match="send failed"):
+        for _ in range(10_000):  # the fake guest never reads
+            guest.chan.send(STDOUT, 2, b"x" * MAX_PAYLOAD)
+    assert time.monotonic() - t0 < 10
+    assert guest.broken

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +63,9 @@ class Channel:
     ) -> None:
         self.name = name
         self._sock = sock
-        self._sock.settimeout(SEND_TIMEOUT)
+        # Blocking for the reader; sends are non-blocking per call (MSG_DONTWAIT) with
+        # their own deadline, so a guest that stops reading cannot wedge the host.
+        self._sock.settimeout(None)
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
         self._ctrl: dict[int, queue.Queue[dict[str, Any]]] = {0: queue.Queue(MAX_QUEUED)}
@@ -112,10 +116,24 @@ class Channel:
             raise GuestError(f"channel broken: {self.error}", sandbox=self.name)
         try:
             with self._wlock:
-                self._sock.sendall(data)
+                self._sendall(data)
         except OSError as exc:
             self._break(f"send failed: {exc}")
             raise GuestError(f"channel send failed: {exc}", sandbox=self.name) from exc
+
+    def _sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        deadline = time.monotonic() + SEND_TIMEOUT
+        while view:
+            try:
+                view = view[self._sock.send(view, socket.MSG_DONTWAIT) :]
+                continue
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"guest did not drain the channel for {SEND_TIMEOUT:g}s")
+            select.select([], [self._sock], [], min(left, 1.0))
 
     # -- receiving
     def wait(self, stream: int, ops: set[str], timeout: float) -> dict[str, Any]:
@@ -140,7 +158,6 @@ class Channel:
 
     def _read(self) -> None:
         reader = FrameReader()
-        self._sock.settimeout(None)
         try:
             while True:
                 try:
