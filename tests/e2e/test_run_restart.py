@@ -194,3 +194,48 @@ def test_launcher_killed_mid_task_is_reconciled(
         subprocess.run(
             ["podman", "rm", "-f", "-t", "0", "agentbox-task-restart-1"], capture_output=True
         )
+
+
+def test_launcher_stopped_with_sigterm_cancels_and_collects(
+    world: tuple[Settings, dict[str, str], Path],
+) -> None:
+    settings, env, repo = world
+    sock = settings.data_dir / "launcher.sock"
+    served = Served(env, sock)
+    try:
+        with LauncherClient(sock) as client:
+            info = client.submit(
+                TaskRequest(repo=str(repo), task="write, then wait", model="replay-slow",
+                            deadline=600.0, task_id="sigterm-1")
+            )  # fmt: skip
+            paths = TaskPaths(settings.data_dir, info.id)
+            end = time.monotonic() + 180
+            while True:
+                try:
+                    if read_usage(paths.usage_file).requests >= 2:
+                        break
+                except Exception:
+                    pass
+                assert time.monotonic() < end, "the agent never got to its long command"
+                time.sleep(0.5)
+            time.sleep(1.0)
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(120) == 0
+        assert not sock.exists()
+        from agentbox.launcher import Launcher
+
+        launcher = Launcher(settings)
+        try:
+            info = launcher.get("sigterm-1")
+            assert info.status == "cancelled", info
+            res = launcher.result("sigterm-1")
+        finally:
+            launcher.close()
+        assert (
+            _git(repo, "show", f"{res.branch}:partial.txt") == "written before the launcher died\n"
+        )
+    finally:
+        served.stop()
+        subprocess.run(
+            ["podman", "rm", "-f", "-t", "0", "agentbox-task-sigterm-1"], capture_output=True
+        )
