@@ -296,14 +296,28 @@ async def _cancel_and_flood(client: Client, stack: Stack) -> None:
     repo = stack.new_repo()
     args = {"repo": str(repo), "task": "Think", "model": "slow"}
     async with client:
-        a = _task_id(_text(await client.call_tool("delegate", args)))
-        b = _task_id(_text(await client.call_tool("delegate", args)))
+        # A concurrent flood: exactly max-pending (2) are accepted, the rest refused.
+        results: list[object] = []
+
+        async def one() -> None:
+            results.append(await client.call_tool("delegate", args))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(one)
+        ok = [r for r in results if not getattr(r, "is_error", True)]
+        refused = [r for r in results if getattr(r, "is_error", False)]
+        assert len(ok) == 2 and len(refused) == 3, [_text(r) for r in results]
+        assert all("queue full" in _text(r) for r in refused)
+        a, b = (_task_id(_text(r)) for r in ok)
         before = _text(await client.call_tool("list_tasks", {}))
         flood = await client.call_tool("delegate", args)
         assert flood.is_error
         assert "queue full" in _text(flood)
-        # nothing was started for the refused call
-        assert _text(await client.call_tool("list_tasks", {})).count('"id"') == before.count('"id"')
+        # nothing was started for the refused calls
+        listed = _text(await client.call_tool("list_tasks", {}))
+        assert listed.count('"id"') == before.count('"id"')
+        assert listed.count(f'"{repo}"') == 2
         for tid in (a, b):
             res = await client.call_tool("cancel", {"id": tid})
             assert not res.is_error, _text(res)
