@@ -151,7 +151,6 @@ def main() -> None:
     warm = None
     oci_name = f"agentbox-bench-oci-{os.getpid()}"
     if args.compass:
-        rows["direct runc run (podman's bundle): first output"] = []
         warm = backend.create(spec())  # type: ignore[arg-type]
 
         def pool() -> None:
@@ -161,6 +160,7 @@ def main() -> None:
 
         steps.append(pool)
         if args.runtime == "runc":
+            rows["direct runc run (podman's bundle): first output"] = []
             bundle = prepare_bundle(settings, box, ws, facts, oci_name, root)
             counter = iter(range(10**6))
 
