@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.qemu, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def qemu_run() -> dict[str, Any]:
-    args = [sys.executable, "-m", "agentbox", "escape-test", "--json"]
+    args = [sys.executable, "-m", "agentbox", "escape-test", "--json", "--controls"]
     args += ["--backend", "qemu", "--isolation", "strict"]
     res = subprocess.run(args, capture_output=True, text=True, timeout=900, check=False)
     assert res.returncode in (0, 1), res.stderr[-2000:]
@@ -48,3 +48,9 @@ def test_qemu_vmm_posture_is_checked_not_skipped(qemu_run: dict[str, Any]) -> No
     # Guest-kernel probes are n/a, and say why.
     na = [p for p in qemu_run["probes"] if p["status"] == "n/a"]
     assert all(p["seen"] for p in na)
+
+
+def test_controls_fire_alongside_a_microvm_run(qemu_run: dict[str, Any]) -> None:
+    quiet = [c["id"] for c in qemu_run["controls"] if c["status"] not in ("pass", "n/a")]
+    assert not quiet
+    assert sum(c["status"] == "pass" for c in qemu_run["controls"]) >= 40

@@ -89,7 +89,7 @@ class WeakContainer:
             "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096",
             "--env-file", str(env_file),
             "--tmpfs", "/ctl:rw,suid,dev,exec",
-            "-v", f"{fx.workspace}:/workspace:rw",
+            "-v", f"{fx.control_workspace}:/workspace:rw",
             "-v", f"{fx.gateway_dir}:{GATEWAY_DIR_IN_SANDBOX}:rw",
             "-v", f"{fx.ro_dir}:{RO_TARGET}:rw",
             "-v", f"{fx.marker_dir}:{fx.marker_dir}:ro",

@@ -91,6 +91,12 @@ class Fixture:
         return self.root / "ws"
 
     @property
+    def control_workspace(self) -> Path:
+        """The weak control's own workspace: the real run may rewrite the first one
+        (a microVM syncs /workspace back), and the control needs the links intact."""
+        return self.root / "ws-control"
+
+    @property
     def marker_dir(self) -> Path:
         return self.root / "host-only"
 
@@ -124,11 +130,13 @@ class Fixture:
         (self.root / "parent-marker").write_text(self.marker_nonce + "\n")
         (self.ro_dir / "readme").write_text("declared read-only mount\n")
         (self.launcher_dir / "token").write_text(self.token + "\n")
-        (self.workspace / "link-marker").symlink_to(self.marker)
-        (self.workspace / "link-dir").symlink_to(self.marker_dir)
-        (self.workspace / "hello.txt").write_text("workspace file\n")
-        for p in [self.workspace, *self.workspace.iterdir()]:
-            os.lchown(p, self.uid, self.uid)
+        for ws in (self.workspace, self.control_workspace):
+            ws.mkdir(mode=0o755, exist_ok=True)
+            (ws / "link-marker").symlink_to(self.marker)
+            (ws / "link-dir").symlink_to(self.marker_dir)
+            (ws / "hello.txt").write_text("workspace file\n")
+            for p in [ws, *ws.iterdir()]:
+                os.lchown(p, self.uid, self.uid)
         weak_bin = self.weak_dir / "bin"
         weak_bin.mkdir(parents=True)
         for tool in ("apt", "su"):
