@@ -446,7 +446,7 @@ class Gateway:
         if content is None:
             await send_error(send, 502, "upstream answer too large or broken")
             return
-        if resp.status_code >= 400 or resp.status_code < 200:
+        if not 200 <= resp.status_code < 300:
             self.ledger.usage.upstream_errors += 1
             await self._send_upstream_error(send, resp.status_code, content, resp)
             return
@@ -488,7 +488,7 @@ class Gateway:
             await send_error(send, 502, f"upstream unreachable: {type(exc).__name__}")
             return
         try:
-            if resp.status_code >= 400 or resp.status_code < 200:
+            if not 200 <= resp.status_code < 300:
                 self.ledger.usage.upstream_errors += 1
                 content = await self._read_capped(resp, _MAX_ERROR_BODY)
                 self.ledger.release(res)
