@@ -70,3 +70,14 @@ def test_owner_liveness_survives_pid_reuse_checks() -> None:
     owner = Owner.of(proc.pid)
     proc.wait()
     assert owner is not None and not owner.alive()
+
+
+def test_public_surface_is_pinned() -> None:
+    import agentbox.launcher as pkg
+
+    assert set(pkg.__all__) == {
+        "Launcher", "LauncherClient", "ModelInfo", "TaskInfo", "TaskRequest", "TaskResult",
+        "TaskStatus", "TokenUsage",
+    }  # fmt: skip
+    for name in pkg.__all__:
+        assert getattr(pkg, name) is not None
