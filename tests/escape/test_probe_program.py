@@ -126,3 +126,8 @@ def test_host_threads_are_read_and_our_namespaces_match() -> None:
 
 def test_latency_meter_notices_a_stall() -> None:
     assert stall_control().status == "pass"
+
+
+def test_probe_source_fits_one_argv_string() -> None:
+    # It travels as `python3 -c SOURCE`: Linux caps one argument at 128 KiB (MAX_ARG_STRLEN).
+    assert len(probe_source().encode()) < 100 * 1024
