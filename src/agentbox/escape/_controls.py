@@ -61,6 +61,13 @@ __all__ = [
 log = get_logger("escape")
 
 
+def _shared_kernel_runtime() -> str:
+    """runc, or crun where runc is missing: the control must share the host's kernel."""
+    from agentbox import _host
+
+    return "runc" if _host.podman_runtime("runc").ok else "crun"
+
+
 class WeakContainer:
     """The deliberately weakened control container (plain ``podman run``); see the module doc."""
 
@@ -77,7 +84,8 @@ class WeakContainer:
         env_file = fx.weak_dir / "env"
         env_file.write_text(f"{TOKEN_ENV}={fx.token}\nDOCKER_HOST=unix:///run/podman/podman.sock\n")
         return [
-            "podman", "--runtime", "runc", "run", "-d", "--name", self.name, "--pull", "never",
+            "podman", "--runtime", _shared_kernel_runtime(), "run", "-d", "--name", self.name,
+            "--pull", "never",
             "--label", f"{LABEL}=1", "--label", f"io.agentbox.owner-pid={os.getpid()}",
             "--privileged", "--user", "0:0",
             "--network", "host", "--pid", "host", "--ipc", "host", "--uts", "host",
