@@ -154,17 +154,20 @@ def confine_filesystem(uid: int, gids: Iterable[int], writable: Iterable[Path]) 
             p.mkdir(parents=True, exist_ok=True)
             _mount(libc, f"/proc/self/fd/{fd}", str(p), None, MS_BIND | MS_REC)
             os.close(fd)
+    for p, fd in rw:
+        # mkdir creates something only when p sits under a cover's fresh tmpfs.
+        p.mkdir(parents=True, exist_ok=True)
+        _mount(libc, f"/proc/self/fd/{fd}", str(p), None, MS_BIND | MS_REC)
+        os.close(fd)
     # A private scratch dir (git's throw-away config for a fetch), gone with the namespace.
     # /dev/shm, not /tmp: a fresh /tmp would hide repos and data dirs that live there.
     _mount(libc, "tmpfs", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=4m")
     _setattr(libc, "/", set_=MOUNT_ATTR_RDONLY)
     _setattr(libc, SCRATCH, clr=MOUNT_ATTR_RDONLY)
+    for p, _ in rw:
+        _setattr(libc, str(p), clr=MOUNT_ATTR_RDONLY, set_=MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
     os.environ["TMPDIR"] = SCRATCH  # everything else is read-only from here on
     tempfile.tempdir = None
-    for p, fd in rw:
-        _mount(libc, f"/proc/self/fd/{fd}", str(p), None, MS_BIND | MS_REC)
-        os.close(fd)
-        _setattr(libc, str(p), clr=MOUNT_ATTR_RDONLY, set_=MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
     log.info(
         "filesystem confined",
         covered=[str(c) for c in covers],
