@@ -195,6 +195,11 @@ class _Walk:
         return gone
 
 
+def _plain_dir_name(prefix: str, name: str) -> bool:
+    """A directory name :meth:`_Walk.entry` would not stop at (no .git, no control char)."""
+    return (bool(prefix) or name != ".git") and not _is_dotgit(name) and _bad_name(name) is None
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISFIFO(mode):
         return "fifo"
@@ -240,24 +245,26 @@ def _walk(
     it, every entry is lstat-ed and compared with the saved ``keys``.
     """
     w = _Walk(base, limits, keys)
+    trust = reported is not None
     for prefix, _fd, entries in tree.dirs(w.descend):
         w.visited.add(prefix)
+        w.count += len(entries)
+        if w.count > limits.max_files:
+            w.truncated = True
+            w.skip(prefix or ".", f"more than {limits.max_files} entries: walk stopped")
+            break
         known = base.known(prefix)
         if known:
-            present = {de.name for de in entries}
-            w.deleted.extend(prefix + n for n in known.keys() - present)
+            w.deleted.extend(prefix + n for n in known.keys() - {de.name for de in entries})
+        get = known.get
         for de in entries:
-            w.count += 1
-            if w.count > limits.max_files:
-                w.truncated = True
-                break
-            code = known.get(de.name)
-            if (
-                reported is not None
-                and code is not None
-                and (
-                    de.is_symlink() if code == 2 else code < 2 and de.is_file(follow_symlinks=False)
-                )
+            code = get(de.name)
+            if code is None:
+                # A plain new directory needs no lstat: dirs() descends into it.
+                if de.is_dir(follow_symlinks=False) and _plain_dir_name(prefix, de.name):
+                    continue
+            elif trust and (
+                de.is_file(follow_symlinks=False) if code < 2 else code == 2 and de.is_symlink()
             ):
                 continue  # a tracked file or link, still one: git's diff-files judges it
             try:
@@ -265,9 +272,6 @@ def _walk(
             except FileNotFoundError:
                 continue
             w.entry(prefix, de.name, st, None if code is None else MODES[code])
-        if w.truncated:
-            w.skip(".", f"more than {limits.max_files} entries: walk stopped")
-            break
     for rel_b, reason in tree.skipped:
         w.skip(os.fsdecode(rel_b), reason)
         w.kept_prefixes.append(os.fsdecode(rel_b) + "/")
@@ -377,43 +381,54 @@ def _refused_path(stderr: str) -> bytes | None:
     return None
 
 
-def _diffstat(shadow: ShadowGit, base: str, commit: str) -> DiffStat:
-    out = shadow.run("diff-tree", "-r", "-z", "--numstat", "--no-renames", base, commit).stdout
-    files = ins = dels = 0
-    for rec in out.split("\0"):
-        if not rec or "\t" not in rec:
-            continue
-        added, deleted, _path = rec.split("\t", 2)
-        files += 1
-        ins += int(added) if added.isdigit() else 0
-        dels += int(deleted) if deleted.isdigit() else 0
-    return DiffStat(files_changed=files, insertions=ins, deletions=dels)
+def _diff(shadow: ShadowGit, base: str, commit: str, cap: int) -> tuple[DiffStat, str, bool]:
+    """The diffstat and the unified diff (cut at ``cap`` bytes) from one ``git diff-tree``.
 
-
-def _diff_text(shadow: ShadowGit, base: str, commit: str, cap: int) -> tuple[str, bool]:
+    ``--numstat -p`` prints one numstat line per file (paths quoted, so one
+    line each), a blank line, then the patch.
+    """
+    head: list[bytes] = []
     chunks: list[bytes] = []
     size = 0
     truncated = False
+    in_patch = False
 
     def keep(chunk: bytes) -> None:
-        nonlocal size, truncated
+        nonlocal size, truncated, in_patch
+        if not in_patch:
+            head.append(chunk)
+            joined = b"".join(head)
+            if b"\n\n" not in joined:
+                return
+            first, _, chunk = joined.partition(b"\n\n")
+            head[:] = [first]
+            in_patch = True
         if size < cap:
             chunks.append(chunk[: cap - size])
             size += len(chunks[-1])
-        if size >= cap:
+        if size >= cap and chunk:
             truncated = True
 
-    argv = shadow.argv(["diff-tree", "-p", "-r", "--no-color", "--no-ext-diff", "--no-textconv",
-                        "--no-renames", "--binary", base, commit])  # fmt: skip
+    argv = shadow.argv(["diff-tree", "-r", "--numstat", "-p", "--no-color", "--no-ext-diff",
+                        "--no-textconv", "--no-renames", "--binary", base, commit])  # fmt: skip
     err: list[bytes] = []
     rc = _proc.stream(argv, on_stdout=keep, on_stderr=err.append, env=shadow.env(),
                       cwd=shadow.git_dir, timeout=shadow.timeout)  # fmt: skip
     if rc != 0:
         raise CollectError(f"git diff-tree failed: {b''.join(err).decode(errors='replace')}")
+    files = ins = dels = 0
+    for line in b"".join(head).splitlines():
+        added, _, rest = line.partition(b"\t")
+        deleted, _, _path = rest.partition(b"\t")
+        if not _path:
+            continue
+        files += 1
+        ins += int(added) if added.isdigit() else 0
+        dels += int(deleted) if deleted.isdigit() else 0
     text = b"".join(chunks).decode("utf-8", "replace")
     if truncated:
         text += f"\n[diff truncated at {cap} bytes; see the branch for the rest]\n"
-    return text, truncated
+    return DiffStat(files_changed=files, insertions=ins, deletions=dels), text, truncated
 
 
 def collect(
@@ -467,8 +482,7 @@ def collect(
         commit = shadow.run("commit-tree", tree_id, "-p", base.base_commit,
                             input=full).stdout.strip()  # fmt: skip
         shadow.run("update-ref", f"refs/heads/{branch}", commit)
-        diffstat = _diffstat(shadow, base.base_commit, commit)
-        diff, truncated = _diff_text(shadow, base.base_commit, commit, limits.max_diff_bytes)
+        diffstat, diff, truncated = _diff(shadow, base.base_commit, commit, limits.max_diff_bytes)
     log.info("collected", task_id=task_id, commit=commit, files=diffstat.files_changed,
              skipped=len(w.skipped))  # fmt: skip
     return Collected(
