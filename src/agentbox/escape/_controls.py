@@ -168,7 +168,7 @@ def control_outcome(spec: ProbeSpec, probe: Outcome | None, control: str) -> Out
 
 def run_weak_controls(fx: Fixture, image: str, *, uid: int, mapped_uid: int) -> list[Outcome]:
     """Start the weak container, run every ``weak``/``kernel`` probe on it, remove it."""
-    box = WeakContainer(fx, image, f"agentbox-escape-ctl-{fx.marker_nonce[-12:]}")
+    box = WeakContainer(fx, image, f"agentbox-escape-{fx.marker_nonce[-12:]}-ctl")
     box.start()
     try:
         cfg = fx.probe_config(uid=uid, pids_max=512)

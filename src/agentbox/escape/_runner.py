@@ -443,7 +443,7 @@ def run_real(
             raise
         spec = spec.replace(mounts=())
         backend.check(spec)
-    facts: dict[str, object] = {}
+    facts: dict[str, object] = {"sandbox": spec.name, "fixture_root": str(fx.root)}
     vm = backend.name != "podman"
     view = HostView(
         runtime=runtime,

@@ -20,7 +20,7 @@ def _exec_controls_on_podman(settings: Settings, fx: Fixture, image: str) -> lis
     from agentbox.backends.podman import PodmanBackend
 
     spec = real_spec(fx, settings, image, "runc", "standard").replace(
-        name=f"agentbox-escape-{fx.decoy_nonce[-12:]}"
+        name=f"agentbox-escape-{fx.marker_nonce[-12:]}-execctl"
     )
     with PodmanBackend(settings).create(spec) as box:
         return exec_controls(box.name, settings.sandbox_uid)
