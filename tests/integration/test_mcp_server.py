@@ -217,6 +217,16 @@ def test_host_and_origin_checked(http_server: HttpServer) -> None:
     assert _post(http_server, {**auth, "Origin": f"http://evil.example:{p}"}).status_code == 403
     assert _post(http_server, {**auth, "Origin": f"http://localhost:{p}"}).status_code == 200
     assert _post(http_server, {**auth, "Host": f"localhost:{p}"}).status_code == 200
+    assert _post(http_server, {**auth, "Host": f"127.0.0.1:{p}@evil.example"}).status_code == 403
+    assert _post(http_server, {**auth, "Origin": "null"}).status_code == 403
+    # A second Authorization or Host header is refused, not resolved either way.
+    headers = [
+        ("Accept", ACCEPT),
+        ("Authorization", "Bearer nope"),
+        ("Authorization", f"Bearer {http_server.token}"),
+    ]
+    res = httpx.post(http_server.url, json=INIT, headers=headers, timeout=10)
+    assert res.status_code == 401
 
 
 @pytest.mark.parametrize(
