@@ -254,7 +254,9 @@ def register(app: typer.Typer) -> None:
                 except OSError:
                     continue
                 for line in data.decode(errors="replace").splitlines():
-                    console.print(f"[dim]{label:>8}[/dim] {escape(_render_event(line))}")
+                    console.print(
+                        f"[dim]{label:>8}[/dim] {escape(_render_event(line))}", soft_wrap=True
+                    )
             if not follow or launcher.get(task_id).terminal:
                 break
             time.sleep(0.5)
