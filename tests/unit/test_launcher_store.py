@@ -81,3 +81,15 @@ def test_public_surface_is_pinned() -> None:
     }  # fmt: skip
     for name in pkg.__all__:
         assert getattr(pkg, name) is not None
+
+
+def test_agent_log_is_capped(tmp_path: Path) -> None:
+    from agentbox.launcher._runner import _sink
+
+    with (tmp_path / "log").open("wb") as fh:
+        write = _sink(fh, limit=10)
+        for _ in range(5):
+            write(b"0123456")
+    data = (tmp_path / "log").read_bytes()
+    assert data.startswith(b"0123456012\n[agentbox: output past this point dropped")
+    assert data.count(b"dropped") == 1

@@ -70,6 +70,8 @@ SANDBOX_LABEL = "io.agentbox.task"
 DATA_LABEL = "io.agentbox.data"
 #: Seconds past the deadline after which the watchdog process removes the sandbox.
 WATCHDOG_GRACE = 30.0
+#: Each of the agent's log files (stdout, stderr) is capped.
+MAX_LOG_BYTES = 64 << 20
 #: The agent's final message kept in the report is capped.
 MAX_MESSAGE_CHARS = 8000
 
@@ -454,9 +456,23 @@ class _Cancelled(Exception):
     pass
 
 
-def _sink(fh: BinaryIO) -> Callable[[bytes], None]:
+def _sink(fh: BinaryIO, limit: int = MAX_LOG_BYTES) -> Callable[[bytes], None]:
+    """A callback writing the agent's output to ``fh``, up to ``limit`` bytes.
+
+    The agent controls what it prints; past the cap the rest is dropped (once
+    noted in the file) so a task cannot fill the host's disk through its log.
+    """
+    written = 0
+
     def write(chunk: bytes) -> None:
-        fh.write(chunk)
+        nonlocal written
+        if written >= limit:
+            return
+        room = limit - written
+        fh.write(chunk[:room])
+        written += min(len(chunk), room)
+        if written >= limit:
+            fh.write(b"\n[agentbox: output past this point dropped: log cap reached]\n")
         fh.flush()
 
     return write
