@@ -49,7 +49,7 @@ from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._watchdog import kill_sandbox, spawn_watchdog, stop_watchdog
 from agentbox.launcher._workspace import check_owner, ensure_private_dir, give_to_sandbox
 from agentbox.launcher.api import TokenUsage
-from agentbox.paths import TaskPaths
+from agentbox.paths import TaskPaths, check_inside
 from agentbox.sandbox import spec_from_boxfile
 
 __all__ = [
@@ -252,6 +252,7 @@ def _collect_and_finish(
             commit, diff, truncated = collected.commit, collected.diff, collected.diff_truncated
             report.branch = None
             if row.publish and commit:
+                check_inside(settings.repos_root, Path(row.repo), what="repo")
                 branch = publish(paths.shadow_git, Path(row.repo), task_id=row.id, commit=commit)
                 tlog(f"published {branch}")
         except AgentboxError as exc:
@@ -307,6 +308,9 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     box = Boxfile.model_validate_json(row.boxfile or "{}")
     tlog(f"preparing the workspace from {row.repo}")
     try:
+        # Checked again at use: the repos root belongs to a user who may have
+        # swapped a path component for a link since the request was validated.
+        check_inside(settings.repos_root, Path(row.repo), what="repo")
         uid = settings.sandbox_host_uid
         base = prepare(
             Path(row.repo),
