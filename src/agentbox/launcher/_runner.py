@@ -94,6 +94,16 @@ class _TaskLog:
             fh.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
 
 
+def _repo_at_use(settings: Settings, row: TaskRow) -> Path:
+    """The validated (resolved) repo path must still resolve to itself, inside the root."""
+    real = check_inside(settings.repos_root, Path(row.repo), what="repo")
+    if real != Path(row.repo):
+        raise PathRefused(
+            "the repo path now resolves elsewhere (a link was swapped in)", path=row.repo
+        )
+    return real
+
+
 def _make_task_dir(paths: TaskPaths) -> None:
     tasks = paths.data_dir / "tasks"
     ensure_private_dir(tasks, 0o700)
@@ -252,7 +262,7 @@ def _collect_and_finish(
             commit, diff, truncated = collected.commit, collected.diff, collected.diff_truncated
             report.branch = None
             if row.publish and commit:
-                check_inside(settings.repos_root, Path(row.repo), what="repo")
+                _repo_at_use(settings, row)
                 branch = publish(paths.shadow_git, Path(row.repo), task_id=row.id, commit=commit)
                 tlog(f"published {branch}")
         except AgentboxError as exc:
@@ -310,7 +320,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     try:
         # Checked again at use: the repos root belongs to a user who may have
         # swapped a path component for a link since the request was validated.
-        check_inside(settings.repos_root, Path(row.repo), what="repo")
+        _repo_at_use(settings, row)
         uid = settings.sandbox_host_uid
         base = prepare(
             Path(row.repo),
