@@ -40,7 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agentbox.backends._podman_args import entry_argv, image_facts, run_args
-from agentbox.backends.podman import PodmanBackend, _env_file
+from agentbox.backends._podman_util import env_file
+from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.sandbox import spec_from_boxfile
@@ -66,7 +67,7 @@ def prepare_bundle(
     """Let podman build the hardened OCI bundle once (``create`` + ``init``), then reuse
     its config.json (same seccomp, caps, userns, mounts, rootfs) for ``runc run``."""
     s = spec_from_boxfile(box, settings, workspace=ws, name=name)
-    with _env_file(s.env) as envf:
+    with env_file(s.env) as envf:
         argv = run_args(s, settings, facts, detach=True, env_file=envf)  # type: ignore[arg-type]
         i = argv.index("run")
         argv[i : i + 2] = ["create"]  # "run -d" -> "create"
@@ -123,7 +124,7 @@ def main() -> None:
 
     def raw() -> None:
         s = spec_from_boxfile(box, settings, workspace=ws)
-        with _env_file(s.env) as envf:
+        with env_file(s.env) as envf:
             argv = run_args(s, settings, facts, detach=False, env_file=envf)
             first, done = first_output(argv + entry_argv(s, ["echo", "x"]))
         rows["raw podman run --rm: first output"].append(first)

@@ -40,7 +40,7 @@ from agentbox.config import Settings
 from agentbox.errors import CommandError, SandboxError
 
 if TYPE_CHECKING:
-    from agentbox.backends.podman import PodmanSandbox
+    from agentbox.backends._podman_sandbox import PodmanSandbox
 
 __all__ = ["PROBE", "expected_mounts", "host_processes", "read_posture", "wait_relay"]
 
@@ -260,8 +260,8 @@ def _host_checks(spec: SandboxSpec, settings: Settings, info: dict[str, Any]) ->
     kinds = ("user", "net", "ipc", "mnt") if spec.runtime == "runsc" else NAMESPACES
     for kind in kinds:
         theirs, ours = _ns(pid, kind), _ns("self", kind)
-        checks.append(_check(f"{kind} namespace", "not the host's", theirs,
-                             "?" not in (theirs, ours) and theirs != ours, where="host"))  # fmt: skip
+        own = "?" not in (theirs, ours) and theirs != ours
+        checks.append(_check(f"{kind} namespace", "not the host's", theirs, own, where="host"))
     threads = host_processes(pid)
     uids = _all_same(st.get("Uid", "?") for _, _, st in threads)
     nnp = _all_same(st.get("NoNewPrivs", "?") for _, _, st in threads)
