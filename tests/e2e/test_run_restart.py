@@ -10,6 +10,7 @@ agent wrote, publish it and mark the task.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import psutil
 import pytest
 
 from agentbox.config import Settings
-from agentbox.gateway import read_usage
+from agentbox.gateway import read_usage, spawn_gateway
 from agentbox.launcher import LauncherClient, TaskRequest
 from agentbox.paths import TaskPaths
 
@@ -165,7 +166,19 @@ def test_launcher_killed_mid_task_is_reconciled(
         ).stdout.split()
         assert "agentbox-task-restart-1" in names
 
+        # A gateway of this data dir that no task row names (a crash between its
+        # spawn and the row update) is an orphan too.
+        ghost = settings.data_dir / "tasks" / "ghost-1"
+        (ghost / "gw").mkdir(parents=True)
+        (ghost / "token").write_text(secrets.token_urlsafe(32))
+        (ghost / "token").chmod(0o600)
+        ghost_gw = spawn_gateway(
+            socket_path=ghost / "gw" / "gateway.sock", token_file=ghost / "token",
+            model="replay-slow", budget=10, usage_file=ghost / "usage.json", settings=settings,
+        )  # fmt: skip
+
         second = Served(env, sock)  # reconciles before it listens
+        ghost_gw._proc.wait(30)  # reaped here: reconcile killed it
         with LauncherClient(sock) as client:
             info = client.get("restart-1")
             assert info.status == "failed", info

@@ -288,3 +288,12 @@ class Launcher:
             if name not in live:
                 log.warning("removing orphan sandbox", sandbox=name)
                 kill_sandbox("podman", name)
+        live_ids = {
+            r.id
+            for r in self.store.all()
+            if not r.info().terminal and r.owner is not None and r.owner.alive()
+        }
+        for task_id, gw in _runner.list_task_gateways(self.settings):
+            if task_id not in live_ids:
+                log.warning("removing orphan gateway", task_id=task_id, pid=gw.pid)
+                _runner.kill_gateway(gw)

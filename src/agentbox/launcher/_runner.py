@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import psutil
 from pydantic import TypeAdapter
 
 from agentbox import _proc
@@ -56,6 +57,7 @@ __all__ = [
     "SANDBOX_LABEL",
     "finish_orphan",
     "kill_gateway",
+    "list_task_gateways",
     "list_task_sandboxes",
     "read_diff",
     "run_task",
@@ -158,6 +160,23 @@ def list_task_sandboxes(settings: Settings) -> list[str]:
     except AgentboxError:
         return []
     return [n for n in res.stdout.split() if n.startswith("agentbox-task-")]
+
+
+def list_task_gateways(settings: Settings) -> list[tuple[str, Owner]]:
+    """Gateway processes serving a task socket of this data dir: (task id, process)."""
+    prefix = f"unix:{settings.data_dir / 'tasks'}/"
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "create_time"]):
+        cmd = proc.info.get("cmdline") or []
+        if "gateway" not in cmd or "--listen" not in cmd:
+            continue
+        i = cmd.index("--listen")
+        listen = cmd[i + 1] if i + 1 < len(cmd) else ""
+        if not listen.startswith(prefix):
+            continue
+        task_id = listen[len(prefix) :].split("/", 1)[0]
+        found.append((task_id, Owner(proc.info["pid"], proc.info["create_time"] or 0.0)))
+    return found
 
 
 def _final_message(stdout_log: Path) -> str:
