@@ -30,6 +30,8 @@ __all__ = ["register"]
 
 _CTX = {"allow_extra_args": False, "ignore_unknown_options": False}
 
+CmdArg = typer.Argument(..., help="The command (after --)")
+ShellArg = typer.Argument(None, help="Shell to run (default /bin/bash)")
 BackendOpt = typer.Option(None, "--backend", help="podman (default) or another backend")
 RuntimeOpt = typer.Option(None, "--runtime", help="OCI runtime: runc, crun or runsc (podman)")
 BoxfileOpt = typer.Option(None, "--boxfile", "-f", help="A Boxfile (TOML) declaring the sandbox")
@@ -64,7 +66,15 @@ def _boxfile(
 def _workspace(settings: Settings, given: Path | None) -> Iterator[Path]:
     """The given workspace, or a scratch one owned by the sandbox identity (removed after)."""
     if given is not None:
-        yield given.absolute()
+        ws = given.absolute()
+        with contextlib.suppress(OSError):
+            if ws.stat().st_uid != settings.sandbox_host_uid:
+                print(
+                    f"agentbox: note: {ws} is not owned by the sandbox identity "
+                    f"(host uid {settings.sandbox_host_uid}); the sandbox may not write to it",
+                    file=sys.stderr,
+                )
+        yield ws
         return
     root = settings.data_dir / "scratch"
     # 0711: runsc's gofer (host uid subid_base) must traverse it; it cannot list it.
@@ -97,7 +107,7 @@ def _prepare(
 
 
 def exec_cmd(
-    cmd: list[str] = typer.Argument(..., help="The command (after --)"),
+    cmd: list[str] = CmdArg,
     backend: str | None = BackendOpt,
     runtime: str | None = RuntimeOpt,
     boxfile: Path | None = BoxfileOpt,
@@ -135,7 +145,7 @@ def shell_cmd(
     boxfile: Path | None = BoxfileOpt,
     mount: list[Path] | None = MountOpt,
     workspace: Path | None = WorkspaceOpt,
-    cmd: list[str] | None = typer.Argument(None, help="Shell to run (default /bin/bash)"),
+    cmd: list[str] | None = ShellArg,
 ) -> None:
     """Open an interactive shell in a fresh hardened sandbox (same hardening as exec)."""
     from agentbox.config import load_settings
