@@ -21,16 +21,20 @@ import asyncio
 import contextlib
 import hmac
 import json
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from agentbox._log import get_logger
 from agentbox.gateway._budget import Ledger, Refusal, Reservation
 from agentbox.gateway._meter import StreamMeter, usage_from_message
+from agentbox.gateway._upstream import (
+    Pool,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    make_pool,
+)
 from agentbox.gateway._usage import write_bytes_atomic, write_usage
 from agentbox.gateway._wire import (
     BodyTooLarge,
@@ -104,15 +108,7 @@ class Gateway:
         """HTTP requests being handled (tests wait for 0 before reading the usage file)."""
         self._writing = False
         self._dirty = False
-        self._transports: list[httpx.AsyncHTTPTransport] = []
-        self._idle: list[httpx.AsyncHTTPTransport] = []
-        self._ssl: ssl.SSLContext | None = None
-        self._timeouts = {
-            "connect": cfg.connect_timeout,
-            "read": cfg.read_timeout,
-            "write": 60.0,
-            "pool": 60.0,
-        }
+        self._pool: Pool | None = None
         self._strip = frozenset(cfg.entry.stripped_fields)
         self._upstream_auth: list[tuple[str, str]] = []
         if cfg.upstream_key:
@@ -122,63 +118,27 @@ class Gateway:
         self.write_usage()
 
     # -- lifecycle ---------------------------------------------------------------------
-    def _take_transport(self) -> httpx.AsyncHTTPTransport:
-        """An idle upstream transport holding (at most) one keep-alive connection.
+    def pool(self) -> Pool:
+        """The upstream connection pool (created on first use, inside the event loop)."""
+        if self._pool is None:
+            self._pool = make_pool(
+                self.cfg.upstream_url,
+                self.cfg.upstream_uds,
+                connect_timeout=self.cfg.connect_timeout,
+                read_timeout=self.cfg.read_timeout,
+            )
+        return self._pool
 
-        httpx transports are used without an ``AsyncClient``: the client's cookie jar,
-        redirects, auth flow and URL merging cost time per request and none of them
-        may apply here (an upstream's cookies must not be replayed, a redirect must
-        not be followed). One transport per connection, kept in a LIFO list, because
-        httpcore's pool scans every connection (with a syscall each) per request:
-        at 16 concurrent streams that cost more than the rest of the gateway.
-        """
-        if self._idle:
-            return self._idle.pop()
-        if self._ssl is None:
-            # One verifying context for all transports: building one costs ~40 ms.
-            self._ssl = httpx.create_ssl_context()
-        transport = httpx.AsyncHTTPTransport(
-            verify=self._ssl,
-            uds=self.cfg.upstream_uds,
-            retries=0,
-            # Never take a proxy or a netrc credential from the environment.
-            trust_env=False,
-            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+    async def _upstream(self, scope: Scope, route: str, body: bytes) -> UpstreamResponse:
+        return await self.pool().request(
+            self._upstream_path(scope, route), self._upstream_headers(scope), body
         )
-        self._transports.append(transport)
-        return transport
-
-    async def _upstream(
-        self, scope: Scope, route: str, body: bytes
-    ) -> tuple[httpx.Response, httpx.AsyncHTTPTransport]:
-        request = httpx.Request(
-            "POST",
-            self.cfg.upstream_url + self._upstream_path(scope, route),
-            headers=self._upstream_headers(scope),
-            content=body,
-            extensions={"timeout": self._timeouts},
-        )
-        transport = self._take_transport()
-        try:
-            return await transport.handle_async_request(request), transport
-        except BaseException:
-            self._idle.append(transport)
-            raise
-
-    async def _done(self, resp: httpx.Response, transport: httpx.AsyncHTTPTransport) -> None:
-        """Close a response and put its transport back (its connection stays open if reusable)."""
-        try:
-            await resp.aclose()
-        finally:
-            self._idle.append(transport)
 
     async def aclose(self) -> None:
         """Close the upstream client and write the usage file a last time."""
-        for transport in self._transports:
-            with contextlib.suppress(Exception):
-                await transport.aclose()
-        self._transports.clear()
-        self._idle.clear()
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
         for _ in range(500):
             if not self._writing:
                 break
@@ -416,10 +376,10 @@ class Gateway:
             path += "?beta=true"
         return path
 
-    def _reply_headers(self, resp: httpx.Response) -> list[tuple[bytes, bytes]]:
+    def _reply_headers(self, resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
         out = []
         for name in _PASS_BACK:
-            v = resp.headers.get(name.decode())
+            v = resp.header(name.decode())
             if v is not None:
                 safe = _printable(v.encode("latin-1", "replace"), 256)
                 if safe is not None:
@@ -432,28 +392,28 @@ class Gateway:
             await send_json(send, 200, json.dumps({"input_tokens": est}).encode())
             return
         try:
-            resp, transport = await self._upstream(scope, "count_tokens", body)
+            resp = await self._upstream(scope, "count_tokens", body)
             try:
                 content = await self._read_capped(resp, _MAX_ERROR_BODY)
             finally:
-                await self._done(resp, transport)
-        except httpx.TimeoutException as exc:
+                await resp.aclose()
+        except UpstreamTimeout as exc:
             await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
             return
-        except httpx.HTTPError as exc:
-            await send_error(send, 502, f"upstream unreachable: {type(exc).__name__}")
+        except UpstreamError as exc:
+            await send_error(send, 502, f"upstream failed: {exc}")
             return
         if content is None:
             await send_error(send, 502, "upstream answer too large or broken")
             return
-        if not 200 <= resp.status_code < 300:
+        if not 200 <= resp.status < 300:
             self.ledger.usage.upstream_errors += 1
-            await self._send_upstream_error(send, resp.status_code, content, resp)
+            await self._send_upstream_error(send, resp.status, content, resp)
             return
         await send_json(send, 200, content, self._reply_headers(resp))
 
     async def _send_upstream_error(
-        self, send: Send, status: int, content: bytes, resp: httpx.Response
+        self, send: Send, status: int, content: bytes, resp: UpstreamResponse
     ) -> None:
         """Pass an upstream error on, in Anthropic's shape whatever the upstream sent."""
         try:
@@ -476,24 +436,24 @@ class Gateway:
         self, scope: Scope, body: bytes, res: Reservation, receive: Receive, send: Send
     ) -> None:
         try:
-            resp, transport = await self._upstream(scope, "messages", body)
-        except httpx.TimeoutException as exc:
+            resp = await self._upstream(scope, "messages", body)
+        except UpstreamTimeout as exc:
             self.ledger.release(res)
             self.ledger.usage.upstream_errors += 1
             await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
             return
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             self.ledger.release(res)
             self.ledger.usage.upstream_errors += 1
-            await send_error(send, 502, f"upstream unreachable: {type(exc).__name__}")
+            await send_error(send, 502, f"upstream failed: {exc}")
             return
         try:
-            if not 200 <= resp.status_code < 300:
+            if not 200 <= resp.status < 300:
                 self.ledger.usage.upstream_errors += 1
                 content = await self._read_capped(resp, _MAX_ERROR_BODY)
                 self.ledger.release(res)
-                await self._send_upstream_error(send, resp.status_code, content or b"", resp)
-            elif resp.headers.get("content-type", "").startswith("text/event-stream"):
+                await self._send_upstream_error(send, resp.status, content or b"", resp)
+            elif (resp.header("content-type") or "").startswith("text/event-stream"):
                 await self._stream(resp, res, receive, send)
             else:
                 content = await self._read_capped(resp, _MAX_UPSTREAM_BODY)
@@ -503,12 +463,12 @@ class Gateway:
                     return
                 count = usage_from_message(content)
                 self.ledger.settle(res, count, complete=count is not None)
-                await send_json(send, resp.status_code, content, self._reply_headers(resp))
+                await send_json(send, resp.status, content, self._reply_headers(resp))
         finally:
-            await self._done(resp, transport)
+            await resp.aclose()
 
     @staticmethod
-    async def _read_capped(resp: httpx.Response, limit: int) -> bytes | None:
+    async def _read_capped(resp: UpstreamResponse, limit: int) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
         try:
@@ -517,12 +477,12 @@ class Gateway:
                 if size > limit:
                     return None
                 chunks.append(chunk)
-        except httpx.HTTPError:
+        except UpstreamError:
             return None
         return b"".join(chunks)
 
     async def _stream(
-        self, resp: httpx.Response, res: Reservation, receive: Receive, send: Send
+        self, resp: UpstreamResponse, res: Reservation, receive: Receive, send: Send
     ) -> None:
         meter = StreamMeter()
         headers = [
