@@ -1,0 +1,219 @@
+"""The gateway's plain HTTP/1.1 upstream client against a raw server that misbehaves."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from agentbox.gateway._upstream import (
+    PlainPool,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+    make_pool,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _read_request(r: asyncio.StreamReader) -> bytes:
+    head = await r.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await r.readexactly(length)
+
+
+def _canned(*responses: bytes, close: bool = False) -> Handler:
+    """A server answering each request on a connection with the next canned response."""
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            for resp in responses:
+                await _read_request(r)
+                w.write(resp)
+                await w.drain()
+                if close:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            w.close()
+
+    return handle
+
+
+async def _with_server(handler: Handler, body: Callable[[PlainPool], Awaitable[None]]) -> None:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = make_pool(f"http://127.0.0.1:{port}", None, connect_timeout=2, read_timeout=2)
+    assert isinstance(pool, PlainPool)
+    try:
+        await body(pool)
+    finally:
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def _get(pool: PlainPool) -> tuple[int, bytes]:
+    resp = await pool.request("/v1/messages", [("content-type", "application/json")], b"{}")
+    try:
+        return resp.status, b"".join([c async for c in resp.aiter_bytes()])
+    finally:
+        await resp.aclose()
+
+
+def run(handler: Handler, body: Callable[[PlainPool], Awaitable[None]]) -> None:
+    asyncio.run(_with_server(handler, body))
+
+
+def test_content_length_chunked_and_keep_alive() -> None:
+    chunked = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=1\r\nde\r\n0\r\n\r\n"
+    )
+    plain = b"HTTP/1.1 201 Created\r\ncontent-length: 5\r\nrequest-id: r1\r\n\r\nhello"
+    seen: list[int] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        seen.append(1)
+        await _canned(chunked, plain, chunked)(r, w)
+
+    async def body(pool: PlainPool) -> None:
+        assert await _get(pool) == (200, b"abcde")
+        resp = await pool.request("/x", [], b"")
+        assert resp.status == 201 and resp.header("request-id") == "r1"
+        assert b"".join([c async for c in resp.aiter_bytes()]) == b"hello"
+        await resp.aclose()
+        assert await _get(pool) == (200, b"abcde")
+
+    run(handler, body)
+    assert len(seen) == 1  # one connection, kept alive for all three
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd",
+        b"HTTP/1.1 200 OK\r\ncontent-length: -3\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 0x10\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nbad header\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx-a: 1\r\n  folded\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nname : v\r\n\r\n",
+        b"HTTP/2 200\r\n\r\n",
+        b"SMTP 220 hello\r\n\r\n",
+        b"HTTP/1.1 20x OK\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n\r\n",
+    ],
+)
+def test_ambiguous_or_malformed_heads_refused(response: bytes) -> None:
+    async def body(pool: PlainPool) -> None:
+        with pytest.raises(UpstreamError):
+            await _get(pool)
+
+    run(_canned(response), body)
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [b"zz\r\nab\r\n0\r\n\r\n", b"3\r\nabcXY0\r\n\r\n", b"5\r\nab", b"3\r\nabc\r\n"],
+)
+def test_bad_chunking_is_an_error(chunks: bytes) -> None:
+    response = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunks
+
+    async def body(pool: PlainPool) -> None:
+        with pytest.raises(UpstreamError):
+            await _get(pool)
+
+    run(_canned(response, close=True), body)
+
+
+def test_read_to_eof_and_connection_close_are_not_reused() -> None:
+    conns: list[int] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(1)
+        await _read_request(r)
+        if len(conns) == 1:
+            w.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok")
+        else:
+            w.write(b"HTTP/1.0 200 OK\r\n\r\nuntil eof")
+        await w.drain()
+        w.close()
+
+    async def body(pool: PlainPool) -> None:
+        assert await _get(pool) == (200, b"ok")
+        assert await _get(pool) == (200, b"until eof")
+        assert pool._idle == []
+
+    run(handler, body)
+    assert len(conns) == 2
+
+
+def test_stale_keep_alive_connection_retried_once() -> None:
+    conns: list[int] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(1)
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nx")
+        await w.drain()
+        w.close()  # closes the keep-alive connection the client will try to reuse
+
+    async def body(pool: PlainPool) -> None:
+        assert await _get(pool) == (200, b"x")
+        await asyncio.sleep(0.05)
+        assert await _get(pool) == (200, b"x")
+
+    run(handler, body)
+    assert len(conns) == 2
+
+
+def test_timeouts_and_unreachable() -> None:
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        await asyncio.sleep(5)
+        w.close()
+
+    async def body(pool: PlainPool) -> None:
+        pool.read_timeout = 0.2
+        with pytest.raises(UpstreamTimeout):
+            await _get(pool)
+
+    run(silent, body)
+
+    async def unreachable() -> None:
+        pool = make_pool("http://127.0.0.1:1", None, connect_timeout=2, read_timeout=2)
+        with pytest.raises(UpstreamConnectError):
+            await pool.request("/", [], b"")
+
+    asyncio.run(unreachable())
+
+
+def test_partial_body_closes_the_connection() -> None:
+    big = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+        + b"2\r\nab\r\n" * 50
+        + b"0\r\n\r\n"
+    )
+    conns: list[int] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(1)
+        await _canned(big, big)(r, w)
+
+    async def body(pool: PlainPool) -> None:
+        resp = await pool.request("/", [], b"")
+        async for _ in resp.aiter_bytes():
+            break  # a client that hung up: the rest is never read
+        await resp.aclose()
+        assert pool._idle == []  # not reusable: the next request opens a new connection
+        assert (await _get(pool))[0] == 200
+
+    run(handler, body)
+    assert len(conns) == 2
