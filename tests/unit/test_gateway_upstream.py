@@ -217,3 +217,34 @@ def test_partial_body_closes_the_connection() -> None:
 
     run(handler, body)
     assert len(conns) == 2
+
+
+def test_httpx_pool_same_interface() -> None:
+    from agentbox.gateway._upstream import HttpxPool
+
+    chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+
+    async def main() -> None:
+        server = await asyncio.start_server(_canned(chunked, chunked), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = HttpxPool(base_url=f"http://127.0.0.1:{port}", connect_timeout=2, read_timeout=2)
+        try:
+            for _ in range(2):
+                resp = await pool.request("/v1/messages", [("x-api-key", "k")], b"{}")
+                assert resp.status == 200 and resp.header("transfer-encoding") == "chunked"
+                assert b"".join([c async for c in resp.aiter_bytes()]) == b"abc"
+                await resp.aclose()
+            assert len(pool._all) == 1  # the one transport was reused
+        finally:
+            await pool.aclose()
+            server.close()
+            await server.wait_closed()
+        down = HttpxPool(base_url="http://127.0.0.1:1", connect_timeout=2, read_timeout=2)
+        with pytest.raises(UpstreamConnectError):
+            await down.request("/", [], b"")
+
+    asyncio.run(main())
+    assert not isinstance(
+        make_pool("https://api.example.invalid", None, connect_timeout=1, read_timeout=1),
+        PlainPool,
+    )
