@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.gateway import DEMO_SCRIPT, read_usage
 from agentbox.launcher import Launcher, TaskInfo, TaskRequest, TaskResult
@@ -214,7 +215,15 @@ upstream = "scripts/attack.yaml"
                 deadline=extra.get("deadline", 300.0), budget=extra.get("budget"),
                 task_id=f"e2e-{name}-{NONCE}",
             )  # fmt: skip
-            ids[name] = (launcher.submit(req).id, repo)
+            # One task goes through a Boxfile (the CLI's --boxfile): smaller limits, a set var.
+            box = (
+                Boxfile.from_dict(
+                    {"resources": {"cpus": 1, "memory": "1GiB"}, "env": {"set": {"E2E": "1"}}}
+                )
+                if name == "create"
+                else None
+            )
+            ids[name] = (launcher.submit(req, boxfile=box).id, repo)
         # Cancel one task once its agent wrote a file and is in its long command.
         cancel_id = ids["cancel"][0]
         usage = settings.data_dir / "tasks" / cancel_id / "usage.json"
