@@ -107,6 +107,12 @@ def test_exec_identity_env_stdin_and_workdir(vm: QemuSandbox) -> None:
     assert res.stdout == b"64000\n1x\n/workspace\nin"
 
 
+def test_workload_has_no_privileges_in_the_guest(vm: QemuSandbox) -> None:
+    res = vm.exec(["sh", "-c", "grep -E '^(CapEff|NoNewPrivs|Groups):' /proc/self/status"])
+    fields = {k: v.strip() for k, v in (ln.split(":") for ln in res.stdout.decode().splitlines())}
+    assert fields == {"CapEff": "0000000000000000", "NoNewPrivs": "1", "Groups": ""}
+
+
 def test_guest_runs_its_own_kernel(vm: QemuSandbox) -> None:
     res = vm.exec(["uname", "-r"])
     assert res.stdout.decode().strip() != os.uname().release

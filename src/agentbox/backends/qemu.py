@@ -179,7 +179,7 @@ class QemuBackend:
         (vm_dir / "owner").write_text(json.dumps({"pid": os.getpid(), LABEL: spec.name}))
         vm: Vm | None = None
         try:
-            data = make_data_disk(spec.workspace, vm_dir / "data.img")
+            data = make_data_disk(spec.workspace, vm_dir / "data.img", uid=spec.uid)
             cfg = dataclasses.replace(self.base_config(spec, vm_dir / "run", data), name=name)
             fd: int | None = None
             if not self.cold:

@@ -266,14 +266,13 @@ class Agent:
         # mkfs.ext4 made it; the workspace should look exactly like the host's copy.
         with contextlib.suppress(OSError):
             os.rmdir("/workspace/lost+found")
-        st = os.lstat("/workspace")
-        if st.st_uid != self.uid:
-            old = st.st_uid
+        if os.lstat("/workspace").st_uid != self.uid:
+            # The host's copy carries host ids; in here it all belongs to the sandbox uid.
             for root, dirs, files in os.walk("/workspace"):
                 for name in dirs + files:
                     p = os.path.join(root, name)
                     with contextlib.suppress(OSError):
-                        if os.lstat(p).st_uid == old:
+                        if os.lstat(p).st_uid != self.uid:
                             os.lchown(p, self.uid, self.uid)
             os.lchown("/workspace", self.uid, self.uid)
 
@@ -302,18 +301,14 @@ class Agent:
         uid = int(msg.get("uid", self.uid))
         cwd = str(msg.get("cwd") or "/")
 
-        def demote() -> None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            libc = ctypes.CDLL(None)
-            libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-
+        ids = {"user": uid, "group": uid, "extra_groups": []} if uid != 0 else {}
         try:
+            # no_new_privs is already set on the agent (inherited); the ids are
+            # dropped by subprocess itself, so the child runs no Python before exec.
             proc = subprocess.Popen(
                 argv, env=env, cwd=cwd, stdin=subprocess.PIPE if msg.get("stdin") else
                 subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                preexec_fn=demote if uid != 0 else None, start_new_session=True,
+                start_new_session=True, **ids,  # type: ignore[arg-type]
             )  # fmt: skip
         except OSError as exc:
             self.ctrl({"op": "exit", "code": 127, "error": str(exc)}, stream)
@@ -471,6 +466,10 @@ class Agent:
 def main() -> None:
     """Open the port, serve until shutdown."""
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    # Everything the agent starts inherits no_new_privs: no setuid or file-capability
+    # binary in the image can give a workload back what dropping to its uid took away.
+    if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise SystemExit("agent: cannot set no_new_privs")
     fd = os.open(_find_port(), os.O_RDWR)
     os.set_inheritable(fd, False)
     Agent(fd).run()

@@ -71,11 +71,13 @@ def ensure_root_disk(settings: Settings, rootfs: Path, key: str) -> Path:
 
 def make_data_disk(workspace: Path | None, out: Path, *, uid: int = 0) -> Path:
     """A fresh ``/data`` disk at ``out`` holding a copy of ``workspace`` (or empty)."""
-    argv: list[str | os.PathLike[str]] = [
-        "mkfs.ext4", "-q", "-F", "-L", DATA_LABEL, "-m", "0", "-E", f"root_owner={uid}:{uid}",
-    ]  # fmt: skip
+    argv: list[str | os.PathLike[str]] = ["mkfs.ext4", "-q", "-F", "-L", DATA_LABEL, "-m", "0"]
     if workspace is not None:
+        # Ownership is copied from the host tree; the guest agent re-owns it to
+        # the sandbox uid when the root's owner differs.
         argv += ["-d", workspace]
+    else:
+        argv += ["-E", f"root_owner={uid}:{uid}"]
     argv += [out, str(DATA_DISK_BYTES // 1024**2) + "M"]
     out.unlink(missing_ok=True)
     _proc.run(argv, timeout=900)
