@@ -301,14 +301,15 @@ class Agent:
         uid = int(msg.get("uid", self.uid))
         cwd = str(msg.get("cwd") or "/")
 
-        ids = {"user": uid, "group": uid, "extra_groups": []} if uid != 0 else {}
+        drop = uid != 0
         try:
             # no_new_privs is already set on the agent (inherited); the ids are
             # dropped by subprocess itself, so the child runs no Python before exec.
             proc = subprocess.Popen(
                 argv, env=env, cwd=cwd, stdin=subprocess.PIPE if msg.get("stdin") else
                 subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, **ids,  # type: ignore[arg-type]
+                start_new_session=True, user=uid if drop else None,
+                group=uid if drop else None, extra_groups=[] if drop else None,
             )  # fmt: skip
         except OSError as exc:
             self.ctrl({"op": "exit", "code": 127, "error": str(exc)}, stream)
