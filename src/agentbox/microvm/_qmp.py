@@ -16,7 +16,7 @@ from typing import Any
 
 from agentbox.errors import SandboxError
 
-__all__ = ["run_qmp", "wait_migration"]
+__all__ = ["run_qmp", "wait_loaded", "wait_migration"]
 
 
 async def _session(path: Path, commands: list[tuple[str, dict[str, Any] | None]]) -> list[Any]:
@@ -32,6 +32,9 @@ async def _session(path: Path, commands: list[tuple[str, dict[str, Any] | None]]
                 args = {"fdname": args["fdname"]}
             if name == "__wait_migration__":
                 out.append(await _wait_migration(client, args or {}))
+                continue
+            if name == "__wait_loaded__":
+                out.append(await _wait_loaded(client))
                 continue
             out.append(await client.execute(name, args))
         return out
@@ -49,6 +52,23 @@ async def _wait_migration(client: Any, args: dict[str, Any]) -> str:
         if status in {"failed", "cancelled"}:
             raise SandboxError(f"migration {status}: {info.get('error-desc', '')}")
         await asyncio.sleep(0.01)
+
+
+async def _wait_loaded(client: Any) -> str:
+    # -incoming keeps the VM in "inmigrate" until the state is read; with -S it
+    # then stops in "paused" (or "prelaunch") for us to `cont`.
+    while True:
+        status = str((await client.execute("query-status")).get("status", ""))
+        if status in {"paused", "prelaunch", "running"}:
+            return status
+        if status in {"internal-error", "shutdown", "guest-panicked"}:
+            raise SandboxError(f"restore failed: VM is {status}")
+        await asyncio.sleep(0.005)
+
+
+def wait_loaded() -> tuple[str, dict[str, Any]]:
+    """A pseudo-command for :func:`run_qmp`: wait until an incoming VM has loaded its state."""
+    return ("__wait_loaded__", {})
 
 
 def wait_migration(want: tuple[str, ...] = ("completed",)) -> tuple[str, dict[str, Any]]:

@@ -26,7 +26,7 @@ from agentbox.errors import SandboxError
 from agentbox.microvm._channel import Channel
 from agentbox.microvm._disks import make_data_disk
 from agentbox.microvm._guest import GuestSession, host_kernel
-from agentbox.microvm._qmp import wait_migration
+from agentbox.microvm._qmp import wait_loaded, wait_migration
 from agentbox.microvm._vm import TCG_CPU, Vm, VmConfig
 
 __all__ = ["ensure_snapshot", "snapshot_key", "wait_incoming"]
@@ -99,20 +99,21 @@ def _save(cfg: VmConfig, out: Path) -> None:
 def wait_incoming(vm: Vm, timeout: float = 60.0) -> None:
     """Wait until a ``-incoming`` VM has loaded its state, then ``cont``."""
     end = time.monotonic() + timeout
+    while not vm.qmp_socket.exists():  # QEMU makes it before it reads the state
+        if not vm.alive():
+            raise SandboxError(f"restore failed: {vm.log_tail()}", sandbox=vm.cfg.name)
+        if time.monotonic() > end:
+            raise SandboxError("QEMU's QMP socket never appeared", sandbox=vm.cfg.name)
+        time.sleep(0.002)
     while True:
         try:
-            status = vm.qmp(("query-status", None), timeout=10)[0]
-        except SandboxError:
-            if not vm.alive():
-                raise SandboxError(
-                    f"restore failed: {vm.log_tail()}", sandbox=vm.cfg.name
-                ) from None
-            status = {}
-        if isinstance(status, dict) and status.get("status") in {"paused", "prelaunch"}:
+            status = vm.qmp(wait_loaded(), timeout=max(1.0, end - time.monotonic()))[0]
             break
-        if isinstance(status, dict) and status.get("status") == "running":
-            return
-        if time.monotonic() > end:
-            raise SandboxError(f"restore did not finish: {status}", sandbox=vm.cfg.name)
-        time.sleep(0.01)
-    vm.qmp(("cont", None), timeout=10)
+        except SandboxError as exc:
+            if not vm.alive():
+                raise SandboxError(f"restore failed: {vm.log_tail()}", sandbox=vm.cfg.name) from exc
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.01)  # the socket exists a moment before QEMU listens on it
+    if status != "running":
+        vm.qmp(("cont", None), timeout=10)
