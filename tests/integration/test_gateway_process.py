@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import anthropic
@@ -112,3 +115,49 @@ def test_cli_refuses_non_loopback_and_lists_models(tmp_path: Path) -> None:
     )
     assert res.returncode == 0
     assert "replay-demo" in res.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+def test_spawn_drops_privileges(tmp_path: Path, settings: Settings) -> None:
+    token, token_file = _token(tmp_path)
+    # The usage file's directory must be reachable and writable by the dropped identity.
+    usage_dir = Path(tempfile.mkdtemp(prefix="agentbox-gw-usage-", dir="/tmp"))
+    os.chown(usage_dir, 65534, 65534)
+    usage = usage_dir / "usage.json"
+    sock = tmp_path / "gw.sock"
+    handle = spawn_gateway(
+        socket_path=sock,
+        token_file=token_file,
+        model="replay-demo",
+        budget=50_000,
+        usage_file=usage,
+        settings=settings,
+        replay_script=write_script(tmp_path, CHAT_SCRIPT),
+        log_file=tmp_path / "gw.log",
+        run_as=(65534, 65534),
+    )
+    try:
+        status = dict(
+            line.split(":\t", 1)
+            for line in Path(f"/proc/{handle.pid}/status").read_text().splitlines()
+            if ":\t" in line
+        )
+        assert status["Uid"].split() == ["65534"] * 4
+        assert status["Gid"].split() == ["65534"] * 4
+        assert status["Groups"].strip() == ""
+        assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
+        client = anthropic.Anthropic(
+            api_key=token,
+            base_url="http://gateway",
+            max_retries=0,
+            http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=str(sock))),
+        )
+        msg = client.messages.create(
+            model="x", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert msg.usage.output_tokens == 7
+        u = wait_usage(usage, lambda u: u.output > 0)
+        assert u.output == 7
+    finally:
+        handle.stop()
+        shutil.rmtree(usage_dir, ignore_errors=True)

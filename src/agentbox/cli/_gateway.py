@@ -44,9 +44,15 @@ def gateway(
     ] = None,
     max_body: Annotated[int, typer.Option(help="Request body cap in bytes")] = 32 << 20,
     max_concurrency: Annotated[int, typer.Option(help="Concurrent requests allowed")] = 16,
+    user: Annotated[
+        str | None, typer.Option(help="Drop to this UID[:GID] once listening (start as root)")
+    ] = None,
+    ready_fd: Annotated[
+        int | None, typer.Option(help="Write 'ready' to this inherited fd once serving")
+    ] = None,
 ) -> None:
     """Run one task's model gateway until SIGTERM."""
-    from agentbox.gateway._run import read_token, run_gateway
+    from agentbox.gateway._run import parse_user, read_token, run_gateway
     from agentbox.gateway.registry import load_registry
 
     settings = load_settings()
@@ -61,6 +67,8 @@ def gateway(
         usage_file=usage_file,
         max_body=max_body,
         max_concurrency=max_concurrency,
+        run_as=parse_user(user) if user is not None else None,
+        ready_fd=ready_fd,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -48,6 +49,25 @@ def wait_for_socket(path: Path, *, timeout: float, proc: subprocess.Popen[bytes]
         if time.monotonic() > deadline:
             raise GatewayError(f"gateway did not listen on {path} within {timeout:g}s")
         time.sleep(0.02)
+
+
+def _wait_ready(fd: int, timeout: float) -> None:
+    """Wait for the child's ``ready`` line; GatewayError if it closes the pipe or is late."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in got:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GatewayError(f"gateway not ready within {timeout:g}s")
+        readable, _, _ = select.select([fd], [], [], left)
+        if not readable:
+            continue
+        chunk = os.read(fd, 64)
+        if not chunk:
+            raise GatewayError("gateway exited before it was ready")
+        got += chunk
+    if not got.startswith(b"ready"):
+        raise GatewayError(f"gateway said {got!r} instead of ready")
 
 
 class GatewayHandle:
@@ -120,6 +140,8 @@ def gateway_argv(
     models_file: Path | None = None,
     upstream: str | None = None,
     max_concurrency: int | None = None,
+    run_as: tuple[int, int] | None = None,
+    ready_fd: int | None = None,
 ) -> list[str]:
     """The argv that runs a gateway with this interpreter (``python -m agentbox gateway``)."""
     argv = [sys.executable, "-m", "agentbox", "gateway", "--listen", listen]
@@ -131,6 +153,10 @@ def gateway_argv(
         argv += ["--upstream", upstream]
     if max_concurrency is not None:
         argv += ["--max-concurrency", str(max_concurrency)]
+    if run_as is not None:
+        argv += ["--user", f"{run_as[0]}:{run_as[1]}"]
+    if ready_fd is not None:
+        argv += ["--ready-fd", str(ready_fd)]
     return argv
 
 
@@ -145,6 +171,7 @@ def spawn_gateway(
     replay_script: Path | None = None,
     log_file: Path | None = None,
     timeout: float = 20.0,
+    run_as: tuple[int, int] | None = None,
 ) -> GatewayHandle:
     """Start a gateway on ``socket_path`` for one task and wait until it answers.
 
@@ -153,6 +180,12 @@ def spawn_gateway(
     script. The socket is created mode 0660; the usage file exists (all zeros)
     once this returns. Raises :class:`GatewayError` if the process does not listen
     within ``timeout`` seconds (its log tail included).
+
+    ``run_as=(uid, gid)``: the gateway drops to that identity (no supplementary
+    groups, no capabilities) once its socket is bound and its token, key and
+    script are read; the usage file's directory must be writable by it. The
+    socket stays owned by the starting user, mode 0660: chown its group to let
+    the sandbox's relay in.
     """
     entry = load_registry(settings).get(model)
     if not token_file.is_file():
@@ -169,9 +202,14 @@ def spawn_gateway(
         usage_file=usage_file,
         models_file=settings.models_file,
         upstream=f"replay:{replay_script}" if replay_script is not None else None,
+        run_as=run_as,
     )
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
+    # The child says "ready" on this pipe once it serves (and has dropped privileges):
+    # a socket that accepts is not enough, it is bound before the drop.
+    ready_r, ready_w = os.pipe()
+    argv += ["--ready-fd", str(ready_w)]
     out: IO[bytes] | int
     out = log_file.open("ab") if log_file is not None else subprocess.DEVNULL
     log.info("spawn gateway", argv=argv, socket=str(socket_path))
@@ -184,12 +222,15 @@ def spawn_gateway(
             env=env,
             start_new_session=True,
             close_fds=True,
+            pass_fds=(ready_w,),
         )
     finally:
+        os.close(ready_w)
         if not isinstance(out, int):
             out.close()
     handle = GatewayHandle(proc, socket_path=socket_path, usage_file=usage_file, log_file=log_file)
     try:
+        _wait_ready(ready_r, timeout)
         wait_for_socket(socket_path, timeout=timeout, proc=proc)
     except GatewayError as exc:
         handle.stop(grace=1.0)
@@ -198,4 +239,6 @@ def spawn_gateway(
             with contextlib.suppress(OSError):
                 tail = "\n" + "\n".join(log_file.read_text(errors="replace").splitlines()[-20:])
         raise GatewayError(f"{exc}{tail}") from exc
+    finally:
+        os.close(ready_r)
     return handle

@@ -17,7 +17,14 @@ from agentbox.gateway._script import load_script
 from agentbox.gateway._serve import ServerGroup, bind, parse_listen, private_socket_path, serve
 from agentbox.gateway.registry import ModelEntry
 
-__all__ = ["build_gateway", "read_token", "run_gateway", "run_replay"]
+__all__ = [
+    "build_gateway",
+    "drop_privileges",
+    "parse_user",
+    "read_token",
+    "run_gateway",
+    "run_replay",
+]
 
 log = get_logger("gateway.run")
 
@@ -100,12 +107,63 @@ def build_gateway(
     return ServerGroup(apps), gateway, replay_dir
 
 
-def run_gateway(*, listen: str, **kwargs: Any) -> None:
-    """Serve a gateway for one task until SIGTERM (arguments as :func:`build_gateway`)."""
+def parse_user(spec: str) -> tuple[int, int]:
+    """``UID`` or ``UID:GID`` (numbers) for ``--user``."""
+    uid_s, _, gid_s = spec.partition(":")
+    if not uid_s.isdigit() or (gid_s and not gid_s.isdigit()):
+        raise ConfigError(f"--user {spec!r}: use numeric UID or UID:GID")
+    uid = int(uid_s)
+    return uid, int(gid_s) if gid_s else uid
+
+
+def drop_privileges(uid: int, gid: int, *, own: list[Path]) -> None:
+    """Become ``uid``/``gid`` with no supplementary groups (and so no capabilities).
+
+    Called once everything that needs the starting identity is done: the sockets
+    bound, the token, key and script read. ``own`` (the in-process replay model's
+    private directory and socket) is handed to the new identity first, so the
+    gateway can still reach it.
+    """
+    if os.geteuid() != 0:
+        if (os.getuid(), os.getgid()) == (uid, gid):
+            return
+        raise ConfigError("--user needs the gateway to start as root")
+    for path in own:
+        os.chown(path, uid, gid)
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    if os.getuid() != uid or os.geteuid() != uid or os.getgid() != gid:
+        raise ConfigError(f"could not drop privileges to {uid}:{gid}")
+
+
+def run_gateway(
+    *,
+    listen: str,
+    run_as: tuple[int, int] | None = None,
+    ready_fd: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Serve a gateway for one task until SIGTERM (arguments as :func:`build_gateway`).
+
+    ``run_as``: drop to this uid/gid once the sockets are bound. The gateway is the
+    component that parses what the sandbox sends; it should not hold root while
+    doing so. The usage file's directory must then be writable by that uid.
+    ``ready_fd``: written ``ready`` and closed once serving (after the drop).
+    """
     group, gateway, replay_dir = build_gateway(listen=listen, **kwargs)
+    if run_as is not None:
+        # Load now what would otherwise be imported lazily: after the drop, the
+        # interpreter's own files may not be readable (a Python under /root).
+        import concurrent.futures.thread  # noqa: F401  (the usage writer's executor)
+
+        for server in group.servers:
+            server.config.load()
+        own = [replay_dir, replay_dir / "replay.sock"] if replay_dir is not None else []
+        drop_privileges(*run_as, own=own)
     log.info("gateway listening", listen=listen, model=gateway.cfg.entry.name)
     try:
-        asyncio.run(group.run())
+        asyncio.run(group.run(ready_fd=ready_fd))
     finally:
         gateway.write_usage()
         if replay_dir is not None:

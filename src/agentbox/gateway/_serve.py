@@ -137,8 +137,12 @@ class ServerGroup:
         """Every server is accepting connections."""
         return all(s.started for s in self.servers)
 
-    async def run(self, *, signals: bool = True) -> None:
-        """Serve until stopped (SIGTERM/SIGINT with ``signals``), then shut down."""
+    async def run(self, *, signals: bool = True, ready_fd: int | None = None) -> None:
+        """Serve until stopped (SIGTERM/SIGINT with ``signals``), then shut down.
+
+        ``ready_fd``: once every server accepts connections, ``ready`` is written to
+        this file descriptor and it is closed (how :func:`spawn_gateway` knows).
+        """
         loop = asyncio.get_running_loop()
         if signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,6 +153,14 @@ class ServerGroup:
                 asyncio.ensure_future(server.serve(sockets=[sock]))
                 for server, (_, sock) in zip(self.servers, self.apps, strict=True)
             ]
+            if ready_fd is not None:
+                for _ in range(2000):
+                    if self.started or any(t.done() for t in tasks):
+                        break
+                    await asyncio.sleep(0.005)
+                if self.started:
+                    os.write(ready_fd, b"ready\n")
+                os.close(ready_fd)
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             self.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
