@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -222,3 +223,26 @@ def test_a_guest_that_stops_reading_cannot_wedge_a_send(
             guest.chan.send(STDOUT, 2, b"x" * MAX_PAYLOAD)
     assert time.monotonic() - t0 < 10
     assert guest.broken
+
+
+def test_gateway_streams_are_capped(guest: FakeGuest, tmp_path: Path) -> None:
+    import agentbox.microvm._guest as g
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(tmp_path / "gw.sock"))
+    srv.listen(200)
+    s = GuestSession(guest.chan, name="fake", host=KernelFacts("H", "B"))
+    s.gateway_socket = tmp_path / "gw.sock"
+    for i in range(g.MAX_GATEWAY_STREAMS + 5):
+        s.on_gateway_open(2 * i + 1)
+    assert s._gw_open == g.MAX_GATEWAY_STREAMS
+    # the refused ones got an immediate EOF frame
+    r = FrameReader()
+    guest.sock.settimeout(5)
+    eofs: set[int] = set()
+    while len(eofs) < 5:
+        for ftype, stream, payload in r.feed(guest.sock.recv(65536)):
+            if ftype == GW and payload == b"":
+                eofs.add(stream)
+    assert eofs == {2 * i + 1 for i in range(g.MAX_GATEWAY_STREAMS, g.MAX_GATEWAY_STREAMS + 5)}
+    srv.close()

@@ -35,6 +35,9 @@ log = get_logger("microvm.guest")
 #: Output kept in memory per stream when no callback is given; the rest is dropped.
 MAX_CAPTURE = 64 * 1024**2
 CHECK_TIMEOUT = 30.0
+#: Gateway connections a guest may hold open at once; more are refused (EOF at once),
+#: so a guest cannot make the host open sockets and threads without bound.
+MAX_GATEWAY_STREAMS = 64
 
 
 class KernelFacts:
@@ -103,6 +106,8 @@ class GuestSession:
         self.token = secrets.token_hex(32)
         self.gateway_socket: Path | None = None
         self.last_check: dict[str, Any] = {}
+        self._gw_open = 0
+        self._gw_lock = threading.Lock()
 
     # -- session
     def wait_ready(self, timeout: float) -> dict[str, Any]:
@@ -277,6 +282,12 @@ class GuestSession:
         """Open one connection to the gateway socket for the guest's stream ``sid``."""
         gw = self.gateway_socket
         conn: socket.socket | None = None
+        with self._gw_lock:
+            if self._gw_open >= MAX_GATEWAY_STREAMS:
+                gw = None
+                log.warning("guest exceeds the gateway stream limit", sandbox=self.name)
+            elif gw is not None:
+                self._gw_open += 1
         if gw is not None:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -287,6 +298,8 @@ class GuestSession:
                 log.warning("gateway connect failed", sandbox=self.name, error=str(exc))
                 conn.close()
                 conn = None
+                with self._gw_lock:
+                    self._gw_open -= 1
         if conn is None:
             with contextlib.suppress(GuestError):
                 self.channel.send(GW, sid, b"")
@@ -317,3 +330,5 @@ class GuestSession:
             self.channel.send(GW, sid, b"")
         conn.close()
         self.channel.close_stream(sid)
+        with self._gw_lock:
+            self._gw_open -= 1
