@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentbox import _host, _proc
+from agentbox.backends._seccomp import profile_path
 from agentbox.backends.base import (
     GATEWAY_DIR_IN_SANDBOX,
     GATEWAY_PORT,
@@ -236,7 +237,10 @@ def run_args(
         "--read-only-tmpfs=false",          # no implicit tmpfs on /run, /var/tmp: only ours
         "--cap-drop", "ALL",
         "--security-opt", "no-new-privileges",
+        # podman's default seccomp profile minus user-namespace creation (see _seccomp.py).
+        "--security-opt", f"seccomp={profile_path(settings.cache_dir)}",
         "--ipc", "private",
+        "--cgroupns", "private",            # its own cgroup tree, not the host's (v1 default)
         # uid/gid N inside is subid_base+N outside: a host identity that owns nothing.
         "--uidmap", f"0:{base}:65536",
         "--gidmap", f"0:{base}:65536",
