@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 from agentbox.errors import ConfigError
 
@@ -55,7 +56,7 @@ class Settings(BaseSettings):
     """Built images (rootfs, podman tarball, microVM disks), kernels, Claude Code: rebuildable."""
     repos_root: Path = Field(default_factory=Path.home)
     """Repos that may be delegated must resolve inside this directory."""
-    mount_roots: tuple[Path, ...] = ()
+    mount_roots: Annotated[tuple[Path, ...], NoDecode] = ()
     """Extra read-only mounts (venvs, toolchains) must live under one of these."""
     image: str = DEFAULT_IMAGE
     backend: Backend = "podman"
@@ -80,6 +81,7 @@ class Settings(BaseSettings):
     @field_validator("mount_roots", mode="before")
     @classmethod
     def _split_roots(cls, v: Any) -> Any:
+        # A colon-separated list, as PATH is (the environment's form).
         if isinstance(v, str):
             return tuple(Path(p).expanduser().resolve() for p in v.split(":") if p)
         return v
@@ -118,5 +120,5 @@ def load_settings(**overrides: Any) -> Settings:
             file_values.pop(key)
     try:
         return Settings(**{**file_values, **overrides})
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:
         raise ConfigError(f"invalid settings: {exc}") from exc

@@ -36,7 +36,7 @@ def _cli(settings: Settings, *args: str, timeout: float = 120) -> subprocess.Com
         "PATH": os.environ["PATH"],
         "AGENTBOX_DATA_DIR": str(settings.data_dir),
         # JSON: pydantic-settings decodes tuple fields as JSON before any validator runs.
-        "AGENTBOX_MOUNT_ROOTS": json.dumps([str(r) for r in settings.mount_roots]),
+        "AGENTBOX_MOUNT_ROOTS": ":".join(str(r) for r in settings.mount_roots),
         "AGENTBOX_CONFIG": "/nonexistent",
     }
     return subprocess.run(
@@ -113,7 +113,7 @@ def test_cli_mount_outside_roots_refused(sandbox_settings: Settings, tmp_path: P
         env={
             "PATH": os.environ["PATH"],
             "AGENTBOX_DATA_DIR": str(sandbox_settings.data_dir),
-            "AGENTBOX_MOUNT_ROOTS": json.dumps([str(sandbox_settings.mount_roots[0])]),
+            "AGENTBOX_MOUNT_ROOTS": str(sandbox_settings.mount_roots[0]),
             "AGENTBOX_CONFIG": "/nonexistent",
         },
     )

@@ -58,3 +58,9 @@ def test_sandbox_host_uid_owns_nothing_of_root() -> None:
     s = Settings()
     assert s.sandbox_host_uid == 164000
     assert s.sandbox_host_uid != 0
+
+
+def test_mount_roots_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("AGENTBOX_CONFIG", str(tmp_path / "none.toml"))
+    monkeypatch.setenv("AGENTBOX_MOUNT_ROOTS", f"{tmp_path}/a:{tmp_path}/b")
+    assert load_settings().mount_roots == (tmp_path / "a", tmp_path / "b")
