@@ -22,6 +22,7 @@ launcher finishes the job with :func:`finish_orphan`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -44,7 +45,7 @@ from agentbox.boxfile import Boxfile
 from agentbox.collect import Base, Report, Tokens, collect, prepare, publish
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, PathRefused, PolicyRefused
-from agentbox.gateway import read_usage, spawn_gateway
+from agentbox.gateway import GatewayHandle, read_usage, spawn_gateway
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._watchdog import kill_sandbox, spawn_watchdog, stop_watchdog
@@ -335,6 +336,23 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     _make_task_dir(paths)
     tlog = _TaskLog(paths)
     box = Boxfile.model_validate_json(row.boxfile or "{}")
+    # The gateway starts (a Python process: about a second) while the workspace is
+    # copied; neither needs the other.
+    token = _write_token(paths.root / "token")
+    ensure_private_dir(paths.gateway_dir, 0o755)
+    tlog(f"starting the gateway (model {row.model}, budget {row.budget})")
+    starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"gw-{task_id}")
+    gateway_future = starter.submit(
+        spawn_gateway,
+        socket_path=paths.gateway_socket,
+        token_file=paths.root / "token",
+        model=row.model,
+        budget=row.budget,
+        usage_file=paths.usage_file,
+        settings=settings,
+        log_file=paths.log_dir / "gateway.log",
+    )
+    starter.shutdown(wait=False)
     tlog(f"preparing the workspace from {row.repo}")
     try:
         # Checked again at use: the repos root belongs to a user who may have
@@ -352,11 +370,17 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         _save_base(paths, base)
         give_to_sandbox(paths.workspace, settings.sandbox_host_uid)
         check_owner(paths.workspace, settings.sandbox_host_uid)
-    except AgentboxError as exc:
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            gateway_future.result().stop(grace=1.0)
+        if not isinstance(exc, AgentboxError):
+            raise
         tlog(f"prepare failed: {exc}")
         store.finish(task_id, "failed", error=f"preparing the workspace failed: {exc}")
         return
-    _run_sandbox(settings, store, store.get(task_id), paths, box, cancel, tlog)
+    _run_sandbox(
+        settings, store, store.get(task_id), paths, box, cancel, tlog, token, gateway_future
+    )
 
 
 def _run_sandbox(
@@ -367,6 +391,8 @@ def _run_sandbox(
     box: Boxfile,
     cancel: threading.Event,
     tlog: _TaskLog,
+    token: str,
+    gateway_future: concurrent.futures.Future[GatewayHandle],
 ) -> None:
     task_id = row.id
     gateway = None
@@ -374,18 +400,7 @@ def _run_sandbox(
     done = threading.Event()
     status, error, exit_code = "failed", None, None
     try:
-        token = _write_token(paths.root / "token")
-        ensure_private_dir(paths.gateway_dir, 0o755)
-        tlog(f"starting the gateway (model {row.model}, budget {row.budget})")
-        gateway = spawn_gateway(
-            socket_path=paths.gateway_socket,
-            token_file=paths.root / "token",
-            model=row.model,
-            budget=row.budget,
-            usage_file=paths.usage_file,
-            settings=settings,
-            log_file=paths.log_dir / "gateway.log",
-        )
+        gateway = gateway_future.result()
         gw_owner = Owner.of(gateway.pid)
         # The relay inside the sandbox connects as the sandbox uid.
         host_uid = settings.sandbox_host_uid
