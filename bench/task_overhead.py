@@ -152,11 +152,13 @@ def agentbox_cli(base: Path, runs: int) -> list[float]:
     for i in range(runs):
         repo = make_repo(base / "repos" / f"cli-{i}-{secrets.token_hex(3)}")
         t0 = time.perf_counter()
-        subprocess.run(
+        res = subprocess.run(
             [sys.executable, "-m", "agentbox", "run", "--repo", str(repo), "--model", "one-turn",
              "--json", "Check the repo."],
-            env=env, check=True, capture_output=True, timeout=600,
+            env=env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
+        if res.returncode != 0:
+            raise SystemExit(f"agentbox run failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
         times.append(time.perf_counter() - t0)
     return times
 
