@@ -113,6 +113,13 @@ def test_workload_has_no_privileges_in_the_guest(vm: QemuSandbox) -> None:
     assert fields == {"CapEff": "0000000000000000", "NoNewPrivs": "1", "Groups": ""}
 
 
+def test_workload_limits_in_the_guest(vm: QemuSandbox) -> None:
+    probe = "import resource as r; print(r.getrlimit(r.RLIMIT_NPROC)[0], "
+    probe += "r.getrlimit(r.RLIMIT_NOFILE)[0])"
+    res = vm.exec(["python3", "-c", probe])
+    assert res.stdout.split() == [str(RES.pids).encode(), str(RES.nofile).encode()]
+
+
 def test_guest_runs_its_own_kernel(vm: QemuSandbox) -> None:
     res = vm.exec(["uname", "-r"])
     assert res.stdout.decode().strip() != os.uname().release

@@ -337,7 +337,11 @@ class QemuSandbox:
         gw = None
         if self.spec.gateway_dir is not None:
             gw = self.spec.gateway_dir / GATEWAY_SOCKET_NAME
-        session.hello(uid=self.spec.uid, mount_data=True, gateway=gw, timeout=BOOT_TIMEOUT)
+        res = self.spec.resources
+        session.hello(
+            uid=self.spec.uid, mount_data=True, gateway=gw, timeout=BOOT_TIMEOUT,
+            pids=res.pids, nofile=res.nofile,
+        )  # fmt: skip
         self.boot_seconds = time.monotonic() - t0
         # The deadline is the workload's: it starts once the guest is ready.
         self.deadline_at = time.monotonic() + self.spec.deadline

@@ -248,6 +248,13 @@ class Agent:
             raise ProtocolError("second hello")
         self.token = str(msg["token"])
         self.uid = int(msg.get("uid", 64000))
+        # Inherited by every command: the pids limit counts the sandbox uid's
+        # processes at fork (root, the agent, is exempt); nofile as in podman.
+        import resource
+
+        for res, key in ((resource.RLIMIT_NPROC, "pids"), (resource.RLIMIT_NOFILE, "nofile")):
+            if isinstance(msg.get(key), int) and msg[key] > 0:
+                resource.setrlimit(res, (msg[key], msg[key]))
         _reseed(bytes.fromhex(msg.get("seed", "")), msg.get("time"))
         if msg.get("mount_data"):
             self.mount_data()

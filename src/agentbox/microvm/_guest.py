@@ -114,13 +114,22 @@ class GuestSession:
         """Wait for the agent's ``ready`` after boot."""
         return self.channel.wait(0, {"ready"}, timeout)
 
-    def hello(self, *, uid: int, mount_data: bool, gateway: Path | None, timeout: float) -> None:
-        """Greet the agent: token, clock, a fresh RNG seed, mount /data, start the relay."""
+    def hello(
+        self,
+        *,
+        uid: int,
+        mount_data: bool,
+        gateway: Path | None,
+        timeout: float,
+        pids: int | None = None,
+        nofile: int | None = None,
+    ) -> None:
+        """Greet the agent: token, clock, RNG seed, limits, mount /data, start the relay."""
         self.gateway_socket = gateway
         self.channel.send_ctrl({
             "op": "hello", "token": self.token, "uid": uid, "time": time.time(),
             "seed": secrets.token_hex(64), "mount_data": mount_data,
-            "gateway": gateway is not None,
+            "gateway": gateway is not None, "pids": pids, "nofile": nofile,
         })  # fmt: skip
         self._verify(self.channel.wait(0, {"hello_ok"}, timeout), nonce=None)
 
