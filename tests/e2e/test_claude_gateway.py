@@ -1,4 +1,4 @@
-"""The real Claude Code binary through the gateway, playing the demo replay script.
+"""The real Claude Code binary through the gateway, playing replay scripts.
 
 Claude Code talks to the gateway on TCP loopback (as it does inside a sandbox,
 where a relay carries that port to the gateway's socket), authenticates with the
@@ -15,13 +15,18 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agentbox import _proc
 from agentbox.config import Settings
-from agentbox.gateway import DEMO_SCRIPT, read_usage
+from agentbox.gateway import DEMO_SCRIPT, Usage, read_usage
+from gateway_helpers import write_script
 
 pytestmark = pytest.mark.claude
 
@@ -33,7 +38,7 @@ def _free_port() -> int:
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         assert proc.poll() is None, "gateway exited early"
         with socket.socket() as s:
@@ -43,12 +48,22 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
     raise TimeoutError("gateway did not listen")
 
 
-def test_claude_completes_demo_script_through_gateway(tmp_path: Path) -> None:
-    work = tmp_path / "repo"
-    home = tmp_path / "home"
-    work.mkdir()
-    home.mkdir()
-    (work / "README.md").write_text("sample repo\n")
+BASH_HELLO = {"name": "Bash", "input": {"command": "echo hello-from-bash", "description": "Hi"}}
+BASH_ONE = {"name": "Bash", "input": {"command": "echo one", "description": "Say one"}}
+
+
+@dataclass
+class Run:
+    """What one Claude Code run left: its JSON result, its workspace, the gateway's usage."""
+
+    out: dict[str, Any]
+    returncode: int
+    work: Path
+    usage: Usage
+
+
+@contextmanager
+def _gateway(tmp_path: Path, script: Path, budget: int) -> Iterator[tuple[int, str, Path]]:
     token = secrets.token_urlsafe(24)
     token_file = tmp_path / "token"
     token_file.write_text(token)
@@ -56,12 +71,24 @@ def test_claude_completes_demo_script_through_gateway(tmp_path: Path) -> None:
     usage_file = tmp_path / "usage.json"
     port = _free_port()
     argv = [sys.executable, "-m", "agentbox", "gateway", "--listen", f"tcp:127.0.0.1:{port}"]
-    argv += ["--token-file", str(token_file), "--model", "replay-demo", "--budget", "2000000"]
-    argv += ["--usage-file", str(usage_file)]
-    log = (tmp_path / "gateway.log").open("wb")
-    gw = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
-    try:
-        _wait_port(port, gw)
+    argv += ["--token-file", str(token_file), "--model", "replay-demo", "--budget", str(budget)]
+    argv += ["--usage-file", str(usage_file), "--upstream", f"replay:{script}"]
+    with (tmp_path / "gateway.log").open("wb") as log:
+        gw = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
+        try:
+            _wait_port(port, gw)
+            yield port, token, usage_file
+        finally:
+            _proc.kill_group(gw)  # type: ignore[arg-type]
+
+
+def _claude(tmp_path: Path, script: Path, prompt: str, budget: int = 2_000_000) -> Run:
+    work = tmp_path / "repo"
+    home = tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    (work / "README.md").write_text("sample repo\n")
+    with _gateway(tmp_path, script, budget) as (port, token, usage_file):
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": str(home),
@@ -69,25 +96,19 @@ def test_claude_completes_demo_script_through_gateway(tmp_path: Path) -> None:
             "ANTHROPIC_API_KEY": token,
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         }
-        res = _proc.run(
-            [
-                str(Settings().claude_binary),
-                "-p",
-                "Add a slugify helper with a unit test, and run the tests.",
-                "--output-format",
-                "json",
-                "--allowedTools",
-                "Write Edit Read Bash",
-            ],
-            env=env,
-            cwd=work,
-            timeout=240,
-        )
-    finally:
-        _proc.kill_group(gw)  # type: ignore[arg-type]
-        log.close()
-    out = json.loads(res.stdout)
-    assert out["is_error"] is False, out
+        argv = [str(Settings().claude_binary), "-p", prompt, "--output-format", "json"]
+        argv += ["--allowedTools", "Write Edit Read Bash"]
+        res = _proc.run(argv, env=env, cwd=work, timeout=240, check=False)
+    # The gateway wrote its final totals on SIGTERM.
+    return Run(json.loads(res.stdout), res.returncode, work, read_usage(usage_file))
+
+
+def test_claude_completes_demo_script_through_gateway(tmp_path: Path) -> None:
+    run = _claude(
+        tmp_path, DEMO_SCRIPT, "Add a slugify helper with a unit test, and run the tests."
+    )
+    out, work, usage = run.out, run.work, run.usage
+    assert run.returncode == 0 and out["is_error"] is False, out
     assert out["num_turns"] == 5
     assert "passes (2 tests)" in out["result"]
     code = (work / "textutil.py").read_text()
@@ -95,10 +116,64 @@ def test_claude_completes_demo_script_through_gateway(tmp_path: Path) -> None:
     assert "class SlugifyTest" in (work / "test_textutil.py").read_text()
     # The tests really ran on the host (Bash tool): they left their bytecode.
     assert any((work / "__pycache__").glob("textutil*.pyc"))
-    usage = read_usage(usage_file)
     # Exactly the usage the script declares (see demo.yaml), and nothing refused.
     assert (usage.input, usage.output) == (3610, 420)
     assert (usage.cache_creation, usage.cache_read) == (9000, 38000)
     assert usage.weighted_total == pytest.approx(3610 + 420 + 9000 * 1.25 + 38000 * 0.1)
     assert usage.requests == 5 and usage.refusals == {} and usage.reserved == 0
-    assert DEMO_SCRIPT.is_file()
+
+
+def test_claude_retries_overloaded_and_rate_limited(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path,
+        {
+            "name": "retry",
+            "turns": [
+                {
+                    "text": "Checking.",
+                    "errors": [{"status": 529}, {"status": 429, "retry_after": 1}],
+                    "tool_use": [
+                        {
+                            "name": "Bash",
+                            "input": {
+                                "command": "echo hello-from-bash",
+                                "description": "Say hello",
+                            },
+                        }
+                    ],
+                },
+                {"match": "hello-from-bash", "text": "Done: it printed hello-from-bash."},
+            ],
+        },
+    )
+    run = _claude(tmp_path, script, "Say hello with bash.")
+    assert run.returncode == 0 and run.out["is_error"] is False, run.out
+    assert run.out["result"] == "Done: it printed hello-from-bash."
+    u = run.usage
+    assert u.upstream_errors == 2 and u.requests == 4 and u.refusals == {}
+
+
+def test_claude_stopped_by_budget(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path,
+        {
+            "name": "budget",
+            "turns": [
+                {
+                    "text": "Checking.",
+                    "tool_use": [
+                        {"name": "Bash", "input": {"command": "echo one", "description": "Say one"}}
+                    ],
+                    "usage": {"input_tokens": 150_000, "output_tokens": 30},
+                },
+                {"text": "never reached"},
+            ],
+        },
+    )
+    # Claude Code asks for max_tokens 128000 with ~50 KB of prompt: ~190k reserved per call.
+    run = _claude(tmp_path, script, "Say one.", budget=250_000)
+    assert run.returncode != 0 and run.out["is_error"] is True
+    assert "403" in run.out["result"] and "budget" in run.out["result"]
+    u = run.usage
+    assert u.refusals == {"over_budget": 1} and u.exhausted
+    assert u.weighted_total == 150_030 <= u.budget
