@@ -36,7 +36,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "demo" / "sample-repo"
-EDIT_SCRIPT = ROOT / "demo" / "replay-demo.yaml"
+EDIT_SCRIPT = ROOT / "demo" / "replay-edit.yaml"
 NONCE = secrets.token_hex(6)
 #: Host path every planted hook/filter/pager would touch if it ever ran on the host.
 SENTINEL = f"/tmp/agentbox-sentinel-{NONCE}"
