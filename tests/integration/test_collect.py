@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,43 @@ def test_git_is_only_a_stat_oracle(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "pkg/__init__.py" in reported[0] and "pkg/m.py" not in reported[0]
     assert {s.path for s in got.skipped} == {".gitattributes", "pkg/.gitattributes"}
     assert got.files_read == 1 and got.diffstat.files_changed == 0  # same (empty) content
+
+
+@pytest.mark.parametrize("route", ["objects", "index"])
+def test_tree_matches_what_git_add_would_make(
+    route: str, repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our tree builder (and the index route) against git itself, on D/F swaps and deletions."""
+    if route == "index":
+        from agentbox.collect import _collect as cmod
+
+        def refuse(*a: object) -> str:
+            raise ValueError("force the index route")
+
+        monkeypatch.setattr(cmod, "build_tree", refuse)
+    p = prepare_in(tmp_path / "task", repo)
+    ws = p.ws
+    (ws / "README.md").unlink()
+    (ws / "README.md").mkdir()  # a file becomes a directory
+    (ws / "README.md/inner.txt").write_text("inner\n")
+    shutil.rmtree(ws / "src/util")
+    (ws / "src/util").write_text("now a file\n")  # a directory becomes a file
+    shutil.rmtree(ws / "docs")  # a whole directory goes
+    (ws / "bin/run.sh").unlink()  # a directory is emptied
+    (ws / "a/b/c/d").mkdir(parents=True)
+    (ws / "a/b/c/d/deep.txt").write_text("deep\n")
+    (ws / "a/b/c/empty").mkdir()  # git keeps no empty directory
+    (ws / "app-link").unlink()
+    (ws / "app-link").write_text("was a link\n")
+    os.symlink("README.md/inner.txt", ws / "new-link")
+    (ws / "crlf.txt").chmod(0o755)
+    (ws / "z.txt").write_text("z\n")
+    got = _collect(p)
+    check = tmp_path / "check"
+    shutil.copytree(ws, check, symlinks=True, ignore=shutil.ignore_patterns(".git"))
+    git(check, "init", "-q")
+    git(check, "add", "-A")
+    assert got.tree == git(check, "write-tree").strip()
+    sh = ["--git-dir", str(p.shadow)]
+    subprocess.run(["git", *sh, "fsck", "--strict", "--no-dangling"], check=True,
+                   capture_output=True)  # fmt: skip

@@ -50,6 +50,7 @@ from agentbox.collect._git import ShadowGit
 from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
 from agentbox.collect._objects import BlobWriter
 from agentbox.collect._statcache import MODES, BaseListing, load_keys, stat_key
+from agentbox.collect._tree import build_tree, write_commit, write_ref
 from agentbox.errors import CollectError, CommandError, PathRefused
 from agentbox.paths import validate_task_id
 from agentbox.safepath import MAX_NAME, SizeRefused, Tree, show
@@ -316,9 +317,11 @@ def _apply_ignores(w: _Walk, shadow: ShadowGit, workspace: Path) -> None:
     w.changed = [c for c in w.changed if c[0] not in ignored]
 
 
-def _read_changed(w: _Walk, tree: Tree, blobs: BlobWriter) -> tuple[list[bytes], int, int]:
-    """Store every changed entry as a blob; return index-info records, files and bytes read."""
-    records: list[bytes] = []
+def _read_changed(
+    w: _Walk, tree: Tree, blobs: BlobWriter
+) -> tuple[dict[bytes, tuple[int, str]], int, int]:
+    """Store every changed entry as a blob; return {path: (mode, blob)}, files and bytes read."""
+    updates: dict[bytes, tuple[int, str]] = {}
     total = 0
     nread = 0
     for rel, gm, st in sorted(w.changed):
@@ -343,8 +346,20 @@ def _read_changed(w: _Walk, tree: Tree, blobs: BlobWriter) -> tuple[list[bytes],
             continue
         total += len(data)
         nread += 1
-        records.append(b"%o %s\t%s" % (gm, blobs.write(data).encode(), relb))
-    return records, nread, total
+        updates[relb] = (gm, blobs.write(data))
+    return updates, nread, total
+
+
+def _tree_via_index(
+    shadow: ShadowGit, base_index: Path, tmp: Path, updates: dict[bytes, tuple[int, str]],
+    w: _Walk, object_format: str,
+) -> str:  # fmt: skip
+    """The result tree through a temporary index (the general route, for odd names)."""
+    index = tmp / "index"
+    shutil.copyfile(base_index, index)
+    records = [b"%o %s\t%s" % (m, oid.encode(), p) for p, (m, oid) in updates.items()]
+    _update_index(shadow, index, records, w, object_format)
+    return shadow.run("write-tree", index=index).stdout.strip()
 
 
 def _update_index(
@@ -459,11 +474,13 @@ def collect(
     listing = BaseListing.load(base_index)
     with ShadowGit(shadow_git) as shadow, Tree(workspace) as tree, \
             tempfile.TemporaryDirectory(prefix="agentbox-index-") as tmp:  # fmt: skip
-        index = Path(tmp) / "index"
-        shutil.copyfile(base_index, index)  # a fresh mtime: no entry is racily clean
+        # A fresh copy has a fresh mtime, so no entry is "racily clean": git would
+        # read such a file (and its .gitattributes, maybe a FIFO) to compare.
+        oracle_index = Path(tmp) / "oracle.index"
+        shutil.copyfile(base_index, oracle_index)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             # git lstats the tracked files while we walk directories by d_type.
-            reported = pool.submit(_git_changed, shadow, workspace, index)
+            reported = pool.submit(_git_changed, shadow, workspace, oracle_index)
             w = _walk(listing, limits, tree, reported)
             changed = reported.result()
         if changed is None:  # no oracle: judge every entry against the saved stat keys
@@ -473,15 +490,18 @@ def collect(
             _judge_reported(w, tree, changed)
         w.resolve_hardlinks()
         _apply_ignores(w, shadow, workspace)
-        blobs = BlobWriter(shadow_git, base.object_format)
-        records, nread, nbytes = _read_changed(w, tree, blobs)
-        _update_index(shadow, index, records, w, base.object_format)
-        tree_id = shadow.run("write-tree", index=index).stdout.strip()
+        objects = BlobWriter(shadow_git, base.object_format)
+        updates, nread, nbytes = _read_changed(w, tree, objects)
+        deletions = [os.fsencode(rel) for rel in w.all_deleted()]
+        try:
+            tree_id = build_tree(shadow, objects, base.tree, updates, deletions)
+        except ValueError:  # a directory name only the index route can carry
+            tree_id = _tree_via_index(shadow, base_index, Path(tmp), updates, w,
+                                      base.object_format)  # fmt: skip
         body = message.strip() or "agentbox task"
-        full = f"{body}\n\nagentbox-task: {task_id}\n"
-        commit = shadow.run("commit-tree", tree_id, "-p", base.base_commit,
-                            input=full).stdout.strip()  # fmt: skip
-        shadow.run("update-ref", f"refs/heads/{branch}", commit)
+        commit = write_commit(objects, tree_id, base.base_commit,
+                              f"{body}\n\nagentbox-task: {task_id}\n")  # fmt: skip
+        write_ref(shadow_git, f"refs/heads/{branch}", commit)
         diffstat, diff, truncated = _diff(shadow, base.base_commit, commit, limits.max_diff_bytes)
     log.info("collected", task_id=task_id, commit=commit, files=diffstat.files_changed,
              skipped=len(w.skipped))  # fmt: skip

@@ -27,21 +27,24 @@ class BlobWriter:
         self.objects = git_dir / "objects"
         self.object_format = object_format
 
-    def hash(self, data: bytes) -> str:
-        """The blob id ``data`` would get, without storing it."""
-        h = hashlib.new(self.object_format, b"blob %d\0" % len(data))
+    def hash(self, data: bytes, kind: str = "blob") -> str:
+        """The id ``data`` would get as an object of ``kind``, without storing it."""
+        h = hashlib.new(self.object_format, b"%s %d\0" % (kind.encode(), len(data)))
         h.update(data)
         return h.hexdigest()
 
-    def write(self, data: bytes) -> str:
-        """Store ``data`` as a blob (if absent) and return its id."""
-        oid = self.hash(data)
+    def write(self, data: bytes, kind: str = "blob") -> str:
+        """Store ``data`` as an object of ``kind`` (blob, tree, commit) and return its id."""
+        if kind not in ("blob", "tree", "commit"):
+            raise ValueError(f"unknown object kind {kind!r}")
+        oid = self.hash(data, kind)
         final = self.objects / oid[:2] / oid[2:]
         if final.exists():
             return oid
         final.parent.mkdir(mode=0o755, exist_ok=True)
         comp = zlib.compressobj(1)
-        payload = comp.compress(b"blob %d\0" % len(data)) + comp.compress(data) + comp.flush()
+        header = b"%s %d\0" % (kind.encode(), len(data))
+        payload = comp.compress(header) + comp.compress(data) + comp.flush()
         fd, name = tempfile.mkstemp(prefix="tmp_obj_", dir=final.parent)
         tmp = Path(name)
         try:

@@ -271,6 +271,10 @@ def prepare(
             made.append(base_index)
             tmp_index = base_index.with_name(base_index.name + ".tmp")
             stats = _statcache.snapshot(workspace)
+            # The index must be younger (in whole seconds) than every file it
+            # describes, or git treats entries as racily clean and reads them.
+            _past_second(max((max(st.st_ctime_ns, st.st_mtime_ns) for st in stats.values()),
+                             default=0))  # fmt: skip
             shadow.run("read-tree", tree, index=tmp_index)
             fill_stat(
                 tmp_index,
@@ -283,7 +287,6 @@ def prepare(
             )
             _statcache.save(base_index, modes, stats)
             tmp_index.rename(base_index)
-            _past_second(max((st.st_ctime_ns for st in stats.values()), default=0))
     except BaseException:
         for path in made:
             if path.is_dir() and not path.is_symlink():
@@ -306,9 +309,10 @@ def prepare(
 def _past_second(ctime_ns: int) -> None:
     """Return only once the clock is in a later second than ``ctime_ns``.
 
-    git compares stat times in whole seconds unless built with USE_NSEC; an
+    git compares stat times in whole seconds unless built with USE_NSEC: an
     agent's write in the same second as our snapshot, keeping size and mtime,
-    could then look unchanged to it. After this, every write has a later ctime.
+    could look unchanged to it, and entries as old as the index are "racily
+    clean" (git re-reads them). After this, both are impossible.
     """
     while time.time_ns() // 1_000_000_000 <= ctime_ns // 1_000_000_000:
         time.sleep(0.05)
