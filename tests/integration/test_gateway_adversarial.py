@@ -217,6 +217,13 @@ def test_odd_model_values_are_pinned(gw: Any, model: Any) -> None:
     assert r.json()["model"] == "test-model"
 
 
+def test_lone_surrogates_and_odd_unicode_pass(gw: Any) -> None:
+    for text in ("\\ud800", "\\udfff\\ud800x", "\\u0000", "\\u2028\\ufeff"):
+        raw = '{"max_tokens":5,"messages":[{"role":"user","content":"' + text + '"}]}'
+        r = _post(gw, content=raw.encode())
+        assert r.status_code == 200, (text, r.text)
+
+
 def test_duplicate_keys_cannot_smuggle_a_model(tmp_path: Path) -> None:
     with (
         running_replay(tmp_path, CHAT_SCRIPT) as up,

@@ -313,7 +313,11 @@ class Gateway:
         req["model"] = self.cfg.entry.target_model
         for name in self._strip.intersection(req):
             del req[name]
-        out = json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode()
+        try:
+            out = json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            # A lone surrogate (valid as a JSON escape, not as UTF-8): keep it escaped.
+            out = json.dumps(req, separators=(",", ":")).encode()
         usage = self.ledger.usage
         if usage.weighted_total >= self.ledger.budget:
             usage.exhausted = True
