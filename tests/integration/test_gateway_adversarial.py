@@ -388,3 +388,38 @@ def test_unix_socket_mode_and_listen_policy(tmp_path: Path) -> None:
         with pytest.raises(ConfigError):
             parse_listen(bad)
     assert parse_listen("tcp:[::1]:80").host == "::1"
+
+
+def test_raw_framing_tricks_reach_upstream_only_as_clean_requests(tmp_path: Path) -> None:
+    body = json.dumps({"max_tokens": 5, "messages": [{"role": "user", "content": "q"}]})
+    with (
+        running_replay(tmp_path, CHAT_SCRIPT) as up,
+        running_gateway(tmp_path, upstream=up.url) as gw,
+    ):
+        head = f"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-api-key: {gw.token}\r\n"
+        head += "connection: close\r\n"  # so each answer ends with EOF
+        cases = [
+            # Content-Length and Transfer-Encoding together (the parser takes chunked).
+            head + f"content-length: {len(body)}\r\ntransfer-encoding: chunked\r\n\r\n"
+            f"{len(body):x}\r\n{body}\r\n0\r\n\r\n",
+            # Two different lengths: refused by the HTTP parser.
+            head + f"content-length: {len(body)}\r\ncontent-length: 3\r\n\r\n{body}",
+            # A second request hidden after the body: served (or not) as its own request.
+            head + f"content-length: {len(body)}\r\n\r\n{body}"
+            "POST /v1/complete HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+            # A NUL in a header value.
+            head + f"x-evil: a\x00b\r\ncontent-length: {len(body)}\r\n\r\n{body}",
+        ]
+        port = int(gw.url.rsplit(":", 1)[1])
+        for raw in cases:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(raw.encode())
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+            statuses = [int(line[9:12]) for line in data.split(b"\r\n") if line[:5] == b"HTTP/"]
+            assert statuses and set(statuses) <= {200, 400, 404}, (raw, data[:300])
+        for rec in up.requests():
+            assert rec["path"] == "/v1/messages" and rec["body"]["model"] == "test-model"
+            assert {k.lower() for k, _ in rec["headers"]}.isdisjoint({"x-evil", "x-api-key"})
+        assert len(up.requests()) <= 3
