@@ -210,10 +210,14 @@ upstream = "scripts/attack.yaml"
         ids = {}
         for name, (model, extra) in plan.items():
             repo = _make_repo(settings.repos_root / name)
+            dirty = name == "budget"  # this one also carries uncommitted work in
+            if dirty:
+                (repo / "README.md").write_text("uncommitted edit\n")
+                (repo / "dirty.txt").write_text("untracked file\n")
             req = TaskRequest(
                 repo=str(repo), task=f"e2e {name}: do the scripted work", model=model,
                 deadline=extra.get("deadline", 300.0), budget=extra.get("budget"),
-                task_id=f"e2e-{name}-{NONCE}",
+                task_id=f"e2e-{name}-{NONCE}", include_uncommitted=dirty,
             )  # fmt: skip
             # One task goes through a Boxfile (the CLI's --boxfile): smaller limits, a set var.
             box = (
@@ -296,6 +300,15 @@ def test_a_task_that_overruns_its_budget(e2e: tuple[Settings, dict[str, Run]]) -
     # The partial result is kept: the first file was collected, the second never written.
     files = _files(run)
     assert "partial.txt" in files and "never.txt" not in files
+    # include_uncommitted: the user's uncommitted work was in the workspace and is in
+    # the result; the user's own checkout still has it uncommitted.
+    assert "dirty.txt" in files
+    assert _git(run.repo, "show", f"{run.result.branch}:README.md") == "uncommitted edit\n"
+    assert sorted(_git(run.repo, "status", "--porcelain").split("\n")) == [
+        "",
+        " M README.md",
+        "?? dirty.txt",
+    ]
 
 
 def test_a_task_that_hits_its_deadline(e2e: tuple[Settings, dict[str, Run]]) -> None:
