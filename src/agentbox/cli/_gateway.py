@@ -11,65 +11,11 @@ from rich.console import Console
 from rich.table import Table
 
 from agentbox.config import load_settings
+from agentbox.gateway._cli import gateway
 
 __all__ = ["register"]
 
 model_app = typer.Typer(help="The replay model and other model tools.", no_args_is_help=True)
-
-
-def gateway(
-    listen: Annotated[
-        str, typer.Option(help="unix:/path/sock or tcp:127.0.0.1:PORT (loopback only)")
-    ],
-    model: Annotated[str, typer.Option(help="Model name from the registry")],
-    token: Annotated[
-        str | None, typer.Option(help="The task token (visible in ps: prefer --token-file)")
-    ] = None,
-    token_file: Annotated[
-        Path | None, typer.Option(help="File holding the task token (mode 0600)")
-    ] = None,
-    budget: Annotated[
-        int, typer.Option(help="Token budget (weighted input+output+cache)")
-    ] = 20_000_000,
-    models_file: Annotated[Path | None, typer.Option(help="Model registry (TOML)")] = None,
-    upstream: Annotated[
-        str | None,
-        typer.Option(help="Override the upstream: http(s)://URL, unix:/path or replay:SCRIPT"),
-    ] = None,
-    upstream_key_env: Annotated[
-        str | None, typer.Option(help="Env var holding the upstream key")
-    ] = None,
-    usage_file: Annotated[
-        Path | None, typer.Option(help="Running totals, JSON, replaced atomically")
-    ] = None,
-    max_body: Annotated[int, typer.Option(help="Request body cap in bytes")] = 32 << 20,
-    max_concurrency: Annotated[int, typer.Option(help="Concurrent requests allowed")] = 16,
-    user: Annotated[
-        str | None, typer.Option(help="Drop to this UID[:GID] once listening (start as root)")
-    ] = None,
-    ready_fd: Annotated[
-        int | None, typer.Option(help="Write 'ready' to this inherited fd once serving")
-    ] = None,
-) -> None:
-    """Run one task's model gateway until SIGTERM."""
-    from agentbox.gateway._run import parse_user, read_token, run_gateway
-    from agentbox.gateway.registry import load_registry
-
-    settings = load_settings()
-    entry = load_registry(settings, models_file).get(model)
-    run_gateway(
-        listen=listen,
-        token=read_token(token=token, token_file=token_file),
-        entry=entry,
-        budget=budget,
-        upstream=upstream,
-        key_env=upstream_key_env,
-        usage_file=usage_file,
-        max_body=max_body,
-        max_concurrency=max_concurrency,
-        run_as=parse_user(user) if user is not None else None,
-        ready_fd=ready_fd,
-    )
 
 
 @model_app.command("serve")

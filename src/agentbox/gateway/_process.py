@@ -1,6 +1,6 @@
 """Start a gateway as a separate process and hold it: what the launcher calls per task.
 
-The gateway runs as ``python -m agentbox gateway …`` in its own session, so a
+The gateway runs as ``python -m agentbox.gateway …`` in its own session, so a
 crash of the launcher's event loop cannot take it down mid-stream and ``stop()``
 can signal the whole group. The token travels in a file (0600), never on argv:
 ``/proc/<pid>/cmdline`` is readable by every local user.
@@ -143,8 +143,9 @@ def gateway_argv(
     run_as: tuple[int, int] | None = None,
     ready_fd: int | None = None,
 ) -> list[str]:
-    """The argv that runs a gateway with this interpreter (``python -m agentbox gateway``)."""
-    argv = [sys.executable, "-m", "agentbox", "gateway", "--listen", listen]
+    """The argv that runs a gateway with this interpreter (``python -m agentbox.gateway``,
+    the same command as ``agentbox gateway``, without importing the whole CLI)."""
+    argv = [sys.executable, "-m", "agentbox.gateway", "--listen", listen]
     argv += ["--token-file", str(token_file), "--model", model, "--budget", str(budget)]
     argv += ["--usage-file", str(usage_file)]
     if models_file is not None:
