@@ -117,3 +117,19 @@ def test_jail_argv_binds_only_declared_files(tmp_path: Path) -> None:
     assert "--reuid=1234" in argv[sp:] and "--no-new-privs" in argv[sp:]
     assert "--bounding-set=-all" in argv[sp:]
     assert argv[-2:] == ["qemu-system-x86_64", "-x"]
+
+
+def test_prune_cache_keeps_the_most_recently_used(tmp_path: Path) -> None:
+    import os
+
+    from agentbox.microvm._disks import prune_cache
+
+    for i in range(6):
+        p = tmp_path / f"root-{i}.img"
+        p.write_bytes(b"x")
+        os.utime(p, (1000 + i, 1000 + i))
+    (tmp_path / "other.txt").write_text("kept: not matched")
+    prune_cache(tmp_path, "root-*.img", 3, used=tmp_path / "root-0.img")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "other.txt", "root-0.img", "root-4.img", "root-5.img",
+    ]  # fmt: skip

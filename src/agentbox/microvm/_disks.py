@@ -8,6 +8,7 @@ the placeholder's size at boot, sees the same size on every fresh disk.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -17,7 +18,7 @@ from agentbox.config import Settings
 from agentbox.errors import ImageError
 from agentbox.microvm._initramfs import ROOT_LABEL
 
-__all__ = ["DATA_DISK_BYTES", "DATA_LABEL", "ensure_root_disk", "make_data_disk"]
+__all__ = ["DATA_DISK_BYTES", "DATA_LABEL", "ensure_root_disk", "make_data_disk", "prune_cache"]
 
 DATA_LABEL = "agentbox-data"
 #: Size of every ``/data`` disk (sparse: only what is written takes space).
@@ -25,8 +26,28 @@ DATA_DISK_BYTES = 8 * 1024**3
 #: Mount points the guest's /init and agent need in the read-only root.
 _MOUNT_POINTS = ("workspace", "opt", "opt/agentbox", "opt/agentbox/vm", "home", "home/agent",
                  "tmp", "run", "proc", "sys", "dev")  # fmt: skip
+#: Root disks kept in the cache (one per recently used image).
+KEEP_ROOT_DISKS = 3
 #: Bumped when the disk layout (mount points, mkfs options) changes: old disks are not reused.
 LAYOUT = "v2"
+
+
+def prune_cache(directory: Path, pattern: str, keep: int, *, used: Path | None = None) -> None:
+    """Mark ``used`` as just used and delete all but the ``keep`` most recently used matches.
+
+    Running VMs keep what they opened (a bind mount or fd holds the inode), so
+    pruning never pulls a file from under a live sandbox.
+    """
+    if used is not None:
+        with contextlib.suppress(OSError):
+            os.utime(used)
+    entries = []
+    for p in directory.glob(pattern):
+        with contextlib.suppress(OSError):
+            entries.append((p.stat().st_mtime, p))
+    for _, p in sorted(entries, reverse=True)[keep:]:
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
 def _tree_bytes(root: Path) -> int:
@@ -48,6 +69,7 @@ def ensure_root_disk(settings: Settings, rootfs: Path, key: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"root-{LAYOUT}-{key[:32]}.img"
     if out.is_file():
+        prune_cache(out_dir, "root-*.img", KEEP_ROOT_DISKS, used=out)
         return out
     with (out_dir / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -66,6 +88,7 @@ def ensure_root_disk(settings: Settings, rootfs: Path, key: str) -> Path:
             _proc.run(["debugfs", "-w", "-f", "-", tmp], input=cmds, timeout=120)
         tmp.chmod(0o644)
         tmp.replace(out)
+        prune_cache(out_dir, "root-*.img", KEEP_ROOT_DISKS, used=out)
     return out
 
 

@@ -133,7 +133,7 @@ def ensure_initramfs(settings: Settings, kernel: Kernel) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{h.hexdigest()[:16]}.cpio"
     if out.is_file():
-        return out
+        return out  # tiny; pruned only when a new one is built
     with (out_dir / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.is_file():
@@ -141,4 +141,7 @@ def ensure_initramfs(settings: Settings, kernel: Kernel) -> Path:
             tmp.write_bytes(build_cpio(files, dirs))
             tmp.chmod(0o644)
             tmp.replace(out)
+            from agentbox.microvm._disks import prune_cache
+
+            prune_cache(out_dir, "*.cpio", 4, used=out)
     return out

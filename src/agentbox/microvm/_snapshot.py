@@ -24,7 +24,7 @@ from pathlib import Path
 from agentbox._log import get_logger
 from agentbox.errors import SandboxError
 from agentbox.microvm._channel import Channel
-from agentbox.microvm._disks import make_data_disk
+from agentbox.microvm._disks import make_data_disk, prune_cache
 from agentbox.microvm._guest import GuestSession, host_kernel
 from agentbox.microvm._qmp import wait_loaded, wait_migration
 from agentbox.microvm._vm import TCG_CPU, Vm, VmConfig
@@ -34,6 +34,8 @@ __all__ = ["ensure_snapshot", "snapshot_key", "wait_incoming"]
 log = get_logger("microvm.snapshot")
 
 BOOT_TIMEOUT = 180.0
+#: Snapshots kept in the cache (one per recently used image and VM shape).
+KEEP_SNAPSHOTS = 4
 
 
 def snapshot_key(cfg: VmConfig, qemu_version: str) -> str:
@@ -49,12 +51,14 @@ def ensure_snapshot(cache_dir: Path, cfg: VmConfig, qemu_version: str) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     out = d / f"{snapshot_key(cfg, qemu_version)}.state"
     if out.is_file():
+        prune_cache(d, "*.state", KEEP_SNAPSHOTS, used=out)
         return out
     with (d / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.is_file():
             return out
         _save(cfg, out)
+        prune_cache(d, "*.state", KEEP_SNAPSHOTS, used=out)
     return out
 
 
