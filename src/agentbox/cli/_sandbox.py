@@ -95,13 +95,22 @@ def _prepare(
     mounts: list[Path] | None,
     workspace: Path,
     settings: Settings,
+    *,
+    cold: bool = False,
 ) -> tuple[Any, SandboxSpec]:
     from agentbox.backends import get_backend
+    from agentbox.errors import PolicyRefused
     from agentbox.sandbox import spec_from_boxfile
 
     box = _boxfile(boxfile, backend, runtime, mounts)
     spec = spec_from_boxfile(box, settings, workspace=workspace)
-    be = get_backend(box.backend, settings)
+    if cold and box.backend != "qemu":
+        raise PolicyRefused(f"--cold is for the qemu backend (snapshot restore); not {box.backend}")
+    be = (
+        get_backend(box.backend, settings, cold=True)
+        if cold
+        else get_backend(box.backend, settings)
+    )
     be.check(spec)
     return be, spec
 
@@ -114,13 +123,16 @@ def exec_cmd(
     mount: list[Path] | None = MountOpt,
     workspace: Path | None = WorkspaceOpt,
     stdin: bool = typer.Option(False, "--stdin", "-i", help="Pass this process's stdin"),
+    cold: bool = typer.Option(
+        False, "--cold", help="qemu: boot fresh instead of restoring the ready snapshot"
+    ),
 ) -> None:
     """Run CMD in a fresh hardened sandbox; stream its output; exit with its exit code."""
     from agentbox.config import load_settings
 
     settings = load_settings()
     with _workspace(settings, workspace) as ws:
-        be, spec = _prepare(boxfile, backend, runtime, mount, ws, settings)
+        be, spec = _prepare(boxfile, backend, runtime, mount, ws, settings, cold=cold)
         out, err = sys.stdout.buffer, sys.stderr.buffer
 
         def on_out(chunk: bytes) -> None:
