@@ -51,22 +51,26 @@ def _launcher(max_tasks: int = 4) -> Any:
     return Launcher(load_settings(), max_tasks=max_tasks)
 
 
-def _elapsed(info: TaskInfo) -> float:
-    start = info.started_at or info.created_at
+def _elapsed(info: TaskInfo, *, since_submit: bool = False) -> float:
+    start = info.created_at if since_submit else (info.started_at or info.created_at)
     end = info.finished_at or time.time()
     return max(0.0, end - start)
 
 
-def _progress_line(info: TaskInfo) -> Group:
+def _progress_line(info: TaskInfo, spinner: Spinner | None = None) -> Group:
     t = info.tokens
     pct = 100.0 * t.total / info.budget if info.budget else 0.0
     text = Text.assemble(
         (f"{info.status:<10}", _STYLE.get(info.status, "")),
-        f" {_elapsed(info):6.1f}s",
+        f" {_elapsed(info, since_submit=True):6.1f}s",
         f"  tokens in {t.input:,} · out {t.output:,} · cache {t.cache_read + t.cache_creation:,}",
         f"  ({pct:.2f}% of {info.budget:,})",
+        (f"  · {info.phase[:70]}" if info.phase and not info.terminal else "", "dim"),
     )
-    return Group(Spinner("dots", text=text))
+    if spinner is None:
+        return Group(Spinner("dots", text=text))
+    spinner.update(text=text)
+    return Group(spinner)
 
 
 def _report_text(info: TaskInfo, res: TaskResult) -> None:
@@ -313,10 +317,12 @@ def _follow(launcher: Any, task_id: str, *, live: bool) -> TaskInfo:
         if not live:
             info: TaskInfo = launcher.wait(task_id)
             return info
-        with Live(_progress_line(launcher.get(task_id)), console=err, refresh_per_second=8) as lv:
+        spinner = Spinner("dots")
+        first = _progress_line(launcher.get(task_id), spinner)
+        with Live(first, console=err, refresh_per_second=8) as lv:
             while True:
                 info = launcher.get(task_id)
-                lv.update(_progress_line(info))
+                lv.update(_progress_line(info, spinner))
                 if info.terminal:
                     return info
                 time.sleep(0.25)

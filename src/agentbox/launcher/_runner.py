@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import secrets
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -87,14 +88,19 @@ def sandbox_name(task_id: str) -> str:
 
 
 class _TaskLog:
-    """Timestamped lines in ``logs/launcher.log``: what the launcher did, for ``agentbox logs``."""
+    """Timestamped lines in ``logs/launcher.log`` (for ``agentbox logs``); each is also the
+    task's current ``phase`` in the store (for live progress)."""
 
-    def __init__(self, paths: TaskPaths) -> None:
+    def __init__(self, paths: TaskPaths, store: Store) -> None:
         self.path = paths.log_dir / "launcher.log"
+        self.store = store
+        self.task_id = paths.task_id
 
     def __call__(self, msg: str) -> None:
         with contextlib.suppress(OSError), self.path.open("a") as fh:
             fh.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+        with contextlib.suppress(AgentboxError, sqlite3.Error):
+            self.store.update(self.task_id, phase=msg[:200])
 
 
 def _repo_at_use(settings: Settings, row: TaskRow) -> Path:
@@ -334,7 +340,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         return
     paths = TaskPaths(settings.data_dir, task_id)
     _make_task_dir(paths)
-    tlog = _TaskLog(paths)
+    tlog = _TaskLog(paths, store)
     box = Boxfile.model_validate_json(row.boxfile or "{}")
     # The gateway starts (a Python process: about a second) while the workspace is
     # copied; neither needs the other.
@@ -551,7 +557,7 @@ def finish_orphan(settings: Settings, store: Store, row: TaskRow) -> None:
     if not paths.root.is_dir():
         store.finish(row.id, "failed", error="the launcher stopped before the task dir existed")
         return
-    tlog = _TaskLog(paths)
+    tlog = _TaskLog(paths, store)
     tlog("a restarted launcher reconciles this task: its launcher died")
     started = row.started_at or row.created_at
     if row.cancel_requested:

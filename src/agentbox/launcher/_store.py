@@ -55,9 +55,12 @@ CREATE TABLE IF NOT EXISTS tasks (
     gateway_pid INTEGER,
     gateway_start REAL,
     watchdog_pid INTEGER,
-    cancel_requested INTEGER NOT NULL DEFAULT 0
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    phase TEXT
 );
 """
+#: Columns added after the first schema: (name, SQL type), added to older databases.
+_ADDED = (("phase", "TEXT"),)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class TaskRow:
     gateway: Owner | None
     watchdog_pid: int | None
     cancel_requested: bool
+    phase: str = ""
 
     def info(self, tokens: TokenUsage | None = None) -> TaskInfo:
         """The public view of this row (``tokens`` overrides the stored totals)."""
@@ -135,6 +139,7 @@ class TaskRow:
             tokens=tokens or self.tokens,
             branch=self.branch,
             error=self.error,
+            phase=self.phase,
         )
 
 
@@ -175,6 +180,7 @@ def _row(r: sqlite3.Row) -> TaskRow:
         gateway=gw,
         watchdog_pid=r["watchdog_pid"],
         cancel_requested=bool(r["cancel_requested"]),
+        phase=r["phase"] or "",
     )
 
 
@@ -187,6 +193,10 @@ class Store:
         with self._conn() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
+            have = {r[1] for r in db.execute("PRAGMA table_info(tasks)")}
+            for name, kind in _ADDED:
+                if name not in have:
+                    db.execute(f"ALTER TABLE tasks ADD COLUMN {name} {kind}")
         with contextlib.suppress(OSError):
             path.chmod(0o600)
 

@@ -126,6 +126,8 @@ class TaskInfo(_Wire):
     """``agentbox/<id>`` once published."""
     error: str | None = None
     """Why the task failed, was cancelled or timed out."""
+    phase: str = ""
+    """What the launcher is doing now, in words ("copying the workspace", "agent running" …)."""
 
     @property
     def terminal(self) -> bool:
