@@ -14,7 +14,7 @@ from agentbox.errors import ConfigError
 from agentbox.gateway._app import Gateway, GatewayConfig
 from agentbox.gateway._replay import ReplayModel
 from agentbox.gateway._script import load_script
-from agentbox.gateway._serve import ServerGroup, bind, parse_listen, private_socket_path, serve
+from agentbox.gateway._serve import ServerGroup, bind, parse_listen, private_socket, serve
 from agentbox.gateway.registry import ModelEntry
 
 __all__ = [
@@ -75,17 +75,16 @@ def build_gateway(
     key: str | None = None
     if target.startswith("replay:"):
         script = load_script(Path(target[7:]))
-        rpath = private_socket_path()
-        replay_dir = rpath.parent
-        apps.append((ReplayModel(script), bind(parse_listen(f"unix:{rpath}"))))
-        base, uds = "http://replay", str(rpath)
+        rsock, uds = private_socket()
+        apps.append((ReplayModel(script), rsock))
+        base = "http://replay"
     elif target.startswith("unix:"):
         base, uds = "http://upstream", target[5:]
     elif target.startswith(("http://", "https://")):
         base = target.rstrip("/")
     else:
         raise ConfigError(f"--upstream {target!r}: use http(s)://…, unix:/path or replay:SCRIPT")
-    if env_name and replay_dir is None:
+    if env_name and not target.startswith("replay:"):
         key = os.environ.get(env_name)
         if not key and entry.kind == "anthropic":
             raise ConfigError(

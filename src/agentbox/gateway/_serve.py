@@ -12,9 +12,9 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import secrets
 import signal
 import socket
-import tempfile
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import uvicorn
 from agentbox._log import get_logger
 from agentbox.errors import ConfigError, PolicyRefused
 
-__all__ = ["Listen", "ServerGroup", "bind", "parse_listen", "serve"]
+__all__ = ["Listen", "ServerGroup", "bind", "parse_listen", "private_socket", "serve"]
 
 log = get_logger("gateway.serve")
 
@@ -177,6 +177,18 @@ async def serve(apps: list[tuple[Any, socket.socket]]) -> None:
     await ServerGroup(apps).run()
 
 
-def private_socket_path() -> Path:
-    """A path for an in-process upstream's socket, in a fresh 0700 directory."""
-    return Path(tempfile.mkdtemp(prefix="agentbox-replay-")) / "replay.sock"
+def private_socket() -> tuple[socket.socket, str]:
+    """A listening socket for an in-process upstream, in the abstract namespace.
+
+    An abstract unix socket leaves nothing on disk, so a gateway that is killed
+    leaves no directory behind. It has no file permissions: any process in the
+    host's network namespace could connect, by its random 128-bit name, and talk to
+    the replay model, which holds no secret and meters nothing. The sandbox is in
+    a network namespace of its own and cannot reach it.
+    """
+    name = "\0agentbox-replay-" + secrets.token_hex(16)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(name)
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock, name
