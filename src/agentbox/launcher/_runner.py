@@ -175,7 +175,9 @@ def list_task_gateways(settings: Settings) -> list[tuple[str, Owner]]:
     found = []
     for proc in psutil.process_iter(["pid", "cmdline", "create_time"]):
         cmd = proc.info.get("cmdline") or []
-        if "gateway" not in cmd or "--listen" not in cmd:
+        # ``python -m agentbox gateway …`` or ``python -m agentbox.gateway …``: what
+        # names it is a --listen on a socket under this data dir's task dirs.
+        if "--listen" not in cmd or not any(a.endswith("gateway") for a in cmd[:4]):
             continue
         i = cmd.index("--listen")
         listen = cmd[i + 1] if i + 1 < len(cmd) else ""
