@@ -39,12 +39,13 @@ ENV = {
 
 
 def make_repo(path: Path, nfiles: int) -> None:
-    """A repo with ``nfiles`` small files in a 3-level layout, made by fast-import."""
+    """A repo with ``nfiles`` small files, 20 per directory (like real repos), via fast-import."""
     subprocess.run(["git", "init", "-q", "-b", "main", str(path)], env=ENV, check=True)
     lines = [b"commit refs/heads/main\ncommitter b <b@b> 0 +0000\ndata 4\ninit\n"]
     for i in range(nfiles):
         data = b"line %d of a generated source file\n" % i * 4
-        rel = b"pkg%02d/mod%03d/file%05d.py" % (i % 50, (i // 50) % 200, i)
+        d = i // 20
+        rel = b"pkg%02d/mod%03d/file%05d.py" % (d % 50, d // 50, i)
         lines.append(b"M 100644 inline %s\ndata %d\n%s\n" % (rel, len(data), data))
     subprocess.run(["git", "fast-import", "--quiet"], cwd=path, input=b"".join(lines),
                    env=ENV, check=True)  # fmt: skip
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--changed", type=int, default=100)
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="agentbox-bench-") as tmp_s:
+    with tempfile.TemporaryDirectory(prefix="abx-collect-bench-") as tmp_s:
         tmp = Path(tmp_s)
         t0 = time.perf_counter()
         make_repo(tmp / "repo", args.files)

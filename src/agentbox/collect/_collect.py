@@ -50,7 +50,7 @@ from agentbox.collect._git import ShadowGit
 from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
 from agentbox.collect._objects import BlobWriter
 from agentbox.collect._statcache import MODES, BaseListing, load_keys, stat_key
-from agentbox.collect._tree import build_tree, write_commit, write_ref
+from agentbox.collect._tree import build_tree, prefetch, write_commit, write_ref
 from agentbox.errors import CollectError, CommandError, PathRefused
 from agentbox.paths import validate_task_id
 from agentbox.safepath import MAX_NAME, SizeRefused, Tree, show
@@ -110,6 +110,8 @@ class _Walk:
         self.truncated = False
         self.ignored = 0
         self.odd_gitignore = False
+        self.files_read = 0
+        self.bytes_read = 0
 
     def skip(self, rel: str, reason: str) -> None:
         """Report ``rel``; a skipped path keeps its base version (if any)."""
@@ -295,59 +297,47 @@ def _judge_reported(w: _Walk, tree: Tree, changed: set[str]) -> None:
         w.entry(prefix, name, st, w.base.mode(rel))
 
 
-def _apply_ignores(w: _Walk, shadow: ShadowGit, workspace: Path) -> None:
-    """Drop new paths that the workspace's ``.gitignore`` files ignore."""
-    new = [rel for rel, _, _ in w.changed if w.base.mode(rel) is None]
-    if not new:
-        return
-    if w.odd_gitignore:
-        w.notes.append(Skipped(path=".gitignore", reason="a .gitignore is not a regular file: "
-                                                         "ignore rules not applied"))  # fmt: skip
-        return
+def _ignored(shadow: ShadowGit, workspace: Path, new: list[str]) -> set[str] | None:
+    """Which of the ``new`` paths the workspace's ``.gitignore`` files ignore (None: failed)."""
     rc, out = shadow.run_bytes(
         f"--work-tree={workspace}", "check-ignore", "--no-index", "-z", "--stdin",
         input=b"\0".join(os.fsencode(r) for r in new) + b"\0", cwd=workspace,
     )  # fmt: skip
     if rc not in (0, 1):
-        w.notes.append(Skipped(path=".gitignore", reason="git check-ignore failed: ignore "
-                                                         "rules not applied"))  # fmt: skip
-        return
-    ignored = {os.fsdecode(p) for p in out.split(b"\0") if p}
-    w.ignored = len(ignored)
-    w.changed = [c for c in w.changed if c[0] not in ignored]
+        return None
+    return {os.fsdecode(p) for p in out.split(b"\0") if p}
 
 
-def _read_changed(
-    w: _Walk, tree: Tree, blobs: BlobWriter
-) -> tuple[dict[bytes, tuple[int, str]], int, int]:
-    """Store every changed entry as a blob; return {path: (mode, blob)}, files and bytes read."""
+def _read_changed(w: _Walk, tree: Tree, blobs: BlobWriter) -> dict[bytes, tuple[int, str]]:
+    """Store every entry of ``w.changed`` as a blob; return {path: (mode, blob id)}.
+
+    Counts into ``w.files_read``/``w.bytes_read``; the total cap spans calls.
+    """
     updates: dict[bytes, tuple[int, str]] = {}
-    total = 0
-    nread = 0
+    cap = w.limits.max_file_size
     for rel, gm, st in sorted(w.changed):
         relb = os.fsencode(rel)
         try:
             if gm == 0o120000:
                 data = tree.readlink(relb)
             else:
-                if st.st_size > w.limits.max_file_size:
-                    w.skip(rel, f"over the per-file cap ({st.st_size} > "
-                                f"{w.limits.max_file_size} bytes)")  # fmt: skip
+                if st.st_size > cap:
+                    w.skip(rel, f"over the per-file cap ({st.st_size} > {cap} bytes)")
                     continue
-                if total + st.st_size > w.limits.max_total_size:
+                if w.bytes_read + st.st_size > w.limits.max_total_size:
                     w.skip(rel, f"over the total cap ({w.limits.max_total_size} bytes)")
                     continue
-                data = tree.read(relb, limit=w.limits.max_file_size)
+                data = tree.read(relb, limit=cap)
         except SizeRefused:
-            w.skip(rel, f"over the per-file cap ({w.limits.max_file_size} bytes)")
+            w.skip(rel, f"over the per-file cap ({cap} bytes)")
             continue
         except PathRefused as exc:
             w.skip(rel, f"could not be read safely: {exc}")
             continue
-        total += len(data)
-        nread += 1
+        w.bytes_read += len(data)
+        w.files_read += 1
         updates[relb] = (gm, blobs.write(data))
-    return updates, nread, total
+    return updates
 
 
 def _tree_via_index(
@@ -474,10 +464,10 @@ def collect(
     listing = BaseListing.load(base_index)
     with ShadowGit(shadow_git) as shadow, Tree(workspace) as tree, \
             tempfile.TemporaryDirectory(prefix="agentbox-index-") as tmp:  # fmt: skip
-        # A fresh copy has a fresh mtime, so no entry is "racily clean": git would
+        # A fresh mtime on the index means no entry is "racily clean": git would
         # read such a file (and its .gitattributes, maybe a FIFO) to compare.
-        oracle_index = Path(tmp) / "oracle.index"
-        shutil.copyfile(base_index, oracle_index)
+        os.utime(base_index)
+        oracle_index = base_index
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             # git lstats the tracked files while we walk directories by d_type.
             reported = pool.submit(_git_changed, shadow, workspace, oracle_index)
@@ -489,15 +479,33 @@ def collect(
         else:
             _judge_reported(w, tree, changed)
         w.resolve_hardlinks()
-        _apply_ignores(w, shadow, workspace)
         objects = BlobWriter(shadow_git, base.object_format)
-        updates, nread, nbytes = _read_changed(w, tree, objects)
         deletions = [os.fsencode(rel) for rel in w.all_deleted()]
-        try:
-            tree_id = build_tree(shadow, objects, base.tree, updates, deletions)
-        except ValueError:  # a directory name only the index route can carry
-            tree_id = _tree_via_index(shadow, base_index, Path(tmp), updates, w,
-                                      base.object_format)  # fmt: skip
+        new = [c for c in w.changed if w.base.mode(c[0]) is None]
+        w.changed = [c for c in w.changed if w.base.mode(c[0]) is not None]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            # Ignore rules and the base trees we will edit, while we read the changes.
+            ignoring = None
+            if new and w.odd_gitignore:
+                w.note(".gitignore", "a .gitignore is not a regular file: ignore rules not applied")
+            elif new:
+                ignoring = pool.submit(_ignored, shadow, workspace, [c[0] for c in new])
+            paths = [os.fsencode(c[0]) for c in [*w.changed, *new]] + deletions
+            fetching = pool.submit(prefetch, shadow, base.tree, paths, base.object_format)
+            updates = _read_changed(w, tree, objects)
+            ignored = ignoring.result() if ignoring is not None else set()
+            if ignored is None:
+                w.note(".gitignore", "git check-ignore failed: ignore rules not applied")
+                ignored = set()
+            w.ignored = len(ignored)
+            w.changed = [c for c in new if c[0] not in ignored]
+            updates.update(_read_changed(w, tree, objects))
+            try:
+                tree_id = build_tree(shadow, objects, base.tree, updates, deletions,
+                                     fetching.result())  # fmt: skip
+            except ValueError:  # a directory name only the index route can carry
+                tree_id = _tree_via_index(shadow, base_index, Path(tmp), updates, w,
+                                          base.object_format)  # fmt: skip
         body = message.strip() or "agentbox task"
         commit = write_commit(objects, tree_id, base.base_commit,
                               f"{body}\n\nagentbox-task: {task_id}\n")  # fmt: skip
@@ -518,6 +526,6 @@ def collect(
         notes=w.notes,
         files_seen=w.count,
         files_ignored=w.ignored,
-        files_read=nread,
-        bytes_read=nbytes,
+        files_read=w.files_read,
+        bytes_read=w.bytes_read,
     )

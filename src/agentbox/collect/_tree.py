@@ -21,7 +21,7 @@ from agentbox.collect._git import ShadowGit
 from agentbox.collect._objects import BlobWriter
 from agentbox.errors import CollectError
 
-__all__ = ["build_tree", "write_commit", "write_ref"]
+__all__ = ["Trees", "build_tree", "prefetch", "write_commit", "write_ref"]
 
 _TREE = 0o40000
 
@@ -80,24 +80,50 @@ def _base_trees(shadow: ShadowGit, tree: str, dirs: list[bytes], hlen: int
     return found
 
 
+Trees = dict[bytes, dict[bytes, tuple[int, bytes]]]
+
+
+def prefetch(shadow: ShadowGit, base_tree: str, paths: list[bytes], object_format: str) -> Trees:
+    """The base trees of every directory above ``paths`` (one ``cat-file --batch``).
+
+    Raises ValueError for a directory name the line protocol cannot carry.
+    """
+    affected: set[bytes] = set()
+    for path in paths:
+        affected.update(_parents(path))
+    if any(b"\n" in d for d in affected):
+        raise ValueError("a directory name cat-file --batch cannot carry")
+    if not affected:
+        return {}
+    return _base_trees(shadow, base_tree, sorted(affected),
+                       32 if object_format == "sha256" else 20)  # fmt: skip
+
+
 def build_tree(
     shadow: ShadowGit,
     objects: BlobWriter,
     base_tree: str,
     updates: dict[bytes, tuple[int, str]],
     deletions: list[bytes],
+    trees: Trees | None = None,
 ) -> str:
-    """The id of ``base_tree`` with ``updates`` ({path: (mode, blob id)}) and ``deletions``."""
-    hlen = 32 if objects.object_format == "sha256" else 20
+    """The id of ``base_tree`` with ``updates`` ({path: (mode, blob id)}) and ``deletions``.
+
+    ``trees`` may hold base trees fetched beforehand (:func:`prefetch`); the
+    missing ones are fetched here. Raises ValueError where only the index
+    route can go.
+    """
     affected: set[bytes] = set()
     for path in [*updates, *deletions]:
         affected.update(_parents(path))
     if not affected:
         return base_tree
-    if any(b"\n" in d for d in affected):
-        raise ValueError("a directory name cat-file --batch cannot carry")
+    trees = dict(trees or {})
+    missing = [d for d in affected if d not in trees]
+    if missing:
+        trees.update(prefetch(shadow, base_tree, [d + b"/x" if d else b"x" for d in missing],
+                              objects.object_format))  # fmt: skip
     dirs = sorted(affected, key=lambda d: (-d.count(b"/") - (1 if d else 0), d))
-    trees = _base_trees(shadow, base_tree, dirs, hlen)
     removed: dict[bytes, list[bytes]] = defaultdict(list)
     added: dict[bytes, list[tuple[bytes, int, bytes]]] = defaultdict(list)
     for path in deletions:
@@ -112,7 +138,7 @@ def build_tree(
         if d:
             subdirs[d.rpartition(b"/")[0]].append(d)
     for d in dirs:  # deepest first: a directory's children are done before it
-        entries = trees[d]
+        entries = dict(trees[d])
         for name in removed.get(d, ()):
             entries.pop(name, None)
         for sub in subdirs.get(d, ()):
