@@ -93,3 +93,13 @@ def test_agent_log_is_capped(tmp_path: Path) -> None:
     data = (tmp_path / "log").read_bytes()
     assert data.startswith(b"0123456012\n[agentbox: output past this point dropped")
     assert data.count(b"dropped") == 1
+
+
+def test_only_one_reconciler_claims_an_orphan(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    _insert(store)
+    old = store.get("t-1").owner
+    a, b = Owner(111, 1.0), Owner(222, 2.0)
+    assert store.claim("t-1", old, a)
+    assert not store.claim("t-1", old, b)
+    assert store.get("t-1").owner == a

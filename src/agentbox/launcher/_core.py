@@ -258,6 +258,9 @@ class Launcher:
                 self._futures.pop(task_id, None)
 
     def _reconcile_one(self, row: TaskRow) -> None:
+        # Claim the task first so two reconciling launchers do not both settle it.
+        if not self.store.claim(row.id, row.owner, self._owner):
+            return
         log.warning("reconciling task whose launcher died", task_id=row.id, status=row.status)
         if row.watchdog_pid:
             stop_watchdog(row.watchdog_pid)
@@ -267,14 +270,6 @@ class Launcher:
             _runner.kill_gateway(row.gateway)
         if row.status == "queued":
             self.store.finish(row.id, "failed", error="the launcher stopped before the task ran")
-            return
-        # Claim the task so two reconciling launchers do not both collect it.
-        if not self.store.update(
-            row.id,
-            expect={row.status},
-            owner_pid=self._owner.pid,
-            owner_start=self._owner.start,
-        ):
             return
         _runner.finish_orphan(self.settings, self.store, self.store.get(row.id))
 

@@ -249,6 +249,16 @@ class Store:
         with self._conn() as db:
             return db.execute(sql, args).rowcount == 1
 
+    def claim(self, task_id: str, old: Owner | None, new: Owner) -> bool:
+        """Make ``new`` the owner if ``old`` still is (one of several reconcilers wins)."""
+        with self._conn() as db:
+            cur = db.execute(
+                "UPDATE tasks SET owner_pid = ?, owner_start = ? "
+                "WHERE id = ? AND owner_pid IS ? AND owner_start IS ?",
+                (new.pid, new.start, task_id, old.pid if old else None, old.start if old else None),
+            )
+            return cur.rowcount == 1
+
     def finish(self, task_id: str, status: str, **fields: Any) -> bool:
         """Move a non-terminal task to terminal ``status``; False if it already was terminal."""
         return self.update(
