@@ -248,3 +248,24 @@ def test_httpx_pool_same_interface() -> None:
         make_pool("https://api.example.invalid", None, connect_timeout=1, read_timeout=1),
         PlainPool,
     )
+
+
+def test_body_read_timeout() -> None:
+    async def stalls(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await w.drain()
+        await asyncio.sleep(5)
+        w.close()
+
+    async def body(pool: PlainPool) -> None:
+        pool.read_timeout = 0.3
+        resp = await pool.request("/", [], b"")
+        got = []
+        with pytest.raises(UpstreamTimeout):
+            async for chunk in resp.aiter_bytes():
+                got.append(chunk)
+        assert got == [b"abc"]  # what came before the silence was passed on
+        await resp.aclose()
+
+    run(stalls, body)
