@@ -287,3 +287,42 @@ def test_tree_matches_what_git_add_would_make(
     sh = ["--git-dir", str(p.shadow)]
     subprocess.run(["git", *sh, "fsck", "--strict", "--no-dangling"], check=True,
                    capture_output=True)  # fmt: skip
+
+
+def test_sha256_repository(tmp_path: Path) -> None:
+    repo = tmp_path / "r256"
+    repo.mkdir()
+    git(repo, "init", "-q", "--object-format=sha256", "-b", "main")
+    (repo / "a.txt").write_text("a\n")
+    (repo / "d").mkdir()
+    (repo / "d/b.txt").write_text("b\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "i")
+    p = prepare_in(tmp_path / "task", repo)
+    assert p.base.object_format == "sha256" and len(p.base.base_commit) == 64
+    (p.ws / "d/b.txt").write_text("changed\n")
+    (p.ws / "d/c.txt").write_text("new\n")
+    got = _collect(p)
+    assert got.diffstat.files_changed == 2
+    publish(p.shadow, repo, task_id="t-1", commit=got.commit)
+    assert git(repo, "show", "agentbox/t-1:d/c.txt") == "new\n"
+
+
+def test_walk_limit_deletes_nothing_unseen(repo: Path, tmp_path: Path) -> None:
+    p = prepare_in(tmp_path / "task", repo)
+    (p.ws / "src/app.py").write_text("changed\n")
+    got = _collect(p, limits=Limits(max_files=3))
+    assert any("walk stopped" in s.reason for s in got.skipped)
+    names = git(tmp_path, "--git-dir", str(p.shadow), "ls-tree", "-r", "--name-only",
+                got.commit).split()  # fmt: skip
+    assert sorted(names) == sorted(git(repo, "ls-tree", "-r", "--name-only", "HEAD").split())
+
+
+def test_public_surface() -> None:
+    import agentbox.collect as c
+    import agentbox.safepath as s
+
+    assert set(c.__all__) == {"Base", "Collected", "DiffStat", "Limits", "Report", "Skipped",
+                              "Tokens", "branch_name", "collect", "prepare", "publish"}  # fmt: skip
+    assert {"SafeWriter", "Tree", "openat2", "supported", "check_name"} <= set(s.__all__)
+    assert all(hasattr(c, n) for n in c.__all__) and all(hasattr(s, n) for n in s.__all__)

@@ -194,7 +194,7 @@ def _cat_batch(shadow: ShadowGit, oids: list[str]) -> Iterator[bytes]:
         pos = nl + 1 + size + 1
 
 
-def _init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str) -> None:
+def _init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt: str) -> None:
     """Give the workspace a fresh ``.git`` of its own: one root commit of the base tree."""
     root = shadow.run(
         "commit-tree", tree, "-m", f"agentbox: workspace base (from {base[:12]})"
@@ -202,7 +202,8 @@ def _init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str) ->
     shadow.run("update-ref", "refs/agentbox/workspace", root)
     agent_git = workspace / ".git"
     with ShadowGit(agent_git) as ws:
-        ws.run("init", "--quiet", "--template=", "--initial-branch=main", "--bare")
+        ws.run("init", "--quiet", "--template=", "--initial-branch=main", "--bare",
+               f"--object-format={fmt}")  # fmt: skip
         ws.run("config", "core.bare", "false")
         ws.run("config", "user.name", "agentbox agent")
         ws.run("config", "user.email", "agent@agentbox.invalid")
@@ -265,7 +266,7 @@ def prepare(
             made.append(workspace)
             workspace.mkdir(mode=0o755)
             modes = _write_workspace(shadow, tree, workspace)
-            _init_agent_git(shadow, workspace, tree, base_commit)
+            _init_agent_git(shadow, workspace, tree, base_commit, fmt)
             if owner is not None:
                 _chown_tree(workspace, *owner)
             made.append(base_index)
