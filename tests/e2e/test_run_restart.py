@@ -127,6 +127,7 @@ def test_launcher_killed_mid_task_is_reconciled(
     sock = settings.data_dir / "launcher.sock"
     first = Served(env, sock)
     second = None
+    ghost_gw = None
     try:
         with LauncherClient(sock) as client:
             info = client.submit(
@@ -201,6 +202,8 @@ def test_launcher_killed_mid_task_is_reconciled(
                 not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
             )
     finally:
+        if ghost_gw is not None:
+            ghost_gw.stop(grace=1.0)
         if second is not None:
             second.stop()
         first.stop()
