@@ -214,8 +214,8 @@ def test_watchdog_removes_the_sandbox_at_its_deadline(
     box = backend.create(spec)
     try:
         wd = spawn_watchdog(
-            backend="podman", sandbox=name, at=time.time() + 1.0, gateway_pid=None,
-            gateway_start=None, log_file=tmp_path / "wd.log",
+            backend="podman", sandbox=name, data_dir=tmp_path, at=time.time() + 1.0,
+            gateway_pid=None, gateway_start=None, log_file=tmp_path / "wd.log",
         )  # fmt: skip
         assert wd.wait(60) == 0
         out = subprocess.run(

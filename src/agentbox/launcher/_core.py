@@ -146,7 +146,7 @@ class Launcher:
             event.set()
         if row.sandbox and row.backend:
             # Whoever runs it sees the sandbox die and the cancel flag, and collects.
-            kill_sandbox(row.backend, row.sandbox)
+            kill_sandbox(row.backend, row.sandbox, self.settings.data_dir)
         if event is None and row.owner is not None and not row.owner.alive():
             self._reconcile_one(self.store.get(row.id))
         return self.get(row.id)
@@ -265,7 +265,7 @@ class Launcher:
         if row.watchdog_pid:
             stop_watchdog(row.watchdog_pid)
         if row.sandbox and row.backend:
-            kill_sandbox(row.backend, row.sandbox)
+            kill_sandbox(row.backend, row.sandbox, self.settings.data_dir)
         if row.gateway is not None:
             _runner.kill_gateway(row.gateway)
         if row.status == "queued":
@@ -282,7 +282,7 @@ class Launcher:
         for name in _runner.list_task_sandboxes(self.settings):
             if name not in live:
                 log.warning("removing orphan sandbox", sandbox=name)
-                kill_sandbox("podman", name)
+                kill_sandbox("podman", name, self.settings.data_dir)
         live_ids = {
             r.id
             for r in self.store.all()

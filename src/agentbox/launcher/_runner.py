@@ -436,6 +436,7 @@ def _run_sandbox(
         watchdog = spawn_watchdog(
             backend=box.backend,
             sandbox=spec.name,
+            data_dir=settings.data_dir,
             at=started + row.deadline + WATCHDOG_GRACE,
             gateway_pid=gateway.pid,
             gateway_start=gw_owner.start if gw_owner else None,
@@ -452,7 +453,7 @@ def _run_sandbox(
             raise _Cancelled
         monitor = threading.Thread(
             target=_monitor,
-            args=(store, task_id, cancel, done, box.backend, spec.name),
+            args=(store, task_id, cancel, done, box.backend, spec.name, settings.data_dir),
             name=f"agentbox-monitor-{task_id}",
             daemon=True,
         )
@@ -541,6 +542,7 @@ def _monitor(
     done: threading.Event,
     backend: str,
     sandbox: str,
+    data_dir: Path,
 ) -> None:
     """Turn a cancel (this process's event, or another process's flag) into a kill."""
     while not done.wait(0.5):
@@ -549,7 +551,7 @@ def _monitor(
             with contextlib.suppress(AgentboxError):
                 flagged = store.get(task_id).cancel_requested
         if flagged:
-            kill_sandbox(backend, sandbox)
+            kill_sandbox(backend, sandbox, data_dir)
             return
 
 

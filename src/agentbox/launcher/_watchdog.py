@@ -7,7 +7,7 @@ sandbox by name and kills the task's gateway, whatever state the launcher is in
 (its event loop stuck, the process killed). The launcher terminates the watchdog
 when the task ends in time; a restarted launcher kills stale ones.
 
-Run as ``python -m agentbox.launcher._watchdog --sandbox NAME --at EPOCH
+Run as ``python -m agentbox.launcher._watchdog --backend B --sandbox NAME --data-dir D --at EPOCH
 [--gateway-pid PID --gateway-start T]``.
 """
 
@@ -32,11 +32,20 @@ __all__ = ["kill_sandbox", "main", "spawn_watchdog", "stop_watchdog"]
 _MODULE = "agentbox.launcher._watchdog"
 
 
-def kill_sandbox(backend: str, name: str) -> None:
-    """Remove sandbox ``name`` of ``backend`` now (SIGKILL, then remove); idempotent."""
+def kill_sandbox(backend: str, name: str, data_dir: Path) -> None:
+    """Remove sandbox ``name`` of ``backend`` now (SIGKILL, then remove); idempotent.
+
+    ``data_dir`` is the launcher's: microVMs are found by the owner files of their
+    VM dirs there (and their VMMs killed through their cgroups).
+    """
+    if backend == "qemu":
+        from agentbox.backends.qemu import kill_sandbox as kill_vm
+        from agentbox.config import Settings
+
+        with contextlib.suppress(AgentboxError, OSError):
+            kill_vm(Settings(data_dir=data_dir), name)
+        return
     if backend != "podman":
-        # Other backends enforce their deadline in their own VMM supervisor; nothing
-        # here can name their processes safely.
         return
     for argv in (
         ["podman", "kill", "--signal", "KILL", name],
@@ -62,6 +71,7 @@ def spawn_watchdog(
     *,
     backend: str,
     sandbox: str,
+    data_dir: Path,
     at: float,
     gateway_pid: int | None,
     gateway_start: float | None,
@@ -69,7 +79,7 @@ def spawn_watchdog(
 ) -> subprocess.Popen[bytes]:
     """Start the watchdog for one sandbox, due at unix time ``at``; return its process."""
     argv = [sys.executable, "-m", _MODULE, "--backend", backend, "--sandbox", sandbox]
-    argv += ["--at", repr(at)]
+    argv += ["--data-dir", str(data_dir), "--at", repr(at)]
     if gateway_pid is not None and gateway_start is not None:
         argv += ["--gateway-pid", str(gateway_pid), "--gateway-start", repr(gateway_start)]
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TZ")}
@@ -107,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=_MODULE)
     ap.add_argument("--backend", required=True)
     ap.add_argument("--sandbox", required=True)
+    ap.add_argument("--data-dir", type=Path, required=True)
     ap.add_argument("--at", type=float, required=True)
     ap.add_argument("--gateway-pid", type=int)
     ap.add_argument("--gateway-start", type=float)
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     while (left := args.at - time.time()) > 0:
         time.sleep(min(left, 30.0))
     print(f"watchdog: deadline reached, removing sandbox {args.sandbox}", flush=True)
-    kill_sandbox(args.backend, args.sandbox)
+    kill_sandbox(args.backend, args.sandbox, args.data_dir)
     if args.gateway_pid is not None and args.gateway_start is not None:
         kill_gateway(args.gateway_pid, args.gateway_start)
     return 0
