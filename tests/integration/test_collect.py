@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,27 @@ def test_public_surface() -> None:
                               "Tokens", "branch_name", "collect", "prepare", "publish"}  # fmt: skip
     assert {"SafeWriter", "Tree", "openat2", "supported", "check_name"} <= set(s.__all__)
     assert all(hasattr(c, n) for n in c.__all__) and all(hasattr(s, n) for n in s.__all__)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own a repo as another user")
+def test_repo_of_another_user() -> None:
+    """As root (the launcher), git runs in a user's repo as its owner; new objects are theirs."""
+    # Not under tmp_path: pytest's base dir is root-only, the owner must reach the repo.
+    with tempfile.TemporaryDirectory(prefix="abx-owner-test-") as top:
+        tmp_path = Path(top)
+        tmp_path.chmod(0o755)
+        repo = make_repo(tmp_path / "theirs", {"a.txt": "a\n", "d/b.txt": "b\n"})
+        (repo / "d/b.txt").write_text("uncommitted\n")
+        (repo / "new.txt").write_text("untracked\n")
+        subprocess.run(["chown", "-R", "12345:12345", str(repo)], check=True)
+        before = repo_state(repo)
+        p = prepare_in(tmp_path / "task", repo, include_uncommitted=True)
+        assert (p.ws / "d/b.txt").read_text() == "uncommitted\n" and (p.ws / "new.txt").exists()
+        (p.ws / "a.txt").write_text("agent\n")
+        got = _collect(p)
+        publish(p.shadow, repo, task_id="t-1", commit=got.commit)
+        assert repo_state(repo) == before
+        owners = {(st.st_uid, st.st_gid) for d, ds, fs in os.walk(repo / ".git")
+                  for st in [os.lstat(Path(d, n)) for n in ds + fs]}  # fmt: skip
+        assert owners == {(12345, 12345)}
+        assert git(repo, "show", "agentbox/t-1:a.txt") == "agent\n"

@@ -20,6 +20,10 @@ GIT_ENV = {
     "GIT_COMMITTER_NAME": "User",
     "GIT_COMMITTER_EMAIL": "user@example.com",
     "LC_ALL": "C",
+    # The tests (root) inspect repos owned by other uids too.
+    "GIT_CONFIG_COUNT": "1",
+    "GIT_CONFIG_KEY_0": "safe.directory",
+    "GIT_CONFIG_VALUE_0": "*",
 }
 
 

@@ -8,14 +8,16 @@ Two kinds of git invocations exist and they never mix:
   -c core.fsmonitor=false -c core.untrackedCache=false -c core.symlinks=true`` on
   every command line. It is never pointed at a work tree the agent wrote: every
   file it learns about was read by :mod:`agentbox.safepath` and handed to it.
-* :func:`user_git` runs git in the user's repository: only read-only commands
-  (``rev-parse``, ``status --no-optional-locks``, ``ls-files``) and the final
-  ``fetch`` of the result branch, with hooks and fsmonitor off.
+* :func:`user_git` runs git in the user's repository, as the repository's
+  owner (never as root): only read-only commands (``rev-parse``, ``status
+  --no-optional-locks``), ``add -A`` into a temporary index and object dir,
+  and the final ``fetch`` of the result branch, with hooks and fsmonitor off.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,7 +25,15 @@ from pathlib import Path
 from agentbox import _proc
 from agentbox._proc import Result
 
-__all__ = ["SAFE_CONFIG", "ShadowGit", "clean_env", "user_git"]
+__all__ = [
+    "SAFE_CONFIG",
+    "ShadowGit",
+    "as_owner",
+    "clean_env",
+    "owner_tempdir",
+    "repo_owner",
+    "user_git",
+]
 
 #: ``-c`` options on every git command line we run (the threats they answer:
 #: hooks, an fsmonitor command, a stale untracked cache, symlinks written as files).
@@ -145,6 +155,44 @@ class ShadowGit:
         return rc, b"".join(out)
 
 
+def repo_owner(repo: Path) -> tuple[int, int]:
+    """The uid and gid owning ``repo``'s ``.git`` (the repo itself if it has none)."""
+    gd = repo / ".git"
+    st = gd.stat() if gd.exists() else repo.stat()
+    return st.st_uid, st.st_gid
+
+
+def as_owner(repo: Path) -> list[str]:
+    """An argv prefix that drops to the repo owner's uid/gid when we run as root.
+
+    A privileged launcher must not run git in a user's repository as root:
+    that repo's config is the user's (an ``alternateRefsCommand``, a clean
+    filter during ``add``), so it would run as root, and objects fetched in
+    would be root-owned. With the owner's ids, whatever the config runs, runs
+    as them.
+    """
+    uid, gid = repo_owner(repo)
+    if os.geteuid() != 0 or uid == 0:
+        return []
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+            "--inh-caps=-all", "--"]  # fmt: skip
+
+
+def owner_tempdir(repo: Path) -> Path:
+    """A private temp dir that the repo's owner (who runs git there) may write."""
+    tmp = Path(tempfile.mkdtemp(prefix="agentbox-owner-"))
+    if as_owner(repo):
+        os.chown(tmp, *repo_owner(repo))
+    return tmp
+
+
+def _owner_home(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        return "/nonexistent"
+
+
 def user_git(
     repo: Path,
     *args: str | os.PathLike[str],
@@ -152,18 +200,21 @@ def user_git(
     timeout: float = 300.0,
     env: Mapping[str, str] | None = None,
 ) -> Result:
-    """Run git in the user's repo: hooks and fsmonitor off, no optional locks.
+    """Run git in the user's repo, as its owner: hooks and fsmonitor off, no optional locks.
 
     The user's own global config still applies (it is theirs and trusted), but
     no ``GIT_*`` variable of our caller leaks in. ``safe.directory`` is set on
-    the command line because the launcher may run as a different user than
-    the repo's owner.
+    the command line in case the owner cannot be assumed (not root).
     """
-    base = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "XDG_"))}
+    prefix = as_owner(repo)
+    if prefix:
+        base["HOME"] = _owner_home(repo_owner(repo)[0])
     base.update({"LC_ALL": "C", "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"})
     if env:
         base.update(env)
     argv = [
+        *prefix,
         "git",
         "--no-optional-locks",
         "-c",
@@ -176,4 +227,5 @@ def user_git(
         os.fspath(repo),
         *(os.fspath(a) for a in args),
     ]
-    return _proc.run(argv, timeout=timeout, check=check, env=base)
+    # cwd: somewhere the owner may enter (our own cwd may be a root-only dir).
+    return _proc.run(argv, timeout=timeout, check=check, env=base, cwd=repo)

@@ -22,17 +22,19 @@ import re
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.collect import _statcache
-from agentbox.collect._git import ShadowGit, user_git
+from agentbox.collect._git import ShadowGit, as_owner, owner_tempdir, repo_owner, user_git
 from agentbox.collect._index import fill_stat
 from agentbox.collect._model import Base
+from agentbox.collect._objects import BlobWriter
 from agentbox.errors import CollectError, CommandError, PathRefused, RefusedError
-from agentbox.safepath import SafeWriter, Tree, openat2
+from agentbox.safepath import Kind, SafeWriter, Tree, openat2
 
 __all__ = ["prepare"]
 
@@ -86,36 +88,75 @@ def _fetch_base(shadow: ShadowGit, repo: Path, sha: str) -> None:
         source, depth = str(repo), []
     else:
         source, depth = f"file://{repo}", ["--depth=1"]
+    # upload-pack runs in the user's repo, which may belong to another user;
+    # it does not see -c options, so safe.directory goes in a global config of ours.
+    home = Path(shadow.env()["HOME"])
+    cfg = home / "safe.gitconfig"
+    cfg.write_text(f"[safe]\n\tdirectory = {repo}\n\tdirectory = {repo / '.git'}\n")
     shadow.run(
-        "-c", f"safe.directory={repo}", "fetch", "--quiet", "--no-tags",
-        "--no-write-fetch-head", *depth, source, f"{sha}:refs/agentbox/head",
+        "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", *depth, source,
+        f"{sha}:refs/agentbox/head", env={"GIT_CONFIG_GLOBAL": str(cfg)},
     )  # fmt: skip
 
 
-def _snapshot_uncommitted(shadow: ShadowGit, repo: Path, head: str) -> str:
-    """A commit (in the shadow dir) of HEAD plus tracked changes and untracked files."""
+def _snapshot_uncommitted(shadow: ShadowGit, repo: Path, head: str, fmt: str) -> str:
+    """A commit (in the shadow dir) of HEAD plus tracked changes and untracked files.
+
+    ``git add -A`` runs as the repo's owner (its clean filters are theirs) into
+    a temporary index and object dir of theirs; we then copy the new loose
+    objects into the shadow dir, each one decompressed and re-hashed.
+    """
     git_path = user_git(repo, "rev-parse", "--path-format=absolute", "--git-path", "objects",
                         "--git-path", "index").stdout.splitlines()  # fmt: skip
     objects, index = Path(git_path[0]), Path(git_path[1])
-    with tempfile.TemporaryDirectory(prefix="agentbox-snap-") as tmp:
-        tmp_index = Path(tmp) / "index"
-        if index.is_file():
-            shutil.copyfile(index, tmp_index)  # stat data makes add -A cheap
+    tmp = owner_tempdir(repo)
+    try:
+        tmp_index, tmp_objects = tmp / "index", tmp / "objects"
+        tmp_objects.mkdir()  # git refuses an object directory that does not exist
+        if as_owner(repo):
+            os.chown(tmp_objects, *repo_owner(repo))
         env = {
             "GIT_INDEX_FILE": str(tmp_index),
-            "GIT_OBJECT_DIRECTORY": str(shadow.git_dir / "objects"),
+            "GIT_OBJECT_DIRECTORY": str(tmp_objects),
             "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(objects),
         }
-        if not index.is_file():
+        if index.is_file():
+            shutil.copyfile(index, tmp_index)  # the real index: stat data, staged changes
+            if as_owner(repo):
+                os.chown(tmp_index, *repo_owner(repo))
+        else:
             user_git(repo, "read-tree", head, env=env)
         user_git(repo, "add", "-A", env=env)
         tree = user_git(repo, "write-tree", env=env).stdout.strip()
-    # Objects HEAD's tree shares were read through the alternate; make sure the
-    # shadow dir holds every object of the snapshot itself.
+        _import_loose(tmp_objects, BlobWriter(shadow.git_dir, fmt))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # Objects HEAD's tree shares came with the fetch; the rest were imported.
     shadow.run("cat-file", "-e", f"{tree}^{{tree}}")
     return shadow.run(
         "commit-tree", tree, "-p", head, "-m", "agentbox: uncommitted changes at the start"
     ).stdout.strip()
+
+
+def _import_loose(objects: Path, writer: BlobWriter) -> None:
+    """Copy loose objects written by the repo's owner, verifying each (links never followed)."""
+    if not objects.is_dir():
+        return
+    with Tree(objects) as tree:
+        for e in tree.walk():
+            if e.kind is not Kind.FILE or e.path.count(b"/") != 1:
+                continue
+            try:
+                raw = zlib.decompress(tree.read(e.path, limit=1 << 34))
+            except zlib.error as exc:
+                raise CollectError(f"corrupt object {e.path!r} from git add") from exc
+            header, _, body = raw.partition(b"\0")
+            kind, _, size = header.partition(b" ")
+            if kind not in (b"blob", b"tree") or int(size) != len(body):
+                raise CollectError(f"unexpected object {e.path!r} from git add")
+            oid = writer.write(body, kind.decode())
+            if oid != e.path.replace(b"/", b"").decode():
+                raise CollectError(f"object {e.path!r} does not hash to its name")
 
 
 def _tree_entries(shadow: ShadowGit, tree: str) -> list[tuple[int, str, bytes]]:
@@ -260,7 +301,9 @@ def prepare(
             made.append(shadow_git)
             shadow.run("init", "--quiet", "--bare", "--template=", f"--object-format={fmt}")
             _fetch_base(shadow, repo, sha)
-            base_commit = _snapshot_uncommitted(shadow, repo, head) if include_uncommitted else sha
+            base_commit = (
+                _snapshot_uncommitted(shadow, repo, head, fmt) if include_uncommitted else sha
+            )
             shadow.run("update-ref", "refs/agentbox/base", base_commit)
             tree = shadow.run("rev-parse", f"{base_commit}^{{tree}}").stdout.strip()
             made.append(workspace)
