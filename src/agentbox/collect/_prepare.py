@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -88,14 +89,21 @@ def _fetch_base(shadow: ShadowGit, repo: Path, sha: str) -> None:
         source, depth = str(repo), []
     else:
         source, depth = f"file://{repo}", ["--depth=1"]
-    # upload-pack runs in the user's repo, which may belong to another user;
-    # it does not see -c options, so safe.directory goes in a global config of ours.
-    home = Path(shadow.env()["HOME"])
-    cfg = home / "safe.gitconfig"
-    cfg.write_text(f"[safe]\n\tdirectory = {repo}\n\tdirectory = {repo / '.git'}\n")
+    # upload-pack runs in the user's repo: as its owner when we are root (the
+    # repo's config is theirs), else with safe.directory from a global config
+    # of ours (upload-pack does not see -c options).
+    owner = as_owner(repo)
+    extra: list[str] = []
+    env: dict[str, str] = {}
+    if owner:
+        extra = [f"--upload-pack={shlex.join([*owner, 'git', 'upload-pack'])}"]
+    else:
+        cfg = Path(shadow.env()["HOME"]) / "safe.gitconfig"
+        cfg.write_text(f"[safe]\n\tdirectory = {repo}\n\tdirectory = {repo / '.git'}\n")
+        env = {"GIT_CONFIG_GLOBAL": str(cfg)}
     shadow.run(
-        "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", *depth, source,
-        f"{sha}:refs/agentbox/head", env={"GIT_CONFIG_GLOBAL": str(cfg)},
+        "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", *depth, *extra, source,
+        f"{sha}:refs/agentbox/head", env=env,
     )  # fmt: skip
 
 
