@@ -221,6 +221,7 @@ async def _delegate_wait_result(client: Client, stack: Stack) -> None:
         m = re.search(r"task (\S+): done", text)
         assert m, text
         tid = m.group(1)
+        # Needs the launcher to let group agentbox read tasks/<id>/shadow.git (see the report).
         assert f"branch agentbox/{tid} in {repo}" in text, text
         assert progress, "no progress notification while the task ran"
         # result() again: same diff; status() says done

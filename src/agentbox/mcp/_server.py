@@ -12,6 +12,7 @@ what to do, never as a crash.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -269,6 +270,12 @@ class _Tools:
             data = self.config.data_dir
             if not shadow.is_absolute() or ".." in shadow.parts or data not in shadow.parents:
                 raise PathRefused("launcher's shadow dir is not inside the data dir", path=shadow)
+            if not os.access(shadow / "HEAD", os.R_OK):
+                raise PathRefused(
+                    f"the launcher's shadow dir is not readable by uid {os.geteuid()} (the "
+                    "launcher must give the group agentbox read access to it)",
+                    path=shadow,
+                )
             branch = await anyio.to_thread.run_sync(fetch_branch, repo, shadow, info.id, res.commit)
         except AgentboxError as exc:
             log.warning("fetch failed", task_id=info.id, error=str(exc))
