@@ -200,6 +200,11 @@ class _Walk:
 
 def _plain_dir_name(prefix: str, name: str) -> bool:
     """A directory name :meth:`_Walk.entry` would not stop at (no .git, no control char)."""
+    if name.isascii() and name.isprintable() and len(name) <= MAX_NAME:
+        # The common case, without the Unicode folding of _is_dotgit.
+        low = name.lower()
+        if not (low.startswith(".git") or low.startswith("git~")):
+            return True
     return (bool(prefix) or name != ".git") and not _is_dotgit(name) and _bad_name(name) is None
 
 
