@@ -23,10 +23,15 @@ API (what other components call)::
             e.path   # bytes, relative, b"/"-joined   e.kind  # Kind.FILE|DIR|SYMLINK|OTHER
             e.mode e.size e.nlink e.ino e.dev e.mtime_ns e.ctime_ns
             e.other  # "fifo" | "socket" | "char device" | "block device" | None
+        for prefix, dir_fd, entries in tree.dirs(descend=lambda rel: rel != ".git"):
+            ...  # os.DirEntry list; kinds from d_type; de.stat(follow_symlinks=False)
+        for prefix, pairs in tree.scan(descend):   # [(name, lstat)] per directory
+            ...
         fd = tree.open(e.path)                  # O_RDONLY|O_NOFOLLOW, regular files only
         data = tree.read(e.path, limit=N)       # bytes, SizeRefused past N
         target = tree.readlink(e.path)          # bytes, the link itself, never followed
-        tree.skipped                            # [(path, reason)] of what walk() skipped
+        st = tree.stat(e.path)                  # lstat beneath the root
+        tree.skipped                            # [(path, reason)] of dirs not entered
 
     with SafeWriter(root, max_file_size=…, max_total_size=…) as w:   # write side
         w.mkdir("a/b")                          # parents made as needed; never through a link
