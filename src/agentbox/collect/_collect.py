@@ -50,7 +50,7 @@ from agentbox.collect._git import ShadowGit
 from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
 from agentbox.collect._objects import BlobWriter
 from agentbox.collect._statcache import MODES, BaseListing, load_keys, stat_key
-from agentbox.collect._tree import build_tree, prefetch, write_commit, write_ref
+from agentbox.collect._tree import Trees, build_tree, prefetch, write_commit, write_ref
 from agentbox.errors import CollectError, CommandError, PathRefused
 from agentbox.paths import validate_task_id
 from agentbox.safepath import MAX_NAME, SizeRefused, Tree, show
@@ -241,19 +241,19 @@ def _walk(
     base: BaseListing,
     limits: Limits,
     tree: Tree,
-    reported: concurrent.futures.Future[set[str] | None] | None,
+    *,
+    trust: bool,
     keys: dict[str, bytes] | None = None,
 ) -> _Walk:
     """Walk the workspace by ``d_type``; only entries git cannot vouch for are stat-ed here.
 
-    With ``reported`` (``git diff-files`` running meanwhile), a name that is in
+    With ``trust`` (``git diff-files`` running meanwhile), a name that is in
     the base with the same kind (file or link, from ``d_type``: no system
     call) is left to git; everything else (new names, changed kinds, special
     files, directories) is lstat-ed and judged by :meth:`_Walk.entry`. Without
     it, every entry is lstat-ed and compared with the saved ``keys``.
     """
     w = _Walk(base, limits, keys)
-    trust = reported is not None
     for prefix, _fd, entries in tree.dirs(w.descend):
         w.visited.add(prefix)
         w.count += len(entries)
@@ -473,30 +473,41 @@ def collect(
         # read such a file (and its .gitattributes, maybe a FIFO) to compare.
         os.utime(base_index)
         oracle_index = base_index
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            # git lstats the tracked files while we walk directories by d_type.
-            reported = pool.submit(_git_changed, shadow, workspace, oracle_index)
-            w = _walk(listing, limits, tree, reported)
-            changed = reported.result()
-        if changed is None:  # no oracle: judge every entry against the saved stat keys
-            tree.skipped.clear()
-            w = _walk(listing, limits, tree, None, load_keys(base_index))
-        else:
-            _judge_reported(w, tree, changed)
-        w.resolve_hardlinks()
-        objects = BlobWriter(shadow_git, base.object_format)
-        deletions = [os.fsencode(rel) for rel in w.all_deleted()]
-        new = [c for c in w.changed if w.base.mode(c[0]) is None]
-        w.changed = [c for c in w.changed if w.base.mode(c[0]) is not None]
+        fmt = base.object_format
+
+        def oracle() -> tuple[set[str] | None, Trees]:
+            # git lstats the tracked files; the base trees above what it names
+            # are fetched at once, all while we walk directories by d_type.
+            changed = _git_changed(shadow, workspace, oracle_index)
+            if not changed:
+                return changed, {}
+            try:
+                return changed, prefetch(shadow, base.tree, [os.fsencode(r) for r in changed], fmt)
+            except ValueError:
+                return changed, {}
+
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            # Ignore rules and the base trees we will edit, while we read the changes.
+            asked = pool.submit(oracle)
+            w = _walk(listing, limits, tree, trust=True)
+            changed, trees = asked.result()
+            if changed is None:  # no oracle: judge every entry against the saved stat keys
+                tree.skipped.clear()
+                w = _walk(listing, limits, tree, trust=False, keys=load_keys(base_index))
+            else:
+                _judge_reported(w, tree, changed)
+            w.resolve_hardlinks()
+            objects = BlobWriter(shadow_git, fmt)
+            deletions = [os.fsencode(rel) for rel in w.all_deleted()]
+            new = [c for c in w.changed if w.base.mode(c[0]) is None]
+            w.changed = [c for c in w.changed if w.base.mode(c[0]) is not None]
+            # Ignore rules and the remaining base trees, while we read the changes.
             ignoring = None
             if new and w.odd_gitignore:
                 w.note(".gitignore", "a .gitignore is not a regular file: ignore rules not applied")
             elif new:
                 ignoring = pool.submit(_ignored, shadow, workspace, [c[0] for c in new])
             paths = [os.fsencode(c[0]) for c in [*w.changed, *new]] + deletions
-            fetching = pool.submit(prefetch, shadow, base.tree, paths, base.object_format)
+            fetching = pool.submit(prefetch, shadow, base.tree, paths, fmt, trees)
             updates = _read_changed(w, tree, objects)
             ignored = ignoring.result() if ignoring is not None else set()
             if ignored is None:
@@ -506,11 +517,10 @@ def collect(
             w.changed = [c for c in new if c[0] not in ignored]
             updates.update(_read_changed(w, tree, objects))
             try:
-                tree_id = build_tree(shadow, objects, base.tree, updates, deletions,
-                                     fetching.result())  # fmt: skip
+                trees.update(fetching.result())
+                tree_id = build_tree(shadow, objects, base.tree, updates, deletions, trees)
             except ValueError:  # a directory name only the index route can carry
-                tree_id = _tree_via_index(shadow, base_index, Path(tmp), updates, w,
-                                          base.object_format)  # fmt: skip
+                tree_id = _tree_via_index(shadow, base_index, Path(tmp), updates, w, fmt)
         body = message.strip() or "agentbox task"
         commit = write_commit(objects, tree_id, base.base_commit,
                               f"{body}\n\nagentbox-task: {task_id}\n")  # fmt: skip

@@ -83,14 +83,22 @@ def _base_trees(shadow: ShadowGit, tree: str, dirs: list[bytes], hlen: int
 Trees = dict[bytes, dict[bytes, tuple[int, bytes]]]
 
 
-def prefetch(shadow: ShadowGit, base_tree: str, paths: list[bytes], object_format: str) -> Trees:
-    """The base trees of every directory above ``paths`` (one ``cat-file --batch``).
+def prefetch(
+    shadow: ShadowGit,
+    base_tree: str,
+    paths: list[bytes],
+    object_format: str,
+    have: Trees | None = None,
+) -> Trees:
+    """The base trees of every directory above ``paths`` not in ``have`` (one ``cat-file``).
 
     Raises ValueError for a directory name the line protocol cannot carry.
     """
     affected: set[bytes] = set()
     for path in paths:
         affected.update(_parents(path))
+    if have:
+        affected -= have.keys()
     if any(b"\n" in d for d in affected):
         raise ValueError("a directory name cat-file --batch cannot carry")
     if not affected:
