@@ -30,6 +30,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# The unprivileged MCP server's group: it may use the launcher's socket and read
+# result branches from the shadow git dirs of the tasks it delegated.
+getent group agentbox >/dev/null || groupadd --system agentbox
+
 # Project venv, re-installed only when pyproject.toml changes.
 stamp=.venv/.agentbox-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)

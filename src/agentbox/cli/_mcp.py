@@ -7,11 +7,13 @@ import os
 import typer
 
 from agentbox.config import load_settings
-from agentbox.mcp._auth import parse_listen
-from agentbox.mcp._run import prepare, run_http, run_stdio, serve
-from agentbox.mcp._server import DEFAULT_MAX_PENDING
 
 __all__ = ["register"]
+
+# The MCP SDK is imported inside the commands: at module level it would add ~0.5 s
+# to every other agentbox command. Kept equal to agentbox.mcp._server.DEFAULT_MAX_PENDING
+# (a unit test pins it).
+DEFAULT_MAX_PENDING = 4
 
 _USER_HELP = (
     "Run as this user (name or uid) when started as root; default: $AGENTBOX_MCP_USER, "
@@ -32,6 +34,9 @@ def mcp(
     ),
 ) -> None:
     """Run the MCP server (stdio by default: claude mcp add agentbox -- agentbox mcp)."""
+    from agentbox.mcp._auth import parse_listen
+    from agentbox.mcp._run import prepare, run_http, run_stdio
+
     settings = load_settings()
     listen = parse_listen(http) if http else None  # refuse a bad bind before anything else
     prepared = prepare(
@@ -54,6 +59,8 @@ def serve_cmd(
     max_pending: int = typer.Option(DEFAULT_MAX_PENDING, "--max-pending", min=1, max=1000),
 ) -> None:
     """Run the launcher and the MCP HTTP server together; Ctrl-C stops both."""
+    from agentbox.mcp._run import serve
+
     settings = load_settings()
     code = serve(
         settings, http, user=user or os.environ.get("AGENTBOX_MCP_USER"), max_pending=max_pending

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import grp
 import hashlib
 import json
 import os
 import secrets
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -103,6 +105,35 @@ class _TaskLog:
             self.store.update(self.task_id, phase=msg[:200])
 
 
+def _share_shadow(paths: TaskPaths) -> None:
+    """Let the share group read this task's shadow git dir, and nothing else of the task.
+
+    Used for ``publish=False`` tasks: the unprivileged MCP server fetches the result
+    branch itself, from the trusted shadow dir. The task dir becomes group-traversable
+    (not listable); the shadow dir (ours, never the agent's) group-readable. Links are
+    never followed.
+    """
+    gid = _share_gid()
+    if gid is None:
+        return
+    if not paths.data_dir.stat().st_mode & 0o011:
+        os.chown(paths.data_dir, -1, gid, follow_symlinks=False)
+        paths.data_dir.chmod(paths.data_dir.stat().st_mode | 0o010)
+    os.chown(paths.root, -1, gid, follow_symlinks=False)
+    paths.root.chmod(0o710)
+    for top, dirs, files in os.walk(paths.shadow_git, followlinks=False):
+        for name in [*dirs, *files]:
+            p = Path(top, name)
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            os.chown(p, -1, gid, follow_symlinks=False)
+            extra = 0o050 if stat.S_ISDIR(st.st_mode) else 0o040
+            p.chmod(stat.S_IMODE(st.st_mode) | extra)
+    os.chown(paths.shadow_git, -1, gid, follow_symlinks=False)
+    paths.shadow_git.chmod(stat.S_IMODE(paths.shadow_git.stat().st_mode) | 0o050)
+
+
 def _repo_at_use(settings: Settings, row: TaskRow) -> Path:
     """The validated (resolved) repo path must still resolve to itself, inside the root."""
     real = check_inside(settings.repos_root, Path(row.repo), what="repo")
@@ -113,9 +144,23 @@ def _repo_at_use(settings: Settings, row: TaskRow) -> Path:
     return real
 
 
+#: The unprivileged MCP server's group: it may traverse to a task's shadow git dir.
+SHARE_GROUP = "agentbox"
+
+
+def _share_gid() -> int | None:
+    try:
+        return grp.getgrnam(SHARE_GROUP).gr_gid
+    except KeyError:
+        return None
+
+
 def _make_task_dir(paths: TaskPaths) -> None:
     tasks = paths.data_dir / "tasks"
-    ensure_private_dir(tasks, 0o700)
+    # 0710: the share group may pass through (never list) to a shared task's shadow dir.
+    ensure_private_dir(tasks, 0o710 if _share_gid() is not None else 0o700)
+    if (gid := _share_gid()) is not None:
+        os.chown(tasks, -1, gid, follow_symlinks=False)
     try:
         paths.root.mkdir(mode=0o700)
     except FileExistsError as exc:
@@ -289,6 +334,8 @@ def _collect_and_finish(
             report.add_collected(collected)
             commit, diff, truncated = collected.commit, collected.diff, collected.diff_truncated
             report.branch = None
+            if not row.publish and commit:
+                _share_shadow(paths)
             if row.publish and commit:
                 _repo_at_use(settings, row)
                 branch = publish(paths.shadow_git, Path(row.repo), task_id=row.id, commit=commit)
