@@ -351,3 +351,29 @@ def test_repo_of_another_user() -> None:
                   for st in [os.lstat(Path(d, n)) for n in ds + fs]}  # fmt: skip
         assert owners == {(12345, 12345)}
         assert git(repo, "show", "agentbox/t-1:a.txt") == "agent\n"
+
+
+def test_unchanged_directories_are_not_read(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only directories whose names changed are read; forging a directory's mtime does not help."""
+    from agentbox.collect import _collect as cmod
+
+    p = prepare_in(tmp_path / "task", repo)
+    st = os.stat(p.ws / "src/util")
+    (p.ws / "src/util/sneaky.py").write_text("hidden\n")
+    os.utime(p.ws / "src/util", ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime back; ctime moves
+    (p.ws / "src/app.py").write_text("edited in place\n")  # a file edit changes no directory
+    read: list[str] = []
+    orig = cmod._read_dir
+
+    def spy(w, tree, prefix, stack, *, trust):  # type: ignore[no-untyped-def]
+        read.append(prefix)
+        return orig(w, tree, prefix, stack, trust=trust)
+
+    monkeypatch.setattr(cmod, "_read_dir", spy)
+    got = _collect(p)
+    assert read == ["src/util/"]
+    names = git(tmp_path, "--git-dir", str(p.shadow), "diff", "--name-only", p.base.base_commit,
+                got.commit).split()  # fmt: skip
+    assert sorted(names) == ["src/app.py", "src/util/sneaky.py"]

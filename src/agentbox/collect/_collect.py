@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import os
 import shutil
 import stat
@@ -49,11 +50,11 @@ from agentbox._log import get_logger
 from agentbox.collect._git import ShadowGit
 from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
 from agentbox.collect._objects import BlobWriter
-from agentbox.collect._statcache import MODES, BaseListing, load_keys, stat_key
+from agentbox.collect._statcache import MODES, BaseListing, dir_key, load_keys, stat_key
 from agentbox.collect._tree import Trees, build_tree, prefetch, write_commit, write_ref
 from agentbox.errors import CollectError, CommandError, PathRefused
 from agentbox.paths import validate_task_id
-from agentbox.safepath import MAX_NAME, SizeRefused, Tree, show
+from agentbox.safepath import MAX_NAME, SizeRefused, Tree, openat2, show
 
 __all__ = ["branch_name", "collect"]
 
@@ -194,7 +195,7 @@ class _Walk:
         for prefix in self.base.dirs:
             if prefix in self.visited or (kept and prefix.startswith(kept)):
                 continue
-            gone.extend(prefix + n for n in self.base.dirs[prefix][0].split("\0"))
+            gone.extend(prefix + n for n in self.base.names(prefix))
         return gone
 
 
@@ -245,45 +246,104 @@ def _walk(
     trust: bool,
     keys: dict[str, bytes] | None = None,
 ) -> _Walk:
-    """Walk the workspace by ``d_type``; only entries git cannot vouch for are stat-ed here.
+    """Walk the workspace; only what git cannot vouch for is stat-ed here.
 
-    With ``trust`` (``git diff-files`` running meanwhile), a name that is in
-    the base with the same kind (file or link, from ``d_type``: no system
-    call) is left to git; everything else (new names, changed kinds, special
-    files, directories) is lstat-ed and judged by :meth:`_Walk.entry`. Without
-    it, every entry is lstat-ed and compared with the saved ``keys``.
+    With ``trust`` (``git diff-files`` judging tracked files meanwhile): a
+    directory whose saved key (mtime, ctime, inode, device) still matches has
+    the same names as at the trusted moment and is not read again, only its
+    subdirectories are visited; a changed or new directory is read (openat2
+    beneath the root, no links, no other filesystem), and in it a name that is
+    in the base with the same kind (file or link, from ``d_type``) is left to
+    git, everything else (new names, changed kinds, special files) is lstat-ed
+    and judged by :meth:`_Walk.entry`. Without ``trust``, every directory is
+    read and every entry lstat-ed and compared with the saved ``keys``.
     """
     w = _Walk(base, limits, keys)
-    for prefix, _fd, entries in tree.dirs(w.descend):
-        w.visited.add(prefix)
-        w.count += len(entries)
+    stack = [""]
+    while stack:
+        prefix = stack.pop()
+        if prefix.count("/") > tree.max_depth:
+            w.skip(prefix[:-1], f"directory nested deeper than {tree.max_depth}")
+            w.kept_prefixes.append(prefix)
+            continue
+        saved = base.dir_key(prefix) if trust else None
+        if saved is not None and _same_dir(tree, prefix, saved):
+            # Same names as at the trusted moment: nothing new, nothing gone.
+            w.visited.add(prefix)
+            subs = base.subdirs(prefix)
+            w.count += len(subs) + len(base.known(prefix))
+            stack.extend(prefix + sub + "/" for sub in reversed(subs))
+        else:
+            _read_dir(w, tree, prefix, stack, trust=trust)
         if w.count > limits.max_files:
             w.truncated = True
             w.skip(prefix or ".", f"more than {limits.max_files} entries: walk stopped")
             break
-        known = base.known(prefix)
+    for rel_b, reason in tree.skipped:
+        w.skip(os.fsdecode(rel_b), reason)
+        w.kept_prefixes.append(os.fsdecode(rel_b) + "/")
+    return w
+
+
+def _same_dir(tree: Tree, prefix: str, saved: bytes) -> bool:
+    """Is directory ``prefix`` still the one saved (same inode, device, mtime, ctime)?
+
+    The path is stat-ed from the root fd: every directory above it was either
+    found unchanged (so its entries are still the real directories they were)
+    or read through openat2 just before, so no link is on the way.
+    """
+    try:
+        st = os.stat(prefix[:-1] or ".", dir_fd=tree.fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and dir_key(st) == saved
+
+
+def _read_dir(w: _Walk, tree: Tree, prefix: str, stack: list[str], *, trust: bool) -> None:
+    """Read one changed (or new) directory and judge its entries."""
+    try:
+        fd = (
+            openat2(tree.fd, os.fsencode(prefix[:-1]), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            if prefix
+            else os.dup(tree.fd)
+        )
+    except OSError as exc:
+        reason = (
+            "another filesystem is mounted there"
+            if exc.errno == errno.EXDEV
+            else f"cannot enter directory ({exc.strerror})"
+        )
+        tree.skipped.append((os.fsencode(prefix[:-1]), reason))
+        return
+    try:
+        with os.scandir(fd) as it:
+            entries = list(it)
+        w.visited.add(prefix)
+        w.count += len(entries)
+        known = w.base.known(prefix)
         if known:
             w.deleted.extend(prefix + n for n in known.keys() - {de.name for de in entries})
         get = known.get
         for de in entries:
-            code = get(de.name)
+            name = de.name
+            code = get(name)
             if code is None:
-                # A plain new directory needs no lstat: dirs() descends into it.
-                if de.is_dir(follow_symlinks=False) and _plain_dir_name(prefix, de.name):
+                if de.is_dir(follow_symlinks=False) and _plain_dir_name(prefix, name):
+                    stack.append(prefix + name + "/")  # nothing to judge: just enter it
                     continue
             elif trust and (
                 de.is_file(follow_symlinks=False) if code < 2 else code == 2 and de.is_symlink()
             ):
                 continue  # a tracked file or link, still one: git's diff-files judges it
             try:
-                st = de.stat(follow_symlinks=False)
+                st = de.stat(follow_symlinks=False)  # fstatat(fd, name, AT_SYMLINK_NOFOLLOW)
             except FileNotFoundError:
                 continue
-            w.entry(prefix, de.name, st, None if code is None else MODES[code])
-    for rel_b, reason in tree.skipped:
-        w.skip(os.fsdecode(rel_b), reason)
-        w.kept_prefixes.append(os.fsdecode(rel_b) + "/")
-    return w
+            w.entry(prefix, name, st, None if code is None else MODES[code])
+            if stat.S_ISDIR(st.st_mode) and w.descend(prefix + name):
+                stack.append(prefix + name + "/")
+    finally:
+        os.close(fd)
 
 
 def _judge_reported(w: _Walk, tree: Tree, changed: set[str]) -> None:

@@ -325,15 +325,15 @@ def prepare(
             stats = _statcache.snapshot(workspace)
             # The index must be younger (in whole seconds) than every file it
             # describes, or git treats entries as racily clean and reads them.
-            _past_second(max((max(st.st_ctime_ns, st.st_mtime_ns) for st in stats.values()),
-                             default=0))  # fmt: skip
+            every = [*stats.files.values(), *stats.dirs.values()]
+            _past_second(max((max(st.st_ctime_ns, st.st_mtime_ns) for st in every), default=0))
             shadow.run("read-tree", tree, index=tmp_index)
             fill_stat(
                 tmp_index,
                 {
-                    os.fsencode(r): stats[r]
+                    os.fsencode(r): stats.files[r]
                     for r, m in modes.items()
-                    if m != 0o160000 and r in stats
+                    if m != 0o160000 and r in stats.files
                 },
                 fmt,
             )

@@ -2,10 +2,13 @@
 
 Two sidecars of ``base_index``, both written by us before the agent ran:
 
-* ``<base_index>.tree``: the base entries grouped by directory, ``{prefix:
-  (names joined by NUL, one mode code byte per name)}``. It loads in about a
-  millisecond (a few thousand strings, not 50,000 tuples), and each visited
-  directory's names become a dict in C.
+* ``<base_index>.tree``: every directory of the workspace, ``{prefix: (base
+  entry names joined by NUL, one mode code byte per name, the directory's
+  packed (mtime_ns, ctime_ns, ino, dev), its subdirectory names)}``. It loads
+  in about a millisecond (a few thousand strings, not 50,000 tuples).
+  A directory whose key is unchanged has the same names as then (creating,
+  removing or renaming an entry updates the directory's mtime and ctime, and
+  ctime cannot be set back), so collection need not read it again.
 * ``<base_index>.stat``: ``{path: packed (git mode, st_mode, size, mtime_ns,
   ctime_ns, ino)}``, read only when ``git diff-files`` could not answer and we
   fall back to comparing every entry's lstat ourselves.
@@ -27,13 +30,23 @@ from pathlib import Path
 from agentbox.errors import CollectError
 from agentbox.safepath import Tree
 
-__all__ = ["MODES", "BaseListing", "load_keys", "save", "snapshot", "stat_key"]
+__all__ = [
+    "MODES",
+    "BaseListing",
+    "Snapshot",
+    "dir_key",
+    "load_keys",
+    "save",
+    "snapshot",
+    "stat_key",
+]
 
 #: Mode codes of the ``.tree`` sidecar.
 MODES = (0o100644, 0o100755, 0o120000, 0o160000)
 _CODE = {m: i for i, m in enumerate(MODES)}
 _KEY = struct.Struct("<6q")
-_VERSION = 2
+_DKEY = struct.Struct("<4q")
+_VERSION = 3
 
 
 def stat_key(git_mode: int, st: os.stat_result) -> bytes:
@@ -41,15 +54,34 @@ def stat_key(git_mode: int, st: os.stat_result) -> bytes:
     return _KEY.pack(git_mode, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
-def snapshot(workspace: Path) -> dict[str, os.stat_result]:
-    """``lstat`` of every entry in the workspace but its ``.git`` (directories excluded)."""
-    out: dict[str, os.stat_result] = {}
+def dir_key(st: os.stat_result) -> bytes:
+    """What must not change for a directory's list of names to be unchanged."""
+    return _DKEY.pack(st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+@dataclass
+class Snapshot:
+    """The workspace at the trusted moment: every non-directory's lstat, every directory's."""
+
+    files: dict[str, os.stat_result] = field(default_factory=dict)
+    dirs: dict[str, os.stat_result] = field(default_factory=dict)
+    subdirs: dict[str, list[str]] = field(default_factory=dict)
+
+
+def snapshot(workspace: Path) -> Snapshot:
+    """``lstat`` every entry of the workspace but its ``.git``; directories keyed ``"a/b/"``."""
+    snap = Snapshot()
+    snap.dirs[""] = os.lstat(workspace)
     with Tree(workspace) as tree:
         for prefix, entries in tree.scan(lambda rel: rel != ".git"):
+            subs = snap.subdirs.setdefault(prefix, [])
             for name, st in entries:
                 if not stat.S_ISDIR(st.st_mode):
-                    out[prefix + name] = st
-    return out
+                    snap.files[prefix + name] = st
+                elif prefix or name != ".git":
+                    snap.dirs[prefix + name + "/"] = st
+                    subs.append(name)
+    return snap
 
 
 def _paths(base_index: Path) -> tuple[Path, Path]:
@@ -59,7 +91,7 @@ def _paths(base_index: Path) -> tuple[Path, Path]:
     )
 
 
-def _dump(path: Path, obj: dict[str, bytes] | dict[str, tuple[str, bytes]]) -> None:
+def _dump(path: Path, obj: dict[str, bytes] | dict[str, tuple[str, bytes, bytes, str]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         marshal.dump((_VERSION, obj), f)
@@ -77,17 +109,27 @@ def _load(path: Path) -> object:
     return obj
 
 
-def save(base_index: Path, modes: dict[str, int], stats: dict[str, os.stat_result]) -> None:
+def save(base_index: Path, modes: dict[str, int], snap: Snapshot) -> None:
     """Write both sidecars of ``base_index`` (``modes``: every base path -> git mode)."""
-    grouped: dict[str, tuple[list[str], bytearray]] = {}
+    grouped: dict[str, tuple[list[str], bytearray]] = {p: ([], bytearray()) for p in snap.dirs}
     for rel, mode in modes.items():
         prefix, _, name = rel.rpartition("/")
         names, codes = grouped.setdefault(prefix + "/" if prefix else "", ([], bytearray()))
         names.append(name)
         codes.append(_CODE[mode])
+    gitlinks = {rel for rel, mode in modes.items() if mode == 0o160000}
+    listing = {
+        p: (
+            "\0".join(n),
+            bytes(c),
+            dir_key(snap.dirs[p]) if p in snap.dirs else b"",
+            "\0".join(s for s in snap.subdirs.get(p, ()) if p + s not in gitlinks),
+        )
+        for p, (n, c) in grouped.items()
+    }
     tree_file, stat_file = _paths(base_index)
-    _dump(tree_file, {p: ("\0".join(n), bytes(c)) for p, (n, c) in grouped.items()})
-    _dump(stat_file, {r: stat_key(m, stats[r]) for r, m in modes.items() if r in stats})
+    _dump(tree_file, listing)
+    _dump(stat_file, {r: stat_key(m, snap.files[r]) for r, m in modes.items() if r in snap.files})
 
 
 def load_keys(base_index: Path) -> dict[str, bytes]:
@@ -106,9 +148,12 @@ def remove(base_index: Path) -> None:
 
 @dataclass
 class BaseListing:
-    """The base entries by directory: ``known(prefix)`` -> ``{name: git mode}``."""
+    """The base by directory: ``known(prefix)`` -> ``{name: mode code}``, keys, subdirectories.
 
-    dirs: dict[str, tuple[str, bytes]]
+    ``prefix`` is ``""`` for the root, else ``"a/b/"``.
+    """
+
+    dirs: dict[str, tuple[str, bytes, bytes, str]]
     _cache: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
@@ -120,25 +165,32 @@ class BaseListing:
         return cls(dirs)
 
     def known(self, prefix: str) -> dict[str, int]:
-        """The base entries directly in directory ``prefix`` ("" or "a/b/")."""
+        """The base entries (not directories) directly in ``prefix``: name -> mode code."""
         got = self._cache.get(prefix)
         if got is None:
             raw = self.dirs.get(prefix)
-            got = {} if raw is None else dict(zip(raw[0].split("\0"), raw[1], strict=True))
+            got = {} if raw is None or not raw[0] else dict(zip(raw[0].split("\0"), raw[1],
+                                                                  strict=True))  # fmt: skip
             self._cache[prefix] = got
         return got
+
+    def names(self, prefix: str) -> list[str]:
+        """The base entries directly in ``prefix`` (files, links, submodules)."""
+        raw = self.dirs.get(prefix)
+        return raw[0].split("\0") if raw is not None and raw[0] else []
+
+    def dir_key(self, prefix: str) -> bytes | None:
+        """The saved :func:`dir_key` of directory ``prefix``, if it was in the workspace."""
+        raw = self.dirs.get(prefix)
+        return raw[2] if raw is not None and raw[2] else None
+
+    def subdirs(self, prefix: str) -> list[str]:
+        """The names of the directories directly in ``prefix`` at the trusted moment."""
+        raw = self.dirs.get(prefix)
+        return raw[3].split("\0") if raw is not None and raw[3] else []
 
     def mode(self, rel: str) -> int | None:
         """The git mode of base path ``rel``, or None."""
         prefix, _, name = rel.rpartition("/")
         code = self.known(prefix + "/" if prefix else "").get(name)
         return None if code is None else MODES[code]
-
-    def paths_under(self, prefix: str) -> list[str]:
-        """Every base path in directory ``prefix`` and below."""
-        return [
-            p + name
-            for p, (names, _) in self.dirs.items()
-            if p.startswith(prefix)
-            for name in names.split("\0")
-        ]
