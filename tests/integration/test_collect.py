@@ -357,7 +357,7 @@ def test_unchanged_directories_are_not_read(
     repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Only directories whose names changed are read; forging a directory's mtime does not help."""
-    from agentbox.collect import _collect as cmod
+    from agentbox.collect import _walk as cmod
 
     p = prepare_in(tmp_path / "task", repo)
     st = os.stat(p.ws / "src/util")
