@@ -233,11 +233,12 @@ def collect(
 ) -> Collected:
     """Commit what the agent left in ``workspace`` to ``refs/heads/agentbox/<task-id>``.
 
-    Runs in the shadow dir only, over a temporary copy of ``base_index``; the
-    parent is ``base.base_commit``; author and committer ``agentbox
-    <agentbox@localhost>``; the message is ``message`` plus an
-    ``agentbox-task: <id>`` trailer. Collecting twice replaces the branch.
-    Raises :class:`~agentbox.errors.CollectError` (the workspace is kept).
+    git runs against the shadow dir only (``base_index`` is its stat oracle's
+    index); the parent is ``base.base_commit``; author and committer
+    ``agentbox <agentbox@localhost>``; the message is ``message`` (NULs
+    dropped) plus an ``agentbox-task: <id>`` trailer. Collecting twice replaces
+    the branch. Run it after the sandbox has stopped. Raises
+    :class:`~agentbox.errors.CollectError` (the workspace is kept).
     """
     limits = limits or Limits()
     workspace, shadow_git, base_index = (
@@ -252,13 +253,12 @@ def collect(
         # A fresh mtime on the index means no entry is "racily clean": git would
         # read such a file (and its .gitattributes, maybe a FIFO) to compare.
         os.utime(base_index)
-        oracle_index = base_index
         fmt = base.object_format
 
         def oracle() -> tuple[set[str] | None, Trees]:
             # git lstats the tracked files; the base trees above what it names
             # are fetched at once, all while we walk directories by d_type.
-            changed = _git_changed(shadow, workspace, oracle_index)
+            changed = _git_changed(shadow, workspace, base_index)
             if not changed:
                 return changed, {}
             try:
@@ -301,7 +301,7 @@ def collect(
                 tree_id = build_tree(shadow, objects, base.tree, updates, deletions, trees)
             except ValueError:  # a directory name only the index route can carry
                 tree_id = _tree_via_index(shadow, base_index, Path(tmp), updates, w, fmt)
-        body = message.strip() or "agentbox task"
+        body = message.replace("\0", "").strip() or "agentbox task"
         commit = write_commit(objects, tree_id, base.base_commit,
                               f"{body}\n\nagentbox-task: {task_id}\n")  # fmt: skip
         write_ref(shadow_git, f"refs/heads/{branch}", commit)

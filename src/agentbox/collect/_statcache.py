@@ -174,6 +174,11 @@ class BaseListing:
             self._cache[prefix] = got
         return got
 
+    def count(self, prefix: str) -> int:
+        """How many base entries are directly in ``prefix`` (without building the dict)."""
+        raw = self.dirs.get(prefix)
+        return 0 if raw is None else len(raw[1])
+
     def names(self, prefix: str) -> list[str]:
         """The base entries directly in ``prefix`` (files, links, submodules)."""
         raw = self.dirs.get(prefix)

@@ -210,7 +210,7 @@ def walk(
             # Same names as at the trusted moment: nothing new, nothing gone.
             w.visited.add(prefix)
             subs = base.subdirs(prefix)
-            w.count += len(subs) + len(base.known(prefix))
+            w.count += len(subs) + base.count(prefix)
             stack.extend(prefix + sub + "/" for sub in reversed(subs))
         else:
             _read_dir(w, tree, prefix, stack, trust=trust)
