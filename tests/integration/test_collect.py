@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_collect_support import git, make_repo, prepare_in, repo_state
 
 from agentbox.collect import Limits, Report, collect, publish
@@ -377,3 +379,67 @@ def test_unchanged_directories_are_not_read(
     names = git(tmp_path, "--git-dir", str(p.shadow), "diff", "--name-only", p.base.base_commit,
                 got.commit).split()  # fmt: skip
     assert sorted(names) == ["src/app.py", "src/util/sneaky.py"]
+
+
+_OPS = ["edit", "same_size", "delete", "add", "add_dir", "rmtree", "file_to_dir", "dir_to_file",
+        "chmod", "to_link", "link_to_file", "rename", "add_ignored"]  # fmt: skip
+
+
+def _apply(ws: Path, op: str, pick: int) -> None:
+    files = sorted(p for p in ws.rglob("*") if ".git" not in p.parts and not p.is_dir())
+    dirs = sorted(p for p in ws.rglob("*") if ".git" not in p.parts and p.is_dir()
+                  and not p.is_symlink())  # fmt: skip
+    f = files[pick % len(files)] if files else None
+    d = dirs[pick % len(dirs)] if dirs else ws
+    if op == "edit" and f and not f.is_symlink():
+        f.write_bytes(f.read_bytes() + b"more\n")
+    elif op == "same_size" and f and not f.is_symlink():
+        data = f.read_bytes()
+        f.write_bytes(bytes(reversed(data)) if data else b"")
+    elif op == "delete" and f:
+        f.unlink()
+    elif op == "add":
+        (d / f"new{pick}.txt").write_text(f"new {pick}\n")
+    elif op == "add_dir":
+        (d / f"nd{pick}/deeper").mkdir(parents=True, exist_ok=True)
+        (d / f"nd{pick}/deeper/x.txt").write_text("x\n")
+    elif op == "rmtree" and d != ws:
+        shutil.rmtree(d)
+    elif op == "file_to_dir" and f:
+        f.unlink()
+        f.mkdir()
+        (f / "inside.txt").write_text("inside\n")
+    elif op == "dir_to_file" and d != ws:
+        shutil.rmtree(d)
+        d.write_text("was a dir\n")
+    elif op == "chmod" and f and not f.is_symlink():
+        f.chmod(f.stat().st_mode ^ 0o100)
+    elif op == "to_link" and f:
+        f.unlink()
+        os.symlink(f"target-{pick}", f)
+    elif op == "link_to_file" and f and f.is_symlink():
+        f.unlink()
+        f.write_text("no longer a link\n")
+    elif op == "rename" and f:
+        f.rename(d / f"renamed{pick}")
+    elif op == "add_ignored":
+        (d / f"junk{pick}.log").write_text("ignored\n")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from(_OPS), st.integers(0, 50)), min_size=1, max_size=8))
+def test_collect_equals_git_add_on_random_edits(ops: list[tuple[str, int]]) -> None:
+    with tempfile.TemporaryDirectory(prefix="abx-prop-") as top:
+        tmp = Path(top)
+        repo = make_repo(tmp / "r", {"a.txt": "a\n", "e.txt": "", "d/b.txt": "b\n",
+                                     "d/sub/c.txt": "c\n", "d/sub/e.py": "e\n",
+                                     "x/y/z.txt": "z\n", ".gitignore": "*.log\n"})  # fmt: skip
+        p = prepare_in(tmp / "task", repo)
+        for op, pick in ops:
+            _apply(p.ws, op, pick)
+        got = _collect(p)
+        check = tmp / "check"
+        shutil.copytree(p.ws, check, symlinks=True, ignore=shutil.ignore_patterns(".git"))
+        git(check, "init", "-q")
+        git(check, "add", "-A")
+        assert got.tree == git(check, "write-tree").strip(), ops
