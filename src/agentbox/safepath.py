@@ -54,6 +54,7 @@ import contextlib
 import ctypes
 import enum
 import errno
+import itertools
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
@@ -274,6 +275,8 @@ class Tree:
 
     root: Path
     max_depth: int = 256
+    max_entries: int = 2_000_000
+    """Entries listed over the tree's life past which listing raises SizeRefused."""
     skipped: list[tuple[bytes, str]] = field(default_factory=list)
     _fd: int = -1
 
@@ -281,6 +284,7 @@ class Tree:
         _require()
         self._fd = _open_root(self.root)
         self._dev = os.fstat(self._fd).st_dev
+        self._listed = 0
 
     def __enter__(self) -> Self:
         return self
@@ -317,7 +321,7 @@ class Tree:
         # scandir on an fd: names are relative to it and DirEntry.stat() is
         # fstatat(dfd, name, AT_SYMLINK_NOFOLLOW), so nothing here resolves a path.
         with os.scandir(dfd) as it:
-            entries = list(it)
+            entries = self._take(it, prefix)
         for de in entries:
             rel = prefix + os.fsencode(de.name)
             if prune is not None and prune(rel):
@@ -389,7 +393,7 @@ class Tree:
                 continue
             try:
                 with os.scandir(fd) as it:
-                    entries = list(it)
+                    entries = self._take(it, prefix)
                 yield prefix, fd, entries
                 depth = prefix.count("/") + 1
                 # Still before close: is_dir() may need fstatat on fd (DT_UNKNOWN).
@@ -419,6 +423,19 @@ class Tree:
                 except FileNotFoundError:
                     continue
             yield prefix, out
+
+    def _take(self, it: Iterator[os.DirEntry[str]], where: bytes | str) -> list[os.DirEntry[str]]:
+        """List a directory, but never more than ``max_entries`` over the whole walk.
+
+        A hostile tree may hold millions of names in one directory; reading
+        them all into memory before counting would be the attack.
+        """
+        left = self.max_entries - self._listed
+        entries = list(itertools.islice(it, left + 1))
+        self._listed += len(entries)
+        if len(entries) > left:
+            raise SizeRefused(f"more than {self.max_entries} entries", path=show(where or "."))
+        return entries
 
     def lstat(self, rel: bytes | str) -> Entry:
         """The entry at ``rel`` (a link is described, not followed)."""

@@ -202,3 +202,12 @@ def test_root_must_not_be_a_link(tmp_path: Path) -> None:
         Tree(tmp_path / "link")
     with pytest.raises(PathRefused):
         SafeWriter(tmp_path / "link")
+
+
+def test_listing_is_bounded(tmp_path: Path) -> None:
+    for i in range(5):
+        (tmp_path / f"f{i}").write_text("x")
+    with Tree(tmp_path, max_entries=3) as tree, pytest.raises(SizeRefused):
+        list(tree.walk())
+    with Tree(tmp_path, max_entries=5) as tree:
+        assert len(list(tree.walk())) == 5

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import os
 import stat
 import unicodedata
@@ -255,8 +256,13 @@ def _read_dir(w: Walk, tree: Tree, prefix: str, stack: list[str], *, trust: bool
         tree.skipped.append((os.fsencode(prefix[:-1]), reason))
         return
     try:
+        left = w.limits.max_files - w.count
         with os.scandir(fd) as it:
-            entries = list(it)
+            # Never list more than the limit: one directory may hold millions of names.
+            entries = list(itertools.islice(it, max(left, 0) + 1))
+        if len(entries) > left:
+            w.count += len(entries)  # the caller sees the limit passed and stops
+            return
         w.visited.add(prefix)
         w.count += len(entries)
         known = w.base.known(prefix)
