@@ -443,3 +443,18 @@ def test_collect_equals_git_add_on_random_edits(ops: list[tuple[str, int]]) -> N
         git(check, "init", "-q")
         git(check, "add", "-A")
         assert got.tree == git(check, "write-tree").strip(), ops
+
+
+def test_submodule_pointer_is_kept(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r", {"a.txt": "a\n"})
+    head = git(repo, "rev-parse", "HEAD").strip()
+    git(repo, "update-index", "--add", "--cacheinfo", f"160000,{head},sub")
+    git(repo, "commit", "-q", "-m", "a submodule")
+    p = prepare_in(tmp_path / "task", repo)
+    assert (p.ws / "sub").is_dir() and not any((p.ws / "sub").iterdir())
+    (p.ws / "sub/planted.txt").write_text("inside the submodule\n")
+    (p.ws / "a.txt").write_text("changed\n")
+    got = _collect(p)
+    ls = git(tmp_path, "--git-dir", str(p.shadow), "ls-tree", "-r", got.commit)
+    assert f"160000 commit {head}\tsub" in ls and "planted" not in ls
+    assert got.diffstat.files_changed == 1
