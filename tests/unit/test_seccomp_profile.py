@@ -59,3 +59,10 @@ def test_host_default_profile_derives() -> None:
         for n in r["names"]
     }  # fmt: skip
     assert "unshare" not in allowed and "read" in allowed
+
+
+def test_runsc_variant_keeps_clone3_but_guards_unshare() -> None:
+    prof = _derive(_base(), allow_clone3=True)
+    clone3 = next(r for r in prof["syscalls"] if r["names"] == ["clone3"])
+    assert clone3["action"] == "SCMP_ACT_ALLOW"
+    assert any(r.get("args") and "unshare" in r["names"] for r in prof["syscalls"])

@@ -238,7 +238,8 @@ def run_args(
         "--cap-drop", "ALL",
         "--security-opt", "no-new-privileges",
         # podman's default seccomp profile minus user-namespace creation (see _seccomp.py).
-        "--security-opt", f"seccomp={profile_path(settings.cache_dir)}",
+        "--security-opt",
+        f"seccomp={profile_path(settings.cache_dir, allow_clone3=spec.runtime == 'runsc')}",
         "--ipc", "private",
         "--cgroupns", "private",            # its own cgroup tree, not the host's (v1 default)
         # uid/gid N inside is subid_base+N outside: a host identity that owns nothing.

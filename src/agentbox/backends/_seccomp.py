@@ -11,6 +11,10 @@ with the installed podman) and:
 * answer ``clone3`` with ENOSYS: its flags live in a struct seccomp cannot read,
   and libc falls back to ``clone`` on ENOSYS.
 
+Under gVisor (runsc) ``clone3`` stays allowed: its Sentry does not take glibc's
+fallback path (threads fail to start with ENOSYS), and a user namespace made there
+is the Sentry's own, never the host kernel's. ``unshare`` is still guarded.
+
 The profile is written once per content hash under the cache dir.
 """
 
@@ -33,7 +37,7 @@ _EPERM = 1
 _GUARDED = ("clone", "clone3", "unshare")
 
 
-def _derive(base: dict[str, Any]) -> dict[str, Any]:
+def _derive(base: dict[str, Any], *, allow_clone3: bool = False) -> dict[str, Any]:
     rules: list[dict[str, Any]] = []
     for rule in base.get("syscalls", []):
         kept = [n for n in rule.get("names", []) if n not in _GUARDED]
@@ -54,16 +58,20 @@ def _derive(base: dict[str, Any]) -> dict[str, Any]:
             "errnoRet": _EPERM,
             "args": [flag_bad],
         },
-        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS},
+        {"names": ["clone3"], "action": "SCMP_ACT_ALLOW"}
+        if allow_clone3
+        else {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS},
     ]
     return {**base, "syscalls": rules}
 
 
-def profile_path(cache_dir: Path, base: Path = DEFAULT_PROFILE) -> Path:
+def profile_path(
+    cache_dir: Path, base: Path = DEFAULT_PROFILE, *, allow_clone3: bool = False
+) -> Path:
     """Write (once) and return the hardened profile derived from ``base``."""
     try:
         raw = base.read_bytes()
-        profile = _derive(json.loads(raw))
+        profile = _derive(json.loads(raw), allow_clone3=allow_clone3)
     except (OSError, ValueError) as exc:
         raise UnsupportedError(
             f"cannot read podman's default seccomp profile {base}: {exc}",
