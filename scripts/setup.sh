@@ -27,7 +27,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   log "apt-get install ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # With recommends, as on the machines this was proven on (podman: catatonit, fuse-overlayfs…).
+  apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # The unprivileged MCP server's group: it may use the launcher's socket and read
