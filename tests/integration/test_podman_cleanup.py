@@ -4,6 +4,7 @@ and /proc/self/mountinfo (the container's id names its storage and shm mounts)."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -99,3 +100,31 @@ def test_killed_sandbox_is_destroyed_with_nothing_left(
     subprocess.run(["podman", "kill", "--signal", "KILL", spec.name], check=True)
     box.destroy()
     _assert_gone(spec.name, short_id)
+
+
+def test_an_oom_kill_leaves_nothing_in_the_callers_cwd(
+    default_image: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """conmon drops an ``oom`` marker into its cwd after an OOM kill under ``--rm``;
+    the backend runs podman in a private dir, so the caller's cwd stays clean."""
+    from agentbox.backends.base import SandboxSpec
+    from agentbox.boxfile import Resources
+
+    settings = Settings(data_dir=tmp_path / "data")
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    monkeypatch.chdir(caller)
+    spec = SandboxSpec(
+        name=f"agentbox-oom-{os.getpid()}",
+        image=Settings().image,
+        resources=Resources(memory="64MiB", cpus=1),  # type: ignore[arg-type]
+        deadline=60,
+    )
+    code = (
+        "import subprocess; "
+        "r = subprocess.run(['python3', '-c', 'x = bytearray(1 << 28)']); print(r.returncode)"
+    )
+    res = PodmanBackend(settings).run(spec, ["python3", "-c", code])
+    assert res.stdout.strip() == b"-9"  # the child was OOM-killed, its parent survived
+    assert list(caller.iterdir()) == []
+    assert list((settings.data_dir / "run").iterdir()) == []

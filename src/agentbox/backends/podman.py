@@ -26,10 +26,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import psutil
 
@@ -114,7 +117,11 @@ class PodmanBackend:
         rc: int | None = None
         started = time.monotonic()
         try:
-            with env_file(spec.env) as envf, stdin_fd(stdin) as fd:
+            with (
+                env_file(spec.env) as envf,
+                stdin_fd(stdin) as fd,
+                self._conmon_dir(spec.name) as cwd,
+            ):
                 args = run_args(
                     spec,
                     self.settings,
@@ -133,6 +140,7 @@ class PodmanBackend:
                         on_stderr=err,
                         timeout=spec.deadline + CONMON_GRACE + 30,
                         stdin=fd,
+                        cwd=cwd,
                     )
                 except CommandTimeout:
                     fired.set()
@@ -148,6 +156,25 @@ class PodmanBackend:
         if rc in (125, 126, 127) and podman_error(err.tail):
             self._raise_start_error(spec, err.tail)
         return ExecResult(rc if rc is not None else -1, out.data, err.data, timed_out=timed_out)
+
+    @contextlib.contextmanager
+    def _conmon_dir(self, name: str) -> Iterator[Path]:
+        """A private working directory for a ``podman run --rm`` and its conmon.
+
+        With ``--rm`` conmon has no persist dir and writes its ``oom`` marker (a
+        process in the sandbox was OOM-killed) into its working directory: that must
+        not be the caller's (a user's repo, a test's cwd). We log the marker, then
+        remove the directory.
+        """
+        root = self.settings.data_dir / "run"
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        d = Path(tempfile.mkdtemp(prefix="conmon-", dir=root))
+        try:
+            yield d
+        finally:
+            if (d / "oom").exists():
+                log.warning("a process in the sandbox was OOM-killed", sandbox=name)
+            shutil.rmtree(d, ignore_errors=True)
 
     def _raise_start_error(self, spec: SandboxSpec, tail: bytes) -> None:
         msg = tail.decode(errors="replace").strip()
@@ -198,7 +225,7 @@ class PodmanBackend:
         facts = check_spec(spec, subid_base=self.settings.subid_base)
         assert facts is not None
         spec = self._labels(spec)
-        with env_file(spec.env) as envf:
+        with env_file(spec.env) as envf, self._conmon_dir(spec.name) as cwd:
             args = run_args(
                 spec,
                 self.settings,
@@ -215,7 +242,7 @@ class PodmanBackend:
             args += entry_argv(spec, argv)
             log.debug("interactive", argv=args)
             try:
-                return subprocess.call(args)
+                return subprocess.call(args, cwd=cwd)
             finally:
                 force_remove(spec.name)
 
