@@ -41,7 +41,15 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from agentbox.config import DEFAULT_IMAGE, Settings
 from agentbox.errors import BoxfileError, PathRefused
 
-__all__ = ["Boxfile", "EnvPolicy", "Mount", "Resources", "load_boxfile", "parse_size"]
+__all__ = [
+    "Boxfile",
+    "EnvPolicy",
+    "Mount",
+    "Resources",
+    "host_defaults",
+    "load_boxfile",
+    "parse_size",
+]
 
 _SIZE_RE = re.compile(r"(?i)^\s*(\d+(?:\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$")
 _UNITS = {
@@ -207,8 +215,16 @@ class Boxfile(_Strict):
         return self.mounts
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, path: Path | None = None) -> Boxfile:
-        """Validate ``data``; the first problem is raised as a BoxfileError naming its key."""
+    def from_dict(
+        cls, data: dict[str, Any], *, path: Path | None = None, settings: Settings | None = None
+    ) -> Boxfile:
+        """Validate ``data``; the first problem is raised as a BoxfileError naming its key.
+
+        With ``settings``, the host's defaults (``AGENTBOX_IMAGE``, ``AGENTBOX_BACKEND``,
+        ``AGENTBOX_AGENT_RUNTIME``) fill the keys ``data`` does not set.
+        """
+        if settings is not None:
+            data = {**host_defaults(settings), **data}
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -218,12 +234,17 @@ class Boxfile(_Strict):
             raise BoxfileError(msg, key=key, path=path) from exc
 
 
-def load_boxfile(path: Path) -> Boxfile:
-    """Read and validate a Boxfile."""
+def host_defaults(settings: Settings) -> dict[str, Any]:
+    """The Boxfile keys whose defaults come from the host's settings."""
+    return {"image": settings.image, "backend": settings.backend, "runtime": settings.runtime}
+
+
+def load_boxfile(path: Path, settings: Settings | None = None) -> Boxfile:
+    """Read and validate a Boxfile (keys it leaves out default to ``settings``, if given)."""
     try:
         data = tomllib.loads(path.read_text())
     except OSError as exc:
         raise BoxfileError(f"cannot read: {exc.strerror}", path=path) from exc
     except tomllib.TOMLDecodeError as exc:
         raise BoxfileError(f"not valid TOML: {exc}", path=path) from exc
-    return Boxfile.from_dict(data, path=path)
+    return Boxfile.from_dict(data, path=path, settings=settings)

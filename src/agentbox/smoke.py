@@ -118,7 +118,7 @@ def run_smoke(
         fields["backend"] = backend
     if runtime is not None:
         fields["runtime"] = runtime
-    boxfile = Boxfile.from_dict(fields)
+    boxfile = Boxfile.from_dict(fields, settings=settings)
     be = get_backend(boxfile.backend, settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="smoke-", dir=settings.data_dir))

@@ -64,3 +64,17 @@ def test_mount_roots_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setenv("AGENTBOX_CONFIG", str(tmp_path / "none.toml"))
     monkeypatch.setenv("AGENTBOX_MOUNT_ROOTS", f"{tmp_path}/a:{tmp_path}/b")
     assert load_settings().mount_roots == (tmp_path / "a", tmp_path / "b")
+
+
+def test_host_defaults_fill_a_boxfile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The seed's AGENTBOX_AGENT_RUNTIME=runsc reaches every sandbox that does not say otherwise."""
+    from agentbox.boxfile import Boxfile
+
+    monkeypatch.setenv("AGENTBOX_CONFIG", str(tmp_path / "none.toml"))
+    monkeypatch.setenv("AGENTBOX_AGENT_RUNTIME", "runsc")
+    monkeypatch.setenv("AGENTBOX_BACKEND", "qemu")
+    s = load_settings()
+    box = Boxfile.from_dict({}, settings=s)
+    assert (box.runtime, box.backend, box.image) == ("runsc", "qemu", s.image)
+    # A Boxfile's own choice wins over the host default.
+    assert Boxfile.from_dict({"runtime": "runc"}, settings=s).runtime == "runc"

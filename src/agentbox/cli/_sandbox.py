@@ -44,7 +44,11 @@ WorkspaceOpt = typer.Option(
 
 
 def _boxfile(
-    boxfile: Path | None, backend: str | None, runtime: str | None, mounts: list[Path] | None
+    boxfile: Path | None,
+    backend: str | None,
+    runtime: str | None,
+    mounts: list[Path] | None,
+    settings: Settings,
 ) -> Any:
     from agentbox.boxfile import Boxfile, load_boxfile
 
@@ -59,7 +63,7 @@ def _boxfile(
         data["mounts"] = list(data.get("mounts", [])) + [
             {"source": str(m.absolute()), "target": str(m.absolute())} for m in mounts
         ]
-    return Boxfile.from_dict(data, path=boxfile)
+    return Boxfile.from_dict(data, path=boxfile, settings=settings)
 
 
 @contextlib.contextmanager
@@ -102,7 +106,7 @@ def _prepare(
     from agentbox.errors import PolicyRefused
     from agentbox.sandbox import spec_from_boxfile
 
-    box = _boxfile(boxfile, backend, runtime, mounts)
+    box = _boxfile(boxfile, backend, runtime, mounts, settings)
     spec = spec_from_boxfile(box, settings, workspace=workspace)
     if cold and box.backend != "qemu":
         raise PolicyRefused(f"--cold is for the qemu backend (snapshot restore); not {box.backend}")

@@ -152,7 +152,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     ) -> None:
         """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
-        box = load_boxfile(boxfile) if boxfile is not None else None
+        box = load_boxfile(boxfile, load_settings()) if boxfile is not None else None
         if task_id is not None:
             validate_task_id(task_id)
         try:

@@ -86,7 +86,7 @@ class Launcher:
         """
         registry = load_registry(self.settings)
         v = validate(request, self.settings, registry, boxfile=boxfile)
-        box = boxfile or Boxfile()
+        box = boxfile or Boxfile.from_dict({}, settings=self.settings)
         if box.mounts:
             box.check_mounts(self.settings)
         now = time.time()
