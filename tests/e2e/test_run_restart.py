@@ -255,3 +255,67 @@ def test_launcher_stopped_with_sigterm_cancels_and_collects(
         subprocess.run(
             ["podman", "rm", "-f", "-t", "0", "agentbox-task-sigterm-1"], capture_output=True
         )
+
+
+@pytest.mark.qemu
+def test_launcher_killed_mid_task_on_a_microvm_keeps_what_the_agent_wrote(
+    world: tuple[Settings, dict[str, str], Path],
+) -> None:
+    """The same crash with the task in a microVM: the agent's file lives only on the
+    VM's /data disk; the next launcher reads it out (in userspace, in a jail), then
+    removes the VM, collects and marks the task."""
+    settings, env, repo = world
+    env = {**env, "AGENTBOX_BACKEND": "qemu"}  # the host default reaches socket tasks
+    sock = settings.data_dir / "launcher.sock"
+    base = str(settings.data_dir.parent)
+    first = Served(env, sock)
+    second = None
+    try:
+        with LauncherClient(sock) as client:
+            info = client.submit(
+                TaskRequest(repo=str(repo), task="write, then wait", model="replay-slow",
+                            deadline=600.0, task_id="restart-vm")
+            )  # fmt: skip
+            paths = TaskPaths(settings.data_dir, info.id)
+            end = time.monotonic() + 300
+            while True:
+                info = client.get(info.id)
+                assert not info.terminal, info
+                try:
+                    if info.status == "running" and read_usage(paths.usage_file).requests >= 2:
+                        break
+                except Exception:  # the usage file appears with the gateway
+                    pass
+                assert time.monotonic() < end, "the agent never got to its long command"
+                time.sleep(0.5)
+            time.sleep(3.0)  # > the guest's 1 s journal commit (data=ordered, commit=1)
+        # The file exists only in the guest so far: the host workspace has not got it.
+        assert not (paths.workspace / "partial.txt").exists()
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(30)
+        sock.unlink(missing_ok=True)
+        vms = list((settings.data_dir / "microvm").iterdir())
+        assert vms, "the VM dir should outlive the launcher"
+
+        second = Served(env, sock)  # reconciles before it listens
+        with LauncherClient(sock) as client:
+            info = client.get("restart-vm")
+            assert info.status == "failed", info
+            assert "launcher died" in (info.error or "")
+            res = client.result("restart-vm")
+        assert _git(repo, "show", f"{res.branch}:partial.txt") == (
+            "written before the launcher died\n"
+        )
+        assert not [d for d in (settings.data_dir / "microvm").iterdir() if d in vms]
+        me = os.getpid()
+        left = [
+            p.info["cmdline"]
+            for p in psutil.process_iter(["cmdline", "pid"])
+            if p.info["pid"] not in (me, second.proc.pid)
+            and base in " ".join(p.info["cmdline"] or ())
+        ]
+        assert left == []
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()

@@ -19,7 +19,7 @@ import shutil
 import tarfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
@@ -49,8 +49,9 @@ from agentbox.microvm._snapshot import ensure_snapshot, wait_incoming
 from agentbox.microvm._vm import Vm, VmConfig
 from agentbox.microvm.kvm import probe_kvm
 from agentbox.microvm.posture import read_posture
+from agentbox.paths import check_inside
 
-__all__ = ["QemuBackend", "QemuSandbox", "kill_sandbox", "probe_kvm", "vmm_uid"]
+__all__ = ["QemuBackend", "QemuSandbox", "kill_sandbox", "probe_kvm", "recover_sandbox", "vmm_uid"]
 
 log = get_logger("backends.qemu")
 
@@ -176,7 +177,14 @@ class QemuBackend:
         name = f"{spec.name}-{secrets.token_hex(3)}"
         vm_dir = self._vm_dir(name)
         vm_dir.mkdir(mode=0o700)
-        (vm_dir / "owner").write_text(json.dumps({"pid": os.getpid(), LABEL: spec.name}))
+        # Who made it, and for which workspace: a launcher that restarts after a crash
+        # saves the orphan's /data there (recover_sandbox) before removing the VM.
+        owner = {
+            "pid": os.getpid(),
+            LABEL: spec.name,
+            "workspace": spec.workspace and str(spec.workspace),
+        }
+        (vm_dir / "owner").write_text(json.dumps(owner))
         vm: Vm | None = None
         try:
             data = make_data_disk(spec.workspace, vm_dir / "data.img", uid=spec.uid)
@@ -236,30 +244,84 @@ class QemuBackend:
         return kill_sandbox(self.settings, name)
 
     def cleanup_orphans(self) -> list[str]:
-        """Remove VM dirs (and their VMMs, cgroups) whose owning process is gone."""
-        base = self.settings.data_dir / "microvm"
-        removed: list[str] = []
-        if not base.is_dir():
-            return removed
-        for d in base.iterdir():
-            try:
-                owner = json.loads((d / "owner").read_text())
-                pid = int(owner["pid"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if pid != os.getpid() and _pid_alive(pid):
-                continue
-            if pid == os.getpid():
-                continue
-            from agentbox.microvm._jail import Cgroup
+        """Settle VM dirs whose owning process is gone: kill the VMM, save ``/data``
+        into the task workspace it was made from (see :func:`recover_sandbox`), remove."""
+        return _settle(self.settings, None)
 
-            with contextlib.suppress(AgentboxError):
-                cg = Cgroup.__new__(Cgroup)
-                cg.name, cg.dirs = d.name, _cgroup_dirs(d.name)
-                cg.remove()
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d.name)
-        return removed
+
+def recover_sandbox(settings: Settings, name: str) -> list[str]:
+    """Settle the VMs of sandbox ``name`` whose owner died (a launcher crash).
+
+    Each VM's VMM is killed, its ``/data`` disk read in userspace (in a jail, never
+    mounted) into the workspace recorded at creation when that lies inside the data
+    dir, so nothing the agent wrote is lost; then the VM dir is removed. Returns
+    the VM names.
+    """
+    return _settle(settings, name)
+
+
+def _settle(settings: Settings, name: str | None) -> list[str]:
+    settled = []
+    for vm_dir, owner in _vm_dirs(settings):
+        if _orphaned(owner, name):
+            _recover(settings, vm_dir, owner)
+            settled.append(vm_dir.name)
+    return settled
+
+
+def _vm_dirs(settings: Settings) -> Iterator[tuple[Path, dict[str, object]]]:
+    base = settings.data_dir / "microvm"
+    if not base.is_dir():
+        return
+    for d in sorted(base.iterdir()):
+        try:
+            owner = json.loads((d / "owner").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict):
+            yield d, owner
+
+
+def _orphaned(owner: dict[str, object], name: str | None) -> bool:
+    if name is not None and owner.get(LABEL) != name:
+        return False
+    pid = owner.get("pid")
+    return isinstance(pid, int) and pid != os.getpid() and not _pid_alive(pid)
+
+
+def _recover(settings: Settings, vm_dir: Path, owner: dict[str, object]) -> None:
+    from agentbox.microvm._jail import Cgroup
+
+    with contextlib.suppress(AgentboxError):
+        cg = Cgroup.__new__(Cgroup)
+        cg.name, cg.dirs = vm_dir.name, _cgroup_dirs(vm_dir.name)
+        cg.remove()  # kills what is left in it first
+    ws = owner.get("workspace")
+    disk = vm_dir / "data.img"
+    if isinstance(ws, str) and disk.is_file():
+        try:
+            workspace = check_inside(settings.data_dir, Path(ws), what="recorded workspace")
+            uid = vmm_uid(settings, "strict")
+            _replace_workspace(workspace, lambda dest: export_disk(disk, dest, uid=uid))
+        except AgentboxError as exc:
+            log.error("could not save an orphan VM's /data", vm=vm_dir.name, error=str(exc))
+    shutil.rmtree(vm_dir, ignore_errors=True)
+
+
+def _replace_workspace(ws: Path, fill: Callable[[Path], object]) -> None:
+    """Fill a staging dir next to ``ws`` with ``fill``, then swap its entries into ``ws``."""
+    staging = ws.parent / f".{ws.name}.agentbox-export-{secrets.token_hex(4)}"
+    try:
+        fill(staging)
+        for entry in list(ws.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        for entry in list(staging.iterdir()):
+            entry.rename(ws / entry.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def kill_sandbox(settings: Settings, name: str) -> list[str]:
@@ -423,24 +485,15 @@ class QemuSandbox:
         ws = self.spec.workspace
         if ws is None:
             return
-        staging = ws.parent / f".{ws.name}.agentbox-export-{secrets.token_hex(4)}"
-        try:
-            if self.alive():
-                self._session().sync()
-                self.copy_out(WORKSPACE_IN_SANDBOX, staging)
-            else:
-                self.vm.terminate()
-                uid = vmm_uid(self.backend.settings, "strict")
-                export_disk(self.vm_dir / "data.img", staging, uid=uid)
-            for entry in list(ws.iterdir()):
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
-            for entry in list(staging.iterdir()):
-                entry.rename(ws / entry.name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        if self.alive():
+            self._session().sync()
+            _replace_workspace(ws, lambda dest: self.copy_out(WORKSPACE_IN_SANDBOX, dest))
+        else:
+            self.vm.terminate()
+            uid = vmm_uid(self.backend.settings, "strict")
+            _replace_workspace(
+                ws, lambda dest: export_disk(self.vm_dir / "data.img", dest, uid=uid)
+            )
 
     def posture(self) -> Posture:
         """Host-side facts read off the live VMM, and inside facts from the guest."""

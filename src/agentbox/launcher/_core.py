@@ -264,7 +264,14 @@ class Launcher:
         log.warning("reconciling task whose launcher died", task_id=row.id, status=row.status)
         if row.watchdog_pid:
             stop_watchdog(row.watchdog_pid)
-        if row.sandbox and row.backend:
+        if row.sandbox and row.backend == "qemu":
+            # The microVM's /data disk holds what the agent wrote: save it into the
+            # workspace (read in userspace, in a jail) before the VM is removed.
+            from agentbox.backends.qemu import recover_sandbox
+
+            with contextlib.suppress(AgentboxError, OSError):
+                recover_sandbox(self.settings, row.sandbox)
+        elif row.sandbox and row.backend:
             kill_sandbox(row.backend, row.sandbox, self.settings.data_dir)
         if row.gateway is not None:
             _runner.kill_gateway(row.gateway)
@@ -283,6 +290,12 @@ class Launcher:
             if name not in live:
                 log.warning("removing orphan sandbox", sandbox=name)
                 kill_sandbox("podman", name, self.settings.data_dir)
+        if (self.settings.data_dir / "microvm").is_dir():
+            from agentbox.backends.qemu import QemuBackend
+
+            with contextlib.suppress(AgentboxError, OSError):
+                for vm in QemuBackend(self.settings).cleanup_orphans():
+                    log.warning("removed orphan microVM (its /data saved)", vm=vm)
         live_ids = {
             r.id
             for r in self.store.all()
