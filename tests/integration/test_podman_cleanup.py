@@ -128,3 +128,25 @@ def test_an_oom_kill_leaves_nothing_in_the_callers_cwd(
     assert res.stdout.strip() == b"-9"  # the child was OOM-killed, its parent survived
     assert list(caller.iterdir()) == []
     assert list((settings.data_dir / "run").iterdir()) == []
+
+
+def test_an_oom_kill_in_a_long_lived_sandbox_leaves_the_cwd_clean(
+    default_image: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for ``create`` + ``exec``: conmon runs from our private dir."""
+    from agentbox.backends.base import SandboxSpec
+    from agentbox.boxfile import Resources
+
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    monkeypatch.chdir(caller)
+    spec = SandboxSpec(
+        name=f"agentbox-oom2-{os.getpid()}",
+        image=Settings().image,
+        resources=Resources(memory="64MiB", cpus=1),  # type: ignore[arg-type]
+        deadline=60,
+    )
+    with PodmanBackend(Settings(data_dir=tmp_path / "data")).create(spec) as box:
+        res = box.exec(["python3", "-c", "x = bytearray(1 << 28)"])
+    assert res.exit_code == 137  # OOM-killed
+    assert list(caller.iterdir()) == []

@@ -19,6 +19,7 @@ from agentbox.backends._podman_posture import read_posture
 from agentbox.backends._podman_util import (
     MAX_COPY_OUT,
     Capture,
+    conmon_cwd,
     env_file,
     force_remove,
     podman_error,
@@ -92,6 +93,7 @@ class PodmanSandbox:
                     on_stderr=err,
                     timeout=None if timeout is None else timeout + 15,
                     stdin=fd,
+                    cwd=conmon_cwd(),
                 )
             except CommandTimeout:
                 return ExecResult(-1, out.data, err.data, timed_out=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import subprocess
 import tempfile
 import time
@@ -25,6 +26,7 @@ __all__ = [
     "MAX_CAPTURE",
     "MAX_COPY_OUT",
     "Capture",
+    "conmon_cwd",
     "env_file",
     "force_remove",
     "kill",
@@ -120,3 +122,20 @@ def kill(name: str) -> None:
 
 def owner_start() -> str:
     return f"{psutil.Process().create_time():.0f}"
+
+
+def conmon_cwd() -> Path:
+    """A private directory to start podman from (``run``, ``run -d``, ``exec``).
+
+    conmon, which podman starts for each of those, inherits podman's working directory
+    and, after an OOM kill in the sandbox, writes an ``oom`` marker file there. That
+    must never be a user's repo or a test's cwd. The directory is ours alone (0700,
+    our uid, not a link); a marker left in it is harmless.
+    """
+    d = Path(tempfile.gettempdir()) / f"agentbox-conmon-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        d.mkdir(mode=0o700)
+    st = d.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise SandboxError(f"{d} is not a private directory of ours (a link, or not 0700)")
+    return d

@@ -50,6 +50,7 @@ from agentbox.backends._podman_posture import wait_relay
 from agentbox.backends._podman_sandbox import PodmanSandbox
 from agentbox.backends._podman_util import (
     Capture,
+    conmon_cwd,
     env_file,
     force_remove,
     kill,
@@ -198,7 +199,7 @@ class PodmanBackend:
             )
             args += entry_argv(spec, ["sleep", "infinity"])
             try:
-                res = _proc.run(args, timeout=120)
+                res = _proc.run(args, timeout=120, cwd=conmon_cwd())
             except CommandError as exc:
                 with contextlib.suppress(AgentboxError):
                     force_remove(spec.name)

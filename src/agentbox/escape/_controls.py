@@ -32,6 +32,7 @@ from typing import Any
 
 from agentbox import _proc
 from agentbox._log import get_logger
+from agentbox.backends._podman_util import conmon_cwd
 from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, LABEL, ExecResult
 from agentbox.errors import AgentboxError, CommandError, SandboxError
 from agentbox.escape import _hostcheck as hc
@@ -115,7 +116,7 @@ class WeakContainer:
     def start(self) -> None:
         """Start it (detached)."""
         try:
-            _proc.run(self.argv(), timeout=120)
+            _proc.run(self.argv(), timeout=120, cwd=conmon_cwd())
         except CommandError as exc:
             self.destroy()
             raise SandboxError(
@@ -134,7 +135,7 @@ class WeakContainer:
     ) -> ExecResult:
         """``podman exec`` as root (the control's user)."""
         args = ["podman", "exec"] + (["-i"] if stdin is not None else []) + [self.name, *argv]
-        res = _proc.run(args, timeout=timeout or 120, check=False, input=stdin)
+        res = _proc.run(args, timeout=timeout or 120, check=False, input=stdin, cwd=conmon_cwd())
         return ExecResult(res.returncode, res.stdout.encode(), res.stderr.encode())
 
     def pid(self) -> int:
@@ -189,7 +190,7 @@ def run_weak_controls(fx: Fixture, image: str, *, uid: int, mapped_uid: int) -> 
 
 
 def _exec_probe(args: list[str], what: str) -> dict[str, Any]:
-    res = _proc.run(args, timeout=120, check=False)
+    res = _proc.run(args, timeout=120, check=False, cwd=conmon_cwd())
     return _parse_json(res.stdout.replace("\r", "").encode(), f"{what} (exit {res.returncode})")
 
 
