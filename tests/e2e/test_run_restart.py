@@ -60,6 +60,23 @@ def _git(repo: Path, *args: str) -> str:
     ).stdout
 
 
+def _wait_in_long_command(
+    client: LauncherClient, task_id: str, paths: TaskPaths, *, timeout: float
+) -> None:
+    """Until the agent wrote its file and is inside its long command (2 model turns)."""
+    end = time.monotonic() + timeout
+    while True:
+        info = client.get(task_id)
+        assert not info.terminal, info
+        try:
+            if info.status == "running" and read_usage(paths.usage_file).requests >= 2:
+                return
+        except Exception:  # the usage file appears with the gateway
+            pass
+        assert time.monotonic() < end, "the agent never got to its long command"
+        time.sleep(0.5)
+
+
 class Served:
     """``agentbox launcher serve`` as a child process with its own settings."""
 
@@ -135,18 +152,7 @@ def test_launcher_killed_mid_task_is_reconciled(
                             deadline=600.0, task_id="restart-1")
             )  # fmt: skip
             paths = TaskPaths(settings.data_dir, info.id)
-            # Wait until the agent wrote its file and is inside the long command.
-            end = time.monotonic() + 180
-            while True:
-                info = client.get(info.id)
-                assert not info.terminal, info
-                try:
-                    if info.status == "running" and read_usage(paths.usage_file).requests >= 2:
-                        break
-                except Exception:  # the usage file appears with the gateway
-                    pass
-                assert time.monotonic() < end, "the agent never got to its long command"
-                time.sleep(0.5)
+            _wait_in_long_command(client, info.id, paths, timeout=180)
             time.sleep(2.0)
         # Facts about what the dead launcher leaves running.
         import sqlite3
@@ -277,17 +283,7 @@ def test_launcher_killed_mid_task_on_a_microvm_keeps_what_the_agent_wrote(
                             deadline=600.0, task_id="restart-vm")
             )  # fmt: skip
             paths = TaskPaths(settings.data_dir, info.id)
-            end = time.monotonic() + 300
-            while True:
-                info = client.get(info.id)
-                assert not info.terminal, info
-                try:
-                    if info.status == "running" and read_usage(paths.usage_file).requests >= 2:
-                        break
-                except Exception:  # the usage file appears with the gateway
-                    pass
-                assert time.monotonic() < end, "the agent never got to its long command"
-                time.sleep(0.5)
+            _wait_in_long_command(client, info.id, paths, timeout=300)
             time.sleep(3.0)  # > the guest's 1 s journal commit (data=ordered, commit=1)
         # The file exists only in the guest so far: the host workspace has not got it.
         assert not (paths.workspace / "partial.txt").exists()
