@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,25 +25,9 @@ from agentbox import _proc
 from agentbox.config import Settings
 from agentbox.gateway import DEMO_SCRIPT, Usage, read_usage
 from gateway_helpers import write_script
+from net_helpers import free_port, wait_port
 
 pytestmark = pytest.mark.claude
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "gateway exited early"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError("gateway did not listen")
 
 
 BASH_HELLO = {"name": "Bash", "input": {"command": "echo hello-from-bash", "description": "Hi"}}
@@ -69,14 +51,14 @@ def _gateway(tmp_path: Path, script: Path, budget: int) -> Iterator[tuple[int, s
     token_file.write_text(token)
     token_file.chmod(0o600)
     usage_file = tmp_path / "usage.json"
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "agentbox", "gateway", "--listen", f"tcp:127.0.0.1:{port}"]
     argv += ["--token-file", str(token_file), "--model", "replay-demo", "--budget", str(budget)]
     argv += ["--usage-file", str(usage_file), "--upstream", f"replay:{script}"]
     with (tmp_path / "gateway.log").open("wb") as log:
         gw = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
         try:
-            _wait_port(port, gw)
+            wait_port(port, gw)
             yield port, token, usage_file
         finally:
             _proc.kill_group(gw)  # type: ignore[arg-type]

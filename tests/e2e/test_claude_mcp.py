@@ -18,7 +18,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import pytest
 
 from agentbox.config import Settings
 from agentbox.mcp import claude_add_command, token_path
+from net_helpers import free_port, wait_port
 
 pytestmark = [
     pytest.mark.podman,
@@ -90,25 +90,6 @@ def _git(repo: Path, *args: str) -> str:
         text=True,
         check=True,
     ).stdout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(proc.stderr.read().decode() if proc.stderr else "exited")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"nothing listens on {port}")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -187,7 +168,7 @@ def test_host_claude_delegates_and_gets_the_diff(
     try:
         # The host's own model: a replay script that calls the delegate tool.
         (tmp_path / "host.yaml").write_text(host_script(repo))
-        mport = _free_port()
+        mport = free_port()
         argv = [*AGENTBOX, "model", "serve", "--script", str(tmp_path / "host.yaml")]
         argv += ["--listen", f"tcp:127.0.0.1:{mport}", "--log-requests", str(tmp_path / "r.jsonl")]
         model = subprocess.Popen(
@@ -197,7 +178,7 @@ def test_host_claude_delegates_and_gets_the_diff(
             start_new_session=True,
         )
         procs.append(model)
-        _wait_port(mport, model)
+        wait_port(mport, model)
 
         if transport == "stdio":
             server = {
@@ -207,7 +188,7 @@ def test_host_claude_delegates_and_gets_the_diff(
                 "env": {k: v for k, v in env.items() if k.startswith(("AGENTBOX_", "PYTHON"))},
             }
         else:
-            port = _free_port()
+            port = free_port()
             mcp = subprocess.Popen(
                 [*AGENTBOX, "mcp", "--http", f"127.0.0.1:{port}", "--user", str(MCP_UID)],
                 env=env,
@@ -216,7 +197,7 @@ def test_host_claude_delegates_and_gets_the_diff(
                 start_new_session=True,
             )
             procs.append(mcp)
-            _wait_port(port, mcp)
+            wait_port(port, mcp)
             token = token_path(Path(env["AGENTBOX_DATA_DIR"])).read_text().strip()
             server = None  # added below with the exact line `agentbox serve` prints
         home = tmp_path / "home"

@@ -31,6 +31,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from agentbox.mcp import process_posture, token_path
+from net_helpers import free_port, wait_port
 
 pytestmark = [
     pytest.mark.podman,
@@ -251,28 +252,9 @@ class Http:
         return Client(streamable_http_client(url, http_client=http), read_timeout_seconds=600)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(proc.stderr.read().decode() if proc.stderr else "exited")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError("server did not listen")
-
-
 @pytest.fixture
 def http(stack: Stack) -> Iterator[Http]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [*_AGENTBOX, "mcp", "--http", f"127.0.0.1:{port}", "--user", str(MCP_UID), *_PENDING],
         env=stack.env,
@@ -280,7 +262,7 @@ def http(stack: Stack) -> Iterator[Http]:
         stderr=subprocess.PIPE,
     )
     try:
-        _wait_port(port, proc)
+        wait_port(port, proc)
         yield Http(proc, port, token_path(stack.data).read_text().strip())
     finally:
         _stop(proc)
@@ -343,7 +325,7 @@ def test_serve_starts_both_and_stops_cleanly() -> None:
     ensure_socket_group()
     base = Path(tempfile.mkdtemp(prefix="agentbox-serve-"))
     st = _make_stack(base)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [*_AGENTBOX, "serve", "--http", f"127.0.0.1:{port}", "--user", str(MCP_UID)],
         env=st.env,
@@ -352,7 +334,7 @@ def test_serve_starts_both_and_stops_cleanly() -> None:
         start_new_session=True,
     )
     try:
-        _wait_port(port, proc)
+        wait_port(port, proc)
         assert proc.stdout is not None
         out = b""
         while b"--header" not in out:

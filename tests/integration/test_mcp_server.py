@@ -29,16 +29,11 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from agentbox.mcp import process_posture, token_path
+from net_helpers import free_port
 
 MCP_UID = 64123  # no passwd entry: an identity that owns nothing but the test repos
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to test the privilege drop")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -125,7 +120,7 @@ class HttpServer:
 
 
 def _start_http(world: World, *extra: str) -> HttpServer:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentbox", "mcp", "--http", f"127.0.0.1:{port}", *extra],
         env=world.env,
