@@ -474,6 +474,82 @@ class Agent:
         self.gw.pop(sid, None)
 
 
+# ---------------------------------------------------------------- vsock transport
+# Firecracker has no virtio-serial, only virtio-vsock. Its backend puts
+# ``agentbox_transport=vsock`` on the kernel command line (an underscore, not a dot:
+# the kernel keeps dotted words for modules and never hands them to init); the agent
+# then listens on AF_VSOCK and the host reaches it through Firecracker's hybrid vsock
+# (``CONNECT 1024`` on the VM's unix socket).
+
+#: The guest vsock port the agent listens on.
+VSOCK_PORT = 1024
+
+
+def transport_from_cmdline(cmdline: str) -> str:
+    """``"vsock"`` when the kernel command line asks for it, else ``"virtio-serial"``."""
+    for word in cmdline.split():
+        if word == "agentbox_transport=vsock":
+            return "vsock"
+    return "virtio-serial"
+
+
+def listen_vsock(port: int = VSOCK_PORT) -> socket.socket:
+    """A listening AF_VSOCK socket on any CID, ``port`` (backlog 1: one host)."""
+    srv = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+    srv.bind((socket.VMADDR_CID_ANY, port))
+    srv.listen(1)
+    return srv
+
+
+class SocketAgent(Agent):
+    """The agent over a connected stream socket: a 0-byte read means the host hung up.
+
+    (On virtio-serial a 0-byte read only means no host is connected yet, which is
+    why :meth:`Agent.run` sleeps and retries; on a socket it is the end.)
+    """
+
+    def run(self) -> None:
+        self.ctrl({"op": "ready", **_kernel_facts()})
+        reader = FrameReader()
+        while chunk := os.read(self.fd, 65536):
+            for ftype, stream, payload in reader.feed(chunk):
+                try:
+                    self.dispatch(ftype, stream, payload)
+                except Exception as exc:
+                    self.ctrl(
+                        {"op": "error", "id": stream, "error": f"{type(exc).__name__}: {exc}"}
+                    )
+
+
+def serve_one(listener: socket.socket) -> None:
+    """Accept one host connection, stop listening, serve it until the host hangs up.
+
+    One session per boot: the listener is closed as soon as the host is in, so
+    nobody can open a second session (the per-run token lives in this one), and
+    when the host goes away the agent returns and ``/init`` powers the VM off.
+    A protocol violation from the host ends the session the same way.
+    """
+    conn, _ = listener.accept()
+    listener.close()
+    conn.setblocking(True)
+    os.set_inheritable(conn.fileno(), False)
+    try:
+        SocketAgent(conn.fileno()).run()
+    except (OSError, ProtocolError):
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            conn.close()
+
+
+def _transport() -> str:
+    try:
+        with open("/proc/cmdline") as f:
+            return transport_from_cmdline(f.read())
+    except OSError:
+        return "virtio-serial"
+
+
 def main() -> None:
     """Open the port, serve until shutdown."""
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
@@ -481,6 +557,9 @@ def main() -> None:
     # binary in the image can give a workload back what dropping to its uid took away.
     if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         raise SystemExit("agent: cannot set no_new_privs")
+    if _transport() == "vsock":
+        serve_one(listen_vsock())
+        return  # the host hung up: /init powers the VM off
     fd = os.open(_find_port(), os.O_RDWR)
     os.set_inheritable(fd, False)
     Agent(fd).run()

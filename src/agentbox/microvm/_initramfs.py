@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from agentbox.config import Settings
@@ -34,14 +35,17 @@ ROOT_LABEL = "agentbox-root"
 
 _APPLETS = ("sh", "mount", "insmod", "findfs", "mkdir", "chroot", "ip", "reboot", "sleep", "cat")
 
-INIT_SCRIPT = f"""#!/bin/sh
+
+def _init_script(modules: Sequence[str]) -> str:
+    """``/init`` loading ``modules`` in order (:data:`INIT_SCRIPT` for the base list)."""
+    return f"""#!/bin/sh
 # agentbox microVM init (PID 1). Any failure reboots, which ends the VM (-no-reboot).
 export PATH=/bin
 fail() {{ echo "agentbox-init: $*" > /dev/console; reboot -f; }}
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-for m in {" ".join(MODULES)}; do insmod /lib/modules/$m.ko || fail "insmod $m"; done
+for m in {" ".join(modules)}; do insmod /lib/modules/$m.ko || fail "insmod $m"; done
 [ -n "$agentbox_probe" ] && {{ echo "{MARKER}" > /dev/console; reboot -f; }}
 i=0
 while ! root=$(findfs LABEL={ROOT_LABEL} 2>/dev/null); do
@@ -66,6 +70,9 @@ fi
 chroot /newroot /usr/bin/python3 -I -S /opt/agentbox/vm/agent.py
 fail "agent exited"
 """
+
+
+INIT_SCRIPT = _init_script(MODULES)
 
 
 def _entry(name: str, mode: int, data: bytes = b"", rdev: tuple[int, int] = (0, 0)) -> bytes:
@@ -107,8 +114,15 @@ def _has_interp(elf: bytes) -> bool:
     return False
 
 
-def ensure_initramfs(settings: Settings, kernel: Kernel) -> Path:
-    """The cached initramfs for ``kernel`` and the current agent (keyed by content)."""
+def ensure_initramfs(
+    settings: Settings, kernel: Kernel, *, extra_modules: Sequence[Path] = ()
+) -> Path:
+    """The cached initramfs for ``kernel`` and the current agent (keyed by content).
+
+    ``extra_modules`` (``.ko`` files, in load order) are added after the base
+    modules and loaded by ``/init`` after them: the firecracker backend adds the
+    vsock modules this way. Without them the archive is exactly the qemu one.
+    """
     busybox = shutil.which("busybox")
     if busybox is None:
         raise ImageError("busybox not found (fix: apt-get install busybox-static)")
@@ -117,7 +131,7 @@ def ensure_initramfs(settings: Settings, kernel: Kernel) -> Path:
         raise ImageError("busybox is dynamically linked (fix: apt-get install busybox-static)")
     agent = Path(agent_module.__file__).read_bytes()
     files: dict[str, tuple[int, bytes]] = {
-        "init": (0o100755, INIT_SCRIPT.encode()),
+        "init": (0o100755, _init_script([*MODULES, *(m.stem for m in extra_modules)]).encode()),
         "bin/busybox": (0o100755, bb),
         "agentbox/agent.py": (0o100644, agent),
     }
@@ -125,6 +139,8 @@ def ensure_initramfs(settings: Settings, kernel: Kernel) -> Path:
         files[f"bin/{applet}"] = (0o120777, b"busybox")
     for m in MODULES:
         files[f"lib/modules/{m}.ko"] = (0o100644, (kernel.modules / f"{m}.ko").read_bytes())
+    for ko in extra_modules:
+        files[f"lib/modules/{ko.name}"] = (0o100644, ko.read_bytes())
     dirs = ["agentbox", "bin", "dev", "lib", "lib/modules", "newroot", "proc", "sys"]
     h = hashlib.sha256(kernel.release.encode())
     for p, (mode, data) in sorted(files.items()):
