@@ -50,6 +50,7 @@ def test_shell_is_interactive_hardened_and_returns_the_exit_code(
         _drain(master, time.monotonic() + 30, b"$ ")  # the prompt
         os.write(master, b"echo uid=$(id -u) caps=$(grep CapEff /proc/self/status)\n")
         os.write(master, b"touch /usr/x 2>/dev/null || echo ro-root\n")
+        os.write(master, b"echo home=$HOME.\n")  # the environment arrived (--env-file)
         os.write(master, b"exit 3\n")
         out = _drain(master, time.monotonic() + 30)
         rc = proc.wait(30)
@@ -61,4 +62,5 @@ def test_shell_is_interactive_hardened_and_returns_the_exit_code(
     assert "uid=64000" in text, text
     assert "caps=CapEff: 0000000000000000" in text, text
     assert "ro-root" in text, text
+    assert "home=/home/agent." in text, text
     assert rc == 3

@@ -84,7 +84,7 @@ class PodmanSandbox:
         with env_file(env or {}) as envf, stdin_fd(stdin) as fd:
             args = ["podman", "exec"] + (["-i"] if stdin is not None else [])
             args += ["--user", f"{uid}:{uid}", "--workdir", self.spec.workdir]
-            args += ["--env-file", str(envf), self.name, *inner]
+            args += ["--env-file", str(envf.path), self.name, *inner]
             started = time.monotonic()
             try:
                 rc = _proc.stream(

@@ -1,19 +1,23 @@
 """Process helpers shared by the podman backend's modules.
 
-Environment values travel to podman in an owner-only file (never on a command
-line, where ``ps`` shows them); stdin in a temp file; output through a bounded
+Environment values travel to podman in an anonymous, sealed memory file (never
+on a command line, where ``ps`` shows them, and never on disk, where a SIGKILLed
+caller would leave them); stdin in a temp file; output through a bounded
 collector that keeps a tail for error messages. Removal is forced and retried.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -25,7 +29,9 @@ from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxErr
 __all__ = [
     "MAX_CAPTURE",
     "MAX_COPY_OUT",
+    "STALE_ENV_AGE",
     "Capture",
+    "EnvFile",
     "conmon_cwd",
     "env_file",
     "force_remove",
@@ -33,12 +39,17 @@ __all__ = [
     "owner_start",
     "podman_error",
     "stdin_fd",
+    "sweep_stale_env_dirs",
 ]
 
 #: Output kept in memory per stream when no callback is given; the rest is dropped.
 MAX_CAPTURE = 64 * 1024 * 1024
 #: copy_out refuses archives bigger than this (the sandbox controls their size).
 MAX_COPY_OUT = 4 * 1024**3
+#: A stale ``agentbox-env-*`` dir (older versions) must be at least this old to be swept.
+STALE_ENV_AGE = 300.0
+#: The memfd's name, as ``/proc/PID/fd`` shows it (``/memfd:agentbox-env (deleted)``).
+ENV_MEMFD_NAME = "agentbox-env"
 _ENV_NAME_OK = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
 
 
@@ -50,16 +61,88 @@ def check_env(env: Mapping[str, str]) -> None:
             raise ConfigError(f"environment variable {name} contains a newline or NUL")
 
 
+@dataclass(frozen=True)
+class EnvFile:
+    """An environment file podman reads through this process's descriptor.
+
+    Pass :attr:`path` as ``--env-file``. It names *our* descriptor
+    (``/proc/<our pid>/fd/N``), which the podman client opens (same uid) and reads
+    at once. The descriptor is close-on-exec and never inherited: an inherited one
+    would outlive the read, because podman's Go runtime hands every inherited
+    descriptor on to conmon, which keeps it for the sandbox's whole life.
+    """
+
+    fd: int
+    pid: int
+
+    @property
+    def path(self) -> Path:
+        """What the podman child opens: a new read of our memory file, from offset 0."""
+        return Path(f"/proc/{self.pid}/fd/{self.fd}")
+
+
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
 @contextlib.contextmanager
-def env_file(env: Mapping[str, str]) -> Iterator[Path]:
-    """Values go to podman through an owner-only file, never on a command line (ps shows it)."""
+def env_file(env: Mapping[str, str]) -> Iterator[EnvFile]:
+    """Environment values for podman in an anonymous memory file; nothing on disk.
+
+    Values (a task's one-time gateway token among them) must never be on a command
+    line (``ps`` shows it) nor in a file on disk: a caller killed with SIGKILL runs
+    no cleanup and would leave it behind. A memfd has no name in any filesystem and
+    vanishes with its last descriptor, so nothing survives us. It is sealed before
+    podman sees it (nobody can change what podman reads) and close-on-exec (no
+    child inherits it). podman 4.3 reads ``--env-file`` in its client process for
+    ``run``, ``run -d``, ``create`` and ``exec``; conmon, the runtime and the
+    sandbox never hold it (tests/integration/test_podman_env.py checks each).
+    Use the path only while the context is open, from this process's children.
+    """
     check_env(env)
-    with tempfile.TemporaryDirectory(prefix="agentbox-env-") as d:
-        path = Path(d) / "env"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.writelines(f"{k}={v}\n" for k, v in env.items())
-        yield path
+    data = "".join(f"{k}={v}\n" for k, v in env.items()).encode()
+    try:
+        fd = os.memfd_create(ENV_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        raise SandboxError(f"could not create the environment memfd: {exc}") from exc
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        yield EnvFile(fd, os.getpid())
+    finally:
+        os.close(fd)
+
+
+def sweep_stale_env_dirs(tmp: Path | None = None, *, min_age: float = STALE_ENV_AGE) -> list[Path]:
+    """Remove ``agentbox-env-*`` dirs that older versions left in the temp dir; return them.
+
+    Versions before the memfd wrote the environment to ``/tmp/agentbox-env-*/env``
+    and left it behind when killed with SIGKILL. Only directories (not links) owned
+    by our uid and untouched for ``min_age`` seconds go: the temp dir is shared, and
+    another user's entry, or one a live older-version caller is still using, stays.
+    """
+    root = Path(tempfile.gettempdir()) if tmp is None else tmp
+    removed: list[Path] = []
+    now = time.time()
+    try:
+        entries = list(root.glob("agentbox-env-*"))
+    except OSError:
+        return removed
+    for d in entries:
+        try:
+            st = d.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        if now - st.st_mtime < min_age:
+            continue
+        # rmtree works on descriptors and refuses a link swapped in for the dir.
+        with contextlib.suppress(OSError):
+            shutil.rmtree(d)
+            removed.append(d)
+    return removed
 
 
 @contextlib.contextmanager

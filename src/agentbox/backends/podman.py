@@ -57,6 +57,7 @@ from agentbox.backends._podman_util import (
     owner_start,
     podman_error,
     stdin_fd,
+    sweep_stale_env_dirs,
 )
 from agentbox.backends.base import LABEL, ExecResult, OutputCallback, SandboxSpec
 from agentbox.config import Settings
@@ -128,7 +129,7 @@ class PodmanBackend:
                     self.settings,
                     facts,
                     detach=False,
-                    env_file=envf,
+                    env_file=envf.path,
                     interactive=stdin is not None,
                     unsafe_extra_args=self.unsafe_extra_args,
                 )
@@ -194,7 +195,7 @@ class PodmanBackend:
                 self.settings,
                 facts,
                 detach=True,
-                env_file=envf,
+                env_file=envf.path,
                 unsafe_extra_args=self.unsafe_extra_args,
             )
             args += entry_argv(spec, ["sleep", "infinity"])
@@ -232,7 +233,7 @@ class PodmanBackend:
                 self.settings,
                 facts,
                 detach=False,
-                env_file=envf,
+                env_file=envf.path,
                 interactive=True,
                 tty=os.isatty(0),
                 unsafe_extra_args=self.unsafe_extra_args,
@@ -260,7 +261,13 @@ class PodmanBackend:
         return [d for d in data if isinstance(d, dict)]
 
     def cleanup_orphans(self) -> list[str]:
-        """Remove labelled containers whose owner process is gone; return their names."""
+        """Remove labelled containers whose owner process is gone; return their names.
+
+        Also sweeps the stale ``/tmp/agentbox-env-*`` dirs older versions left
+        behind when killed (see :func:`sweep_stale_env_dirs`).
+        """
+        for d in sweep_stale_env_dirs():
+            log.info("removed a stale environment dir of an older version", path=str(d))
         removed = []
         for c in self.list_sandboxes():
             labels = c.get("Labels") or {}

@@ -21,6 +21,7 @@ import threading
 import time
 
 from agentbox._log import get_logger
+from agentbox.backends._podman_util import sweep_stale_env_dirs
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, TaskError
@@ -172,6 +173,7 @@ class Launcher:
             branch=row.branch or "",
             shadow_git=str(paths.shadow_git) if paths.shadow_git.is_dir() else "",
             commit=row.commit_id or "",
+            changed=row.changed,
         )
 
     def wait(self, task_id: str, timeout: float | None = None) -> TaskInfo:
@@ -290,6 +292,10 @@ class Launcher:
             if name not in live:
                 log.warning("removing orphan sandbox", sandbox=name)
                 kill_sandbox("podman", name, self.settings.data_dir)
+        # Older versions wrote sandbox environments (one-time tokens) to /tmp and left
+        # them there when killed; the current one keeps them in memory only.
+        for stale in sweep_stale_env_dirs():
+            log.warning("removed a stale environment dir of an older version", path=str(stale))
         if (self.settings.data_dir / "microvm").is_dir():
             from agentbox.backends.qemu import QemuBackend
 
