@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_collect_support import git, make_repo, prepare_in, repo_state
 
-from agentbox.collect import Limits, Report, collect, publish
+from agentbox.collect import Limits, Report, Tokens, collect, publish
 from agentbox.errors import CollectError, PathRefused, RefusedError
+from agentbox.launcher.api import TokenUsage
 
 FILES = {
     "README.md": "hello\n",
@@ -98,11 +100,39 @@ def test_collect_records_changes_as_a_commit_on_the_base(
     assert got.files_read == 5
 
 
-def test_unchanged_workspace_gives_an_empty_commit(repo: Path, tmp_path: Path) -> None:
+def test_unchanged_workspace_gives_no_commit_and_no_branch(repo: Path, tmp_path: Path) -> None:
     p = prepare_in(tmp_path / "task", repo)
     git(p.ws, "commit", "-q", "--allow-empty", "-m", "agent commit")  # the agent's .git: ignored
     got = _collect(p)
     assert not got.changed and got.files_read == 0 and got.diffstat.files_changed == 0
+    assert (got.commit, got.branch, got.diff, got.diff_truncated) == ("", "", "", False)
+    assert got.tree == p.base.tree
+    sh = ["--git-dir", str(p.shadow)]
+    assert git(tmp_path, *sh, "for-each-ref", "refs/heads/agentbox/") == ""
+    r = Report(task_id="t-1", status="done", exit_code=0)
+    r.add_collected(got)
+    assert (r.changed, r.commit, r.branch) == (False, None, None)
+    assert "changes   no changes: the agent left every file as it was" in r.to_text()
+
+
+def test_changes_undone_are_no_changes_and_drop_an_earlier_branch(
+    repo: Path, tmp_path: Path
+) -> None:
+    p = prepare_in(tmp_path / "task", repo)
+    original = (p.ws / "README.md").read_bytes()
+    (p.ws / "README.md").write_text("edited\n")
+    (p.ws / "scratch.txt").write_text("temporary\n")
+    first = _collect(p)
+    assert first.changed and first.commit and first.branch == "agentbox/t-1"
+    # The agent puts everything back (same bytes, new mtimes) and commits in its own .git.
+    (p.ws / "README.md").write_bytes(original)
+    (p.ws / "scratch.txt").unlink()
+    git(p.ws, "commit", "-q", "--allow-empty", "-am", "agent commit")
+    again = _collect(p)
+    assert not again.changed and again.commit == "" and again.diff == ""
+    assert again.files_read == 1  # README.md's stat changed: read, found equal
+    sh = ["--git-dir", str(p.shadow)]
+    assert git(tmp_path, *sh, "for-each-ref", "refs/heads/agentbox/") == ""
 
 
 def test_caps_and_truncated_diff(repo: Path, tmp_path: Path) -> None:
@@ -215,14 +245,19 @@ def test_report_json_and_text(repo: Path, tmp_path: Path) -> None:
     os.mkfifo(p.ws / "pipe")
     (p.ws / "README.md").write_text("new\n")
     got = _collect(p)
-    r = Report(task_id="t-1", status="done", exit_code=0, final_message="Done.\nAll good.")
-    r.tokens.input, r.tokens.output = 10, 5
+    r = Report(task_id="t-1", status="done", exit_code=0, final_message="Done.\nAll good.",
+               tokens=Tokens(input=10, output=5))  # fmt: skip
     r.add_collected(got)
     again = Report.model_validate_json(r.to_json())
-    assert again == r
+    assert again == r and again.changed is True
     text = r.to_text()
     assert "agentbox/t-1" in text and "pipe: fifo" in text and "tokens    15" in text
     assert "1 file(s) changed" in text and "  All good." in text
+    # One token model: the report's is the launcher's wire model, with the same JSON.
+    assert Tokens is TokenUsage
+    assert json.loads(r.to_json())["tokens"] == {
+        "input": 10, "output": 5, "cache_creation": 0, "cache_read": 0,
+    }  # fmt: skip
 
 
 @pytest.mark.timeout(120)
@@ -316,8 +351,10 @@ def test_walk_limit_deletes_nothing_unseen(repo: Path, tmp_path: Path) -> None:
     (p.ws / "src/app.py").write_text("changed\n")
     got = _collect(p, limits=Limits(max_files=3))
     assert any("walk stopped" in s.reason for s in got.skipped)
+    # The one change lies beyond the walk: nothing changed that was seen, nothing deleted.
+    assert not got.changed and got.tree == p.base.tree
     names = git(tmp_path, "--git-dir", str(p.shadow), "ls-tree", "-r", "--name-only",
-                got.commit).split()  # fmt: skip
+                got.tree).split()  # fmt: skip
     assert sorted(names) == sorted(git(repo, "ls-tree", "-r", "--name-only", "HEAD").split())
 
 

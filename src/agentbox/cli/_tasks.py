@@ -26,7 +26,7 @@ from rich.text import Text
 from agentbox.boxfile import load_boxfile
 from agentbox.config import load_settings
 from agentbox.errors import PolicyRefused
-from agentbox.launcher.api import TaskInfo, TaskRequest, TaskResult
+from agentbox.launcher.api import NO_CHANGES, TaskInfo, TaskRequest, TaskResult
 from agentbox.paths import validate_task_id
 
 __all__ = ["register"]
@@ -93,7 +93,9 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
         f"cache read {t.cache_read:,} (budget {info.budget:,})",
     )
     stat = rep.get("diffstat")
-    if isinstance(stat, dict):
+    if info.changed is False:
+        table.add_row("changes", f"[yellow]{NO_CHANGES}[/]")
+    elif isinstance(stat, dict):
         table.add_row(
             "changes",
             " · ".join(f"{k} {v}" for k, v in stat.items() if isinstance(v, int | str)),
@@ -101,7 +103,7 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
     skipped = rep.get("skipped")
     if isinstance(skipped, list) and skipped:
         table.add_row("skipped", escape(f"{len(skipped)} entries (see agentbox show --json)"))
-    table.add_row("branch", res.branch or "(not published)")
+    table.add_row("branch", res.branch or ("none" if info.changed is False else "(not published)"))
     table.add_row("commit", res.commit or "-")
     console.print(table)
     msg = rep.get("final_message")
@@ -200,7 +202,7 @@ def register(app: typer.Typer) -> None:
                 i.model,
                 f"{_elapsed(i):.0f}s",
                 f"{i.tokens.total:,}",
-                i.branch or "",
+                i.branch or ("(no changes)" if i.changed is False else ""),
                 escape(i.task.splitlines()[0][:50] if i.task else ""),
             )
         console.print(table)

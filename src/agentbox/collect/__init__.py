@@ -7,7 +7,8 @@
     # ... the agent runs in workspace, then its sandbox is stopped ...
     got = collect(workspace, shadow_git, base_index, base,
                   task_id="t-1", message="Fix the flaky test")         # -> Collected
-    branch = publish(shadow_git, repo, task_id="t-1", commit=got.commit)  # "agentbox/t-1"
+    if got.changed:  # no changes: no commit, no branch, nothing to publish
+        branch = publish(shadow_git, repo, task_id="t-1", commit=got.commit)  # "agentbox/t-1"
     report = Report(task_id="t-1", status="done"); report.add_collected(got)
 
 See docs/explanation/result-collection.md for the threat model and decisions.

@@ -237,7 +237,10 @@ def collect(
     index); the parent is ``base.base_commit``; author and committer
     ``agentbox <agentbox@localhost>``; the message is ``message`` (NULs
     dropped) plus an ``agentbox-task: <id>`` trailer. Collecting twice replaces
-    the branch. Run it after the sandbox has stopped. Raises
+    the branch. When the workspace's tree is the base's (the agent changed
+    nothing, whatever it did in its own ``.git``), there is no commit and no
+    branch: ``changed`` is False, ``commit`` and ``branch`` are empty and the
+    diff is empty. Run it after the sandbox has stopped. Raises
     :class:`~agentbox.errors.CollectError` (the workspace is kept).
     """
     limits = limits or Limits()
@@ -301,19 +304,29 @@ def collect(
                 tree_id = build_tree(shadow, objects, base.tree, updates, deletions, trees)
             except ValueError:  # a directory name only the index route can carry
                 tree_id = _tree_via_index(shadow, base_index, Path(tmp), updates, w, fmt)
-        body = message.replace("\0", "").strip() or "agentbox task"
-        commit = write_commit(objects, tree_id, base.base_commit,
-                              f"{body}\n\nagentbox-task: {task_id}\n")  # fmt: skip
-        write_ref(shadow_git, f"refs/heads/{branch}", commit)
-        diffstat, diff, truncated = _diff(shadow, base.base_commit, commit, limits.max_diff_bytes)
-    log.info("collected", task_id=task_id, commit=commit, files=diffstat.files_changed,
-             skipped=len(w.skipped))  # fmt: skip
+        any_change = tree_id != base.tree
+        if any_change:
+            body = message.replace("\0", "").strip() or "agentbox task"
+            commit = write_commit(objects, tree_id, base.base_commit,
+                                  f"{body}\n\nagentbox-task: {task_id}\n")  # fmt: skip
+            write_ref(shadow_git, f"refs/heads/{branch}", commit)
+            diffstat, diff, truncated = _diff(
+                shadow, base.base_commit, commit, limits.max_diff_bytes
+            )
+        else:
+            # No changes: nothing to review, so no commit and no branch (an empty
+            # commit would only publish a branch that says nothing). A branch left by
+            # an earlier collection of this task goes too: the result is what is there now.
+            commit, diffstat, diff, truncated = "", DiffStat(), "", False
+            shadow.run("update-ref", "-d", f"refs/heads/{branch}")
+    log.info("collected", task_id=task_id, commit=commit or None, changed=any_change,
+             files=diffstat.files_changed, skipped=len(w.skipped))  # fmt: skip
     return Collected(
         commit=commit,
-        branch=branch,
+        branch=branch if any_change else "",
         base_commit=base.base_commit,
         tree=tree_id,
-        changed=tree_id != base.tree,
+        changed=any_change,
         diffstat=diffstat,
         diff=diff,
         diff_truncated=truncated,

@@ -65,14 +65,22 @@ class DiffStat(BaseModel):
 
 
 class Collected(BaseModel):
-    """What :func:`collect` produced in the shadow dir."""
+    """What :func:`collect` produced in the shadow dir.
+
+    ``changed`` False means **no changes**: the agent left the base tree as it was;
+    then ``commit`` and ``branch`` are empty, the diff is empty and there is
+    nothing to publish.
+    """
 
     model_config = ConfigDict(frozen=True)
 
     commit: str
+    """The result commit ("" when nothing changed)."""
     branch: str
+    """``agentbox/<task-id>`` in the shadow dir ("" when nothing changed)."""
     base_commit: str
     tree: str
+    """The tree the workspace holds (the base's own tree when nothing changed)."""
     changed: bool
     diffstat: DiffStat
     diff: str

@@ -2,7 +2,12 @@
 
 The launcher fills the fields it owns (status, exit code, tokens, duration,
 the agent's final message); :meth:`Report.add_collected` fills the rest from a
-:class:`~agentbox.collect.Collected`.
+:class:`~agentbox.collect.Collected`. A task whose agent changed nothing has
+``changed: false``, no commit and no branch, and its text says "no changes".
+
+Token counts use the launcher's wire model :class:`~agentbox.launcher.api.TokenUsage`
+(``Tokens`` here is the same class), so the report's ``tokens`` and a task's
+``tokens`` are one definition with one JSON shape.
 """
 
 from __future__ import annotations
@@ -10,22 +15,12 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from agentbox.collect._model import Collected, DiffStat, Skipped
+from agentbox.launcher.api import NO_CHANGES, TokenUsage
 
 __all__ = ["Report", "Tokens"]
 
-
-class Tokens(BaseModel):
-    """Tokens metered by the gateway, by kind."""
-
-    input: int = 0
-    output: int = 0
-    cache_creation: int = 0
-    cache_read: int = 0
-
-    @property
-    def total(self) -> int:
-        """All tokens of every kind."""
-        return self.input + self.output + self.cache_creation + self.cache_read
+#: Tokens metered by the gateway, by kind: the launcher's :class:`TokenUsage`, not a copy.
+Tokens = TokenUsage
 
 
 class Report(BaseModel):
@@ -37,11 +32,13 @@ class Report(BaseModel):
     exit_code: int | None = None
     model: str | None = None
     duration_s: float | None = None
-    tokens: Tokens = Field(default_factory=Tokens)
+    tokens: TokenUsage = Field(default_factory=TokenUsage)
     budget: int | None = None
     base_commit: str | None = None
     commit: str | None = None
     branch: str | None = None
+    changed: bool | None = None
+    """Whether the agent changed anything (None: not collected; False: no commit, no branch)."""
     diffstat: DiffStat = Field(default_factory=DiffStat)
     skipped: list[Skipped] = Field(default_factory=list)
     """Paths not collected as the agent left them (devices, FIFOs, oversize, links out…)."""
@@ -52,10 +49,11 @@ class Report(BaseModel):
     error: str | None = None
 
     def add_collected(self, c: Collected) -> None:
-        """Copy the collection outcome (commit, branch, diffstat, skipped, notes) in."""
+        """Copy the collection outcome (changed, commit, branch, diffstat, skipped, notes) in."""
         self.base_commit = c.base_commit
-        self.commit = c.commit
-        self.branch = c.branch
+        self.changed = c.changed
+        self.commit = c.commit or None
+        self.branch = c.branch or None
         self.diffstat = c.diffstat
         self.skipped = list(c.skipped)
         self.notes = list(c.notes)
@@ -82,7 +80,7 @@ class Report(BaseModel):
         if self.branch:
             lines.append(f"branch    {self.branch} ({(self.commit or '')[:12]}"
                          f" on {(self.base_commit or '')[:12]})")  # fmt: skip
-        lines.append(f"changes   {self.diffstat}")
+        lines.append(f"changes   {NO_CHANGES if self.changed is False else self.diffstat}")
         if self.error:
             lines.append(f"error     {self.error}")
         for title, items in (("skipped", self.skipped), ("notes", self.notes)):

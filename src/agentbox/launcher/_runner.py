@@ -14,7 +14,9 @@ The order matters and each step is refused or recorded before the next:
    second line and a monitor thread that turns a cancel into a kill;
 4. whatever happened (exit, crash, deadline, budget, cancel), the workspace is
    collected into the shadow git dir, published as ``agentbox/<id>`` and a
-   report written; tokens come from the gateway's usage file only.
+   report written; tokens come from the gateway's usage file only. An agent
+   that changed nothing gets no commit and no branch: the task finishes with
+   ``changed`` False, an empty diff and a report that says "no changes".
 
 A launcher killed at any point leaves the task dir and its row; a restarted
 launcher finishes the job with :func:`finish_orphan`.
@@ -45,7 +47,7 @@ from agentbox._log import get_logger
 from agentbox.backends import get_backend
 from agentbox.backends.base import SandboxSpec
 from agentbox.boxfile import Boxfile
-from agentbox.collect import Base, Report, Tokens, collect, prepare, publish
+from agentbox.collect import Base, Report, collect, prepare, publish
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, PathRefused, PolicyRefused
 from agentbox.gateway import GatewayHandle, read_usage, spawn_gateway
@@ -53,7 +55,7 @@ from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, ch
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._watchdog import kill_sandbox, spawn_watchdog, stop_watchdog
 from agentbox.launcher._workspace import check_owner, ensure_private_dir, give_to_sandbox
-from agentbox.launcher.api import TokenUsage
+from agentbox.launcher.api import NO_CHANGES, TokenUsage
 from agentbox.paths import TaskPaths, check_inside
 from agentbox.sandbox import spec_from_boxfile
 
@@ -309,7 +311,7 @@ def _collect_and_finish(
         status=status,
         exit_code=exit_code,
         model=row.model,
-        tokens=Tokens(**tokens.model_dump()),
+        tokens=tokens,
         budget=row.budget,
         base_commit=base.base_commit if base is not None else None,
         final_message=message or None,
@@ -317,6 +319,7 @@ def _collect_and_finish(
     )
     commit = ""
     branch = ""
+    changed: bool | None = None
     diff, truncated = "", False
     if base is None:
         error = error or "nothing to collect: the workspace was never prepared"
@@ -333,10 +336,14 @@ def _collect_and_finish(
             )
             report.add_collected(collected)
             commit, diff, truncated = collected.commit, collected.diff, collected.diff_truncated
+            changed = collected.changed
             report.branch = None
-            if not row.publish and commit:
+            if not changed:
+                # Nothing to review: no commit, so nothing is published into the user's repo.
+                tlog(NO_CHANGES)
+            elif not row.publish:
                 _share_shadow(paths)
-            if row.publish and commit:
+            else:
                 _repo_at_use(settings, row)
                 branch = publish(paths.shadow_git, Path(row.repo), task_id=row.id, commit=commit)
                 tlog(f"published {branch}")
@@ -345,11 +352,13 @@ def _collect_and_finish(
             log.error("collection failed", task_id=row.id, error=str(exc))
             status = "failed"
             error = f"collection failed: {exc}"
+            changed = None
     finished = time.time()
     started = row.started_at or row.created_at
     report.status = status
     report.error = error
     report.branch = branch or None
+    report.changed = changed
     report.duration_s = round(finished - started, 3)
     data = report.model_dump(mode="json")
     data["usage"] = usage_extra
@@ -369,6 +378,7 @@ def _collect_and_finish(
         tokens=tokens,
         branch=branch or None,
         commit_id=commit or None,
+        changed=None if changed is None else int(changed),
         error=error,
     )
     tlog(f"finished: {status}" + (f" ({error})" if error else ""))

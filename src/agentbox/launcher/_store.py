@@ -56,11 +56,12 @@ CREATE TABLE IF NOT EXISTS tasks (
     gateway_start REAL,
     watchdog_pid INTEGER,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
-    phase TEXT
+    phase TEXT,
+    changed INTEGER
 );
 """
 #: Columns added after the first schema: (name, SQL type), added to older databases.
-_ADDED = (("phase", "TEXT"),)
+_ADDED = (("phase", "TEXT"), ("changed", "INTEGER"))
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ class TaskRow:
     watchdog_pid: int | None
     cancel_requested: bool
     phase: str = ""
+    changed: bool | None = None
+    """Whether collection found changes (None: not collected); False: no branch."""
 
     def info(self, tokens: TokenUsage | None = None) -> TaskInfo:
         """The public view of this row (``tokens`` overrides the stored totals)."""
@@ -138,6 +141,7 @@ class TaskRow:
             exit_code=self.exit_code,
             tokens=tokens or self.tokens,
             branch=self.branch,
+            changed=self.changed,
             error=self.error,
             phase=self.phase,
         )
@@ -181,6 +185,7 @@ def _row(r: sqlite3.Row) -> TaskRow:
         watchdog_pid=r["watchdog_pid"],
         cancel_requested=bool(r["cancel_requested"]),
         phase=r["phase"] or "",
+        changed=None if r["changed"] is None else bool(r["changed"]),
     )
 
 

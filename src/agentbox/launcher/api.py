@@ -36,6 +36,7 @@ __all__ = [
     "MAX_DEADLINE",
     "MAX_TASK_CHARS",
     "MIN_DEADLINE",
+    "NO_CHANGES",
     "TERMINAL",
     "ModelInfo",
     "ModelList",
@@ -62,6 +63,8 @@ MAX_TASK_CHARS = 32768
 TASK_ID_PATTERN = r"^[0-9a-z-]{1,64}$"
 
 TaskStatus = Literal["queued", "running", "collecting", "done", "failed", "timed_out", "cancelled"]
+#: How a finished task whose agent changed nothing is described (CLI, MCP, report).
+NO_CHANGES = "no changes: the agent left every file as it was, so no branch was made"
 #: Statuses a task never leaves.
 TERMINAL: frozenset[str] = frozenset({"done", "failed", "timed_out", "cancelled"})
 
@@ -92,7 +95,12 @@ class TaskRequest(_Wire):
 
 
 class TokenUsage(_Wire):
-    """Tokens metered by the task's gateway (never parsed from model output)."""
+    """Tokens metered by the task's gateway, by kind (never parsed from model output).
+
+    The one definition: the wire (``TaskInfo.tokens``), the task store and the
+    collection report (:class:`agentbox.collect.Report`, where it is also named
+    ``agentbox.collect.Tokens``) all use it, so the JSON is the same everywhere.
+    """
 
     input: int = 0
     output: int = 0
@@ -101,6 +109,7 @@ class TokenUsage(_Wire):
 
     @property
     def total(self) -> int:
+        """All tokens of every kind."""
         return self.input + self.output + self.cache_creation + self.cache_read
 
 
@@ -124,6 +133,9 @@ class TaskInfo(_Wire):
     tokens: TokenUsage = Field(default_factory=TokenUsage)
     branch: str | None = None
     """``agentbox/<id>`` once published."""
+    changed: bool | None = None
+    """Whether the agent changed any file: None until collected (or when collection
+    failed); False means **no changes**: an empty diff, and no branch was made."""
     error: str | None = None
     """Why the task failed, was cancelled or timed out."""
     phase: str = ""
@@ -153,7 +165,10 @@ class TaskResult(_Wire):
     shadow_git: str
     """The trusted git dir holding the commit (fetchable even when not published)."""
     commit: str
-    """The result commit's id ("" when nothing was collected)."""
+    """The result commit's id ("" when nothing was collected, or there were no changes)."""
+    changed: bool | None = None
+    """As :attr:`TaskInfo.changed`: False means the agent changed nothing (no commit,
+    no branch, an empty diff); None means nothing was collected."""
 
 
 class ModelInfo(_Wire):

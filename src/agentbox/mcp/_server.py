@@ -33,6 +33,7 @@ from agentbox.launcher.api import (
     MAX_DEADLINE,
     MAX_TASK_CHARS,
     MIN_DEADLINE,
+    NO_CHANGES,
     TERMINAL,
     TaskInfo,
     TaskRequest,
@@ -160,7 +161,8 @@ class _Tools:
 
         The agent edits a fresh copy (the repo's committed HEAD, plus uncommitted changes with
         include_uncommitted=true); your working tree is never touched. When it stops, its
-        changes become the commit on branch `agentbox/<task-id>` in `repo`. Returns the task
+        changes become the commit on branch `agentbox/<task-id>` in `repo` (if it changed
+        nothing, the result says "no changes" and no branch is made). Returns the task
         id, or with wait=true the report, the diff and the branch.
         Refused: a repo outside the repos root, a symlinked path, a repo that is not yours or
         not a git repo, too many tasks already in flight.
@@ -262,6 +264,8 @@ class _Tools:
         return _format_result(info, res, fetched, self.config.max_diff_chars)
 
     async def _fetch(self, info: TaskInfo, res: TaskResult) -> str:
+        if res.changed is False:
+            return NO_CHANGES
         if not res.commit or not res.shadow_git:
             return "no branch: nothing was collected"
         try:
@@ -287,6 +291,8 @@ def _info_dict(info: TaskInfo) -> dict[str, Any]:
     d = info.model_dump(mode="json")
     d["task"] = d["task"][:200]
     d["tokens_total"] = info.tokens.total
+    if info.changed is False:
+        d["outcome"] = NO_CHANGES
     end = info.finished_at or time.time()
     d["elapsed_s"] = round(end - info.started_at, 1) if info.started_at else 0.0
     return d
