@@ -4,7 +4,8 @@ task's own gateway, driven by replay scripts; the result is a branch in a real r
 One launcher runs every task of this module at once (it is also the concurrency
 test): a task that edits files, one that creates files and runs the repo's tests
 (the built-in ``replay-demo``), one that overruns its budget, one that hits its
-deadline, and one that plants the git-attack corpus in its workspace.
+deadline, one that plants the git-attack corpus in its workspace, and one whose
+agent only answers in text (no changes: no branch).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,6 +57,12 @@ turns:
       - name: Write
         input: {file_path: "{{cwd}}/never.txt", content: "never\\n"}
   - text: "Done."
+"""
+
+NOCHANGE_SCRIPT = """\
+name: nochange
+turns:
+  - text: "The code already does what you ask; there is nothing to change."
 """
 
 DEADLINE_SCRIPT = """\
@@ -167,6 +176,7 @@ def e2e() -> Iterator[tuple[Settings, dict[str, Run]]]:
     scripts.mkdir()
     (scripts / "budget.yaml").write_text(BUDGET_SCRIPT)
     (scripts / "deadline.yaml").write_text(DEADLINE_SCRIPT)
+    (scripts / "nochange.yaml").write_text(NOCHANGE_SCRIPT)
     (scripts / "attack.yaml").write_text(
         ATTACK_SCRIPT_TEMPLATE.format(
             command=_yaml_str(ATTACK_COMMANDS.replace("__SENTINEL__", SENTINEL))
@@ -189,6 +199,9 @@ upstream = "scripts/deadline.yaml"
 [models.replay-attack]
 kind = "replay"
 upstream = "scripts/attack.yaml"
+[models.replay-nochange]
+kind = "replay"
+upstream = "scripts/nochange.yaml"
 """
     )
     (base / "data").mkdir()
@@ -196,16 +209,19 @@ upstream = "scripts/attack.yaml"
     settings = Settings(
         data_dir=base / "data", repos_root=base / "repos", models_file=base / "models.toml"
     )
-    plan = {
+    plan: dict[str, tuple[str, dict[str, Any]]] = {
         "edit": ("replay-edit", {}),
         "create": ("replay-demo", {}),
         "budget": ("replay-budget", {"budget": 1_000_000}),
         "deadline": ("replay-deadline", {"deadline": 20.0}),
         "attack": ("replay-attack", {}),
         "cancel": ("replay-deadline", {}),
+        "nochange": ("replay-nochange", {}),
     }
     launcher = Launcher(settings, max_tasks=len(plan))
     runs: dict[str, Run] = {}
+    env_files.clear()
+    env_before = _env_traces(None)
     try:
         ids = {}
         for name, (model, extra) in plan.items():
@@ -232,6 +248,8 @@ upstream = "scripts/attack.yaml"
         cancel_id = ids["cancel"][0]
         usage = settings.data_dir / "tasks" / cancel_id / "usage.json"
         for _ in range(600):
+            # While sandboxes run: their environments (one-time tokens) are never on disk.
+            env_files.update(_env_traces(settings.data_dir))
             with contextlib.suppress(Exception):
                 if read_usage(usage).requests >= 2:
                     break
@@ -241,13 +259,29 @@ upstream = "scripts/attack.yaml"
         for name, (task_id, repo) in ids.items():
             info = launcher.wait(task_id, timeout=600)
             runs[name] = Run(info, launcher.result(task_id), repo)
+        env_files.update(_env_traces(settings.data_dir))
         yield settings, runs
     finally:
         launcher.close()
+        env_files.difference_update(env_before)
         for p in Path("/tmp").glob(f"agentbox-sentinel-{NONCE}*"):
             p.unlink()
         if not os.environ.get("E2E_KEEP_DIRS"):
             shutil.rmtree(base, ignore_errors=True)
+
+
+#: Every ``agentbox-env*`` path seen while the module's tasks ran (it must stay empty).
+env_files: set[Path] = set()
+
+
+def _env_traces(data_dir: Path | None) -> set[Path]:
+    found = set(Path(tempfile.gettempdir()).glob("agentbox-env*"))
+    if data_dir is not None:
+        # os.walk skips what vanishes under it; the agents' workspaces are theirs, not ours.
+        for top, dirs, files in os.walk(data_dir):
+            dirs[:] = [d for d in dirs if d not in ("workspace", "shadow.git")]
+            found |= {Path(top, n) for n in dirs + files if n.startswith("agentbox-env")}
+    return found
 
 
 def _files(run: Run) -> list[str]:
@@ -367,3 +401,38 @@ def test_a_task_cancelled_while_running(e2e: tuple[Settings, dict[str, Run]]) ->
     assert run.info.finished_at - run.info.started_at < 120
     # What the agent wrote before the cancel is collected and published.
     assert "partial.txt" in _files(run)
+
+
+def test_a_task_that_changes_nothing_publishes_no_branch(
+    e2e: tuple[Settings, dict[str, Run]],
+) -> None:
+    settings, runs = e2e
+    run = runs["nochange"]
+    assert run.info.status == "done", run.info.error
+    assert run.info.exit_code == 0
+    assert run.info.changed is False and run.result.changed is False
+    assert run.info.branch is None and run.result.branch == "" and run.result.commit == ""
+    assert run.result.diff == ""
+    report = run.result.report
+    assert report["changed"] is False and report["branch"] is None and report["commit"] is None
+    assert report["diffstat"]["files_changed"] == 0
+    assert "nothing to change" in report["final_message"]
+    # No branch in the user's repo, and nothing else there changed.
+    assert _git(run.repo, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
+    assert _git(run.repo, "status", "--porcelain") == ""
+    # The CLI says it plainly, for `show` and in the task list.
+    env = {"PATH": os.environ["PATH"], "AGENTBOX_DATA_DIR": str(settings.data_dir),
+           "AGENTBOX_CONFIG": "/nonexistent", "COLUMNS": "200"}  # fmt: skip
+    cli = [sys.executable, "-m", "agentbox"]
+    shown = subprocess.run([*cli, "show", run.info.id], capture_output=True, text=True,
+                           env=env, timeout=120, check=True).stdout  # fmt: skip
+    assert "no changes: the agent left every file as it was, so no branch was made" in shown
+    assert "(no changes)" in shown  # the diff
+    listed = subprocess.run([*cli, "tasks"], capture_output=True, text=True, env=env,
+                            timeout=120, check=True).stdout  # fmt: skip
+    assert "(no changes)" in next(ln for ln in listed.splitlines() if run.info.id in ln)
+
+
+def test_no_environment_file_appeared_on_disk(e2e: tuple[Settings, dict[str, Run]]) -> None:
+    """Sandboxes get their environment (the one-time gateway token) from a memfd only."""
+    assert env_files == set()

@@ -249,3 +249,57 @@ def test_cli_refusals_exit_3_and_create_nothing(settings: Settings, tmp_path: Pa
     assert not (settings.data_dir / "tasks").exists()
     res = subprocess.run([*agentbox, "show", "nope"], env=env, capture_output=True, text=True)
     assert res.returncode == 1 and "no such task" in res.stderr
+
+
+def test_no_changes_means_no_branch_and_says_so_over_the_wire(
+    served: tuple[Launcher, LauncherClient], settings: Settings
+) -> None:
+    """The launcher's own collect-and-publish path (a restarted launcher settling tasks
+    whose launcher died): the unchanged workspace gets no commit and no branch, the
+    edited one is published; the wire, the store and the report all say which."""
+    from test_collect_support import git
+
+    from agentbox.collect import prepare
+    from agentbox.launcher import _runner
+    from agentbox.launcher.api import NO_CHANGES
+    from agentbox.paths import TaskPaths
+
+    launcher, client = served
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # the tasks' owner: a launcher that died
+    repos = {}
+    for tid, edit in (("t-same", False), ("t-edit", True)):
+        repo = repos[tid] = make_repo(settings.repos_root / tid)
+        (repo / "a.txt").write_text("a\n")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", "a")
+        paths = TaskPaths(settings.data_dir, tid)
+        _runner._make_task_dir(paths)
+        base = prepare(repo, paths.workspace, paths.shadow_git, paths.base_index)
+        _runner._save_base(paths, base)
+        # The agent: one leaves the files as they were (it only committed in its own
+        # .git), the other edits one.
+        git(paths.workspace, "commit", "-q", "--allow-empty", "-m", "agent")
+        if edit:
+            (paths.workspace / "a.txt").write_text("b\n")
+        launcher.store.insert(
+            id=tid, status="running", repo=str(repo), task="x", model="replay-demo", budget=5,
+            deadline=3600.0, created_at=time.time(), owner_pid=gone.pid, owner_start=1.0,
+        )  # fmt: skip
+    assert set(launcher.reconcile()) == {"t-same", "t-edit"}
+
+    same, edit_ = client.get("t-same"), client.get("t-edit")
+    assert (same.changed, same.branch) == (False, None)
+    assert (edit_.changed, edit_.branch) == (True, "agentbox/t-edit")
+    res = client.result("t-same")
+    assert (res.changed, res.branch, res.commit, res.diff) == (False, "", "", "")
+    assert res.report["changed"] is False and res.report["branch"] is None
+    assert res.report["tokens"] == {"input": 0, "output": 0, "cache_creation": 0, "cache_read": 0}
+    # No branch in the user's repo: its one ref is still its own.
+    assert git(repos["t-same"], "for-each-ref", "--format=%(refname)").count("\n") == 1
+    assert "agentbox/" not in git(repos["t-same"], "for-each-ref")
+    log = (TaskPaths(settings.data_dir, "t-same").log_dir / "launcher.log").read_text()
+    assert NO_CHANGES in log
+    res = client.result("t-edit")
+    assert res.changed is True and res.branch == "agentbox/t-edit" and "+b" in res.diff
+    assert git(repos["t-edit"], "show", "agentbox/t-edit:a.txt") == "b\n"

@@ -30,6 +30,7 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
+from agentbox.launcher.api import NO_CHANGES
 from agentbox.mcp import process_posture, token_path
 from net_helpers import free_port, wait_port
 
@@ -55,6 +56,14 @@ turns:
           file_path: "{{cwd}}/greet.py"
           content: "def greet(name):\\n    return f'hello {name}'\\n"
   - text: "Added greet() in greet.py."
+"""
+
+STILL = """\
+name: still
+main: tools
+side_reply: "Check"
+turns:
+  - text: "greet() already exists upstream; nothing needs to change."
 """
 
 SLOW = """\
@@ -155,9 +164,11 @@ def _make_stack(base: Path) -> Stack:
     data = base / "data"
     (base / "quick.yaml").write_text(QUICK)
     (base / "slow.yaml").write_text(SLOW)
+    (base / "still.yaml").write_text(STILL)
     (base / "models.toml").write_text(
         '[models.quick]\nkind = "replay"\nupstream = "quick.yaml"\n\n'
-        '[models.slow]\nkind = "replay"\nupstream = "slow.yaml"\n'
+        '[models.slow]\nkind = "replay"\nupstream = "slow.yaml"\n\n'
+        '[models.still]\nkind = "replay"\nupstream = "still.yaml"\n'
     )
     env = {
         "PATH": os.environ["PATH"],
@@ -238,6 +249,31 @@ async def _delegate_wait_result(client: Client, stack: Stack) -> None:
 
 def test_delegate_wait_result_over_stdio(stack: Stack) -> None:
     anyio.run(_delegate_wait_result, stack.stdio_client(), stack)
+
+
+async def _delegate_no_change(client: Client, stack: Stack) -> None:
+    repo = stack.new_repo()
+    async with client:
+        res = await client.call_tool(
+            "delegate",
+            {"repo": str(repo), "task": "Add greet if missing", "model": "still", "wait": True},
+        )
+        text = _text(res)
+        assert not res.is_error, text
+        m = re.search(r"task (\S+): done", text)
+        assert m, text
+        tid = m.group(1)
+        assert NO_CHANGES in text, text
+        assert "diff:\n(no changes)" in text, text
+        assert f"branch agentbox/{tid}" not in text, text
+        status = _text(await client.call_tool("status", {"id": tid}))
+        assert '"changed": false' in status and NO_CHANGES in status, status
+    # Nothing was fetched into the user's repo.
+    assert _git(repo, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
+
+
+def test_a_task_that_changes_nothing_says_so_over_stdio(stack: Stack) -> None:
+    anyio.run(_delegate_no_change, stack.stdio_client(), stack)
 
 
 @dataclass
