@@ -123,6 +123,12 @@ def _kvm(settings: Settings) -> Check:
     return _row(fac, present=True)
 
 
+def _firecracker(settings: Settings) -> Check:
+    from agentbox.backends.firecracker import facility
+
+    return _row(facility(settings), present=settings.firecracker_binary is not None)
+
+
 def _binary(name: str, binary: str, package: str, *, what: str = "") -> _host.Facility:
     path = shutil.which(binary)
     if path is None:
@@ -169,6 +175,7 @@ def checks(settings: Settings) -> list[Check]:
     out.append(_row(_userns()))
     out.append(_kvm(settings))
     out.append(_row(_host.qemu(settings.qemu_binary)))
+    out.append(_firecracker(settings))
     out.append(_row(_binary("bubblewrap", "bwrap", "bubblewrap")))
     out.append(_row(_binary("mmdebstrap", "mmdebstrap", "mmdebstrap"), essential=True))
     out.append(_row(_apt_sources(), essential=True))
