@@ -118,7 +118,8 @@ def facility(settings: Settings) -> _host.Facility:
         fc, jailer = firecracker_binaries(settings)
         version = check_versions(version_output(fc), version_output(jailer))
     except UnsupportedError as exc:
-        return _host.Facility("firecracker", False, str(exc), exc.fix or "")
+        detail = str(exc).removesuffix(f" (fix: {exc.fix})") if exc.fix else str(exc)
+        return _host.Facility("firecracker", False, detail, exc.fix or "")
     except Exception as exc:  # a probe must not take the whole report down
         return _host.Facility("firecracker", False, f"probe failed: {exc}", "")
     where = f"{fc} v{'.'.join(map(str, version))}"
