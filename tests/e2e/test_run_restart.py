@@ -77,6 +77,15 @@ def _wait_in_long_command(
         time.sleep(0.5)
 
 
+def _env_traces(data_dir: Path) -> set[Path]:
+    """``agentbox-env*`` entries in the temp dir and the data dir (not the workspaces)."""
+    found = set(Path(tempfile.gettempdir()).glob("agentbox-env*"))
+    for top, dirs, files in os.walk(data_dir):
+        dirs[:] = [d for d in dirs if d not in ("workspace", "shadow.git")]
+        found |= {Path(top, n) for n in dirs + files if n.startswith("agentbox-env")}
+    return found
+
+
 class Served:
     """``agentbox launcher serve`` as a child process with its own settings."""
 
@@ -142,6 +151,7 @@ def test_launcher_killed_mid_task_is_reconciled(
 ) -> None:
     settings, env, repo = world
     sock = settings.data_dir / "launcher.sock"
+    env_before = _env_traces(settings.data_dir)
     first = Served(env, sock)
     second = None
     ghost_gw = None
@@ -172,6 +182,9 @@ def test_launcher_killed_mid_task_is_reconciled(
             ["podman", "ps", "--format", "{{.Names}}"], capture_output=True, text=True, check=True
         ).stdout.split()
         assert "agentbox-task-restart-1" in names
+        # The sandbox's environment (its one-time gateway token) was never on disk, so
+        # the SIGKILL left none behind.
+        assert _env_traces(settings.data_dir) == env_before
 
         # A gateway of this data dir that no task row names (a crash between its
         # spawn and the row update) is an orphan too.
