@@ -175,7 +175,9 @@ def test_jailer_argv(tmp_path: Path, version: int) -> None:
     fc, jl = Path("/opt/fc/firecracker"), Path("/opt/fc/jailer")
     argv = jailer_argv(jl, fc, spec, chroot_base=tmp_path / "jail", cgroup_v=version)
     unshare, jailer, firecracker = _split(argv)
-    assert unshare == ["unshare", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts"]
+    assert unshare == [
+        "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc", "--uts",
+    ]  # fmt: skip
     assert jailer[0] == str(jl)
     f = _flags(jailer[1:])
     assert f["--id"] == [spec.id]
@@ -209,14 +211,16 @@ def test_the_unshare_prefix_really_isolates() -> None:
     unshare = argv[: argv.index("--") + 1]
     probe = (
         "echo $$; for n in net ipc uts pid; do readlink /proc/self/ns/$n; done;"
-        " tail -n +3 /proc/self/net/dev | cut -d: -f1"
+        " tail -n +3 /proc/self/net/dev | cut -d: -f1; ls /proc | grep -c '^[0-9]'"
     )
     out = subprocess.run([*unshare, "sh", "-c", probe], capture_output=True, text=True,
                          timeout=30, check=True).stdout.split()  # fmt: skip
     assert out[0] == "1", "the VMM is pid 1 of its own pid namespace"
     ours = [os.readlink(f"/proc/self/ns/{n}") for n in ("net", "ipc", "uts")]
     assert all(theirs != mine for theirs, mine in zip(out[1:4], ours, strict=True))
-    assert out[5:] == ["lo"], "an empty network namespace"
+    assert out[5:-1] == ["lo"], "an empty network namespace"
+    # /proc is this pid namespace's: the jailer's /proc/<its pid> is itself.
+    assert int(out[-1]) <= 3, "only the namespace's own processes in /proc"
 
 
 def _spec_min() -> FcSpec:

@@ -87,6 +87,7 @@ def firecracker_binaries(settings: Settings) -> tuple[Path, Path]:
             "no firecracker binary configured",
             fix="install Firecracker and set AGENTBOX_FIRECRACKER_BINARY=/path/to/firecracker",
         )
+    fc = fc.absolute()  # the jailer wants absolute paths
     if not (fc.is_file() and os.access(fc, os.X_OK)):
         raise UnsupportedError(f"firecracker binary {fc} is not executable", fix="check the path")
     jailer = fc.with_name("jailer")

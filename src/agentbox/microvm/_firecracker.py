@@ -2,7 +2,7 @@
 
 Firecracker runs as::
 
-    unshare --pid --fork --kill-child --net --ipc --uts --
+    unshare --pid --fork --kill-child --mount-proc --net --ipc --uts --
       jailer --id <vm> --exec-file <firecracker> --uid U --gid U
              --chroot-base-dir <vm dir>/jail --cgroup-version 1|2 --parent-cgroup agentbox
              --cgroup pids.max=128 --cgroup memory.limit_in_bytes=N (v2: memory.max, swap 0)
@@ -12,8 +12,10 @@ Firecracker runs as::
 * ``unshare`` gives it empty network, ipc and uts namespaces and a pid
   namespace in which the VMM is pid 1 (rather than the jailer's own
   ``--new-pid-ns``, whose parent exits at once: here the VMM stays our child,
-  so liveness, waiting and killing its process group work as for QEMU). No
-  ``ip netns`` handle is needed, so nothing persists after the VM.
+  so liveness, waiting and killing its process group work as for QEMU).
+  ``--mount-proc`` gives it a ``/proc`` of that pid namespace, so the jailer's
+  own ``/proc/<its pid>`` lookups see itself, not the host's pid 1. No ``ip
+  netns`` handle is needed, so nothing persists after the VM.
 * The jailer adds its own mount namespace (``pivot_root`` into the chroot),
   the pids and memory cgroups (the same ``agentbox/<vm>`` dirs the qemu
   backend's VMMs use, so ``kill_sandbox``/``recover_sandbox`` treat both
@@ -297,7 +299,8 @@ def jailer_argv(
     else:
         limits = [f"pids.max={VMM_PIDS_MAX}", f"memory.limit_in_bytes={mem}"]
     argv = [
-        "unshare", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts", "--",
+        "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc", "--uts",
+        "--",
         str(jailer), "--id", spec.id, "--exec-file", str(firecracker),
         "--uid", str(spec.uid), "--gid", str(spec.gid),
         "--chroot-base-dir", str(chroot_base),
