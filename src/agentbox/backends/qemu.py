@@ -163,6 +163,9 @@ class QemuBackend:
             uid=uid,
             gid=uid,
             qemu_binary=self.settings.qemu_binary,
+            # Cold: /init mounts /data before the agent starts. Snapshots: the
+            # template preloads what a session may import, and never mounts /data.
+            cmdline_extra=("agentbox_data=1",) if self.cold else ("agentbox_preload=1",),
         )
 
     def _vm_dir(self, name: str) -> Path:

@@ -23,20 +23,31 @@ the kernel release and boot id) before every command.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+# ruff: noqa: SIM105 - try/except/pass instead of contextlib.suppress: no contextlib import
+# Start-up cost is boot time: under TCG every stdlib module the agent imports
+# costs milliseconds to tens of milliseconds (``json`` pulls in ``re`` and
+# compiles its patterns, ``subprocess`` and ``socket`` pull in ``enum``, ``hashlib``
+# loads OpenSSL: together ~0.5 s of a cold boot). So the agent starts on builtin
+# C modules only and imports the rest where it is needed; a snapshot template
+# (``agentbox_preload=1``) imports those before it is saved, so restored guests
+# never pay for them. See docs/explanation/microvm-isolation.md.
+import _thread
 import fcntl
-import hashlib
-import hmac
-import json
 import os
-import queue
-import signal
-import socket
 import struct
-import subprocess
-import threading
 import time
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only; never imported in the guest
+    import socket
+    from _queue import SimpleQueue
+    from collections.abc import Callable
+    from typing import Any
+
+try:  # a builtin in CPython 3.11 (no OpenSSL to load); hashlib elsewhere
+    from _sha256 import sha256 as _sha256  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # pragma: no cover - depends on the interpreter's build
+    from hashlib import sha256 as _sha256
 
 CTRL, STDOUT, STDERR, STDIN, GW, FILE = 1, 2, 3, 4, 5, 6
 FRAME_TYPES = frozenset({CTRL, STDOUT, STDERR, STDIN, GW, FILE})
@@ -48,10 +59,95 @@ MAX_CTRL = 64 * 1024
 PORT_NAME = "agentbox.0"
 GATEWAY_PORT = 8080
 DATA_LABEL = "agentbox-data"
+WORKSPACE = "/workspace"
+SIGKILL, SIGPIPE, SIGXFSZ = 9, 13, 25
+#: Largest signal number a host may ask the agent to send.
+SIGRTMAX = 64
 
 
 class ProtocolError(Exception):
     """A frame that breaks the wire format."""
+
+
+# ------------------------------------------------------------------ JSON
+# The C scanner and string escaper of CPython's ``_json`` (what ``json`` itself
+# uses) without importing ``json``. Where this interpreter's ``_json`` differs
+# from what the self-test expects, the ``json`` module is used instead.
+
+
+class _ScanContext:
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    array_hook = None
+    parse_float = float
+    parse_int = int
+
+    @staticmethod
+    def parse_constant(name: str) -> object:
+        raise ValueError(f"{name} is not valid JSON")
+
+
+def _dumps_fast(obj: object) -> str:
+    if isinstance(obj, str):
+        return _escape(obj)
+    if obj is None:
+        return "null"
+    if obj is True:
+        return "true"
+    if obj is False:
+        return "false"
+    if isinstance(obj, int):
+        return int.__repr__(obj)
+    if isinstance(obj, float):
+        if obj != obj or obj in (float("inf"), float("-inf")):
+            raise ValueError("NaN and infinities are not JSON")
+        return float.__repr__(obj)
+    if isinstance(obj, (list, tuple)):
+        return "[" + ",".join([_dumps_fast(x) for x in obj]) + "]"
+    if isinstance(obj, dict):
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"JSON object keys must be str, not {type(k).__name__}")
+            items.append(_escape(k) + ":" + _dumps_fast(v))
+        return "{" + ",".join(items) + "}"
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def _loads_fast(text: str) -> object:
+    try:
+        obj, end = _scan(text, 0)  # type: ignore[misc]
+    except StopIteration as exc:
+        raise ValueError(f"no JSON value at {exc.value}") from None
+    if end != len(text):
+        raise ValueError(f"extra data at {end}")
+    return obj
+
+
+def _codec() -> tuple[object, object]:
+    sample = {"op": "x", "l": [1, -2.5, '\u00e9\n"', True, False, None], "d": {}}
+    try:
+        import _json
+
+        global _escape, _scan
+        _escape = _json.encode_basestring_ascii
+        _scan = _json.make_scanner(_ScanContext())  # type: ignore[arg-type]
+        if _loads_fast(_dumps_fast(sample)) == sample:
+            return _dumps_fast, _loads_fast
+    except Exception:  # any mismatch: fall back to the json module
+        pass
+    import json
+
+    return (
+        lambda o: json.dumps(o, separators=(",", ":"), allow_nan=False),
+        lambda t: json.loads(t, parse_constant=_ScanContext.parse_constant),
+    )
+
+
+_escape: Callable[[str], str] = str
+_scan: Callable[[str, int], tuple[object, int]] | None = None
+_dumps, _loads = _codec()
 
 
 def encode_frame(ftype: int, stream: int, payload: bytes = b"") -> bytes:
@@ -65,7 +161,7 @@ def encode_frame(ftype: int, stream: int, payload: bytes = b"") -> bytes:
 
 def encode_ctrl(msg: dict, stream: int = 0) -> bytes:  # type: ignore[type-arg]
     """A CTRL frame carrying ``msg`` as JSON."""
-    data = json.dumps(msg, separators=(",", ":")).encode()
+    data = _dumps(msg).encode()  # type: ignore[operator]
     if len(data) > MAX_CTRL:
         raise ProtocolError("control message too large")
     return encode_frame(CTRL, stream, data)
@@ -99,8 +195,8 @@ class FrameReader:
 def decode_ctrl(payload: bytes) -> dict:  # type: ignore[type-arg]
     """Parse a CTRL payload: a JSON object with a string ``op``."""
     try:
-        msg = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
+        msg = _loads(payload.decode("utf-8"))  # type: ignore[operator]
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ProtocolError(f"control frame is not JSON: {exc}") from exc
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ProtocolError("control frame is not an object with an op")
@@ -108,8 +204,17 @@ def decode_ctrl(payload: bytes) -> dict:  # type: ignore[type-arg]
 
 
 def proof(token: str, nonce: str) -> str:
-    """What the guest answers to a nonce: HMAC-SHA256(token, nonce)."""
-    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+    """What the guest answers to a nonce: HMAC-SHA256(token, nonce), hex.
+
+    RFC 2104 spelled out over ``sha256`` so the guest need not import ``hmac``
+    (which loads OpenSSL); tests check it against :mod:`hmac`.
+    """
+    key = token.encode()
+    if len(key) > 64:
+        key = _sha256(key).digest()
+    key = key.ljust(64, b"\0")
+    inner = _sha256(bytes(b ^ 0x36 for b in key) + nonce.encode()).digest()
+    return str(_sha256(bytes(b ^ 0x5C for b in key) + inner).hexdigest())
 
 
 # ---------------------------------------------------------------- guest side
@@ -121,15 +226,25 @@ def _kernel_facts() -> dict:  # type: ignore[type-arg]
     return {"release": os.uname().release, "boot_id": boot_id}
 
 
+def _cmdline_flags() -> set[str]:
+    try:
+        with open("/proc/cmdline") as f:
+            return set(f.read().split())
+    except OSError:
+        return set()
+
+
 def _find_port() -> str:
     base = "/sys/class/virtio-ports"
-    for _ in range(200):
-        with contextlib.suppress(OSError):
+    for _ in range(400):
+        try:
             for dev in sorted(os.listdir(base)):
                 with open(f"{base}/{dev}/name") as f:
                     if f.read().strip() == PORT_NAME:
                         return f"/dev/{dev}"
-        time.sleep(0.05)
+        except OSError:
+            pass
+        time.sleep(0.01)
     raise SystemExit(f"agent: no virtio port named {PORT_NAME}")
 
 
@@ -148,28 +263,100 @@ def _find_label(label: str) -> str | None:
     return None
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
+def _libc() -> tuple[Any, Any]:
+    import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
 
 
 def _mount(src: str, target: str, fstype: str, flags: int, data: str = "") -> None:
-    if _libc.mount(src.encode(), target.encode(), fstype.encode(), flags, data.encode()) != 0:
+    ctypes, libc = _libc()
+    if libc.mount(src.encode(), target.encode(), fstype.encode(), flags, data.encode()) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {src} on {target}: {os.strerror(err)}")
+
+
+def _no_new_privs() -> None:
+    # /init starts the agent under ``setpriv --nnp``; prctl is the fallback (ctypes).
+    with open("/proc/self/status") as f:
+        if "NoNewPrivs:\t1" in f.read():
+            return
+    _, libc = _libc()
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise SystemExit("agent: cannot set no_new_privs")
+
+
+def _preload() -> None:
+    # A snapshot template imports now what a session may need later, so that
+    # restored guests never pay for it (see the note at the imports).
+    import ctypes  # noqa: F401
+    import resource  # noqa: F401
+    import socket  # noqa: F401
+    import tarfile  # noqa: F401
+    from _queue import SimpleQueue  # noqa: F401
 
 
 def _reseed(seed: bytes, now: float | None) -> None:
     # RNDADDENTROPY credits the entropy; after a snapshot restore every clone
     # starts from the same RNG state, so this is what makes them diverge.
     rnd_add_entropy = 0x40085203
-    with contextlib.suppress(OSError), open("/dev/urandom", "wb") as f:
-        fcntl.ioctl(f, rnd_add_entropy, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
+    try:
+        with open("/dev/urandom", "wb") as f:
+            fcntl.ioctl(f, rnd_add_entropy, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
+    except OSError:
+        pass
     if now is not None:
+        try:
+            time.clock_settime(time.CLOCK_REALTIME, float(now))
+        except (OSError, ValueError, OverflowError):
+            pass
 
-        class Timespec(ctypes.Structure):
-            _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
-        ts = Timespec(int(now), int((now % 1) * 1e9))
-        _libc.clock_settime(0, ctypes.byref(ts))
+def _spawn(
+    argv: list[str], env: dict[str, str], cwd: str, uid: int | None, fds: tuple[int, int, int]
+) -> int:
+    """fork + exec ``argv`` in a new session with ``fds`` as 0, 1, 2, as ``uid`` if given.
+
+    The child runs only ``os`` calls before exec, no Python that takes a lock
+    another thread may hold; a failure before exec is reported through a
+    close-on-exec pipe and raised here as OSError, as subprocess would.
+    """
+    import _signal  # type: ignore[import-not-found,unused-ignore]
+
+    err_r, err_w = os.pipe()  # both close-on-exec
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.setsid()
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            # Python ignores these; a command expects the defaults.
+            _signal.signal(SIGPIPE, _signal.SIG_DFL)
+            _signal.signal(SIGXFSZ, _signal.SIG_DFL)
+            os.chdir(cwd)
+            if uid is not None:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+            os.execvpe(argv[0], argv, env)
+        except BaseException as exc:
+            errno = exc.errno if isinstance(exc, OSError) and exc.errno else 0
+            try:
+                os.write(err_w, f"{errno}:{exc}".encode(errors="replace")[:1000])
+            finally:
+                os._exit(127)
+    os.close(err_w)
+    try:
+        report = b""
+        while chunk := os.read(err_r, 1024):
+            report += chunk
+    finally:
+        os.close(err_r)
+    if report:
+        os.waitpid(pid, 0)
+        code, _, text = report.decode(errors="replace").partition(":")
+        raise OSError(int(code) if code.isdigit() else 0, text)
+    return pid
 
 
 class Agent:
@@ -177,15 +364,15 @@ class Agent:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.wlock = threading.Lock()
+        self.wlock = _thread.allocate_lock()
         self.token: str | None = None
         self.uid = 64000
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.stdin_q: dict[int, queue.Queue[bytes | None]] = {}
-        self.gw: dict[int, queue.Queue[bytes | None]] = {}
+        self.procs: dict[int, int] = {}  # stream -> pid (the process group)
+        self.stdin_q: dict[int, SimpleQueue[bytes | None]] = {}
+        self.gw: dict[int, SimpleQueue[bytes | None]] = {}
         self.puts: dict[int, tuple[int, str]] = {}
         self.next_gw = 1
-        self.lock = threading.Lock()
+        self.lock = _thread.allocate_lock()
         self.gateway_started = False
 
     # -- io
@@ -203,12 +390,15 @@ class Agent:
         for i in range(0, max(len(chunk), 1), MAX_PAYLOAD):
             self.send(encode_frame(ftype, stream, chunk[i : i + MAX_PAYLOAD]))
 
-    def run(self) -> None:
+    def serve(self, *, eof_ends: bool) -> None:
+        """Say ``ready``, then dispatch frames until the host hangs up (``eof_ends``)."""
         self.ctrl({"op": "ready", **_kernel_facts()})
         reader = FrameReader()
         while True:
             chunk = os.read(self.fd, 65536)
             if not chunk:
+                if eof_ends:
+                    return
                 time.sleep(0.05)  # host not connected (virtio-serial reads 0)
                 continue
             for ftype, stream, payload in reader.feed(chunk):
@@ -218,6 +408,10 @@ class Agent:
                     self.ctrl(
                         {"op": "error", "id": stream, "error": f"{type(exc).__name__}: {exc}"}
                     )
+
+    def run(self) -> None:
+        """Serve the virtio-serial port (a 0-byte read means no host yet)."""
+        self.serve(eof_ends=False)
 
     def dispatch(self, ftype: int, stream: int, payload: bytes) -> None:
         if ftype == CTRL:
@@ -250,11 +444,14 @@ class Agent:
         self.uid = int(msg.get("uid", 64000))
         # Inherited by every command: the pids limit counts the sandbox uid's
         # processes at fork (root, the agent, is exempt); nofile as in podman.
-        import resource
+        limits = [(key, msg.get(key)) for key in ("pids", "nofile")]
+        if any(isinstance(v, int) and v > 0 for _, v in limits):
+            import resource
 
-        for res, key in ((resource.RLIMIT_NPROC, "pids"), (resource.RLIMIT_NOFILE, "nofile")):
-            if isinstance(msg.get(key), int) and msg[key] > 0:
-                resource.setrlimit(res, (msg[key], msg[key]))
+            for key, value in limits:
+                if isinstance(value, int) and value > 0:
+                    res = resource.RLIMIT_NPROC if key == "pids" else resource.RLIMIT_NOFILE
+                    resource.setrlimit(res, (value, value))
         _reseed(bytes.fromhex(msg.get("seed", "")), msg.get("time"))
         if msg.get("mount_data"):
             self.mount_data()
@@ -263,28 +460,35 @@ class Agent:
         self.ctrl({"op": "hello_ok", **_kernel_facts()})
 
     def mount_data(self) -> None:
-        dev = _find_label(DATA_LABEL)
-        if dev is None:
-            raise OSError("no /data disk")
-        with open(dev, "rb") as f:
-            # Drop whatever a snapshot's template cached of the placeholder disk.
-            fcntl.ioctl(f, 0x1261)  # BLKFLSBUF
-        # commit=1: the journal commits every second (default 5), so a VM killed from
-        # outside (deadline, launcher crash) loses at most ~1 s of the agent's writes
-        # when the host reads the disk back.
-        _mount(dev, "/workspace", "ext4", 0x2 | 0x4, "commit=1")  # MS_NOSUID | MS_NODEV
+        # A cold boot's /init has mounted it already (agentbox_data=1); a restored
+        # snapshot's template never did, and the disk under it was swapped.
+        if not os.path.ismount(WORKSPACE):
+            dev = _find_label(DATA_LABEL)
+            if dev is None:
+                raise OSError("no /data disk")
+            with open(dev, "rb") as f:
+                # Drop whatever a snapshot's template cached of the placeholder disk.
+                fcntl.ioctl(f, 0x1261)  # BLKFLSBUF
+            # commit=1: the journal commits every second (default 5), so a VM killed
+            # from outside (deadline, launcher crash) loses at most ~1 s of the
+            # agent's writes when the host reads the disk back.
+            _mount(dev, WORKSPACE, "ext4", 0x2 | 0x4, "commit=1")  # MS_NOSUID | MS_NODEV
         # mkfs.ext4 made it; the workspace should look exactly like the host's copy.
-        with contextlib.suppress(OSError):
-            os.rmdir("/workspace/lost+found")
-        if os.lstat("/workspace").st_uid != self.uid:
+        try:
+            os.rmdir(WORKSPACE + "/lost+found")
+        except OSError:
+            pass
+        if os.lstat(WORKSPACE).st_uid != self.uid:
             # The host's copy carries host ids; in here it all belongs to the sandbox uid.
-            for root, dirs, files in os.walk("/workspace"):
+            for root, dirs, files in os.walk(WORKSPACE):
                 for name in dirs + files:
                     p = os.path.join(root, name)
-                    with contextlib.suppress(OSError):
+                    try:
                         if os.lstat(p).st_uid != self.uid:
                             os.lchown(p, self.uid, self.uid)
-            os.lchown("/workspace", self.uid, self.uid)
+                    except OSError:
+                        pass
+            os.lchown(WORKSPACE, self.uid, self.uid)
 
     def op_check(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
         assert self.token is not None
@@ -293,9 +497,11 @@ class Agent:
                    **_kernel_facts()}, stream)  # fmt: skip
 
     def op_shutdown(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
-        for p in list(self.procs.values()):
-            with contextlib.suppress(OSError):
-                os.killpg(p.pid, signal.SIGKILL)
+        for pid in list(self.procs.values()):
+            try:
+                os.killpg(pid, SIGKILL)
+            except OSError:
+                pass
         os.sync()
         self.ctrl({"op": "bye"}, stream)
         os._exit(0)
@@ -307,74 +513,89 @@ class Agent:
     # -- exec
     def op_exec(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
         argv = [str(a) for a in msg["argv"]]
+        if not argv:
+            raise ProtocolError("empty argv")
         env = {str(k): str(v) for k, v in dict(msg.get("env") or {}).items()}
         uid = int(msg.get("uid", self.uid))
         cwd = str(msg.get("cwd") or "/")
-
-        drop = uid != 0
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        if msg.get("stdin"):
+            in_r, in_w = os.pipe()
+        else:
+            in_r, in_w = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC), -1
         try:
-            # no_new_privs is already set on the agent (inherited); the ids are
-            # dropped by subprocess itself, so the child runs no Python before exec.
-            proc = subprocess.Popen(
-                argv, env=env, cwd=cwd, stdin=subprocess.PIPE if msg.get("stdin") else
-                subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, user=uid if drop else None,
-                group=uid if drop else None, extra_groups=[] if drop else None,
-            )  # fmt: skip
+            # no_new_privs is already set on the agent (inherited).
+            pid = _spawn(argv, env, cwd, uid if uid != 0 else None, (in_r, out_w, err_w))
         except OSError as exc:
+            for fd in (out_r, err_r, in_w):
+                if fd >= 0:
+                    os.close(fd)
             self.ctrl({"op": "exit", "code": 127, "error": str(exc)}, stream)
             return
-        self.procs[stream] = proc
-        if proc.stdin is not None:
-            q: queue.Queue[bytes | None] = queue.Queue()
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        self.procs[stream] = pid
+        if in_w >= 0:
+            from _queue import SimpleQueue
+
+            q: SimpleQueue[bytes | None] = SimpleQueue()
             self.stdin_q[stream] = q
-            threading.Thread(target=self._feed, args=(proc, q), daemon=True).start()
-        pumps = [
-            threading.Thread(target=self._pump, args=(proc.stdout, STDOUT, stream), daemon=True),
-            threading.Thread(target=self._pump, args=(proc.stderr, STDERR, stream), daemon=True),
-        ]
-        for t in pumps:
-            t.start()
-        threading.Thread(target=self._reap, args=(proc, pumps, stream), daemon=True).start()
-        self.ctrl({"op": "started", "pid": proc.pid}, stream)
+            _thread.start_new_thread(self._feed, (in_w, q))
+        done = [_thread.allocate_lock(), _thread.allocate_lock()]
+        for lock in done:
+            lock.acquire()
+        _thread.start_new_thread(self._pump, (out_r, STDOUT, stream, done[0]))
+        _thread.start_new_thread(self._pump, (err_r, STDERR, stream, done[1]))
+        _thread.start_new_thread(self._reap, (pid, done, stream))
+        self.ctrl({"op": "started", "pid": pid}, stream)
 
-    def _feed(self, proc: subprocess.Popen[bytes], q: queue.Queue[bytes | None]) -> None:
-        assert proc.stdin is not None
-        with contextlib.suppress(OSError):
+    def _feed(self, fd: int, q: SimpleQueue[bytes | None]) -> None:
+        try:
             while (chunk := q.get()) is not None:
-                proc.stdin.write(chunk)
-                proc.stdin.flush()
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
-    def _pump(self, pipe, ftype: int, stream: int) -> None:  # type: ignore[no-untyped-def]
-        while chunk := os.read(pipe.fileno(), MAX_PAYLOAD):
-            self.send(encode_frame(ftype, stream, chunk))
-        self.send(encode_frame(ftype, stream, b""))
+    def _pump(self, fd: int, ftype: int, stream: int, done: _thread.LockType) -> None:
+        try:
+            while chunk := os.read(fd, MAX_PAYLOAD):
+                self.send(encode_frame(ftype, stream, chunk))
+            self.send(encode_frame(ftype, stream, b""))
+        finally:
+            os.close(fd)
+            done.release()
 
-    def _reap(
-        self, proc: subprocess.Popen[bytes], pumps: list[threading.Thread], stream: int
-    ) -> None:
-        code = proc.wait()
-        for t in pumps:
-            t.join()
+    def _reap(self, pid: int, done: list[_thread.LockType], stream: int) -> None:
+        _, status = os.waitpid(pid, 0)
+        for lock in done:
+            lock.acquire()
         self.procs.pop(stream, None)
-        self.stdin_q.pop(stream, None)
-        self.ctrl({"op": "exit", "code": code}, stream)
+        q = self.stdin_q.pop(stream, None)
+        if q is not None:
+            q.put(None)
+        self.ctrl({"op": "exit", "code": os.waitstatus_to_exitcode(status)}, stream)
 
     def op_signal(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
-        proc = self.procs.get(stream)
+        pid = self.procs.get(stream)
         sig = int(msg["sig"])
-        if proc is not None and sig in {s.value for s in signal.Signals}:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, sig)
+        if pid is not None and 0 < sig <= SIGRTMAX:
+            try:
+                os.killpg(pid, sig)
+            except OSError:
+                pass
 
     # -- files: tar streams, extracted/created by the image's python in-guest
     def op_put(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
         r, w = os.pipe()
         dest = str(msg["dest"])
         self.puts[stream] = (w, dest)
-        threading.Thread(target=self._untar, args=(r, dest, stream), daemon=True).start()
+        _thread.start_new_thread(self._untar, (r, dest, stream))
 
     def put_chunk(self, stream: int, chunk: bytes) -> None:
         ent = self.puts.get(stream)
@@ -385,8 +606,10 @@ class Agent:
             os.close(w)
             self.puts.pop(stream, None)
             return
-        with contextlib.suppress(OSError):
+        try:
             os.write(w, chunk)
+        except OSError:
+            pass
 
     def _untar(self, r: int, dest: str, stream: int) -> None:
         import tarfile
@@ -400,18 +623,22 @@ class Agent:
                         continue
                     m.uid = m.gid = self.uid
                     tf.extract(m, dest, set_attrs=True)
-                    with contextlib.suppress(OSError):
+                    try:
                         os.lchown(os.path.join(dest, m.name), self.uid, self.uid)
-            with contextlib.suppress(OSError):
+                    except OSError:
+                        pass
+            try:
                 st = os.lstat(dest)
-                if st.st_uid == 0 and dest.startswith("/workspace"):
+                if st.st_uid == 0 and dest.startswith(WORKSPACE):
                     os.lchown(dest, self.uid, self.uid)
+            except OSError:
+                pass
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
         self.ctrl({"op": "put_ok", "error": err}, stream)
 
     def op_get(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
-        threading.Thread(target=self._tar, args=(str(msg["src"]), stream), daemon=True).start()
+        _thread.start_new_thread(self._tar, (str(msg["src"]), stream))
 
     def _tar(self, src: str, stream: int) -> None:
         import tarfile
@@ -437,41 +664,57 @@ class Agent:
     def start_gateway(self) -> None:
         if self.gateway_started:
             return
+        import socket
+
         self.gateway_started = True
         srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind(("127.0.0.1", GATEWAY_PORT))
         srv.listen(64)
-        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+        _thread.start_new_thread(self._accept, (srv,))
 
     def _accept(self, srv: socket.socket) -> None:
+        from _queue import SimpleQueue
+
         while True:
             conn, _ = srv.accept()
             with self.lock:
                 sid = self.next_gw
                 self.next_gw += 2
-            q: queue.Queue[bytes | None] = queue.Queue()
+            q: SimpleQueue[bytes | None] = SimpleQueue()
             self.gw[sid] = q
             self.ctrl({"op": "gw_open"}, sid)
-            down = threading.Thread(target=self._gw_down, args=(conn, sid, q), daemon=True)
-            down.start()
-            threading.Thread(target=self._gw_up, args=(conn, sid, down), daemon=True).start()
+            down = _thread.allocate_lock()
+            down.acquire()
+            _thread.start_new_thread(self._gw_down, (conn, sid, q, down))
+            _thread.start_new_thread(self._gw_up, (conn, sid, down))
 
-    def _gw_up(self, conn: socket.socket, sid: int, down: threading.Thread) -> None:
-        with contextlib.suppress(OSError):
+    def _gw_up(self, conn: socket.socket, sid: int, down: _thread.LockType) -> None:
+        try:
             while chunk := conn.recv(MAX_PAYLOAD):
                 self.send(encode_frame(GW, sid, chunk))
+        except OSError:
+            pass
         self.send(encode_frame(GW, sid, b""))
-        down.join()
+        down.acquire()
         conn.close()
 
-    def _gw_down(self, conn: socket.socket, sid: int, q: queue.Queue[bytes | None]) -> None:
-        with contextlib.suppress(OSError):
+    def _gw_down(
+        self, conn: socket.socket, sid: int, q: SimpleQueue[bytes | None], down: _thread.LockType
+    ) -> None:
+        import socket
+
+        try:
             while (chunk := q.get()) is not None:
                 conn.sendall(chunk)
-        with contextlib.suppress(OSError):
+        except OSError:
+            pass
+        try:
             conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
         self.gw.pop(sid, None)
+        down.release()
 
 
 # ---------------------------------------------------------------- vsock transport
@@ -495,6 +738,8 @@ def transport_from_cmdline(cmdline: str) -> str:
 
 def listen_vsock(port: int = VSOCK_PORT) -> socket.socket:
     """A listening AF_VSOCK socket on any CID, ``port`` (backlog 1: one host)."""
+    import socket
+
     srv = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
     srv.bind((socket.VMADDR_CID_ANY, port))
     srv.listen(1)
@@ -509,16 +754,8 @@ class SocketAgent(Agent):
     """
 
     def run(self) -> None:
-        self.ctrl({"op": "ready", **_kernel_facts()})
-        reader = FrameReader()
-        while chunk := os.read(self.fd, 65536):
-            for ftype, stream, payload in reader.feed(chunk):
-                try:
-                    self.dispatch(ftype, stream, payload)
-                except Exception as exc:
-                    self.ctrl(
-                        {"op": "error", "id": stream, "error": f"{type(exc).__name__}: {exc}"}
-                    )
+        """Serve until the host hangs up."""
+        self.serve(eof_ends=True)
 
 
 def serve_one(listener: socket.socket) -> None:
@@ -538,8 +775,10 @@ def serve_one(listener: socket.socket) -> None:
     except (OSError, ProtocolError):
         pass
     finally:
-        with contextlib.suppress(OSError):
+        try:
             conn.close()
+        except OSError:
+            pass
 
 
 def _transport() -> str:
@@ -552,16 +791,16 @@ def _transport() -> str:
 
 def main() -> None:
     """Open the port, serve until shutdown."""
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     # Everything the agent starts inherits no_new_privs: no setuid or file-capability
     # binary in the image can give a workload back what dropping to its uid took away.
-    if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        raise SystemExit("agent: cannot set no_new_privs")
-    if _transport() == "vsock":
+    _no_new_privs()
+    flags = _cmdline_flags()
+    if "agentbox_preload=1" in flags:
+        _preload()
+    if "agentbox_transport=vsock" in flags:
         serve_one(listen_vsock())
         return  # the host hung up: /init powers the VM off
-    fd = os.open(_find_port(), os.O_RDWR)
-    os.set_inheritable(fd, False)
+    fd = os.open(_find_port(), os.O_RDWR | os.O_CLOEXEC)
     Agent(fd).run()
 
 

@@ -5,9 +5,10 @@ disk labelled ``agentbox-root``, puts tmpfs on ``/tmp``, ``/run`` and
 ``$HOME``, binds this initramfs's ``/agentbox`` read-only at
 ``/opt/agentbox/vm`` (the workload cannot overwrite the agent; the image's
 own ``/opt/agentbox`` stays visible), brings ``lo`` up (there is no other
-interface), and runs the agent in a chroot of the root with the image's
-``python3``. ``/data`` is mounted later by the agent, at ``hello``: a snapshot
-taken before then holds nothing of any workspace.
+interface), and runs the agent (precompiled, under ``no_new_privs``) in a
+chroot of the root with the image's ``python3``. ``/data`` is mounted here
+only on a cold boot (``agentbox_data=1``); otherwise the agent mounts it at
+``hello``, so a snapshot taken before then holds nothing of any workspace.
 
 With ``agentbox_marker=1`` on the kernel command line ``/init`` instead prints
 :data:`MARKER` from the image's python and powers off: the bare-boot baseline
@@ -19,7 +20,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import py_compile
 import shutil
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,7 +37,15 @@ __all__ = ["INIT_SCRIPT", "MARKER", "build_cpio", "ensure_initramfs"]
 MARKER = "AGENTBOX-GUEST-MARKER"
 ROOT_LABEL = "agentbox-root"
 
-_APPLETS = ("sh", "mount", "insmod", "findfs", "mkdir", "chroot", "ip", "reboot", "sleep", "cat")
+_APPLETS = (
+    "sh", "mount", "insmod", "findfs", "mkdir", "chroot", "ip", "reboot", "sleep", "cat", "setpriv",
+)  # fmt: skip
+DATA_LABEL = agent_module.DATA_LABEL
+#: How /init starts the agent: the precompiled module from the read-only bind.
+_AGENT_CMD = (
+    "/usr/bin/python3 -I -S -c "
+    "'import sys; sys.path.insert(0, \"/opt/agentbox/vm\"); import agent; agent.main()'"
+)
 
 
 def _init_script(modules: Sequence[str]) -> str:
@@ -52,6 +64,14 @@ while ! root=$(findfs LABEL={ROOT_LABEL} 2>/dev/null); do
   i=$((i+1)); [ $i -gt 400 ] && fail "no root disk"; sleep 0.02
 done
 mount -t ext4 -o ro,noload,nodev "$root" /newroot || fail "mount root"
+if [ -n "$agentbox_data" ]; then
+  # A cold boot mounts /data here (a snapshot template must not: its disk is swapped).
+  i=0
+  while ! data=$(findfs LABEL={DATA_LABEL} 2>/dev/null); do
+    i=$((i+1)); [ $i -gt 400 ] && fail "no data disk"; sleep 0.02
+  done
+  mount -t ext4 -o nosuid,nodev,commit=1 "$data" /newroot/workspace || fail "mount data"
+fi
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /newroot/tmp
 mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /newroot/run
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /newroot/home/agent
@@ -67,7 +87,8 @@ if [ -n "$agentbox_marker" ]; then
   chroot /newroot /usr/bin/python3 -I -S -c 'print("{MARKER}")'
   reboot -f
 fi
-chroot /newroot /usr/bin/python3 -I -S /opt/agentbox/vm/agent.py
+# no_new_privs from here on: nothing the agent starts can gain privileges by exec.
+setpriv --nnp chroot /newroot {_AGENT_CMD}
 fail "agent exited"
 """
 
@@ -114,6 +135,25 @@ def _has_interp(elf: bytes) -> bool:
     return False
 
 
+def _agent_bytecode(source: bytes) -> tuple[str, bytes]:
+    """The agent compiled by this interpreter, as an unchecked-hash ``.pyc``.
+
+    Compiling ``agent.py`` costs the guest tens of milliseconds of a cold boot
+    under TCG. The file is named for this interpreter's cache tag, so a guest
+    whose python differs ignores it and compiles the source (which it cannot
+    write back: the bind is read-only); the magic number is checked either way.
+    """
+    with tempfile.TemporaryDirectory(prefix="agentbox-pyc-") as d:
+        src = Path(d) / "agent.py"
+        src.write_bytes(source)
+        out = Path(d) / "agent.pyc"
+        py_compile.compile(
+            str(src), cfile=str(out), dfile="/opt/agentbox/vm/agent.py", doraise=True,
+            invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+        )  # fmt: skip
+        return f"agent.{sys.implementation.cache_tag}.pyc", out.read_bytes()
+
+
 def ensure_initramfs(
     settings: Settings, kernel: Kernel, *, extra_modules: Sequence[Path] = ()
 ) -> Path:
@@ -141,10 +181,15 @@ def ensure_initramfs(
         files[f"lib/modules/{m}.ko"] = (0o100644, (kernel.modules / f"{m}.ko").read_bytes())
     for ko in extra_modules:
         files[f"lib/modules/{ko.name}"] = (0o100644, ko.read_bytes())
-    dirs = ["agentbox", "bin", "dev", "lib", "lib/modules", "newroot", "proc", "sys"]
-    h = hashlib.sha256(kernel.release.encode())
+    dirs = ["agentbox", "agentbox/__pycache__", "bin", "dev", "lib", "lib/modules", "newroot"]
+    dirs += ["proc", "sys"]
+    # Keyed by the agent's source and this interpreter, not by the bytecode (which
+    # need not be byte-for-byte reproducible).
+    h = hashlib.sha256(f"{kernel.release}\0{sys.version}\0".encode())
     for p, (mode, data) in sorted(files.items()):
         h.update(f"{p}:{mode}:{len(data)}:".encode() + data)
+    pyc_name, pyc = _agent_bytecode(agent)
+    files[f"agentbox/__pycache__/{pyc_name}"] = (0o100644, pyc)
     out_dir = settings.cache_dir / "microvm" / "initramfs"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{h.hexdigest()[:16]}.cpio"
