@@ -127,13 +127,6 @@ def test_a_sigkilled_caller_leaves_nothing_on_disk(token: str) -> None:
     assert proc.returncode == -signal.SIGKILL
     assert proc.stdout.startswith("/proc/") and "/fd/" in proc.stdout
     assert _traces() == before
-    # No file anywhere under the temp dir carries the token (the old env dir did).
-    for path in TMP.glob("agentbox-*/**/*"):
-        if path.is_file() and not path.is_symlink():
-            try:
-                assert token not in path.read_text(errors="replace"), path
-            except OSError:
-                continue
 
 
 # --- through real podman -------------------------------------------------------------------
