@@ -227,3 +227,27 @@ def test_dead_vmm_stops_the_wait(peer: Callable[..., Peer]) -> None:
 def test_port_out_of_range(tmp_path: Path, port: int) -> None:
     with pytest.raises(SandboxError, match="out of range"):
         connect_vsock(tmp_path / "v.sock", port, timeout=1)
+
+
+def test_a_socket_path_longer_than_sun_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentbox.microvm import _vsock
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    alias = tmp_path / "alias"  # the peer binds through a short alias of the same dir
+    alias.symlink_to(deep)
+    p = Peer(alias / "v.sock", ok_then())
+    try:
+        long = deep / "v.sock"
+        assert len(str(long)) > 108
+        with connect_vsock(long, 1024, timeout=5):
+            pass
+        assert p.lines == [b"CONNECT 1024\n"]
+        # Control: without the short alias the kernel refuses the path outright.
+        monkeypatch.setattr(_vsock, "_SUN_PATH_MAX", 10**6)
+        with pytest.raises(SandboxError, match="too long"):
+            connect_vsock(long, 1024, timeout=1)
+    finally:
+        p.close()

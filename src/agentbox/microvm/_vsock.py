@@ -16,6 +16,7 @@ at once instead of being retried.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -53,13 +54,15 @@ def handshake(uds: Path, port: int, *, timeout: float, name: str = "") -> tuple[
     try:
         sock.settimeout(max(0.01, timeout))
         try:
-            sock.connect(str(uds))
+            _connect(sock, uds)
             sock.sendall(f"CONNECT {port}\n".encode())
             reply = _read_line(sock, name)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise _NotYet(f"{uds}: {exc.strerror}") from None
         except (TimeoutError, ConnectionResetError, BrokenPipeError) as exc:
             raise _NotYet(f"no answer from {uds}: {exc}") from None
+        except OSError as exc:
+            raise SandboxError(f"cannot connect to {uds}: {exc}", sandbox=name or None) from exc
         if not reply:
             raise _NotYet(f"nothing listens on guest vsock port {port} yet")
         m = _OK.fullmatch(reply)
@@ -77,6 +80,25 @@ def handshake(uds: Path, port: int, *, timeout: float, name: str = "") -> tuple[
     except BaseException:
         sock.close()
         raise
+
+
+#: sun_path holds 108 bytes; a jail path deep in the data dir can be longer.
+_SUN_PATH_MAX = 100
+
+
+def _connect(sock: socket.socket, uds: Path) -> None:
+    """Connect to ``uds``, through ``/proc/self/fd/<dir>/`` when its path is too long."""
+    if len(os.fsencode(uds)) <= _SUN_PATH_MAX:
+        sock.connect(str(uds))
+        return
+    try:
+        dirfd = os.open(uds.parent, os.O_PATH | os.O_DIRECTORY)
+    except OSError as exc:
+        raise FileNotFoundError(exc.errno, exc.strerror, str(uds.parent)) from exc
+    try:
+        sock.connect(f"/proc/self/fd/{dirfd}/{uds.name}")
+    finally:
+        os.close(dirfd)
 
 
 def _read_line(sock: socket.socket, name: str) -> bytes:
