@@ -20,11 +20,22 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.firecracker import FirecrackerBackend, FirecrackerSandbox, facility
+from agentbox.backends.firecracker import (
+    FirecrackerBackend,
+    FirecrackerSandbox,
+    FirecrackerVm,
+    facility,
+)
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.errors import GuestError
-from agentbox.microvm._firecracker import JAIL_FILES, VSOCK_MODULES, ensure_vsock_modules
+from agentbox.microvm._disks import make_data_disk
+from agentbox.microvm._firecracker import (
+    JAIL_FILES,
+    VSOCK_MODULES,
+    ensure_vsock_modules,
+    place_files,
+)
 from agentbox.microvm._guest import KernelFacts
 from agentbox.microvm._initramfs import MARKER, ensure_initramfs
 from agentbox.microvm._kernel import ensure_kernel
@@ -78,6 +89,38 @@ def test_the_vsock_initramfs_loads_every_module_in_the_real_kernel() -> None:
                 os.close(w)
             os.close(r)
             vm.kill()
+
+
+@pytest.mark.qemu
+def test_a_vm_jail_from_the_real_artifacts(tmp_path: Path) -> None:
+    """The backend's VM shape and jail, made from the real kernel, initramfs and root
+    disk (no VMM is started): vsock initramfs, KVM, a uid that is not root, the jail
+    holding exactly the declared files, the cached originals left as they were."""
+    from agentbox.image import build_default
+
+    info = build_default(Settings())
+    assert info.rootfs is not None and info.hash is not None
+    settings = Settings(data_dir=tmp_path / "data")
+    backend = FirecrackerBackend(settings, rootfs=(info.rootfs, info.hash))
+    vm_dir = tmp_path / "vm"
+    vm_dir.mkdir()
+    data = make_data_disk(None, vm_dir / "data.img", uid=64000)
+    spec = SandboxSpec(name="fc-shape", image="default", resources=RES, isolation="standard")
+    cfg = backend.base_config(spec, vm_dir / "run", data)
+    assert cfg.accel == "kvm" and cfg.uid == cfg.gid != 0
+    assert cfg.initramfs != ensure_initramfs(Settings(), cfg.kernel)
+    vm = FirecrackerVm(cfg, firecracker=Path("/opt/fc/firecracker"),
+                       jailer=Path("/opt/fc/jailer"), vm_dir=vm_dir)  # fmt: skip
+    shared = [cfg.kernel.vmlinux, cfg.initramfs, cfg.root_disk]
+    before = [(p.stat().st_uid, p.stat().st_mode) for p in shared]
+    place_files(vm.chroot, vm.fc_spec())
+    assert sorted(vm.chroot.iterdir()) == sorted(vm.chroot / n for n in JAIL_FILES)
+    assert [(p.stat().st_uid, p.stat().st_mode) for p in shared] == before
+    assert (vm.chroot / "root.img").stat().st_ino == cfg.root_disk.stat().st_ino
+    argv = vm.argv()
+    assert argv[argv.index("--uid") + 1] == str(cfg.uid)
+    assert argv[argv.index("--chroot-base-dir") + 1] == str(vm_dir / "jail")
+    assert vm.vsock_socket == vm.chroot / "v.sock"
 
 
 # -- live Firecracker (skips here, with the backend's own reason)

@@ -129,8 +129,13 @@ def facility(settings: Settings) -> _host.Facility:
     except Exception as exc:
         return _host.Facility("firecracker", False, f"{where}; KVM probe failed: {exc}", "")
     if not kvm.ok:
-        return _host.Facility("firecracker", False, f"{where}; needs KVM: {kvm.detail}", kvm.fix)
+        return _host.Facility("firecracker", False, f"{where}; needs KVM: {_kvm_why(kvm)}", kvm.fix)
     return _host.Facility("firecracker", True, f"{where} with its jailer; KVM boots the guest")
+
+
+def _kvm_why(kvm: _host.Facility) -> str:
+    # The probe is the qemu backend's; its "falls back to TCG" does not apply here.
+    return kvm.detail.removesuffix("; using TCG")
 
 
 def _vm_id(name: str) -> str:
@@ -257,7 +262,7 @@ class FirecrackerBackend(QemuBackend):
         check_versions(version_output(fc), version_output(jailer))
         kvm = probe_kvm(self.settings)
         if not kvm.ok:
-            raise UnsupportedError(f"Firecracker needs KVM: {kvm.detail}", fix=kvm.fix)
+            raise UnsupportedError(f"Firecracker needs KVM: {_kvm_why(kvm)}", fix=kvm.fix)
         if os.geteuid() != 0:
             raise UnsupportedError("the jailer must run as root", fix="run agentbox's launcher")
         for tool in ("unshare", "mkfs.ext4", "busybox"):
