@@ -9,6 +9,7 @@ QEMU and loads every module.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -108,6 +109,8 @@ def test_a_vm_jail_from_the_real_artifacts(tmp_path: Path) -> None:
     spec = SandboxSpec(name="fc-shape", image="default", resources=RES, isolation="standard")
     cfg = backend.base_config(spec, vm_dir / "run", data)
     assert cfg.accel == "kvm" and cfg.uid == cfg.gid != 0
+    # Always a cold boot: /init mounts /data before the agent starts, as for qemu --cold.
+    assert "agentbox_data=1" in cfg.cmdline_extra
     assert cfg.initramfs != ensure_initramfs(Settings(), cfg.kernel)
     vm = FirecrackerVm(cfg, firecracker=Path("/opt/fc/firecracker"),
                        jailer=Path("/opt/fc/jailer"), vm_dir=vm_dir)  # fmt: skip
@@ -121,6 +124,8 @@ def test_a_vm_jail_from_the_real_artifacts(tmp_path: Path) -> None:
     assert argv[argv.index("--uid") + 1] == str(cfg.uid)
     assert argv[argv.index("--chroot-base-dir") + 1] == str(vm_dir / "jail")
     assert vm.vsock_socket == vm.chroot / "v.sock"
+    boot = json.loads((vm.chroot / "config.json").read_text())["boot-source"]["boot_args"]
+    assert {"agentbox_data=1", "agentbox_transport=vsock"} <= set(boot.split())
 
 
 # -- live Firecracker (skips here, with the backend's own reason)

@@ -131,6 +131,14 @@ def test_config_no_network_root_read_only_data_writable(tmp_path: Path) -> None:
     assert {p.lstrip("/") for p in paths} <= set(JAIL_FILES)
 
 
+def test_config_carries_the_backends_extra_kernel_args(tmp_path: Path) -> None:
+    import dataclasses
+
+    spec = dataclasses.replace(_spec(tmp_path), cmdline_extra=("agentbox_data=1",))
+    args = vm_config(spec)["boot-source"]["boot_args"].split()
+    assert args[-1] == "agentbox_data=1" and "agentbox_transport=vsock" in args
+
+
 def test_config_without_data_disk(tmp_path: Path) -> None:
     cfg = vm_config(_spec(tmp_path, data=False))
     jsonschema.validate(cfg, SCHEMA)

@@ -169,6 +169,7 @@ class FirecrackerVm(Vm):
         return FcSpec(
             id=c.name, kernel=c.kernel.vmlinux, initramfs=c.initramfs, root_disk=c.root_disk,
             data_disk=c.data_disk, vcpus=c.cpus, memory_mib=c.memory_mib, uid=c.uid, gid=c.gid,
+            cmdline_extra=c.cmdline_extra,
         )  # fmt: skip
 
     def argv(self) -> list[str]:

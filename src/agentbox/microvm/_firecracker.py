@@ -121,6 +121,8 @@ class FcSpec:
     memory_mib: int
     uid: int
     gid: int
+    cmdline_extra: tuple[str, ...] = ()
+    """Extra kernel arguments (the qemu backend's, e.g. ``agentbox_data=1`` for a cold boot)."""
 
 
 # -- versions
@@ -249,7 +251,7 @@ def vm_config(spec: FcSpec) -> dict[str, Any]:
         "boot-source": {
             "kernel_image_path": "/vmlinux",
             "initrd_path": "/initramfs",
-            "boot_args": boot_args(),
+            "boot_args": boot_args(spec.cmdline_extra),
         },
         "drives": drives,
         "machine-config": {
