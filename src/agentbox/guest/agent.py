@@ -781,14 +781,6 @@ def serve_one(listener: socket.socket) -> None:
             pass
 
 
-def _transport() -> str:
-    try:
-        with open("/proc/cmdline") as f:
-            return transport_from_cmdline(f.read())
-    except OSError:
-        return "virtio-serial"
-
-
 def main() -> None:
     """Open the port, serve until shutdown."""
     # Everything the agent starts inherits no_new_privs: no setuid or file-capability
