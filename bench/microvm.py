@@ -3,8 +3,9 @@
     .venv/bin/python bench/microvm.py [--runs N] [--memory 1GiB]
 
 Rows:
-  bare QEMU     our kernel + initramfs, no jail, booted to a marker printed by
-                the image's python3 in the chroot (the baseline)
+  bare QEMU     our kernel + initramfs + root disk, same memory and vCPUs, no
+                jail, booted to a marker printed by the image's python3 in the
+                chroot (the baseline)
   cold          QemuBackend(cold=True): data disk, jail, boot, hello, check,
                 first command's output
   snapshot      QemuBackend(): data disk, jail, restore, hello (reseed, mount),
@@ -68,7 +69,10 @@ def main() -> int:
     snaps: list[float] = []
     for i in range(args.runs):  # interleaved, so host load drifts affect all rows alike
         t0 = time.monotonic()
-        ok, detail = boot_to_marker(settings, accel=accel, timeout=120, root_disk=root_disk)
+        ok, detail = boot_to_marker(
+            settings, accel=accel, timeout=120, root_disk=root_disk,
+            memory_mib=res.memory // 2**20, cpus=1,
+        )  # fmt: skip
         if not ok:
             print(f"bare boot failed: {detail}", file=sys.stderr)
             return 1

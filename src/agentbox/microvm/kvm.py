@@ -87,6 +87,8 @@ def boot_to_marker(
     accel: str,
     timeout: float,
     root_disk: Path | None = None,
+    memory_mib: int = 512,
+    cpus: int = 1,
 ) -> tuple[bool, str]:
     """Boot our kernel + initramfs bare (no jail) to the init marker; (reached, detail).
 
@@ -106,7 +108,7 @@ def boot_to_marker(
             name=f"probe-{os.getpid()}", kernel=kernel, initramfs=initramfs,
             root_disk=root_disk or Path("/dev/null"), data_disk=None,
             run_dir=Path(tmp) / "run", accel=accel, marker=True, jail=False,
-            use_cgroup=False, qemu_binary=settings.qemu_binary,
+            use_cgroup=False, qemu_binary=settings.qemu_binary, memory_mib=memory_mib, cpus=cpus,
             cmdline_extra=() if root_disk is not None else ("agentbox_probe=1",),
         )  # fmt: skip
         r, w = os.pipe()
