@@ -7,13 +7,18 @@ references; Firecracker rejects unknown fields, so the schema here does too).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import psutil
 import pytest
 
 from agentbox.backends.base import BindMount, SandboxSpec
@@ -29,6 +34,7 @@ from agentbox.config import Settings
 from agentbox.errors import AgentboxError, UnsupportedError
 from agentbox.microvm._firecracker import (
     GUEST_CID,
+    HOLDER,
     JAIL_FILES,
     MIN_VERSION,
     VSOCK_UDS,
@@ -45,8 +51,6 @@ from agentbox.microvm._firecracker import (
 )
 from agentbox.microvm._jail import VMM_PIDS_MAX
 from agentbox.microvm._vm import VMM_OVERHEAD
-
-jsonschema = pytest.importorskip("jsonschema")
 
 
 def _obj(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -162,9 +166,11 @@ def test_vcpu_count_is_one_or_even(cpus: int, want: int) -> None:
 
 # -- jailer argv
 def _split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
-    """(unshare part, jailer part, firecracker part)."""
+    """(unshare part, jailer part, firecracker part); the holder must sit between."""
     first = argv.index("--")
     rest = argv[first + 1 :]
+    assert tuple(rest[: len(HOLDER)]) == HOLDER, "pid 1 of the namespace is the holder"
+    rest = rest[len(HOLDER) :]
     second = rest.index("--")
     return argv[:first], rest[:second], rest[second + 1 :]
 
@@ -216,19 +222,19 @@ def test_the_unshare_prefix_really_isolates() -> None:
     argv = jailer_argv(
         Path("/j/jailer"), Path("/j/firecracker"), _spec_min(), chroot_base=Path("/")
     )
-    unshare = argv[: argv.index("--") + 1]
+    unshare = argv[: argv.index("--") + 1 + len(HOLDER)]
     probe = (
         "echo $$; for n in net ipc uts pid; do readlink /proc/self/ns/$n; done;"
         " tail -n +3 /proc/self/net/dev | cut -d: -f1; ls /proc | grep -c '^[0-9]'"
     )
     out = subprocess.run([*unshare, "sh", "-c", probe], capture_output=True, text=True,
                          timeout=30, check=True).stdout.split()  # fmt: skip
-    assert out[0] == "1", "the VMM is pid 1 of its own pid namespace"
+    assert out[0] == "2", "the VMM is the holder's child in its own pid namespace"
     ours = [os.readlink(f"/proc/self/ns/{n}") for n in ("net", "ipc", "uts")]
     assert all(theirs != mine for theirs, mine in zip(out[1:4], ours, strict=True))
     assert out[5:-1] == ["lo"], "an empty network namespace"
     # /proc is this pid namespace's: the jailer's /proc/<its pid> is itself.
-    assert int(out[-1]) <= 3, "only the namespace's own processes in /proc"
+    assert int(out[-1]) <= 4, "only the namespace's own processes in /proc"
 
 
 def _spec_min() -> FcSpec:
@@ -389,3 +395,54 @@ def test_vm_ids_suit_the_jailer() -> None:
         assert 1 <= len(i) <= 64
         assert all(c.isascii() and (c.isalnum() or c == "-") for c in i)
     assert len({_vm_id("same") for _ in range(20)}) == 20
+
+
+_SPAWNER = """
+import sys, time
+from agentbox.microvm._jail import spawn
+proc = spawn(sys.argv[1:], cgroup=None)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("holder", [True, False], ids=["with-holder", "control-without"])
+def test_a_dead_host_side_takes_the_setuid_vmm_with_it(tmp_path: Path, holder: bool) -> None:
+    """SIGKILL the process that started the VMM: a VMM that switched uid must die too.
+
+    A real uid switch (``setpriv``, as the jailer does) stands in for the jailer and
+    Firecracker; the control without the holder shows the switch really does
+    clear the parent-death signal, so the test can tell the two apart.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("unshare --pid needs root")
+    argv = jailer_argv(
+        Path("/j/jailer"), Path("/j/firecracker"), _spec_min(), chroot_base=Path("/")
+    )
+    prefix = argv[: argv.index("--") + 1 + (len(HOLDER) if holder else 0)]
+    marker = ["sleep", f"299.{os.getpid()}{int(holder)}"]  # unique among processes
+    vmm = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", *marker]
+    spawner = subprocess.Popen([sys.executable, "-c", _SPAWNER, *prefix, *vmm])
+
+    def vmm_pids() -> list[int]:
+        return [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == marker]
+
+    try:
+        deadline = time.monotonic() + 30
+        while not vmm_pids():
+            assert time.monotonic() < deadline, "the stand-in VMM never started"
+            time.sleep(0.05)
+        assert psutil.Process(vmm_pids()[0]).uids().real == 65534
+        spawner.kill()
+        spawner.wait(10)
+        deadline = time.monotonic() + (10 if holder else 3)
+        while vmm_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if holder:
+            assert vmm_pids() == [], "the VMM outlived the process that started it"
+        else:
+            assert vmm_pids(), "control: without the holder the uid switch keeps it alive"
+    finally:
+        spawner.kill()
+        for pid in vmm_pids():
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()

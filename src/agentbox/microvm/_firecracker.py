@@ -3,6 +3,7 @@
 Firecracker runs as::
 
     unshare --pid --fork --kill-child --mount-proc --net --ipc --uts --
+      unshare --fork --kill-child --        (pid 1: the holder)
       jailer --id <vm> --exec-file <firecracker> --uid U --gid U
              --chroot-base-dir <vm dir>/jail --cgroup-version 1|2 --parent-cgroup agentbox
              --cgroup pids.max=128 --cgroup memory.limit_in_bytes=N (v2: memory.max, swap 0)
@@ -10,9 +11,12 @@ Firecracker runs as::
         -- --config-file /config.json --no-api
 
 * ``unshare`` gives it empty network, ipc and uts namespaces and a pid
-  namespace in which the VMM is pid 1 (rather than the jailer's own
-  ``--new-pid-ns``, whose parent exits at once: here the VMM stays our child,
-  so liveness, waiting and killing its process group work as for QEMU).
+  namespace (rather than the jailer's own ``--new-pid-ns``, whose parent
+  exits at once: here the VMM stays our descendant, so liveness, waiting and
+  killing its process group work as for QEMU). Its pid 1 is a second
+  ``unshare`` that only forks and waits: it keeps the parent-death signal
+  (the jailer's uid switch clears the VMM's), so when agentbox dies, pid 1
+  dies and the kernel kills the whole namespace, Firecracker included.
   ``--mount-proc`` gives it a ``/proc`` of that pid namespace, so the jailer's
   own ``/proc/<its pid>`` lookups see itself, not the host's pid 1. No ``ip
   netns`` handle is needed, so nothing persists after the VM.
@@ -285,6 +289,10 @@ def chroot_dir(base: Path, firecracker: Path, vm_id: str) -> Path:
     return base / firecracker.name / vm_id / "root"
 
 
+#: pid 1 between the outer ``unshare`` and the jailer (see :func:`jailer_argv`).
+HOLDER = ("unshare", "--fork", "--kill-child", "--")
+
+
 def jailer_argv(
     jailer: Path,
     firecracker: Path,
@@ -303,6 +311,11 @@ def jailer_argv(
     argv = [
         "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc", "--uts",
         "--",
+        # pid 1 of the namespace: a holder that never changes credentials, so the
+        # parent-death signal the outer unshare gave it survives (the jailer's uid
+        # switch clears its own). If we die, it dies, and with pid 1 the kernel
+        # kills everything in the namespace: no Firecracker outlives agentbox.
+        *HOLDER,
         str(jailer), "--id", spec.id, "--exec-file", str(firecracker),
         "--uid", str(spec.uid), "--gid", str(spec.gid),
         "--chroot-base-dir", str(chroot_base),
