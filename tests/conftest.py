@@ -31,6 +31,10 @@ def _facility(marker: str) -> _host.Facility | None:
         return _host.qemu()
     if marker == "claude":
         return _host.claude_code(Settings().claude_binary)
+    if marker == "firecracker":
+        from agentbox.backends.firecracker import facility
+
+        return facility(Settings())
     return None
 
 
@@ -38,7 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     required = _required()
     missing: list[str] = []
     for item in items:
-        for marker in ("podman", "qemu", "claude"):
+        for marker in ("podman", "qemu", "claude", "firecracker"):
             if item.get_closest_marker(marker) is None:
                 continue
             fac = _facility(marker)
