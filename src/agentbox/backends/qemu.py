@@ -16,11 +16,12 @@ import math
 import os
 import secrets
 import shutil
+import stat
 import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Literal, Self
 
@@ -40,7 +41,13 @@ from agentbox.config import Settings
 from agentbox.errors import AgentboxError, GuestError, ImageError, SandboxError, UnsupportedError
 from agentbox.microvm._channel import Channel
 from agentbox.microvm._diskexport import export_disk
-from agentbox.microvm._disks import ensure_root_disk, make_data_disk
+from agentbox.microvm._disks import (
+    MAX_MOUNTS,
+    ensure_root_disk,
+    make_data_disk,
+    make_mount_disk,
+    mount_label,
+)
 from agentbox.microvm._export import write_tar
 from agentbox.microvm._guest import GuestSession, host_kernel
 from agentbox.microvm._initramfs import ensure_initramfs
@@ -56,6 +63,10 @@ __all__ = ["QemuBackend", "QemuSandbox", "kill_sandbox", "probe_kvm", "recover_s
 log = get_logger("backends.qemu")
 
 BOOT_TIMEOUT = 180.0
+#: Guest tmpfs mounts under which a mount target may be made at start.
+_GUEST_TMPFS = (PurePosixPath("/tmp"), PurePosixPath(HOME_IN_SANDBOX))
+#: Where /init binds the guest agent; a mount must neither hide it nor land in it.
+_AGENT_DIR = PurePosixPath("/opt/agentbox")
 _BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": HOME_IN_SANDBOX,
@@ -121,13 +132,69 @@ class QemuBackend:
         for tool in ("bwrap", "setpriv", "mkfs.ext4", "busybox"):
             if shutil.which(tool) is None:
                 raise UnsupportedError(f"{tool} not found", fix="scripts/setup.sh")
-        if spec.mounts:
-            raise UnsupportedError(
-                "declared mounts are not available in qemu sandboxes (no 9p/virtiofs here)",
-                fix="copy what the task needs into the workspace, or use the podman backend",
-            )
         if spec.workspace is not None and not spec.workspace.is_dir():
             raise SandboxError(f"workspace {spec.workspace} is not a directory", sandbox=spec.name)
+        if spec.mounts:
+            self._check_mounts(spec)
+
+    def _check_mounts(self, spec: SandboxSpec) -> None:
+        """Each declared mount: a host directory, shown read-only at a target the guest
+        can mount on (a directory in the image's read-only root, or under a tmpfs)."""
+        if len(spec.mounts) > MAX_MOUNTS:
+            raise UnsupportedError(
+                f"{len(spec.mounts)} declared mounts; a microVM takes at most {MAX_MOUNTS}",
+                fix="merge the mounted directories under fewer roots",
+            )
+        for m in spec.mounts:
+            if not m.read_only:
+                raise UnsupportedError(
+                    f"mount {m.target}: microVM mounts are read-only", fix="declare it read-only"
+                )
+            if not m.source.is_dir():
+                raise SandboxError(f"mount source {m.source} is not a directory", sandbox=spec.name)
+        targets = [PurePosixPath(m.target) for m in spec.mounts]
+        for i, t in enumerate(targets):
+            for j, other in enumerate(targets):
+                if i != j and (t == other or other in t.parents):
+                    raise UnsupportedError(
+                        f"mount target {t} is {'the same as' if t == other else 'inside'} "
+                        f"mount target {other}",
+                        fix="declare targets that do not nest in one another",
+                    )
+            if t == _AGENT_DIR or _AGENT_DIR in t.parents or t in _AGENT_DIR.parents:
+                raise UnsupportedError(
+                    f"mount target {t} would shadow or sit inside the guest agent ({_AGENT_DIR})",
+                    fix="mount it somewhere else, e.g. under /opt/<name> or /home/agent",
+                )
+            if PurePosixPath(WORKSPACE_IN_SANDBOX) in t.parents:
+                raise UnsupportedError(
+                    f"mount target {t} lies in the workspace, a disk of its own in a microVM",
+                    fix="mount it outside /workspace, e.g. under /home/agent",
+                )
+            if any(base in t.parents for base in _GUEST_TMPFS):
+                continue  # the guest agent makes it on the tmpfs before mounting
+            self._check_target_in_image(spec, self._root(spec)[0], t)
+
+    def _check_target_in_image(
+        self, spec: SandboxSpec, rootfs: Path, target: PurePosixPath
+    ) -> None:
+        # lstat each component: a symlink in the image would lead the guest's mount
+        # elsewhere (or out of the root, on this host's side of the check).
+        path = rootfs
+        for part in target.parts[1:]:
+            path = path / part
+            try:
+                mode = path.lstat().st_mode
+            except FileNotFoundError:
+                mode = None
+            if mode is None or not stat.S_ISDIR(mode):
+                what = "is missing" if mode is None else "is not a plain directory"
+                raise UnsupportedError(
+                    f"mount target {target}: /{path.relative_to(rootfs)} {what} in image "
+                    f"{spec.image}, whose root is read-only in a microVM",
+                    fix=f"use a target under {' or '.join(map(str, _GUEST_TMPFS))} (made at "
+                    f"start), or an image that has the directory {target}",
+                )
 
     def _root(self, spec: SandboxSpec) -> tuple[Path, str]:
         if self._rootfs is not None:
@@ -191,7 +258,13 @@ class QemuBackend:
         vm: Vm | None = None
         try:
             data = make_data_disk(spec.workspace, vm_dir / "data.img", uid=spec.uid)
-            cfg = dataclasses.replace(self.base_config(spec, vm_dir / "run", data), name=name)
+            mounts = tuple(
+                make_mount_disk(m.source, vm_dir / f"m{i}.img", index=i, uid=spec.uid)
+                for i, m in enumerate(spec.mounts)
+            )
+            cfg = dataclasses.replace(
+                self.base_config(spec, vm_dir / "run", data), name=name, mount_disks=mounts
+            )
             fd: int | None = None
             if not self.cold:
                 state = ensure_snapshot(
@@ -406,6 +479,7 @@ class QemuSandbox:
         session.hello(
             uid=self.spec.uid, mount_data=True, gateway=gw, timeout=BOOT_TIMEOUT,
             pids=res.pids, nofile=res.nofile,
+            mounts=[(mount_label(i), m.target) for i, m in enumerate(self.spec.mounts)],
         )  # fmt: skip
         self.boot_seconds = time.monotonic() - t0
         # The deadline is the workload's: it starts once the guest is ready.

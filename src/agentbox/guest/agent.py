@@ -16,7 +16,8 @@ Wire format (both directions), on the virtio-serial port ``agentbox.0``::
 
 Host ids (exec, put, get) are even; gateway stream ids chosen by the guest are
 odd. The session: the guest says ``ready`` (kernel release, boot id), the host
-sends ``hello`` (per-run token, clock, RNG seed, whether to mount ``/data``),
+sends ``hello`` (per-run token, clock, RNG seed, whether to mount ``/data``,
+the declared read-only mounts as ``[{label, target}]``),
 and from then on asks ``check`` (a nonce, answered with HMAC(token, nonce),
 the kernel release and boot id) before every command.
 """
@@ -59,6 +60,7 @@ MAX_CTRL = 64 * 1024
 PORT_NAME = "agentbox.0"
 GATEWAY_PORT = 8080
 DATA_LABEL = "agentbox-data"
+MOUNT_LABEL_PREFIX = "agentbox-m"
 WORKSPACE = "/workspace"
 SIGKILL, SIGPIPE, SIGXFSZ = 9, 13, 25
 #: Largest signal number a host may ask the agent to send.
@@ -455,6 +457,7 @@ class Agent:
         _reseed(bytes.fromhex(msg.get("seed", "")), msg.get("time"))
         if msg.get("mount_data"):
             self.mount_data()
+        self.mount_readonly(msg.get("mounts") or [])
         if msg.get("gateway"):
             self.start_gateway()
         self.ctrl({"op": "hello_ok", **_kernel_facts()})
@@ -489,6 +492,29 @@ class Agent:
                     except OSError:
                         pass
             os.lchown(WORKSPACE, self.uid, self.uid)
+
+    def mount_readonly(self, mounts: list) -> None:  # type: ignore[type-arg]
+        # Declared mounts, before any command runs: each is a disk QEMU attached
+        # read-only, found by its label. No workload has run yet, so nothing in
+        # /tmp or /home/agent can be a planted link on the way to a target.
+        for m in mounts:
+            label, target = str(m["label"]), str(m["target"])
+            if not label.startswith(MOUNT_LABEL_PREFIX) or not target.startswith("/"):
+                raise ProtocolError(f"bad mount {label!r} on {target!r}")
+            dev = _find_label(label)
+            if dev is None:
+                raise OSError(f"no disk labelled {label}")
+            with open(dev, "rb") as f:
+                # A restored snapshot's template cached its placeholder: drop that,
+                # then make sure the label is still there on the real disk.
+                fcntl.ioctl(f, 0x1261)  # BLKFLSBUF
+            if _find_label(label) != dev:
+                raise OSError(f"{dev} lost its label {label} after the flush")
+            # A target under a tmpfs (/tmp, /home/agent) is made here; the host
+            # checked that any other target is a directory in the image.
+            os.makedirs(target, 0o755, exist_ok=True)
+            # MS_RDONLY | MS_NOSUID | MS_NODEV; noload: never replay a journal.
+            _mount(dev, target, "ext4", 0x1 | 0x2 | 0x4, "noload")
 
     def op_check(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
         assert self.token is not None

@@ -1,9 +1,16 @@
-"""Disk images: the read-only root from an image's root directory, and ``/data``.
+"""Disk images: the read-only root from an image's root directory, ``/data``, and mounts.
 
-Both are ext4 made in userspace with ``mkfs.ext4 -d`` (no loop mount, no
+All are ext4 made in userspace with ``mkfs.ext4 -d`` (no loop mount, no
 privileges). The root disk is cached by the image's content hash. ``/data``
 is always :data:`DATA_DISK_BYTES` (sparse), so a snapshot's guest, which saw
 the placeholder's size at boot, sees the same size on every fresh disk.
+
+A declared (read-only) mount becomes its own disk, labelled ``agentbox-m<i>``:
+a filtered copy of the source directory (regular files, directories and
+symlinks only; no device, FIFO or socket; setuid/setgid bits dropped; all owned
+by the sandbox uid) in an ext4 of its natural size, padded (sparse) to
+:data:`MOUNT_DISK_BYTES` so that, like ``/data``, every mount disk has the size
+a snapshot's placeholder had.
 """
 
 from __future__ import annotations
@@ -11,14 +18,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
+import stat
 from pathlib import Path
 
 from agentbox import _proc
 from agentbox.config import Settings
-from agentbox.errors import ImageError
+from agentbox.errors import ImageError, SandboxError
 from agentbox.microvm._initramfs import ROOT_LABEL
 
-__all__ = ["DATA_DISK_BYTES", "DATA_LABEL", "ensure_root_disk", "make_data_disk", "prune_cache"]
+__all__ = [
+    "DATA_DISK_BYTES", "DATA_LABEL", "MAX_MOUNTS", "MOUNT_DISK_BYTES", "ensure_root_disk",
+    "make_data_disk", "make_mount_disk", "mount_label", "prune_cache",
+]  # fmt: skip
 
 DATA_LABEL = "agentbox-data"
 #: Size of every ``/data`` disk (sparse: only what is written takes space).
@@ -26,6 +38,10 @@ DATA_DISK_BYTES = 8 * 1024**3
 #: Mount points the guest's /init and agent need in the read-only root.
 _MOUNT_POINTS = ("workspace", "opt", "opt/agentbox", "opt/agentbox/vm", "home", "home/agent",
                  "tmp", "run", "proc", "sys", "dev")  # fmt: skip
+#: Size every declared-mount disk is padded to (sparse); also the largest mount's ext4.
+MOUNT_DISK_BYTES = 64 * 1024**3
+#: Declared mounts a microVM takes (each is one virtio-blk device).
+MAX_MOUNTS = 8
 #: Root disks kept in the cache (one per recently used image).
 KEEP_ROOT_DISKS = 3
 #: Bumped when the disk layout (mount points, mkfs options) changes: old disks are not reused.
@@ -105,3 +121,88 @@ def make_data_disk(workspace: Path | None, out: Path, *, uid: int = 0) -> Path:
     out.unlink(missing_ok=True)
     _proc.run(argv, timeout=900)
     return out
+
+
+def mount_label(index: int) -> str:
+    """The ext4 label of the ``index``-th declared mount's disk (≤ 16 bytes)."""
+    return f"agentbox-m{index}"
+
+
+def make_mount_disk(source: Path | None, out: Path, *, index: int, uid: int) -> Path:
+    """A read-only mount's disk at ``out`` from ``source`` (``None``: an empty placeholder).
+
+    ``source`` is copied first into a staging dir next to ``out`` without
+    following any link, keeping only directories, regular files and symlinks
+    (devices, FIFOs and sockets of the host must not reach the guest), with
+    setuid/setgid/sticky bits dropped and everything owned by ``uid``, the
+    sandbox uid: the guest sees what a workspace copy would show, and nothing
+    in it can raise privileges even if ``nosuid``/``nodev`` were lost.
+    """
+    staging = out.with_name(out.name + ".src")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(mode=0o755)
+    try:
+        count = 1
+        if source is not None:
+            count += _copy_tree(source, staging, uid)
+        os.chown(staging, uid, uid)
+        size_mib = (_tree_bytes(staging) * 5 // 4) // 1024**2 + 8 + count // 256
+        if size_mib * 1024**2 > MOUNT_DISK_BYTES:
+            raise SandboxError(
+                f"declared mount {source} needs {size_mib} MiB; microVM mounts hold at most "
+                f"{MOUNT_DISK_BYTES // 1024**2} MiB"
+            )
+        out.unlink(missing_ok=True)
+        _proc.run(
+            ["mkfs.ext4", "-q", "-F", "-L", mount_label(index), "-O", "^has_journal", "-m", "0",
+             "-N", str(count + 64), "-E", f"root_owner={uid}:{uid}", "-d", staging, out,
+             f"{size_mib}M"],
+            timeout=900,
+        )  # fmt: skip
+        os.truncate(out, MOUNT_DISK_BYTES)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _copy_tree(src: Path, dst: Path, uid: int) -> int:
+    """Copy ``src``'s entries into the existing ``dst`` (see :func:`make_mount_disk`).
+
+    Returns the number of entries copied.
+    """
+    count = 0
+    try:
+        entries = sorted(os.scandir(src), key=lambda e: e.name)
+    except OSError as exc:
+        raise SandboxError(f"cannot read declared mount source {src}: {exc}") from exc
+    for entry in entries:
+        s, d = Path(entry.path), dst / entry.name
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                d.mkdir()
+                count += _copy_tree(s, d, uid)
+            elif stat.S_ISREG(st.st_mode):
+                _copy_file(s, d)
+            elif stat.S_ISLNK(st.st_mode):
+                d.symlink_to(s.readlink())
+            else:
+                continue  # device, FIFO, socket: never carried into a guest
+            os.lchown(d, uid, uid)
+            if not stat.S_ISLNK(st.st_mode):
+                d.chmod(stat.S_IMODE(st.st_mode) & 0o777)
+            os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+        except OSError as exc:
+            raise SandboxError(f"cannot copy {s} for a declared mount: {exc}") from exc
+        count += 1
+    return count
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    # O_NOFOLLOW: a file swapped for a link after the scan is refused, not followed.
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fin:
+        if not stat.S_ISREG(os.fstat(fin.fileno()).st_mode):
+            raise OSError(f"{src} is no longer a regular file")
+        with dst.open("xb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)

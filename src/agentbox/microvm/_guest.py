@@ -123,13 +123,19 @@ class GuestSession:
         timeout: float,
         pids: int | None = None,
         nofile: int | None = None,
+        mounts: Sequence[tuple[str, str]] = (),
     ) -> None:
-        """Greet the agent: token, clock, RNG seed, limits, mount /data, start the relay."""
+        """Greet the agent: token, clock, RNG seed, limits, mount /data, start the relay.
+
+        ``mounts`` are (disk label, target) pairs the agent mounts read-only
+        (``ro,nosuid,nodev``) before it answers, so before any command runs.
+        """
         self.gateway_socket = gateway
         self.channel.send_ctrl({
             "op": "hello", "token": self.token, "uid": uid, "time": time.time(),
             "seed": secrets.token_hex(64), "mount_data": mount_data,
             "gateway": gateway is not None, "pids": pids, "nofile": nofile,
+            "mounts": [{"label": label, "target": target} for label, target in mounts],
         })  # fmt: skip
         self._verify(self.channel.wait(0, {"hello_ok"}, timeout), nonce=None)
 

@@ -8,6 +8,13 @@ file in the cache (QEMU 7.2 has no ``file:`` URI, and ``exec:`` would need the
 with a fresh ``/data`` disk bound at the same jail path, ``-S -incoming fd:N``
 on the opened state file, wait for the load, ``cont``; only then does the host
 write to the guest (hello: new token, clock, RNG reseed, mount ``/data``).
+
+Declared read-only mounts take the snapshot path too: a restored VM must have
+its template's device set, so there is one template per number of mounts
+(part of the key), booted with that many placeholder mount disks of the fixed
+:data:`~agentbox.microvm._disks.MOUNT_DISK_BYTES` and the same labels. Its
+guest never mounts them; after restore the agent drops what the template
+cached of each (``BLKFLSBUF``) and checks the label again before mounting.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from pathlib import Path
 from agentbox._log import get_logger
 from agentbox.errors import SandboxError
 from agentbox.microvm._channel import Channel
-from agentbox.microvm._disks import make_data_disk, prune_cache
+from agentbox.microvm._disks import MOUNT_DISK_BYTES, make_data_disk, make_mount_disk, prune_cache
 from agentbox.microvm._guest import GuestSession, host_kernel
 from agentbox.microvm._qmp import wait_loaded, wait_migration
 from agentbox.microvm._vm import TCG_CPU, Vm, VmConfig
@@ -39,9 +46,12 @@ KEEP_SNAPSHOTS = 4
 
 
 def snapshot_key(cfg: VmConfig, qemu_version: str) -> str:
-    """What a snapshot depends on: kernel, initramfs, root disk, VM shape, accel, QEMU."""
+    """What a snapshot depends on: kernel, initramfs, root disk, VM shape (with the
+    number and size of read-only mount disks), accel, QEMU."""
     parts = [cfg.kernel.release, cfg.initramfs.name, cfg.root_disk.name, str(cfg.memory_mib),
              str(cfg.cpus), cfg.accel, TCG_CPU, qemu_version]  # fmt: skip
+    if cfg.mount_disks:  # keys of mount-less snapshots stay what they were
+        parts += [f"mounts={len(cfg.mount_disks)}x{MOUNT_DISK_BYTES}"]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
@@ -68,6 +78,8 @@ def _save(cfg: VmConfig, out: Path) -> None:
     tmpl = dataclasses.replace(
         cfg, name=f"tmpl-{work.name[6:]}"[:60], run_dir=work / "run",
         data_disk=make_data_disk(None, work / "data.img"), incoming_fd=None, marker=False,
+        mount_disks=tuple(make_mount_disk(None, work / f"m{i}.img", index=i, uid=0)
+                          for i in range(len(cfg.mount_disks))),
     )  # fmt: skip
     vm = Vm(tmpl)
     tmp = out.with_suffix(f".tmp{os.getpid()}")

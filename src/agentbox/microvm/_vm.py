@@ -3,6 +3,9 @@
 The command line is the same for a cold boot and a snapshot restore (paths
 inside the jail are fixed under ``/vm``), which is what lets a restore swap in
 a fresh ``/data`` disk: only the host file bound at ``/vm/data.img`` differs.
+Declared read-only mounts are disks too, bound at ``/vm/m<i>.img`` and
+attached ``readonly=on`` (the guest sees a read-only block device: not even
+its root can write to it or mount it read-write).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class VmConfig:
     root_disk: Path
     data_disk: Path | None
     run_dir: Path
+    #: One read-only disk per declared mount, in the order of the spec's mounts.
+    mount_disks: tuple[Path, ...] = ()
     memory_mib: int = 512
     cpus: int = 1
     accel: str = "tcg"
@@ -109,6 +114,12 @@ def qemu_argv(cfg: VmConfig, *, in_jail: bool = True) -> list[str]:
                       "cache=writeback,discard=unmap",
             "-device", "virtio-blk-device,drive=data",
         ]  # fmt: skip
+    for i, disk in enumerate(cfg.mount_disks):
+        argv += [
+            "-drive", f"id=m{i},file={p(disk, f'/vm/m{i}.img')},format=raw,if=none,"
+                      "readonly=on,cache=unsafe",
+            "-device", f"virtio-blk-device,drive=m{i}",
+        ]  # fmt: skip
     run = p(cfg.run_dir, "/vm/run")
     argv += [
         "-device", "virtio-serial-device,max_ports=2",
@@ -148,6 +159,7 @@ class Vm:
         c = self.cfg
         ro = [(c.kernel.vmlinux, "/vm/vmlinux"), (c.initramfs, "/vm/initramfs"),
               (c.root_disk, "/vm/root.img")]  # fmt: skip
+        ro += [(disk, f"/vm/m{i}.img") for i, disk in enumerate(c.mount_disks)]
         rw = [(c.run_dir, "/vm/run")]
         if c.data_disk is not None:
             rw.append((c.data_disk, "/vm/data.img"))
@@ -163,6 +175,9 @@ class Vm:
         if c.data_disk is not None:
             os.chown(c.data_disk, c.uid, c.gid)
             c.data_disk.chmod(0o600)
+        for disk in c.mount_disks:  # the VMM's uid (strict: not ours) must read them
+            os.chown(disk, c.uid, c.gid)
+            disk.chmod(0o400)
         argv = qemu_argv(c, in_jail=c.jail)
         if c.jail:
             argv = jail_argv(self.jail_spec(), argv)
