@@ -20,6 +20,7 @@ import fcntl
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from agentbox import _proc
@@ -165,44 +166,85 @@ def make_mount_disk(source: Path | None, out: Path, *, index: int, uid: int) -> 
     return out
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _copy_tree(src: Path, dst: Path, uid: int) -> int:
     """Copy ``src``'s entries into the existing ``dst`` (see :func:`make_mount_disk`).
 
-    Returns the number of entries copied.
+    Walks by directory file descriptors, never by path: a directory swapped for
+    a link during the copy is refused (``O_NOFOLLOW``), not followed out of the
+    source. Iterative, so depth is bounded by ``PATH_MAX``, not the recursion
+    limit; open descriptors are bounded by the depth. Returns the number of
+    entries copied.
     """
-    count = 0
     try:
-        entries = sorted(os.scandir(src), key=lambda e: e.name)
+        top = os.open(src, _DIR_FLAGS)
     except OSError as exc:
         raise SandboxError(f"cannot read declared mount source {src}: {exc}") from exc
-    for entry in entries:
-        s, d = Path(entry.path), dst / entry.name
+    stack: list[tuple[int, Path, Iterator[str]]] = []
+    dirs: list[tuple[Path, os.stat_result]] = []
+
+    def enter(fd: int, dest: Path) -> None:
         try:
-            st = entry.stat(follow_symlinks=False)
+            with os.scandir(fd) as it:
+                names = sorted(e.name for e in it)
+        except OSError:
+            os.close(fd)
+            raise
+        stack.append((fd, dest, iter(names)))
+
+    count = 0
+    where = src
+    try:
+        enter(top, dst)
+        while stack:
+            fd, dest, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                os.close(fd)
+                continue
+            where, d = dest / name, dest / name
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 d.mkdir()
-                count += _copy_tree(s, d, uid)
-            elif stat.S_ISREG(st.st_mode):
-                _copy_file(s, d)
+                dirs.append((d, st))  # owner, mode, times once its entries are in
+                enter(os.open(name, _DIR_FLAGS, dir_fd=fd), d)
+                count += 1
+                continue
+            if stat.S_ISREG(st.st_mode):
+                _copy_file(fd, name, d)
             elif stat.S_ISLNK(st.st_mode):
-                d.symlink_to(s.readlink())
+                d.symlink_to(os.readlink(name, dir_fd=fd))
             else:
                 continue  # device, FIFO, socket: never carried into a guest
-            os.lchown(d, uid, uid)
-            if not stat.S_ISLNK(st.st_mode):
-                d.chmod(stat.S_IMODE(st.st_mode) & 0o777)
-            os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
-        except OSError as exc:
-            raise SandboxError(f"cannot copy {s} for a declared mount: {exc}") from exc
-        count += 1
+            _set_meta(d, st, uid)
+            count += 1
+        for d, st in reversed(dirs):
+            _set_meta(d, st, uid)
+    except OSError as exc:
+        raise SandboxError(f"cannot copy {where} for a declared mount: {exc}") from exc
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
     return count
 
 
-def _copy_file(src: Path, dst: Path) -> None:
-    # O_NOFOLLOW: a file swapped for a link after the scan is refused, not followed.
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _set_meta(path: Path, st: os.stat_result, uid: int) -> None:
+    os.lchown(path, uid, uid)
+    if not stat.S_ISLNK(st.st_mode):
+        path.chmod(stat.S_IMODE(st.st_mode) & 0o777)  # no setuid, setgid or sticky bit
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _copy_file(dir_fd: int, name: str, dst: Path) -> None:
+    # O_NOFOLLOW: a file swapped for a link after the scan is refused, not followed;
+    # O_NONBLOCK: one swapped for a FIFO cannot hang the open.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(name, flags, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as fin:
         if not stat.S_ISREG(os.fstat(fin.fileno()).st_mode):
-            raise OSError(f"{src} is no longer a regular file")
+            raise OSError(f"{name} is no longer a regular file")
         with dst.open("xb") as fout:
             shutil.copyfileobj(fin, fout, 1 << 20)
