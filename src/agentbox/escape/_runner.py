@@ -36,6 +36,9 @@ from agentbox.escape._fixtures import RO_TARGET, Fixture
 from agentbox.escape._model import Outcome, ProbeSpec, Status
 from agentbox.escape._registry import PROBES
 
+#: Where a microVM gets the suite's declared mount (its root is read-only).
+VM_RO_TARGET = "/home/agent/declared"
+
 __all__ = [
     "FORKBOMB_TARGET",
     "LATENCY_LIMIT",
@@ -436,13 +439,21 @@ def run_real(
     spec = real_spec(fx, settings, image, runtime, isolation)
     try:
         backend.check(spec)
-    except UnsupportedError as exc:
-        # A backend without host directory sharing (qemu: disks only) gets no declared
-        # mount; the read-only-mount probes then say n/a, explicitly.
+    except (UnsupportedError, SandboxError) as exc:
         if "mount" not in str(exc):
             raise
-        spec = spec.replace(mounts=())
-        backend.check(spec)
+        # A microVM's root is a read-only disk: /opt/declared does not exist there, so
+        # qemu gets its declared mount on the guest's tmpfs $HOME instead.
+        spec = spec.replace(mounts=(BindMount(fx.ro_dir, VM_RO_TARGET, read_only=True),))
+        try:
+            backend.check(spec)
+        except UnsupportedError as exc2:
+            # A backend without declared mounts (firecracker) gets none; the
+            # read-only-mount probes then say n/a, explicitly.
+            if "mount" not in str(exc2):
+                raise
+            spec = spec.replace(mounts=())
+            backend.check(spec)
     facts: dict[str, object] = {"sandbox": spec.name, "fixture_root": str(fx.root)}
     vm = backend.name != "podman"
     view = HostView(
@@ -457,6 +468,9 @@ def run_real(
     cfg = fx.probe_config(uid=spec.uid, pids_max=spec.resources.pids, runtime=runtime)
     if not spec.mounts:
         cfg["ro_mount"] = None
+    elif spec.mounts[0].target != RO_TARGET:
+        cfg["ro_mount"] = spec.mounts[0].target
+        cfg["allowed_mounts"] = [*cfg["allowed_mounts"], spec.mounts[0].target]  # type: ignore[misc]
     # 1. The agent's own path: the probe is the sandbox's main command (backend.run), exactly
     #    as the launcher runs claude. These are the inside results that count.
     t0 = time.monotonic()
