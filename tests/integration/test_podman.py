@@ -262,3 +262,40 @@ def test_posture_sees_a_deliberately_weakened_sandbox(
         ("host", "CapBnd (every thread)"),
         ("host", "CapAdd"),
     } <= failed, failed
+
+
+# --- limits ------------------------------------------------------------------------------------
+
+
+def test_busy_sandboxes_do_not_share_one_process_budget(
+    sandbox_settings: Settings, default_image: str
+) -> None:
+    """Two sandboxes each using most of their pids limit both get it.
+
+    Every sandbox runs as the same host uid (subid_base + 64000), and
+    ``--ulimit nproc`` equals the pids limit. That would starve a second busy
+    sandbox if RLIMIT_NPROC were counted per host uid, as before Linux 5.14;
+    since then it is counted per user namespace (ucounts), and each podman
+    sandbox has its own. This fails on a host where that no longer holds.
+    """
+    pids = 64
+    spec = spec_from_boxfile(Boxfile(), sandbox_settings)
+    spec = spec.replace(resources=spec.resources.model_copy(update={"pids": pids}))
+    be = PodmanBackend(sandbox_settings)
+    start = (
+        "for i in $(seq 40); do sleep 300 & done 2>/dev/null;"
+        " sleep 0.5; echo $(ls /proc | grep -c '^[0-9]')"
+    )
+    counts = []
+    a = be.create(spec.replace(name=spec.name + "-a"))
+    try:
+        b = be.create(spec.replace(name=spec.name + "-b"))
+        try:
+            for box in (a, b):  # 40 each: 80 in all, more than one sandbox's limit of 64
+                res = box.exec(["sh", "-c", start], timeout=60)
+                counts.append(int(res.stdout.split()[-1]) if res.stdout.split() else 0)
+        finally:
+            b.destroy()
+    finally:
+        a.destroy()
+    assert min(counts) >= 40, f"processes per sandbox {counts}: one budget shared?"
