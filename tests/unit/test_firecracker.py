@@ -91,7 +91,9 @@ SCHEMA = _obj({
 })  # fmt: skip
 
 
-def _spec(tmp_path: Path, *, data: bool = True, vcpus: int = 2, uid: int = 165537) -> FcSpec:
+def _spec(
+    tmp_path: Path, *, data: bool = True, vcpus: int = 2, uid: int = 165537, mounts: int = 0
+) -> FcSpec:
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
     for name in ("vmlinux", "initramfs.cpio", "root.img"):
@@ -102,16 +104,23 @@ def _spec(tmp_path: Path, *, data: bool = True, vcpus: int = 2, uid: int = 16553
         disk = tmp_path / "vm" / "data.img"
         disk.parent.mkdir(exist_ok=True)
         disk.write_bytes(b"\0" * 4096)
+    mount_disks = []
+    for i in range(mounts):
+        m = tmp_path / "vm" / f"m{i}.img"
+        m.parent.mkdir(exist_ok=True)
+        m.write_bytes(b"\1" * 4096)
+        mount_disks.append(m)
     return FcSpec(
         id="task-1-abc123", kernel=src / "vmlinux", initramfs=src / "initramfs.cpio",
         root_disk=src / "root.img", data_disk=disk, vcpus=vcpus, memory_mib=1024,
-        uid=uid, gid=uid,
+        uid=uid, gid=uid, mount_disks=tuple(mount_disks),
     )  # fmt: skip
 
 
 # -- config
-def test_config_matches_the_documented_schema(tmp_path: Path) -> None:
-    cfg = vm_config(_spec(tmp_path))
+@pytest.mark.parametrize("mounts", [0, 2])
+def test_config_matches_the_documented_schema(tmp_path: Path, mounts: int) -> None:
+    cfg = vm_config(_spec(tmp_path, mounts=mounts))
     jsonschema.validate(cfg, SCHEMA)
     json.dumps(cfg)  # what --config-file gets
 
@@ -370,15 +379,42 @@ def test_a_recent_binary_still_needs_a_kvm_that_boots_the_guest(tmp_path: Path) 
     assert not fac.ok and "v1.10.1" in fac.detail and "KVM" in fac.detail
 
 
-def test_declared_mounts_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_declared_mounts_are_checked_as_in_qemu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from agentbox import _host
     from agentbox.backends import firecracker as mod
 
+    if os.geteuid() != 0:
+        pytest.skip("the jailer must run as root: check() refuses first")
     settings = _settings(_install(tmp_path, "1.10.1"))
     monkeypatch.setattr(mod, "probe_kvm", lambda s: _host.Facility("kvm", True, "test"))
-    spec = SandboxSpec(name="fc", image="default", mounts=(BindMount(tmp_path, "/opt/x"),))
-    with pytest.raises(UnsupportedError, match="declared mounts"):
-        FirecrackerBackend(settings).check(spec)
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "srv").mkdir(parents=True)
+    backend = FirecrackerBackend(settings, rootfs=(rootfs, "hash"))
+    src = tmp_path / "tools"
+    src.mkdir()
+    for target in ("/srv", "/home/agent/tools"):  # in the image; on the guest's tmpfs
+        backend.check(SandboxSpec(name="fc", image="x", mounts=(BindMount(src, target),)))
+    spec = SandboxSpec(name="fc", image="x", mounts=(BindMount(src, "/opt/x"),))
+    with pytest.raises(UnsupportedError, match="mount target /opt/x"):
+        backend.check(spec)
+
+
+def test_mount_disks_are_read_only_drives_and_root_owned_in_the_jail(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, mounts=2)
+    drives = {d["drive_id"]: d for d in vm_config(spec)["drives"]}
+    for i in range(2):
+        assert drives[f"m{i}"]["path_on_host"] == f"/m{i}.img"
+        assert drives[f"m{i}"]["is_read_only"] is True
+        assert drives[f"m{i}"]["is_root_device"] is False
+    chroot = chroot_dir(tmp_path / "jail", Path("/opt/firecracker"), spec.id)
+    placed = place_files(chroot, spec)
+    assert set(placed) == set(JAIL_FILES) | {"m0.img", "m1.img"}
+    for i in range(2):
+        st = (chroot / f"m{i}.img").stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o444)
+        assert (chroot / f"m{i}.img").read_bytes() == spec.mount_disks[i].read_bytes()
 
 
 def test_the_vmm_never_runs_as_root() -> None:

@@ -47,7 +47,7 @@ from agentbox.backends.qemu import QemuBackend, QemuSandbox, vmm_uid
 from agentbox.config import Settings
 from agentbox.errors import SandboxError, UnsupportedError
 from agentbox.guest.agent import VSOCK_PORT
-from agentbox.microvm._disks import make_data_disk
+from agentbox.microvm._disks import make_data_disk, make_mount_disk
 from agentbox.microvm._firecracker import (
     VSOCK_UDS,
     FcSpec,
@@ -169,7 +169,7 @@ class FirecrackerVm(Vm):
         return FcSpec(
             id=c.name, kernel=c.kernel.vmlinux, initramfs=c.initramfs, root_disk=c.root_disk,
             data_disk=c.data_disk, vcpus=c.cpus, memory_mib=c.memory_mib, uid=c.uid, gid=c.gid,
-            cmdline_extra=c.cmdline_extra,
+            cmdline_extra=c.cmdline_extra, mount_disks=c.mount_disks,
         )  # fmt: skip
 
     def argv(self) -> list[str]:
@@ -270,11 +270,7 @@ class FirecrackerBackend(QemuBackend):
             if shutil.which(tool) is None:
                 raise UnsupportedError(f"{tool} not found", fix="scripts/setup.sh")
         if spec.mounts:
-            raise UnsupportedError(
-                "declared mounts are not available in firecracker sandboxes "
-                "(Firecracker shares no host directory; only disks)",
-                fix="copy what the task needs into the workspace, or use the podman backend",
-            )
+            self._check_mounts(spec)  # read-only disks, as in the qemu backend
         if spec.workspace is not None and not spec.workspace.is_dir():
             raise SandboxError(f"workspace {spec.workspace} is not a directory", sandbox=spec.name)
 
@@ -301,7 +297,13 @@ class FirecrackerBackend(QemuBackend):
         vm: FirecrackerVm | None = None
         try:
             data = make_data_disk(spec.workspace, vm_dir / "data.img", uid=spec.uid)
-            cfg = dataclasses.replace(self.base_config(spec, vm_dir / "run", data), name=name)
+            mounts = tuple(
+                make_mount_disk(m.source, vm_dir / f"m{i}.img", index=i, uid=spec.uid)
+                for i, m in enumerate(spec.mounts)
+            )
+            cfg = dataclasses.replace(
+                self.base_config(spec, vm_dir / "run", data), name=name, mount_disks=mounts
+            )
             vm = FirecrackerVm(cfg, firecracker=fc, jailer=jailer, vm_dir=vm_dir)
             vm.start()
             sandbox = FirecrackerSandbox(self, spec, vm, vm_dir, restored=False)

@@ -127,6 +127,8 @@ class FcSpec:
     gid: int
     cmdline_extra: tuple[str, ...] = ()
     """Extra kernel arguments (the qemu backend's, e.g. ``agentbox_data=1`` for a cold boot)."""
+    mount_disks: tuple[Path, ...] = ()
+    """One read-only disk per declared mount (``m<i>.img`` in the jail), in spec order."""
 
 
 # -- versions
@@ -251,6 +253,9 @@ def vm_config(spec: FcSpec) -> dict[str, Any]:
         # there when the host reads the disk of a VM that was killed.
         drives.append({"drive_id": "data", "path_on_host": "/data.img", "is_root_device": False,
                        "is_read_only": False, "cache_type": "Writeback"})  # fmt: skip
+    for i in range(len(spec.mount_disks)):
+        drives.append({"drive_id": f"m{i}", "path_on_host": f"/m{i}.img", "is_root_device": False,
+                       "is_read_only": True, "cache_type": "Unsafe"})  # fmt: skip
     return {
         "boot-source": {
             "kernel_image_path": "/vmlinux",
@@ -342,7 +347,8 @@ def place_files(chroot: Path, spec: FcSpec) -> dict[str, Path]:
 
     Shared read-only files (kernel, initramfs, root disk) are hard links (or
     copies) left root-owned and never re-owned, so the VMM can read them but
-    not change the cached originals every VM shares; the ``/data`` disk and the
+    not change the cached originals every VM shares; declared mounts' disks
+    (``m<i>.img``) are root-owned and read-only too; the ``/data`` disk and the
     log and metrics files belong to the VMM's uid. Nothing else is added.
     """
     if chroot.exists():
@@ -356,6 +362,14 @@ def place_files(chroot: Path, spec: FcSpec) -> dict[str, Path]:
             raise AgentboxError(f"{src} must be root-owned and not group/world-writable")
         _link_or_copy(src, chroot / name)
         placed[name] = src
+    for i, disk in enumerate(spec.mount_disks):
+        # This sandbox's own copy of a declared mount: root-owned and read-only, so
+        # the VMM (opening it read-only) can neither write it nor chmod it writable.
+        name = f"m{i}.img"
+        _link_or_copy(disk, chroot / name)
+        os.chown(chroot / name, 0, 0)
+        (chroot / name).chmod(0o444)
+        placed[name] = disk
     if spec.data_disk is not None:
         _link_or_copy(spec.data_disk, chroot / "data.img")
         os.chown(chroot / "data.img", spec.uid, spec.gid)
