@@ -61,6 +61,25 @@ def wait_usage(path: Path, done: Any, timeout: float = 10.0) -> Usage:
         time.sleep(0.01)
 
 
+_GREET_TURNS = """\
+main: tools
+side_reply: "Add greet"
+turns:
+  - text: "Adding greet()."
+    tool_use:
+      - name: Write
+        input:
+          file_path: "{{cwd}}/greet.py"
+          content: "def greet(name):\\n    return f'hello {name}'\\n"
+  - text: "Added greet() in greet.py."
+"""
+
+
+def greet_script(name: str) -> str:
+    """A replay script (YAML text) whose agent writes greet.py with one Write call."""
+    return f"name: {name}\n" + _GREET_TURNS
+
+
 def write_script(directory: Path, script: dict[str, Any], name: str = "script.yaml") -> Path:
     """Write ``script`` as YAML into ``directory`` and return its path."""
     path = directory / name

@@ -29,6 +29,7 @@ import pytest
 
 from agentbox.config import Settings
 from agentbox.mcp import claude_add_command, token_path
+from gateway_helpers import greet_script
 from net_helpers import free_port, wait_port
 
 pytestmark = [
@@ -39,20 +40,6 @@ pytestmark = [
 
 MCP_UID = 64123
 AGENTBOX = (sys.executable, "-m", "agentbox")
-
-SANDBOX_SCRIPT = """\
-name: inner
-main: tools
-side_reply: "Add greet"
-turns:
-  - text: "Adding greet()."
-    tool_use:
-      - name: Write
-        input:
-          file_path: "{{cwd}}/greet.py"
-          content: "def greet(name):\\n    return f'hello {name}'\\n"
-  - text: "Added greet() in greet.py."
-"""
 
 
 def host_script(repo: Path) -> str:
@@ -115,7 +102,7 @@ def world() -> Iterator[dict[str, object]]:
     repos = base / "repos"
     repos.mkdir()
     os.chown(repos, MCP_UID, MCP_UID)
-    (base / "inner.yaml").write_text(SANDBOX_SCRIPT)
+    (base / "inner.yaml").write_text(greet_script("inner"))
     (base / "models.toml").write_text('[models.inner]\nkind = "replay"\nupstream = "inner.yaml"\n')
     env = {
         "PATH": os.environ["PATH"],

@@ -32,6 +32,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 
 from agentbox.launcher.api import NO_CHANGES
 from agentbox.mcp import process_posture, token_path
+from gateway_helpers import greet_script
 from net_helpers import free_port, wait_port
 
 pytestmark = [
@@ -44,19 +45,6 @@ MCP_UID = 64123
 _AGENTBOX = (sys.executable, "-m", "agentbox")
 _PENDING = ("--max-pending", "2")
 
-QUICK = """\
-name: quick
-main: tools
-side_reply: "Add greet"
-turns:
-  - text: "Adding greet()."
-    tool_use:
-      - name: Write
-        input:
-          file_path: "{{cwd}}/greet.py"
-          content: "def greet(name):\\n    return f'hello {name}'\\n"
-  - text: "Added greet() in greet.py."
-"""
 
 STILL = """\
 name: still
@@ -162,7 +150,7 @@ def _make_stack(base: Path) -> Stack:
     repos.mkdir()
     os.chown(repos, MCP_UID, MCP_UID)
     data = base / "data"
-    (base / "quick.yaml").write_text(QUICK)
+    (base / "quick.yaml").write_text(greet_script("quick"))
     (base / "slow.yaml").write_text(SLOW)
     (base / "still.yaml").write_text(STILL)
     (base / "models.toml").write_text(
