@@ -30,6 +30,7 @@ import pytest
 from agentbox.config import Settings
 from agentbox.mcp import claude_add_command, token_path
 from gateway_helpers import greet_script
+from git_helpers import git
 from net_helpers import free_port, wait_port
 
 pytestmark = [
@@ -58,25 +59,6 @@ turns:
         text: "DELEGATION-OK: the sandboxed agent added greet()."
       - text: "DELEGATION-FAILED"
 """
-
-
-def _git(repo: Path, *args: str) -> str:
-    env = {
-        "PATH": os.environ["PATH"],
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_CONFIG_GLOBAL": "/dev/null",
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@example.invalid",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@example.invalid",
-    }
-    return subprocess.run(
-        ["git", "-c", f"safe.directory={repo}", "-C", str(repo), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -135,10 +117,10 @@ def world() -> Iterator[dict[str, object]]:
 def _new_repo(repos: Path, name: str) -> Path:
     path = repos / name
     path.mkdir()
-    _git(path, "init", "-q", "-b", "main")
+    git(path, "init", "-q", "-b", "main")
     (path / "README.md").write_text("hello\n")
-    _git(path, "add", "-A")
-    _git(path, "commit", "-q", "-m", "init")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init")
     subprocess.run(["chown", "-R", "-h", f"{MCP_UID}:{MCP_UID}", str(path)], check=True)
     return path
 
@@ -232,9 +214,9 @@ def test_host_claude_delegates_and_gets_the_diff(
         assert "+def greet(name):" in got, got[-3000:]
         assert final[-1]["result"].startswith("DELEGATION-OK"), final[-1]
         # The branch is in the user's repo; the working tree is untouched.
-        branches = _git(repo, "for-each-ref", "--format=%(refname:short)", "refs/heads/agentbox")
+        branches = git(repo, "for-each-ref", "--format=%(refname:short)", "refs/heads/agentbox")
         assert len(branches.split()) == 1, branches
-        assert "hello" in _git(repo, "show", f"{branches.strip()}:greet.py")
+        assert "hello" in git(repo, "show", f"{branches.strip()}:greet.py")
         assert not (repo / "greet.py").exists()
     finally:
         for p in procs:

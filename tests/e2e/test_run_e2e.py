@@ -29,6 +29,7 @@ from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.gateway import DEMO_SCRIPT, read_usage
 from agentbox.launcher import Launcher, TaskInfo, TaskRequest, TaskResult
+from git_helpers import git
 
 pytestmark = [
     pytest.mark.podman,
@@ -150,18 +151,11 @@ class Run:
     repo: Path
 
 
-def _git(repo: Path, *args: str) -> str:
-    env = {"PATH": os.environ["PATH"], "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
-    return subprocess.run(
-        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env
-    ).stdout
-
-
 def _make_repo(path: Path) -> Path:
     shutil.copytree(SAMPLE, path)
-    _git(path, "init", "-q", "-b", "main")
-    _git(path, "add", "-A")
-    _git(path, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
+    git(path, "init", "-q", "-b", "main")
+    git(path, "add", "-A")
+    git(path, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
     return path
 
 
@@ -285,7 +279,7 @@ def _env_traces(data_dir: Path | None) -> set[Path]:
 
 
 def _files(run: Run) -> list[str]:
-    return _git(run.repo, "ls-tree", "-r", "--name-only", "-z", run.result.branch).split("\0")
+    return git(run.repo, "ls-tree", "-r", "--name-only", "-z", run.result.branch).split("\0")
 
 
 def test_a_task_that_edits_files(e2e: tuple[Settings, dict[str, Run]]) -> None:
@@ -293,18 +287,18 @@ def test_a_task_that_edits_files(e2e: tuple[Settings, dict[str, Run]]) -> None:
     assert run.info.status == "done", run.info.error
     assert run.info.exit_code == 0
     assert run.result.branch == run.info.branch == f"agentbox/{run.info.id}"
-    core = _git(run.repo, "show", f"{run.result.branch}:calc/core.py")
+    core = git(run.repo, "show", f"{run.result.branch}:calc/core.py")
     assert "def multiply(a: float, b: float) -> float:" in core
-    assert "test_multiply" in _git(run.repo, "show", f"{run.result.branch}:tests/test_core.py")
+    assert "test_multiply" in git(run.repo, "show", f"{run.result.branch}:tests/test_core.py")
     assert "+def multiply" in run.result.diff
     # The agent's tests ran inside the sandbox and passed (its last message says so).
     assert "passes" in run.result.report["final_message"]
     # The parent is the base commit; the user's checkout is untouched.
     assert (
-        _git(run.repo, "rev-parse", f"{run.result.branch}^").strip()
-        == _git(run.repo, "rev-parse", "main").strip()
+        git(run.repo, "rev-parse", f"{run.result.branch}^").strip()
+        == git(run.repo, "rev-parse", "main").strip()
     )
-    assert _git(run.repo, "status", "--porcelain") == ""
+    assert git(run.repo, "status", "--porcelain") == ""
     # Tokens come from the gateway's usage file.
     assert run.info.tokens.input > 0 and run.info.tokens.output > 0
     assert run.result.report["tokens"]["input"] == run.info.tokens.input
@@ -337,8 +331,8 @@ def test_a_task_that_overruns_its_budget(e2e: tuple[Settings, dict[str, Run]]) -
     # include_uncommitted: the user's uncommitted work was in the workspace and is in
     # the result; the user's own checkout still has it uncommitted.
     assert "dirty.txt" in files
-    assert _git(run.repo, "show", f"{run.result.branch}:README.md") == "uncommitted edit\n"
-    assert sorted(_git(run.repo, "status", "--porcelain").split("\n")) == [
+    assert git(run.repo, "show", f"{run.result.branch}:README.md") == "uncommitted edit\n"
+    assert sorted(git(run.repo, "status", "--porcelain").split("\n")) == [
         "",
         " M README.md",
         "?? dirty.txt",
@@ -375,10 +369,10 @@ def test_the_git_attack_corpus_through_a_real_sandbox(e2e: tuple[Settings, dict[
     files = _files(run)
     # The agent's .git is never collected; links are links, never their targets.
     assert not any(f == ".git" or f.startswith(".git/") for f in files)
-    tree = _git(run.repo, "ls-tree", "-r", branch)
+    tree = git(run.repo, "ls-tree", "-r", branch)
     for link in ("shadow-link", "root-link", "climb-link"):
         assert "120000 blob" in next(line for line in tree.splitlines() if line.endswith(link))
-    assert _git(run.repo, "cat-file", "-p", f"{branch}:shadow-link") == "/etc/shadow"
+    assert git(run.repo, "cat-file", "-p", f"{branch}:shadow-link") == "/etc/shadow"
     assert "root:" not in run.result.diff
     # FIFOs and the huge sparse file are skipped and reported; setuid bits dropped.
     skipped = {s["path"] for s in run.result.report["skipped"]}
@@ -386,9 +380,9 @@ def test_the_git_attack_corpus_through_a_real_sandbox(e2e: tuple[Settings, dict[
     assert "huge.sparse" in skipped and "huge.sparse" not in files
     assert "100755 blob" in next(ln for ln in tree.splitlines() if ln.endswith("setuid-true"))
     # Git work on the host after publishing runs none of the planted commands.
-    _git(run.repo, "diff", "main", branch)
-    _git(run.repo, "log", "-p", "-1", branch)
-    _git(run.repo, "fsck", "--no-dangling")
+    git(run.repo, "diff", "main", branch)
+    git(run.repo, "log", "-p", "-1", branch)
+    git(run.repo, "fsck", "--no-dangling")
     assert list(Path("/tmp").glob(f"agentbox-sentinel-{NONCE}*")) == []
     # The user's repo config was not touched by the agent's config.
     assert "evil" not in (run.repo / ".git" / "config").read_text()
@@ -418,8 +412,8 @@ def test_a_task_that_changes_nothing_publishes_no_branch(
     assert report["diffstat"]["files_changed"] == 0
     assert "nothing to change" in report["final_message"]
     # No branch in the user's repo, and nothing else there changed.
-    assert _git(run.repo, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
-    assert _git(run.repo, "status", "--porcelain") == ""
+    assert git(run.repo, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
+    assert git(run.repo, "status", "--porcelain") == ""
     # The CLI says it plainly, for `show` and in the task list.
     env = {"PATH": os.environ["PATH"], "AGENTBOX_DATA_DIR": str(settings.data_dir),
            "AGENTBOX_CONFIG": "/nonexistent", "COLUMNS": "200"}  # fmt: skip

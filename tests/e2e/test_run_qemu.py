@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.launcher import Launcher, TaskRequest
+from git_helpers import git
 
 pytestmark = [
     pytest.mark.qemu,
@@ -30,13 +30,6 @@ pytestmark = [
 ]
 
 SAMPLE = Path(__file__).resolve().parents[2] / "demo" / "sample-repo"
-
-
-def _git(repo: Path, *args: str) -> str:
-    env = {"PATH": os.environ["PATH"], "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
-    return subprocess.run(
-        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env
-    ).stdout
 
 
 @pytest.fixture
@@ -58,9 +51,9 @@ def test_a_task_in_a_microvm(base: Path) -> None:
     settings = Settings(data_dir=base / "data", repos_root=base / "repos")
     repo = base / "repos" / "sample"
     shutil.copytree(SAMPLE, repo)
-    _git(repo, "init", "-q", "-b", "main")
-    _git(repo, "add", "-A")
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
     box = Boxfile.from_dict({"backend": "qemu", "resources": {"cpus": 2, "memory": "2GiB"}})
     launcher = Launcher(settings, max_tasks=1)
     try:
@@ -74,7 +67,7 @@ def test_a_task_in_a_microvm(base: Path) -> None:
     finally:
         launcher.close()
     assert info.status == "done", info.error
-    files = _git(repo, "ls-tree", "-r", "--name-only", result.branch).split()
+    files = git(repo, "ls-tree", "-r", "--name-only", result.branch).split()
     assert "textutil.py" in files and "test_textutil.py" in files
     assert "+def slugify" in result.diff
     # The agent's tests ran inside the guest (log of the agent's session).

@@ -33,6 +33,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from agentbox.launcher.api import NO_CHANGES
 from agentbox.mcp import process_posture, token_path
 from gateway_helpers import greet_script
+from git_helpers import git
 from net_helpers import free_port, wait_port
 
 pytestmark = [
@@ -64,26 +65,6 @@ turns:
 """
 
 
-def _git(repo: Path, *args: str) -> str:
-    env = {
-        "PATH": os.environ["PATH"],
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_CONFIG_GLOBAL": "/dev/null",
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@example.invalid",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@example.invalid",
-    }
-    res = subprocess.run(
-        ["git", "-c", f"safe.directory={repo}", "-C", str(repo), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return res.stdout
-
-
 def ensure_socket_group() -> None:
     """The documented install step: a group ``agentbox`` for the launcher socket."""
     try:
@@ -105,10 +86,10 @@ class Stack:
         self.counter[0] += 1
         path = self.repos / f"proj{self.counter[0]}"
         path.mkdir()
-        _git(path, "init", "-q", "-b", "main")
+        git(path, "init", "-q", "-b", "main")
         (path / "README.md").write_text("hello\n")
-        _git(path, "add", "-A")
-        _git(path, "commit", "-q", "-m", "init")
+        git(path, "add", "-A")
+        git(path, "commit", "-q", "-m", "init")
         subprocess.run(["chown", "-R", "-h", f"{MCP_UID}:{MCP_UID}", str(path)], check=True)
         return path
 
@@ -230,9 +211,9 @@ async def _delegate_wait_result(client: Client, stack: Stack) -> None:
         assert '"status": "done"' in _text(await client.call_tool("status", {"id": tid}))
         assert tid in _text(await client.call_tool("list_tasks", {}))
     # The branch is in the user's repo, with the agent's file; the work tree is untouched.
-    assert "greet" in _git(repo, "show", f"agentbox/{tid}:greet.py")
+    assert "greet" in git(repo, "show", f"agentbox/{tid}:greet.py")
     assert not (repo / "greet.py").exists()
-    assert _git(repo, "rev-parse", "--abbrev-ref", "HEAD").strip() == "main"
+    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD").strip() == "main"
 
 
 def test_delegate_wait_result_over_stdio(stack: Stack) -> None:
@@ -257,7 +238,7 @@ async def _delegate_no_change(client: Client, stack: Stack) -> None:
         status = _text(await client.call_tool("status", {"id": tid}))
         assert '"changed": false' in status and NO_CHANGES in status, status
     # Nothing was fetched into the user's repo.
-    assert _git(repo, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
+    assert git(repo, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
 
 
 def test_a_task_that_changes_nothing_says_so_over_stdio(stack: Stack) -> None:

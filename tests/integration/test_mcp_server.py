@@ -29,6 +29,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from agentbox.mcp import process_posture, token_path
+from git_helpers import git
 from net_helpers import free_port
 
 MCP_UID = 64123  # no passwd entry: an identity that owns nothing but the test repos
@@ -36,28 +37,12 @@ MCP_UID = 64123  # no passwd entry: an identity that owns nothing but the test r
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to test the privilege drop")
 
 
-def _git(repo: Path, *args: str) -> str:
-    env = {
-        "PATH": os.environ["PATH"],
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_CONFIG_GLOBAL": "/dev/null",
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@example.invalid",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@example.invalid",
-    }
-    res = subprocess.run(
-        ["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=True
-    )
-    return res.stdout
-
-
 def make_repo(path: Path, uid: int = MCP_UID) -> Path:
     path.mkdir(parents=True)
-    _git(path, "init", "-q", "-b", "main")
+    git(path, "init", "-q", "-b", "main")
     (path / "README.md").write_text("hello\n")
-    _git(path, "add", "-A")
-    _git(path, "commit", "-q", "-m", "init")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init")
     subprocess.run(["chown", "-R", "-h", f"{uid}:{uid}", str(path)], check=True)
     return path
 
@@ -437,9 +422,9 @@ def test_confined_dropped_process_fetches_only_into_the_repo(world: World) -> No
     shadow = world.base / "shadow.git"
     shutil.copytree(world.repo / ".git", shadow, symlinks=True)
     subprocess.run(["chown", "-R", "0:0", str(shadow)], check=True)
-    _git(shadow, "config", "core.bare", "true")
-    _git(shadow, "branch", "agentbox/t-1", "main")
-    commit = _git(shadow, "rev-parse", "agentbox/t-1").strip()
+    git(shadow, "config", "core.bare", "true")
+    git(shadow, "branch", "agentbox/t-1", "main")
+    commit = git(shadow, "rev-parse", "agentbox/t-1").strip()
     code = f"""
 import os, sys
 from pathlib import Path
@@ -463,7 +448,7 @@ for p in [{str(world.base / "planted")!r}, "/var/tmp/agentbox-planted"]:
     assert res.returncode == 0, res.stdout + res.stderr
     assert "agentbox/t-1" in res.stdout
     assert (
-        _git(world.repo, "-c", f"safe.directory={world.repo}", "rev-parse", "agentbox/t-1").strip()
+        git(world.repo, "-c", f"safe.directory={world.repo}", "rev-parse", "agentbox/t-1").strip()
         == commit
     )
     ref = world.repo / ".git" / "refs" / "heads" / "agentbox" / "t-1"
