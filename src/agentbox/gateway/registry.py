@@ -20,6 +20,8 @@ A relative replay script path is resolved against the registry file's directory.
 
 from __future__ import annotations
 
+import os
+import stat
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -34,6 +36,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "DEMO_SCRIPT",
     "KIND_UNSUPPORTED_FIELDS",
+    "MAX_REGISTRY_BYTES",
     "ModelEntry",
     "Registry",
     "builtin_registry",
@@ -44,6 +47,9 @@ Kind = Literal["anthropic", "compatible", "replay"]
 
 #: The built-in offline default: the replay model playing the demo script.
 DEFAULT_MODEL = "replay-demo"
+#: A models file larger than this is refused (a registry is a few KB; this is a config
+#: file, not a place for data, and a huge one should not stall whoever reads it).
+MAX_REGISTRY_BYTES = 1 << 20
 #: The demo replay script shipped with agentbox (used by the offline demo).
 DEMO_SCRIPT = Path(__file__).parent / "demo" / "demo.yaml"
 
@@ -207,13 +213,58 @@ def builtin_registry() -> Registry:
     return _parse({"models": _BUILTIN}, base=None, source="built-in")
 
 
+def _read_registry_file(path: Path) -> str:
+    """The text of a models file: a regular file, at most :data:`MAX_REGISTRY_BYTES`, UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        raise ConfigError(f"cannot read model registry {path}: {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"cannot read model registry {path}: not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_REGISTRY_BYTES:
+            chunk = os.read(fd, MAX_REGISTRY_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        data = b"".join(chunks)
+    except OSError as exc:
+        raise ConfigError(f"cannot read model registry {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > MAX_REGISTRY_BYTES:
+        raise ConfigError(
+            f"cannot read model registry {path}: larger than {MAX_REGISTRY_BYTES} bytes"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"cannot read model registry {path}: not UTF-8 (byte {exc.start}: {exc.reason})"
+        ) from None
+
+
 def load_registry(settings: Settings | None = None, path: Path | None = None) -> Registry:
-    """The registry from ``path``, else ``settings.models_file``, else the built-in one."""
+    """The registry from ``path``, else ``settings.models_file``, else the built-in one.
+
+    Any problem with the file (unreadable, not a regular file, over
+    :data:`MAX_REGISTRY_BYTES`, not UTF-8, not TOML, nested too deeply, a bad entry)
+    is a :class:`ConfigError` that names it; never a traceback.
+    """
     path = path or (settings.models_file if settings is not None else None)
     if path is None:
         return builtin_registry()
+    text = _read_registry_file(path)
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"cannot read model registry {path}: {exc}") from exc
-    return _parse(data, base=path.parent, source=str(path))
+    except RecursionError:
+        raise ConfigError(f"cannot read model registry {path}: nested too deeply") from None
+    try:
+        return _parse(data, base=path.parent, source=str(path))
+    except RecursionError:
+        raise ConfigError(f"model registry {path}: nested too deeply") from None
