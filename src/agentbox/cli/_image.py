@@ -87,7 +87,10 @@ def build(
 
 @image_app.command("ls")
 def ls(as_json: bool = typer.Option(False, "--json", help="Print JSON")) -> None:
-    """List the images agentbox built (in podman and/or kept as a root directory)."""
+    """List the images agentbox built (in podman and/or kept as a root directory).
+
+    Images built FROM them carry the same hash label but are not listed.
+    """
     from agentbox.image import list_images, manifest
 
     infos = list_images(load_settings())
@@ -121,7 +124,11 @@ def rm(
     name_or_hash: str = typer.Argument(..., help="An image name or content hash from `image ls`"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON"),
 ) -> None:
-    """Remove an image agentbox built: its podman tags and its kept root directory."""
+    """Remove one image agentbox built: its podman tags and its kept root directory.
+
+    Refuses images agentbox did not build (images built FROM one included) and
+    an image that another image is built on.
+    """
     from agentbox.image import remove
 
     removed = remove(load_settings(), name_or_hash)
