@@ -216,6 +216,24 @@ class Backend(Protocol):
         """
         ...
 
+    def kill(self, name: str) -> list[str]:
+        """Kill sandbox ``name`` now, from any process, without a handle on it; idempotent.
+
+        For a cancel or a deadline: the owner's ``run``/``exec`` returns (exit 137)
+        and still collects what the sandbox wrote. Returns what was acted on.
+        """
+        ...
+
+    def reap(self, name: str) -> list[str]:
+        """Remove sandbox ``name`` whose owner died; idempotent.
+
+        Kills it, saves what it wrote where its owner would have collected it
+        (a microVM's ``/data`` disk into its recorded workspace), and removes
+        the rest. Called by the owner's watchdog the moment the owner dies, and
+        by a restarted launcher. Returns what was acted on.
+        """
+        ...
+
     def cleanup_orphans(self) -> list[str]:
         """Remove sandboxes of this backend that no live owner holds; return their names."""
         ...

@@ -260,6 +260,18 @@ class PodmanBackend:
             raise SandboxError(f"podman ps gave no JSON: {exc}") from exc
         return [d for d in data if isinstance(d, dict)]
 
+    def kill(self, name: str) -> list[str]:
+        """Kill container ``name`` (SIGKILL first, so the workload stops at once) and
+        remove it; absent is fine. The workspace is a host bind mount: nothing is lost."""
+        kill(name)  # the module-level helper of _podman_util
+        force_remove(name)
+        return [name]
+
+    def reap(self, name: str) -> list[str]:
+        """Remove container ``name`` whose owner died: the same as :meth:`kill` (its
+        workspace is a host directory, already where the owner would collect it)."""
+        return self.kill(name)
+
     def cleanup_orphans(self) -> list[str]:
         """Remove labelled containers whose owner process is gone; return their names.
 

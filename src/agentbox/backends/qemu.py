@@ -319,6 +319,11 @@ class QemuBackend:
         """
         return kill_sandbox(self.settings, name)
 
+    def reap(self, name: str) -> list[str]:
+        """Settle the VMs of sandbox ``name`` whose owner died (:func:`recover_sandbox`):
+        kill the VMM, save ``/data`` into the recorded workspace, remove the VM dir."""
+        return recover_sandbox(self.settings, name)
+
     def cleanup_orphans(self) -> list[str]:
         """Settle VM dirs whose owning process is gone: kill the VMM, save ``/data``
         into the task workspace it was made from (see :func:`recover_sandbox`), remove."""
@@ -429,7 +434,12 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A zombie has exited: its watchdog reaps its VMs before its parent reaps it.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :][:1] != b"Z"
 
 
 def _cgroup_dirs(name: str) -> list[Path]:
