@@ -312,7 +312,9 @@ def test_modes_and_ordinary_content(corpus: Corpus) -> None:
     assert _blob(corpus, tree["vendor/lib/code.py"][1]) == b"EMBEDDED = 1\n"
     assert "h1.txt" in tree and tree["h1.txt"] == tree["h2.txt"]
     assert "nested/kept.txt" in tree and "added.txt" in tree and "agent-note.txt" in tree
-    assert os.fsdecode(b"latin-\xe9.txt") in tree
+    # A name that is not UTF-8 is refused like a control character (issue 11.5).
+    assert os.fsdecode(b"latin-\xe9.txt") not in tree
+    assert "not valid UTF-8" in {s.path: s.reason for s in corpus.got.skipped}["latin-\\xe9.txt"]
     # The filter named in .gitattributes never ran: the file is collected as written.
     assert _blob(corpus, tree[".gitattributes"][1]).startswith(b"* filter=evil")
     assert not any(p == ".git" or p.startswith(".git/") for p in tree)

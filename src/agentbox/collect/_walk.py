@@ -18,13 +18,15 @@ import stat
 import unicodedata
 
 from agentbox.collect._model import Limits, Skipped
+from agentbox.collect._risky import flag_note, risky_reason
 from agentbox.collect._statcache import MODES, BaseListing, dir_key, stat_key
 from agentbox.errors import PathRefused
 from agentbox.safepath import MAX_NAME, Tree, openat2, show
 
 __all__ = ["Walk", "judge_reported", "walk"]
 
-_CONTROL = {chr(c) for c in [*range(0x20), 0x7F]}
+# C0, DEL and C1: a C1 0x9b is a CSI to terminals that read 8-bit controls.
+_CONTROL = {chr(c) for c in [*range(0x20), *range(0x7F, 0xA0)]}
 # Code points HFS+ ignores: ".g\u200cit" is ".git" there (git's is_hfs_dotgit).
 _HFS_IGNORABLE = dict.fromkeys(
     [0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF]
@@ -44,6 +46,9 @@ def _is_dotgit(name: str) -> bool:
 def _bad_name(name: str) -> str | None:
     if any(c in _CONTROL for c in name):
         return "control character in name (refused: newlines break every line-based tool)"
+    if any("\udc80" <= c <= "\udcff" for c in name):
+        # os.fsdecode keeps undecodable bytes as lone surrogates: the name is not UTF-8.
+        return "name is not valid UTF-8 (refused: it cannot be shown or reviewed as written)"
     if len(os.fsencode(name)) > MAX_NAME:
         return "name over 255 bytes"
     return None
@@ -72,6 +77,7 @@ class Walk:
         self.odd_gitignore = False
         self.files_read = 0
         self.bytes_read = 0
+        self.flagged: set[str] = set()
 
     def skip(self, rel: str, reason: str) -> None:
         """Report ``rel``; a skipped path keeps its base version (if any)."""
@@ -79,6 +85,12 @@ class Walk:
 
     def note(self, rel: str, reason: str) -> None:
         self.notes.append(Skipped(path=show(os.fsencode(rel)), reason=reason))
+
+    def flag(self, rel: str, change: str) -> None:
+        """Note ``rel`` if it is a path that runs code when opened or merged (see ``_risky``)."""
+        if rel not in self.flagged and risky_reason(rel) is not None:
+            self.flagged.add(rel)
+            self.note(rel, flag_note(change))
 
     def descend(self, rel: str) -> bool:
         return rel not in self.blocked
@@ -126,6 +138,7 @@ class Walk:
             return
         if self.keys is not None and self.keys.get(rel) == stat_key(gm, st):
             return  # unchanged since the trusted moment
+        self.flag(rel, "added" if base is None else "modified")
         if gm != 0o120000 and st.st_nlink > 1:
             self.hard.append((rel, gm, st))
             self.links[(st.st_dev, st.st_ino)] += 1
@@ -155,6 +168,8 @@ class Walk:
             if prefix in self.visited or (kept and prefix.startswith(kept)):
                 continue
             gone.extend(prefix + n for n in self.base.names(prefix))
+        for rel in gone:
+            self.flag(rel, "deleted")
         return gone
 
 

@@ -5,6 +5,13 @@ the agent's final message); :meth:`Report.add_collected` fills the rest from a
 :class:`~agentbox.collect.Collected`. A task whose agent changed nothing has
 ``changed: false``, no commit and no branch, and its text says "no changes".
 
+Paths that make other tools run code when the branch is opened or merged
+(``.envrc``, ``.claude/``, ``.github/workflows/`` …, see :mod:`._risky`) are
+listed in ``flagged``, which the CLI and the MCP result show above the diff.
+
+Every string here may hold text the agent chose (file names, its final
+message): print it through :func:`agentbox._text.visible`, never as markup.
+
 Token counts use the launcher's wire model :class:`~agentbox.launcher.api.TokenUsage`
 (``Tokens`` here is the same class), so the report's ``tokens`` and a task's
 ``tokens`` are one definition with one JSON shape.
@@ -12,15 +19,80 @@ Token counts use the launcher's wire model :class:`~agentbox.launcher.api.TokenU
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+import os
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentbox._text import visible
 from agentbox.collect._model import Collected, DiffStat, Skipped
+from agentbox.collect._risky import flag_change, risky_reason
 from agentbox.launcher.api import NO_CHANGES, TokenUsage
 
-__all__ = ["Report", "Tokens"]
+__all__ = ["Flagged", "Report", "Tokens"]
 
 #: Tokens metered by the gateway, by kind: the launcher's :class:`TokenUsage`, not a copy.
 Tokens = TokenUsage
+
+
+class Flagged(BaseModel):
+    """A path in the result that makes another tool run code when the branch is
+    opened, checked out or merged; review it before you do."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    change: str
+    """added | modified | deleted."""
+    reason: str
+    """Which tool runs what (``direnv runs it in your shell when you cd …``)."""
+
+
+def _quote(path: str) -> str:
+    """``path`` as git's diff header writes it (C-quoted when it holds odd bytes)."""
+    raw = os.fsencode(path)
+    if not any(b < 0x20 or b >= 0x7F or b in b'"\\' for b in raw):
+        return path
+    named = {0x07: "a", 0x08: "b", 0x09: "t", 0x0A: "n", 0x0B: "v", 0x0C: "f", 0x0D: "r"}
+    out = []
+    for b in raw:
+        if b in b'"\\':
+            out.append("\\" + chr(b))
+        elif b in named:
+            out.append("\\" + named[b])
+        elif b < 0x20 or b >= 0x7F:
+            out.append(f"\\{b:03o}")
+        else:
+            out.append(chr(b))
+    return '"' + "".join(out) + '"'
+
+
+def _in_diff(path: str, headers: set[str]) -> bool:
+    q = _quote(path)
+    if q.startswith('"'):
+        return f'diff --git "a/{q[1:]} "b/{q[1:]}' in headers
+    return f"diff --git a/{path} b/{path}" in headers
+
+
+def flagged_paths(c: Collected) -> list[Flagged]:
+    """The flagged paths of a collection: the walk's flag notes, kept only where the
+    change reached the commit (checked against the diff when it is complete)."""
+    if not c.changed:
+        return []
+    headers = (
+        None
+        if c.diff_truncated
+        else {ln for ln in c.diff.splitlines() if ln.startswith("diff --git ")}
+    )
+    out: list[Flagged] = []
+    for note in c.notes:
+        change = flag_change(note.reason)
+        why = risky_reason(note.path)
+        if change is None or why is None:
+            continue
+        if headers is not None and not _in_diff(note.path, headers):
+            continue  # touched but left as it was, ignored by .gitignore, or over a cap
+        out.append(Flagged(path=note.path, change=change, reason=why))
+    return sorted(out, key=lambda f: f.path)
 
 
 class Report(BaseModel):
@@ -43,20 +115,25 @@ class Report(BaseModel):
     skipped: list[Skipped] = Field(default_factory=list)
     """Paths not collected as the agent left them (devices, FIFOs, oversize, links out…)."""
     notes: list[Skipped] = Field(default_factory=list)
+    flagged: list[Flagged] = Field(default_factory=list)
+    """Paths in the result that make other tools run code when the branch is opened or
+    merged (``.envrc``, ``.claude/``, ``.gitattributes``, ``.github/workflows/`` …)."""
     refused: list[str] = Field(default_factory=list)
     """What the sandbox or gateway refused (the launcher fills this)."""
     final_message: str | None = None
     error: str | None = None
 
     def add_collected(self, c: Collected) -> None:
-        """Copy the collection outcome (changed, commit, branch, diffstat, skipped, notes) in."""
+        """Copy the collection outcome in: changed, commit, branch, diffstat, skipped,
+        notes, and the flagged paths (out of the notes, where the walk marks them)."""
         self.base_commit = c.base_commit
         self.changed = c.changed
         self.commit = c.commit or None
         self.branch = c.branch or None
         self.diffstat = c.diffstat
         self.skipped = list(c.skipped)
-        self.notes = list(c.notes)
+        self.notes = [n for n in c.notes if flag_change(n.reason) is None]
+        self.flagged = flagged_paths(c)
 
     def to_json(self) -> str:
         """The report as indented JSON."""
@@ -83,6 +160,9 @@ class Report(BaseModel):
         lines.append(f"changes   {NO_CHANGES if self.changed is False else self.diffstat}")
         if self.error:
             lines.append(f"error     {self.error}")
+        if self.flagged:
+            lines.append("runs code when the branch is opened or merged (review first):")
+            lines.extend(f"  {f.change} {f.path}: {f.reason}" for f in self.flagged)
         for title, items in (("skipped", self.skipped), ("notes", self.notes)):
             if items:
                 lines.append(f"{title}:")
@@ -93,4 +173,4 @@ class Report(BaseModel):
         if self.final_message:
             lines.append("agent's final message:")
             lines.extend(f"  {ln}" for ln in self.final_message.strip().splitlines())
-        return "\n".join(lines) + "\n"
+        return visible("\n".join(lines)) + "\n"
