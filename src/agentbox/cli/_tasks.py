@@ -3,6 +3,13 @@
 ``agentbox run`` drives an in-process :class:`~agentbox.launcher.Launcher`
 (the CLI runs as root, like the launcher); the other commands read and write
 the same SQLite state, so they work on tasks of any launcher on this host.
+
+Everything the agent could have written (its final message, the diff, file
+names, log lines, the task text, report fields) is printed through
+:func:`_safe`: control characters as visible escapes (:mod:`agentbox._text`),
+as a :class:`~rich.text.Text`, never parsed as rich markup; on a terminal or
+piped alike. Paths that run code when the branch is opened or merged are
+listed above the diff.
 """
 
 from __future__ import annotations
@@ -17,12 +24,12 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console, Group
 from rich.live import Live
-from rich.markup import escape
 from rich.spinner import Spinner
 from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from agentbox._text import visible
 from agentbox.boxfile import load_boxfile
 from agentbox.config import load_settings
 from agentbox.errors import PolicyRefused
@@ -45,6 +52,11 @@ _STYLE = {
 }
 
 
+def _safe(text: object, style: str = "") -> Text:
+    """Untrusted text as printable plain text: controls escaped, no markup, no emoji codes."""
+    return Text(visible(str(text)), style=style)
+
+
 def _launcher(max_tasks: int = 4) -> Any:
     from agentbox.launcher import Launcher
 
@@ -65,7 +77,7 @@ def _progress_line(info: TaskInfo, spinner: Spinner | None = None) -> Group:
         f" {_elapsed(info, since_submit=True):6.1f}s",
         f"  tokens in {t.input:,} · out {t.output:,} · cache {t.cache_read + t.cache_creation:,}",
         f"  ({pct:.2f}% of {info.budget:,})",
-        (f"  · {info.phase[:70]}" if info.phase and not info.terminal else "", "dim"),
+        (f"  · {visible(info.phase[:70])}" if info.phase and not info.terminal else "", "dim"),
     )
     if spinner is None:
         return Group(Spinner("dots", text=text))
@@ -79,12 +91,12 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
     table.add_column(style="bold")
     table.add_column()
     style = _STYLE.get(info.status, "")
-    table.add_row("task", info.id)
-    table.add_row("status", f"[{style}]{info.status}[/]")
+    table.add_row("task", _safe(info.id))
+    table.add_row("status", _safe(info.status, style))
     if info.error:
-        table.add_row("why", escape(info.error))
+        table.add_row("why", _safe(info.error))
     table.add_row("exit code", str(info.exit_code) if info.exit_code is not None else "-")
-    table.add_row("model", info.model)
+    table.add_row("model", _safe(info.model))
     table.add_row("time", f"{_elapsed(info):.1f}s (deadline {info.deadline:g}s)")
     t = info.tokens
     table.add_row(
@@ -98,33 +110,57 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
     elif isinstance(stat, dict):
         table.add_row(
             "changes",
-            " · ".join(f"{k} {v}" for k, v in stat.items() if isinstance(v, int | str)),
+            _safe(" · ".join(f"{k} {v}" for k, v in stat.items() if isinstance(v, int | str))),
         )
     skipped = rep.get("skipped")
     if isinstance(skipped, list) and skipped:
-        table.add_row("skipped", escape(f"{len(skipped)} entries (see agentbox show --json)"))
-    table.add_row("branch", res.branch or ("none" if info.changed is False else "(not published)"))
-    table.add_row("commit", res.commit or "-")
+        table.add_row("skipped", f"{len(skipped)} entries (see agentbox show --json)")
+    branch = res.branch or ("none" if info.changed is False else "(not published)")
+    table.add_row("branch", _safe(branch))
+    table.add_row("commit", _safe(res.commit or "-"))
     console.print(table)
     msg = rep.get("final_message")
     if isinstance(msg, str) and msg.strip():
         console.print("[bold]agent's last message[/bold]")
-        console.print(Text(msg.strip()[:4000]))
+        console.print(_safe(msg.strip()[:4000]))
+    _print_flagged(rep.get("flagged"))
+
+
+def _print_flagged(flagged: object) -> None:
+    """The paths that run code when the branch is opened or merged (shown above the diff)."""
+    if not isinstance(flagged, list) or not flagged:
+        return
+    console.print(
+        Text(
+            f"WARNING: {len(flagged)} path(s) in this result make other tools run code when "
+            "the branch is opened, checked out or merged; review them before you do:",
+            style="bold yellow",
+        )
+    )
+    for f in flagged[:200]:
+        if isinstance(f, dict):
+            line = f"  {f.get('change', '?')} {f.get('path', '?')}: {f.get('reason', '')}"
+            console.print(_safe(line, "yellow"), soft_wrap=True)
 
 
 def _print_diff(res: TaskResult) -> None:
     if not res.diff.strip():
         console.print("[dim](no changes)[/dim]")
         return
+    # File contents are the agent's: escape sequences in them must not reach the terminal
+    # (OSC 52 clipboard, OSC 8 links, CSI 2J), whether it is a terminal or a pipe.
+    diff = visible(res.diff)
     if console.is_terminal:
         console.print(
-            Syntax(res.diff, "diff", theme="ansi_dark", background_color="default", word_wrap=True)
+            Syntax(diff, "diff", theme="ansi_dark", background_color="default", word_wrap=True)
         )
     else:  # piped: the diff as git printed it, never cut to a console width
-        sys.stdout.write(res.diff if res.diff.endswith("\n") else res.diff + "\n")
+        sys.stdout.write(diff if diff.endswith("\n") else diff + "\n")
         sys.stdout.flush()
     if res.diff_truncated:
-        console.print(f"[yellow](diff truncated; full: git diff in {res.shadow_git})[/yellow]")
+        console.print(
+            _safe(f"(diff truncated; full: git diff in {res.shadow_git})", "yellow"), soft_wrap=True
+        )
 
 
 def _dump(obj: dict[str, Any]) -> None:
@@ -172,13 +208,21 @@ def register(app: typer.Typer) -> None:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise PolicyRefused(f"{where}: {first['msg']}") from exc
+        from agentbox._reap import exit_on_signals
+
         launcher = _launcher()
-        try:
-            launcher.reconcile()
-            info = launcher.submit(req, boxfile=box)
-            info = _follow(launcher, info.id, live=not as_json and console.is_terminal)
-        finally:
-            launcher.close()
+        # TERM, HUP, … act like Ctrl-C (cancel, collect the partial result); a SIGKILL
+        # is answered by the task's watchdog, which reaps the sandbox and the gateway.
+        with exit_on_signals():
+            try:
+                launcher.reconcile()
+                info = launcher.submit(req, boxfile=box)
+                info = _follow(launcher, info.id, live=not as_json and console.is_terminal)
+            except KeyboardInterrupt:
+                launcher.shutdown()  # interrupted before _follow took over: cancel, collect
+                raise
+            finally:
+                launcher.close()
         res = launcher.result(info.id)
         if as_json:
             _dump({"task": info.model_dump(mode="json"), "result": res.model_dump(mode="json")})
@@ -197,13 +241,13 @@ def register(app: typer.Typer) -> None:
         table = Table("id", "status", "model", "time", "tokens", "branch", "task")
         for i in infos:
             table.add_row(
-                i.id,
-                f"[{_STYLE.get(i.status, '')}]{i.status}[/]",
-                i.model,
+                _safe(i.id),
+                _safe(i.status, _STYLE.get(i.status, "")),
+                _safe(i.model),
                 f"{_elapsed(i):.0f}s",
                 f"{i.tokens.total:,}",
-                i.branch or ("(no changes)" if i.changed is False else ""),
-                escape(i.task.splitlines()[0][:50] if i.task else ""),
+                _safe(i.branch or ("(no changes)" if i.changed is False else "")),
+                _safe(i.task.splitlines()[0][:50] if i.task.strip() else ""),
             )
         console.print(table)
 
@@ -234,7 +278,7 @@ def register(app: typer.Typer) -> None:
     def cancel(task_id: str = typer.Argument(...)) -> None:
         """Cancel a task (its partial result is still collected)."""
         info = _launcher(1).cancel(task_id)
-        console.print(f"{info.id}: {info.status}")
+        console.print(_safe(f"{info.id}: {info.status}"))
 
     @app.command("logs")
     def logs(
@@ -261,7 +305,8 @@ def register(app: typer.Typer) -> None:
                     continue
                 for line in data.decode(errors="replace").splitlines():
                     console.print(
-                        f"[dim]{label:>8}[/dim] {escape(_render_event(line))}", soft_wrap=True
+                        Text.assemble((f"{label:>8}", "dim"), " ", visible(_render_event(line))),
+                        soft_wrap=True,
                     )
             if not follow or launcher.get(task_id).terminal:
                 break

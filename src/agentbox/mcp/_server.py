@@ -7,6 +7,12 @@ must be a git repo of ours inside the repos root, the id must match
 its unix socket, as a :class:`~agentbox.launcher.api.TaskRequest`. Failures
 come back as MCP tool errors (``is_error``) whose text says what was wrong and
 what to do, never as a crash.
+
+Text the sandboxed agent wrote (the report's final message and file names, the
+diff, errors quoting them) goes back to the host agent only inside a framed
+block (:func:`agentbox.mcp._untrusted.frame`) that says it is data, not
+instructions; paths that run code when the branch is opened or merged are
+listed above it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from agentbox.launcher.api import (
 from agentbox.launcher.client import LauncherClient
 from agentbox.mcp._fetch import branch_name, fetch_branch
 from agentbox.mcp._repo import validate_repo
+from agentbox.mcp._untrusted import frame
 from agentbox.paths import validate_task_id
 
 __all__ = ["DEFAULT_MAX_DIFF_CHARS", "DEFAULT_MAX_PENDING", "ServerConfig", "build_server"]
@@ -237,7 +244,7 @@ class _Tools:
     async def list_tasks(self) -> str:
         """Every task the launcher knows (newest first) with its state, repo and tokens."""
         tasks = await self._call(self.client.list)
-        return json.dumps([_info_dict(t) for t in tasks[:200]], indent=1)
+        return frame(json.dumps([_info_dict(t) for t in tasks[:200]], indent=1), _STATE)
 
     async def models(self) -> str:
         """The models a delegated task may use (pass one as `model`); one is the default."""
@@ -298,8 +305,29 @@ def _info_dict(info: TaskInfo) -> dict[str, Any]:
     return d
 
 
+_STATE = "task state as JSON; its error and phase fields may quote what the agent wrote"
+
+
 def _info_json(info: TaskInfo) -> str:
-    return json.dumps(_info_dict(info), indent=1)
+    return frame(json.dumps(_info_dict(info), indent=1), _STATE)
+
+
+def _flagged_text(report: dict[str, Any]) -> str:
+    """The warning about paths that run code, for above the framed diff ("" if none)."""
+    flagged = report.get("flagged")
+    if not isinstance(flagged, list) or not flagged:
+        return ""
+    lines = [
+        f"WARNING: this result changes {len(flagged)} path(s) that make other tools run code "
+        "when the branch is opened, checked out or merged. Tell the user and review them "
+        "before checking the branch out or merging it (names as JSON strings, chosen by the "
+        "sandboxed agent):"
+    ]
+    for f in flagged[:100]:
+        if isinstance(f, dict):
+            path = json.dumps(str(f.get("path", "?")))
+            lines.append(f"  {f.get('change', '?')} {path}: {f.get('reason', '')}")
+    return "\n".join(lines) + "\n"
 
 
 def _format_result(info: TaskInfo, res: TaskResult, fetched: str, max_diff: int) -> str:
@@ -321,9 +349,10 @@ def _format_result(info: TaskInfo, res: TaskResult, fetched: str, max_diff: int)
         f"task {info.id}: {res.status} (exit code {info.exit_code}), "
         f"{info.tokens.total} tokens\n{fetched}\n"
     )
-    if info.error:
-        head += f"error: {info.error}\n"
-    return f"{head}\nreport:\n{report}\n\ndiff:\n{diff or '(no changes)'}{note}\n"
+    error = f"error: {info.error}\n\n" if info.error else ""
+    body = f"{error}report:\n{report}\n\ndiff:\n{diff or '(no changes)'}\n"
+    what = "the task's report (with the agent's final message) and the diff of its files"
+    return f"{head}{_flagged_text(res.report)}\n{frame(body, what)}{note.lstrip()}\n"
 
 
 def build_server(config: ServerConfig) -> MCPServer:
