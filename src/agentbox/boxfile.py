@@ -27,11 +27,19 @@ Example::
 Unknown keys and bad values are refused with a :class:`BoxfileError` naming
 the key. Asking for capabilities or a network is refused by name: those are
 not knobs agentbox offers.
+
+A Boxfile may come from a repo someone else wrote: :func:`load_boxfile` reads
+at most :data:`MAX_BOXFILE_BYTES` of a regular file, and bytes that are not
+UTF-8, nesting too deep for the parser and numbers too large to be sizes all
+become a :class:`BoxfileError` naming the file, never a traceback.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import stat
 import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
@@ -42,6 +50,7 @@ from agentbox.config import DEFAULT_IMAGE, Settings
 from agentbox.errors import BoxfileError, PathRefused
 
 __all__ = [
+    "MAX_BOXFILE_BYTES",
     "Boxfile",
     "EnvPolicy",
     "Mount",
@@ -66,6 +75,10 @@ FORBIDDEN_ENV = re.compile(
     r"LD_PRELOAD|LD_LIBRARY_PATH|DOCKER_HOST|CONTAINER_HOST|AGENTBOX_.*)$"
 )
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+#: A Boxfile larger than this is refused unread (real ones are a few hundred bytes).
+MAX_BOXFILE_BYTES = 1 << 20
+#: The largest size any key accepts (1 EiB): beyond it a number is a mistake, not a size.
+MAX_SIZE = 1 << 60
 
 
 def parse_size(value: object) -> int:
@@ -73,16 +86,22 @@ def parse_size(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError("a size must be a number of bytes or a string like '8GiB'")
     if isinstance(value, int):
-        if value <= 0:
-            raise ValueError("a size must be positive")
-        return value
-    if isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        return _check_size(value)
+    if isinstance(value, str) and len(value) <= 64 and (m := _SIZE_RE.match(value)):
         unit = m.group(2).lower() if m.group(2) else None
-        size = int(float(m.group(1)) * _UNITS[unit])
-        if size <= 0:
-            raise ValueError("a size must be positive")
-        return size
+        number = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(number) or number > MAX_SIZE:  # int(inf) would raise OverflowError
+            raise ValueError("a size must be at most 1 EiB")
+        return _check_size(int(number))
     raise ValueError(f"not a size: {value!r:.40} (use bytes or e.g. '8GiB')")
+
+
+def _check_size(size: int) -> int:
+    if size <= 0:
+        raise ValueError("a size must be positive")
+    if size > MAX_SIZE:
+        raise ValueError("a size must be at most 1 EiB")
+    return size
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
@@ -229,7 +248,7 @@ class Boxfile(_Strict):
             return cls.model_validate(data)
         except ValidationError as exc:
             err = exc.errors()[0]
-            key = ".".join(str(p) for p in err["loc"]) or None
+            key = ".".join(str(p) for p in err["loc"])[:200] or None
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             raise BoxfileError(msg, key=key, path=path) from exc
 
@@ -239,12 +258,60 @@ def host_defaults(settings: Settings) -> dict[str, Any]:
     return {"image": settings.image, "backend": settings.backend, "runtime": settings.runtime}
 
 
-def load_boxfile(path: Path, settings: Settings | None = None) -> Boxfile:
-    """Read and validate a Boxfile (keys it leaves out default to ``settings``, if given)."""
+def _read_capped(path: Path) -> bytes:
+    """At most :data:`MAX_BOXFILE_BYTES` of the regular file ``path``.
+
+    ``O_NONBLOCK``: a FIFO put where a Boxfile was expected cannot hang the
+    open; it is then refused, like a device or a directory, for not being a
+    regular file.
+    """
     try:
-        data = tomllib.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise BoxfileError(f"cannot read: {exc.strerror}", path=path) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BoxfileError("not a regular file", path=path)
+        if st.st_size > MAX_BOXFILE_BYTES:
+            raise BoxfileError(
+                f"too large ({st.st_size} bytes; a Boxfile may hold {MAX_BOXFILE_BYTES})", path=path
+            )
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(MAX_BOXFILE_BYTES + 1)
+    except OSError as exc:
+        raise BoxfileError(f"cannot read: {exc.strerror}", path=path) from exc
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BOXFILE_BYTES:  # it grew after the fstat
+        raise BoxfileError(f"too large (a Boxfile may hold {MAX_BOXFILE_BYTES} bytes)", path=path)
+    return data
+
+
+def load_boxfile(path: Path, settings: Settings | None = None) -> Boxfile:
+    """Read and validate a Boxfile (keys it leaves out default to ``settings``, if given).
+
+    Every failure (unreadable, not a regular file, too large, not UTF-8, not
+    TOML, nested too deep, a bad key) is a :class:`BoxfileError` naming ``path``.
+    """
+    raw = _read_capped(path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BoxfileError(
+            f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start}", path=path
+        ) from exc
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise BoxfileError(f"not valid TOML: {exc}", path=path) from exc
-    return Boxfile.from_dict(data, path=path, settings=settings)
+    except RecursionError as exc:
+        raise BoxfileError(
+            "not a usable Boxfile: arrays or tables nest too deep", path=path
+        ) from exc
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise BoxfileError(f"not valid TOML: {str(exc)[:200]}", path=path) from exc
+    try:
+        return Boxfile.from_dict(data, path=path, settings=settings)
+    except RecursionError as exc:
+        raise BoxfileError("not a usable Boxfile: values nest too deep", path=path) from exc
