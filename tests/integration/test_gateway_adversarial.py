@@ -142,14 +142,16 @@ def test_headers_never_smuggled_upstream(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_anthropic_beta_forwarded_to_anthropic_kinds(tmp_path: Path) -> None:
+    """Allow-listed betas pass (in order, once); unknown ones are dropped (issue 11.3)."""
     with (
         running_replay(tmp_path, CHAT_SCRIPT) as up,
         running_gateway(tmp_path, upstream=up.url) as gw,
     ):
-        r = _post(gw, headers={**gw.auth(), "anthropic-beta": "a-1,b-2"})
+        beta = "a-1, claude-code-20250219,b-2,effort-2025-11-24"
+        r = _post(gw, headers={**gw.auth(), "anthropic-beta": beta})
         assert r.status_code == 200
         got = {k.lower(): v for k, v in up.requests()[0]["headers"]}
-        assert got["anthropic-beta"] == "a-1,b-2"
+        assert got["anthropic-beta"] == "claude-code-20250219,effort-2025-11-24"
         assert "x-api-key" not in got  # no key configured: the client's token is not sent
 
 

@@ -8,7 +8,9 @@ Request path (every refusal is an Anthropic-style error and is counted by reason
 3. the per-task concurrency cap (429 with ``retry-after``);
 4. the body cap, read incrementally (413), a JSON object (400), ``max_tokens`` a
    positive integer, ``stream`` a boolean, ``messages`` a list (400);
-5. ``model`` rewritten, unsupported fields stripped, the body re-serialised;
+5. the request held against the model's allow-lists (:mod:`._policy`): unknown fields
+   stripped, anything that would make the upstream reach the network refused (400),
+   ``model`` rewritten, the body re-serialised;
 6. the budget reservation (403 once exhausted or when ``max_tokens`` cannot fit);
 7. forwarded with an allow-list of headers and the upstream's own key; the
    answer passed back as it arrives (SSE event by event), metered on the way;
@@ -28,6 +30,7 @@ from typing import Any
 from agentbox._log import get_logger
 from agentbox.gateway._budget import Ledger, Refusal, Reservation
 from agentbox.gateway._meter import StreamMeter, usage_from_message
+from agentbox.gateway._policy import PolicyViolation, check_request, filter_betas
 from agentbox.gateway._upstream import (
     Pool,
     UpstreamError,
@@ -110,6 +113,7 @@ class Gateway:
         self._dirty = False
         self._pool: Pool | None = None
         self._strip = frozenset(cfg.entry.stripped_fields)
+        self._policy = cfg.entry.policy
         self._upstream_auth: list[tuple[str, str]] = []
         if cfg.upstream_key:
             self._upstream_auth.append(("x-api-key", cfg.upstream_key))
@@ -129,9 +133,11 @@ class Gateway:
             )
         return self._pool
 
-    async def _upstream(self, scope: Scope, route: str, body: bytes) -> UpstreamResponse:
+    async def _upstream(
+        self, scope: Scope, route: str, body: bytes, betas: list[str]
+    ) -> UpstreamResponse:
         return await self.pool().request(
-            self._upstream_path(scope, route), self._upstream_headers(scope), body
+            self._upstream_path(scope, route), self._upstream_headers(scope, betas), body
         )
 
     async def aclose(self) -> None:
@@ -305,19 +311,39 @@ class Gateway:
             self._refuse("invalid_request")
             await send_error(send, 400, str(exc))
             return
+        body_len = len(body)
+        del body  # only the re-serialised request is kept from here on
         problem = self._validate(route, req)
         if problem is not None:
             self._refuse("invalid_request")
             await send_error(send, 400, problem)
             return
+        try:
+            admitted = check_request(req, self._policy)
+            betas: list[str] = []
+            if self.cfg.entry.passes_beta:
+                values = [v for v in map(_printable, header(scope, b"anthropic-beta")) if v]
+                betas = filter_betas(values, self._policy)
+        except PolicyViolation as exc:
+            self._refuse("policy")
+            log.debug("request refused by policy", reason=str(exc)[:300])
+            await send_error(send, 400, str(exc))
+            return
         req["model"] = self.cfg.entry.target_model
         for name in self._strip.intersection(req):
             del req[name]
+        tools_bytes = 0
+        if admitted.tool_references and isinstance(req.get("tools"), list):
+            tools_bytes = len(json.dumps(req["tools"]))
+        extra = admitted.extra_tokens(self._policy, tools_bytes)
+        max_tokens = req.get("max_tokens")
         try:
             out = json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode()
         except UnicodeEncodeError:
             # A lone surrogate (valid as a JSON escape, not as UTF-8): keep it escaped.
             out = json.dumps(req, separators=(",", ":")).encode()
+        del req
+        log.debug("request admitted", bytes_in=body_len, bytes_out=len(out))
         usage = self.ledger.usage
         if usage.weighted_total >= self.ledger.budget:
             usage.exhausted = True
@@ -330,16 +356,17 @@ class Gateway:
             )
             return
         if route == "count_tokens":
-            await self._count_tokens(scope, out, send)
+            await self._count_tokens(scope, out, betas, send)
             return
+        assert isinstance(max_tokens, int)  # _validate checked it for this route
         try:
-            reservation = self.ledger.reserve(len(out), req["max_tokens"])
+            reservation = self.ledger.reserve(len(out), max_tokens, extra)
         except Refusal as ref:
             self._refuse(ref.reason)
             await send_error(send, 403, str(ref))
             return
         try:
-            await self._forward(scope, out, reservation, receive, send)
+            await self._forward(scope, out, betas, reservation, receive, send)
         finally:
             # Whatever happened (client gone, cancelled at shutdown, a bug): if nothing
             # settled it, the worst case stays charged.
@@ -362,14 +389,13 @@ class Gateway:
                 return f"max_tokens: an integer between 1 and {_MAX_TOKENS_CAP} is required"
         return None
 
-    def _upstream_headers(self, scope: Scope) -> list[tuple[str, str]]:
+    def _upstream_headers(self, scope: Scope, betas: list[str]) -> list[tuple[str, str]]:
         hdrs = [("content-type", "application/json"), ("accept-encoding", "identity")]
         version = next((v for v in map(_printable, header(scope, b"anthropic-version")) if v), None)
         hdrs.append(("anthropic-version", version or _DEFAULT_VERSION))
-        if self.cfg.entry.passes_beta:
-            betas = [v for v in map(_printable, header(scope, b"anthropic-beta")) if v]
-            if betas:
-                hdrs.append(("anthropic-beta", ",".join(betas)))
+        if betas:
+            # Only allow-listed values (filter_betas), never the client's header as sent.
+            hdrs.append(("anthropic-beta", ",".join(betas)))
         hdrs.extend(self._upstream_auth)
         return hdrs
 
@@ -390,13 +416,13 @@ class Gateway:
                     out.append((name, safe.encode()))
         return out
 
-    async def _count_tokens(self, scope: Scope, body: bytes, send: Send) -> None:
+    async def _count_tokens(self, scope: Scope, body: bytes, betas: list[str], send: Send) -> None:
         if not self.cfg.entry.has_count_tokens:
             est = self.ledger.estimate_input(len(body))
             await send_json(send, 200, json.dumps({"input_tokens": est}).encode())
             return
         try:
-            resp = await self._upstream(scope, "count_tokens", body)
+            resp = await self._upstream(scope, "count_tokens", body, betas)
             try:
                 content = await self._read_capped(resp, _MAX_ERROR_BODY)
             finally:
@@ -437,10 +463,16 @@ class Gateway:
         await send_json(send, status, body, self._reply_headers(resp))
 
     async def _forward(
-        self, scope: Scope, body: bytes, res: Reservation, receive: Receive, send: Send
+        self,
+        scope: Scope,
+        body: bytes,
+        betas: list[str],
+        res: Reservation,
+        receive: Receive,
+        send: Send,
     ) -> None:
         try:
-            resp = await self._upstream(scope, "messages", body)
+            resp = await self._upstream(scope, "messages", body, betas)
         except UpstreamTimeout as exc:
             self.ledger.release(res)
             self.ledger.usage.upstream_errors += 1

@@ -80,8 +80,12 @@ class Ledger:
         return self.budget - self.usage.weighted_total - self.usage.reserved
 
     # -- the two steps -----------------------------------------------------------------
-    def reserve(self, body_len: int, max_tokens: int) -> Reservation:
-        """Hold the worst case of a request, or raise :class:`Refusal` (nothing held)."""
+    def reserve(self, body_len: int, max_tokens: int, extra_input: int = 0) -> Reservation:
+        """Hold the worst case of a request, or raise :class:`Refusal` (nothing held).
+
+        ``extra_input``: input tokens the body's bytes do not bound (images, PDFs …,
+        counted by the request policy), added to the estimate.
+        """
         if self.usage.weighted_total >= self.budget:
             self.usage.exhausted = True
             raise Refusal(
@@ -89,7 +93,7 @@ class Ledger:
                 f"token budget exhausted: {self.usage.weighted_total:.0f} of "
                 f"{self.budget} tokens used",
             )
-        est = self.estimate_input(body_len)
+        est = self.estimate_input(body_len) + extra_input
         amount = est * self._input_weight + max_tokens
         left = self.remaining
         if amount > left:

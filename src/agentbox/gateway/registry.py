@@ -12,6 +12,8 @@ default entry ``replay-demo`` is the offline replay model and needs no key::
     upstream_model = "claude-sonnet-4-5"
     key_env = "ANTHROPIC_API_KEY"           # read from the host env by the gateway only
     unsupported_fields = []                 # request fields stripped before forwarding
+    # allowed_fields / allowed_block_types / allowed_betas: the request allow-lists
+    # (default: the kind's, see agentbox.gateway._policy); image_tokens, document_tokens
     cache_creation_weight = 1.25
     cache_read_weight = 0.1
 
@@ -31,6 +33,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agentbox.config import Settings
 from agentbox.errors import ConfigError
+from agentbox.gateway._policy import (
+    DEFAULT_BETAS,
+    DEFAULT_BLOCK_TYPES,
+    DEFAULT_FIELDS,
+    NETWORK_BETA_PREFIXES,
+    NETWORK_BLOCK_TYPES,
+    NETWORK_FIELDS,
+    RequestPolicy,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -71,6 +82,9 @@ KIND_UNSUPPORTED_FIELDS: Mapping[str, tuple[str, ...]] = {
 }
 
 
+_REQUIRED_FIELDS = frozenset({"model", "messages", "max_tokens", "stream"})
+
+
 class ModelEntry(BaseModel):
     """One model a client may choose by ``name``."""
 
@@ -90,9 +104,43 @@ class ModelEntry(BaseModel):
     """Forward the client's ``anthropic-beta`` header; None: only to ``anthropic`` and replay."""
     count_tokens: bool | None = None
     """The upstream serves ``/v1/messages/count_tokens``; None: all but ``compatible``."""
+    allowed_fields: tuple[str, ...] | None = None
+    """Top-level request fields admitted (others stripped); None: the default list."""
+    allowed_block_types: tuple[str, ...] | None = None
+    """Content block types admitted (others refused); None: the default list."""
+    allowed_betas: tuple[str, ...] | None = None
+    """``anthropic-beta`` values forwarded (others dropped); None: the default list."""
+    image_tokens: int = Field(default=5_000, ge=0)
+    """Worst-case input tokens of one image, for the budget's reservation."""
+    document_tokens: int = Field(default=1_800_000, ge=0)
+    """Worst-case input tokens of one base64 PDF document, for the reservation."""
     cache_creation_weight: float = Field(default=1.25, ge=0)
     cache_read_weight: float = Field(default=0.1, ge=0)
     description: str = ""
+
+    @field_validator("allowed_fields")
+    @classmethod
+    def _no_network_fields(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        bad = sorted(set(v or ()) & set(NETWORK_FIELDS))
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: would let the upstream reach the network")
+        return v
+
+    @field_validator("allowed_block_types")
+    @classmethod
+    def _no_network_blocks(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        bad = sorted(set(v or ()) & NETWORK_BLOCK_TYPES)
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: server tool blocks reach the network")
+        return v
+
+    @field_validator("allowed_betas")
+    @classmethod
+    def _no_network_betas(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        bad = [b for b in v or () if b.lower().startswith(NETWORK_BETA_PREFIXES)]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: these betas reach the network")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -107,6 +155,20 @@ class ModelEntry(BaseModel):
         if self.unsupported_fields is not None:
             return self.unsupported_fields
         return KIND_UNSUPPORTED_FIELDS[self.kind]
+
+    @property
+    def policy(self) -> RequestPolicy:
+        """The request allow-lists for this model (see :mod:`agentbox.gateway._policy`)."""
+        return RequestPolicy(
+            # The fields every request needs stay, whatever the entry lists.
+            fields=frozenset(self.allowed_fields or DEFAULT_FIELDS) | _REQUIRED_FIELDS,
+            block_types=frozenset(self.allowed_block_types or DEFAULT_BLOCK_TYPES),
+            betas=frozenset(
+                self.allowed_betas if self.allowed_betas is not None else DEFAULT_BETAS
+            ),
+            image_tokens=self.image_tokens,
+            document_tokens=self.document_tokens,
+        )
 
     @property
     def target_model(self) -> str:
