@@ -11,7 +11,9 @@ grouped by what the caller can do about it::
     ├── RefusedError           a request that is well-formed but not allowed
     │   ├── PathRefused        a path outside its root, through a link, wrong owner
     │   ├── TaskIdRefused      an id that does not match ^[0-9a-z-]{1,64}$
-    │   └── PolicyRefused      a capability, a network, a command that is not claude …
+    │   ├── PolicyRefused      a capability, a network, a command that is not claude …
+    │   └── PublishRefused     a branch agentbox did not write, or one checked out: kept as
+    │                          is (also a CollectError: the result is kept, unpublished)
     ├── UnsupportedError       the host lacks a facility (runtime, KVM, binary): install it
     ├── CommandError           a subprocess failed: argv, exit code, stderr tail
     │   └── CommandTimeout     ... or ran past its timeout
@@ -42,6 +44,7 @@ __all__ = [
     "ImageError",
     "PathRefused",
     "PolicyRefused",
+    "PublishRefused",
     "RefusedError",
     "SandboxError",
     "SandboxTimeout",
@@ -155,6 +158,11 @@ class GatewayError(AgentboxError):
 
 class CollectError(AgentboxError):
     """Result collection failed. The workspace is kept so it can be retried."""
+
+
+class PublishRefused(CollectError, RefusedError):
+    """Publishing a result would overwrite a ref agentbox did not write (or a branch that is
+    checked out). Nothing in the user's repo changed; the result is kept in the shadow dir."""
 
 
 class TaskError(AgentboxError):

@@ -31,6 +31,7 @@ app = typer.Typer(
 COMMAND_MODULES: tuple[str, ...] = (
     "_mcp",
     "_tasks",
+    "_publish",
     "_gateway",
     "_image",
     "_doctor",

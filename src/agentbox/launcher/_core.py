@@ -176,6 +176,16 @@ class Launcher:
             changed=row.changed,
         )
 
+    def publish(self, task_id: str, *, branch: str | None = None) -> TaskInfo:
+        """Publish a finished task's kept result as ``branch`` (default ``agentbox/<id>``).
+
+        For ``--no-publish`` tasks and results whose branch was refused; never
+        overwrites a ref agentbox did not write (see :mod:`agentbox.launcher._publish`).
+        """
+        from agentbox.launcher._publish import publish_task
+
+        return publish_task(self.settings, self.store, task_id, branch=branch)
+
     def wait(self, task_id: str, timeout: float | None = None) -> TaskInfo:
         """Block until the task is terminal; TaskError past ``timeout`` seconds."""
         end = None if timeout is None else time.monotonic() + timeout

@@ -47,9 +47,9 @@ from agentbox._log import get_logger
 from agentbox.backends import get_backend
 from agentbox.backends.base import SandboxSpec
 from agentbox.boxfile import Boxfile
-from agentbox.collect import Base, Report, collect, prepare, publish
+from agentbox.collect import Base, Report, Skipped, branch_name, collect, prepare, publish
 from agentbox.config import Settings
-from agentbox.errors import AgentboxError, PathRefused, PolicyRefused
+from agentbox.errors import AgentboxError, PathRefused, PolicyRefused, PublishRefused
 from agentbox.gateway import GatewayHandle, read_usage, spawn_gateway
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
 from agentbox.launcher._store import Owner, Store, TaskRow
@@ -345,8 +345,20 @@ def _collect_and_finish(
                 _share_shadow(paths)
             else:
                 _repo_at_use(settings, row)
-                branch = publish(paths.shadow_git, Path(row.repo), task_id=row.id, commit=commit)
-                tlog(f"published {branch}")
+                try:
+                    branch = publish(
+                        paths.shadow_git,
+                        Path(row.repo),
+                        task_id=row.id,
+                        commit=commit,
+                        record=paths.root / "published.json",
+                    )
+                    tlog(f"published {branch}")
+                except PublishRefused as exc:
+                    # The user's ref is left alone and the result is kept: the task
+                    # did its work; `agentbox publish ID --branch NAME` publishes it.
+                    tlog(f"not published: {exc}")
+                    report.notes.append(Skipped(path=branch_name(row.id), reason=str(exc)))
         except AgentboxError as exc:
             tlog(f"collection failed: {exc}")
             log.error("collection failed", task_id=row.id, error=str(exc))
