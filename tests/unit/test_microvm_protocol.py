@@ -25,7 +25,7 @@ from agentbox.guest.agent import (
     encode_frame,
     proof,
 )
-from agentbox.microvm._channel import MAX_QUEUED, Channel, GuestTimeout
+from agentbox.microvm._channel import MAX_QUEUED_BYTES, MSG_OVERHEAD, Channel, GuestTimeout
 from agentbox.microvm._guest import GuestSession, KernelFacts
 
 
@@ -132,7 +132,7 @@ def test_malformed_frame_breaks_the_channel_and_wakes_waiters(guest: FakeGuest, 
 
 def test_control_flood_breaks_the_channel(guest: FakeGuest) -> None:
     msg = encode_ctrl({"op": "noise"})
-    guest.send(msg * (MAX_QUEUED + 10))
+    guest.send(msg * (MAX_QUEUED_BYTES // (len(msg) + MSG_OVERHEAD - 9) + 10))
     _wait_broken(guest)
     assert guest.broken and "flood" in guest.broken[0]
 

@@ -15,7 +15,16 @@ Wire format (both directions), on the virtio-serial port ``agentbox.0``::
     a zero-length data frame ends that direction of its stream (EOF)
 
 Host ids (exec, put, get) are even; gateway stream ids chosen by the guest are
-odd. The session: the guest says ``ready`` (kernel release, boot id), the host
+odd and increase. A control message goes on the stream it concerns (an ``error``
+too); the host breaks the channel on one that arrives where nobody reads.
+
+Gateway streams are flow-controlled: after ``gw_open`` the guest may send
+:data:`GW_WINDOW` bytes of GW data on the stream, and more only as the host
+grants them (``{"op": "gw_credit", "n": bytes}`` on that stream, sent as it
+drains them into the gateway). A guest that sends past its credit breaks the
+channel, so the host never holds more than the window per stream.
+
+The session: the guest says ``ready`` (kernel release, boot id), the host
 sends ``hello`` (per-run token, clock, RNG seed, whether to mount ``/data``,
 the declared read-only mounts as ``[{label, target}]``),
 and from then on asks ``check`` (a nonce, answered with HMAC(token, nonce),
@@ -65,6 +74,55 @@ WORKSPACE = "/workspace"
 SIGKILL, SIGPIPE, SIGXFSZ = 9, 13, 25
 #: Largest signal number a host may ask the agent to send.
 SIGRTMAX = 64
+#: GW bytes the guest may send on one gateway stream beyond the credit the host
+#: granted (the host holds at most this much per stream; see the module docstring).
+GW_WINDOW = 256 * 1024
+
+
+#: What a ``put`` runs, as the sandbox uid: extract the tar on stdin into argv[1]
+#: with the rules of tarfile's "data" filter, spelled out because the guest's
+#: Python (Debian 12's 3.11.2) predates ``tarfile.data_filter``: a member must
+#: stay inside the destination (its name and, for links, its target, resolved
+#: through whatever is on disk), links are relative, no devices or FIFOs, no
+#: setuid/setgid/sticky or group/other write bits. A member that breaks a rule
+#: fails the copy and names the member.
+UNTAR = r"""
+import os, sys, tarfile
+try:
+    dest = sys.argv[1]
+    os.makedirs(dest, exist_ok=True)
+    root = os.path.realpath(dest)
+    def inside(path):
+        path = os.path.realpath(path)
+        return path == root or path.startswith(root.rstrip("/") + "/")
+    kw = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tf:
+        for m in tf:
+            name = m.name.lstrip("/")
+            if m.name != name or not inside(os.path.join(root, name)):
+                raise ValueError("%r would land outside %s" % (m.name, dest))
+            if m.islnk() or m.issym():
+                if m.linkname.startswith("/"):
+                    raise ValueError("%r links to an absolute path" % m.name)
+                base = os.path.dirname(name) if m.issym() else ""
+                if not inside(os.path.join(root, base, m.linkname)):
+                    raise ValueError("%r links outside %s" % (m.name, dest))
+            elif not (m.isreg() or m.isdir()):
+                raise ValueError("%r is a special file" % m.name)
+            mode = m.mode & 0o755
+            if m.isreg() or m.islnk():
+                if not mode & 0o100:
+                    mode &= ~0o111
+                mode |= 0o600
+            elif m.isdir():
+                mode |= 0o700
+            m.mode = mode
+            m.uid, m.gid, m.uname, m.gname = os.getuid(), os.getgid(), "", ""
+            tf.extract(m, root, set_attrs=True, **kw)
+except Exception as exc:
+    sys.stderr.write("%s: %s\n" % (type(exc).__name__, exc))
+    sys.exit(1)
+"""
 
 
 class ProtocolError(Exception):
@@ -361,6 +419,43 @@ def _spawn(
     return pid
 
 
+class _Credit:
+    """Bytes one gateway stream may still send up; ``wait`` blocks until there are some."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.closed = False
+        self.lock = _thread.allocate_lock()
+        self.wake = _thread.allocate_lock()  # released when credit arrives or on close
+        self.wake.acquire()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.n += n
+            if self.wake.locked():
+                self.wake.release()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            if self.wake.locked():
+                self.wake.release()
+
+    def wait(self) -> int:
+        """The credit left, once there is some; 0 once the stream is closed."""
+        while True:
+            with self.lock:
+                if self.closed:
+                    return 0
+                if self.n > 0:
+                    return self.n
+            self.wake.acquire()
+
+    def spend(self, n: int) -> None:
+        with self.lock:
+            self.n -= n
+
+
 class Agent:
     """The guest end of the channel."""
 
@@ -372,6 +467,7 @@ class Agent:
         self.procs: dict[int, int] = {}  # stream -> pid (the process group)
         self.stdin_q: dict[int, SimpleQueue[bytes | None]] = {}
         self.gw: dict[int, SimpleQueue[bytes | None]] = {}
+        self.gw_credit: dict[int, _Credit] = {}
         self.puts: dict[int, tuple[int, str]] = {}
         self.next_gw = 1
         self.lock = _thread.allocate_lock()
@@ -408,7 +504,8 @@ class Agent:
                     self.dispatch(ftype, stream, payload)
                 except Exception as exc:
                     self.ctrl(
-                        {"op": "error", "id": stream, "error": f"{type(exc).__name__}: {exc}"}
+                        {"op": "error", "id": stream, "error": f"{type(exc).__name__}: {exc}"},
+                        stream,
                     )
 
     def run(self) -> None:
@@ -435,6 +532,10 @@ class Agent:
             gq = self.gw.get(stream)
             if gq is not None:
                 gq.put(payload or None)
+            if not payload:  # the host is done with the stream: stop sending up it
+                credit = self.gw_credit.get(stream)
+                if credit is not None:
+                    credit.close()
         elif ftype == FILE:
             self.put_chunk(stream, payload)
 
@@ -638,29 +739,36 @@ class Agent:
             pass
 
     def _untar(self, r: int, dest: str, stream: int) -> None:
-        import tarfile
+        # The workload owns where a copy lands (/workspace, /tmp) and may have planted
+        # links there: extracting as root would write through them. So a child
+        # extracts as the sandbox uid (it can write only where the workload could),
+        # with the rules of tarfile's "data" filter (see UNTAR).
+        import sys
 
         err = ""
+        err_r, err_w = os.pipe()
         try:
-            with os.fdopen(r, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tf:
-                os.makedirs(dest, exist_ok=True)
-                for m in tf:
-                    if m.name.startswith("/") or ".." in m.name.split("/"):
-                        continue
-                    m.uid = m.gid = self.uid
-                    tf.extract(m, dest, set_attrs=True)
-                    try:
-                        os.lchown(os.path.join(dest, m.name), self.uid, self.uid)
-                    except OSError:
-                        pass
-            try:
-                st = os.lstat(dest)
-                if st.st_uid == 0 and dest.startswith(WORKSPACE):
-                    os.lchown(dest, self.uid, self.uid)
-            except OSError:
-                pass
-        except Exception as exc:
-            err = f"{type(exc).__name__}: {exc}"
+            uid = self.uid if self.uid != 0 else None
+            env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
+            argv = [sys.executable or "python3", "-I", "-S", "-c", UNTAR, dest]
+            pid = _spawn(argv, env, "/", uid, (r, err_w, err_w))
+        except OSError as exc:
+            pid, err = 0, f"cannot start the extraction: {exc}"
+        finally:
+            os.close(r)
+            os.close(err_w)
+        out = b""
+        try:
+            while chunk := os.read(err_r, 65536):
+                out = (out + chunk)[-2000:]
+        finally:
+            os.close(err_r)
+        if pid:
+            _, status = os.waitpid(pid, 0)
+            if status != 0:
+                lines = out.decode(errors="replace").strip().splitlines()
+                code = os.waitstatus_to_exitcode(status)
+                err = lines[-1] if lines else f"the extraction exited with {code}"
         self.ctrl({"op": "put_ok", "error": err}, stream)
 
     def op_get(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
@@ -709,21 +817,39 @@ class Agent:
                 self.next_gw += 2
             q: SimpleQueue[bytes | None] = SimpleQueue()
             self.gw[sid] = q
+            credit = self.gw_credit[sid] = _Credit(GW_WINDOW)
             self.ctrl({"op": "gw_open"}, sid)
             down = _thread.allocate_lock()
             down.acquire()
             _thread.start_new_thread(self._gw_down, (conn, sid, q, down))
-            _thread.start_new_thread(self._gw_up, (conn, sid, down))
+            _thread.start_new_thread(self._gw_up, (conn, sid, credit, down))
 
-    def _gw_up(self, conn: socket.socket, sid: int, down: _thread.LockType) -> None:
+    def op_gw_credit(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
+        n = msg.get("n")
+        if type(n) is not int or not 0 < n <= GW_WINDOW:
+            raise ProtocolError(f"bad gateway credit {n!r}")
+        credit = self.gw_credit.get(stream)
+        if credit is not None:
+            credit.add(n)
+
+    def _gw_up(
+        self, conn: socket.socket, sid: int, credit: _Credit, down: _thread.LockType
+    ) -> None:
+        # Read from the workload only what the host has room for: when the host
+        # (the gateway) stops draining, the workload's own send blocks in here.
         try:
-            while chunk := conn.recv(MAX_PAYLOAD):
+            while (room := credit.wait()) > 0:
+                chunk = conn.recv(min(room, MAX_PAYLOAD))
+                if not chunk:
+                    break
+                credit.spend(len(chunk))
                 self.send(encode_frame(GW, sid, chunk))
         except OSError:
             pass
         self.send(encode_frame(GW, sid, b""))
         down.acquire()
         conn.close()
+        self.gw_credit.pop(sid, None)
 
     def _gw_down(
         self, conn: socket.socket, sid: int, q: SimpleQueue[bytes | None], down: _thread.LockType

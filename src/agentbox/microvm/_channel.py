@@ -1,11 +1,21 @@
 """The host end of the guest agent's channel: frames over the virtio-serial socket.
 
-One reader thread parses what the guest sends, defensively: an unknown frame
-type, an oversized frame, a control message that is not a JSON object, or more
-queued control messages than :data:`MAX_QUEUED` marks the channel broken, and
-``on_broken`` (the VM's kill) runs. Every wait has a timeout. The guest is
-never trusted to be well-behaved; it only gets to be slow, and then it is
-killed.
+One reader thread parses what the guest sends, defensively. Any of these marks
+the channel broken, and ``on_broken`` (the VM's kill) runs:
+
+- an unknown frame type, an oversized frame, a control message that is not a
+  JSON object with an op (nesting too deep for the parser included);
+- a control message on a stream nobody reads: stream 0 once the session is
+  greeted, a gateway stream after its ``gw_open``, a ``gw_open`` that does not
+  open a new (higher) odd stream, a host stream never opened. Only a late answer
+  on a host stream the host already closed (it timed out) is dropped;
+- queued control messages, across all streams, above :data:`MAX_QUEUED_BYTES`
+  (counted as wire bytes plus :data:`MSG_OVERHEAD` each; they are kept as
+  their raw bytes and parsed again when read, so what is held is what was sent);
+- whatever a data handler rejects (a gateway stream sending past its credit).
+
+Every wait has a timeout. The guest is never trusted to be well-behaved; it
+only gets to be slow, and then it is killed.
 """
 
 from __future__ import annotations
@@ -35,15 +45,18 @@ __all__ = ["Channel", "DataHandler", "GuestTimeout"]
 
 log = get_logger("microvm.channel")
 
-#: Control messages queued per stream before the guest counts as flooding.
-MAX_QUEUED = 4096
+#: Control bytes queued for the host's readers, all streams together, before the
+#: guest counts as flooding.
+MAX_QUEUED_BYTES = 1024 * 1024
+#: What one queued control message is charged beyond its payload (the bytes
+#: object and the queue's slot), so a flood of tiny messages is bounded too.
+MSG_OVERHEAD = 128
 #: A send the guest does not drain within this many seconds breaks the channel.
 SEND_TIMEOUT = 60.0
 
 DataHandler = Callable[[int, bytes], None]
-"""Called in the reader thread with (frame type, payload) for a stream's data frames."""
-
-_CLOSED: dict[str, Any] = {"op": "__closed__"}
+"""Called in the reader thread with (frame type, payload) for a stream's data frames.
+It must not block; raising :class:`GuestError` breaks the channel."""
 
 
 class GuestTimeout(GuestError):
@@ -68,9 +81,13 @@ class Channel:
         self._sock.settimeout(None)
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
-        self._ctrl: dict[int, queue.Queue[dict[str, Any]]] = {0: queue.Queue(MAX_QUEUED)}
+        # Raw control payloads per stream (None: the channel closed); stream 0 is
+        # read until the session is greeted, see release_stream0().
+        self._ctrl: dict[int, queue.Queue[bytes | None]] = {0: queue.Queue()}
+        self._queued = 0  # bytes charged for everything in self._ctrl
         self._data: dict[int, DataHandler] = {}
         self._next = 2
+        self._last_gw = -1  # the highest gateway stream the guest opened
         self._on_broken = on_broken
         self._on_gateway_open = on_gateway_open
         self.error: str | None = None
@@ -84,22 +101,43 @@ class Channel:
         with self._lock:
             sid = self._next
             self._next += 2
-            self._ctrl[sid] = queue.Queue(MAX_QUEUED)
+            self._ctrl[sid] = queue.Queue()
             if handler is not None:
                 self._data[sid] = handler
         return sid
 
     def accept_stream(self, sid: int, handler: DataHandler) -> None:
-        """Register a guest-opened (odd) stream."""
+        """Register a guest-opened (odd) stream's data handler (it has no control reader)."""
         with self._lock:
-            self._ctrl[sid] = queue.Queue(MAX_QUEUED)
             self._data[sid] = handler
 
     def close_stream(self, sid: int) -> None:
-        """Forget a stream; later frames for it are dropped."""
+        """Forget a stream; later data frames for it are dropped (see the module doc
+        for control messages)."""
         with self._lock:
-            self._ctrl.pop(sid, None)
+            q = self._ctrl.pop(sid, None)
             self._data.pop(sid, None)
+            while q is not None:
+                try:
+                    raw = q.get_nowait()
+                except queue.Empty:
+                    break
+                if raw is not None:
+                    self._queued -= len(raw) + MSG_OVERHEAD
+
+    def release_stream0(self) -> None:
+        """The session is greeted: nothing reads stream 0 any more."""
+        self.close_stream(0)
+
+    def violation(self, why: str) -> GuestError:
+        """Break the channel for a protocol violation found by a reader; the error to raise."""
+        self._break(f"protocol violation: {why}")
+        return GuestError(f"protocol violation: {why}", sandbox=self.name)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Control bytes held for readers now (for tests and diagnostics)."""
+        return self._queued
 
     # -- sending
     def send(self, ftype: int, stream: int, payload: bytes = b"") -> None:
@@ -143,14 +181,17 @@ class Channel:
             raise GuestError(f"no stream {stream}", sandbox=self.name)
         while True:
             try:
-                msg = q.get(timeout=timeout)
+                raw = q.get(timeout=timeout)
             except queue.Empty:
                 raise GuestTimeout(
                     f"guest did not answer {sorted(ops)} within {timeout:g}s", sandbox=self.name
                 ) from None
-            if msg is _CLOSED:
-                q.put(msg)
+            if raw is None:
+                q.put(raw)
                 raise GuestError(f"channel closed: {self.error}", sandbox=self.name)
+            with self._lock:
+                self._queued -= len(raw) + MSG_OVERHEAD
+            msg = decode_ctrl(raw)  # checked once already, when it arrived
             if msg["op"] in ops:
                 return msg
             if msg["op"] == "error":
@@ -178,17 +219,26 @@ class Channel:
 
     def _dispatch(self, ftype: int, stream: int, payload: bytes) -> None:
         if ftype == CTRL:
-            msg = decode_ctrl(payload)
-            if msg["op"] == "gw_open" and stream % 2 == 1 and self._on_gateway_open:
+            op = decode_ctrl(payload)["op"]  # parsed to check it, then dropped
+            if stream % 2 == 1:
+                if op != "gw_open" or stream <= self._last_gw or self._on_gateway_open is None:
+                    raise GuestError(f"control message {op[:40]!r} on gateway stream {stream}")
+                self._last_gw = stream
                 self._on_gateway_open(stream)
                 return
-            q = self._ctrl.get(stream)
-            if q is None:
-                return  # a stream we no longer listen to
-            try:
-                q.put_nowait(msg)
-            except queue.Full:
-                raise GuestError("guest floods control messages") from None
+            cost = len(payload) + MSG_OVERHEAD
+            with self._lock:
+                q = self._ctrl.get(stream)
+                if q is None:
+                    if 0 < stream < self._next:
+                        return  # a late answer on a stream the host closed
+                    raise GuestError(f"control message {op[:40]!r} on stream {stream}, unread")
+                if self._queued + cost > MAX_QUEUED_BYTES:
+                    raise GuestError(
+                        f"guest floods control messages (over {MAX_QUEUED_BYTES} bytes queued)"
+                    )
+                self._queued += cost
+                q.put_nowait(payload)
             return
         handler = self._data.get(stream)
         if handler is not None:
@@ -202,8 +252,7 @@ class Channel:
             queues = list(self._ctrl.values())
         self._closed.set()
         for q in queues:
-            with contextlib.suppress(queue.Full):
-                q.put_nowait(_CLOSED)
+            q.put_nowait(None)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         log.debug("channel broken", sandbox=self.name, why=why)

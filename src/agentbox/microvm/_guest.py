@@ -5,6 +5,14 @@ timeout: the HMAC of the nonce under this run's token (so the answer comes from
 the agent this run greeted, after this boot or restore), and a kernel release
 and boot id that both differ from the host's (so the command is about to run
 on the guest's own kernel, not on a runtime that fell back to the host).
+
+What the host holds for one guest is bounded, whatever the guest sends: per
+gateway stream at most :data:`~agentbox.guest.agent.GW_WINDOW` bytes waiting
+for the gateway (credit is granted back only as they drain; a guest that sends
+past it breaks the channel), so :data:`MAX_GATEWAY_HELD` for all of them; the
+channel's queued control messages (:data:`~agentbox.microvm._channel.MAX_QUEUED_BYTES`);
+a ``get`` stream's :data:`MAX_FILE_HELD`. Output of an ``exec`` without callbacks
+is kept up to :data:`MAX_CAPTURE` per stream, the rest dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import socket
 import tarfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -25,7 +34,7 @@ from typing import IO, Any
 from agentbox._log import get_logger
 from agentbox.backends.base import ExecResult, OutputCallback
 from agentbox.errors import GuestError
-from agentbox.guest.agent import FILE, GW, STDERR, STDIN, STDOUT, proof
+from agentbox.guest.agent import FILE, GW, GW_WINDOW, MAX_PAYLOAD, STDERR, STDIN, STDOUT, proof
 from agentbox.microvm._channel import Channel, GuestTimeout
 
 __all__ = ["GuestSession", "KernelFacts", "host_kernel"]
@@ -38,6 +47,14 @@ CHECK_TIMEOUT = 30.0
 #: Gateway connections a guest may hold open at once; more are refused (EOF at once),
 #: so a guest cannot make the host open sockets and threads without bound.
 MAX_GATEWAY_STREAMS = 64
+#: Bytes of guest-to-gateway data the host may hold for one VM, all streams (16 MiB).
+MAX_GATEWAY_HELD = MAX_GATEWAY_STREAMS * GW_WINDOW
+#: Data frames of a ``get`` stream queued for its consumer (at most 4 MiB); when
+#: full, the channel's reader waits, which stops the guest's sends.
+FILE_FRAMES = 16
+MAX_FILE_HELD = FILE_FRAMES * MAX_PAYLOAD
+#: Exit codes a guest may report for a command; anything else is a protocol violation.
+EXIT_CODES = range(-255, 256)
 
 
 class KernelFacts:
@@ -58,7 +75,7 @@ class _Pipe:
     """A bounded byte queue the channel's reader fills and a consumer thread drains."""
 
     def __init__(self) -> None:
-        self.q: queue.Queue[bytes | None] = queue.Queue(256)
+        self.q: queue.Queue[bytes | None] = queue.Queue(FILE_FRAMES)
         self.dead = False
 
     def put(self, data: bytes | None, timeout: float = 60.0) -> None:
@@ -96,6 +113,61 @@ class _StreamReader:
         return out
 
 
+class _Upstream:
+    """One gateway stream's guest-to-gateway bytes, at most :data:`GW_WINDOW` held.
+
+    The channel's reader puts (never blocks); the stream's writer thread gets,
+    sends to the gateway and grants the guest the drained bytes back as credit.
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.chunks: deque[bytes] = deque()
+        self.received = 0  # bytes the guest sent on the stream
+        self.allowed = GW_WINDOW  # bytes it may have sent: the window plus credit granted
+        self.eof = False
+        self.dead = False  # the gateway side failed: drop what comes
+
+    def put(self, payload: bytes) -> None:
+        with self.cond:
+            if not payload:
+                self.eof = True
+            else:
+                self.received += len(payload)
+                if self.received > self.allowed:
+                    raise GuestError(
+                        f"guest sent {self.received - self.allowed} bytes past its gateway "
+                        f"stream's credit (window {GW_WINDOW})"
+                    )
+                if not self.dead:
+                    self.chunks.append(payload)
+            self.cond.notify()
+
+    def get(self) -> bytes | None:
+        with self.cond:
+            while not self.chunks and not self.eof:
+                self.cond.wait()
+            return self.chunks.popleft() if self.chunks else None
+
+    def empty(self) -> bool:
+        with self.cond:
+            return not self.chunks
+
+    def grant(self, n: int) -> None:
+        with self.cond:
+            self.allowed += n
+
+    def fail(self) -> None:
+        with self.cond:
+            self.dead = True
+            self.chunks.clear()
+
+    @property
+    def held(self) -> int:
+        with self.cond:
+            return sum(len(c) for c in self.chunks)
+
+
 class GuestSession:
     """The host's side of the protocol with one guest agent."""
 
@@ -108,6 +180,7 @@ class GuestSession:
         self.last_check: dict[str, Any] = {}
         self._gw_open = 0
         self._gw_lock = threading.Lock()
+        self._upstreams: dict[int, _Upstream] = {}
 
     # -- session
     def wait_ready(self, timeout: float) -> dict[str, Any]:
@@ -138,6 +211,7 @@ class GuestSession:
             "mounts": [{"label": label, "target": target} for label, target in mounts],
         })  # fmt: skip
         self._verify(self.channel.wait(0, {"hello_ok"}, timeout), nonce=None)
+        self.channel.release_stream0()
 
     def check(self, timeout: float = CHECK_TIMEOUT) -> dict[str, Any]:
         """The per-command check: nonce echoed under the token, a kernel that is not ours."""
@@ -225,7 +299,12 @@ class GuestSession:
                 timed_out = True
                 self.channel.send_ctrl({"op": "signal", "sig": 9}, sid)
                 msg = self.channel.wait(sid, {"exit"}, 30.0)
-            code = int(msg.get("code", 1))
+            code = msg.get("code", 1)
+            if type(code) is not int or code not in EXIT_CODES:
+                # Handled like a crash: the VM is killed and its /data read off the disk.
+                raise self.channel.violation(
+                    f"exit code of type {type(code).__name__} outside -255..255"
+                )
             if code < 0:
                 code = 128 - code
             if msg.get("error"):
@@ -319,21 +398,40 @@ class GuestSession:
             with contextlib.suppress(GuestError):
                 self.channel.send(GW, sid, b"")
             return
-        down: queue.Queue[bytes | None] = queue.Queue()
+        up = _Upstream()
 
         def handler(ftype: int, payload: bytes) -> None:
             if ftype == GW:
-                down.put(payload or None)
+                up.put(payload)
 
+        with self._gw_lock:
+            self._upstreams[sid] = up
         self.channel.accept_stream(sid, handler)
-        threading.Thread(target=self._gw_to_socket, args=(conn, down), daemon=True).start()
+        threading.Thread(target=self._gw_to_socket, args=(conn, up, sid), daemon=True).start()
         threading.Thread(target=self._gw_to_guest, args=(conn, sid), daemon=True).start()
 
-    def _gw_to_socket(self, conn: socket.socket, down: queue.Queue[bytes | None]) -> None:
-        with contextlib.suppress(OSError):
-            while (chunk := down.get()) is not None:
+    @property
+    def gateway_held(self) -> int:
+        """Guest-to-gateway bytes the host holds now, all streams (at most MAX_GATEWAY_HELD)."""
+        with self._gw_lock:
+            ups = list(self._upstreams.values())
+        return sum(up.held for up in ups)
+
+    def _gw_to_socket(self, conn: socket.socket, up: _Upstream, sid: int) -> None:
+        # Credit goes back to the guest only for bytes the gateway took: when it stops
+        # reading (uvicorn does, behind a pipelined request), the guest stops sending.
+        drained = 0
+        try:
+            while (chunk := up.get()) is not None:
                 conn.sendall(chunk)
+                drained += len(chunk)
+                if drained >= GW_WINDOW // 4 or up.empty():
+                    up.grant(drained)  # before the guest can act on it
+                    self.channel.send_ctrl({"op": "gw_credit", "n": drained}, sid)
+                    drained = 0
             conn.shutdown(socket.SHUT_WR)
+        except (OSError, GuestError):
+            up.fail()
 
     def _gw_to_guest(self, conn: socket.socket, sid: int) -> None:
         try:
@@ -347,3 +445,6 @@ class GuestSession:
         self.channel.close_stream(sid)
         with self._gw_lock:
             self._gw_open -= 1
+            up = self._upstreams.pop(sid, None)
+        if up is not None:
+            up.fail()
