@@ -32,6 +32,13 @@ def mcp(
     max_pending: int = typer.Option(
         DEFAULT_MAX_PENDING, "--max-pending", min=1, max=1000, help="Tasks in flight at most."
     ),
+    listen_fd: int | None = typer.Option(
+        None,
+        "--listen-fd",
+        min=3,
+        hidden=True,
+        help="Serve --http on this inherited listening socket (set by agentbox serve).",
+    ),
 ) -> None:
     """Run the MCP server (stdio by default: claude mcp add agentbox -- agentbox mcp)."""
     from agentbox.mcp._auth import parse_listen
@@ -48,7 +55,7 @@ def mcp(
     if listen is None:
         run_stdio(prepared)
     else:
-        run_http(prepared, *listen)
+        run_http(prepared, *listen, listen_fd=listen_fd)
 
 
 def serve_cmd(

@@ -5,7 +5,14 @@ Start-up order matters for the privilege split. While still root, the server
 launcher's socket with ``O_PATH`` so it can later connect through
 ``/proc/self/fd/N`` without being able to traverse the data dir, and only then
 (3) drops to an ordinary uid with no capabilities. Nothing from a client is
-read before the drop.
+read before the drop. The launcher records that uid as the caller of every task
+the server submits (it reads it from the kernel, ``SO_PEERCRED``), and answers
+this server about those tasks only.
+
+``agentbox serve`` binds the MCP HTTP port itself, before it starts anything: a
+port that is taken is an error naming the address, and the bound socket is handed
+to the MCP child (``--listen-fd``). It says "serving" only once the child has
+answered an HTTP request on that socket.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import anyio
 from agentbox._log import get_logger
 from agentbox._proc import kill_group
 from agentbox.config import Settings
-from agentbox.errors import PathRefused, SandboxError, UnsupportedError
+from agentbox.errors import ConfigError, PathRefused, SandboxError, UnsupportedError
 from agentbox.mcp._auth import GateMiddleware, load_or_create_token, parse_listen, token_path
 from agentbox.mcp._confine import confine_filesystem
 from agentbox.mcp._privdrop import Identity, drop_privileges, resolve_identity
@@ -34,6 +41,8 @@ from agentbox.mcp._server import DEFAULT_MAX_PENDING, ServerConfig, build_server
 
 __all__ = [
     "Prepared",
+    "adopt_listener",
+    "bind_listener",
     "claude_add_command",
     "launcher_socket",
     "mcp_url",
@@ -47,7 +56,8 @@ log = get_logger("mcp.run")
 
 
 def launcher_socket(settings: Settings) -> Path:
-    """The launcher's unix socket: ``<data_dir>/launcher.sock``."""
+    """The launcher's unix socket as clients name it: ``<data_dir>/launcher.sock`` (a link
+    into ``run/``, the ``root:agentbox 0750`` directory the launcher binds it in)."""
     return settings.data_dir / "launcher.sock"
 
 
@@ -135,21 +145,70 @@ def mcp_url(host: str, port: int) -> str:
     return f"http://{h}:{port}/mcp"
 
 
-def run_http(prepared: Prepared, host: str, port: int) -> None:
-    """Serve MCP over streamable HTTP on ``host:port`` (loopback, checked again here)."""
+def _addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port``; :class:`ConfigError` naming it when taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # Only lets a port in TIME_WAIT be reused; a live listener still refuses the bind.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {_addr(host, port)}: {exc.strerror} "
+            "(is another server using that port? choose another with --http)"
+        ) from exc
+    return sock
+
+
+def adopt_listener(fd: int, host: str, port: int) -> socket.socket:
+    """The listening socket ``agentbox serve`` handed down as ``fd``, checked to be
+    a TCP listener on exactly ``host:port``."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ConfigError(f"--listen-fd {fd} is not a socket: {exc.strerror}") from exc
+    try:
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        name = sock.getsockname()
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--listen-fd {fd}: {exc.strerror}") from exc
+    if (
+        sock.type != socket.SOCK_STREAM
+        or not listening
+        or not isinstance(name, tuple)
+        or (name[0], name[1]) != (host, port)
+    ):
+        sock.close()
+        raise ConfigError(f"--listen-fd {fd} is not a TCP listener on {_addr(host, port)}")
+    return sock
+
+
+def run_http(prepared: Prepared, host: str, port: int, *, listen_fd: int | None = None) -> None:
+    """Serve MCP over streamable HTTP on ``host:port`` (loopback, checked again here).
+
+    The port is bound (or, with ``listen_fd``, the inherited listener checked) before
+    the URL is printed, so the line appears only when the server can be reached.
+    """
     import uvicorn
 
-    parse_listen(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    parse_listen(_addr(host, port))
     if prepared.token is None:
         raise PathRefused("the HTTP transport needs a bearer token")
+    sock = bind_listener(host, port) if listen_fd is None else adopt_listener(listen_fd, host, port)
     server = build_server(prepared.config)
     inner = server.streamable_http_app(host=host)
     app = GateMiddleware(inner, token=prepared.token, port=port)
     print(f"agentbox MCP server: {mcp_url(host, port)}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", lifespan="on", access_log=False
-    )
-    anyio.run(uvicorn.Server(config).serve)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+    anyio.run(uvicorn.Server(config).serve, [sock])
 
 
 def _agentbox_argv(*args: str) -> list[str]:
@@ -174,15 +233,36 @@ def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float) 
     raise SandboxError(f"the launcher did not listen on {path} within {timeout:g}s")
 
 
+def _wait_for_http(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    # The listener is ours (bound above, shared only with the child), so any HTTP
+    # answer on it comes from the MCP child: it is serving, not merely started.
+    request = f"GET /mcp HTTP/1.1\r\nHost: {_addr(host, port)}\r\nConnection: close\r\n\r\n"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SandboxError(
+                f"the MCP server exited with {proc.returncode} before it served {_addr(host, port)}"
+            )
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 2.0) as s:
+            s.sendall(request.encode())
+            if s.recv(16).startswith(b"HTTP/1."):
+                return
+        time.sleep(0.1)
+    raise SandboxError(f"the MCP server did not answer on {_addr(host, port)} within {timeout:g}s")
+
+
 def serve(settings: Settings, listen: str, *, user: str | None, max_pending: int) -> int:
     """Run the launcher and the MCP HTTP server together until SIGINT/SIGTERM.
 
-    Prints the URL, the token file and the ``claude mcp add`` line. Returns
-    the exit code (0 after a clean stop).
+    Binds the HTTP port first (:class:`ConfigError` naming it when taken: nothing
+    is started), then the launcher, then the MCP child on that socket; prints the
+    URL, the token file and the ``claude mcp add`` line only once the MCP server
+    answers. Returns the exit code (0 after a clean stop).
     """
     host, port = parse_listen(listen)
     tok_file = token_path(settings.data_dir)
     token = load_or_create_token(tok_file)
+    listener = bind_listener(host, port)
     stop = False
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -195,11 +275,15 @@ def serve(settings: Settings, listen: str, *, user: str | None, max_pending: int
         launcher = subprocess.Popen(_agentbox_argv("launcher", "serve"), start_new_session=True)
         procs.append(launcher)
         _wait_for_socket(launcher_socket(settings), launcher, 60.0)
+        fd = listener.fileno()
         mcp_args = ["mcp", "--http", listen, "--max-pending", str(max_pending)]
+        mcp_args += ["--listen-fd", str(fd)]
         if user:
             mcp_args += ["--user", user]
-        mcp = subprocess.Popen(_agentbox_argv(*mcp_args), start_new_session=True)
+        mcp = subprocess.Popen(_agentbox_argv(*mcp_args), start_new_session=True, pass_fds=(fd,))
         procs.insert(0, mcp)
+        _wait_for_http(host, port, mcp, 60.0)
+        listener.close()  # the child holds it now
         print(
             f"agentbox is serving.\n  MCP URL:    {mcp_url(host, port)}\n"
             f"  token file: {tok_file}\n  launcher:   {launcher_socket(settings)}\n\n"
@@ -215,6 +299,7 @@ def serve(settings: Settings, listen: str, *, user: str | None, max_pending: int
             time.sleep(0.2)
         return code
     finally:
+        listener.close()
         # MCP first (no new requests), then the launcher, which stops its tasks itself.
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
