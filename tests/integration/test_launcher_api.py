@@ -21,7 +21,7 @@ import pytest
 from agentbox.config import Settings
 from agentbox.errors import PathRefused, RefusedError, TaskError, TaskIdRefused, TaskNotFound
 from agentbox.launcher import Launcher, LauncherClient, TaskRequest
-from agentbox.launcher._server import create_app, socket_path
+from agentbox.launcher._server import bind_socket, build_server, socket_path
 from agentbox.launcher._watchdog import spawn_watchdog
 from agentbox.launcher._workspace import check_owner, give_to_sandbox
 
@@ -39,18 +39,15 @@ def make_repo(path: Path) -> Path:
 
 @pytest.fixture
 def served(settings: Settings) -> Iterator[tuple[Launcher, LauncherClient]]:
-    """A launcher served on its unix socket by uvicorn in a thread."""
-    import uvicorn
-
+    """A launcher served on its unix socket by uvicorn in a thread (peer-checked, as served)."""
     launcher = Launcher(settings, max_tasks=1)
     path = socket_path(settings.data_dir)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(launcher), uds=str(path), log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
+    server = build_server(launcher)
+    listener = bind_socket(path)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     for _ in range(200):
-        if path.exists():
+        if server.started:
             break
         time.sleep(0.05)
     client = LauncherClient(path)

@@ -17,6 +17,7 @@ import builtins
 import concurrent.futures
 import contextlib
 import json
+import os
 import threading
 import time
 
@@ -24,7 +25,7 @@ from agentbox._log import get_logger
 from agentbox.backends._podman_util import sweep_stale_env_dirs
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
-from agentbox.errors import AgentboxError, TaskError
+from agentbox.errors import AgentboxError, PathRefused, TaskError, TaskNotFound
 from agentbox.gateway import DEFAULT_MODEL, load_registry, read_usage
 from agentbox.launcher import _runner
 from agentbox.launcher._store import Owner, Store, TaskRow
@@ -62,6 +63,14 @@ class Launcher:
     """Runs delegated tasks. Clients choose which task and model, never how.
 
     ``max_tasks`` bounds the tasks that run at once (more are queued).
+
+    Every call that names or lists tasks takes ``caller``: the uid of whoever asks,
+    as the socket server read it from the kernel (``SO_PEERCRED``). A non-root
+    caller sees, reads and cancels only the tasks it submitted (another's task is
+    :class:`~agentbox.errors.TaskNotFound`, as if it did not exist) and may
+    delegate only a repo it owns. ``caller`` None is the in-process API (the CLI,
+    whose user can read the store anyway): unscoped, and a submitted task is
+    recorded as the effective uid's. Root (0) sees all.
     """
 
     def __init__(self, settings: Settings, *, max_tasks: int = DEFAULT_MAX_TASKS) -> None:
@@ -79,14 +88,25 @@ class Launcher:
 
     # -- the API -----------------------------------------------------------
 
-    def submit(self, request: TaskRequest, *, boxfile: Boxfile | None = None) -> TaskInfo:
+    def submit(
+        self, request: TaskRequest, *, boxfile: Boxfile | None = None, caller: int | None = None
+    ) -> TaskInfo:
         """Validate ``request`` and queue it. Refused requests create nothing.
 
         ``boxfile`` (Python API and CLI only; never over the socket) chooses the
         image, runtime, resources and read-only mounts, within the settings.
+        A non-root ``caller`` must own the repo (its directory), as the MCP server
+        checks on its side: the launcher publishes into it as root.
         """
         registry = load_registry(self.settings)
         v = validate(request, self.settings, registry, boxfile=boxfile)
+        if caller not in (None, 0):
+            owner = v.repo.stat().st_uid
+            if owner != caller:
+                raise PathRefused(
+                    f"repo is owned by uid {owner}, not by the caller (uid {caller})",
+                    path=v.repo,
+                )
         box = boxfile or Boxfile.from_dict({}, settings=self.settings)
         if box.mounts:
             box.check_mounts(self.settings)
@@ -106,8 +126,9 @@ class Launcher:
             backend=box.backend,
             owner_pid=self._owner.pid,
             owner_start=self._owner.start,
+            caller_uid=os.geteuid() if caller is None else caller,
         )
-        log.info("task queued", task_id=v.task_id, repo=str(v.repo), model=v.model)
+        log.info("task queued", task_id=v.task_id, repo=str(v.repo), model=v.model, caller=caller)
         event = threading.Event()
         with self._lock:
             self._cancel[v.task_id] = event
@@ -115,21 +136,23 @@ class Launcher:
             self._futures[v.task_id] = fut
         return self.get(v.task_id)
 
-    def get(self, task_id: str) -> TaskInfo:
+    def get(self, task_id: str, *, caller: int | None = None) -> TaskInfo:
         """The task's state; live token counts while it runs."""
-        row = self.store.get(validate_task_id(task_id))
+        row = self._row(task_id, caller)
         tokens = None
         if row.status in ("running", "collecting"):
             tokens = tokens_from_usage(TaskPaths(self.settings.data_dir, row.id))
         return row.info(tokens)
 
-    def list(self) -> builtins.list[TaskInfo]:
-        """Every task, newest first."""
-        return [r.info() for r in self.store.all()]
+    def list(self, *, caller: int | None = None) -> builtins.list[TaskInfo]:
+        """Every task ``caller`` may see, newest first."""
+        if caller in (None, 0):
+            return [r.info() for r in self.store.all()]
+        return [r.info() for r in self.store.all(caller_uid=caller)]
 
-    def cancel(self, task_id: str) -> TaskInfo:
+    def cancel(self, task_id: str, *, caller: int | None = None) -> TaskInfo:
         """Stop a task. A queued one never starts; a running one is killed and collected."""
-        row = self.store.get(validate_task_id(task_id))
+        row = self._row(task_id, caller)
         if row.info().terminal:
             return row.info()
         self.store.update(row.id, cancel_requested=1)
@@ -152,9 +175,9 @@ class Launcher:
             self._reconcile_one(self.store.get(row.id))
         return self.get(row.id)
 
-    def result(self, task_id: str) -> TaskResult:
+    def result(self, task_id: str, *, caller: int | None = None) -> TaskResult:
         """The finished task's report, diff and branch; TaskError while it runs."""
-        row = self.store.get(validate_task_id(task_id))
+        row = self._row(task_id, caller)
         if not row.info().terminal:
             raise TaskError(f"not finished (status {row.status})", task_id=row.id)
         paths = TaskPaths(self.settings.data_dir, row.id)
@@ -186,11 +209,13 @@ class Launcher:
 
         return publish_task(self.settings, self.store, task_id, branch=branch)
 
-    def wait(self, task_id: str, timeout: float | None = None) -> TaskInfo:
+    def wait(
+        self, task_id: str, timeout: float | None = None, *, caller: int | None = None
+    ) -> TaskInfo:
         """Block until the task is terminal; TaskError past ``timeout`` seconds."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
-            info = self.get(task_id)
+            info = self.get(task_id, caller=caller)
             if info.terminal:
                 return info
             if end is not None and time.monotonic() >= end:
@@ -257,6 +282,13 @@ class Launcher:
         self.close()
 
     # -- internals ---------------------------------------------------------
+
+    def _row(self, task_id: str, caller: int | None) -> TaskRow:
+        """The task's row if ``caller`` may see it; TaskNotFound otherwise (no hint it exists)."""
+        row = self.store.get(validate_task_id(task_id))
+        if caller not in (None, 0) and row.caller_uid != caller:
+            raise TaskNotFound("no such task", task_id=row.id)
+        return row
 
     def _work(self, task_id: str, cancel: threading.Event) -> None:
         try:

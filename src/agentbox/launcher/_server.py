@@ -1,22 +1,54 @@
 """The launcher's unix-socket API (``agentbox launcher serve``): HTTP/JSON, no network.
 
-Routes and error shapes are in :mod:`agentbox.launcher.api`. The socket is
-``<data_dir>/launcher.sock``, mode 0660, owned by root and by the group
-``agentbox`` when that group exists (the MCP server, unprivileged, is put in
-it). Bodies are parsed with the strict wire schema; the launcher re-validates
+Routes and error shapes are in :mod:`agentbox.launcher.api`. Who may talk to it is
+decided in three layers, each enough on its own against a local user who is not
+in the group ``agentbox``:
+
+1. **The directory.** The socket is bound by us, not by uvicorn (which would
+   chmod it 0666 after listening), at ``<data_dir>/run/launcher.sock``, inside a
+   directory made ``root:agentbox 0750`` *before* the bind (``0700`` when the
+   group does not exist). The socket itself is 0660 root:agentbox from birth
+   (bound under umask 0177, chowned before ``listen()``), and uvicorn is handed
+   the listening socket. There is no instant at which a non-member can connect.
+   ``<data_dir>/launcher.sock`` is a symlink to it: the stable path clients use
+   (following it still needs the right to enter ``run/``).
+2. **The peer.** Every accepted connection's credentials are read from the
+   kernel (``SO_PEERCRED``, and ``SO_PEERGROUPS`` for the supplementary groups:
+   what the peer held when it called ``connect()``) in ``connection_made``,
+   before the HTTP parser exists. Root, the launcher's own uid, or a member of
+   ``agentbox`` get an HTTP protocol; anything else is aborted without a byte.
+   This is done by :class:`PeerCheckedProtocol`, a wrapper around uvicorn's h11
+   protocol passed as ``uvicorn.Config(http=...)``.
+3. **The caller's uid** travels with every request (the ASGI ``state``) into
+   the :class:`~agentbox.launcher.Launcher` calls: a non-root caller sees, reads
+   and cancels only the tasks it submitted, and may delegate only a repo it
+   owns; root sees all.
+
+One launcher per data dir: ``run/launcher.lock`` is ``flock``-ed for the
+server's life. A second ``launcher serve`` refuses to start (naming the pid that
+holds it) before touching anything; a socket left by a killed launcher is
+replaced only when the lock is ours and nothing answers on it, and on the way
+out only our own socket (same inode) and our own link are removed.
+
+Bodies are parsed with the strict wire schema; the launcher re-validates
 everything. Blocking launcher calls run in worker threads so one slow git
 command does not stall other clients.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import fcntl
 import grp
 import os
 import signal
+import socket
 import stat
+import struct
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +59,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentbox._log import get_logger
 from agentbox.errors import (
@@ -38,22 +71,148 @@ from agentbox.errors import (
     TaskNotFound,
 )
 from agentbox.launcher._core import Launcher
+from agentbox.launcher._workspace import ensure_private_dir
 from agentbox.launcher.api import ModelList, TaskList, TaskRequest
 from agentbox.paths import validate_task_id
 
-__all__ = ["SOCKET_NAME", "create_app", "serve", "socket_path"]
+__all__ = [
+    "LINK_NAME",
+    "SOCKET_NAME",
+    "Peer",
+    "PeerCheckedProtocol",
+    "bind_socket",
+    "build_server",
+    "create_app",
+    "may_connect",
+    "peer_of",
+    "serve",
+    "socket_path",
+]
 
 log = get_logger("launcher.server")
 
+#: The socket's directory under the data dir (root:agentbox 0750) and its name there.
+RUN_DIR = "run"
 SOCKET_NAME = "launcher.sock"
+#: The stable client path ``<data_dir>/launcher.sock``: a symlink to ``run/launcher.sock``.
+LINK_NAME = "launcher.sock"
+LOCK_NAME = "launcher.lock"
 #: Request bodies are small; anything bigger is refused before parsing.
 MAX_BODY = 256 * 1024
 SOCKET_GROUP = "agentbox"
+#: The ASGI state key under which each connection's checked :class:`Peer` travels.
+PEER_KEY = "agentbox_peer"
+
+# Linux's SO_PEERGROUPS (4.13+); Python 3.11 does not name it.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+# CPython's getsockopt() takes at most 1024 bytes: 256 groups. A peer with more is
+# refused (ERANGE), never guessed at.
+_GROUPS_BUF = 1024
 
 
 def socket_path(data_dir: Path) -> Path:
-    """Where the launcher listens: ``<data_dir>/launcher.sock``."""
-    return data_dir / SOCKET_NAME
+    """Where the launcher listens: ``<data_dir>/run/launcher.sock`` (clients may use the
+    link ``<data_dir>/launcher.sock``)."""
+    return data_dir / RUN_DIR / SOCKET_NAME
+
+
+def _group_gid() -> int | None:
+    try:
+        return grp.getgrnam(SOCKET_GROUP).gr_gid
+    except KeyError:
+        return None
+
+
+# -- the peer ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is at the other end of a unix connection, as the kernel recorded it at connect()."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+
+
+def peer_of(sock: Any) -> Peer:
+    """The peer of a connected unix socket (``SO_PEERCRED`` + ``SO_PEERGROUPS``).
+
+    Raises :class:`OSError` when the kernel cannot say (ERANGE: more than 256 groups).
+    """
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    pid, uid, gid = struct.unpack("iII", raw)
+    graw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _GROUPS_BUF)
+    groups = struct.unpack(f"{len(graw) // 4}I", graw[: len(graw) // 4 * 4])
+    return Peer(pid=pid, uid=uid, gid=gid, groups=tuple(groups))
+
+
+def may_connect(peer: Peer, group: int | None) -> bool:
+    """Root, the launcher's own uid, or a member of ``group`` (primary or supplementary)."""
+    if peer.uid in (0, os.geteuid()):
+        return True
+    return group is not None and (peer.gid == group or group in peer.groups)
+
+
+class PeerCheckedProtocol(asyncio.Protocol):
+    """uvicorn's h11 protocol behind a peer check (``uvicorn.Config(http=PeerCheckedProtocol)``).
+
+    uvicorn builds one per connection with its usual keyword arguments; the check
+    runs in :meth:`connection_made`, which asyncio calls before it starts reading,
+    so a refused peer is aborted before a byte of its request is read and no HTTP
+    parser is ever built for it. An allowed peer's :class:`Peer` is added to the
+    ASGI ``state`` of each of its requests.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._kwargs = kwargs
+        self._inner: H11Protocol | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        sock = transport.get_extra_info("socket")
+        try:
+            peer: Peer | None = peer_of(sock)
+        except (OSError, struct.error) as exc:
+            peer = None
+            log.warning("connection refused: peer unknown", error=str(exc))
+        if peer is None or not may_connect(peer, _group_gid()):
+            if peer is not None:
+                log.warning(
+                    "connection refused: not root and not in group agentbox",
+                    pid=peer.pid,
+                    uid=peer.uid,
+                    gid=peer.gid,
+                )
+            transport.abort()
+            return
+        state = {**self._kwargs.get("app_state", {}), PEER_KEY: peer}
+        self._inner = H11Protocol(**{**self._kwargs, "app_state": state})
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> None:
+        if self._inner is not None:
+            self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+
+# -- the app -----------------------------------------------------------------------------
 
 
 def _error(status: int, exc: BaseException | str, name: str | None = None) -> JSONResponse:
@@ -66,12 +225,18 @@ def _json(model: BaseModel, status: int = 200) -> Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+#: A route body: the request and the checked caller's uid.
+Endpoint = Callable[[Request, int], Awaitable[Response]]
 
 
-def _guard(fn: Callable[[Request], Awaitable[Response]]) -> Handler:
+def _guard(fn: Endpoint) -> Handler:
     async def wrapped(request: Request) -> Response:
+        peer = request.scope.get("state", {}).get(PEER_KEY)
+        if not isinstance(peer, Peer):
+            # Served without PeerCheckedProtocol: nobody is trusted, not even root.
+            return _error(403, "this connection was not peer-checked", "RefusedError")
         try:
-            return await fn(request)
+            return await fn(request, peer.uid)
         except TaskNotFound as exc:
             return _error(404, exc)
         except (RefusedError, ConfigError) as exc:
@@ -86,15 +251,16 @@ def _guard(fn: Callable[[Request], Awaitable[Response]]) -> Handler:
 
 
 def create_app(launcher: Launcher) -> Starlette:
-    """The Starlette app serving ``launcher``."""
+    """The Starlette app serving ``launcher``; it answers only peer-checked connections
+    (serve it with :func:`build_server`)."""
 
-    async def run(fn: Callable[..., Any], *args: Any) -> Any:
-        return await anyio.to_thread.run_sync(fn, *args)
+    async def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
 
     def task_id(request: Request) -> str:
         return validate_task_id(request.path_params["task_id"])
 
-    async def submit(request: Request) -> Response:
+    async def submit(request: Request, caller: int) -> Response:
         body = await request.body()
         if len(body) > MAX_BODY:
             return _error(413, "request body too large", "RefusedError")
@@ -102,21 +268,21 @@ def create_app(launcher: Launcher) -> Starlette:
             req = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
             return _error(422, f"invalid task request: {exc}", "RefusedError")
-        return _json(await run(launcher.submit, req), 201)
+        return _json(await run(launcher.submit, req, caller=caller), 201)
 
-    async def list_tasks(request: Request) -> Response:
-        return _json(TaskList(tasks=await run(launcher.list)))
+    async def list_tasks(request: Request, caller: int) -> Response:
+        return _json(TaskList(tasks=await run(launcher.list, caller=caller)))
 
-    async def get_task(request: Request) -> Response:
-        return _json(await run(launcher.get, task_id(request)))
+    async def get_task(request: Request, caller: int) -> Response:
+        return _json(await run(launcher.get, task_id(request), caller=caller))
 
-    async def cancel(request: Request) -> Response:
-        return _json(await run(launcher.cancel, task_id(request)))
+    async def cancel(request: Request, caller: int) -> Response:
+        return _json(await run(launcher.cancel, task_id(request), caller=caller))
 
-    async def result(request: Request) -> Response:
-        return _json(await run(launcher.result, task_id(request)))
+    async def result(request: Request, caller: int) -> Response:
+        return _json(await run(launcher.result, task_id(request), caller=caller))
 
-    async def models(request: Request) -> Response:
+    async def models(request: Request, caller: int) -> Response:
         return _json(ModelList(models=await run(launcher.models)))
 
     routes = [
@@ -130,56 +296,181 @@ def create_app(launcher: Launcher) -> Starlette:
     return Starlette(routes=routes)
 
 
-def _secure_socket(path: Path) -> None:
-    """0660, root-owned, group ``agentbox`` if it exists."""
-    gid = -1
-    with contextlib.suppress(KeyError):
-        gid = grp.getgrnam(SOCKET_GROUP).gr_gid
-    os.chown(path, os.geteuid(), gid, follow_symlinks=False)
-    path.chmod(0o660)
+def build_server(launcher: Launcher) -> uvicorn.Server:
+    """A uvicorn server for ``launcher`` whose every connection is peer-checked; run it
+    with ``server.run(sockets=[bind_socket(path)])``."""
+    config = uvicorn.Config(
+        create_app(launcher),
+        http=PeerCheckedProtocol,
+        log_level="warning",
+        lifespan="off",
+        access_log=False,
+    )
+    return uvicorn.Server(config)
 
 
-class _Server(uvicorn.Server):
-    """Binds the socket under a tight umask, then restores the umask for everything else."""
+# -- the socket, its directory and the lock ----------------------------------------------
 
-    def __init__(self, config: uvicorn.Config, path: Path) -> None:
-        super().__init__(config)
-        self._path = path
 
-    async def startup(self, sockets: Any = None) -> None:
-        old = os.umask(0o117)  # the socket is born 0660, never briefly world-writable
+def _prepare_run_dir(run_dir: Path) -> None:
+    """``run_dir`` as root:agentbox 0750 (0700 without the group), never through a link."""
+    gid = _group_gid()
+    ensure_private_dir(run_dir, 0o700)  # closed while its group is set
+    os.chown(run_dir, os.geteuid(), os.getegid() if gid is None else gid, follow_symlinks=False)
+    run_dir.chmod(0o700 if gid is None else 0o750)
+
+
+def bind_socket(path: Path, *, backlog: int = 128) -> socket.socket:
+    """Bind and listen on ``path`` with its mode and group already final (0660, agentbox).
+
+    The directory is prepared first (see :func:`_prepare_run_dir`); ``path`` must not
+    exist. Returns the listening socket, to be handed to the server.
+    """
+    _prepare_run_dir(path.parent)
+    gid = _group_gid()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old = os.umask(0o177)  # born 0600: nobody else can connect before the chown
         try:
-            await super().startup(sockets)
+            sock.bind(str(path))
         finally:
-            # Task dirs and workspaces are made with the normal umask.
             os.umask(old)
-        _secure_socket(self._path)
+        os.chown(path, os.geteuid(), -1 if gid is None else gid, follow_symlinks=False)
+        path.chmod(0o660)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        raise PathRefused(
+            f"cannot listen on the launcher socket ({exc.strerror})", path=path
+        ) from exc
+    return sock
+
+
+class InstanceLock:
+    """An ``flock`` on ``run/launcher.lock`` held for the server's life: one launcher per data dir.
+
+    The lock file is never unlinked (unlinking a lock file lets a second locker lock a
+    new inode while the first still holds the old one); the kernel drops the lock
+    when the process dies, however it dies.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RefusedError(
+                f"a launcher is already serving this data dir (pid {holder}, lock {path}); "
+                "stop it first"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Drop the lock; idempotent."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
+def _clear_stale(path: Path) -> None:
+    """Remove a socket nobody listens on; refuse a live one or anything that is not a socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise PathRefused("refusing to replace a non-socket at the launcher socket", path=path)
+    if _answers(path):
+        raise RefusedError(
+            f"something already listens on {path} (a launcher of an older version?); "
+            "not replacing a live socket"
+        )
+    log.warning("removing a stale launcher socket", path=str(path))
+    path.unlink()
+
+
+def _publish_link(link: Path, target: Path) -> None:
+    """``link`` -> ``target`` (relative), atomically; an older version's socket there goes."""
+    try:
+        st = os.lstat(link)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISLNK(st.st_mode):
+        _clear_stale(link)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    tmp.symlink_to(os.path.relpath(target, link.parent))
+    tmp.replace(link)
+
+
+def _remove_if_ours(path: Path, ident: tuple[int, int] | None) -> None:
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if ident is not None and (st.st_dev, st.st_ino) == ident:
+            path.unlink()
 
 
 def serve(launcher: Launcher, *, path: Path | None = None) -> None:
-    """Reconcile, then serve ``launcher`` on its unix socket until SIGINT/SIGTERM."""
-    path = path or socket_path(launcher.settings.data_dir)
-    settled = launcher.reconcile()
-    if settled:
-        log.warning("reconciled tasks of a previous launcher", tasks=settled)
-    with contextlib.suppress(FileNotFoundError):
-        st = os.lstat(path)
-        if not stat.S_ISSOCK(st.st_mode):
-            raise PathRefused("refusing to replace a non-socket at the launcher socket", path=path)
-        path.unlink()
+    """Lock, reconcile, then serve ``launcher`` on its unix socket until SIGINT/SIGTERM.
+
+    :class:`~agentbox.errors.RefusedError` if another launcher serves this data dir.
+    """
+    data_dir = launcher.settings.data_dir
+    path = path or socket_path(data_dir)
+    link = data_dir / LINK_NAME if path == socket_path(data_dir) else None
     try:
-        config = uvicorn.Config(
-            create_app(launcher), uds=str(path), log_level="warning", lifespan="off"
-        )
-        server = _Server(config, path)
+        _prepare_run_dir(path.parent)
+        lock = InstanceLock(path.parent / LOCK_NAME)
+    except BaseException:
+        launcher.close(wait=False)
+        raise
+    sock_id: tuple[int, int] | None = None
+    link_id: tuple[int, int] | None = None
+    try:
+        if link is not None and link.is_socket() and not link.is_symlink():
+            _clear_stale(link)  # an older version's socket: refused while it answers
+        settled = launcher.reconcile()
+        if settled:
+            log.warning("reconciled tasks of a previous launcher", tasks=settled)
+        _clear_stale(path)
+        listener = bind_socket(path)
+        st = os.lstat(path)
+        sock_id = (st.st_dev, st.st_ino)
+        if link is not None:
+            _publish_link(link, path)
+            lst = os.lstat(link)
+            link_id = (lst.st_dev, lst.st_ino)
+        log.info("launcher serving", socket=str(path), pid=os.getpid())
+        server = build_server(launcher)
         # uvicorn re-raises SIGTERM once it has shut down; make that an exit that
         # runs the clean-up below instead of the default kill.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         with contextlib.suppress(KeyboardInterrupt):
-            server.run()
+            server.run(sockets=[listener])
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        # Only what this launcher made: the lock guarantees nobody replaced them.
+        if link is not None:
+            _remove_if_ours(link, link_id)
+        _remove_if_ours(path, sock_id)
         # Running tasks are cancelled and collected; a crash instead leaves them
         # to the next launcher's reconcile.
-        launcher.shutdown()
+        try:
+            launcher.shutdown()
+        finally:
+            lock.release()

@@ -6,7 +6,10 @@ connection with a busy timeout, and state changes are single UPDATE statements
 guarded by the status they expect (compare-and-set), never read-modify-write.
 
 Each running task records its *owner* (pid and process start time): a
-restarted launcher reconciles only tasks whose owner is gone.
+restarted launcher reconciles only tasks whose owner is gone. Each task also
+records its *caller* (``caller_uid``, the uid that submitted it): a non-root
+caller of the socket API sees only its own. A database from before that column
+gets it added, NULL in its old rows: those tasks are visible to root only.
 """
 
 from __future__ import annotations
@@ -57,11 +60,12 @@ CREATE TABLE IF NOT EXISTS tasks (
     watchdog_pid INTEGER,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     phase TEXT,
-    changed INTEGER
+    changed INTEGER,
+    caller_uid INTEGER
 );
 """
 #: Columns added after the first schema: (name, SQL type), added to older databases.
-_ADDED = (("phase", "TEXT"), ("changed", "INTEGER"))
+_ADDED = (("phase", "TEXT"), ("changed", "INTEGER"), ("caller_uid", "INTEGER"))
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ class TaskRow:
     phase: str = ""
     changed: bool | None = None
     """Whether collection found changes (None: not collected); False: no branch."""
+    caller_uid: int | None = None
+    """The uid that submitted the task (None: recorded before uids were; root's to see)."""
 
     def info(self, tokens: TokenUsage | None = None) -> TaskInfo:
         """The public view of this row (``tokens`` overrides the stored totals)."""
@@ -144,6 +150,7 @@ class TaskRow:
             changed=self.changed,
             error=self.error,
             phase=self.phase,
+            uid=self.caller_uid,
         )
 
 
@@ -186,6 +193,7 @@ def _row(r: sqlite3.Row) -> TaskRow:
         cancel_requested=bool(r["cancel_requested"]),
         phase=r["phase"] or "",
         changed=None if r["changed"] is None else bool(r["changed"]),
+        caller_uid=r["caller_uid"],
     )
 
 
@@ -236,9 +244,16 @@ class Store:
         with self._conn() as db:
             return db.execute("SELECT 1 FROM tasks WHERE id = ?", (task_id,)).fetchone() is not None
 
-    def all(self) -> list[TaskRow]:
+    def all(self, *, caller_uid: int | None = None) -> list[TaskRow]:
+        """Every task, newest first; with ``caller_uid``, only the tasks that uid submitted."""
         with self._conn() as db:
-            rows = db.execute("SELECT * FROM tasks ORDER BY created_at DESC").fetchall()
+            if caller_uid is None:
+                rows = db.execute("SELECT * FROM tasks ORDER BY created_at DESC").fetchall()
+            else:
+                rows = db.execute(
+                    "SELECT * FROM tasks WHERE caller_uid = ? ORDER BY created_at DESC",
+                    (caller_uid,),
+                ).fetchall()
         return [_row(r) for r in rows]
 
     def update(self, task_id: str, *, expect: set[str] | None = None, **fields: Any) -> bool:

@@ -16,9 +16,16 @@ and by the unix-socket HTTP API (``agentbox launcher serve``), whose routes are:
     GET  /v1/models                             -> ModelList
 
 Errors are ``{"error": "<ExceptionClass>", "message": "..."}`` with status 400
-(refused: bad id, repo, model, range), 404 (unknown task), 409 (not finished),
+(refused: bad id, repo, model, range), 403 (a connection that was not
+peer-checked), 404 (unknown task, or another user's), 409 (not finished),
 422 (malformed body), 500 (anything else). The client maps them back onto
 :mod:`agentbox.errors`.
+
+Who may connect, and what each caller sees: only root, the launcher's uid and
+members of the group ``agentbox`` get an answer (the server reads the peer's
+credentials from the kernel before any HTTP); a non-root caller lists, reads and
+cancels only the tasks it submitted, and may delegate only repos it owns. The
+uid is never sent by the client: it is what the kernel says.
 
 Every model is strict and forbids unknown fields: a request with ``"budget":
 "5"`` or an extra key is refused, not coerced.
@@ -140,6 +147,9 @@ class TaskInfo(_Wire):
     """Why the task failed, was cancelled or timed out."""
     phase: str = ""
     """What the launcher is doing now, in words ("copying the workspace", "agent running" …)."""
+    uid: int | None = None
+    """The uid that submitted the task (None: from before uids were recorded). A caller
+    other than root sees only its own tasks."""
 
     @property
     def terminal(self) -> bool:

@@ -11,12 +11,18 @@ answers back onto :mod:`agentbox.errors`::
 
 Synchronous on purpose (one small request at a time); async callers wrap it
 with ``anyio.to_thread.run_sync``.
+
+The client never says who it is: the launcher reads the connecting process's
+uid and groups from the kernel. Only root, the launcher's uid and members of the
+group ``agentbox`` are answered (anyone else cannot reach the socket, or is
+disconnected before a byte of HTTP), and a non-root caller sees only its own tasks.
 """
 
 from __future__ import annotations
 
 import builtins
 import json
+import os
 import time
 from pathlib import Path
 from types import TracebackType
@@ -81,7 +87,7 @@ class LauncherClient:
         return TaskInfo.model_validate(data, strict=False)
 
     def list(self) -> list[TaskInfo]:
-        """Every known task, newest first."""
+        """Every task this caller may see (its own; root: all), newest first."""
         data = self._call("GET", "/v1/tasks")
         return TaskList.model_validate(data, strict=False).tasks
 
@@ -117,8 +123,14 @@ class LauncherClient:
         try:
             resp = self._http.request(method, path, json=body)
         except httpx.TransportError as exc:
+            hint = ""
+            if isinstance(exc, httpx.RemoteProtocolError) or _denied(exc):
+                hint = (
+                    " (only root and members of the group agentbox may use the launcher; "
+                    f"this is uid {os.geteuid()})"
+                )
             raise errors.TaskError(
-                f"cannot reach the launcher at {self.socket_path}: {exc}"
+                f"cannot reach the launcher at {self.socket_path}: {exc}{hint}"
             ) from exc
         try:
             data = resp.json()
@@ -129,6 +141,18 @@ class LauncherClient:
         if resp.is_success:
             return data
         raise _error_from(resp.status_code, data)
+
+
+def _denied(exc: BaseException) -> bool:
+    """True when a PermissionError is somewhere in ``exc``'s chain (EACCES on connect)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, PermissionError):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def _error_from(status: int, data: Any) -> errors.AgentboxError:
