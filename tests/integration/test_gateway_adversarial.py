@@ -324,7 +324,9 @@ def test_500_concurrent_requests_never_overdraw(tmp_path: Path) -> None:
                                                            "output_tokens": 50}}],
     }  # fmt: skip
     budget = 20_000
-    with running_gateway(tmp_path, script=script, budget=budget, max_concurrency=1000) as gw:
+    with running_gateway(
+        tmp_path, script=script, budget=budget, max_concurrency=1000, max_connections=1000
+    ) as gw:
 
         async def go() -> list[int]:
             limits = httpx.Limits(max_connections=500)

@@ -241,6 +241,11 @@ class Gateway:
     def _refuse(self, reason: str) -> None:
         self.ledger.refuse(reason)
 
+    def count_refusal(self, reason: str) -> None:
+        """Count a connection refused below HTTP (a limit of :mod:`._conn`), on the loop."""
+        self.ledger.refuse(reason)
+        self.usage_changed()
+
     def _authorized(self, scope: Scope) -> bool:
         keys = header(scope, b"x-api-key")
         auths = header(scope, b"authorization")

@@ -43,6 +43,15 @@ def gateway(
     ] = None,
     max_body: Annotated[int, typer.Option(help="Request body cap in bytes")] = 32 << 20,
     max_concurrency: Annotated[int, typer.Option(help="Concurrent requests allowed")] = 16,
+    max_connections: Annotated[
+        int, typer.Option(help="Open connections allowed; more are closed on accept")
+    ] = 128,
+    header_timeout: Annotated[
+        float, typer.Option(help="Seconds to receive a request's headers")
+    ] = 10.0,
+    body_timeout: Annotated[
+        float, typer.Option(help="Seconds to receive a request's body after its headers")
+    ] = 120.0,
     user: Annotated[
         str | None, typer.Option(help="Drop to this UID[:GID] once listening (start as root)")
     ] = None,
@@ -66,6 +75,9 @@ def gateway(
         usage_file=usage_file,
         max_body=max_body,
         max_concurrency=max_concurrency,
+        max_connections=max_connections,
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
         run_as=parse_user(user) if user is not None else None,
         ready_fd=ready_fd,
     )

@@ -12,6 +12,7 @@ from typing import Any
 from agentbox._log import get_logger
 from agentbox.errors import ConfigError
 from agentbox.gateway._app import Gateway, GatewayConfig
+from agentbox.gateway._conn import ConnLimits
 from agentbox.gateway._replay import ReplayModel
 from agentbox.gateway._script import load_script
 from agentbox.gateway._serve import ServerGroup, bind, parse_listen, private_socket, serve
@@ -55,6 +56,9 @@ def build_gateway(
     usage_file: Path | None = None,
     max_body: int = 32 << 20,
     max_concurrency: int = 16,
+    max_connections: int = 128,
+    header_timeout: float = 10.0,
+    body_timeout: float = 120.0,
 ) -> tuple[ServerGroup, Gateway, Path | None]:
     """Bind the sockets and build the apps of one gateway (and its in-process replay model).
 
@@ -64,8 +68,10 @@ def build_gateway(
     """
     if budget < 1:
         raise ConfigError("--budget must be at least 1")
-    if max_concurrency < 1 or max_body < 1:
-        raise ConfigError("--max-concurrency and --max-body must be positive")
+    if min(max_concurrency, max_body, max_connections) < 1:
+        raise ConfigError("--max-concurrency, --max-body and --max-connections must be positive")
+    if min(header_timeout, body_timeout) <= 0:
+        raise ConfigError("--header-timeout and --body-timeout must be positive")
     target = upstream or (f"replay:{entry.upstream}" if entry.kind == "replay" else entry.upstream)
     lst = parse_listen(listen)
     apps: list[tuple[Any, Any]] = []
@@ -103,7 +109,13 @@ def build_gateway(
     )
     gateway = Gateway(cfg)
     apps.append((gateway, bind(lst)))
-    return ServerGroup(apps), gateway, replay_dir
+    limits = ConnLimits(
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
+        max_connections=max_connections,
+        notify=gateway.count_refusal,
+    )
+    return ServerGroup(apps, limits), gateway, replay_dir
 
 
 def parse_user(spec: str) -> tuple[int, int]:

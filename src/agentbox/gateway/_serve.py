@@ -23,6 +23,7 @@ import uvicorn
 
 from agentbox._log import get_logger
 from agentbox.errors import ConfigError, PolicyRefused
+from agentbox.gateway._conn import ConnLimits, GuardedH11Protocol
 
 __all__ = ["Listen", "ServerGroup", "bind", "parse_listen", "private_socket", "serve"]
 
@@ -106,9 +107,10 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _config(app: Any) -> uvicorn.Config:
-    return uvicorn.Config(
+def _config(app: Any, limits: ConnLimits) -> uvicorn.Config:
+    cfg = uvicorn.Config(
         app,
+        http=GuardedH11Protocol,
         log_level="warning",
         access_log=False,
         lifespan="on",
@@ -118,14 +120,28 @@ def _config(app: Any) -> uvicorn.Config:
         date_header=False,
         proxy_headers=False,
     )
+    # Read by GuardedH11Protocol: header/body timeouts and the connection cap.
+    cfg.conn_limits = limits  # type: ignore[attr-defined]
+    return cfg
 
 
 class ServerGroup:
-    """uvicorn servers sharing one event loop (a gateway and its in-process upstream)."""
+    """uvicorn servers sharing one event loop (a gateway and its in-process upstream).
 
-    def __init__(self, apps: list[tuple[Any, socket.socket]]) -> None:
+    ``limits``: connection limits of the *last* app's server (the gateway, what the
+    sandbox reaches); the others get the defaults with counts of their own.
+    """
+
+    def __init__(
+        self, apps: list[tuple[Any, socket.socket]], limits: ConnLimits | None = None
+    ) -> None:
         self.apps = apps
-        self.servers = [_Server(_config(app)) for app, _ in apps]
+        self.limits = [ConnLimits() for _ in apps]
+        if limits is not None and apps:
+            self.limits[-1] = limits
+        self.servers = [
+            _Server(_config(app, lim)) for (app, _), lim in zip(apps, self.limits, strict=True)
+        ]
 
     def stop(self) -> None:
         """Ask every server to shut down gracefully (safe from another thread)."""

@@ -1,0 +1,132 @@
+"""Connection limits uvicorn lacks: a request read timeout and a per-server connection cap.
+
+uvicorn's h11 protocol starts no timer on a new connection, and cancels its
+keep-alive timer on every byte received: a client that sends headers slowly,
+or never finishes them, holds its connection (and 16 KB of buffer) forever.
+Issue 18 item 4 measured 3,000 such connections all still open after 33 s; a
+podman sandbox can connect to the gateway's mounted socket directly, around
+the relay's 64-connection cap, with a nofile limit of 20,000.
+
+:class:`GuardedH11Protocol` adds, per connection:
+
+- a **header timeout**: from a connection's first byte (or its opening) until
+  the request's headers are complete; past it the connection is closed;
+- a **body timeout**: from the headers until the whole body has arrived (a
+  trickled body would otherwise hold one of the gateway's concurrency slots);
+- a **connection cap** per server: a connection over the cap is closed as soon
+  as it is accepted, before a byte is read.
+
+Refusals are counted (``ConnLimits.counts``) and logged once per kind per
+minute at most, never per connection: a flood must not fill the log either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from agentbox._log import get_logger
+
+__all__ = ["ConnLimits", "GuardedH11Protocol"]
+
+log = get_logger("gateway.conn")
+
+
+@dataclass
+class ConnLimits:
+    """Limits for every connection of one server, and what they refused."""
+
+    header_timeout: float = 10.0
+    body_timeout: float = 120.0
+    max_connections: int = 128
+    notify: Callable[[str], None] | None = None
+    """Called with the reason of each refusal (the gateway counts it in its usage file)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    _logged: dict[str, float] = field(default_factory=dict)
+
+    def copy(self) -> ConnLimits:
+        """The same limits with counts of their own (one per server)."""
+        return ConnLimits(self.header_timeout, self.body_timeout, self.max_connections)
+
+    def refused(self, why: str) -> None:
+        """Count one refused connection (``connections``, ``header_timeout``, ``body_timeout``)."""
+        self.counts[why] = self.counts.get(why, 0) + 1
+        if self.notify is not None:
+            self.notify(why)
+        now = time.monotonic()
+        if now - self._logged.get(why, -1e9) >= 60:
+            self._logged[why] = now
+            log.warning("connections closed by a limit", reason=why, total=self.counts[why])
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with :class:`ConnLimits` (read from ``config.conn_limits``)."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._limits: ConnLimits = getattr(config, "conn_limits", None) or ConnLimits()
+        self._timer: asyncio.TimerHandle | None = None
+        self._phase = ""
+        self._seen: object = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self._limits.max_connections:
+            self._limits.refused("connections")
+            transport.abort()
+            return
+        self._arm("header_timeout", self._limits.header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._timer is None and (self.cycle is None or self.cycle.response_complete):
+            # The first byte of the next request on a kept-alive connection.
+            self._arm("header_timeout", self._limits.header_timeout)
+        super().data_received(data)
+        self._progress()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._progress()
+
+    def _progress(self) -> None:
+        cycle = self.cycle
+        if cycle is None or cycle is self._seen or self.transport.is_closing():
+            body_done = self.conn.their_state is not h11.SEND_BODY
+            if cycle is self._seen and self._phase == "body_timeout" and body_done:
+                self._disarm()
+            return
+        # A new request's headers are complete.
+        self._seen = cycle
+        if self.conn.their_state is h11.SEND_BODY:
+            self._arm("body_timeout", self._limits.body_timeout)
+        else:
+            self._disarm()
+
+    def _arm(self, phase: str, delay: float) -> None:
+        self._disarm()
+        self._phase = phase
+        self._timer = self.loop.call_later(delay, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._phase = ""
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        self._limits.refused(self._phase)
+        # Closing makes a request still reading its body see a disconnect.
+        self.transport.abort()
