@@ -15,6 +15,8 @@ Example::
     memory = "8GiB"
     pids = 512
     nofile = 4096
+    disk = "20GiB"              # what /workspace may hold (clamped by the host's max_disk)
+    inodes = 1_000_000          # files it may hold (default: disk / 16KiB)
 
     [[mounts]]                  # read-only, each under a configured mount root
     source = "/opt/venvs/proj"
@@ -36,22 +38,22 @@ become a :class:`BoxfileError` naming the file, never a traceback.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import stat
 import tomllib
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from agentbox.config import DEFAULT_IMAGE, Settings
+from agentbox.config import DEFAULT_DISK, DEFAULT_IMAGE, Settings, Size, parse_size
 from agentbox.errors import BoxfileError, PathRefused
 
 __all__ = [
     "MAX_BOXFILE_BYTES",
     "Boxfile",
+    "DiskLimit",
     "EnvPolicy",
     "Mount",
     "Resources",
@@ -59,15 +61,6 @@ __all__ = [
     "load_boxfile",
     "parse_size",
 ]
-
-_SIZE_RE = re.compile(r"(?i)^\s*(\d+(?:\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$")
-_UNITS = {
-    None: 1, "b": 1,
-    "k": 1024, "kb": 1000, "kib": 1024,
-    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
-    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
-}  # fmt: skip
 
 #: Host environment variables that may never be passed into a sandbox.
 FORBIDDEN_ENV = re.compile(
@@ -77,47 +70,52 @@ FORBIDDEN_ENV = re.compile(
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 #: A Boxfile larger than this is refused unread (real ones are a few hundred bytes).
 MAX_BOXFILE_BYTES = 1 << 20
-#: The largest size any key accepts (1 EiB): beyond it a number is a mistake, not a size.
-MAX_SIZE = 1 << 60
-
-
-def parse_size(value: object) -> int:
-    """``"8GiB"``, ``"512m"``, ``1073741824`` → bytes. Raises ValueError."""
-    if isinstance(value, bool):
-        raise ValueError("a size must be a number of bytes or a string like '8GiB'")
-    if isinstance(value, int):
-        return _check_size(value)
-    if isinstance(value, str) and len(value) <= 64 and (m := _SIZE_RE.match(value)):
-        unit = m.group(2).lower() if m.group(2) else None
-        number = float(m.group(1)) * _UNITS[unit]
-        if not math.isfinite(number) or number > MAX_SIZE:  # int(inf) would raise OverflowError
-            raise ValueError("a size must be at most 1 EiB")
-        return _check_size(int(number))
-    raise ValueError(f"not a size: {value!r:.40} (use bytes or e.g. '8GiB')")
-
-
-def _check_size(size: int) -> int:
-    if size <= 0:
-        raise ValueError("a size must be positive")
-    if size > MAX_SIZE:
-        raise ValueError("a size must be at most 1 EiB")
-    return size
-
-
-Size = Annotated[int, BeforeValidator(parse_size)]
+#: ext4's default bytes-per-inode: a disk that does not name ``inodes`` gets size / this.
+BYTES_PER_INODE = 16384
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
 
 
+class DiskLimit(BaseModel):
+    """The workspace disk a sandbox gets: bytes and files, after the host's clamp."""
+
+    model_config = ConfigDict(frozen=True)
+
+    size: int
+    inodes: int
+
+
 class Resources(_Strict):
-    """Limits; defaults are the seed's: 4 CPUs, 8 GiB (no swap), 512 pids, nofile 4096."""
+    """Limits; defaults are the seed's: 4 CPUs, 8 GiB (no swap), 512 pids, nofile 4096,
+    and a 20 GiB workspace disk.
+
+    ``disk`` bounds what the sandbox can write to ``/workspace`` (the copied repo
+    included) and ``inodes`` how many files it can hold (default: one per 16 KiB
+    of ``disk``, ext4's own ratio). Both are clamped by the host's
+    ``max_disk``/``max_inodes`` settings (:meth:`disk_limit`).
+    """
 
     cpus: float = Field(default=4.0, gt=0, le=256)
     memory: Size = 8 * 1024**3
     pids: int = Field(default=512, ge=16, le=65536)
     nofile: int = Field(default=4096, ge=64, le=20000)
+    disk: Size = DEFAULT_DISK
+    inodes: int | None = Field(default=None, ge=1024, le=2**32 - 1)
+
+    @field_validator("disk")
+    @classmethod
+    def _min_disk(cls, v: int) -> int:
+        if v < 64 * 1024**2:
+            raise ValueError("disk must be at least 64MiB")
+        return v
+
+    def disk_limit(self, settings: Settings) -> DiskLimit:
+        """``disk`` and ``inodes`` clamped by the host (``max_disk``, ``max_inodes``)."""
+        size = min(self.disk, settings.max_disk)
+        inodes = self.inodes if self.inodes is not None else size // BYTES_PER_INODE
+        return DiskLimit(size=size, inodes=max(1024, min(inodes, settings.max_inodes)))
 
     @field_validator("memory")
     @classmethod

@@ -7,23 +7,72 @@ Read at one edge (:func:`load_settings`) and passed down; tests build a
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BeforeValidator, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
 from agentbox.errors import ConfigError
 
-__all__ = ["CLAUDE_CODE_VERSION", "DEFAULT_IMAGE", "Settings", "load_settings"]
+__all__ = [
+    "CLAUDE_CODE_VERSION",
+    "DEFAULT_DISK",
+    "DEFAULT_IMAGE",
+    "Settings",
+    "load_settings",
+    "parse_size",
+]
 
 #: The pinned ``@anthropic-ai/claude-code`` npm release baked into the default image.
 CLAUDE_CODE_VERSION = "2.1.332"
 #: The name of the default image in podman's storage (tagged with its content hash too).
 DEFAULT_IMAGE = "localhost/agentbox-default:latest"
+
+#: A task's workspace disk when its Boxfile does not say (``[resources] disk``).
+DEFAULT_DISK = 20 * 1024**3
+#: The largest size any key accepts (1 EiB): beyond it a number is a mistake, not a size.
+MAX_SIZE = 1 << 60
+
+_SIZE_RE = re.compile(r"(?i)^\s*(\d+(?:\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$")
+_UNITS = {
+    None: 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}  # fmt: skip
+
+
+def parse_size(value: object) -> int:
+    """``"8GiB"``, ``"512m"``, ``1073741824`` → bytes. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError("a size must be a number of bytes or a string like '8GiB'")
+    if isinstance(value, int):
+        return _check_size(value)
+    if isinstance(value, str) and len(value) <= 64 and (m := _SIZE_RE.match(value)):
+        unit = m.group(2).lower() if m.group(2) else None
+        number = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(number) or number > MAX_SIZE:  # int(inf) would raise OverflowError
+            raise ValueError("a size must be at most 1 EiB")
+        return _check_size(int(number))
+    raise ValueError(f"not a size: {value!r:.40} (use bytes or e.g. '8GiB')")
+
+
+def _check_size(size: int) -> int:
+    if size <= 0:
+        raise ValueError("a size must be positive")
+    if size > MAX_SIZE:
+        raise ValueError("a size must be at most 1 EiB")
+    return size
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
 
 Backend = Literal["podman", "qemu", "firecracker"]
 Runtime = Literal["runc", "crun", "runsc"]
@@ -70,6 +119,11 @@ class Settings(BaseSettings):
     models_file: Path | None = None
     """The model registry (TOML); None means the built-in registry (the replay model)."""
     claude_code_version: str = CLAUDE_CODE_VERSION
+    max_disk: Size = 64 * 1024**3
+    """The largest workspace disk a Boxfile may ask for (``[resources] disk``); larger asks
+    are clamped to it. ``AGENTBOX_MAX_DISK=100GiB``."""
+    max_inodes: int = Field(default=4_000_000, ge=1024, le=2**32 - 1)
+    """The most files (inodes) a workspace disk may hold; larger asks are clamped to it."""
     qemu_binary: str = "qemu-system-x86_64"
     firecracker_binary: Path | None = None
 

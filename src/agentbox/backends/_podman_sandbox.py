@@ -49,6 +49,8 @@ class PodmanSandbox:
         self._watchdog = threading.Timer(spec.deadline, self._expire)
         self._watchdog.daemon = True
         self.expired = False
+        #: The workspace disk's context (see _podman_disk.py): left after the container.
+        self._disk: contextlib.AbstractContextManager[object] | None = None
 
     def _start_watchdog(self) -> None:
         self._watchdog.start()
@@ -225,6 +227,9 @@ class PodmanSandbox:
             self._watchdog.cancel()
             force_remove(self.name)
             self._destroyed = True
+            disk, self._disk = self._disk, None
+        if disk is not None:  # copied back and unmounted only once the container is gone
+            disk.__exit__(None, None, None)
 
     def __enter__(self) -> Self:
         return self

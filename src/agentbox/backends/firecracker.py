@@ -296,7 +296,11 @@ class FirecrackerBackend(QemuBackend):
         (vm_dir / "owner").write_text(json.dumps(owner))
         vm: FirecrackerVm | None = None
         try:
-            data = make_data_disk(spec.workspace, vm_dir / "data.img", uid=spec.uid)
+            limit = spec.resources.disk_limit(self.settings)  # /data's ext4: the disk limit
+            data = make_data_disk(
+                spec.workspace, vm_dir / "data.img", uid=spec.uid,
+                size=limit.size, inodes=limit.inodes,
+            )  # fmt: skip
             mounts = tuple(
                 make_mount_disk(m.source, vm_dir / f"m{i}.img", index=i, uid=spec.uid)
                 for i, m in enumerate(spec.mounts)

@@ -40,12 +40,14 @@ from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends._podman_args import (
     CONMON_GRACE,
+    ImageFacts,
     check_spec,
     entry_argv,
     forget_image,
     image_facts,
     run_args,
 )
+from agentbox.backends._podman_disk import settle_orphan_disks, workspace_disk
 from agentbox.backends._podman_posture import wait_relay
 from agentbox.backends._podman_sandbox import PodmanSandbox
 from agentbox.backends._podman_util import (
@@ -117,41 +119,43 @@ class PodmanBackend:
         watchdog = threading.Timer(spec.deadline, expire)
         watchdog.daemon = True
         rc: int | None = None
-        started = time.monotonic()
-        try:
-            with (
-                env_file(spec.env) as envf,
-                stdin_fd(stdin) as fd,
-                self._conmon_dir(spec.name) as cwd,
-            ):
-                args = run_args(
-                    spec,
-                    self.settings,
-                    facts,
-                    detach=False,
-                    env_file=envf.path,
-                    interactive=stdin is not None,
-                    unsafe_extra_args=self.unsafe_extra_args,
-                )
-                args += entry_argv(spec, argv)
-                watchdog.start()
-                try:
-                    rc = _proc.stream(
-                        args,
-                        on_stdout=out,
-                        on_stderr=err,
-                        timeout=spec.deadline + CONMON_GRACE + 30,
-                        stdin=fd,
-                        cwd=cwd,
+        # The workspace disk outlives the container: copied back only once it is removed.
+        with workspace_disk(self.settings, spec):
+            started = time.monotonic()
+            try:
+                with (
+                    env_file(spec.env) as envf,
+                    stdin_fd(stdin) as fd,
+                    self._conmon_dir(spec.name) as cwd,
+                ):
+                    args = run_args(
+                        spec,
+                        self.settings,
+                        facts,
+                        detach=False,
+                        env_file=envf.path,
+                        interactive=stdin is not None,
+                        unsafe_extra_args=self.unsafe_extra_args,
                     )
-                except CommandTimeout:
-                    fired.set()
-        finally:
-            watchdog.cancel()
-            # --rm removes the container on a normal exit; after a kill, a timeout or an
-            # error (ours or podman's) make sure nothing is left.
-            if rc is None or fired.is_set() or rc >= 125:
-                force_remove(spec.name)
+                    args += entry_argv(spec, argv)
+                    watchdog.start()
+                    try:
+                        rc = _proc.stream(
+                            args,
+                            on_stdout=out,
+                            on_stderr=err,
+                            timeout=spec.deadline + CONMON_GRACE + 30,
+                            stdin=fd,
+                            cwd=cwd,
+                        )
+                    except CommandTimeout:
+                        fired.set()
+            finally:
+                watchdog.cancel()
+                # --rm removes the container on a normal exit; after a kill, a timeout or an
+                # error (ours or podman's) make sure nothing is left.
+                if rc is None or fired.is_set() or rc >= 125:
+                    force_remove(spec.name)
         timed_out = fired.is_set() or (
             rc in (137, 255) and time.monotonic() - started >= spec.deadline
         )
@@ -189,6 +193,23 @@ class PodmanBackend:
         facts = check_spec(spec, subid_base=self.settings.subid_base)
         assert facts is not None
         spec = self._labels(spec)
+        disk = workspace_disk(self.settings, spec)
+        disk.__enter__()  # left by PodmanSandbox.destroy, after the container is gone
+        try:
+            box = self._create(spec, facts)
+        except BaseException:
+            disk.__exit__(None, None, None)
+            raise
+        box._disk = disk
+        try:
+            if spec.gateway_dir is not None:
+                wait_relay(box)
+        except BaseException:
+            box.destroy()
+            raise
+        return box
+
+    def _create(self, spec: SandboxSpec, facts: ImageFacts) -> PodmanSandbox:
         with env_file(spec.env) as envf:
             args = run_args(
                 spec,
@@ -210,12 +231,6 @@ class PodmanBackend:
                 raise SandboxError(f"could not start: {exc}", sandbox=spec.name) from exc
         box = PodmanSandbox(self, spec, res.stdout.strip())
         box._start_watchdog()
-        try:
-            if spec.gateway_dir is not None:
-                wait_relay(box)
-        except BaseException:
-            box.destroy()
-            raise
         return box
 
     def interactive(self, spec: SandboxSpec, argv: Sequence[str]) -> int:
@@ -227,7 +242,11 @@ class PodmanBackend:
         facts = check_spec(spec, subid_base=self.settings.subid_base)
         assert facts is not None
         spec = self._labels(spec)
-        with env_file(spec.env) as envf, self._conmon_dir(spec.name) as cwd:
+        with (
+            workspace_disk(self.settings, spec),
+            env_file(spec.env) as envf,
+            self._conmon_dir(spec.name) as cwd,
+        ):
             args = run_args(
                 spec,
                 self.settings,
@@ -281,6 +300,7 @@ class PodmanBackend:
         for d in sweep_stale_env_dirs():
             log.info("removed a stale environment dir of an older version", path=str(d))
         removed = []
+        removed_disks = []
         for c in self.list_sandboxes():
             labels = c.get("Labels") or {}
             names = c.get("Names") or []
@@ -292,7 +312,11 @@ class PodmanBackend:
             log.info("removing orphan sandbox", sandbox=name)
             force_remove(name)
             removed.append(name)
-        return removed
+        # Only once their containers are gone: workspace disks whose owner died.
+        for name in settle_orphan_disks(self.settings):
+            log.info("settled the workspace disk of a dead owner", sandbox=name)
+            removed_disks.append(name)
+        return removed + [n for n in removed_disks if n not in removed]
 
 
 def _owner_alive(labels: Mapping[str, object]) -> bool:

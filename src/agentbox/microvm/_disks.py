@@ -2,8 +2,11 @@
 
 All are ext4 made in userspace with ``mkfs.ext4 -d`` (no loop mount, no
 privileges). The root disk is cached by the image's content hash. ``/data``
-is always :data:`DATA_DISK_BYTES` (sparse), so a snapshot's guest, which saw
-the placeholder's size at boot, sees the same size on every fresh disk.
+is an ext4 of the sandbox's disk limit (``[resources] disk``, and ``inodes``),
+padded (sparse) to a device of always :data:`DATA_DISK_BYTES`, so a snapshot's
+guest, which saw the placeholder's size at boot, sees the same size on every
+fresh disk; a write past the filesystem's size fails in the guest with ENOSPC.
+The podman backend builds its workspace disk with the same function, unpadded.
 
 A declared (read-only) mount becomes its own disk, labelled ``agentbox-m<i>``:
 a filtered copy of the source directory (regular files, directories and
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from agentbox import _proc
 from agentbox.config import Settings
-from agentbox.errors import ImageError, SandboxError
+from agentbox.errors import CommandError, ImageError, SandboxError
 from agentbox.microvm._initramfs import ROOT_LABEL
 
 __all__ = [
@@ -34,8 +37,12 @@ __all__ = [
 ]  # fmt: skip
 
 DATA_LABEL = "agentbox-data"
-#: Size of every ``/data`` disk (sparse: only what is written takes space).
-DATA_DISK_BYTES = 8 * 1024**3
+#: Size of every ``/data`` device (sparse: only what is written takes space); the
+#: ext4 on it is the disk limit, at most this.
+DATA_DISK_BYTES = 64 * 1024**3
+#: The largest journal of a data disk (mke2fs would give a 20 GiB disk 128 MiB, written out);
+#: small disks get 1/32 of their size, at least 4 MiB.
+DATA_JOURNAL_MIB = 32
 #: Mount points the guest's /init and agent need in the read-only root.
 _MOUNT_POINTS = ("workspace", "opt", "opt/agentbox", "opt/agentbox/vm", "home", "home/agent",
                  "tmp", "run", "proc", "sys", "dev")  # fmt: skip
@@ -109,18 +116,48 @@ def ensure_root_disk(settings: Settings, rootfs: Path, key: str) -> Path:
     return out
 
 
-def make_data_disk(workspace: Path | None, out: Path, *, uid: int = 0) -> Path:
-    """A fresh ``/data`` disk at ``out`` holding a copy of ``workspace`` (or empty)."""
-    argv: list[str | os.PathLike[str]] = ["mkfs.ext4", "-q", "-F", "-L", DATA_LABEL, "-m", "0"]
+def make_data_disk(
+    workspace: Path | None,
+    out: Path,
+    *,
+    uid: int = 0,
+    size: int = DATA_DISK_BYTES,
+    inodes: int | None = None,
+    pad: bool = True,
+) -> Path:
+    """A fresh ``/data`` disk at ``out`` holding a copy of ``workspace`` (or empty).
+
+    Its ext4 is ``size`` bytes (at most :data:`DATA_DISK_BYTES`) with at most
+    ``inodes`` files; with ``pad`` the file is then extended (sparse) to
+    :data:`DATA_DISK_BYTES`, the device size every snapshot expects. A
+    workspace that does not fit is a :class:`SandboxError` saying so.
+    """
+    size = min(size, DATA_DISK_BYTES) if pad else size
+    journal_mib = max(4, min(DATA_JOURNAL_MIB, size // 1024**2 // 32))
+    argv: list[str | os.PathLike[str]] = ["mkfs.ext4", "-q", "-F", "-L", DATA_LABEL, "-m", "0",
+                                          "-J", f"size={journal_mib}"]  # fmt: skip
+    if inodes is not None:
+        argv += ["-N", str(inodes)]
     if workspace is not None:
         # Ownership is copied from the host tree; the guest agent re-owns it to
         # the sandbox uid when the root's owner differs.
         argv += ["-d", workspace]
     else:
         argv += ["-E", f"root_owner={uid}:{uid}"]
-    argv += [out, str(DATA_DISK_BYTES // 1024**2) + "M"]
+    argv += [out, f"{max(1, size // 1024)}k"]
     out.unlink(missing_ok=True)
-    _proc.run(argv, timeout=900)
+    try:
+        _proc.run(argv, timeout=900)
+    except CommandError as exc:
+        out.unlink(missing_ok=True)
+        if workspace is not None and ("allocate" in exc.stderr or "space" in exc.stderr):
+            raise SandboxError(
+                f"the workspace {workspace} does not fit in its disk limit "
+                f"({size // 1024**2} MiB, {inodes or 'default'} inodes): raise [resources] disk"
+            ) from exc
+        raise
+    if pad:
+        os.truncate(out, DATA_DISK_BYTES)
     return out
 
 

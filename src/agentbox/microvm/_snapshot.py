@@ -31,7 +31,13 @@ from pathlib import Path
 from agentbox._log import get_logger
 from agentbox.errors import SandboxError
 from agentbox.microvm._channel import Channel
-from agentbox.microvm._disks import MOUNT_DISK_BYTES, make_data_disk, make_mount_disk, prune_cache
+from agentbox.microvm._disks import (
+    DATA_DISK_BYTES,
+    MOUNT_DISK_BYTES,
+    make_data_disk,
+    make_mount_disk,
+    prune_cache,
+)
 from agentbox.microvm._guest import GuestSession, host_kernel
 from agentbox.microvm._qmp import wait_loaded, wait_migration
 from agentbox.microvm._vm import TCG_CPU, Vm, VmConfig
@@ -52,6 +58,8 @@ def snapshot_key(cfg: VmConfig, qemu_version: str) -> str:
              str(cfg.cpus), cfg.accel, TCG_CPU, qemu_version]  # fmt: skip
     if cfg.mount_disks:  # keys of mount-less snapshots stay what they were
         parts += [f"mounts={len(cfg.mount_disks)}x{MOUNT_DISK_BYTES}"]
+    # The guest sized its /data device at boot: a template of another size cannot serve.
+    parts += [f"data={DATA_DISK_BYTES}"]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 

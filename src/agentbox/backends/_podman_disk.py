@@ -1,0 +1,376 @@
+"""The podman sandbox's disk limit: its workspace on a sparse ext4 image, loop-mounted for its life.
+
+A container's ``/workspace`` is a bind mount of a host directory, so without
+more the agent writes to the host's disk without bound (issue 11: 5 GB with
+``fallocate``, 200k files, in seconds). The data dir here is an ext4 without
+project quotas, so every sandbox with a workspace gets its own filesystem:
+
+1. an fd is opened on the workspace directory (it keeps the directory under
+   the mount reachable), and ``mkfs.ext4 -d`` copies it into a fresh sparse
+   image of the sandbox's disk limit (:meth:`Resources.disk_limit`: bytes and
+   inodes), the very function that makes the microVM's ``/data`` disk
+   (:func:`agentbox.microvm._disks.make_data_disk`);
+2. the image is loop-mounted ``nosuid,nodev`` *over* the workspace directory
+   (through ``/proc/<pid>/fd/<fd>``: the path is not looked up again), with the
+   directory's owner and mode; the container bind-mounts that path as usual;
+3. when the container is gone, what the image holds is copied back into the
+   directory under the mount (by directory fds, never following a link;
+   regular files sparse, hard links kept as links, FIFOs, sockets and
+   devices skipped, setuid/setgid bits dropped), the image unmounted (the loop
+   device is freed with it) and deleted.
+
+A write past the limit fails inside the sandbox with ENOSPC; the copy back
+holds at most what the image held, so collection afterwards sees the agent's
+partial work. The image is written only by the host kernel's ext4 (the agent
+reaches it through the filesystem, never as a block device), so mounting it
+is not mounting a guest-made filesystem. The image and a small record live in
+``data_dir/disks`` (0700); a launcher that died with a disk mounted leaves the
+record, and :func:`settle_orphan_disks` copies back and unmounts it on the next
+start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.backends._podman_util import owner_start
+from agentbox.backends.base import SandboxSpec
+from agentbox.boxfile import DiskLimit
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, SandboxError
+from agentbox.microvm._disks import make_data_disk
+
+__all__ = ["MAX_COPY_DEPTH", "WorkspaceDisk", "disks_dir", "settle_orphan_disks", "workspace_disk"]
+
+log = get_logger("podman.disk")
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Directories nested deeper than this are not copied back (each level holds two fds).
+MAX_COPY_DEPTH = 128
+_CHUNK = 1 << 20
+
+
+def disks_dir(settings: Settings) -> Path:
+    """Where workspace images and their records live (root's, 0700)."""
+    d = settings.data_dir / "disks"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SandboxError(f"{d} is not a directory (a link?)")
+    return d
+
+
+class WorkspaceDisk:
+    """One sandbox's workspace image: :meth:`mount` before the container, :meth:`release` after."""
+
+    def __init__(self, settings: Settings, name: str, workspace: Path, limit: DiskLimit) -> None:
+        self.workspace = workspace
+        self.limit = limit
+        base = disks_dir(settings)
+        self.image = base / f"{name}.img"
+        self.record = base / f"{name}.json"
+        self._under: int | None = None
+        self._mounted = False
+
+    def mount(self) -> None:
+        """Copy the workspace into a fresh image and mount it over the workspace."""
+        if self.image.exists() or self.record.exists():
+            raise SandboxError(f"a workspace disk {self.image} already exists", sandbox=self.name)
+        under = os.open(self.workspace, _DIR_FLAGS)
+        self._under = under
+        st = os.fstat(under)
+        here = f"/proc/{os.getpid()}/fd/{under}"
+        rec = {"workspace": str(self.workspace), "pid": os.getpid(), "start": owner_start()}
+        self.record.write_text(json.dumps(rec))
+        make_data_disk(
+            Path(here), self.image, size=self.limit.size, inodes=self.limit.inodes, pad=False
+        )
+        self.image.chmod(0o600)
+        _proc.run(["mount", "-t", "ext4", "-o", "loop,nosuid,nodev,noatime", self.image, here])
+        self._mounted = True
+        top = os.open(self.workspace, _DIR_FLAGS)
+        try:
+            if os.fstat(top).st_dev == st.st_dev:
+                raise SandboxError("the workspace disk did not mount", sandbox=self.name)
+            os.fchown(top, st.st_uid, st.st_gid)
+            os.fchmod(top, stat.S_IMODE(st.st_mode))
+            with contextlib.suppress(OSError):  # mkfs made it; the copy had none
+                os.rmdir("lost+found", dir_fd=top)
+        finally:
+            os.close(top)
+        log.info("workspace disk mounted", workspace=str(self.workspace),
+                 bytes=self.limit.size, inodes=self.limit.inodes)  # fmt: skip
+
+    @property
+    def name(self) -> str:
+        return self.image.stem
+
+    def release(self) -> None:
+        """Copy the image's content back under the mount, unmount, delete; idempotent.
+
+        If the copy fails the image is kept (unmounted) for ``agentbox prune`` and
+        the error raised: the workspace then holds what was copied so far.
+        """
+        failure: BaseException | None = None
+        try:
+            if self._mounted and self._under is not None:
+                try:
+                    _copy_back(self.workspace, self._under)
+                except (OSError, AgentboxError) as exc:
+                    failure = exc
+                    log.error("copying the workspace disk back failed",
+                              image=str(self.image), error=str(exc))  # fmt: skip
+                _umount(self.workspace)
+                self._mounted = False
+        finally:
+            if self._under is not None:
+                os.close(self._under)
+                self._under = None
+        if failure is not None:
+            raise SandboxError(
+                f"could not copy the workspace back from its disk: {failure}", sandbox=self.name
+            ) from failure
+        self.image.unlink(missing_ok=True)
+        self.record.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def workspace_disk(settings: Settings, spec: SandboxSpec) -> Iterator[WorkspaceDisk | None]:
+    """The workspace of ``spec`` on its own disk for the ``with`` block (None: no workspace)."""
+    if spec.workspace is None:
+        yield None
+        return
+    disk = WorkspaceDisk(settings, spec.name, spec.workspace, spec.resources.disk_limit(settings))
+    try:
+        disk.mount()
+    except BaseException:
+        with contextlib.suppress(AgentboxError, OSError):
+            disk.release()
+        raise
+    try:
+        yield disk
+    finally:
+        disk.release()
+
+
+def _umount(path: Path) -> None:
+    try:
+        _proc.run(["umount", path], timeout=60)
+    except AgentboxError as exc:
+        # Still busy (a process of the sandbox lingering): detach it now; the
+        # kernel frees the filesystem and its loop device with the last user.
+        log.warning("workspace disk busy; lazy unmount", path=str(path), error=str(exc))
+        _proc.run(["umount", "--lazy", path], timeout=60)
+
+
+def settle_orphan_disks(settings: Settings) -> list[str]:
+    """Copy back and unmount workspace disks whose owner process is gone; return their names.
+
+    The directory under the mount is reached through a non-recursive bind mount
+    of its parent (which does not carry the disk's mount).
+    """
+    base = settings.data_dir / "disks"
+    if not base.is_dir():
+        return []
+    settled = []
+    for rec_path in sorted(base.glob("*.json")):
+        try:
+            rec = json.loads(rec_path.read_text())
+            ws, pid, start = Path(rec["workspace"]), int(rec["pid"]), str(rec["start"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _alive(pid, start):
+            continue
+        image = rec_path.with_suffix(".img")
+        try:
+            if _mounted_from(ws, image):
+                _settle_one(base, ws)
+        except (OSError, AgentboxError) as exc:
+            log.error("could not settle an orphan workspace disk", image=str(image), error=str(exc))
+            continue
+        image.unlink(missing_ok=True)
+        rec_path.unlink(missing_ok=True)
+        settled.append(rec_path.stem)
+    return settled
+
+
+def _alive(pid: int, start: str) -> bool:
+    import psutil
+
+    try:
+        return f"{psutil.Process(pid).create_time():.0f}" == start
+    except psutil.Error:
+        return False
+
+
+def _mounted_from(ws: Path, image: Path) -> bool:
+    if not os.path.ismount(ws):
+        return False
+    res = _proc.run(["findmnt", "-n", "-o", "SOURCE", "--mountpoint", ws], check=False, timeout=30)
+    src = res.stdout.strip()
+    if not src.startswith("/dev/loop"):
+        return False
+    back = _proc.run(["losetup", "-n", "-O", "BACK-FILE", src], check=False, timeout=30)
+    return back.stdout.strip().removesuffix(" (deleted)") == str(image)
+
+
+def _settle_one(base: Path, ws: Path) -> None:
+    peek = base / f".settle-{secrets.token_hex(4)}"
+    peek.mkdir(mode=0o700)
+    try:
+        _proc.run(["mount", "--bind", ws.parent, peek], timeout=60)
+        try:
+            under = os.open(peek / ws.name, _DIR_FLAGS)
+            try:
+                _copy_back(ws, under)
+            finally:
+                os.close(under)
+        finally:
+            _proc.run(["umount", peek], timeout=60)
+        _umount(ws)
+    finally:
+        peek.rmdir()
+
+
+# -- the copy back
+
+
+def _copy_back(mounted: Path, under: int) -> None:
+    """Replace the entries of the directory ``under`` with those of ``mounted``'s disk."""
+    for name in os.listdir(under):
+        st = os.stat(name, dir_fd=under, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=under)
+        else:
+            os.unlink(name, dir_fd=under)
+    top = os.open(mounted, _DIR_FLAGS)
+    try:
+        _Copier(under).copy(top)
+    finally:
+        os.close(top)
+
+
+class _Copier:
+    """Copies a tree by directory fds into ``dst`` (see the module docstring, step 3)."""
+
+    def __init__(self, dst: int) -> None:
+        self.dst = dst
+        self.links: dict[int, str] = {}  # inode on the disk → a path (under dst) of its copy
+        self.skipped = 0
+
+    def copy(self, src: int) -> None:
+        # (source dir fd, dest dir fd, relative path, names left, stat to apply at the end)
+        stack: list[tuple[int, int, str, Iterator[str], os.stat_result | None]] = []
+        stack.append((src, self.dst, "", _names(src), None))
+        try:
+            while stack:
+                sfd, dfd, rel, names, dir_st = stack[-1]
+                name = next(names, None)
+                if name is None:
+                    stack.pop()
+                    if dir_st is not None:
+                        _set_meta(dfd, "", dir_st)
+                        os.close(sfd)
+                        os.close(dfd)
+                    continue
+                st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+                path = f"{rel}{name}"
+                if stat.S_ISDIR(st.st_mode):
+                    if len(stack) > MAX_COPY_DEPTH:
+                        self.skipped += 1
+                        continue
+                    os.mkdir(name, 0o700, dir_fd=dfd)
+                    child_s = os.open(name, _DIR_FLAGS, dir_fd=sfd)
+                    try:
+                        child_d = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+                    except OSError:
+                        os.close(child_s)
+                        raise
+                    stack.append((child_s, child_d, path + "/", _names(child_s), st))
+                elif stat.S_ISREG(st.st_mode):
+                    self._file(sfd, dfd, name, path, st)
+                elif stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(name, dir_fd=sfd), name, dir_fd=dfd)
+                    _set_meta(dfd, name, st)
+                else:
+                    self.skipped += 1  # FIFO, socket, device: collection skips them too
+        finally:
+            for sfd, dfd, _, _, dir_st in stack:
+                if dir_st is not None:
+                    os.close(sfd)
+                    os.close(dfd)
+        if self.skipped:
+            log.warning("entries not copied back from a workspace disk", count=self.skipped)
+
+    def _file(self, sfd: int, dfd: int, name: str, path: str, st: os.stat_result) -> None:
+        first = self.links.get(st.st_ino) if st.st_nlink > 1 else None
+        if first is not None:
+            try:
+                os.link(first, name, src_dir_fd=self.dst, dst_dir_fd=dfd, follow_symlinks=False)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMLINK, errno.ENAMETOOLONG):
+                    raise
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fin = os.open(name, flags, dir_fd=sfd)
+        try:
+            wflags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fout = os.open(name, wflags, 0o600, dir_fd=dfd)
+            try:
+                _sparse_copy(fin, fout, st.st_size)
+            finally:
+                os.close(fout)
+        finally:
+            os.close(fin)
+        _set_meta(dfd, name, st)
+        if st.st_nlink > 1:
+            self.links[st.st_ino] = path
+
+
+def _names(dir_fd: int) -> Iterator[str]:
+    with os.scandir(dir_fd) as it:
+        return iter(sorted(e.name for e in it))
+
+
+def _sparse_copy(fin: int, fout: int, size: int) -> None:
+    """Copy only the data extents (a file ``fallocate``d to the limit costs nothing)."""
+    pos = 0
+    while pos < size:
+        try:
+            data = os.lseek(fin, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # nothing but a hole to the end
+                break
+            raise
+        hole = os.lseek(fin, data, os.SEEK_HOLE)
+        while data < hole:
+            chunk = os.pread(fin, min(_CHUNK, hole - data), data)
+            if not chunk:
+                break
+            os.pwrite(fout, chunk, data)
+            data += len(chunk)
+        pos = hole
+    os.ftruncate(fout, size)
+
+
+def _set_meta(dfd: int, name: str, st: os.stat_result) -> None:
+    """Owner, mode (no setuid, setgid or sticky bit) and times of ``st`` onto ``name``."""
+    if name:
+        os.chown(name, st.st_uid, st.st_gid, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISLNK(st.st_mode):
+            os.chmod(name, stat.S_IMODE(st.st_mode) & 0o777, dir_fd=dfd)
+        os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dfd, follow_symlinks=False)
+    else:  # the directory dfd itself
+        os.fchown(dfd, st.st_uid, st.st_gid)
+        os.fchmod(dfd, stat.S_IMODE(st.st_mode) & 0o777)
+        os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
