@@ -46,6 +46,23 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   echo "$want" > "$stamp"
 fi
 
+# Root's inotify limits: every podman sandbox's user namespace is owned by root, so the
+# kernel charges each sandbox's inotify use to root as well. Each sandbox is capped (an
+# OCI hook, backends/_userns_limits.py); root's limits must leave room for many of them.
+# Only ever raised, persisted in /etc/sysctl.d; `agentbox doctor` checks them.
+.venv/bin/python -c 'from agentbox.backends._userns_limits import HOST_SYSCTLS as h
+print("\n".join(f"{k} = {v}" for k, v in h.items()))' | while read -r key _ want; do
+  have=$(sysctl -n "$key" 2>/dev/null || echo 0)
+  if [ "$have" -lt "$want" ]; then
+    log "sysctl $key=$want (was $have)"
+    sysctl -q -w "$key=$want"
+    conf=/etc/sysctl.d/60-agentbox.conf
+    touch "$conf"
+    sed -i "/^$key *=/d" "$conf"
+    echo "$key = $want" >> "$conf"
+  fi
+done
+
 # Claude Code, pinned; the native binary lives in its platform package.
 ver=$(.venv/bin/python -c 'from agentbox.config import CLAUDE_CODE_VERSION as v; print(v)')
 cc=$(.venv/bin/python -c 'from agentbox.config import load_settings as l; print(l().claude_code_dir)')

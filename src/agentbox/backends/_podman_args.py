@@ -17,6 +17,7 @@ from pathlib import Path
 
 from agentbox import _host, _proc
 from agentbox.backends._seccomp import profile_path
+from agentbox.backends._userns_limits import SANDBOX_RLIMITS, hooks_dir
 from agentbox.backends.base import (
     GATEWAY_DIR_IN_SANDBOX,
     GATEWAY_PORT,
@@ -222,7 +223,10 @@ def run_args(
     base = settings.subid_base
     mem = str(res.memory)
     timeout = math.ceil(spec.deadline) + CONMON_GRACE
-    args = [*podman_global_args(spec.runtime, gateway=spec.gateway_dir is not None), "run"]
+    args = [*podman_global_args(spec.runtime, gateway=spec.gateway_dir is not None)]
+    # A prestart hook caps the per-user kernel counters of the sandbox's user namespace,
+    # which the kernel also charges to root (see _userns_limits.py).
+    args += ["--hooks-dir", str(hooks_dir(settings.cache_dir)), "run"]
     args += ["-d"] if detach else ["--rm", "--log-driver", "passthrough"]
     if interactive:
         args.append("-i")
@@ -253,6 +257,8 @@ def run_args(
         # Always explicit: the host's hard nofile limit (20000) cannot be raised from a userns.
         "--ulimit", f"nofile={res.nofile}:{res.nofile}",
         "--ulimit", f"nproc={res.pids}:{res.pids}",
+        # Charged to root's quota too: bounded per sandbox (see _userns_limits.py).
+        *(a for k, v in sorted(SANDBOX_RLIMITS.items()) for a in ("--ulimit", f"{k}={v}:{v}")),
         "--tmpfs", "/tmp:rw,nosuid,nodev,mode=1777",
         "--tmpfs", f"{HOME_IN_SANDBOX}:rw,nosuid,nodev,mode=1777",
         "--workdir", spec.workdir,

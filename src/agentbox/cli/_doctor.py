@@ -95,6 +95,38 @@ def _userns() -> _host.Facility:
     return _host.Facility("user namespaces", True, f"unshare -U works (max {limit})")
 
 
+def _kernel_quotas() -> _host.Facility:
+    """Root's host-wide inotify limits: every podman sandbox's user namespace is root's,
+
+    so each may spend up to its cap of them (see backends/_userns_limits.py).
+    """
+    from agentbox.backends._userns_limits import (
+        HOST_SANDBOXES,
+        HOST_SYSCTLS,
+        SANDBOX_CAPS,
+        host_shortfall,
+    )
+
+    short = host_shortfall()
+    caps = (
+        f"per sandbox {SANDBOX_CAPS['max_inotify_instances']} inotify instances, "
+        f"{SANDBOX_CAPS['max_inotify_watches']} watches"
+    )
+    if not short:
+        return _host.Facility(
+            "kernel quotas", True, f"root's inotify limits leave room for {HOST_SANDBOXES} "
+            f"sandboxes at their caps ({caps})"
+        )  # fmt: skip
+    seen = ", ".join(f"{k}={have} (want >= {want})" for k, (have, want) in short.items())
+    fix = "scripts/setup.sh, or sysctl -w " + " ".join(f"{k}={v}" for k, v in HOST_SYSCTLS.items())
+    return _host.Facility(
+        "kernel quotas",
+        False,
+        f"{seen}: a few sandboxes at their caps ({caps}) could spend root's inotify quota",
+        fix,
+    )
+
+
 def _kvm(settings: Settings) -> Check:
     dev = Path("/dev/kvm")
     if not dev.exists():
@@ -173,6 +205,7 @@ def checks(settings: Settings) -> list[Check]:
         out.append(_row(fac, essential=rt == "runc", present=shutil.which(rt) is not None))
     out.append(_row(_cgroups()))
     out.append(_row(_userns()))
+    out.append(_row(_kernel_quotas(), present=True))
     out.append(_kvm(settings))
     out.append(_row(_host.qemu(settings.qemu_binary)))
     out.append(_firecracker(settings))
