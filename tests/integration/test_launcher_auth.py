@@ -352,6 +352,28 @@ def test_agentbox_serve_fails_without_serving_when_the_port_is_taken(stack: Stac
     assert not stack.link.exists()  # the launcher it started was stopped again
 
 
+def test_agentbox_serve_refuses_while_a_launcher_serves_the_data_dir(
+    stack: Stack, launcher: subprocess.Popen[str]
+) -> None:
+    """Its own launcher cannot start (the lock): no "serving", and the running one is untouched."""
+    from agentbox.launcher._server import LOCK_NAME, RUN_DIR
+    from agentbox.mcp._run import LAUNCHER_LOCK
+
+    assert Path(RUN_DIR) / LOCK_NAME == LAUNCHER_LOCK
+    stack.repos.chmod(0o755)
+    os.chown(stack.repos, UID_A, UID_A)
+    proc = _serve(stack, free_port())
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        stop(proc)
+    assert proc.returncode != 0
+    assert "serving" not in out, out
+    assert "already serving this data dir" in err, err
+    assert launcher.poll() is None
+    assert call_as(0, stack.link, "GET", "/v1/tasks").status == 200
+
+
 def test_agentbox_serve_answers_when_it_says_serving(stack: Stack) -> None:
     stack.repos.chmod(0o755)
     os.chown(stack.repos, UID_A, UID_A)

@@ -215,13 +215,32 @@ def _agentbox_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "agentbox", *args]
 
 
+#: The launcher's single-instance lock under the data dir; it holds the pid of the
+#: launcher that serves (``agentbox.launcher._server``: ``RUN_DIR / LOCK_NAME``).
+LAUNCHER_LOCK = Path("run") / "launcher.lock"
+
+
+def _lock_holder(lock: Path) -> int | None:
+    try:
+        text = lock.read_text()[:32].strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
     # Connectable, not merely present: a stale socket from an earlier run may still
     # be there until the new launcher replaces it, and the MCP server pins the inode.
+    # And served by *our* child: another launcher already serving this data dir also
+    # answers there, and our child then refuses to start (its lock is taken).
+    lock = path.parent / LAUNCHER_LOCK
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise SandboxError(f"the launcher exited with {proc.returncode} before it listened")
+        if _lock_holder(lock) != proc.pid:
+            time.sleep(0.1)
+            continue
         with socket.socket(socket.AF_UNIX) as s:
             try:
                 s.connect(str(path))
