@@ -37,6 +37,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "_doctor",
     "_sandbox",
     "_escape",
+    "_retention",
 )
 
 err_console = Console(stderr=True)

@@ -279,6 +279,13 @@ class Store:
             )
             return cur.rowcount == 1
 
+    def delete(self, task_id: str, *, expect: set[str]) -> bool:
+        """Delete the task's row if its status is one of ``expect`` (compare-and-set)."""
+        marks = ", ".join("?" for _ in expect)
+        sql = f"DELETE FROM tasks WHERE id = ? AND status IN ({marks})"  # noqa: S608
+        with self._conn() as db:
+            return db.execute(sql, (task_id, *sorted(expect))).rowcount == 1
+
     def finish(self, task_id: str, status: str, **fields: Any) -> bool:
         """Move a non-terminal task to terminal ``status``; False if it already was terminal."""
         return self.update(

@@ -1,0 +1,168 @@
+"""Retention commands: ``agentbox rm``, ``agentbox prune``, ``agentbox du``.
+
+They work on the data dir and its ``state.db`` directly, like ``tasks`` and
+``show`` (as root, like the launcher); see :mod:`agentbox.launcher._retention`
+for what is removed and what never is (a branch in the user's repo, a task
+that may still run).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from agentbox.config import Settings, load_settings
+from agentbox.errors import AgentboxError
+from agentbox.launcher._retention import (
+    Removal,
+    data_usage,
+    parse_age,
+    prune,
+    remove_task,
+)
+from agentbox.launcher._store import Store
+
+__all__ = ["register"]
+
+console = Console(highlight=False)
+
+KeepBranches = typer.Option(
+    False,
+    "--keep-branches",
+    help="Keep the result (shadow git branch, report, record) of tasks whose result was "
+    "never published, so `agentbox publish` still works; the rest of them goes.",
+)
+DryRun = typer.Option(False, "--dry-run", "-n", help="Say what would go; remove nothing.")
+
+
+def human(n: float) -> str:
+    """Bytes as a short human figure (``1.5 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _line(r: Removal, dry_run: bool) -> str:
+    verb = "would remove" if dry_run else "removed"
+    text = f"{verb} {r.task_id} ({human(r.bytes)})"
+    if r.kept_result:
+        text += "; kept its unpublished result"
+    elif r.lost_result:
+        text += "; its unpublished result went with it"
+    if r.branch:
+        text += f"; branch {r.branch} stays in its repo"
+    return text
+
+
+def _store() -> tuple[Settings, Store]:
+    settings = load_settings()
+    return settings, Store(settings.data_dir / "state.db")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``rm``, ``prune`` and ``du`` to ``app``."""
+
+    @app.command("rm")
+    def rm(
+        task_ids: Annotated[list[str], typer.Argument(help="Task ids.", metavar="ID...")],
+        keep_branches: bool = KeepBranches,
+        dry_run: bool = DryRun,
+    ) -> None:
+        """Remove finished tasks: their workspace, shadow git dir, logs and record.
+
+        A published branch in the user's repo is never touched. A task that is
+        queued, running or collecting is refused (cancel it first).
+        """
+        settings, store = _store()
+        failed = 0
+        for task_id in task_ids:
+            try:
+                r = remove_task(
+                    settings,
+                    store,
+                    task_id,
+                    keep_branches=keep_branches,
+                    dry_run=dry_run,
+                )
+            except AgentboxError as exc:
+                failed += 1
+                typer.echo(f"{task_id[:64]!r}: not removed: {exc}", err=True)
+                continue
+            typer.echo(_line(r, dry_run))
+        if failed:
+            raise typer.Exit(3 if failed == len(task_ids) else 1)
+
+    @app.command("prune")
+    def prune_cmd(
+        older_than: str = typer.Option(
+            "7d", "--older-than", help="Finished longer ago than this (e.g. 7d, 12h, 30m, 2w)."
+        ),
+        keep_branches: bool = KeepBranches,
+        dry_run: bool = DryRun,
+    ) -> None:
+        """Remove every task that finished more than --older-than ago (default 7 days)."""
+        try:
+            age = parse_age(older_than)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--older-than") from exc
+        settings, store = _store()
+        removed = prune(
+            settings,
+            store,
+            older_than=age,
+            keep_branches=keep_branches,
+            dry_run=dry_run,
+        )
+        for r in removed:
+            typer.echo(_line(r, dry_run))
+        total = sum(r.bytes for r in removed)
+        verb = "would free" if dry_run else "freed"
+        typer.echo(f"{len(removed)} task(s); {verb} {human(total)}")
+
+    @app.command("du")
+    def du(as_json: bool = typer.Option(False, "--json")) -> None:
+        """Show what the data dir holds: each task's parts, and everything else."""
+        settings, store = _store()
+        usage = data_usage(settings, store)
+        if as_json:
+            data = {
+                "data_dir": str(usage.data_dir),
+                "total": usage.total,
+                "tasks": [
+                    {"id": t.task_id, "status": t.status, "finished_at": t.finished_at,
+                     "branch": t.branch, "total": t.total, "parts": t.parts}
+                    for t in usage.tasks
+                ],
+                "other": usage.other,
+                "orphan_task_dirs": usage.orphan_task_dirs,
+            }  # fmt: skip
+            typer.echo(json.dumps(data, indent=2))
+            return
+        table = Table("task", "status", "age", "workspace", "shadow.git", "other", "total")
+        now = time.time()
+        for t in sorted(usage.tasks, key=lambda t: -t.total):
+            age = f"{(now - t.finished_at) / 86400:.1f}d" if t.finished_at else "-"
+            ws, shadow = t.parts.get("workspace", 0), t.parts.get("shadow.git", 0)
+            table.add_row(
+                t.task_id, t.status, age, human(ws), human(shadow),
+                human(t.total - ws - shadow), human(t.total),
+            )  # fmt: skip
+        console.print(table)
+        for name, size in sorted(usage.other.items(), key=lambda kv: -kv[1]):
+            console.print(f"{name:<28} {human(size):>12}", markup=False)
+        console.print(
+            f"{'total in ' + str(usage.data_dir):<28} {human(usage.total):>12}", markup=False
+        )
+        if usage.orphan_task_dirs:
+            console.print(
+                f"{len(usage.orphan_task_dirs)} task dir(s) without a record: "
+                "`agentbox prune` removes them",
+                markup=False,
+            )

@@ -1,0 +1,243 @@
+"""``agentbox rm``, ``prune`` and ``du`` on a real data dir, through the real CLI (issue 11.6).
+
+The task dirs are made the way a finished task leaves them, with a workspace
+the agent "wrote": links out of the data dir, a hard link to a host file, a
+FIFO, an unreadable directory, a tree nested far deeper than the deleter holds
+fds for. Removal must take all of the task and nothing outside it, refuse a
+task that may still run, never touch the user's repo (its published branch
+stays), and refuse to descend into a mount.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentbox.config import Settings
+from agentbox.launcher._retention import MAX_DEPTH, remove_tree
+from agentbox.launcher._store import Store
+from git_helpers import git
+
+DAY = 86400.0
+
+
+def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        "PATH": os.environ["PATH"],
+        "AGENTBOX_DATA_DIR": str(settings.data_dir),
+        "AGENTBOX_CONFIG": "/nonexistent/agentbox.toml",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "agentbox", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def _task(
+    settings: Settings,
+    store: Store,
+    task_id: str,
+    *,
+    status: str = "done",
+    age: float = 10 * DAY,
+    branch: str | None = None,
+    changed: bool = True,
+    outside: Path | None = None,
+) -> Path:
+    now = time.time()
+    store.insert(
+        id=task_id, status=status, repo="/nonexistent", task="t", model="replay-demo",
+        budget=1000, deadline=60.0, created_at=now - age - 60,
+        finished_at=None if status in ("queued", "running") else now - age,
+        branch=branch, changed=int(changed),
+    )  # fmt: skip
+    root = settings.data_dir / "tasks" / task_id
+    ws = root / "workspace"
+    (ws / "src").mkdir(parents=True)
+    (ws / "src/main.py").write_text("print('hi')\n" * 1000)
+    (root / "shadow.git").mkdir()
+    (root / "shadow.git/HEAD").write_text("ref: refs/heads/main\n")
+    (root / "logs").mkdir()
+    (root / "logs/launcher.log").write_text("log\n")
+    (root / "report.json").write_text("{}")
+    (root / "result.diff").write_text("diff\n")
+    if outside is not None:
+        (ws / "to-outside").symlink_to(outside)
+        (ws / "to-outside-file").symlink_to(outside / "precious.txt")
+        os.link(outside / "hardlinked.txt", ws / "hard.txt")
+        os.mkfifo(ws / "fifo")
+        locked = ws / "locked"
+        locked.mkdir()
+        (locked / "x").write_text("x")
+        locked.chmod(0)
+        deep = ws / "deep"
+        deep.mkdir()
+        fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(MAX_DEPTH * 6):  # deeper than PATH_MAX allows by name
+            os.mkdir("d" * 40, dir_fd=fd)
+            nfd = os.open("d" * 40, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        os.close(fd)
+    return root
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    d = tmp_path / "outside"
+    d.mkdir()
+    (d / "precious.txt").write_text("must survive\n")
+    (d / "hardlinked.txt").write_text("must survive too\n")
+    return d
+
+
+@pytest.fixture
+def store(settings: Settings) -> Store:
+    return Store(settings.data_dir / "state.db")
+
+
+def test_rm_removes_the_task_and_nothing_outside_it(
+    settings: Settings, store: Store, outside: Path
+) -> None:
+    root = _task(settings, store, "t-hostile", outside=outside)
+    res = _cli(settings, "rm", "t-hostile")
+    assert res.returncode == 0, res.stderr
+    assert "removed t-hostile" in res.stdout
+    assert not root.exists()
+    assert not store.exists("t-hostile")
+    assert (outside / "precious.txt").read_text() == "must survive\n"
+    assert (outside / "hardlinked.txt").read_text() == "must survive too\n"
+    assert sorted(p.name for p in outside.iterdir()) == ["hardlinked.txt", "precious.txt"]
+
+
+def test_rm_refuses_a_task_that_may_still_run(settings: Settings, store: Store) -> None:
+    roots = [_task(settings, store, f"t-{s}", status=s) for s in ("queued", "running")]
+    _task(settings, store, "t-collecting", status="collecting")
+    res = _cli(settings, "rm", "t-queued", "t-running", "t-collecting")
+    assert res.returncode == 3, (res.stdout, res.stderr)
+    assert res.stderr.count("only a finished task can be removed") == 3
+    assert all((r / "workspace/src/main.py").exists() for r in roots)
+    assert store.exists("t-running")
+
+
+def test_rm_refuses_bad_ids_and_unknown_tasks(settings: Settings, store: Store) -> None:
+    _task(settings, store, "t-ok")
+    res = _cli(settings, "rm", "../tasks", "/etc", "t-missing", "t-ok")
+    assert res.returncode == 1  # some refused, one removed
+    assert res.stderr.count("not removed") == 3
+    assert (settings.data_dir / "tasks").is_dir()
+    assert not (settings.data_dir / "tasks/t-ok").exists()
+
+
+def test_rm_never_touches_the_users_repo(settings: Settings, store: Store, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    git(
+        repo,
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@l",
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-m",
+        "x",
+    )
+    git(repo, "branch", "agentbox/t-published")
+    _task(settings, store, "t-published", branch="agentbox/t-published")
+    res = _cli(settings, "rm", "t-published")
+    assert res.returncode == 0, res.stderr
+    assert "branch agentbox/t-published stays in its repo" in res.stdout
+    assert git(repo, "branch", "--list", "agentbox/t-published").strip()
+
+
+def test_a_mount_inside_a_task_is_refused_not_emptied(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    root = _task(settings, store, "t-mounted")
+    sub = root / "workspace/src"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(sub)], check=True)
+    try:
+        (sub / "on-the-mount").write_text("keep\n")
+        with pytest.raises(Exception, match="mount point"):
+            remove_tree(root.parent, root.name)
+        assert (sub / "on-the-mount").read_text() == "keep\n"
+    finally:
+        subprocess.run(["umount", str(sub)], check=True)
+    # A mounted workspace (a live or unsettled disk) is refused before the record goes.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root / "workspace")])
+    try:
+        res = _cli(settings, "rm", "t-mounted")
+        assert res.returncode == 3 and "still mounted" in res.stderr
+        assert store.exists("t-mounted")
+    finally:
+        subprocess.run(["umount", str(root / "workspace")], check=True)
+
+
+def test_prune_by_age_keep_branches_and_dry_run(
+    settings: Settings, store: Store, outside: Path
+) -> None:
+    old = _task(settings, store, "t-old", branch="agentbox/t-old", outside=outside)
+    new = _task(settings, store, "t-new", age=DAY)
+    kept = _task(settings, store, "t-unpublished", branch=None, changed=True)
+    unchanged = _task(settings, store, "t-unchanged", branch=None, changed=False)
+    running = _task(settings, store, "t-running-old", status="running", age=30 * DAY)
+    orphan = settings.data_dir / "tasks/t-orphan"
+    (orphan / "workspace").mkdir(parents=True)
+    os.utime(orphan, (time.time() - 10 * DAY,) * 2)
+
+    dry = _cli(settings, "prune", "--older-than", "7d", "--keep-branches", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "would remove t-old" in dry.stdout and "would remove t-orphan" in dry.stdout
+    assert all(p.exists() for p in (old, new, kept, unchanged, running, orphan))
+
+    res = _cli(settings, "prune", "--older-than", "7d", "--keep-branches")
+    assert res.returncode == 0, res.stderr
+    assert not old.exists() and not store.exists("t-old")
+    assert not unchanged.exists() and not orphan.exists()
+    assert new.exists() and store.exists("t-new")  # too young
+    assert running.exists() and store.exists("t-running-old")  # may still run
+    # The unpublished result stays publishable: its shadow git dir, report and record.
+    assert store.exists("t-unpublished")
+    assert sorted(p.name for p in kept.iterdir()) == ["report.json", "result.diff", "shadow.git"]
+    assert "kept its unpublished result" in res.stdout
+    assert (outside / "precious.txt").exists()
+
+    again = _cli(settings, "prune", "--older-than", "7d", "--keep-branches")
+    assert "t-unpublished" not in again.stdout  # nothing left to do for it
+    final = _cli(settings, "prune", "--older-than", "7d")
+    assert "t-unpublished" in final.stdout and "unpublished result went with it" in final.stdout
+    assert not kept.exists() and not store.exists("t-unpublished")
+
+
+def test_prune_refuses_a_bad_age(settings: Settings) -> None:
+    res = _cli(settings, "prune", "--older-than", "soon")
+    assert res.returncode == 2 and "not an age" in res.stderr
+
+
+def test_du_shows_what_the_data_dir_holds(settings: Settings, store: Store) -> None:
+    _task(settings, store, "t-a")
+    (settings.data_dir / "tasks/t-a/workspace/big.bin").write_bytes(os.urandom(1 << 20))
+    (settings.data_dir / "tasks/t-lost/workspace").mkdir(parents=True)
+    res = _cli(settings, "du", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    (task,) = data["tasks"]
+    assert task["id"] == "t-a" and task["parts"]["workspace"] >= 1 << 20
+    assert data["orphan_task_dirs"] == ["t-lost"]
+    assert data["total"] >= task["total"] > 1 << 20
+    text = _cli(settings, "du")
+    assert text.returncode == 0 and "t-a" in text.stdout and "without a record" in text.stdout
