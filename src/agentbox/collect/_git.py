@@ -12,21 +12,38 @@ Two kinds of git invocations exist and they never mix:
   owner (never as root): only read-only commands (``rev-parse``, ``status
   --no-optional-locks``), ``add -A`` into a temporary index and object dir,
   and the final ``fetch`` of the result branch, with hooks and fsmonitor off.
+
+The user's repository may be given as a :class:`RepoDir`: the directory
+opened once (``openat2`` beneath the repos root, no symlink followed), whose
+descriptor every later command starts in (its working directory is
+``/proc/self/fd/N``, entered before ``exec``). A path component swapped for a
+link after the open cannot redirect them, and the owner git runs as is the
+owner of that very directory.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Self
 
 from agentbox import _proc
 from agentbox._proc import Result
+from agentbox.errors import PathRefused
+from agentbox.safepath import (
+    RESOLVE_BENEATH,
+    RESOLVE_NO_MAGICLINKS,
+    RESOLVE_NO_SYMLINKS,
+    openat2,
+)
 
 __all__ = [
     "SAFE_CONFIG",
+    "RepoDir",
     "ShadowGit",
     "as_owner",
     "clean_env",
@@ -155,14 +172,93 @@ class ShadowGit:
         return rc, b"".join(out)
 
 
-def repo_owner(repo: Path) -> tuple[int, int]:
-    """The uid and gid owning ``repo``'s ``.git`` (the repo itself if it has none)."""
+class RepoDir:
+    """The user's repository directory, opened once; use as a context manager.
+
+    ``open(repo, root=R)`` opens ``repo`` (a resolved path) with ``openat2``
+    beneath ``R`` (the repos root), refusing any symlink on the way
+    (:class:`~agentbox.errors.PathRefused`). Without ``root`` the resolved
+    path is opened with its last component not a link. Afterwards nothing
+    looks the path up again: git starts in :attr:`cwd`, and :attr:`owner` is
+    the directory's own. :attr:`path` is where it was when opened (for
+    messages and ``safe.directory``).
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd = fd
+        self.path = path
+        st = os.fstat(fd)
+        self.owner: tuple[int, int] = (st.st_uid, st.st_gid)
+
+    @classmethod
+    def open(cls, repo: Path, *, root: Path | None = None) -> Self:
+        """Open ``repo`` (beneath ``root`` when given, no link followed)."""
+        repo = Path(repo)
+        try:
+            if root is None:
+                real = repo.resolve()
+                fd = os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            else:
+                real_root = Path(root).resolve()
+                try:
+                    rel = repo.relative_to(real_root)
+                except ValueError as exc:
+                    raise PathRefused(f"the repo is not beneath {real_root}", path=repo) from exc
+                rfd = os.open(real_root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    fd = openat2(
+                        rfd, str(rel) or ".", os.O_PATH | os.O_DIRECTORY,
+                        resolve=RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+                    )  # fmt: skip
+                finally:
+                    os.close(rfd)
+        except OSError as exc:
+            why = "a link on the way" if exc.errno in (errno.ELOOP, errno.EXDEV) else exc.strerror
+            raise PathRefused(f"cannot open the repo ({why})", path=repo) from exc
+        return cls(fd, Path(f"/proc/self/fd/{fd}").readlink())
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"RepoDir({str(self.path)!r}, fd={self.fd})"
+
+    @property
+    def cwd(self) -> str:
+        """A working directory for a child process: the opened directory itself.
+
+        The child enters it before ``exec`` (while the descriptor is still open
+        in it), so its working directory is this very directory, by inode.
+        """
+        return f"/proc/self/fd/{self.fd}"
+
+    def close(self) -> None:
+        """Close the descriptor; idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def repo_owner(repo: Path | RepoDir) -> tuple[int, int]:
+    """The uid and gid owning ``repo``'s ``.git`` (the repo itself if it has none).
+
+    For a :class:`RepoDir`: the owner of the opened directory itself (its
+    ``.git`` could be a link to someone else's, e.g. root's).
+    """
+    if isinstance(repo, RepoDir):
+        return repo.owner
     gd = repo / ".git"
     st = gd.stat() if gd.exists() else repo.stat()
     return st.st_uid, st.st_gid
 
 
-def as_owner(repo: Path) -> list[str]:
+def as_owner(repo: Path | RepoDir) -> list[str]:
     """An argv prefix that drops to the repo owner's uid/gid when we run as root.
 
     A privileged launcher must not run git in a user's repository as root:
@@ -178,7 +274,7 @@ def as_owner(repo: Path) -> list[str]:
             "--inh-caps=-all", "--"]  # fmt: skip
 
 
-def owner_tempdir(repo: Path) -> Path:
+def owner_tempdir(repo: Path | RepoDir) -> Path:
     """A private temp dir that the repo's owner (who runs git there) may write."""
     tmp = Path(tempfile.mkdtemp(prefix="agentbox-owner-"))
     if as_owner(repo):
@@ -194,7 +290,7 @@ def _owner_home(uid: int) -> str:
 
 
 def user_git(
-    repo: Path,
+    repo: Path | RepoDir,
     *args: str | os.PathLike[str],
     check: bool = True,
     timeout: float = 300.0,
@@ -204,7 +300,8 @@ def user_git(
 
     The user's own global config still applies (it is theirs and trusted), but
     no ``GIT_*`` variable of our caller leaks in. ``safe.directory`` is set on
-    the command line in case the owner cannot be assumed (not root).
+    the command line in case the owner cannot be assumed (not root). Given a
+    :class:`RepoDir`, git starts in the opened directory and is never told its path.
     """
     base = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "XDG_"))}
     prefix = as_owner(repo)
@@ -213,6 +310,7 @@ def user_git(
     base.update({"LC_ALL": "C", "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"})
     if env:
         base.update(env)
+    where = repo.path if isinstance(repo, RepoDir) else repo
     argv = [
         *prefix,
         "git",
@@ -222,10 +320,11 @@ def user_git(
         "-c",
         "core.fsmonitor=false",
         "-c",
-        f"safe.directory={repo}",
-        "-C",
-        os.fspath(repo),
+        f"safe.directory={where}",
+        *([] if isinstance(repo, RepoDir) else ["-C", os.fspath(repo)]),
         *(os.fspath(a) for a in args),
     ]
-    # cwd: somewhere the owner may enter (our own cwd may be a root-only dir).
-    return _proc.run(argv, timeout=timeout, check=check, env=base, cwd=repo)
+    # cwd: somewhere the owner may enter (our own cwd may be a root-only dir); for a
+    # RepoDir, the opened directory itself.
+    cwd = repo.cwd if isinstance(repo, RepoDir) else repo
+    return _proc.run(argv, timeout=timeout, check=check, env=base, cwd=cwd)

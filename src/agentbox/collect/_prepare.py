@@ -1,6 +1,10 @@
 """Making a workspace at a trusted moment: :func:`prepare`.
 
-The user's repo is only read: ``rev-parse``, ``status --no-optional-locks``,
+The user's repo is opened once (:class:`~agentbox.collect._git.RepoDir`:
+``openat2`` beneath the repos root, no symlink followed) and every git command
+in it starts in that descriptor; its path is never looked up again, so a
+component swapped for a link after the launcher's checks redirects nothing.
+It is only read: ``rev-parse``, ``status --no-optional-locks``,
 and ``upload-pack`` (run by our ``fetch`` from the shadow side). With
 uncommitted changes included, ``git add -A`` runs against a *copy* of the
 user's index and writes its objects into the shadow dir
@@ -30,7 +34,14 @@ from pathlib import Path
 from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.collect import _statcache
-from agentbox.collect._git import ShadowGit, as_owner, owner_tempdir, repo_owner, user_git
+from agentbox.collect._git import (
+    RepoDir,
+    ShadowGit,
+    as_owner,
+    owner_tempdir,
+    repo_owner,
+    user_git,
+)
 from agentbox.collect._index import fill_stat
 from agentbox.collect._model import Base
 from agentbox.collect._objects import BlobWriter
@@ -42,25 +53,28 @@ __all__ = ["prepare"]
 log = get_logger("collect")
 
 _HEX = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
-#: Characters that would need quoting in a ``file://`` URL: fall back to a full fetch.
-_URL_UNSAFE = re.compile(r"[%#?\s]")
 
 
-def _refused(message: str, repo: Path) -> RefusedError:
-    return RefusedError(f"{message}: {repo}")
+def _refused(message: str, repo: Path | RepoDir) -> RefusedError:
+    return RefusedError(f"{message}: {repo.path if isinstance(repo, RepoDir) else repo}")
 
 
-def _inspect(repo: Path, commit: str) -> tuple[str, str, str]:
+def _inspect(repo: RepoDir, commit: str) -> tuple[str, str, str]:
     """Return (object format, commit sha, HEAD sha) of the user's repo, or refuse."""
     if not commit or commit.startswith("-") or "\0" in commit:
         raise _refused(f"bad commit name {commit!r:.80}", repo)
     try:
-        res = user_git(repo, "rev-parse", "--show-toplevel", "--show-object-format")
+        # git starts in the opened directory: it must be the top of its work tree
+        # (no way up to it), asked without naming any path.
+        res = user_git(repo, "rev-parse", "--show-cdup", "--show-object-format")
     except CommandError as exc:
         raise _refused("not a git repository", repo) from exc
-    top, fmt = res.stdout.splitlines()[:2]
-    if Path(top).resolve() != repo:
-        raise _refused(f"not the top level of its repository ({top})", repo)
+    lines = res.stdout.splitlines()
+    if len(lines) < 2:
+        raise _refused("not a git repository with a work tree", repo)
+    cdup, fmt = lines[:2]
+    if cdup:
+        raise _refused(f"not the top level of its repository ({cdup} up)", repo)
     head = user_git(repo, "rev-parse", "--verify", "--quiet", "HEAD^{commit}", check=False)
     if head.returncode != 0:
         raise _refused("the repository has no commits", repo)
@@ -73,7 +87,7 @@ def _inspect(repo: Path, commit: str) -> tuple[str, str, str]:
     return fmt.strip(), res.stdout.strip(), head.stdout.strip()
 
 
-def _dirty(repo: Path) -> list[str]:
+def _dirty(repo: RepoDir) -> list[str]:
     """Tracked paths with staged or unstaged changes (untracked files do not count)."""
     out = user_git(
         repo, "status", "--porcelain=v1", "-z", "--untracked-files=no",
@@ -82,13 +96,10 @@ def _dirty(repo: Path) -> list[str]:
     return [rec[3:] for rec in out.split("\0") if rec]
 
 
-def _fetch_base(shadow: ShadowGit, repo: Path, sha: str) -> None:
-    # Shallow (depth 1) through file:// so a big history is not copied; a path
-    # that a URL would mangle falls back to a plain local fetch of the history.
-    if _URL_UNSAFE.search(str(repo)):
-        source, depth = str(repo), []
-    else:
-        source, depth = f"file://{repo}", ["--depth=1"]
+def _fetch_base(shadow: ShadowGit, repo: RepoDir, sha: str) -> None:
+    # Shallow (depth 1), so a big history is not copied. The source is "./": the
+    # fetch starts in the opened repo directory and upload-pack inherits it as its
+    # working directory, so no path of the user's is looked up again.
     # upload-pack runs in the user's repo: as its owner when we are root (the
     # repo's config is theirs), else with safe.directory from a global config
     # of ours (upload-pack does not see -c options).
@@ -99,15 +110,16 @@ def _fetch_base(shadow: ShadowGit, repo: Path, sha: str) -> None:
         extra = [f"--upload-pack={shlex.join([*owner, 'git', 'upload-pack'])}"]
     else:
         cfg = Path(shadow.env()["HOME"]) / "safe.gitconfig"
-        cfg.write_text(f"[safe]\n\tdirectory = {repo}\n\tdirectory = {repo / '.git'}\n")
+        where = repo.path
+        cfg.write_text(f"[safe]\n\tdirectory = {where}\n\tdirectory = {where / '.git'}\n")
         env = {"GIT_CONFIG_GLOBAL": str(cfg)}
     shadow.run(
-        "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", *depth, *extra, source,
-        f"{sha}:refs/agentbox/head", env=env,
+        "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", "--depth=1", *extra, "./",
+        f"{sha}:refs/agentbox/head", env=env, cwd=Path(repo.cwd),
     )  # fmt: skip
 
 
-def _snapshot_uncommitted(shadow: ShadowGit, repo: Path, head: str, fmt: str) -> str:
+def _snapshot_uncommitted(shadow: ShadowGit, repo: RepoDir, head: str, fmt: str) -> str:
     """A commit (in the shadow dir) of HEAD plus tracked changes and untracked files.
 
     ``git add -A`` runs as the repo's owner (its clean filters are theirs) into
@@ -128,11 +140,11 @@ def _snapshot_uncommitted(shadow: ShadowGit, repo: Path, head: str, fmt: str) ->
             "GIT_OBJECT_DIRECTORY": str(tmp_objects),
             "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(objects),
         }
-        if index.is_file():
-            shutil.copyfile(index, tmp_index)  # the real index: stat data, staged changes
-            if as_owner(repo):
-                os.chown(tmp_index, *repo_owner(repo))
-        else:
+        # The real index (stat data, staged changes), copied by its owner: never read
+        # as root, so an index that is a link to a file of someone else's is not copied.
+        copied = _proc.run([*as_owner(repo), "cp", "--", str(index), str(tmp_index)],
+                           check=False, cwd=repo.cwd, timeout=300)  # fmt: skip
+        if copied.returncode != 0:
             user_git(repo, "read-tree", head, env=env)
         user_git(repo, "add", "-A", env=env)
         tree = user_git(repo, "write-tree", env=env).stdout.strip()
@@ -272,6 +284,7 @@ def prepare(
     commit: str = "HEAD",
     include_uncommitted: bool = False,
     owner: tuple[int, int] | None = None,
+    root: Path | None = None,
 ) -> Base:
     """Make ``workspace`` a fresh copy of ``repo`` at ``commit`` and the trusted shadow dir.
 
@@ -286,11 +299,30 @@ def prepare(
     ``owner=(uid, gid)`` chowns the workspace (never following a link) *before*
     its stat data is saved; a chown after ``prepare`` changes every file's ctime
     and makes the next collection re-read every file (still correct, only slower).
+
+    ``repo`` is opened once and used through that descriptor only. With
+    ``root`` (the repos root), ``repo`` must be a resolved path beneath it and
+    is opened with no symlink followed on the way (:class:`~agentbox.errors.PathRefused`
+    otherwise); without it, ``repo`` is resolved first (the caller trusts the path).
     """
-    repo = Path(repo).resolve()
     workspace, shadow_git, base_index = (
         Path(p).absolute() for p in (workspace, shadow_git, base_index)
     )
+    with RepoDir.open(Path(repo).resolve() if root is None else Path(repo), root=root) as rd:
+        return _prepare(rd, workspace, shadow_git, base_index, commit=commit,
+                        include_uncommitted=include_uncommitted, owner=owner)  # fmt: skip
+
+
+def _prepare(
+    repo: RepoDir,
+    workspace: Path,
+    shadow_git: Path,
+    base_index: Path,
+    *,
+    commit: str,
+    include_uncommitted: bool,
+    owner: tuple[int, int] | None,
+) -> Base:
     fmt, sha, head = _inspect(repo, commit)
     if include_uncommitted and sha != head:
         raise _refused("include_uncommitted works only with the HEAD commit", repo)
@@ -348,7 +380,7 @@ def prepare(
                     path.unlink()
         _statcache.remove(base_index)
         raise
-    log.info("prepared", repo=str(repo), base=base_commit, tree=tree)
+    log.info("prepared", repo=str(repo.path), base=base_commit, tree=tree)
     return Base(
         base_commit=base_commit,
         tree=tree,

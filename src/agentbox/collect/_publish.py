@@ -21,6 +21,7 @@ from pathlib import Path
 from agentbox import _proc
 from agentbox.collect._collect import branch_name
 from agentbox.collect._git import (
+    RepoDir,
     ShadowGit,
     as_owner,
     clean_env,
@@ -80,7 +81,7 @@ def _remember(record: Path | None, repo: Path, ref: str, commit: str) -> None:
     tmp.replace(record)
 
 
-def _current(repo: Path, ref: str) -> tuple[str, str]:
+def _current(repo: RepoDir, ref: str) -> tuple[str, str]:
     """(object id, symref target) of exactly ``ref`` in ``repo``; ("", "") when absent."""
     out = user_git(
         repo, "for-each-ref", "--format=%(refname)%00%(objectname)%00%(symref)", ref
@@ -93,7 +94,7 @@ def _current(repo: Path, ref: str) -> tuple[str, str]:
     return "", ""
 
 
-def _checked_out(repo: Path, ref: str) -> str | None:
+def _checked_out(repo: RepoDir, ref: str) -> str | None:
     """The worktree that has ``ref`` checked out (or as an unborn branch), if any."""
     out = user_git(repo, "worktree", "list", "--porcelain", "-z").stdout
     where = ""
@@ -101,7 +102,7 @@ def _checked_out(repo: Path, ref: str) -> str | None:
         if field.startswith("worktree "):
             where = field.removeprefix("worktree ")
         elif field == f"branch {ref}":
-            return where or str(repo)
+            return where or str(repo.path)
     return None
 
 
@@ -113,6 +114,7 @@ def publish(
     commit: str,
     branch: str | None = None,
     record: Path | None = None,
+    root: Path | None = None,
 ) -> str:
     """Put the result ``commit`` on a branch of ``repo`` (``agentbox/<task-id>`` unless
     ``branch``); return the branch name.
@@ -132,11 +134,21 @@ def publish(
     symbolic ref, or is checked out; :class:`~agentbox.errors.CollectError`
     when git fails. ``commit`` must be what the shadow branch points at, so a
     shadow dir changed since collection is caught, not published.
+
+    ``repo`` is opened once (beneath ``root``, the repos root, with no link
+    followed, when given) and git runs in that descriptor, as the owner of that
+    very directory.
     """
     name = check_branch(branch) if branch is not None else branch_name(task_id)
     if not _HEX.fullmatch(commit):
         raise CollectError(f"not a commit id: {commit!r:.80}")
-    repo = Path(repo).resolve()
+    with RepoDir.open(Path(repo).resolve() if root is None else Path(repo), root=root) as rd:
+        return _publish(rd, Path(shadow_git), task_id, commit, name, record)
+
+
+def _publish(
+    repo: RepoDir, shadow_git: Path, task_id: str, commit: str, name: str, record: Path | None
+) -> str:
     shadow_ref = f"refs/heads/{branch_name(task_id)}"
     ref = f"refs/heads/{name}"
     with ShadowGit(Path(shadow_git).absolute()) as shadow:
@@ -153,7 +165,7 @@ def publish(
             raise PublishRefused(f"{name} in {repo} is a symbolic ref (to {symref}); left as it is")
         if current == commit:
             return name  # already published (by us: the commit names this task)
-        if current and current not in _written(record, repo, ref):
+        if current and current not in _written(record, repo.path, ref):
             raise PublishRefused(
                 f"{name} already exists in {repo} at {current[:12]}, a commit agentbox did "
                 f"not write: left as it is; the result {commit[:12]} is kept "
@@ -174,7 +186,7 @@ def publish(
             shadow.run("bundle", "create", "--quiet", bundle, shadow_ref, "^refs/agentbox/head")
         if as_owner(repo):
             os.chown(bundle, *repo_owner(repo))
-        _remember(record, repo, ref, commit)
+        _remember(record, repo.path, ref, commit)
         try:
             # Objects only (no destination in the refspec): the ref is written below,
             # compare-and-swap, so a ref that changed since it was read is not overwritten.

@@ -57,6 +57,7 @@ def publish_task(
         commit=row.commit_id,
         branch=branch,
         record=paths.root / "published.json",
+        root=settings.repos_root,
     )
     store.update(row.id, branch=name)
     _note(paths, f"published {name} (agentbox publish)")

@@ -352,6 +352,7 @@ def _collect_and_finish(
                         task_id=row.id,
                         commit=commit,
                         record=paths.root / "published.json",
+                        root=settings.repos_root,
                     )
                     tlog(f"published {branch}")
                 except PublishRefused as exc:
@@ -436,6 +437,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         # swapped a path component for a link since the request was validated.
         _repo_at_use(settings, row)
         uid = settings.sandbox_host_uid
+        # Opened once beneath the repos root, no link followed; the copy reads that
+        # descriptor only (a link swapped in after the check above redirects nothing).
         base = prepare(
             Path(row.repo),
             paths.workspace,
@@ -443,6 +446,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
             paths.base_index,
             include_uncommitted=row.include_uncommitted,
             owner=(uid, uid),
+            root=settings.repos_root,
         )
         _save_base(paths, base)
         give_to_sandbox(paths.workspace, settings.sandbox_host_uid)
