@@ -131,3 +131,37 @@ def test_latency_meter_notices_a_stall() -> None:
 def test_probe_source_fits_one_argv_string() -> None:
     # It travels as `python3 -c SOURCE`: Linux caps one argument at 128 KiB (MAX_ARG_STRLEN).
     assert len(probe_source().encode()) < 100 * 1024
+
+
+def test_kernel_surface_probes_fire_on_the_unconfined_host() -> None:
+    from agentbox.backends._userns_limits import SANDBOX_CAPS
+
+    ids = "net.socket_families,kernel.compat_syscalls,limits.userns_caps"
+    data = run_probe("--only", ids, config={"runtime": "runc", "userns_caps": SANDBOX_CAPS})
+    res = data["results"]
+    # The host's user namespace is the top one: its counters are far above a sandbox's caps.
+    assert res["limits.userns_caps"]["ok"] is False, res["limits.userns_caps"]
+    if os.geteuid() == 0:
+        # Root may open AF_PACKET at least (and AF_VSOCK where the module is loaded).
+        assert res["net.socket_families"]["ok"] is False, res["net.socket_families"]
+    if _ia32_emulation():
+        # The host has no seccomp filter: the i386 entry answers.
+        assert res["kernel.compat_syscalls"]["ok"] is False, res["kernel.compat_syscalls"]
+
+
+def _ia32_emulation() -> bool:
+    import gzip
+
+    try:
+        with gzip.open("/proc/config.gz", "rt") as f:
+            return "CONFIG_IA32_EMULATION=y" in f.read()
+    except OSError:
+        return False
+
+
+def test_exhaust_mode_stops_at_the_hosts_bound() -> None:
+    # A bound of 5 units: safe to run on the host (it spends 5 of root's counters briefly).
+    for kind in ("inotify", "sigpending"):
+        data = run_probe("--exhaust", kind, "--hold", "0", config={"exhaust_max": 5})
+        got = data["exhaust"]
+        assert got["kind"] == kind and got["took"] == 5 and got["errno"] == "", got

@@ -48,6 +48,7 @@ from agentbox.escape._runner import (
     kernel_outcome,
     latency_outcome,
     probe_source,
+    quota_outcomes,
     run_probe_program,
 )
 
@@ -177,6 +178,8 @@ def run_weak_controls(fx: Fixture, image: str, *, uid: int, mapped_uid: int) -> 
         view = HostView(runtime="runc", mapped_uid=mapped_uid, pids_max=512, memory=512 * 1024**2)
         pids = hc.cgroup_pids(box.pid())
         got.update({o.id: o for o in host_outcomes(pids, view)})
+        # Root in the host's user namespace: its counters are root's own, so root loses.
+        got.update({o.id: o for o in quota_outcomes(box, view)})
         got.update({o.id: o for o in forkbomb_outcomes(box, view, pids[0] if pids else 0)})
         # Own kernel: a runc container shares the host's kernel, so the comparison must say so.
         got["host.own_kernel"] = kernel_outcome(box, "control", "control")

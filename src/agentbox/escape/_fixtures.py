@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Self
 
 from agentbox._log import get_logger
+from agentbox.backends._userns_limits import SANDBOX_CAPS
 from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, GATEWAY_SOCKET_NAME
 
 __all__ = ["TOKEN_ENV", "TOKEN_REGEX", "Fixture"]
@@ -237,6 +238,7 @@ class Fixture:
             "decoy_nonce": self.decoy_nonce,
             "token_regex": TOKEN_REGEX,
             "host_missing": missing,
+            "userns_caps": dict(SANDBOX_CAPS),
         }
 
     def close(self) -> None:

@@ -24,6 +24,8 @@ __all__ = ["PROBES", "by_id"]
 _A = "seed A"
 _B = "seed B"
 _U = "audit tools"
+_I11 = "issue 11"
+_I18 = "issue 18"
 
 
 def _in(pid: str, tried: str, expected: str, source: str, control: str = "weak") -> ProbeSpec:
@@ -62,6 +64,13 @@ PROBES: tuple[ProbeSpec, ...] = (
         _B,
     ),
     _in("net.host_abstract_socket", "connect to the host's abstract socket", "invisible", _U),
+    _ct(
+        "net.socket_families",
+        "socket() for AF_VSOCK (also with high bits set), AF_PACKET, AF_KEY, AF_ALG, AF_XDP, "
+        "AF_TIPC, AF_RDS, AF_CAN, AF_BLUETOOTH, netlink audit/uevent/generic/sock_diag",
+        "all refused; unix, inet, netlink route still work",
+        _I11,
+    ),
     # filesystem
     _in("fs.root_readonly", "create files in /, /etc, /var, /opt", "EROFS/EACCES", _B),
     _in("fs.usr_readonly", "create files in /usr", "EROFS/EACCES", _A),
@@ -93,6 +102,7 @@ PROBES: tuple[ProbeSpec, ...] = (
     _in("kernel.sched_debug_readable", "sched_debug, or debugfs mountable", "refused", _U),
     _ct("kernel.keyring_syscalls", "add_key, request_key", "blocked", _U),
     _ct("kernel.proc_keys_readable", "read /proc/keys", "masked (empty)", _U),
+    _ct("kernel.compat_syscalls", "getpid through the i386 entry (int 0x80)", "refused", _I11),
     # namespaces, devices, processes
     _in("ns.userns_creation", "unshare(CLONE_NEWUSER)", "refused", _U),
     _in(
@@ -113,6 +123,12 @@ PROBES: tuple[ProbeSpec, ...] = (
     _in("token.cmdline", "the planted token in /proc/*/cmdline", "absent", _B),
     _in("token.files", "the planted token in files", "absent", _B),
     _in("limits.pids_visible", "pids.max of its own cgroup", "<= the declared limit", _B),
+    _ct(
+        "limits.userns_caps",
+        "/proc/sys/user/max_* (inotify, fanotify, namespaces) of its user namespace",
+        "<= agentbox's caps",
+        _I18,
+    ),
     # host-side posture, read from the live sandbox's processes (every thread)
     _host("host.caps_effective", "CapEff/CapPrm of every sandbox thread", "0", _B),
     _host("host.caps_bounding", "CapBnd of every sandbox thread", "0", _U),
@@ -137,6 +153,25 @@ PROBES: tuple[ProbeSpec, ...] = (
         "stall",
     ),
     _host("host.own_kernel", "kernel release/boot id inside vs host", "differs", _B, "kernel"),
+    # per-user kernel counters charged to the namespace owner (root): the host must keep its own
+    _host(
+        "host.quota_inotify",
+        "sandbox opens inotify instances until refused; root opens one meanwhile",
+        "root never refused",
+        _I18,
+    ),
+    _host(
+        "host.quota_mqueue",
+        "sandbox creates POSIX message queues until refused; root creates one meanwhile",
+        "root never refused",
+        _I18,
+    ),
+    _host(
+        "host.quota_sigpending",
+        "sandbox queues real-time signals until refused; root queues one meanwhile",
+        "root never refused",
+        _I18,
+    ),
 )
 
 _BY_ID = {p.id: p for p in PROBES}

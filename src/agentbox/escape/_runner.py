@@ -34,6 +34,7 @@ from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
 from agentbox.escape import _hostcheck as hc
 from agentbox.escape._fixtures import RO_TARGET, Fixture
 from agentbox.escape._model import Outcome, ProbeSpec, Status
+from agentbox.escape._quota import KINDS, QuotaWatcher, exhaust_config
 from agentbox.escape._registry import PROBES
 
 #: Where a microVM gets the suite's declared mount (its root is read-only).
@@ -46,6 +47,7 @@ __all__ = [
     "host_outcomes",
     "inside_outcomes",
     "probe_source",
+    "quota_outcomes",
     "run_probe_program",
     "run_real",
     "sandbox_pids",
@@ -363,6 +365,55 @@ def forkbomb_outcomes(
     return out
 
 
+#: How long the sandbox holds a spent counter while root tries to spend one.
+QUOTA_HOLD = 1.5
+
+
+def quota_outcomes(box: _Execs, view: HostView) -> list[Outcome]:
+    """For each per-user kernel counter: the sandbox spends it until refused and holds it,
+
+    while a thread of this (root) process keeps trying to spend one unit. Confinement
+    holds when root was never refused. On a microVM the guest's kernel charges its own
+    counters, so these are n/a (said so, without running).
+    """
+    specs = {p.id: p for p in PROBES}
+    out = []
+    for kind, pid in KINDS.items():
+        spec = specs[pid]
+        if view.vm:
+            out.append(_outcome(spec, "n/a", "microVM: the guest kernel charges its own "
+                                "counters; none reaches the host's root quota"))  # fmt: skip
+            continue
+        watcher = QuotaWatcher(kind)
+        watcher.start()
+        got: dict[str, Any] | None = None
+        err = ""
+        try:
+            args = ["--exhaust", kind, "--hold", f"{QUOTA_HOLD}"]
+            data = run_probe_program(box, exhaust_config(kind), args, 120)
+            got = data.get("exhaust") if isinstance(data.get("exhaust"), dict) else None
+        except AgentboxError as exc:
+            err = str(exc)[:200]
+        finally:
+            watcher.stop()
+        took = (
+            f"sandbox took {got.get('took')} ({got.get('errno') or 'not refused'})" if got else ""
+        )
+        root = f"root tried {watcher.tries}x, refused {watcher.refused}x"
+        root += f" ({watcher.first_error})" if watcher.first_error else ""
+        status: Status
+        if watcher.refused:
+            status, seen = "fail", f"{took}; {root}: the sandbox spent root's quota"
+        elif got is None or watcher.tries == 0:
+            status, seen = "error", f"no answer from the sandbox ({err}); {root}"
+        else:
+            status, seen = "pass", f"{took}; {root}"
+        if view.runtime == "runsc" and status == "pass":
+            seen += "; gVisor: the Sentry's own counter"
+        out.append(_outcome(spec, status, seen))
+    return out
+
+
 def latency_outcome(meter: hc.LatencyMeter) -> Outcome:
     """The host's worst oversleep against :data:`LATENCY_LIMIT`."""
     spec = next(p for p in PROBES if p.id == "host.forkbomb_latency")
@@ -502,6 +553,7 @@ def run_real(
         facts["host_pids"] = len(pids)
         outcomes += host_outcomes(pids, view)
         outcomes.append(kernel_outcome(box, runtime, backend.name))
+        outcomes += quota_outcomes(box, view)
         # Before the fork bomb: under gVisor the bomb may take the sandbox down.
         extra = during(box) if during is not None else []
         outcomes += forkbomb_outcomes(box, view, pids[0] if pids else 0)

@@ -20,6 +20,9 @@ host-shared place except inside ``/tmp``; writable kernel files are only
 
 ``--forkbomb N`` instead forks up to N sleeping children, reports how many it
 got, and kills them: the host measures its own latency meanwhile.
+``--exhaust inotify|mqueue|sigpending`` spends one per-user kernel counter until the
+kernel refuses, holds it for ``--hold`` seconds, and releases it: the host tries
+to spend one unit of the same counter as root meanwhile.
 
 One file on purpose (it is sent into the sandbox as ``python3 -c`` or run from
 ``/opt/agentbox/probe.py``), grouped by area: identity, network, filesystem,
@@ -458,6 +461,55 @@ def p_abstract() -> Result:
         fired = True
     seen.append(f"{len(listed)} abstract sockets listed, host-like: {host_like[:5]}")
     return result(not fired, "; ".join(seen))
+
+
+#: Address families (and netlink protocols) the sandbox must refuse: (name, family,
+#: type, protocol). AF_VSOCK is not scoped by the network namespace (on a host that is
+#: itself a VM, the hypervisor answers); the rest are kernel code an agent never needs.
+#: The high-bit AF_VSOCK value (the kernel truncates the family to an int) catches a
+#: deny-list filter that compares the full 64-bit register.
+REFUSED_FAMILIES = (
+    ("AF_VSOCK", 40, socket.SOCK_STREAM, 0),
+    ("AF_VSOCK|1<<32", 40 | 1 << 32, socket.SOCK_STREAM, 0),
+    ("AF_PACKET", 17, socket.SOCK_DGRAM, 0),
+    ("AF_KEY", 15, socket.SOCK_RAW, 2),
+    ("AF_ALG", 38, socket.SOCK_SEQPACKET, 0),
+    ("AF_XDP", 44, socket.SOCK_RAW, 0),
+    ("AF_TIPC", 30, socket.SOCK_RDM, 0),
+    ("AF_RDS", 21, socket.SOCK_SEQPACKET, 0),
+    ("AF_CAN", 29, socket.SOCK_RAW, 1),
+    ("AF_BLUETOOTH", 31, socket.SOCK_RAW, 0),
+    ("AF_NETLINK/audit", 16, socket.SOCK_RAW, 9),
+    ("AF_NETLINK/uevent", 16, socket.SOCK_RAW, 15),
+    ("AF_NETLINK/generic", 16, socket.SOCK_RAW, 16),
+    ("AF_NETLINK/sock_diag", 16, socket.SOCK_RAW, 4),
+)
+SYS_SOCKET = 41
+
+
+@probe("net.socket_families")
+def p_socket_families() -> Result:
+    libc().syscall.restype = ctypes.c_long
+    opened, refused = [], []
+    for name, fam, typ, proto in REFUSED_FAMILIES:
+        fd = libc().syscall(SYS_SOCKET, ctypes.c_long(fam), typ, proto)
+        if fd >= 0:
+            os.close(fd)
+            opened.append(name)
+        else:
+            refused.append(f"{name}:{err(ctypes.get_errno())}")
+    # The families an agent does need must still work (else the filter is just broken).
+    needed = []
+    for fam, typ, proto in ((socket.AF_UNIX, socket.SOCK_STREAM, 0),
+                            (socket.AF_INET, socket.SOCK_STREAM, 0),
+                            (socket.AF_NETLINK, socket.SOCK_RAW, 0)):  # fmt: skip
+        try:
+            socket.socket(fam, typ, proto).close()
+        except OSError as e:
+            needed.append(f"{fam.name}:{err(e)}")
+    seen = f"opened {opened}" if opened else "all refused"
+    seen += f"; needed families failing: {needed}" if needed else "; unix/inet/netlink-route work"
+    return result(not opened and not needed, seen + "; " + " ".join(refused))
 
 
 # -- filesystem ------------------------------------------------------------------
@@ -937,6 +989,55 @@ def p_proc_keys() -> Result:
     return result(not data, f"/proc/keys {len(data)} bytes, /proc/key-users {len(users)} bytes")
 
 
+#: x86-64 machine code: ``mov eax, 20`` (getpid in the i386 table); ``int 0x80``; ``ret``.
+_INT80_GETPID = b"\xb8\x14\x00\x00\x00\xcd\x80\xc3"
+
+
+@probe("kernel.compat_syscalls")
+def p_compat() -> Result:
+    # The 32-bit syscall table is a second kernel entry point (and, for sockets, a
+    # multiplexer seccomp cannot read): the filter admits the native ABI only.
+    import mmap
+
+    if os.uname().machine != "x86_64":
+        return result(None, f"{os.uname().machine}: no i386 compat entry to try")
+    buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    buf.write(_INT80_GETPID)
+    fn = ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(buf)))
+    pid = os.fork()
+    if pid == 0:
+        got = fn()
+        os._exit(0 if got == os.getpid() else 3)
+    _, st = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(st):
+        return result(True, f"int 0x80 getpid: killed by signal {os.WTERMSIG(st)} (SIGSYS=31)")
+    if os.WEXITSTATUS(st) == 0:
+        return result(False, "int 0x80 getpid answered: the i386 syscall table is reachable")
+    return result(True, "int 0x80 getpid: refused (no answer with this pid)")
+
+
+@probe("limits.userns_caps")
+def p_userns_caps() -> Result:
+    """The per-user counters of this sandbox's user namespace are capped (issue 18)."""
+    want = CFG.get("userns_caps") or {}
+    if not isinstance(want, dict) or not want:
+        return result(None, "no caps given")
+    if gvisor():
+        return result(None, "gVisor: inotify, mqueues and signals are the Sentry's own")
+    over, seen = [], []
+    for name, cap in sorted(want.items()):
+        try:
+            val = int(read(f"/proc/sys/user/{name}").decode().strip())
+        except (OSError, ValueError):
+            continue
+        seen.append(f"{name}={val}")
+        if val > int(cap):
+            over.append(f"{name}={val}>{cap}")
+    if not seen:
+        return result(None, "no /proc/sys/user counters on this kernel")
+    return result(not over, ("over the cap: " + " ".join(over)) if over else " ".join(seen))
+
+
 # -- namespaces, mounts, devices ---------------------------------------------
 
 
@@ -1321,6 +1422,155 @@ def forkbomb(n: int, hold: float) -> tuple[int, str, float]:
     return len(kids), first, took
 
 
+# -- per-user kernel counters (issue 18) -------------------------------------------------
+# ``--exhaust KIND`` spends one counter the kernel also charges to the owner of the
+# sandbox's user namespace, holds it for ``--hold`` seconds while the host tries to
+# spend one unit of it as root, then releases it. It never asks for more than
+# EXHAUST_MAX units, and everything it took is released when it exits.
+
+EXHAUST_MAX = 200_000
+
+
+def exhaust_max() -> int:
+    """How many units to ask for at most: the host passes root's limit plus a margin
+    (enough to spend root's whole quota where nothing caps the sandbox, and no more:
+    under gVisor nothing refuses, and the Sentry's memory is the sandbox's)."""
+    try:
+        return max(1, min(int(CFG.get("exhaust_max", EXHAUST_MAX)), EXHAUST_MAX))
+    except (TypeError, ValueError):
+        return EXHAUST_MAX
+
+
+SYS_RT_TGSIGQUEUEINFO = 297
+
+
+def _inotify_batch(out_fd: int, limit: int) -> None:
+    """Child: open inotify instances until refused; write "count errno"; hold."""
+    n, e = 0, 0
+    while n < limit:
+        if libc().inotify_init1(os.O_CLOEXEC) < 0:
+            e = ctypes.get_errno()
+            break
+        n += 1
+    os.write(out_fd, f"{n} {e}\n".encode())
+    os.close(out_fd)
+    signal.pause()
+
+
+def exhaust_inotify(hold: float) -> dict[str, object]:
+    """Open inotify instances until the kernel refuses, in as many children as the
+    per-process fd limit needs (a child that stops well below it hit the quota)."""
+    soft = fcntl_nofile()
+    cap = exhaust_max()
+    kids, total, first = [], 0, 0
+    for _ in range(64):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                _inotify_batch(w, cap - total)
+            finally:
+                os._exit(0)
+        os.close(w)
+        kids.append(pid)
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = os.read(r, 64)
+            if not chunk:
+                break
+            line += chunk
+        os.close(r)
+        parts = line.split()
+        n, e = (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+        total += n
+        first = first or e
+        if n < soft - 64 or total >= cap:
+            break  # the quota, not this child's fd limit, stopped it
+    time.sleep(hold)
+    for pid in kids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in kids:
+        with contextlib.suppress(OSError):
+            os.waitpid(pid, 0)
+    return {
+        "kind": "inotify",
+        "took": total,
+        "errno": err(first) if first else "",
+        "procs": len(kids),
+    }
+
+
+def fcntl_nofile() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+class _MqAttr(ctypes.Structure):
+    _fields_ = [
+        ("mq_flags", ctypes.c_long),
+        ("mq_maxmsg", ctypes.c_long),
+        ("mq_msgsize", ctypes.c_long),
+        ("mq_curmsgs", ctypes.c_long),
+        ("pad", ctypes.c_long * 4),
+    ]
+
+
+def exhaust_mqueue(hold: float) -> dict[str, object]:
+    """Create POSIX message queues until refused, big ones first and then ever smaller
+    ones down to a single 64-byte message, so no byte of the quota is left; unlink after."""
+    lib = libc()
+    lib.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_MqAttr)]
+    names: list[bytes] = []
+    e = 0
+    tag = f"/abx-probe-{os.getpid()}-"
+    try:
+        for maxmsg, size in ((10, 8192), (1, 8192), (1, 1024), (1, 64)):
+            while len(names) < 4096:
+                name = f"{tag}{len(names)}".encode()
+                attr = _MqAttr(0, maxmsg, size, 0)
+                flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+                if lib.mq_open(name, flags, 0o600, ctypes.byref(attr)) < 0:
+                    e = ctypes.get_errno()
+                    break
+                names.append(name)
+        time.sleep(hold)
+    finally:
+        for name in names:
+            lib.mq_unlink(name)
+    return {"kind": "mqueue", "took": len(names), "errno": err(e) if e else ""}
+
+
+def exhaust_sigpending(hold: float) -> dict[str, object]:
+    """Queue real-time signals to this (blocking) thread until refused; exit drops them."""
+    sig = signal.SIGRTMIN + 2
+    signal.pthread_sigmask(signal.SIG_BLOCK, [sig])
+    info = (ctypes.c_int * 32)()
+    info[0], info[2] = sig, -1  # si_signo, si_code = SI_QUEUE
+    lib = libc()
+    lib.syscall.restype = ctypes.c_long
+    n, e = 0, 0
+    pid = os.getpid()
+    cap = exhaust_max()
+    while n < cap:
+        if lib.syscall(SYS_RT_TGSIGQUEUEINFO, pid, pid, sig, info) != 0:
+            e = ctypes.get_errno()
+            break
+        n += 1
+    # Other processes of the same owner take their signals meanwhile: keep the quota full.
+    end = time.monotonic() + hold
+    while time.monotonic() < end:
+        if n < cap and lib.syscall(SYS_RT_TGSIGQUEUEINFO, pid, pid, sig, info) == 0:
+            n += 1
+        time.sleep(0.0005)
+    return {"kind": "sigpending", "took": n, "errno": err(e) if e else ""}
+
+
+EXHAUST = {"inotify": exhaust_inotify, "mqueue": exhaust_mqueue, "sigpending": exhaust_sigpending}
+
+
 # -- runner -------------------------------------------------------------------------
 
 
@@ -1382,6 +1632,7 @@ def main(argv: list[str]) -> int:
     global CFG
     only = None
     fork_n = None
+    exhaust = ""
     hold = 3.0
     args = list(argv)
     while args:
@@ -1392,6 +1643,8 @@ def main(argv: list[str]) -> int:
             fork_n = int(args.pop(0))
         elif a == "--hold":
             hold = float(args.pop(0))
+        elif a == "--exhaust":
+            exhaust = args.pop(0)
         elif a == "--list":
             print(json.dumps(sorted(PROBES)))
             return 0
@@ -1404,6 +1657,11 @@ def main(argv: list[str]) -> int:
         CFG = {}
     if not isinstance(CFG, dict):
         CFG = {}
+    if exhaust:
+        fn = EXHAUST.get(exhaust)
+        res: dict[str, object] = fn(hold) if fn else {"kind": exhaust, "error": "unknown kind"}
+        print(json.dumps({"probe_version": PROBE_VERSION, "exhaust": res}), flush=True)
+        return 0
     if fork_n is not None:
         n, first, took = forkbomb(fork_n, hold)
         print(
