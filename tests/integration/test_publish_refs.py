@@ -284,3 +284,37 @@ def test_cli_publish_refuses_what_has_no_result(settings: Settings) -> None:
     assert res.returncode == 1 and "no such task" in res.stderr
     with pytest.raises(TaskError):
         Launcher(settings, max_tasks=1).publish("t-run")
+
+
+# -- the MCP server's own fetch (``publish=False`` tasks, as the user) ----------
+
+
+def test_mcp_fetch_never_overwrites_the_users_branch(repo: Path, tmp_path: Path) -> None:
+    from agentbox.mcp import fetch_branch
+
+    p = prepare_in(tmp_path / "task", repo)
+    commit = _result(p)
+    mine = _users_own_commit(repo, "agentbox/t-1")
+    with pytest.raises(PublishRefused, match="agentbox did not write"):
+        fetch_branch(repo, p.shadow, "t-1", commit)
+    assert _ref(repo, "agentbox/t-1") == mine
+    git(repo, "branch", "-D", "agentbox/t-1")
+    # Free: fetched; again: nothing to do; the user's later commit is never replaced.
+    assert fetch_branch(repo, p.shadow, "t-1", commit) == "agentbox/t-1"
+    assert _ref(repo, "agentbox/t-1") == commit
+    assert fetch_branch(repo, p.shadow, "t-1", commit) == "agentbox/t-1"
+    git(repo, "update-ref", "refs/heads/agentbox/t-1", mine)
+    with pytest.raises(PublishRefused):
+        fetch_branch(repo, p.shadow, "t-1", commit)
+    assert _ref(repo, "agentbox/t-1") == mine
+
+
+def test_mcp_fetch_refuses_a_checked_out_branch(repo: Path, tmp_path: Path) -> None:
+    from agentbox.mcp import fetch_branch
+
+    p = prepare_in(tmp_path / "task", repo)
+    commit = _result(p)
+    git(repo, "checkout", "-q", "--orphan", "agentbox/t-1")
+    with pytest.raises(PublishRefused, match="checked out"):
+        fetch_branch(repo, p.shadow, "t-1", commit)
+    assert _ref(repo, "agentbox/t-1") == ""
