@@ -21,6 +21,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,7 +48,13 @@ def _assert_no_disk_left(settings: Settings, ws: Path) -> None:
     )
     assert mnt.stdout.strip() == "", f"still mounted: {mnt.stdout}"
     disks = settings.data_dir / "disks"
-    loops = subprocess.run(["losetup", "-n", "-O", "BACK-FILE"], capture_output=True, text=True)
+    # The loop device goes with the filesystem's last user: a container's mount
+    # namespace may outlive `podman run --rm` by a moment.
+    for _ in range(100):
+        loops = subprocess.run(["losetup", "-n", "-O", "BACK-FILE"], capture_output=True, text=True)
+        if str(disks) not in loops.stdout:
+            break
+        time.sleep(0.1)
     assert str(disks) not in loops.stdout, loops.stdout
     assert not disks.exists() or list(disks.iterdir()) == []
 
@@ -206,3 +213,49 @@ def test_disk_limit_is_clamped_by_the_host(settings: Settings) -> None:
     default = Boxfile().resources.disk_limit(settings)
     assert default.size == 20 * 1024**3 and default.inodes == 20 * 1024**3 // 16384
     assert _box(disk="1GiB", inodes=3000).resources.disk_limit(settings).inodes == 3000
+
+
+_OWNER = """
+import sys
+from pathlib import Path
+from agentbox.backends.podman import PodmanBackend
+from agentbox.boxfile import Boxfile
+from agentbox.config import Settings
+from agentbox.sandbox import spec_from_boxfile
+settings = Settings(data_dir=Path(sys.argv[1]))
+box = Boxfile.from_dict({"resources": {"disk": "96MiB"}})
+spec = spec_from_boxfile(box, settings, name=sys.argv[3], workspace=Path(sys.argv[2]))
+PodmanBackend(settings).run(spec, ["sh", "-c", "echo mine > /workspace/f; exec sleep 300"])
+"""
+
+
+@pytest.mark.podman
+def test_reap_after_the_owner_was_killed_saves_the_work_and_unmounts(
+    sandbox_settings: Settings, make_workspace: Callable[[], Path], default_image: str
+) -> None:
+    import signal
+    import sys
+
+    ws = make_workspace()
+    name = f"agentbox-reap-{os.getpid()}"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(sandbox_settings.data_dir), str(ws), name]
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (ws / "f").exists():  # written on the mounted disk
+            assert owner.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert os.path.ismount(ws)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        assert os.path.ismount(ws)  # nobody released it
+        assert PodmanBackend(sandbox_settings).reap(name) == [name]
+        assert not os.path.ismount(ws)
+        assert (ws / "f").read_text() == "mine\n"
+        _assert_no_disk_left(sandbox_settings, ws)
+    finally:
+        owner.kill()
+        PodmanBackend(sandbox_settings).kill(name)
+        if os.path.ismount(ws):
+            subprocess.run(["umount", "--lazy", str(ws)], check=False)

@@ -173,17 +173,20 @@ def _umount(path: Path) -> None:
         _proc.run(["umount", "--lazy", path], timeout=60)
 
 
-def settle_orphan_disks(settings: Settings) -> list[str]:
-    """Copy back and unmount workspace disks whose owner process is gone; return their names.
+def settle_orphan_disks(settings: Settings, name: str | None = None) -> list[str]:
+    """Copy back and unmount workspace disks whose owner process is gone (only sandbox
+    ``name``'s, if given); return their sandbox names.
 
-    The directory under the mount is reached through a non-recursive bind mount
-    of its parent (which does not carry the disk's mount).
+    Call it once the sandbox's container is gone. The directory under the mount is
+    reached through a non-recursive bind mount of its parent (which does not carry
+    the disk's mount).
     """
     base = settings.data_dir / "disks"
     if not base.is_dir():
         return []
     settled = []
-    for rec_path in sorted(base.glob("*.json")):
+    pattern = "*.json" if name is None else f"{name}.json"
+    for rec_path in sorted(base.glob(pattern)):
         try:
             rec = json.loads(rec_path.read_text())
             ws, pid, start = Path(rec["workspace"]), int(rec["pid"]), str(rec["start"])

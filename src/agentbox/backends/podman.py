@@ -287,9 +287,13 @@ class PodmanBackend:
         return [name]
 
     def reap(self, name: str) -> list[str]:
-        """Remove container ``name`` whose owner died: the same as :meth:`kill` (its
-        workspace is a host directory, already where the owner would collect it)."""
-        return self.kill(name)
+        """Remove container ``name`` whose owner died, then settle its workspace disk:
+        what the agent wrote is copied back into the workspace directory, where the
+        owner would have collected it, and the disk unmounted (see _podman_disk.py)."""
+        done = self.kill(name)
+        for disk in settle_orphan_disks(self.settings, name):
+            log.info("settled the workspace disk of a dead owner", sandbox=disk)
+        return done
 
     def cleanup_orphans(self) -> list[str]:
         """Remove labelled containers whose owner process is gone; return their names.

@@ -30,7 +30,7 @@ from agentbox.gateway import DEFAULT_MODEL, load_registry, read_usage
 from agentbox.launcher import _runner
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._validate import validate
-from agentbox.launcher._watchdog import kill_sandbox, stop_watchdog
+from agentbox.launcher._watchdog import kill_sandbox, reap_sandbox, stop_watchdog
 from agentbox.launcher.api import (
     ModelInfo,
     TaskInfo,
@@ -316,7 +316,8 @@ class Launcher:
             with contextlib.suppress(AgentboxError, OSError):
                 recover_sandbox(self.settings, row.sandbox)
         elif row.sandbox and row.backend:
-            kill_sandbox(row.backend, row.sandbox, self.settings.data_dir)
+            # Reap, not only kill: a podman workspace disk is copied back and unmounted.
+            reap_sandbox(row.backend, row.sandbox, self.settings.data_dir)
         if row.gateway is not None:
             _runner.kill_gateway(row.gateway)
         if row.status == "queued":
@@ -333,7 +334,7 @@ class Launcher:
         for name in _runner.list_task_sandboxes(self.settings):
             if name not in live:
                 log.warning("removing orphan sandbox", sandbox=name)
-                kill_sandbox("podman", name, self.settings.data_dir)
+                reap_sandbox("podman", name, self.settings.data_dir)
         # Older versions wrote sandbox environments (one-time tokens) to /tmp and left
         # them there when killed; the current one keeps them in memory only.
         for stale in sweep_stale_env_dirs():
