@@ -34,7 +34,7 @@ STREAM = (
 def test_public_surface() -> None:
     assert set(gateway_pkg.__all__) == {
         "DEFAULT_BUDGET", "DEFAULT_MODEL", "DEMO_SCRIPT", "GatewayHandle", "ModelEntry",
-        "Registry", "Usage", "load_registry", "read_usage", "spawn_gateway",
+        "Registry", "Usage", "gateway_identity", "load_registry", "read_usage", "spawn_gateway",
     }  # fmt: skip
     assert gateway_pkg.DEFAULT_BUDGET == 20_000_000
 

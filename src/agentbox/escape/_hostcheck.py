@@ -22,6 +22,7 @@ __all__ = [
     "ThreadStatus",
     "cgroup_dir",
     "cgroup_pids",
+    "gateway_posture",
     "namespace_differs",
     "read_threads",
 ]
@@ -120,6 +121,43 @@ def cgroup_pids(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             pids |= {int(x) for x in (d / "cgroup.procs").read_text().split()}
     return sorted(pids)
+
+
+def gateway_posture(pid: int, *, want_uid: int) -> list[tuple[str, bool, str]]:
+    """The posture of a task's gateway process, as the VMM's is read: every thread's uid,
+    capabilities, NoNewPrivs and seccomp mode, and its address-space limit.
+
+    Returns ``(check id, passed, what was seen)`` for ``gateway.uid``, ``gateway.caps``,
+    ``gateway.no_new_privs``, ``gateway.seccomp`` and ``gateway.memory_limit``. The
+    gateway parses everything the sandbox sends (issue 11 item 4): it must run as its
+    dedicated uid (``want_uid``, never 0), hold no capability (bounding set
+    included), have NoNewPrivs=1 and Seccomp=2 on every thread, and a finite RLIMIT_AS.
+    No readable thread is a failure, never a pass.
+    """
+    threads = read_threads([pid])
+    n = len(threads)
+    if not threads:
+        why = f"no readable thread of gateway pid {pid}"
+        return [(c, False, why) for c in ("gateway.uid", "gateway.caps", "gateway.no_new_privs",
+                                          "gateway.seccomp", "gateway.memory_limit")]  # fmt: skip
+    uids = sorted({u for t in threads for u in t.uids})
+    caps = [t for t in threads if t.cap_eff or t.cap_prm or t.cap_bnd]
+    nnp = [t for t in threads if t.no_new_privs != 1]
+    sec = [t for t in threads if t.seccomp != 2]
+    limit = "?"
+    with contextlib.suppress(OSError):
+        for line in (_PROC / str(pid) / "limits").read_text().splitlines():
+            if line.startswith("Max address space"):
+                limit = line.split()[3]
+    return [
+        ("gateway.uid", uids == [want_uid] and 0 not in uids,
+         f"host uids {uids} (want only {want_uid})"),
+        ("gateway.caps", not caps, f"{len(caps)}/{n} threads with a capability"
+         + (f" e.g. eff {caps[0].cap_eff:#x} bnd {caps[0].cap_bnd:#x}" if caps else "")),
+        ("gateway.no_new_privs", not nnp, f"{n - len(nnp)}/{n} threads NoNewPrivs=1"),
+        ("gateway.seccomp", not sec, f"{n - len(sec)}/{n} threads Seccomp=2"),
+        ("gateway.memory_limit", limit.isdigit(), f"RLIMIT_AS {limit}"),
+    ]  # fmt: skip
 
 
 @dataclass

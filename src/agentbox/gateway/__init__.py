@@ -14,7 +14,7 @@ What the launcher calls::
     handle.stop()
 """
 
-from agentbox.gateway._process import GatewayHandle, spawn_gateway
+from agentbox.gateway._process import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.gateway._usage import Usage, read_usage
 from agentbox.gateway.registry import (
     DEFAULT_MODEL,
@@ -32,6 +32,7 @@ __all__ = [
     "ModelEntry",
     "Registry",
     "Usage",
+    "gateway_identity",
     "load_registry",
     "read_usage",
     "spawn_gateway",

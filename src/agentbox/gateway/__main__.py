@@ -9,10 +9,12 @@ import typer
 from agentbox._log import configure
 from agentbox.errors import AgentboxError, RefusedError
 from agentbox.gateway._cli import gateway
+from agentbox.gateway._logcap import cap_log
 
 
 def main() -> None:
     """Run the gateway command; agentbox errors become one line on stderr and an exit code."""
+    cap_log()  # before anything holds sys.stderr (structlog, uvicorn's handlers)
     configure()
     try:
         typer.run(gateway)

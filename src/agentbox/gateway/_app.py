@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,9 @@ class GatewayConfig:
     upstream_key: str | None = None
     usage_file: Path | None = None
     max_body: int = 32 << 20
+    max_held: int = 64 << 20
+    """Request bytes held at once across all requests (bodies being read or parsed);
+    a request that would pass it gets 429 (a chunked one counts as ``max_body``)."""
     max_concurrency: int = 16
     connect_timeout: float = 10.0
     read_timeout: float = 600.0
@@ -107,6 +112,8 @@ class Gateway:
             cache_read_weight=cfg.entry.cache_read_weight,
         )
         self.inflight = 0
+        self.held = 0
+        """Request body bytes claimed by requests being read and parsed."""
         self.active = 0
         """HTTP requests being handled (tests wait for 0 before reading the usage file)."""
         self._writing = False
@@ -119,6 +126,13 @@ class Gateway:
             self._upstream_auth.append(("x-api-key", cfg.upstream_key))
             if cfg.entry.kind == "compatible":
                 self._upstream_auth.append(("authorization", f"Bearer {cfg.upstream_key}"))
+        self._usage_dir_fd: int | None = None
+        if cfg.usage_file is not None:
+            # Written through this descriptor: a gateway that dropped its privileges
+            # can no longer reach its state directory by path.
+            self._usage_dir_fd = os.open(
+                cfg.usage_file.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+            )
         self.write_usage()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -140,6 +154,10 @@ class Gateway:
             self._upstream_path(scope, route), self._upstream_headers(scope, betas), body
         )
 
+    def prepare_for_drop(self) -> None:
+        """Load now what a dropped identity might not be able to read later (the CA bundle)."""
+        self.pool().prepare()
+
     async def aclose(self) -> None:
         """Close the upstream client and write the usage file a last time."""
         if self._pool is not None:
@@ -155,7 +173,7 @@ class Gateway:
         """Replace the usage file with the current totals now, on this thread."""
         if self.cfg.usage_file is not None:
             try:
-                write_usage(self.cfg.usage_file, self.ledger.usage)
+                write_usage(self.cfg.usage_file, self.ledger.usage, dir_fd=self._usage_dir_fd)
             except OSError as exc:
                 log.error("cannot write usage file", path=str(self.cfg.usage_file), error=str(exc))
 
@@ -177,7 +195,12 @@ class Gateway:
         self._dirty = False
         data = self.ledger.usage.model_dump_json(indent=1).encode()
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, write_bytes_atomic, self.cfg.usage_file, data)
+        fut = loop.run_in_executor(
+            None,
+            functools.partial(
+                write_bytes_atomic, self.cfg.usage_file, data, dir_fd=self._usage_dir_fd
+            ),
+        )
         fut.add_done_callback(self._written)
 
     def _written(self, fut: asyncio.Future[None]) -> None:
@@ -301,6 +324,27 @@ class Gateway:
                 self._refuse("too_large")
                 await send_error(send, 413, f"request body over {self.cfg.max_body} bytes")
                 return
+        claim = int(lengths[0]) if lengths else self.cfg.max_body
+        if self.held + claim > self.cfg.max_held:
+            # Memory, not the budget: many large bodies at once would each be held
+            # (and one parsed) in this process. The client retries.
+            self._refuse("busy")
+            await send_error(
+                send,
+                429,
+                f"gateway busy: {self.held} request bytes being read (limit {self.cfg.max_held})",
+                headers=[(b"retry-after", b"1")],
+            )
+            return
+        self.held += claim
+        try:
+            await self._read_and_forward(route, scope, receive, send, claim)
+        finally:
+            self.held -= claim
+
+    async def _read_and_forward(
+        self, route: str, scope: Scope, receive: Receive, send: Send, claim: int
+    ) -> None:
         try:
             body = await read_body(receive, self.cfg.max_body)
         except BodyTooLarge:
@@ -348,6 +392,11 @@ class Gateway:
             # A lone surrogate (valid as a JSON escape, not as UTF-8): keep it escaped.
             out = json.dumps(req, separators=(",", ":")).encode()
         del req
+        if len(out) > self.cfg.max_body:
+            # Re-serialising can grow a body (1e15 becomes 1000000000000000.0).
+            self._refuse("too_large")
+            await send_error(send, 413, f"request body over {self.cfg.max_body} bytes")
+            return
         log.debug("request admitted", bytes_in=body_len, bytes_out=len(out))
         usage = self.ledger.usage
         if usage.weighted_total >= self.ledger.budget:

@@ -42,6 +42,12 @@ def gateway(
         Path | None, typer.Option(help="Running totals, JSON, replaced atomically")
     ] = None,
     max_body: Annotated[int, typer.Option(help="Request body cap in bytes")] = 32 << 20,
+    max_held: Annotated[
+        int, typer.Option(help="Request bytes held at once across requests (more: 429)")
+    ] = 64 << 20,
+    max_memory: Annotated[
+        int, typer.Option(help="Address space limit (RLIMIT_AS) in bytes; 0: none")
+    ] = 1 << 30,
     max_concurrency: Annotated[int, typer.Option(help="Concurrent requests allowed")] = 16,
     max_connections: Annotated[
         int, typer.Option(help="Open connections allowed; more are closed on accept")
@@ -60,6 +66,7 @@ def gateway(
     ] = None,
 ) -> None:
     """Run one task's model gateway until SIGTERM."""
+    from agentbox.gateway._logcap import log_file_limit
     from agentbox.gateway._run import parse_user, read_token, run_gateway
     from agentbox.gateway.registry import load_registry
 
@@ -74,6 +81,9 @@ def gateway(
         key_env=upstream_key_env,
         usage_file=usage_file,
         max_body=max_body,
+        max_held=max_held,
+        max_memory=max_memory or None,
+        max_file=log_file_limit(),
         max_concurrency=max_concurrency,
         max_connections=max_connections,
         header_timeout=header_timeout,

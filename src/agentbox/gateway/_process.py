@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -24,12 +25,59 @@ from agentbox.config import Settings
 from agentbox.errors import GatewayError
 from agentbox.gateway.registry import load_registry
 
-__all__ = ["GatewayHandle", "spawn_gateway", "wait_for_socket"]
+__all__ = [
+    "GATEWAY_UID_OFFSET",
+    "GatewayHandle",
+    "gateway_identity",
+    "spawn_gateway",
+    "wait_for_socket",
+]
 
 log = get_logger("gateway.process")
 
 #: Environment variables the gateway child inherits (plus the upstream key variable).
-_PASS_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "AGENTBOX_LOG_LEVEL", "AGENTBOX_LOG_JSON")
+_PASS_ENV = (
+    "PATH",
+    "LANG",
+    "LC_ALL",
+    "TZ",
+    "AGENTBOX_LOG_LEVEL",
+    "AGENTBOX_LOG_JSON",
+    "AGENTBOX_GATEWAY_LOG_CAP",
+)
+#: The gateway's uid is ``subid_base + 65536 + this``: past the 65536 ids podman maps
+#: for sandboxes and the strict VMM's uid (``+ 1``), so it owns nothing anyone else uses.
+GATEWAY_UID_OFFSET = 65536 + 2
+
+
+def gateway_identity(settings: Settings) -> tuple[int, int] | None:
+    """The dedicated uid/gid the launcher's gateways drop to; None when not started as root
+    (an unprivileged launcher's gateway already runs as that user)."""
+    if os.geteuid() != 0:
+        return None
+    uid = settings.subid_base + GATEWAY_UID_OFFSET
+    return uid, uid
+
+
+def _state_dir(usage_file: Path, run_as: tuple[int, int]) -> Path:
+    """A directory of the dropped gateway's own for its usage file, linked from ``usage_file``.
+
+    The gateway writes its usage file through a descriptor of this directory, opened
+    before the drop: the directories above it stay closed to it. ``usage_file`` becomes
+    a link ``NAME -> NAME.d/NAME`` made here, in a directory the gateway cannot write;
+    :func:`read_usage` follows that one link and no link inside the directory.
+    """
+    state = usage_file.with_name(usage_file.name + ".d")
+    state.mkdir(mode=0o700, exist_ok=True)
+    st = state.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise GatewayError(f"gateway state dir {state} is not a directory")
+    os.chown(state, *run_as, follow_symlinks=False)
+    state.chmod(0o700)
+    with contextlib.suppress(FileNotFoundError):
+        usage_file.unlink()
+    usage_file.symlink_to(f"{state.name}/{usage_file.name}")
+    return state / usage_file.name
 
 
 def wait_for_socket(path: Path, *, timeout: float, proc: subprocess.Popen[bytes] | None) -> None:
@@ -183,10 +231,12 @@ def spawn_gateway(
     within ``timeout`` seconds (its log tail included).
 
     ``run_as=(uid, gid)``: the gateway drops to that identity (no supplementary
-    groups, no capabilities) once its socket is bound and its token, key and
-    script are read; the usage file's directory must be writable by it. The
-    socket stays owned by the starting user, mode 0660: chown its group to let
-    the sandbox's relay in.
+    groups, no capabilities, ``no_new_privs``, a seccomp filter, see
+    :mod:`._confine`) once its socket is bound and its token, key and script are
+    read; the launcher passes :func:`gateway_identity`. Its usage file then lives in
+    ``<usage_file>.d/`` (owned by that uid), and ``usage_file`` is a link to it that
+    :func:`read_usage` follows. The socket stays owned by the starting user, mode
+    0660: chown it to let the sandbox's relay in. Its log is capped (``_logcap``).
     """
     entry = load_registry(settings).get(model)
     if not token_file.is_file():
@@ -195,12 +245,16 @@ def spawn_gateway(
     if entry.key_env and entry.key_env in os.environ and replay_script is None:
         env[entry.key_env] = os.environ[entry.key_env]
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # Two malloc arenas, not one per thread (64 MiB of address space each): the
+    # gateway runs under RLIMIT_AS, and its threads only write the usage file.
+    env["MALLOC_ARENA_MAX"] = "2"
+    write_to = _state_dir(usage_file, run_as) if run_as is not None else usage_file
     argv = gateway_argv(
         listen=f"unix:{socket_path}",
         token_file=token_file,
         model=model,
         budget=budget,
-        usage_file=usage_file,
+        usage_file=write_to,
         models_file=settings.models_file,
         upstream=f"replay:{replay_script}" if replay_script is not None else None,
         run_as=run_as,

@@ -12,6 +12,7 @@ from typing import Any
 from agentbox._log import get_logger
 from agentbox.errors import ConfigError
 from agentbox.gateway._app import Gateway, GatewayConfig
+from agentbox.gateway._confine import confine, drop_bounding_set, limit_resources
 from agentbox.gateway._conn import ConnLimits
 from agentbox.gateway._replay import ReplayModel
 from agentbox.gateway._script import load_script
@@ -55,6 +56,7 @@ def build_gateway(
     key_env: str | None = None,
     usage_file: Path | None = None,
     max_body: int = 32 << 20,
+    max_held: int = 64 << 20,
     max_concurrency: int = 16,
     max_connections: int = 128,
     header_timeout: float = 10.0,
@@ -105,6 +107,7 @@ def build_gateway(
         budget=budget,
         usage_file=usage_file,
         max_body=max_body,
+        max_held=max(max_held, max_body),
         max_concurrency=max_concurrency,
     )
     gateway = Gateway(cfg)
@@ -153,13 +156,18 @@ def run_gateway(
     listen: str,
     run_as: tuple[int, int] | None = None,
     ready_fd: int | None = None,
+    max_memory: int | None = None,
+    max_file: int | None = None,
     **kwargs: Any,
 ) -> None:
     """Serve a gateway for one task until SIGTERM (arguments as :func:`build_gateway`).
 
-    ``run_as``: drop to this uid/gid once the sockets are bound. The gateway is the
-    component that parses what the sandbox sends; it should not hold root while
-    doing so. The usage file's directory must then be writable by that uid.
+    ``run_as``: once the sockets are bound, empty the capability bounding set, drop
+    to this uid/gid, set ``no_new_privs`` and load the seccomp filter
+    (:mod:`._confine`). The gateway is the component that parses what the sandbox
+    sends; it should hold nothing while doing so. The usage file's directory must
+    then be writable by that uid (it is written through a descriptor opened now).
+    ``max_memory`` / ``max_file``: ``RLIMIT_AS`` / ``RLIMIT_FSIZE`` in bytes.
     ``ready_fd``: written ``ready`` and closed once serving (after the drop).
     """
     group, gateway, replay_dir = build_gateway(listen=listen, **kwargs)
@@ -170,8 +178,13 @@ def run_gateway(
 
         for server in group.servers:
             server.config.load()
+        gateway.prepare_for_drop()
         own = [replay_dir, replay_dir / "replay.sock"] if replay_dir is not None else []
+        if os.geteuid() == 0:
+            drop_bounding_set()
         drop_privileges(*run_as, own=own)
+        confine()
+    limit_resources(max_memory=max_memory, max_file=max_file)
     log.info("gateway listening", listen=listen, model=gateway.cfg.entry.name)
     try:
         asyncio.run(group.run(ready_fd=ready_fd))

@@ -109,6 +109,9 @@ class Pool(Protocol):
     async def aclose(self) -> None:
         """Close every connection."""
 
+    def prepare(self) -> None:
+        """Read from disk now whatever the pool would read lazily (before a privilege drop)."""
+
 
 # -- plain HTTP/1.1 ---------------------------------------------------------------------
 @dataclass
@@ -375,6 +378,9 @@ class PlainPool:
             status, headers, conn, self, keep_alive, chunked, length, _timeout=self.read_timeout
         )
 
+    def prepare(self) -> None:
+        """Nothing to load: plain HTTP reads no files."""
+
     async def aclose(self) -> None:
         while self._idle:
             self._idle.pop().close()
@@ -424,6 +430,11 @@ class HttpxPool:
         self._ssl: ssl.SSLContext | None = None
         self._all: list[httpx.AsyncHTTPTransport] = []
         self._idle: list[httpx.AsyncHTTPTransport] = []
+
+    def prepare(self) -> None:
+        """Build the verifying SSL context now (it reads the CA bundle from disk)."""
+        if self._ssl is None:
+            self._ssl = httpx.create_ssl_context()
 
     def _take(self) -> httpx.AsyncHTTPTransport:
         if self._idle:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
@@ -52,33 +53,76 @@ class Usage(BaseModel):
         return self.budget - self.weighted_total - self.reserved
 
 
-def write_usage(path: Path, usage: Usage) -> None:
+def write_usage(path: Path, usage: Usage, *, dir_fd: int | None = None) -> None:
     """Replace ``path`` with ``usage`` atomically (temp file in the same dir + ``os.replace``)."""
-    write_bytes_atomic(path, usage.model_dump_json(indent=1).encode())
+    write_bytes_atomic(path, usage.model_dump_json(indent=1).encode(), dir_fd=dir_fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (temp file in the same dir + rename)."""
-    fd, name = tempfile.mkstemp(prefix=".usage-", dir=path.parent)
-    tmp = Path(name)
+def write_bytes_atomic(path: Path, data: bytes, *, dir_fd: int | None = None) -> None:
+    """Replace ``path`` with ``data`` atomically (temp file in the same dir + rename).
+
+    ``dir_fd``: an open descriptor of ``path``'s directory, used instead of its path.
+    A gateway that dropped its privileges writes through one it opened before: its
+    state directory is its own, but the directories above it are not reachable by it.
+    """
+    name = f".usage-{secrets.token_hex(8)}"
+    fd_dir = dir_fd
+    if fd_dir is None:
+        fd_dir = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        tmp.chmod(0o644)
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+        fd = os.open(
+            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=fd_dir
+        )
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                os.fchmod(fh.fileno(), 0o644)
+                fh.write(data)
+            os.replace(name, path.name, src_dir_fd=fd_dir, dst_dir_fd=fd_dir)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd_dir)
+            raise
+    finally:
+        if dir_fd is None:
+            os.close(fd_dir)
+
+
+#: A usage file is a few hundred bytes; anything larger is not one.
+_MAX_USAGE_BYTES = 1 << 20
+
+
+def _open_usage(path: Path) -> int:
+    """Open the usage file without following a link its writer could have planted.
+
+    A confined gateway keeps its usage file in a state directory of its own, and
+    ``spawn_gateway`` links ``path`` to it (``usage.json -> usage.json.d/usage.json``).
+    That one link, made by the launcher in a directory the gateway cannot write,
+    is followed; the file it names is opened with ``O_NOFOLLOW`` (the gateway owns
+    that directory and could have put a link or a FIFO there).
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    if path.is_symlink():
+        target = path.readlink()
+        parts = target.parts
+        if target.is_absolute() or len(parts) != 2 or ".." in parts:
+            raise OSError(f"unexpected link to {str(target)!r}")
+        path = path.parent / target
+    return os.open(path, flags)
 
 
 def read_usage(path: Path) -> Usage:
     """Read a usage file written by a gateway; :class:`GatewayError` if missing or corrupt."""
     try:
-        raw = path.read_bytes()
+        fd = _open_usage(path)
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise OSError("not a regular file")
+            raw = fh.read(_MAX_USAGE_BYTES + 1)
+        if len(raw) > _MAX_USAGE_BYTES:
+            raise OSError(f"larger than {_MAX_USAGE_BYTES} bytes")
     except OSError as exc:
         raise GatewayError(f"cannot read usage file {path}: {exc}") from exc
     try:
         return Usage.model_validate(json.loads(raw))
-    except (ValueError, ValidationError) as exc:
+    except (ValueError, ValidationError, RecursionError) as exc:
         raise GatewayError(f"usage file {path} is not valid: {exc}") from exc

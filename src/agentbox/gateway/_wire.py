@@ -8,6 +8,7 @@ notice a client that hangs up mid-stream.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
@@ -20,6 +21,7 @@ __all__ = [
     "Send",
     "error_body",
     "header",
+    "json_cost",
     "new_id",
     "parse_json_object",
     "read_body",
@@ -117,6 +119,35 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
+#: Parsing may cost at most this many times the body, plus :data:`COST_SLACK` bytes.
+COST_RATIO = 10
+COST_SLACK = 4 << 20
+_WIDE4 = re.compile(rb"[\xf0-\xf4]")
+_WIDE2 = re.compile(rb"[\xe0-\xef]")
+
+
+def json_cost(body: bytes) -> int:
+    """An upper bound of the memory, in bytes, that ``json.loads(body)`` can take at its peak.
+
+    Counted in one pass of C per byte class, before parsing: the decoded text (1, 2
+    or 4 bytes per character, by the widest character present), plus, for each
+    structural byte, the most a Python object it can open costs (measured on
+    CPython 3.11: a dict ~200 bytes, a list ~64, an element after a comma up to
+    ~90 with its pointer, a key ~30). Bytes inside strings are counted as if they
+    were structure too, so this over-counts prose; real Claude Code bodies cost
+    2-4 times their size (see docs/reference/gateway.md), pathological ones
+    (``[{},{},…]``) about 100 times.
+    """
+    kind = 4 if _WIDE4.search(body) else 2 if _WIDE2.search(body) else 1
+    return (
+        len(body) * (1 + kind)
+        + 200 * body.count(b"{")
+        + 64 * body.count(b"[")
+        + 90 * body.count(b",")
+        + 30 * body.count(b":")
+    )
+
+
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -127,7 +158,16 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     NaN/Infinity are refused (not JSON), deep nesting is caught; duplicate keys
     keep the last value, and the gateway re-serialises what it forwards, so the
     upstream never sees a document that parses differently than it did here.
+    A body whose parse could take more than ``COST_RATIO`` times its size (plus
+    ``COST_SLACK``) is refused before parsing (:func:`json_cost`): the parser's
+    peak memory stays a small multiple of the body, whatever its shape.
     """
+    cost = json_cost(body)
+    if cost > COST_RATIO * len(body) + COST_SLACK:
+        raise ValueError(
+            f"JSON structure too dense: parsing it could take {cost >> 20} MiB for a "
+            f"{len(body) >> 10} KiB body; refused to bound the gateway's memory"
+        )
     try:
         doc = json.loads(body, parse_constant=_no_constants)
     except RecursionError:

@@ -50,7 +50,7 @@ from agentbox.boxfile import Boxfile
 from agentbox.collect import Base, Report, Skipped, branch_name, collect, prepare, publish
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, PathRefused, PolicyRefused, PublishRefused
-from agentbox.gateway import GatewayHandle, read_usage, spawn_gateway
+from agentbox.gateway import GatewayHandle, gateway_identity, read_usage, spawn_gateway
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._watchdog import kill_sandbox, spawn_watchdog, stop_watchdog
@@ -429,6 +429,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         usage_file=paths.usage_file,
         settings=settings,
         log_file=paths.log_dir / "gateway.log",
+        # Never root: a dedicated uid, no capabilities, no_new_privs, seccomp (issue 11.4).
+        run_as=gateway_identity(settings),
     )
     starter.shutdown(wait=False)
     tlog(f"preparing the workspace from {row.repo}")

@@ -1,0 +1,225 @@
+"""Confining the gateway process once it has bound its socket (issue 11 item 4).
+
+The gateway parses every byte the sandbox sends, so it must hold as little as
+possible while doing so. After its socket is bound and its token, key and
+script are read, :func:`confine` makes the process:
+
+- an unprivileged, dedicated uid/gid with no supplementary groups (the caller's
+  ``drop_privileges``); the capability bounding set is emptied first, so no
+  capability survives even an ``execve`` (which the filter below refuses anyway);
+- ``no_new_privs`` (no setuid gain through exec);
+- under a **seccomp filter** (libseccomp through ctypes). It is a deny-list, not
+  an allow-list of syscalls: CPython, glibc, asyncio, threads and OpenSSL use a
+  set of syscalls that changes across versions, and an allow-list that misses one
+  kills the gateway mid-task. What is denied is the kernel surface and the escape
+  primitives a parser has no use for: ``execve``/``execveat``, ``ptrace`` and
+  ``process_vm_*``, every namespace and mount operation (``unshare``, ``setns``,
+  ``mount``, ``pivot_root``, ``clone`` with a ``CLONE_NEW*`` flag, ``clone3``
+  answers ENOSYS so glibc falls back to ``clone``), ``bpf``, ``perf_event_open``,
+  ``userfaultfd``, ``io_uring_*``, keyrings, kernel modules, ``kexec``,
+  ``reboot``, ``swapon``, ``open_by_handle_at``, ``iopl``/``ioperm``, and sockets
+  of any family but unix, IPv4, IPv6 and netlink (glibc's resolver may use
+  netlink for the upstream's name). A denied syscall fails with EPERM; a syscall
+  of another architecture (x32, i386) kills the process (libseccomp's default).
+- bounded in memory (``RLIMIT_AS``) and in file size (``RLIMIT_FSIZE``, with
+  SIGXFSZ ignored so an over-long write fails instead of killing the process).
+
+Why libseccomp through ctypes and not ``python3-seccomp`` or a ``setpriv``/``bwrap``
+wrapper: Debian's binding is built for the system Python, not our venv, and
+``pyseccomp`` is an unmaintained ctypes shim of the same library; a wrapper
+program would confine the gateway before it binds its socket and reads its
+token (both need the starting identity). ``libseccomp2`` is already on every
+host that runs podman (podman links it), so this adds no dependency; if it is
+missing, :func:`confine` refuses to go on (fail closed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import resource
+import signal
+import socket
+from typing import Any
+
+from agentbox.errors import GatewayError
+
+__all__ = ["DENIED_SYSCALLS", "confine", "install_seccomp", "limit_resources"]
+
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_CAPBSET_DROP = 24
+_SCMP_ACT_ALLOW = 0x7FFF0000
+_SCMP_CMP_NE, _SCMP_CMP_LT, _SCMP_CMP_EQ, _SCMP_CMP_GT = 1, 2, 4, 6
+_SCMP_CMP_MASKED_EQ = 7
+_CLONE_NEW = {
+    "CLONE_NEWNS": 0x00020000,
+    "CLONE_NEWCGROUP": 0x02000000,
+    "CLONE_NEWUTS": 0x04000000,
+    "CLONE_NEWIPC": 0x08000000,
+    "CLONE_NEWUSER": 0x10000000,
+    "CLONE_NEWPID": 0x20000000,
+    "CLONE_NEWNET": 0x40000000,
+    "CLONE_NEWTIME": 0x00000080,
+}
+#: Socket families the gateway may open: unix, IPv4, IPv6, netlink (the resolver).
+ALLOWED_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK)
+
+#: Syscalls that fail with EPERM inside the gateway.
+DENIED_SYSCALLS = (
+    "execve",
+    "execveat",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsmount",
+    "fsconfig",
+    "fspick",
+    "mount_setattr",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "quotactl",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "iopl",
+    "ioperm",
+    "personality",
+    "setuid",
+    "setgid",
+    "setreuid",
+    "setregid",
+    "setresuid",
+    "setresgid",
+    "setgroups",
+    "setfsuid",
+    "setfsgid",
+)
+
+
+class _ArgCmp(ctypes.Structure):
+    _fields_ = [
+        ("arg", ctypes.c_uint),
+        ("op", ctypes.c_int),
+        ("datum_a", ctypes.c_uint64),
+        ("datum_b", ctypes.c_uint64),
+    ]
+
+
+def _errno_action(code: int) -> int:
+    return 0x00050000 | (code & 0xFFFF)
+
+
+def _libseccomp() -> Any:
+    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as exc:
+        raise GatewayError(
+            f"cannot confine the gateway: libseccomp not found ({exc}); install libseccomp2"
+        ) from None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.restype = ctypes.c_int
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.restype = ctypes.c_int
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(_ArgCmp),
+    ]
+    lib.seccomp_load.restype = ctypes.c_int
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def install_seccomp() -> None:
+    """Load the gateway's filter into this process (all threads created later inherit it)."""
+    lib = _libseccomp()
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        raise GatewayError("cannot confine the gateway: seccomp_init failed")
+    eperm = _errno_action(errno.EPERM)
+
+    def rule(action: int, name: str, *cmps: tuple[int, int, int, int]) -> None:
+        nr = lib.seccomp_syscall_resolve_name(name.encode())
+        if nr < 0:
+            return  # not a syscall on this architecture (iopl on arm64 …)
+        arr = (_ArgCmp * max(1, len(cmps)))(*(_ArgCmp(*c) for c in cmps))
+        rc = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), arr)
+        if rc < 0:
+            raise GatewayError(f"cannot confine the gateway: rule for {name} failed ({rc})")
+
+    try:
+        for name in DENIED_SYSCALLS:
+            rule(eperm, name)
+        # clone3 passes its flags in memory a filter cannot read: ENOSYS makes glibc use clone.
+        rule(_errno_action(errno.ENOSYS), "clone3")
+        for flag in _CLONE_NEW.values():
+            rule(eperm, "clone", (0, _SCMP_CMP_MASKED_EQ, flag, flag))
+        # socket(): any family above the largest allowed, or a gap below it, is refused.
+        top = max(ALLOWED_FAMILIES)
+        rule(_errno_action(errno.EAFNOSUPPORT), "socket", (0, _SCMP_CMP_GT, top, 0))
+        for fam in range(top):
+            if fam not in ALLOWED_FAMILIES:
+                rule(_errno_action(errno.EAFNOSUPPORT), "socket", (0, _SCMP_CMP_EQ, fam, 0))
+        rc = lib.seccomp_load(ctx)
+        if rc < 0:
+            raise GatewayError(f"cannot confine the gateway: seccomp_load failed ({rc})")
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def _prctl(option: int, arg: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0))
+
+
+def drop_bounding_set() -> None:
+    """Empty the capability bounding set (needs CAP_SETPCAP: call before the uid change)."""
+    for cap in range(64):
+        if _prctl(_PR_CAPBSET_DROP, cap) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break  # past the last capability this kernel knows
+
+
+def limit_resources(*, max_memory: int | None, max_file: int | None) -> None:
+    """``RLIMIT_AS`` and ``RLIMIT_FSIZE`` (soft and hard), SIGXFSZ ignored."""
+    if max_memory:
+        resource.setrlimit(resource.RLIMIT_AS, (max_memory, max_memory))
+    if max_file:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file, max_file))
+
+
+def confine() -> None:
+    """``no_new_privs`` and the seccomp filter, for the rest of this process's life."""
+    if _prctl(_PR_SET_NO_NEW_PRIVS, 1) != 0:
+        raise GatewayError("cannot confine the gateway: PR_SET_NO_NEW_PRIVS failed")
+    install_seccomp()
