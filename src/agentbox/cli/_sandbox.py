@@ -132,10 +132,13 @@ def exec_cmd(
     ),
 ) -> None:
     """Run CMD in a fresh hardened sandbox; stream its output; exit with its exit code."""
+    from agentbox._reap import exit_on_signals, guarded
     from agentbox.config import load_settings
 
     settings = load_settings()
-    with _workspace(settings, workspace) as ws:
+    # A signal unwinds through run() (which destroys the sandbox) before the process
+    # ends; a SIGKILL is answered by the guard, which reaps the sandbox at once.
+    with exit_on_signals(), _workspace(settings, workspace) as ws:
         be, spec = _prepare(boxfile, backend, runtime, mount, ws, settings, cold=cold)
         out, err = sys.stdout.buffer, sys.stderr.buffer
 
@@ -148,7 +151,9 @@ def exec_cmd(
             err.flush()
 
         data = sys.stdin.buffer.read() if stdin else None
-        res = be.run(spec, cmd, on_stdout=on_out, on_stderr=on_err, stdin=data)
+        scratch = ws if workspace is None else None
+        with guarded(be.name, spec.name, spec.deadline, settings.data_dir, scratch=scratch):
+            res = be.run(spec, cmd, on_stdout=on_out, on_stderr=on_err, stdin=data)
     if res.timed_out:
         print(f"agentbox: deadline of {spec.deadline:g}s reached; sandbox killed", file=sys.stderr)
         raise SystemExit(124)
@@ -164,16 +169,19 @@ def shell_cmd(
     cmd: list[str] | None = ShellArg,
 ) -> None:
     """Open an interactive shell in a fresh hardened sandbox (same hardening as exec)."""
+    from agentbox._reap import exit_on_signals, guarded
     from agentbox.config import load_settings
     from agentbox.errors import UnsupportedError
 
     settings = load_settings()
-    with _workspace(settings, workspace) as ws:
+    with exit_on_signals(), _workspace(settings, workspace) as ws:
         be, spec = _prepare(boxfile, backend, runtime, mount, ws, settings)
         interactive = getattr(be, "interactive", None)
         if interactive is None:
             raise UnsupportedError(f"backend {be.name} has no interactive shell yet")
-        rc = int(interactive(spec, cmd or ["/bin/bash"]))
+        scratch = ws if workspace is None else None
+        with guarded(be.name, spec.name, spec.deadline, settings.data_dir, scratch=scratch):
+            rc = int(interactive(spec, cmd or ["/bin/bash"]))
     raise SystemExit(rc)
 
 
