@@ -263,3 +263,27 @@ def test_gateway_log_is_capped(tmp_path: Path, settings: Settings) -> None:
         assert gw.alive()
     assert len(text.encode()) < 20000 + 200
     assert "[agentbox: gateway log capped at 20000 bytes; later lines dropped]" in text
+
+
+def test_nothing_is_imported_after_the_drop() -> None:
+    """After ``prepare_for_drop`` an HTTPS upstream request imports no module: a dropped
+    gateway may not read its interpreter's files (a Python under /root, 0700, as here)."""
+    code = textwrap.dedent(
+        """
+        import asyncio, sys
+        from agentbox.gateway._upstream import HttpxPool, UpstreamError
+        pool = HttpxPool(base_url="https://localhost:9", connect_timeout=5, read_timeout=5)
+        pool.prepare()
+        before = set(sys.modules)
+        async def go():
+            try:
+                await pool.request("/v1/messages", [("content-type", "application/json")], b"{}")
+            except UpstreamError:
+                pass
+        asyncio.run(go())
+        print(sorted(set(sys.modules) - before))
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout

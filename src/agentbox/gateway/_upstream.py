@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -419,6 +420,21 @@ class _HttpxResponse:
                 self._pool._idle.append(self._t)
 
 
+#: Modules httpx imports lazily on its first request (measured with httpx 0.28).
+_FIRST_REQUEST_MODULES = (
+    "concurrent.futures.thread",  # asyncio resolves names in its default executor
+    "httpcore",
+    "sniffio",
+    "anyio",
+    "anyio.lowlevel",
+    "anyio.to_thread",
+    "anyio.streams.memory",
+    "anyio.streams.stapled",
+    "anyio.streams.tls",
+    "anyio._backends._asyncio",
+)
+
+
 class HttpxPool:
     """httpx transports, one per connection (httpcore's pool scans every connection per
     request); no ``AsyncClient``: no cookies, no redirects, no proxy from the environment."""
@@ -432,9 +448,14 @@ class HttpxPool:
         self._idle: list[httpx.AsyncHTTPTransport] = []
 
     def prepare(self) -> None:
-        """Build the verifying SSL context now (it reads the CA bundle from disk)."""
+        """Build the verifying SSL context now (it reads the CA bundle from disk), and
+        import what httpx imports on its first request (httpcore, anyio's asyncio
+        backend): a gateway that dropped its privileges may not read its own
+        interpreter's files any more (a Python under ``/root``)."""
         if self._ssl is None:
             self._ssl = httpx.create_ssl_context()
+        for name in _FIRST_REQUEST_MODULES:
+            importlib.import_module(name)
 
     def _take(self) -> httpx.AsyncHTTPTransport:
         if self._idle:
