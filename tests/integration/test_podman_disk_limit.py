@@ -259,3 +259,27 @@ def test_reap_after_the_owner_was_killed_saves_the_work_and_unmounts(
         PodmanBackend(sandbox_settings).kill(name)
         if os.path.ismount(ws):
             subprocess.run(["umount", "--lazy", str(ws)], check=False)
+
+
+@pytest.mark.podman
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_escape_suites_disk_probe_passes(
+    sandbox_settings: Settings,
+    make_workspace: Callable[[], Path],
+    default_image: str,
+    runtime: str,
+) -> None:
+    from agentbox.escape._runner import run_probe_program
+
+    box = Boxfile.from_dict({"runtime": runtime, "resources": {"disk": "96MiB"}})
+    spec = spec_from_boxfile(box, sandbox_settings, workspace=make_workspace())
+    limit = spec.resources.disk_limit(sandbox_settings)
+    with PodmanBackend(sandbox_settings).create(spec) as sb:
+        data = run_probe_program(
+            sb, {"disk": limit.model_dump(), "workspace": "/workspace"}, ["--only", "limits.disk"]
+        )
+        image = sandbox_settings.data_dir / "disks" / f"{spec.name}.img"
+        # fallocate inside marks extents unwritten: the host's sparse image stays small.
+        assert image.stat().st_blocks * 512 < 32 * MiB
+    r = data["results"]["limits.disk"]
+    assert r["ok"] is True and "ENOSPC" in r["seen"], r

@@ -239,6 +239,10 @@ class Fixture:
             "token_regex": TOKEN_REGEX,
             "host_missing": missing,
             "userns_caps": dict(SANDBOX_CAPS),
+            # The sandbox's disk limit (the runner sets the spec's); this small one is the
+            # controls': their /workspace is a host directory, far larger, so the probe
+            # fires on statvfs alone and never writes there.
+            "disk": {"size": 64 * 1024**2, "inodes": 4096},
         }
 
     def close(self) -> None:

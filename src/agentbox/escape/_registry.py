@@ -123,6 +123,12 @@ PROBES: tuple[ProbeSpec, ...] = (
     _in("token.cmdline", "the planted token in /proc/*/cmdline", "absent", _B),
     _in("token.files", "the planted token in files", "absent", _B),
     _in("limits.pids_visible", "pids.max of its own cgroup", "<= the declared limit", _B),
+    _in(
+        "limits.disk",
+        "statvfs /workspace, then fallocate 1 MiB more than is free",
+        "<= the disk limit; ENOSPC",
+        _I11,
+    ),
     _ct(
         "limits.userns_caps",
         "/proc/sys/user/max_* (inotify, fanotify, namespaces) of its user namespace",

@@ -517,6 +517,7 @@ def run_real(
         isolation=isolation,
     )
     cfg = fx.probe_config(uid=spec.uid, pids_max=spec.resources.pids, runtime=runtime)
+    cfg["disk"] = spec.resources.disk_limit(settings).model_dump()
     if not spec.mounts:
         cfg["ro_mount"] = None
     elif spec.mounts[0].target != RO_TARGET:

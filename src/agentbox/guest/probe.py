@@ -1395,6 +1395,50 @@ def p_pids_limit() -> Result:
     return result(ok, f"pids.max={v} (want <= {want})")
 
 
+@probe("limits.disk")
+def p_disk_limit() -> Result:
+    """/workspace is a filesystem of at most the sandbox's disk limit, and it is full at it.
+
+    Never writes past the limit on an unbounded workspace (a control's is the host's
+    disk): the allocation is tried only once statvfs showed a bounded filesystem, and
+    with fallocate(2) itself (no emulation by writing), which on the disk image costs
+    the host no data blocks.
+    """
+    want = CFG.get("disk") or {}
+    if not isinstance(want, dict) or not want.get("size"):
+        return result(None, "no disk limit given")
+    size, inodes = int(want["size"]), int(want.get("inodes") or 0)
+    ws = str(CFG.get("workspace") or "/workspace")
+    try:
+        st = os.statvfs(ws)
+    except OSError as e:
+        return result(None, f"statvfs {ws}: {err(e)}")
+    total, files = st.f_blocks * st.f_frsize, st.f_files
+    seen = f"{ws}: {total >> 20} MiB, {files} inodes (limit {size >> 20} MiB, {inodes})"
+    if total > size or (inodes and files > inodes):
+        return result(False, f"{seen}: larger than the limit")
+    ask = st.f_bavail * st.f_frsize + (1 << 20)
+    path = f"{ws}/.agentbox-disk-probe-{os.getpid()}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        return result(None, f"{seen}; cannot create a file: {err(e)}")
+    try:
+        lc = libc()
+        lc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        if lc.fallocate(fd, 0, 0, ask) == 0:
+            return result(False, f"{seen}; allocated {ask >> 20} MiB, more than was free")
+        code = ctypes.get_errno()
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            return result(True, f"{seen}; {ask >> 20} MiB more: {errno.errorcode[code]}")
+        why = errno.errorcode.get(code, str(code))
+        return result(True, f"{seen}; fallocate: {why} (statvfs bounds it)")
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def forkbomb(n: int, hold: float) -> tuple[int, str, float]:
     """Fork up to ``n`` children that sleep; return (forked, first error)."""
     kids = []
