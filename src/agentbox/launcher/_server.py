@@ -50,7 +50,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio.to_thread
 import uvicorn
@@ -170,7 +170,7 @@ class PeerCheckedProtocol(asyncio.Protocol):
         self._inner: H11Protocol | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # a stream transport: uvicorn's own cast
         sock = transport.get_extra_info("socket")
         try:
             peer: Peer | None = peer_of(sock)
@@ -302,6 +302,7 @@ def build_server(launcher: Launcher) -> uvicorn.Server:
     config = uvicorn.Config(
         create_app(launcher),
         http=PeerCheckedProtocol,
+        loop="asyncio",  # the transports the peer check was written and tested against
         log_level="warning",
         lifespan="off",
         access_log=False,

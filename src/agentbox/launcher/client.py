@@ -124,7 +124,10 @@ class LauncherClient:
             resp = self._http.request(method, path, json=body)
         except httpx.TransportError as exc:
             hint = ""
-            if isinstance(exc, httpx.RemoteProtocolError) or _denied(exc):
+            # EACCES on connect, or a connection the launcher dropped before answering
+            # (a clean close or a reset, depending on timing): its peer check refused us.
+            dropped = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+            if isinstance(exc, dropped) or _denied(exc):
                 hint = (
                     " (only root and members of the group agentbox may use the launcher; "
                     f"this is uid {os.geteuid()})"
@@ -144,11 +147,11 @@ class LauncherClient:
 
 
 def _denied(exc: BaseException) -> bool:
-    """True when a PermissionError is somewhere in ``exc``'s chain (EACCES on connect)."""
+    """True when EACCES or ECONNRESET is somewhere in ``exc``'s chain."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
-        if isinstance(cur, PermissionError):
+        if isinstance(cur, (PermissionError, ConnectionResetError)):
             return True
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
