@@ -161,7 +161,7 @@ def _ia32_emulation() -> bool:
 
 def test_exhaust_mode_stops_at_the_hosts_bound() -> None:
     # A bound of 5 units: safe to run on the host (it spends 5 of root's counters briefly).
-    for kind in ("inotify", "sigpending"):
+    for kind in ("inotify", "sigpending", "aio"):
         data = run_probe("--exhaust", kind, "--hold", "0", config={"exhaust_max": 5})
         got = data["exhaust"]
         assert got["kind"] == kind and got["took"] == 5 and got["errno"] == "", got

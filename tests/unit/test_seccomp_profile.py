@@ -161,3 +161,16 @@ def test_host_default_profile_keeps_io_uring_out() -> None:
     # IORING_OP_SOCKET would make sockets without the socket() syscall.
     assert not allowed & {"io_uring_setup", "io_uring_enter", "io_uring_register", "socketcall"}
     assert _verdict(prof, "socket", AF_VSOCK) == "SCMP_ACT_ERRNO97"
+
+
+def test_native_aio_and_keyctl_are_removed() -> None:
+    base = _base()
+    base["syscalls"].append(  # type: ignore[attr-defined]
+        {"names": ["io_setup", "io_submit", "keyctl", "getpid"], "action": "SCMP_ACT_ALLOW"}
+    )
+    prof = _derive(base)
+    names = {n for r in prof["syscalls"] for n in r["names"]}
+    # io_setup draws on fs.aio-max-nr, one host-wide counter; keyctl on the shared uid's
+    # key quota. Not listed means the profile's default: ENOSYS.
+    assert not names & {"io_setup", "io_submit", "keyctl"}
+    assert "getpid" in names

@@ -41,6 +41,10 @@ answers ENOSYS like any syscall the profile does not list. ``io_uring`` (whose
 podman's default profile, and stays absent. gVisor (runsc) applies the same
 profile to the workload inside its Sentry (``--runtime-flag oci-seccomp``).
 
+Native AIO (``io_setup`` …) and ``keyctl`` are removed too (ENOSYS): see
+:data:`REFUSED` and docs/explanation/threat-model.md (per-user and host-wide
+kernel counters).
+
 The profile is written once per content hash under the cache dir.
 """
 
@@ -54,7 +58,7 @@ from typing import Any
 
 from agentbox.errors import UnsupportedError
 
-__all__ = ["ALLOWED_FAMILIES", "DEFAULT_PROFILE", "NETLINK_ROUTE", "profile_path"]
+__all__ = ["ALLOWED_FAMILIES", "DEFAULT_PROFILE", "NETLINK_ROUTE", "REFUSED", "profile_path"]
 
 DEFAULT_PROFILE = Path("/usr/share/containers/seccomp.json")
 CLONE_NEWUSER = 0x10000000
@@ -62,6 +66,15 @@ _ENOSYS = 38
 _EPERM = 1
 _EAFNOSUPPORT = 97
 _GUARDED = ("clone", "clone3", "unshare", "socket", "socketpair", "socketcall")
+#: Removed outright (ENOSYS, the profile's default). Native AIO: ``io_setup`` reserves
+#: events from ``fs.aio-max-nr``, ONE host-wide counter (65536): a sandbox took all of
+#: it and root's ``io_setup`` got EAGAIN (measured). ``keyctl``: new session keyrings
+#: count against the key quota of the sandbox uid that every sandbox shares
+#: (``kernel.keys.maxkeys``); add_key/request_key are already absent.
+REFUSED = (
+    "io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_cancel", "io_destroy",
+    "keyctl",
+)  # fmt: skip
 AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16
 NETLINK_ROUTE = 0
 #: The address families ``socket`` accepts (AF_NETLINK only with NETLINK_ROUTE).
@@ -131,7 +144,7 @@ def _socket_rules() -> list[dict[str, Any]]:
 def _derive(base: dict[str, Any], *, allow_clone3: bool = False) -> dict[str, Any]:
     rules: list[dict[str, Any]] = []
     for rule in base.get("syscalls", []):
-        kept = [n for n in rule.get("names", []) if n not in _GUARDED]
+        kept = [n for n in rule.get("names", []) if n not in _GUARDED and n not in REFUSED]
         if kept:
             rules.append({**rule, "names": kept})
     flag_ok = {"index": 0, "value": CLONE_NEWUSER, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}

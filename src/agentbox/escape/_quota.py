@@ -1,15 +1,17 @@
-"""Per-user kernel counters: a sandbox spends one until refused; can root still spend it?
+"""Kernel counters: a sandbox spends one until refused; can root still spend it?
 
 The kernel charges inotify instances, POSIX message-queue bytes and queued
 signals to the owner of the sandbox's user namespace as well (root, under
-podman); see :mod:`agentbox.backends._userns_limits`. For each counter the
+podman); see :mod:`agentbox.backends._userns_limits`. Native AIO events come
+from one host-wide counter (``fs.aio-max-nr``). For each counter the
 sandbox runs the probe program with ``--exhaust KIND --hold S`` while a thread
 of this (root) process tries, every few milliseconds, to spend one unit of the
 same counter itself. Confinement holds when root never got refused.
 
 The watcher works in-process (ctypes): an inotify instance opened and closed; a
 one-message queue created and unlinked; a real-time signal queued to the
-watcher's own thread (blocked there) and taken back with ``sigtimedwait``.
+watcher's own thread (blocked there) and taken back with ``sigtimedwait``; a
+one-event AIO context set up and destroyed.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ KINDS = {
     "inotify": "host.quota_inotify",
     "mqueue": "host.quota_mqueue",
     "sigpending": "host.quota_sigpending",
+    "aio": "host.quota_aio",
 }
 _SYS_RT_TGSIGQUEUEINFO = 297
 _SYS_GETTID = 186
+_SYS_IO_SETUP = 206
+_SYS_IO_DESTROY = 207
 _libc: Any = None
 
 
@@ -64,6 +69,11 @@ def root_limit(kind: str) -> int:
             return 8192
     if kind == "sigpending":
         return resource.getrlimit(resource.RLIMIT_SIGPENDING)[0]
+    if kind == "aio":
+        try:
+            return int(Path("/proc/sys/fs/aio-max-nr").read_text())
+        except (OSError, ValueError):
+            return 65536
     return 4096  # mqueue: the sandbox spends bytes, in queues of shrinking size
 
 
@@ -115,6 +125,12 @@ def try_once(kind: str) -> str:
             signal.sigtimedwait([sig], 1.0)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return ""
+    if kind == "aio":
+        ctx = ctypes.c_ulong(0)
+        if lib.syscall(_SYS_IO_SETUP, 1, ctypes.byref(ctx)) != 0:
+            return _errno_name(ctypes.get_errno())
+        lib.syscall(_SYS_IO_DESTROY, ctx)
         return ""
     raise ValueError(f"unknown counter {kind!r}")
 

@@ -178,6 +178,13 @@ PROBES: tuple[ProbeSpec, ...] = (
         "root never refused",
         _I18,
     ),
+    _host(
+        "host.quota_aio",
+        "sandbox reserves native AIO events (fs.aio-max-nr, host-wide) until refused; "
+        "root sets up one context meanwhile",
+        "root never refused",
+        _I18,
+    ),
 )
 
 _BY_ID = {p.id: p for p in PROBES}

@@ -20,9 +20,9 @@ host-shared place except inside ``/tmp``; writable kernel files are only
 
 ``--forkbomb N`` instead forks up to N sleeping children, reports how many it
 got, and kills them: the host measures its own latency meanwhile.
-``--exhaust inotify|mqueue|sigpending`` spends one per-user kernel counter until the
-kernel refuses, holds it for ``--hold`` seconds, and releases it: the host tries
-to spend one unit of the same counter as root meanwhile.
+``--exhaust inotify|mqueue|sigpending|aio`` spends one (per-user or host-wide)
+kernel counter until the kernel refuses, holds it for ``--hold`` seconds, and
+releases it: the host tries to spend one unit of the same counter as root meanwhile.
 
 One file on purpose (it is sent into the sandbox as ``python3 -c`` or run from
 ``/opt/agentbox/probe.py``), grouped by area: identity, network, filesystem,
@@ -1612,7 +1612,41 @@ def exhaust_sigpending(hold: float) -> dict[str, object]:
     return {"kind": "sigpending", "took": n, "errno": err(e) if e else ""}
 
 
-EXHAUST = {"inotify": exhaust_inotify, "mqueue": exhaust_mqueue, "sigpending": exhaust_sigpending}
+SYS_IO_SETUP = 206
+SYS_IO_DESTROY = 207
+
+
+def exhaust_aio(hold: float) -> dict[str, object]:
+    """Reserve native AIO events (``fs.aio-max-nr``, one host-wide counter) until refused,
+    in contexts of shrinking size; destroy them after."""
+    lib = libc()
+    lib.syscall.restype = ctypes.c_long
+    ctxs: list[ctypes.c_ulong] = []
+    took, e, n = 0, 0, 4096
+    cap = exhaust_max()
+    while took < cap:
+        ctx = ctypes.c_ulong(0)
+        size = min(n, cap - took)
+        if lib.syscall(SYS_IO_SETUP, size, ctypes.byref(ctx)) != 0:
+            e = ctypes.get_errno()
+            if size > 1 and e == errno.EAGAIN:
+                n = size // 2
+                continue
+            break
+        ctxs.append(ctx)
+        took += size
+    time.sleep(hold)
+    for ctx in ctxs:
+        lib.syscall(SYS_IO_DESTROY, ctx)
+    return {"kind": "aio", "took": took, "errno": err(e) if e else ""}
+
+
+EXHAUST = {
+    "inotify": exhaust_inotify,
+    "mqueue": exhaust_mqueue,
+    "sigpending": exhaust_sigpending,
+    "aio": exhaust_aio,
+}
 
 
 # -- runner -------------------------------------------------------------------------
