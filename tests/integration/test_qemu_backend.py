@@ -318,3 +318,133 @@ def test_kill_by_name_ends_a_run_and_keeps_its_data(
 
 def test_cleanup_orphans_ignores_live_owners(qemu_backend: QemuBackend) -> None:
     assert qemu_backend.cleanup_orphans() == []
+
+
+# ------------------------------------------------------------------ a hostile workload / guest
+
+
+def test_copy_in_never_lands_through_a_link_the_workload_planted(
+    vm: QemuSandbox, tmp_path: Path
+) -> None:
+    # /run is root's tmpfs in the guest; the agent that extracts a copy_in runs as root.
+    assert vm.exec(["sh", "-c", "ln -sfn /run /workspace/trap"]).exit_code == 0
+    src = tmp_path / "planted"
+    src.mkdir()
+    (src / "f").write_text("x")
+    with pytest.raises(GuestError, match="copy into"):
+        vm.copy_in(src, "/workspace/trap/planted")
+    assert vm.exec(["test", "-e", "/run/planted"]).exit_code == 1
+
+
+@pytest.mark.parametrize("code", ["abc", 10**30])
+def test_a_bad_exit_code_is_handled_like_a_crash(
+    qemu_backend: QemuBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: object
+) -> None:
+    # A guest agent that reports {"op": "exit", "code": <not an exit code>}: the
+    # real guest's exit message is rewritten on its way in, as a compromised agent
+    # would send it. The run must end like a crash, with the work collected.
+    import agentbox.microvm._channel as channel
+
+    real = channel.decode_ctrl
+
+    def hostile(payload: bytes) -> dict[str, object]:
+        msg: dict[str, object] = real(payload)
+        if msg["op"] == "exit":
+            msg["code"] = code
+        return msg
+
+    monkeypatch.setattr(channel, "decode_ctrl", hostile)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    spec = SandboxSpec(name="qemu-badexit", image="default", resources=RES, workspace=ws)
+    res = qemu_backend.run(spec, ["sh", "-c", "echo work > done; sync"])
+    assert res.exit_code == 137
+    assert b"protocol violation" in res.stderr
+    assert (ws / "done").read_text() == "work\n"  # read off the killed guest's disk
+
+
+_FLOOD = """
+import json, os, socket, sys, threading, time
+tok = os.environ["TOKEN"]
+def request(tools):
+    body = {"model": "test-model", "max_tokens": 64, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+    if tools:
+        body["tools"] = [{"name": "t", "input_schema": {"type": "object"}}]
+    data = json.dumps(body).encode()
+    # keep-alive for the flood: uvicorn then holds what is pipelined behind it
+    head = ("POST /v1/messages HTTP/1.1\\r\\nhost: gateway\\r\\nconnection: %s\\r\\n"
+            "x-api-key: %s\\r\\n"
+            "anthropic-version: 2023-06-01\\r\\ncontent-type: application/json\\r\\n"
+            "content-length: %d\\r\\n\\r\\n" % ("keep-alive" if tools else "close", tok, len(data)))
+    return head.encode() + data
+pushed = [0]
+def flood():
+    s = socket.create_connection(("127.0.0.1", 8080))
+    s.sendall(request(True))  # a streaming request to the slow model...
+    s.settimeout(float(sys.argv[1]))
+    block = b"z" * (1 << 20)
+    try:  # ...and then up to 1 GiB more on the same connection
+        for _ in range(1024):
+            s.sendall(block)
+            pushed[0] += len(block)
+    except OSError as exc:
+        print("flood ended:", exc, flush=True)
+    print("pushed", pushed[0], flush=True)
+t = threading.Thread(target=flood)
+t.start()
+time.sleep(2)
+for i in range(3):  # the gateway still serves the task's other requests
+    c = socket.create_connection(("127.0.0.1", 8080), timeout=120)
+    c.sendall(request(False))
+    answer = b""
+    while chunk := c.recv(65536):
+        answer += chunk
+    print("answer", answer.split(b"\\r\\n", 1)[0].decode(), b"OK" in answer, flush=True)
+    c.close()
+t.join()
+"""
+
+
+@pytest.mark.slow
+def test_a_gateway_flood_stays_in_the_guest(qemu_backend: QemuBackend, tmp_path: Path) -> None:
+    import psutil
+
+    from agentbox.guest.agent import GW_WINDOW
+    from gateway_helpers import running_gateway
+
+    script = {"name": "slow", "main": "tools", "side_reply": "OK",
+              "turns": [{"text": "slow answer", "delay": 40}]}  # fmt: skip
+    with running_gateway(tmp_path, script=script, unix=True) as gw:
+        (tmp_path / "gateway.sock").symlink_to("gw.sock")
+        spec = SandboxSpec(name="qemu-flood", image="default", resources=RES,
+                           gateway_dir=tmp_path, env={"TOKEN": gw.token})  # fmt: skip
+        with qemu_backend.create(spec) as sb:
+            assert sb.session is not None
+            session = sb.session
+            me = psutil.Process()
+            before = me.memory_info().rss
+            peak, held = [before], [0]
+            stop = threading.Event()
+
+            def watch() -> None:
+                while not stop.wait(0.1):
+                    peak[0] = max(peak[0], me.memory_info().rss)
+                    held[0] = max(held[0], session.gateway_held)
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            try:
+                res = sb.exec(["python3", "-c", _FLOOD, "25"], timeout=300)
+            finally:
+                stop.set()
+                watcher.join()
+            out = res.stdout.decode().splitlines()
+            print(out, f"host held at most {held[0]} B, RSS +{peak[0] - before} B")
+            assert res.exit_code == 0, res.stderr
+            assert [ln for ln in out if ln.startswith("answer")] == [
+                "answer HTTP/1.1 200 OK True"
+            ] * 3
+            assert held[0] <= GW_WINDOW
+            assert peak[0] - before < 64 * 1024 * 1024
+            assert sb.alive()

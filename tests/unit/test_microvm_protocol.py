@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -246,3 +247,28 @@ def test_gateway_streams_are_capped(guest: FakeGuest, tmp_path: Path) -> None:
                 eofs.add(stream)
     assert eofs == {2 * i + 1 for i in range(g.MAX_GATEWAY_STREAMS, g.MAX_GATEWAY_STREAMS + 5)}
     srv.close()
+
+
+def test_gateway_connect_waits_out_a_full_accept_backlog(guest: FakeGuest, tmp_path: Path) -> None:
+    # A unix listener whose backlog is full refuses a non-blocking connect at once
+    # (EAGAIN): a burst of guest connections must wait for the gateway, not fail.
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(tmp_path / "gw.sock"))
+    srv.listen(1)
+    accepted: list[socket.socket] = []
+
+    def accept_late() -> None:
+        time.sleep(0.5)
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(srv.accept()[0])
+
+    threading.Thread(target=accept_late, daemon=True).start()
+    s = GuestSession(guest.chan, name="fake", host=KernelFacts("H", "B"))
+    s.gateway_socket = tmp_path / "gw.sock"
+    for i in range(6):
+        s.on_gateway_open(2 * i + 1)
+    assert s._gw_open == 6
+    srv.close()
+    for c in accepted:
+        c.close()

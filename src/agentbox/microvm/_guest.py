@@ -71,6 +71,25 @@ def host_kernel() -> KernelFacts:
     return KernelFacts(os.uname().release, boot_id)
 
 
+def _connect_unix(conn: socket.socket, path: Path, timeout: float) -> None:
+    """Connect ``conn`` to ``path`` within ``timeout``.
+
+    A unix socket whose accept backlog is full refuses a non-blocking connect at
+    once (EAGAIN) instead of waiting: a burst of guest connections retries here.
+    """
+    deadline = time.monotonic() + timeout
+    conn.settimeout(timeout)
+    while True:
+        try:
+            conn.connect(str(path))
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+    conn.settimeout(None)
+
+
 class _Pipe:
     """A bounded byte queue the channel's reader fills and a consumer thread drains."""
 
@@ -385,9 +404,7 @@ class GuestSession:
         if gw is not None:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                conn.settimeout(5)
-                conn.connect(str(gw))
-                conn.settimeout(None)
+                _connect_unix(conn, gw, timeout=5.0)
             except OSError as exc:
                 log.warning("gateway connect failed", sandbox=self.name, error=str(exc))
                 conn.close()
