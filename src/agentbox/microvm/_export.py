@@ -17,14 +17,15 @@ from pathlib import Path
 
 from agentbox._log import get_logger
 from agentbox.errors import PathRefused
+from agentbox.microvm._disks import DATA_DISK_BYTES
 from agentbox.safepath import SafeWriter
 
 __all__ = ["MAX_EXPORT_BYTES", "MAX_EXPORT_FILE", "write_tar"]
 
 log = get_logger("microvm.export")
 
-#: Total bytes a copy-out may write (the /data disk's size).
-MAX_EXPORT_BYTES = 8 * 1024**3
+#: Total bytes a copy-out may write (the /data disk's size, the largest disk limit).
+MAX_EXPORT_BYTES = DATA_DISK_BYTES
 #: Largest single file a copy-out may write.
 MAX_EXPORT_FILE = 2 * 1024**3
 
