@@ -110,3 +110,20 @@ def test_hook_caps_a_real_user_namespace_from_outside() -> None:
         child.kill()
         child.wait()
     assert Path("/proc/sys/user/max_inotify_instances").read_text() == before
+
+
+def test_doctor_row_names_the_shortfall_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentbox.backends import _userns_limits
+    from agentbox.cli._doctor import _kernel_quotas
+
+    monkeypatch.setattr(
+        _userns_limits,
+        "host_shortfall",
+        lambda: {"fs.inotify.max_user_instances": (128, 8320)},
+    )
+    fac = _kernel_quotas()
+    assert not fac.ok
+    assert "max_user_instances=128" in fac.detail and "8320" in fac.detail
+    assert "setup.sh" in fac.fix and "sysctl -w fs.inotify.max_user_instances=" in fac.fix
+    monkeypatch.setattr(_userns_limits, "host_shortfall", lambda: {})
+    assert _kernel_quotas().ok
