@@ -127,3 +127,13 @@ def test_doctor_row_names_the_shortfall_and_the_fix(monkeypatch: pytest.MonkeyPa
     assert "setup.sh" in fac.fix and "sysctl -w fs.inotify.max_user_instances=" in fac.fix
     monkeypatch.setattr(_userns_limits, "host_shortfall", lambda: {})
     assert _kernel_quotas().ok
+
+
+def test_hooks_dir_refuses_a_hook_others_could_have_written(tmp_path: Path) -> None:
+    from agentbox.errors import UnsupportedError
+
+    hooks = hooks_dir(tmp_path, python="/usr/bin/python3")
+    script = hooks.parent / "userns_hook.py"
+    script.chmod(0o777)
+    with pytest.raises(UnsupportedError, match="writable by others"):
+        hooks_dir(tmp_path, python="/usr/bin/python3")

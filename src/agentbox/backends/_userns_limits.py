@@ -45,6 +45,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from agentbox.errors import UnsupportedError
+
 __all__ = [
     "HOST_SANDBOXES",
     "HOST_SYSCTLS",
@@ -133,16 +135,28 @@ def hooks_dir(cache_dir: Path, python: str | None = None) -> Path:
     ).hexdigest()[:16]
     root = cache_dir / "oci-hooks" / digest
     hooks = root / "hooks.d"
-    if (hooks / _HOOK_NAME).exists():
-        return hooks
-    hooks.mkdir(parents=True, exist_ok=True)
-    root.chmod(0o755)
-    hooks.chmod(0o755)
     script = root / "userns_hook.py"
-    _write(script, source, 0o555)
-    config = json.dumps(_hook_config(script, python), indent=1).encode()
-    _write(hooks / _HOOK_NAME, config, 0o444)
+    if not (hooks / _HOOK_NAME).exists():
+        hooks.mkdir(parents=True, exist_ok=True)
+        for d in (root.parent, root, hooks):
+            d.chmod(0o755)
+        _write(script, source, 0o555)
+        config = json.dumps(_hook_config(script, python), indent=1).encode()
+        _write(hooks / _HOOK_NAME, config, 0o444)
+    _check_owned(cache_dir, [root.parent, root, hooks, script, hooks / _HOOK_NAME])
     return hooks
+
+
+def _check_owned(cache_dir: Path, paths: list[Path]) -> None:
+    """The runtime runs the hook as root: nobody else may have written any part of it."""
+    me = os.geteuid()
+    for path in paths:
+        st = path.lstat()
+        if st.st_uid != me or st.st_mode & 0o022 or path.is_symlink():
+            raise UnsupportedError(
+                f"OCI hook path {path} is not owned by uid {me} or is writable by others",
+                fix=f"remove {cache_dir / 'oci-hooks'} (agentbox rewrites it)",
+            )
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
