@@ -399,12 +399,17 @@ def test_agentbox_serve_answers_when_it_says_serving(stack: Stack) -> None:
 
 
 def _insert(db: Path, task_id: str, status: str, uid: int | None) -> None:
+    """A task row as if ``uid`` had submitted it (on a store without ``caller_uid``, as
+    versions before it wrote it: then the test runs, and fails, against those too)."""
     with sqlite3.connect(db) as con:
-        con.execute(
-            "INSERT INTO tasks (id, status, repo, task, model, budget, deadline, created_at, "
-            "caller_uid) VALUES (?, ?, '/r', 'x', 'replay-demo', 5, 10.0, ?, ?)",
-            (task_id, status, time.time(), uid),
-        )
+        cols = {r[1] for r in con.execute("PRAGMA table_info(tasks)")}
+        extra = ("caller_uid",) if "caller_uid" in cols else ()
+        names = ", ".join(("id", "status", "repo", "task", "model", "budget", "deadline",
+                           "created_at", *extra))  # fmt: skip
+        values = (task_id, status, "/r", "x", "replay-demo", 5, 10.0, time.time(), uid)
+        values = values[: len(values) - 1 + len(extra)]
+        marks = ", ".join("?" for _ in values)
+        con.execute(f"INSERT INTO tasks ({names}) VALUES ({marks})", values)
 
 
 def test_callers_see_only_their_tasks_root_sees_all(
@@ -481,3 +486,38 @@ def test_two_users_and_root_with_real_tasks(stack: Stack) -> None:
         assert ids(UID_A) == {a}
     finally:
         stop(proc)
+
+
+def test_the_mcp_server_sees_only_the_tasks_of_the_user_it_runs_as(
+    stack: Stack, launcher: subprocess.Popen[str]
+) -> None:
+    """The real MCP server, started as root with ``--user A``, drops to A and talks to the
+    launcher as A: ``list_tasks`` shows A's task only; B's is unknown to ``status``,
+    ``result`` and ``cancel``, and stays running."""
+    import anyio
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    db = stack.data / "state.db"
+    _insert(db, "task-a", "done", UID_A)
+    _insert(db, "task-b", "running", UID_B)
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "agentbox", "mcp", "--user", str(UID_A)],
+        env=stack.env,
+    )
+
+    def text(res: Any) -> str:
+        return " ".join(getattr(c, "text", "") for c in getattr(res, "content", []))
+
+    async def go() -> None:
+        async with Client(params, read_timeout_seconds=120) as client:
+            listed = text(await client.call_tool("list_tasks", {}))
+            assert "task-a" in listed and "task-b" not in listed, listed
+            for tool in ("status", "result", "cancel"):
+                res = await client.call_tool(tool, {"id": "task-b"})
+                assert res.is_error and "task-b" in text(res), (tool, text(res))
+                assert "no such task" in text(res), (tool, text(res))
+
+    anyio.run(go)
+    assert call_as(0, stack.link, "GET", "/v1/tasks/task-b").json()["status"] == "running"
