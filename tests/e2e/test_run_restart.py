@@ -177,11 +177,22 @@ def test_launcher_killed_mid_task_is_reconciled(
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait(30)
         sock.unlink(missing_ok=True)
-        # The sandbox outlives the launcher (conmon holds it): it is an orphan now.
-        names = subprocess.run(
-            ["podman", "ps", "--format", "{{.Names}}"], capture_output=True, text=True, check=True
-        ).stdout.split()
-        assert "agentbox-task-restart-1" in names
+        # The task's watchdog saw its owner die (pidfd): it reaps the sandbox and kills
+        # the gateway at once, without waiting for a launcher to start (issue 18.4).
+        end = time.monotonic() + 120
+        while True:
+            names = subprocess.run(
+                ["podman", "ps", "-a", "--format", "{{.Names}}"],
+                capture_output=True, text=True, check=True,
+            ).stdout.split()  # fmt: skip
+            try:
+                gw_gone = psutil.Process(gw_pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gw_gone = True
+            if "agentbox-task-restart-1" not in names and gw_gone:
+                break
+            assert time.monotonic() < end, f"the sandbox outlived its launcher: {names}"
+            time.sleep(0.5)
         # The sandbox's environment (its one-time gateway token) was never on disk, so
         # the SIGKILL left none behind.
         assert _env_traces(settings.data_dir) == env_before

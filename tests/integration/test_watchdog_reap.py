@@ -181,3 +181,33 @@ def test_watchdog_of_a_pid_that_is_not_its_owner_acts_at_once(tmp_path: Path) ->
         assert not vm.dir.exists()
     finally:
         vm.close()
+
+
+@pytest.mark.parametrize("backend", MICROVM_BACKENDS)
+def test_reap_saves_a_dead_owners_data_disk_into_its_workspace(
+    tmp_path: Path, backend: str
+) -> None:
+    """A restarted launcher reconciles a microVM task by reaping it (qemu and firecracker
+    alike): the VMM dies, what the agent wrote on /data lands in the task workspace."""
+    from agentbox.launcher._watchdog import reap_sandbox
+    from agentbox.microvm._disks import make_data_disk
+
+    data = tmp_path / "data"
+    ws = data / "tasks" / "t1" / "workspace"
+    ws.mkdir(parents=True)
+    (ws / "before.txt").write_text("the repo copy\n")
+    written = tmp_path / "guest-data"
+    written.mkdir()
+    (written / "agent-wrote.txt").write_text("made inside the VM\n")
+    vm = FakeVm(data, "fcbox", owner_pid=999_999_999)  # an owner that is gone
+    try:
+        make_data_disk(written, vm.dir / "data.img")
+        owner = json.loads((vm.dir / "owner").read_text())
+        (vm.dir / "owner").write_text(json.dumps({**owner, "workspace": str(ws)}))
+        reap_sandbox(backend, "fcbox", data)
+        assert vm.vmm_dead(30)
+        assert not vm.dir.exists()
+        assert (ws / "agent-wrote.txt").read_text() == "made inside the VM\n"
+        assert not (ws / "before.txt").exists()  # the workspace is the guest's /data now
+    finally:
+        vm.close()

@@ -308,15 +308,11 @@ class Launcher:
         log.warning("reconciling task whose launcher died", task_id=row.id, status=row.status)
         if row.watchdog_pid:
             stop_watchdog(row.watchdog_pid)
-        if row.sandbox and row.backend == "qemu":
-            # The microVM's /data disk holds what the agent wrote: save it into the
-            # workspace (read in userspace, in a jail) before the VM is removed.
-            from agentbox.backends.qemu import recover_sandbox
-
-            with contextlib.suppress(AgentboxError, OSError):
-                recover_sandbox(self.settings, row.sandbox)
-        elif row.sandbox and row.backend:
-            # Reap, not only kill: a podman workspace disk is copied back and unmounted.
+        if row.sandbox and row.backend:
+            # Reap, not only kill: the backend saves what the agent wrote where it is
+            # collected (a microVM's /data disk, qemu or firecracker, read in userspace
+            # in a jail; a podman workspace disk copied back and unmounted), then removes
+            # the sandbox. Usually the task's watchdog did it when the launcher died.
             reap_sandbox(row.backend, row.sandbox, self.settings.data_dir)
         if row.gateway is not None:
             _runner.kill_gateway(row.gateway)
