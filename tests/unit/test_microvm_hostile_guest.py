@@ -300,3 +300,32 @@ def test_gateway_data_past_the_credit_breaks_the_channel_not_the_host(
         assert _rss() - before < MAX_GATEWAY_HELD + 48 * MIB
     finally:
         gw.close()
+
+
+def test_a_broken_channel_ends_its_gateway_connections(hostile: Hostile, tmp_path: Path) -> None:
+    gw = StalledGateway(tmp_path / "gw.sock")
+    try:
+        hostile.greet()
+        hostile.session.gateway_socket = tmp_path / "gw.sock"
+        for sid in (1, 3, 5):
+            hostile.ctrl({"op": "gw_open"}, sid)
+            for _ in range(4):  # the window, stuck: nothing reads
+                hostile.send(encode_frame(GW, sid, b"q" * (GW_WINDOW // 4)))
+        end = time.monotonic() + 10
+        while (len(gw.conns) < 3 or hostile.session._gw_open < 3) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert len(gw.conns) == 3 and hostile.session._gw_open == 3
+        hostile.send(encode_frame(CTRL, 0, b"{broken"))  # the VM gets killed for this
+        assert "protocol violation" in hostile.wait_broken()
+        # the gateway sees every connection end, and the host lets go of what it held
+        for conn in gw.conns:
+            conn.settimeout(10)
+            while conn.recv(1 << 20):
+                pass
+        end = time.monotonic() + 10
+        while hostile.session._gw_open and time.monotonic() < end:
+            time.sleep(0.01)
+        assert hostile.session._gw_open == 0
+        assert hostile.session.gateway_held == 0
+    finally:
+        gw.close()

@@ -90,6 +90,7 @@ class Channel:
         self._last_gw = -1  # the highest gateway stream the guest opened
         self._on_broken = on_broken
         self._on_gateway_open = on_gateway_open
+        self._close_hooks: list[Callable[[], None]] = []
         self.error: str | None = None
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name=f"chan-{name}", daemon=True)
@@ -250,14 +251,28 @@ class Channel:
                 return
             self.error = why
             queues = list(self._ctrl.values())
+            hooks, self._close_hooks = self._close_hooks, []
         self._closed.set()
         for q in queues:
             q.put_nowait(None)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         log.debug("channel broken", sandbox=self.name, why=why)
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("channel close hook failed", sandbox=self.name)
         if self._on_broken is not None:
             self._on_broken(why)
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once when the channel breaks or is closed (at once if it already is)."""
+        with self._lock:
+            if self.error is None:
+                self._close_hooks.append(hook)
+                return
+        hook()
 
     @property
     def broken(self) -> bool:

@@ -200,6 +200,9 @@ class GuestSession:
         self._gw_open = 0
         self._gw_lock = threading.Lock()
         self._upstreams: dict[int, _Upstream] = {}
+        self._gw_conns: set[socket.socket] = set()
+        # A dead channel ends every gateway connection: the host keeps nothing for it.
+        channel.on_close(self._close_gateway_streams)
 
     # -- session
     def wait_ready(self, timeout: float) -> dict[str, Any]:
@@ -423,6 +426,7 @@ class GuestSession:
 
         with self._gw_lock:
             self._upstreams[sid] = up
+            self._gw_conns.add(conn)
         self.channel.accept_stream(sid, handler)
         threading.Thread(target=self._gw_to_socket, args=(conn, up, sid), daemon=True).start()
         threading.Thread(target=self._gw_to_guest, args=(conn, sid), daemon=True).start()
@@ -458,10 +462,21 @@ class GuestSession:
             pass
         with contextlib.suppress(GuestError):
             self.channel.send(GW, sid, b"")
-        conn.close()
-        self.channel.close_stream(sid)
         with self._gw_lock:
             self._gw_open -= 1
             up = self._upstreams.pop(sid, None)
+            self._gw_conns.discard(conn)
+        conn.close()
+        self.channel.close_stream(sid)
         if up is not None:
             up.fail()
+
+    def _close_gateway_streams(self) -> None:
+        with self._gw_lock:
+            conns, ups = list(self._gw_conns), list(self._upstreams.values())
+        for up in ups:
+            up.fail()
+            up.put(b"")  # wakes its writer
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
