@@ -229,6 +229,9 @@ def test_a_refused_branch_keeps_the_task_done_and_its_result(settings: Settings)
         assert "not published" in (paths.log_dir / "launcher.log").read_text()
         commit = launcher.store.get(tid).commit_id
         assert commit
+        shown = _cli(settings, "show", tid, "--no-diff")
+        assert shown.returncode == 0, shown.stderr
+        assert f"(not published: agentbox/{tid} already exists" in " ".join(shown.stdout.split())
 
         # Publishing again under the same name is refused the same way ...
         with pytest.raises(PublishRefused):

@@ -116,6 +116,12 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
     if isinstance(skipped, list) and skipped:
         table.add_row("skipped", f"{len(skipped)} entries (see agentbox show --json)")
     branch = res.branch or ("none" if info.changed is False else "(not published)")
+    if not res.branch and info.changed:
+        # A refused publish (a branch of the user's own by that name) says why.
+        why = [n.get("reason") for n in rep.get("notes") or []
+               if isinstance(n, dict) and n.get("path") == f"agentbox/{info.id}"]  # fmt: skip
+        if why and isinstance(why[-1], str):
+            branch = f"(not published: {why[-1]})"
     table.add_row("branch", _safe(branch))
     table.add_row("commit", _safe(res.commit or "-"))
     console.print(table)
