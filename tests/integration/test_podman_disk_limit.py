@@ -49,8 +49,9 @@ def _assert_no_disk_left(settings: Settings, ws: Path) -> None:
     assert mnt.stdout.strip() == "", f"still mounted: {mnt.stdout}"
     disks = settings.data_dir / "disks"
     # The loop device goes with the filesystem's last user: a container's mount
-    # namespace may outlive `podman run --rm` by a moment.
-    for _ in range(100):
+    # namespace (runsc's gofer) may outlive `podman run --rm` by a moment, longer on
+    # a loaded host. A bounded wait for cleanup, not a speed assertion.
+    for _ in range(600):
         loops = subprocess.run(["losetup", "-n", "-O", "BACK-FILE"], capture_output=True, text=True)
         if str(disks) not in loops.stdout:
             break
@@ -283,3 +284,37 @@ def test_the_escape_suites_disk_probe_passes(
         assert image.stat().st_blocks * 512 < 32 * MiB
     r = data["results"]["limits.disk"]
     assert r["ok"] is True and "ENOSPC" in r["seen"], r
+
+
+@pytest.mark.podman
+def test_a_workspace_larger_than_the_limit_is_refused_clearly(
+    sandbox_settings: Settings, make_workspace: Callable[[], Path], default_image: str
+) -> None:
+    from agentbox.errors import SandboxError
+
+    ws = make_workspace()
+    (ws / "big.bin").write_bytes(os.urandom(80 * MiB))
+    spec = spec_from_boxfile(_box(disk="64MiB"), sandbox_settings, workspace=ws)
+    with pytest.raises(SandboxError, match="does not fit in its disk limit"):
+        PodmanBackend(sandbox_settings).run(spec, ["true"])
+    assert (ws / "big.bin").stat().st_size == 80 * MiB
+    _assert_no_disk_left(sandbox_settings, ws)
+
+
+@pytest.mark.podman
+def test_a_workspace_in_use_by_another_sandbox_is_refused(
+    sandbox_settings: Settings, make_workspace: Callable[[], Path], default_image: str
+) -> None:
+    from agentbox.errors import SandboxError
+
+    ws = make_workspace()
+    backend = PodmanBackend(sandbox_settings)
+    first = backend.create(spec_from_boxfile(_box(disk="64MiB"), sandbox_settings, workspace=ws))
+    try:
+        second = spec_from_boxfile(_box(disk="64MiB"), sandbox_settings, workspace=ws)
+        with pytest.raises(SandboxError, match="mount point"):
+            backend.run(second, ["true"])
+        assert os.path.ismount(ws)  # the first sandbox's disk is untouched
+    finally:
+        first.destroy()
+    _assert_no_disk_left(sandbox_settings, ws)

@@ -47,7 +47,7 @@ from agentbox.backends._podman_util import owner_start
 from agentbox.backends.base import SandboxSpec
 from agentbox.boxfile import DiskLimit
 from agentbox.config import Settings
-from agentbox.errors import AgentboxError, SandboxError
+from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
 from agentbox.microvm._disks import make_data_disk
 
 __all__ = ["MAX_COPY_DEPTH", "WorkspaceDisk", "disks_dir", "settle_orphan_disks", "workspace_disk"]
@@ -81,17 +81,33 @@ class WorkspaceDisk:
         self.record = base / f"{name}.json"
         self._under: int | None = None
         self._mounted = False
+        self._created = False  # the image and record are ours to delete
 
     def mount(self) -> None:
         """Copy the workspace into a fresh image and mount it over the workspace."""
+        if os.geteuid() != 0:
+            raise UnsupportedError(
+                "a podman workspace's disk limit is a loop mount, which needs root",
+                fix="run agentbox as root (as the launcher does)",
+            )
         if self.image.exists() or self.record.exists():
             raise SandboxError(f"a workspace disk {self.image} already exists", sandbox=self.name)
+        if os.path.ismount(self.workspace):
+            # Another sandbox's disk (or a mount of the user's): stacking a second
+            # disk on it would copy one sandbox's work into the other's.
+            raise SandboxError(
+                f"the workspace {self.workspace} is a mount point (in use by another sandbox?)",
+                sandbox=self.name,
+            )
         under = os.open(self.workspace, _DIR_FLAGS)
         self._under = under
         st = os.fstat(under)
         here = f"/proc/{os.getpid()}/fd/{under}"
         rec = {"workspace": str(self.workspace), "pid": os.getpid(), "start": owner_start()}
-        self.record.write_text(json.dumps(rec))
+        fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._created = True
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(rec))
         make_data_disk(
             Path(here), self.image, size=self.limit.size, inodes=self.limit.inodes, pad=False
         )
@@ -140,8 +156,10 @@ class WorkspaceDisk:
             raise SandboxError(
                 f"could not copy the workspace back from its disk: {failure}", sandbox=self.name
             ) from failure
-        self.image.unlink(missing_ok=True)
-        self.record.unlink(missing_ok=True)
+        if self._created:
+            self.image.unlink(missing_ok=True)
+            self.record.unlink(missing_ok=True)
+            self._created = False
 
 
 @contextlib.contextmanager
