@@ -1,22 +1,22 @@
 """The per-sandbox caps on kernel counters charged to root (issue 18, item 2).
 
-The OCI hook's own logic, with a real user namespace where we are root (no
-podman needed); the podman path is in tests/integration/test_podman_kernel_quotas.py.
+The OCI hook itself (the real sh script), with a real user namespace made and
+mapped by root as runc does (no podman needed); the podman path is in
+tests/integration/test_podman_kernel_quotas.py.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from agentbox.backends import _userns_hook as hook
 from agentbox.backends._userns_limits import (
+    HOOK_SCRIPT,
     HOST_SANDBOXES,
     HOST_SYSCTLS,
     SANDBOX_CAPS,
@@ -44,68 +44,76 @@ def test_shortfall_reads_the_host_values(tmp_path: Path) -> None:
 
 
 def test_hooks_dir_is_written_once_read_only_and_names_every_cap(tmp_path: Path) -> None:
-    d1 = hooks_dir(tmp_path, python="/usr/bin/python3")
-    d2 = hooks_dir(tmp_path, python="/usr/bin/python3")
+    d1 = hooks_dir(tmp_path)
+    d2 = hooks_dir(tmp_path)
     assert d1 == d2
     cfg_path = d1 / "agentbox-userns-limits.json"
     cfg = json.loads(cfg_path.read_text())
     assert cfg["stages"] == ["prestart"] and cfg["when"] == {"always": True}
+    assert cfg["hook"]["path"] == "/bin/sh"
     args = cfg["hook"]["args"]
-    script = Path(args[3])
-    assert script.read_bytes() == Path(hook.__file__).read_bytes()
+    script = Path(args[1])
+    assert script.read_text() == HOOK_SCRIPT
     assert script.stat().st_mode & 0o777 == 0o555
     assert cfg_path.stat().st_mode & 0o777 == 0o444
-    assert {a for a in args[4:]} == {f"{k}={v}" for k, v in SANDBOX_CAPS.items()}
+    assert set(args[2:]) == {f"{k}={v}" for k, v in SANDBOX_CAPS.items()}
 
 
-@pytest.mark.parametrize("bad", ["max_inotify_instances", "max_x=-1", "evil=1", "max_a=1; rm"])
-def test_hook_refuses_bad_arguments(bad: str) -> None:
-    with pytest.raises(ValueError):
-        hook._parse([bad])
+def _hook(tmp_path: Path, state: str, *args: str) -> subprocess.CompletedProcess[str]:
+    script = hooks_dir(tmp_path).parent / "userns_hook.sh"
+    return subprocess.run(
+        ["/bin/sh", str(script), *args],
+        input=state, capture_output=True, text=True, env={}, timeout=60, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "bad", ["max_inotify_instances", "max_x=-1", "evil=1", "max_a=1;x", "max_A=1", "max_a="]
+)
+def test_hook_refuses_bad_arguments(tmp_path: Path, bad: str) -> None:
+    res = _hook(tmp_path, f'{{"pid": {os.getpid()}}}', bad)
+    assert res.returncode == 1 and "bad limit argument" in res.stderr
 
 
 @pytest.mark.parametrize(
     "state", ["", "[]", '{"pid": 1}', '{"pid": "12"}', '{"pid": true}', '{"id": "x"}']
 )
-def test_hook_fails_closed_on_bad_state(state: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "stdin", io.StringIO(state))
-    assert hook.main(["max_inotify_instances=8"]) == 1
+def test_hook_fails_closed_on_bad_state(tmp_path: Path, state: str) -> None:
+    res = _hook(tmp_path, state, "max_inotify_instances=8")
+    assert res.returncode == 1 and "no usable pid" in res.stderr
 
 
-def test_hook_never_writes_the_hosts_own_limits() -> None:
+def test_hook_never_writes_the_hosts_own_limits(tmp_path: Path) -> None:
     before = Path("/proc/sys/user/max_inotify_instances").read_text()
-    out = hook.apply(os.getpid(), {"max_inotify_instances": 3})
-    assert "nothing to cap" in out
+    res = _hook(tmp_path, f'{{"pid": {os.getpid()}}}', "max_inotify_instances=3")
+    assert res.returncode == 0, res.stderr
     assert Path("/proc/sys/user/max_inotify_instances").read_text() == before
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the hook runs as root under runc)")
-def test_hook_caps_a_real_user_namespace_from_outside() -> None:
-    # A process in a fresh user namespace (made by root, as runc does): the hook, run
-    # by root outside it, sets that namespace's own maximum; the host's stays as it was.
+def test_hook_caps_a_real_user_namespace_from_outside(tmp_path: Path) -> None:
+    # A user namespace made and mapped by root as runc does (0 -> 100000, 65536 ids);
+    # the hook, run by root outside it, sets that namespace's own maximum, and the
+    # host's stays as it was.
     before = Path("/proc/sys/user/max_inotify_instances").read_text()
     child = subprocess.Popen(["unshare", "--user", "sleep", "30"])
     try:
-        for _ in range(200):
-            ns = Path(f"/proc/{child.pid}/ns/user")
+        ns = Path(f"/proc/{child.pid}/ns/user")
+        for _ in range(500):
             if ns.exists() and ns.readlink() != Path("/proc/self/ns/user").readlink():
                 break
-            subprocess.run(["sleep", "0.01"], check=True)
-        code = (
-            "import sys; from agentbox.backends import _userns_hook as h; "
-            f"print(h.apply({child.pid}, {{'max_inotify_instances': 7, "
-            "'max_user_namespaces': 0}))"
-        )
-        res = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-        )
-        assert "max_inotify_instances=7" in res.stdout
+            time.sleep(0.01)
+        for kind in ("uid_map", "gid_map"):
+            Path(f"/proc/{child.pid}/{kind}").write_text("0 100000 65536\n")
+        state = json.dumps({"ociVersion": "1.0.2", "id": "x", "pid": child.pid, "bundle": "/"})
+        res = _hook(tmp_path, state, "max_inotify_instances=7", "max_user_namespaces=0")
+        assert res.returncode == 0, res.stderr
         seen = subprocess.run(
             ["nsenter", "-U", "-t", str(child.pid), "--preserve-credentials",
-             "cat", "/proc/sys/user/max_inotify_instances"],
+             "cat", "/proc/sys/user/max_inotify_instances", "/proc/sys/user/max_user_namespaces"],
             capture_output=True, text=True, check=True, timeout=30,
-        ).stdout  # fmt: skip
-        assert seen.strip() == "7"
+        ).stdout.split()  # fmt: skip
+        assert seen == ["7", "0"]
     finally:
         child.kill()
         child.wait()
@@ -132,8 +140,31 @@ def test_doctor_row_names_the_shortfall_and_the_fix(monkeypatch: pytest.MonkeyPa
 def test_hooks_dir_refuses_a_hook_others_could_have_written(tmp_path: Path) -> None:
     from agentbox.errors import UnsupportedError
 
-    hooks = hooks_dir(tmp_path, python="/usr/bin/python3")
-    script = hooks.parent / "userns_hook.py"
+    hooks = hooks_dir(tmp_path)
+    script = hooks.parent / "userns_hook.sh"
     script.chmod(0o777)
     with pytest.raises(UnsupportedError, match="writable by others"):
-        hooks_dir(tmp_path, python="/usr/bin/python3")
+        hooks_dir(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the hook runs as root under runc)")
+def test_hook_leaves_a_namespace_without_uid_0_alone(tmp_path: Path) -> None:
+    # gVisor's sandbox process sits in such a namespace: nothing to act as, nothing to cap.
+    child = subprocess.Popen(["unshare", "--user", "sleep", "30"])
+    try:
+        ns = Path(f"/proc/{child.pid}/ns/user")
+        for _ in range(500):
+            if ns.exists() and ns.readlink() != Path("/proc/self/ns/user").readlink():
+                break
+            time.sleep(0.01)
+        res = _hook(tmp_path, json.dumps({"pid": child.pid}), "max_inotify_instances=7")
+        assert res.returncode == 0, res.stderr
+        seen = subprocess.run(
+            ["nsenter", "-U", "-t", str(child.pid), "--preserve-credentials",
+             "cat", "/proc/sys/user/max_inotify_instances"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+        assert seen != "7"
+    finally:
+        child.kill()
+        child.wait()
