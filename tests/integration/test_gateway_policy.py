@@ -306,3 +306,22 @@ def test_compatible_kind_drops_betas_and_its_unsupported_fields(tmp_path: Path) 
         r = _post(gw, _with("mcp_servers", []))
         assert r.status_code == 400 and "mcp_servers" in r.text
     assert json.dumps(CLAUDE_CODE_REQUEST)  # the fixture itself was not mutated
+
+
+def test_empty_allow_lists_mean_nothing_optional(tmp_path: Path) -> None:
+    """An empty list admits nothing optional (not "the default"); required fields stay."""
+    entry = replay_entry(kind="anthropic", allowed_fields=(), allowed_block_types=("text",))
+    with (
+        running_replay(tmp_path, CHAT_SCRIPT) as up,
+        running_gateway(tmp_path, upstream=up.url, entry=entry) as gw,
+    ):
+        body = {"max_tokens": 5, "temperature": 1, "messages": [{"role": "user", "content": "x"}]}
+        assert _post(gw, body).status_code == 200
+        assert up.requests()[0]["body"] == {
+            "model": "test-model",
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+        img = _with("messages.1.content.0", {"type": "image", "source": {}})
+        r = _post(gw, img)
+        assert r.status_code == 400 and "not allowed" in r.text

@@ -161,8 +161,13 @@ class ModelEntry(BaseModel):
         """The request allow-lists for this model (see :mod:`agentbox.gateway._policy`)."""
         return RequestPolicy(
             # The fields every request needs stay, whatever the entry lists.
-            fields=frozenset(self.allowed_fields or DEFAULT_FIELDS) | _REQUIRED_FIELDS,
-            block_types=frozenset(self.allowed_block_types or DEFAULT_BLOCK_TYPES),
+            fields=frozenset(DEFAULT_FIELDS if self.allowed_fields is None else self.allowed_fields)
+            | _REQUIRED_FIELDS,
+            block_types=frozenset(
+                DEFAULT_BLOCK_TYPES
+                if self.allowed_block_types is None
+                else self.allowed_block_types
+            ),
             betas=frozenset(
                 self.allowed_betas if self.allowed_betas is not None else DEFAULT_BETAS
             ),
