@@ -241,3 +241,17 @@ def test_du_shows_what_the_data_dir_holds(settings: Settings, store: Store) -> N
     assert data["total"] >= task["total"] > 1 << 20
     text = _cli(settings, "du")
     assert text.returncode == 0 and "t-a" in text.stdout and "without a record" in text.stdout
+
+
+def test_prune_removes_old_scratch_workspaces_only(settings: Settings, store: Store) -> None:
+    scratch = settings.data_dir / "scratch"
+    old, young = scratch / "ws-old", scratch / "ws-young"
+    for d in (old, young):
+        (d / "sub").mkdir(parents=True)
+        (d / "sub/f").write_text("x")
+    os.utime(old, (time.time() - 9 * DAY,) * 2)
+    os.utime(young, (time.time() - 2 * DAY,) * 2)  # older than --older-than, but could be in use
+    res = _cli(settings, "prune", "--older-than", "1d")
+    assert res.returncode == 0, res.stderr
+    assert "removed scratch/ws-old" in res.stdout
+    assert not old.exists() and young.exists()

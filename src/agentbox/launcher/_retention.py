@@ -62,6 +62,9 @@ log = get_logger("launcher.retention")
 
 #: Statuses after which a task never changes again: only these are removed.
 TERMINAL = frozenset({"done", "failed", "timed_out", "cancelled"})
+#: The longest deadline a sandbox may have (a Boxfile's limit): a scratch workspace
+#: younger than this may still be in use.
+MAX_DEADLINE = 7 * 86400.0
 #: Directories deeper than this below a removed tree's top are renamed up before removal.
 MAX_DEPTH = 32
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -186,7 +189,31 @@ def prune(
                 continue  # a task being made right now has its row already; be safe anyway
             size = _tree_bytes(entry) if dry_run else remove_tree(tasks, name)
             done.append(Removal(name, bytes=size))
+    done += _prune_scratch(
+        settings, min(cutoff, (time.time() if now is None else now) - MAX_DEADLINE), dry_run
+    )
     return done
+
+
+def _prune_scratch(settings: Settings, cutoff: float, dry_run: bool) -> list[Removal]:
+    """Scratch workspaces of ``agentbox exec``/``shell`` whose client was killed before it
+    removed them: older than ``cutoff`` (never less than the longest deadline), not mounted."""
+    scratch = settings.data_dir / "scratch"
+    out = []
+    for entry in _entries(scratch):
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_mtime > cutoff or os.path.ismount(entry):
+            continue
+        try:
+            size = _tree_bytes(entry) if dry_run else remove_tree(scratch, entry.name)
+        except (OSError, PathRefused) as exc:
+            log.warning("scratch workspace not pruned", path=str(entry), error=str(exc))
+            continue
+        out.append(Removal(f"scratch/{entry.name}", bytes=size))
+    return out
 
 
 def _only_result_left(settings: Settings, task_id: str) -> bool:
