@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentbox import _proc
+from agentbox.backends._userns_limits import SANDBOX_CAPS, SANDBOX_RLIMITS
 from agentbox.backends.base import (
     GATEWAY_DIR_IN_SANDBOX,
     GATEWAY_PORT,
@@ -59,12 +60,19 @@ for line in open("/proc/self/mountinfo"):
     point = f[4].encode().decode("unicode_escape")
     mounts.append([point, f[5], post.split()[0] if post else ""])
 ifaces = [l.split(":")[0].strip() for l in open("/proc/net/dev").read().splitlines()[2:]]
+userns = {}
+if os.path.isdir("/proc/sys/user"):
+    for n in sorted(os.listdir("/proc/sys/user")):
+        try:
+            userns[n] = int(open("/proc/sys/user/" + n).read())
+        except (OSError, ValueError):
+            pass
 print(json.dumps({
     "uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
     "status": {k: st.get(k) for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb",
                                       "NoNewPrivs", "Seccomp")},
     "nnp": libc.prctl(39, 0, 0, 0, 0), "seccomp": libc.prctl(21, 0, 0, 0, 0),
-    "ifaces": ifaces, "mounts": mounts, "kernel": os.uname().release,
+    "ifaces": ifaces, "mounts": mounts, "kernel": os.uname().release, "userns": userns,
 }))
 """
 
@@ -212,6 +220,15 @@ def _inside_checks(spec: SandboxSpec, d: dict[str, Any]) -> list[PostureCheck]:
             if p in by_point and not {"nosuid", "nodev"} <= set(by_point[p][0].split(","))
         )
         checks.append(_check("data mounts nosuid,nodev", [], weak))
+        # The per-user counters the kernel also charges to root (the namespace's owner).
+        seen = d.get("userns") if isinstance(d.get("userns"), dict) else {}
+        assert isinstance(seen, dict)
+        over = sorted(
+            f"{k}={seen.get(k)}" for k, cap in SANDBOX_CAPS.items() if k in seen and seen[k] != cap
+        )
+        checks.append(
+            _check("user namespace caps (/proc/sys/user)", [], over, not over and bool(seen))
+        )
     for m in spec.mounts:
         opts = by_point.get(m.target, ("missing", ""))[0]
         checks.append(_check(f"{m.target} read-only", "ro", opts.split(",")[0]))
@@ -248,6 +265,10 @@ def _host_checks(spec: SandboxSpec, settings: Settings, info: dict[str, Any]) ->
                hc.get("Memory") if hc.get("Memory") == hc.get("MemorySwap") else "swap allowed",
                where="host"),
         _check("nofile", (res.nofile, res.nofile), ulimits.get("RLIMIT_NOFILE"), where="host"),
+        *(
+            _check(k, (v, v), ulimits.get(f"RLIMIT_{k.upper()}"), where="host")
+            for k, v in sorted(SANDBOX_RLIMITS.items())
+        ),
         _check("uid map", [f"0:{base}:65536"],
                (hc.get("IDMappings") or {}).get("UidMap"), where="host"),
         _check("mounts (inspect)", sorted(expected_mounts(spec)), mounts, where="host"),
