@@ -35,6 +35,7 @@ missing, :func:`confine` refuses to go on (fail closed).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -47,6 +48,7 @@ from agentbox.errors import GatewayError
 
 __all__ = ["DENIED_SYSCALLS", "confine", "install_seccomp", "limit_resources"]
 
+_M_ARENA_MAX = -8
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_CAPBSET_DROP = 24
 _SCMP_ACT_ALLOW = 0x7FFF0000
@@ -210,8 +212,14 @@ def drop_bounding_set() -> None:
 
 
 def limit_resources(*, max_memory: int | None, max_file: int | None) -> None:
-    """``RLIMIT_AS`` and ``RLIMIT_FSIZE`` (soft and hard), SIGXFSZ ignored."""
+    """``RLIMIT_AS`` and ``RLIMIT_FSIZE`` (soft and hard), SIGXFSZ ignored.
+
+    Under ``RLIMIT_AS`` glibc's one malloc arena per thread (64 MiB of address
+    space each) would count against the limit: at most two arenas (``M_ARENA_MAX``).
+    """
     if max_memory:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 2)
         resource.setrlimit(resource.RLIMIT_AS, (max_memory, max_memory))
     if max_file:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
