@@ -7,6 +7,7 @@ nofile limit allowed on the gateway's socket, around the relay's cap.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -153,3 +154,31 @@ def test_3000_slow_header_connections_on_a_gateway_process(tmp_path: Path) -> No
         assert (tmp_path / "gateway.log").stat().st_size < 64_000  # no line per connection
     finally:
         _proc.kill_group(gw)  # type: ignore[arg-type]
+
+
+def test_bytes_in_flight_capped_with_429(tmp_path: Path) -> None:
+    """--max-held: a request whose body would pass the bytes held by requests in flight
+    gets 429 with retry-after (memory, issue 11.4); once the first is answered it passes."""
+    script = {"main": "all", "turns": [{"text": "ok", "delay": 1.5}]}
+    body = json.dumps(
+        {"max_tokens": 5, "messages": [{"role": "user", "content": "x" * 5000}]}
+    ).encode()
+    with running_gateway(tmp_path, script=script, max_body=8000, max_held=8000) as gw:
+
+        async def two() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as c:
+                first = asyncio.ensure_future(
+                    c.post(gw.url + "/v1/messages", content=body, headers=gw.auth())
+                )
+                while gw.gateway.held == 0:  # noqa: ASYNC110  (another thread sets it)
+                    await asyncio.sleep(0.01)
+                second = await c.post(gw.url + "/v1/messages", content=body, headers=gw.auth())
+                return [await first, second]
+
+        first, second = asyncio.run(two())
+        assert first.status_code == 200, first.text
+        assert second.status_code == 429 and second.headers["retry-after"] == "1"
+        assert "in flight" in second.json()["error"]["message"]
+        again = httpx.post(gw.url + "/v1/messages", content=body, headers=gw.auth(), timeout=30)
+        assert again.status_code == 200
+        assert gw.usage().refusals == {"busy": 1} and gw.gateway.held == 0

@@ -91,7 +91,8 @@ class GatewayConfig:
     usage_file: Path | None = None
     max_body: int = 32 << 20
     max_held: int = 64 << 20
-    """Request bytes held at once across all requests (bodies being read or parsed);
+    """Request bytes held at once across all requests (each body from the moment it is
+    read until its answer is done: the forwarded copy stays in memory for a retry);
     a request that would pass it gets 429 (a chunked one counts as ``max_body``)."""
     max_concurrency: int = 16
     connect_timeout: float = 10.0
@@ -113,7 +114,7 @@ class Gateway:
         )
         self.inflight = 0
         self.held = 0
-        """Request body bytes claimed by requests being read and parsed."""
+        """Request body bytes claimed by requests being read, parsed or forwarded."""
         self.active = 0
         """HTTP requests being handled (tests wait for 0 before reading the usage file)."""
         self._writing = False
@@ -332,18 +333,18 @@ class Gateway:
             await send_error(
                 send,
                 429,
-                f"gateway busy: {self.held} request bytes being read (limit {self.cfg.max_held})",
+                f"gateway busy: {self.held} request bytes in flight (limit {self.cfg.max_held})",
                 headers=[(b"retry-after", b"1")],
             )
             return
         self.held += claim
         try:
-            await self._read_and_forward(route, scope, receive, send, claim)
+            await self._read_and_forward(route, scope, receive, send)
         finally:
             self.held -= claim
 
     async def _read_and_forward(
-        self, route: str, scope: Scope, receive: Receive, send: Send, claim: int
+        self, route: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
         try:
             body = await read_body(receive, self.cfg.max_body)

@@ -43,7 +43,7 @@ def gateway(
     ] = None,
     max_body: Annotated[int, typer.Option(help="Request body cap in bytes")] = 32 << 20,
     max_held: Annotated[
-        int, typer.Option(help="Request bytes held at once across requests (more: 429)")
+        int, typer.Option(help="Request bytes in flight at once across requests (more: 429)")
     ] = 64 << 20,
     max_memory: Annotated[
         int, typer.Option(help="Address space limit (RLIMIT_AS) in bytes; 0: none")
