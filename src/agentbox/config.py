@@ -126,6 +126,14 @@ class Settings(BaseSettings):
     """The most files (inodes) a workspace disk may hold; larger asks are clamped to it."""
     qemu_binary: str = "qemu-system-x86_64"
     firecracker_binary: Path | None = None
+    egress_allow_cap: Annotated[tuple[str, ...], NoDecode] = ()
+    """Host names a Boxfile's ``[network] allow`` may add (``host``, ``*.suffix``, or ``*``
+    for any); empty: a Boxfile may add none. Comma-separated in the environment."""
+    egress_trusted_ranges: Annotated[tuple[str, ...], NoDecode] = ()
+    """Address ranges (CIDR) that allowed names other than the host's own registries may
+    resolve to although private or reserved (a company mirror). Comma-separated."""
+    egress_ca_bundle: Path | None = None
+    """The CA bundle phases with egress trust; None: the host's system bundle."""
 
     @field_validator("data_dir", "cache_dir", "repos_root")
     @classmethod
@@ -139,6 +147,20 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return tuple(Path(p).expanduser().resolve() for p in v.split(":") if p)
         return v
+
+    @field_validator("egress_allow_cap", "egress_trusted_ranges", mode="before")
+    @classmethod
+    def _split_commas(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return tuple(p.strip() for p in v.split(",") if p.strip())
+        return v
+
+    @field_validator("egress_trusted_ranges")
+    @classmethod
+    def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        import ipaddress
+
+        return tuple(str(ipaddress.ip_network(p, strict=False)) for p in v)
 
     @property
     def sandbox_host_uid(self) -> int:

@@ -22,6 +22,7 @@ grouped by what the caller can do about it::
     │   ├── SandboxTimeout     a sandbox ran past its deadline and was killed
     │   └── GuestError         a microVM guest misbehaved (bad frame, wrong kernel, no answer)
     ├── GatewayError           the per-task model gateway failed to start or serve
+    ├── EgressError            the per-task egress proxy failed to start or serve
     ├── CollectError           result collection failed (the workspace is kept)
     └── TaskError              a task-level failure: carries the task id
         └── TaskNotFound
@@ -39,6 +40,7 @@ __all__ = [
     "CommandError",
     "CommandTimeout",
     "ConfigError",
+    "EgressError",
     "GatewayError",
     "GuestError",
     "ImageError",
@@ -154,6 +156,10 @@ class GuestError(SandboxError):
 
 class GatewayError(AgentboxError):
     """The per-task model gateway failed to start or to serve."""
+
+
+class EgressError(AgentboxError):
+    """The per-task egress proxy failed to start or to serve."""
 
 
 class CollectError(AgentboxError):

@@ -1,0 +1,44 @@
+"""``python -m agentbox.egress``: one task's egress proxy (started by :func:`spawn_proxy`).
+
+The policy is read as JSON from standard input; argv carries only paths and numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from agentbox.errors import AgentboxError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv, read the policy from stdin, serve until SIGTERM."""
+    from agentbox.egress._process import read_policy, run_proxy
+    from agentbox.gateway._run import parse_user
+
+    p = argparse.ArgumentParser(prog="python -m agentbox.egress", description=__doc__)
+    p.add_argument("--socket", type=Path, required=True, help="unix socket to listen on")
+    p.add_argument("--log", type=Path, required=True, help="egress log (JSON lines)")
+    p.add_argument("--user", help="drop to UID[:GID] once listening (start as root)")
+    p.add_argument("--ready-fd", type=int, help="write 'ready' to this fd once serving")
+    p.add_argument("--max-memory", type=int, default=512 << 20, help="RLIMIT_AS; 0: none")
+    args = p.parse_args(argv)
+    try:
+        policy = read_policy(sys.stdin.buffer)
+        run_proxy(
+            socket_path=args.socket.absolute(),
+            policy=policy,
+            log_path=args.log,
+            run_as=parse_user(args.user) if args.user else None,
+            ready_fd=args.ready_fd,
+            max_memory=args.max_memory or None,
+        )
+    except AgentboxError as exc:
+        print(f"agentbox egress: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

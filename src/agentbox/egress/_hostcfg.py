@@ -1,0 +1,155 @@
+"""The package indexes this host's own clients use, read from those clients at run time.
+
+No registry name is written in agentbox: what the user's pip, npm and uv already
+trust is the allow-list of a ``registries`` phase. Read here:
+
+- **pip** (the ``python3`` on ``PATH``): ``python3 -m pip config list`` (files and
+  ``PIP_*`` variables) for ``index-url``, ``extra-index-url`` and http(s)
+  ``find-links``; when no ``index-url`` is configured, pip's own default index and
+  the domain that index serves files from, asked of pip itself
+  (``pip._internal.models.index.PyPI``);
+- **npm**: ``npm config list --json``: ``registry`` and every ``@scope:registry``;
+- **uv**: ``UV_DEFAULT_INDEX``, ``UV_INDEX_URL``, ``UV_INDEX``, ``UV_EXTRA_INDEX_URL``.
+
+Only ``http``/``https`` URLs count (``file://`` indexes and plain paths are local).
+A client that is not installed contributes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from urllib.parse import urlsplit
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.egress._addr import normalize_host
+from agentbox.errors import CommandError
+
+__all__ = ["RegistryURL", "host_registries"]
+
+log = get_logger("egress.hostcfg")
+
+#: (source, scheme, host, port) of one configured index.
+RegistryURL = tuple[str, str, str, int]
+
+_PIP_KEYS = ("index-url", "extra-index-url", "find-links")
+_PIP_DEFAULT = (
+    "from pip._internal.models.index import PyPI\nprint(PyPI.url)\nprint(PyPI.file_storage_domain)"
+)
+_UV_VARS = ("UV_DEFAULT_INDEX", "UV_INDEX_URL", "UV_INDEX", "UV_EXTRA_INDEX_URL")
+
+
+def _parse_url(source: str, url: str) -> RegistryURL | None:
+    """(source, scheme, host, port) of an http(s) URL, None for anything else."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    try:
+        host = normalize_host(parts.hostname)
+    except ValueError:
+        log.warning("registry URL with no usable host name ignored", source=source, url=url[:200])
+        return None
+    return source, parts.scheme, host, port or (443 if parts.scheme == "https" else 80)
+
+
+def _pip_config_values(text: str) -> tuple[list[str], bool]:
+    """URLs from ``pip config list`` output, and whether an ``index-url`` is set."""
+    urls: list[str] = []
+    has_index = False
+    for line in text.splitlines():
+        name, sep, value = line.partition("=")
+        if not sep:
+            continue
+        key = name.rsplit(".", 1)[-1].strip()
+        if key not in _PIP_KEYS:
+            continue
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        # pip prints a multi-line value with escaped newlines.
+        words = value.replace("\\n", " ").split()
+        if key == "index-url" and words:
+            has_index = True
+        urls.extend(words)
+    return urls, has_index
+
+
+def _pip(env: Mapping[str, str]) -> list[RegistryURL]:
+    python = shutil.which("python3", path=env.get("PATH"))
+    if python is None:
+        return []
+    try:
+        res = _proc.run([python, "-m", "pip", "config", "list"], env=env, timeout=60)
+    except CommandError as exc:
+        log.info("pip not usable on this host: no pip registries", error=str(exc)[:300])
+        return []
+    urls, has_index = _pip_config_values(res.stdout)
+    found = [u for url in urls if (u := _parse_url("pip", url)) is not None]
+    if not has_index:
+        try:
+            default = _proc.run([python, "-c", _PIP_DEFAULT], env=env, timeout=60).stdout.split()
+        except CommandError as exc:
+            log.warning("cannot read pip's default index", error=str(exc)[:300])
+            default = []
+        if default and (u := _parse_url("pip", default[0])) is not None:
+            found.append(u)
+            if len(default) > 1:
+                # Files of the default index are served from another domain, over https.
+                found.extend(
+                    f for f in [_parse_url("pip", f"https://{default[1]}/")] if f is not None
+                )
+    return found
+
+
+def _npm(env: Mapping[str, str]) -> list[RegistryURL]:
+    npm = shutil.which("npm", path=env.get("PATH"))
+    if npm is None:
+        return []
+    try:
+        res = _proc.run([npm, "config", "list", "--json"], env=env, timeout=60)
+        data = json.loads(res.stdout)
+    except (CommandError, ValueError) as exc:
+        log.info("npm config not readable: no npm registries", error=str(exc)[:300])
+        return []
+    if not isinstance(data, dict):
+        return []
+    found = []
+    for key, value in data.items():
+        named = isinstance(key, str) and (key == "registry" or key.endswith(":registry"))
+        if named and isinstance(value, str) and (u := _parse_url("npm", value)) is not None:
+            found.append(u)
+    return found
+
+
+def _uv(env: Mapping[str, str]) -> list[RegistryURL]:
+    found = []
+    for var in _UV_VARS:
+        for word in env.get(var, "").split():
+            # UV_INDEX entries may be ``name=url``.
+            url = word.split("=", 1)[1] if "=" in word.split("://", 1)[0] else word
+            if (u := _parse_url("uv", url)) is not None:
+                found.append(u)
+    return found
+
+
+def _dedupe(urls: Iterable[RegistryURL]) -> tuple[RegistryURL, ...]:
+    return tuple(dict.fromkeys(urls))
+
+
+def host_registries(env: Mapping[str, str] | None = None) -> tuple[RegistryURL, ...]:
+    """Every http(s) package index the host's pip, npm and uv are configured with.
+
+    ``env`` is the environment the clients run in (default: this process's); tests
+    pass a fake ``HOME``.
+    """
+    env = dict(os.environ if env is None else env)
+    urls = [*_pip(env), *_npm(env), *_uv(env)]
+    log.debug("host registries", registries=[f"{s}:{sch}://{h}:{p}" for s, sch, h, p in urls])
+    return _dedupe(urls)

@@ -1,0 +1,220 @@
+"""The proxy as a process of its own: :func:`spawn_proxy` on the host, :func:`run_proxy` in it.
+
+Like the gateway, the proxy runs as ``python -m agentbox.egress`` in its own
+session, so ``stop()`` can signal its whole group. Its policy travels as JSON on
+its standard input (nothing on argv but paths). It binds its unix socket (0660)
+and opens its log as the starting user, then, with ``run_as``, empties the
+capability bounding set, drops to that uid/gid, sets ``no_new_privs`` and loads
+the gateway's seccomp filter (:mod:`agentbox.gateway._confine`), and serves under
+``RLIMIT_AS`` and ``RLIMIT_FSIZE``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO
+
+from agentbox._log import get_logger
+from agentbox.egress._policy import EgressPolicy
+from agentbox.egress._proxy import EgressProxy
+from agentbox.egress._record import EgressLog
+from agentbox.errors import EgressError, GatewayError
+
+__all__ = ["DEFAULT_MAX_MEMORY", "ProxyHandle", "run_proxy", "spawn_proxy"]
+
+log = get_logger("egress.process")
+
+#: ``RLIMIT_AS`` of the proxy process: an interpreter, its resolver threads and
+#: 32 connections' 64 KiB buffers fit well within it.
+DEFAULT_MAX_MEMORY = 512 << 20
+_PASS_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "AGENTBOX_LOG_LEVEL", "AGENTBOX_LOG_JSON")
+_MAX_POLICY = 1 << 20
+
+
+async def _serve(proxy: EgressProxy, sock: socket.socket, ready_fd: int | None) -> None:
+    server = await asyncio.start_unix_server(proxy.handle, sock=sock, limit=65536)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready_fd is not None:
+        os.write(ready_fd, b"ready\n")
+        os.close(ready_fd)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        await proxy.aclose()
+
+
+def run_proxy(
+    *,
+    socket_path: Path,
+    policy: EgressPolicy,
+    log_path: Path,
+    run_as: tuple[int, int] | None = None,
+    ready_fd: int | None = None,
+    max_memory: int | None = DEFAULT_MAX_MEMORY,
+) -> None:
+    """Serve one task's proxy on ``socket_path`` until SIGTERM (what the child runs)."""
+    from agentbox.gateway._confine import confine, drop_bounding_set, limit_resources
+    from agentbox.gateway._run import drop_privileges
+    from agentbox.gateway._serve import bind, parse_listen
+
+    sock = bind(parse_listen(f"unix:{socket_path}"))
+    record = EgressLog(log_path, max_bytes=policy.limits.max_log_bytes)
+    proxy = EgressProxy(policy, record)
+    try:
+        if run_as is not None:
+            # Load now what would be loaded lazily after the drop: the resolver's
+            # executor threads and the IDNA codec getaddrinfo encodes names with.
+            import concurrent.futures.thread  # noqa: F401
+
+            "x".encode("idna")
+            if os.geteuid() == 0:
+                drop_bounding_set()
+            try:
+                drop_privileges(*run_as, own=[])
+                confine()
+            except GatewayError as exc:
+                raise EgressError(str(exc).replace("gateway", "egress proxy")) from exc
+        limit_resources(max_memory=max_memory, max_file=policy.limits.max_log_bytes + 4096)
+        log.info("egress proxy listening", socket=str(socket_path), hosts=list(policy.hosts))
+        asyncio.run(_serve(proxy, sock, ready_fd))
+    finally:
+        record.close()
+        with contextlib.suppress(OSError):
+            socket_path.unlink()
+
+
+class ProxyHandle:
+    """A running proxy process: ``pid``, ``alive()``, ``stop()`` (idempotent), a context manager."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], *, socket_path: Path, log_path: Path):
+        self._proc = proc
+        self.socket_path = socket_path
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        """The proxy's process id (also its process group id)."""
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once it exited, else None."""
+        return self._proc.poll()
+
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return self._proc.poll() is None
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        """TERM the proxy's group, KILL it after ``grace`` s; idempotent. Returns the exit code.
+
+        On TERM the proxy ends its connections, logs each and closes its log."""
+        from agentbox._proc import kill_group
+
+        kill_group(self._proc, grace=grace)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        return self._proc.poll()
+
+    def __enter__(self) -> ProxyHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ProxyHandle(pid={self.pid}, socket={self.socket_path}, alive={self.alive()})"
+
+
+def spawn_proxy(
+    socket_path: Path,
+    policy: EgressPolicy,
+    log_path: Path,
+    run_as: tuple[int, int] | None = None,
+    *,
+    stderr_file: Path | None = None,
+    max_memory: int | None = DEFAULT_MAX_MEMORY,
+    timeout: float = 20.0,
+) -> ProxyHandle:
+    """Start a proxy for one task on ``socket_path`` and wait until it serves.
+
+    The socket is mode 0660, owned by the starting user (chown it to let the
+    sandbox's relay in, as for the gateway's); the log at ``log_path`` is appended
+    to (JSON lines, see :mod:`._record`). ``run_as=(uid, gid)``: the proxy drops to
+    that identity before serving (start as root; the launcher passes the gateway's
+    dedicated identity). ``stderr_file`` receives the proxy's own diagnostics.
+    Raises :class:`EgressError` (with the diagnostics' tail) if it does not serve
+    within ``timeout`` seconds.
+    """
+    from agentbox.gateway._process import _wait_ready
+
+    env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["MALLOC_ARENA_MAX"] = "2"  # under RLIMIT_AS: not one 64 MiB arena per resolver thread
+    ready_r, ready_w = os.pipe()
+    argv = [sys.executable, "-m", "agentbox.egress", "--socket", str(socket_path)]
+    argv += ["--log", str(log_path), "--ready-fd", str(ready_w)]
+    if run_as is not None:
+        argv += ["--user", f"{run_as[0]}:{run_as[1]}"]
+    argv += ["--max-memory", str(max_memory or 0)]
+    with contextlib.suppress(FileNotFoundError):
+        socket_path.unlink()
+    out: IO[bytes] | int = stderr_file.open("ab") if stderr_file is not None else subprocess.DEVNULL
+    log.info("spawn egress proxy", argv=argv, hosts=list(policy.hosts))
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=(ready_w,),
+        )
+    finally:
+        os.close(ready_w)
+        if not isinstance(out, int):
+            out.close()
+    handle = ProxyHandle(proc, socket_path=socket_path, log_path=log_path)
+    try:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write(policy.model_dump_json().encode())
+            proc.stdin.close()
+        # "ready" comes once the server accepts (and after the drop): no probe connection.
+        _wait_ready(ready_r, timeout)
+    except (GatewayError, OSError) as exc:
+        handle.stop(grace=1.0)
+        tail = ""
+        if stderr_file is not None:
+            with contextlib.suppress(OSError):
+                lines = stderr_file.read_text(errors="replace").splitlines()[-20:]
+                tail = "\n" + "\n".join(lines)
+        msg = str(exc).replace("gateway", "egress proxy")
+        raise EgressError(f"{msg}{tail}") from exc
+    finally:
+        os.close(ready_r)
+    return handle
+
+
+def read_policy(stream: IO[bytes]) -> EgressPolicy:
+    """The policy JSON from ``stream`` (bounded), for the child."""
+    data = stream.read(_MAX_POLICY + 1)
+    if len(data) > _MAX_POLICY:
+        raise EgressError("egress policy larger than 1 MiB")
+    try:
+        return EgressPolicy.model_validate_json(data)
+    except ValueError as exc:
+        raise EgressError(f"bad egress policy on stdin: {exc}") from exc

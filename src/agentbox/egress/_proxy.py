@@ -1,0 +1,494 @@
+"""The proxy's connection handling: h11 frames the request, the policy decides, bytes flow.
+
+One connection carries one request. The head is parsed by h11 (strict HTTP/1.1
+framing, size and time bounded), then:
+
+- ``CONNECT host:port`` to an allowed name and a ``CONNECT`` port of its rule:
+  answered ``200`` and tunnelled byte for byte (TLS stays end to end: the proxy
+  sees no content);
+- ``GET``/``HEAD`` in absolute form (``http://host[:port]/path``) with no body:
+  re-sent upstream in origin form with hop-by-hop headers removed and
+  ``Connection: close``, and the answer relayed; anything the client sends after
+  its request is never forwarded (no smuggling a second request behind it);
+- anything else: a 4xx naming the reason (``405`` method, ``400`` malformed,
+  ``403`` not allowed, ``431`` head too large, ``408`` head too slow), and ``502``
+  or ``504`` when an allowed name cannot be resolved or reached.
+
+Names are resolved here, every address checked (:func:`._addr.check_address`), and
+the connection made to one of exactly those addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import h11
+
+from agentbox._log import get_logger
+from agentbox.egress._addr import check_address, normalize_host
+from agentbox.egress._policy import EgressPolicy
+from agentbox.egress._record import EgressLog
+
+__all__ = ["EgressProxy", "Resolver", "system_resolver"]
+
+log = get_logger("egress.proxy")
+
+#: ``(host, port) -> addresses``; the default asks the host's resolver (getaddrinfo).
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+_CHUNK = 65536
+_REASONS = {
+    400: "Bad Request",
+    403: "Forbidden",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
+_HOP = frozenset(
+    b"connection keep-alive proxy-connection proxy-authorization proxy-authenticate "
+    b"te trailer transfer-encoding upgrade host content-length".split()
+)
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """The host's resolver (``getaddrinfo``), TCP addresses in its order, without repeats."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+class _Closed(Exception):
+    """The client closed before sending a whole request head: nothing to answer or log."""
+
+
+class _Refuse(Exception):
+    """An attempt the proxy answers with an error status (and logs as denied or failed)."""
+
+    def __init__(self, status: int, rule: str, reason: str, *, address: str | None = None):
+        super().__init__(reason)
+        self.status, self.rule, self.reason, self.address = status, rule, reason, address
+
+
+@dataclass
+class _Attempt:
+    """What the log records about one connection."""
+
+    conn: int
+    start: float
+    method: str = "-"
+    host: str = "-"
+    port: int | None = None
+    decision: str = "denied"
+    rule: str = "-"
+    reason: str = ""
+    address: str | None = None
+    status: int | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    end: str = "closed"
+    last: float = field(default=0.0)
+
+
+def _safe(text: str, limit: int = 200) -> str:
+    """Printable ASCII only (what a refusal echoes of the sandbox's request)."""
+    out = "".join(c if " " <= c <= "~" else "?" for c in text[:limit])
+    return out + ("…" if len(text) > limit else "")
+
+
+def _split_authority(authority: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) → (host, port); _Refuse 400 when malformed."""
+    host, sep, port_s = authority.rpartition(":")
+    if not sep or not port_s.isdigit() or not 0 < int(port_s) < 65536 or len(port_s) > 5:
+        raise _Refuse(400, "malformed", f"CONNECT needs host:port, got {_safe(authority)!r}")
+    return host, int(port_s)
+
+
+def _checked_host(raw: str) -> str:
+    try:
+        ipaddress.ip_address(raw.strip("[]"))
+    except ValueError:
+        pass
+    else:
+        raise _Refuse(403, "ip-literal", f"{_safe(raw)} is an IP address: name a host")
+    try:
+        return normalize_host(raw)
+    except ValueError as exc:
+        rule = "ip-literal" if "address" in str(exc) else "malformed"
+        raise _Refuse(
+            403 if rule == "ip-literal" else 400, rule, f"{_safe(raw)!r}: {exc}"
+        ) from None
+
+
+class EgressProxy:
+    """Serves one task's sandbox: ``await proxy.handle(reader, writer)`` per connection."""
+
+    def __init__(
+        self, policy: EgressPolicy, log_file: EgressLog, *, resolver: Resolver | None = None
+    ) -> None:
+        self.policy = policy
+        self.limits = policy.limits
+        self._log = log_file
+        self._resolve = resolver or system_resolver
+        self._networks = policy.networks
+        self._ids = itertools.count(1)
+        self._open = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.bytes_up = 0
+        self.bytes_down = 0
+
+    async def aclose(self) -> None:
+        """Cancel every connection in flight (each still logs its attempt)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One client connection, start to end; never raises."""
+        loop = asyncio.get_running_loop()
+        att = _Attempt(conn=next(self._ids), start=loop.time())
+        att.last = att.start
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        self._open += 1
+        try:
+            if self._open > self.limits.max_connections:
+                raise _Refuse(503, "connections", "too many connections through the proxy")
+            await self._serve(att, reader, writer)
+        except _Refuse as ref:
+            att.status, att.rule, att.reason = ref.status, ref.rule, ref.reason
+            att.address = ref.address or att.address
+            await self._answer(writer, ref)
+        except _Closed:
+            att.end = "empty"
+        except asyncio.CancelledError:
+            att.end = "stopped"
+        except Exception as exc:  # a bug must not end the proxy: log it, close this one
+            log.warning("egress connection failed", conn=att.conn, error=repr(exc)[:300])
+            att.end = "error"
+        finally:
+            self._open -= 1
+            if task is not None:
+                self._tasks.discard(task)
+            if att.end == "closed":
+                writer.close()
+            else:
+                writer.transport.abort()
+            if att.end != "empty":  # a connect-and-close is no attempt
+                self._log.write(
+                    conn=att.conn,
+                    method=att.method,
+                    host=att.host,
+                    port=att.port,
+                    decision=att.decision,
+                    rule=att.rule,
+                    reason=att.reason,
+                    address=att.address,
+                    status=att.status,
+                    bytes_up=att.bytes_up,
+                    bytes_down=att.bytes_down,
+                    duration=round(loop.time() - att.start, 3),
+                    end=att.end,
+                )
+
+    async def _answer(self, writer: asyncio.StreamWriter, ref: _Refuse) -> None:
+        body = f"agentbox egress proxy: {ref.reason}\n".encode()
+        head = (
+            f"HTTP/1.1 {ref.status} {_REASONS.get(ref.status, 'Error')}\r\n"
+            "Content-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+            f"X-Agentbox-Egress: {ref.rule}\r\n\r\n"
+        ).encode()
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            writer.write(head + body)
+            await asyncio.wait_for(writer.drain(), 5.0)
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[h11.Connection, h11.Request]:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
+        got = 0
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                status = 431 if exc.error_status_hint == 431 else 400
+                rule = "header-size" if status == 431 else "malformed"
+                raise _Refuse(status, rule, f"bad request: {_safe(str(exc))}") from None
+            if event is h11.NEED_DATA:
+                data = await reader.read(_CHUNK)
+                if not data and not got:
+                    raise _Closed  # a connect-and-close (a readiness probe): not an attempt
+                if not data:
+                    raise _Refuse(400, "malformed", "connection closed inside the request head")
+                got += len(data)
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.Request):
+                return conn, event
+            raise _Refuse(400, "malformed", "no request")
+
+    async def _serve(
+        self, att: _Attempt, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            conn, req = await asyncio.wait_for(self._read_head(reader), self.limits.header_timeout)
+        except TimeoutError:
+            raise _Refuse(408, "header-timeout", "request head not received in time") from None
+        att.method = _safe(req.method.decode("ascii", "replace"), 16)
+        target = req.target.decode("ascii", "replace")
+        if req.method == b"CONNECT":
+            raw_host, att.port = _split_authority(target)
+            att.host = _safe(raw_host)
+            host = _checked_host(raw_host)
+            att.host = host
+            upstream = await self._open_upstream(att, host, att.port, tls=True)
+            await self._connect(att, conn, writer, reader, upstream)
+        elif req.method in (b"GET", b"HEAD"):
+            host, port, path = self._absolute(att, target)
+            framing = [
+                (n, v) for n, v in req.headers if n in (b"content-length", b"transfer-encoding")
+            ]
+            if any(n == b"transfer-encoding" or v != b"0" for n, v in framing):
+                raise _Refuse(400, "body", f"a {att.method} with a body is not relayed")
+            upstream = await self._open_upstream(att, host, port, tls=False)
+            await self._forward(att, req, host, port, path, writer, upstream)
+        else:
+            raise _Refuse(
+                405, "method", f"method {att.method} not allowed (CONNECT, GET and HEAD only)"
+            )
+
+    def _absolute(self, att: _Attempt, target: str) -> tuple[str, int, str]:
+        if not target.lower().startswith("http://"):
+            raise _Refuse(
+                400,
+                "malformed",
+                "use the absolute form http://host/path (and CONNECT for https)",
+            )
+        try:
+            parts = urlsplit(target)
+            port = parts.port or 80
+        except ValueError:
+            raise _Refuse(400, "malformed", f"bad URL {_safe(target)!r}") from None
+        if parts.username is not None or parts.password is not None or not parts.hostname:
+            raise _Refuse(400, "malformed", "a URL with credentials or no host")
+        att.host, att.port = _safe(parts.hostname), port
+        host = _checked_host(parts.hostname)
+        att.host = host
+        path = parts.path or "/"
+        return host, port, path + (f"?{parts.query}" if parts.query else "")
+
+    async def _open_upstream(
+        self, att: _Attempt, host: str, port: int, *, tls: bool
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        verdict = self.policy.decide(host, port, tls=tls)
+        if not verdict.allowed:
+            if verdict.rule == "port":
+                kind = "CONNECT" if tls else "plain HTTP"
+                raise _Refuse(403, "port", f"port {port} is not allowed for {host} ({kind})")
+            raise _Refuse(403, "not-allowed", f"{host} is not in this task's allow-list")
+        lim = self.limits
+        if self.bytes_down >= lim.max_bytes_down or self.bytes_up >= lim.max_bytes_up:
+            raise _Refuse(403, "byte-cap", "this task's egress byte cap is used up")
+        att.rule, att.decision = verdict.rule, "allowed"
+        timeout = self.limits.connect_timeout
+        try:
+            addrs = await asyncio.wait_for(self._resolve(host, port), timeout)
+        except (OSError, TimeoutError, UnicodeError) as exc:
+            raise _Refuse(502, "resolve", f"cannot resolve {host}: {_safe(str(exc))}") from None
+        if not addrs:
+            raise _Refuse(502, "resolve", f"{host} has no address")
+        parsed = []
+        for a in addrs:
+            try:
+                addr = ipaddress.ip_address(a.split("%", 1)[0])
+            except ValueError:
+                raise _Refuse(502, "resolve", f"{host}: resolver gave {_safe(a)!r}") from None
+            if self.policy.address_checks:
+                why = check_address(
+                    addr, trusted_name=verdict.trusted, trusted_ranges=self._networks
+                )
+                if why is not None:
+                    att.decision = "denied"
+                    raise _Refuse(
+                        403,
+                        f"address:{why}",
+                        f"{host} resolves to {addr} ({why})",
+                        address=str(addr),
+                    )
+            parsed.append(addr)
+        last: BaseException | None = None
+        for addr in parsed:
+            try:
+                # The address checked, never the name again: no second resolution.
+                stream = await asyncio.wait_for(
+                    asyncio.open_connection(str(addr), port, limit=_CHUNK), timeout
+                )
+            except (OSError, TimeoutError) as exc:
+                last = exc
+                continue
+            att.address = str(addr)
+            return stream
+        att.address = str(parsed[-1])
+        status = 504 if isinstance(last, TimeoutError) else 502
+        raise _Refuse(status, "connect", f"cannot connect to {host}: {_safe(repr(last))}")
+
+    async def _connect(
+        self,
+        att: _Attempt,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        reader: asyncio.StreamReader,
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> None:
+        u_reader, u_writer = upstream
+        try:
+            while (event := conn.next_event()) is not h11.PAUSED:
+                if not isinstance(event, h11.EndOfMessage):
+                    raise _Refuse(400, "body", "a CONNECT with a body")
+            writer.write(conn.send(h11.Response(status_code=200, headers=[],
+                                                reason=b"Connection established")))  # fmt: skip
+            att.status = 200
+            early, _closed = conn.trailing_data
+            if early:
+                if not self._take(att, "up", len(early)):
+                    att.end = "byte-cap"
+                    return
+                u_writer.write(early)
+            att.end = await self._relay(att, reader, writer, u_reader, u_writer, upload=True)
+        except h11.ProtocolError as exc:
+            raise _Refuse(400, "malformed", f"bad request: {_safe(str(exc))}") from None
+        finally:
+            u_writer.transport.abort()
+
+    async def _forward(
+        self,
+        att: _Attempt,
+        req: h11.Request,
+        host: str,
+        port: int,
+        path: str,
+        writer: asyncio.StreamWriter,
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> None:
+        u_reader, u_writer = upstream
+        try:
+            drop = set(_HOP)
+            for name, value in req.headers:
+                if name == b"connection":
+                    drop.update(t.strip().lower() for t in value.split(b","))
+            authority = host if port == 80 else f"{host}:{port}"
+            headers = [(b"host", authority.encode())]
+            headers += [(n, v) for n, v in req.headers if n not in drop]
+            headers.append((b"connection", b"close"))
+            client = h11.Connection(h11.CLIENT)
+            out = client.send(h11.Request(method=req.method, target=path.encode(),
+                                          headers=headers))  # fmt: skip
+            out = (out or b"") + (client.send(h11.EndOfMessage()) or b"")
+            if not self._take(att, "up", len(out)):
+                att.end = "byte-cap"
+                return
+            u_writer.write(out)
+            await u_writer.drain()
+            att.end = await self._relay(att, None, writer, u_reader, u_writer, upload=False)
+        except (h11.ProtocolError, OSError) as exc:
+            raise _Refuse(502, "upstream", f"relaying to {host}: {_safe(repr(exc))}") from None
+        finally:
+            u_writer.transport.abort()
+
+    def _take(self, att: _Attempt, way: str, n: int) -> bool:
+        """Count ``n`` bytes one way against the task's cap; False once it is reached."""
+        if way == "up":
+            if self.bytes_up + n > self.limits.max_bytes_up:
+                return False
+            self.bytes_up += n
+            att.bytes_up += n
+        else:
+            if self.bytes_down + n > self.limits.max_bytes_down:
+                return False
+            self.bytes_down += n
+            att.bytes_down += n
+        att.last = asyncio.get_running_loop().time()
+        return True
+
+    async def _pump(
+        self,
+        att: _Attempt,
+        way: str,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+    ) -> str:
+        cap = self.limits.max_bytes_up if way == "up" else self.limits.max_bytes_down
+        try:
+            while True:
+                data = await src.read(_CHUNK)
+                if not data:
+                    if dst.can_write_eof():
+                        dst.write_eof()
+                    return "eof"
+                if not self._take(att, way, len(data)):
+                    used = self.bytes_up if way == "up" else self.bytes_down
+                    room = cap - used
+                    if room > 0:
+                        self._take(att, way, room)
+                        dst.write(data[:room])
+                        await dst.drain()
+                    return "byte-cap"
+                dst.write(data)
+                await dst.drain()
+        except OSError:
+            return "error"
+
+    async def _watch(self, att: _Attempt) -> str:
+        loop = asyncio.get_running_loop()
+        lim = self.limits
+        tick = min(1.0, lim.idle_timeout / 4, lim.max_connection_time / 4)
+        while True:
+            now = loop.time()
+            if now - att.start >= lim.max_connection_time:
+                return "time"
+            if now - att.last >= lim.idle_timeout:
+                return "idle"
+            await asyncio.sleep(tick)
+
+    async def _relay(
+        self,
+        att: _Attempt,
+        reader: asyncio.StreamReader | None,
+        writer: asyncio.StreamWriter,
+        u_reader: asyncio.StreamReader,
+        u_writer: asyncio.StreamWriter,
+        *,
+        upload: bool,
+    ) -> str:
+        """Both directions (only the answer when not ``upload``) until both end or a cap hits."""
+        att.last = asyncio.get_running_loop().time()
+        pumps = {asyncio.ensure_future(self._pump(att, "down", u_reader, writer))}
+        if upload and reader is not None:
+            pumps.add(asyncio.ensure_future(self._pump(att, "up", reader, u_writer)))
+        dog = asyncio.ensure_future(self._watch(att))
+        end = "closed"
+        try:
+            while pumps:
+                done, _ = await asyncio.wait(pumps | {dog}, return_when=asyncio.FIRST_COMPLETED)
+                if dog in done:
+                    return dog.result()
+                for task in done:
+                    pumps.discard(task)
+                    result = task.result()
+                    if result != "eof":
+                        return result
+            return end
+        finally:
+            for task in (*pumps, dog):
+                task.cancel()
+            await asyncio.gather(*pumps, dog, return_exceptions=True)
