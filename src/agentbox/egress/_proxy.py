@@ -225,7 +225,12 @@ class EgressProxy:
                 rule = "header-size" if status == 431 else "malformed"
                 raise _Refuse(status, rule, f"bad request: {_safe(str(exc))}") from None
             if event is h11.NEED_DATA:
-                data = await reader.read(_CHUNK)
+                # h11 bounds only an incomplete head: a whole one that arrives at once is
+                # bounded here, by never reading more than the cap allows.
+                room = self.limits.max_header_bytes - got
+                if room <= 0:
+                    raise _Refuse(431, "header-size", "request head too large")
+                data = await reader.read(min(_CHUNK, room + 1))
                 if not data and not got:
                     raise _Closed  # a connect-and-close (a readiness probe): not an attempt
                 if not data:
