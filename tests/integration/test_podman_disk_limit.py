@@ -318,3 +318,40 @@ def test_a_workspace_in_use_by_another_sandbox_is_refused(
     finally:
         first.destroy()
     _assert_no_disk_left(sandbox_settings, ws)
+
+
+@pytest.mark.podman
+def test_only_what_the_sandbox_changed_is_copied_back(
+    sandbox_settings: Settings, make_workspace: Callable[[], Path], default_image: str
+) -> None:
+    ws = make_workspace()
+    uid = sandbox_settings.sandbox_host_uid
+    files = [("same.txt", "same\n"), ("edit.txt", "old\n"), ("gone.txt", "x\n"),
+             ("mode.sh", "echo\n"), ("d/keep.txt", "k\n"), ("swap", "file\n")]  # fmt: skip
+    for rel, text in files:
+        p = ws / rel
+        p.parent.mkdir(exist_ok=True)
+        p.write_text(text)
+    for p in [ws / "d", *ws.rglob("*")]:
+        os.chown(p, uid, uid)
+    before = {p.name: p.stat() for p in (ws / "same.txt", ws / "d/keep.txt", ws / "edit.txt")}
+    d_before = (ws / "d").stat()
+    spec = spec_from_boxfile(_box(disk="96MiB"), sandbox_settings, workspace=ws)
+    script = (
+        "cd /workspace && echo new > edit.txt && rm gone.txt && chmod 755 mode.sh && "
+        "rm swap && mkdir swap && echo in > swap/f && echo added > added.txt && echo ok"
+    )
+    res = PodmanBackend(sandbox_settings).run(spec, ["sh", "-c", script])
+    assert res.stdout == b"ok\n", res.stderr
+    # Untouched entries are the very same files: same inode, same ctime (collection's
+    # stat cache still holds them); so is the untouched directory.
+    for name, p in (("same.txt", ws / "same.txt"), ("keep.txt", ws / "d/keep.txt")):
+        st = p.stat()
+        assert (st.st_ino, st.st_ctime_ns) == (before[name].st_ino, before[name].st_ctime_ns)
+    assert (ws / "d").stat().st_ctime_ns == d_before.st_ctime_ns
+    assert (ws / "edit.txt").read_text() == "new\n"
+    assert (ws / "edit.txt").stat().st_ctime_ns != before["edit.txt"].st_ctime_ns
+    assert not (ws / "gone.txt").exists()
+    assert (ws / "mode.sh").stat().st_mode & 0o777 == 0o755
+    assert (ws / "swap/f").read_text() == "in\n" and (ws / "added.txt").read_text() == "added\n"
+    _assert_no_disk_left(sandbox_settings, ws)

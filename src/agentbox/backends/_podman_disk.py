@@ -13,11 +13,15 @@ project quotas, so every sandbox with a workspace gets its own filesystem:
 2. the image is loop-mounted ``nosuid,nodev`` *over* the workspace directory
    (through ``/proc/<pid>/fd/<fd>``: the path is not looked up again), with the
    directory's owner and mode; the container bind-mounts that path as usual;
-3. when the container is gone, what the image holds is copied back into the
-   directory under the mount (by directory fds, never following a link;
-   regular files sparse, hard links kept as links, FIFOs, sockets and
-   devices skipped, setuid/setgid bits dropped), the image unmounted (the loop
-   device is freed with it) and deleted.
+3. when the container is gone, the directory under the mount is made to hold
+   what the image holds, by directory fds, never following a link: entries
+   whose inode and ctime on the disk are what they were at mount (a snapshot
+   taken before the sandbox started; ctime cannot be set from userspace) are
+   left as they are, so the copy costs what the agent changed and collection's
+   stat cache stays valid; the rest is removed or copied (regular files sparse,
+   hard links kept as links, FIFOs, sockets and devices skipped,
+   setuid/setgid bits dropped). Then the image is unmounted (the loop device
+   is freed with it) and deleted.
 
 A write past the limit fails inside the sandbox with ENOSPC; the copy back
 holds at most what the image held, so collection afterwards sees the agent's
@@ -82,6 +86,7 @@ class WorkspaceDisk:
         self._under: int | None = None
         self._mounted = False
         self._created = False  # the image and record are ours to delete
+        self._snap: dict[str, tuple[int, int]] = {}
 
     def mount(self) -> None:
         """Copy the workspace into a fresh image and mount it over the workspace."""
@@ -124,6 +129,7 @@ class WorkspaceDisk:
                 os.rmdir("lost+found", dir_fd=top)
         finally:
             os.close(top)
+        self._snap = snapshot(self.workspace)
         log.info("workspace disk mounted", workspace=str(self.workspace),
                  bytes=self.limit.size, inodes=self.limit.inodes)  # fmt: skip
 
@@ -141,7 +147,7 @@ class WorkspaceDisk:
         try:
             if self._mounted and self._under is not None:
                 try:
-                    _copy_back(self.workspace, self._under)
+                    _copy_back(self.workspace, self._under, self._snap)
                 except (OSError, AgentboxError) as exc:
                     failure = exc
                     log.error("copying the workspace disk back failed",
@@ -266,33 +272,70 @@ def _settle_one(base: Path, ws: Path) -> None:
 # -- the copy back
 
 
-def _copy_back(mounted: Path, under: int) -> None:
-    """Replace the entries of the directory ``under`` with those of ``mounted``'s disk."""
-    for name in os.listdir(under):
-        st = os.stat(name, dir_fd=under, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(name, dir_fd=under)
-        else:
-            os.unlink(name, dir_fd=under)
+#: Entries the mount-time snapshot records at most (bounded by the prepared workspace,
+#: not by the agent; past it, files are copied back whether changed or not).
+MAX_SNAPSHOT = 1_000_000
+_Snapshot = dict[str, tuple[int, int]]
+
+
+def snapshot(mounted: Path) -> _Snapshot:
+    """``{relative path: (inode, ctime_ns)}`` of every non-directory on the fresh disk.
+
+    Taken before the sandbox starts. ctime cannot be set from userspace (only by a
+    clock change the sandbox cannot make), so an entry whose inode and ctime are
+    the same at the end was not touched, and its copy under the mount is kept as
+    it is: no copy, and collection's stat cache still knows it.
+    """
+    snap: _Snapshot = {}
+    stack = [""]
+    while stack and len(snap) < MAX_SNAPSHOT:
+        rel = stack.pop()
+        try:
+            with os.scandir(mounted / rel if rel else mounted) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            path = f"{rel}{e.name}"
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(path + "/")
+            else:
+                snap[path] = (st.st_ino, st.st_ctime_ns)
+    return snap
+
+
+def _copy_back(mounted: Path, under: int, snap: _Snapshot | None = None) -> None:
+    """Make the directory ``under`` hold what ``mounted``'s disk holds (see step 3)."""
     top = os.open(mounted, _DIR_FLAGS)
     try:
-        _Copier(under).copy(top)
+        _Sync(under, snap or {}).run(top)
     finally:
         os.close(top)
 
 
-class _Copier:
-    """Copies a tree by directory fds into ``dst`` (see the module docstring, step 3)."""
+def _remove(dfd: int, name: str) -> None:
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=dfd)
+    else:
+        os.unlink(name, dir_fd=dfd)
 
-    def __init__(self, dst: int) -> None:
+
+class _Sync:
+    """Walks the disk and the directory under it side by side, by directory fds."""
+
+    def __init__(self, dst: int, snap: _Snapshot) -> None:
         self.dst = dst
+        self.snap = snap
         self.links: dict[int, str] = {}  # inode on the disk → a path (under dst) of its copy
         self.skipped = 0
+        self.copied = 0
 
-    def copy(self, src: int) -> None:
+    def run(self, src: int) -> None:
         # (source dir fd, dest dir fd, relative path, names left, stat to apply at the end)
         stack: list[tuple[int, int, str, Iterator[str], os.stat_result | None]] = []
-        stack.append((src, self.dst, "", _names(src), None))
+        stack.append((src, self.dst, "", self._enter(src, self.dst), None))
         try:
             while stack:
                 sfd, dfd, rel, names, dir_st = stack[-1]
@@ -300,25 +343,42 @@ class _Copier:
                 if name is None:
                     stack.pop()
                     if dir_st is not None:
-                        _set_meta(dfd, "", dir_st)
+                        _set_meta(dfd, "", dir_st, only_changed=True)
                         os.close(sfd)
                         os.close(dfd)
                     continue
                 st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
                 path = f"{rel}{name}"
+                try:
+                    old: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    old = None
                 if stat.S_ISDIR(st.st_mode):
                     if len(stack) > MAX_COPY_DEPTH:
                         self.skipped += 1
                         continue
-                    os.mkdir(name, 0o700, dir_fd=dfd)
+                    if old is not None and not stat.S_ISDIR(old.st_mode):
+                        _remove(dfd, name)
+                        old = None
+                    if old is None:
+                        os.mkdir(name, 0o700, dir_fd=dfd)
                     child_s = os.open(name, _DIR_FLAGS, dir_fd=sfd)
                     try:
                         child_d = os.open(name, _DIR_FLAGS, dir_fd=dfd)
                     except OSError:
                         os.close(child_s)
                         raise
-                    stack.append((child_s, child_d, path + "/", _names(child_s), st))
-                elif stat.S_ISREG(st.st_mode):
+                    stack.append((child_s, child_d, path + "/", self._enter(child_s, child_d), st))
+                    continue
+                if (
+                    old is not None
+                    and self.snap.get(path) == (st.st_ino, st.st_ctime_ns)
+                    and stat.S_IFMT(old.st_mode) == stat.S_IFMT(st.st_mode)
+                ):
+                    continue  # untouched since the disk was made: keep the original
+                if old is not None:
+                    _remove(dfd, name)
+                if stat.S_ISREG(st.st_mode):
                     self._file(sfd, dfd, name, path, st)
                 elif stat.S_ISLNK(st.st_mode):
                     os.symlink(os.readlink(name, dir_fd=sfd), name, dir_fd=dfd)
@@ -333,14 +393,24 @@ class _Copier:
         if self.skipped:
             log.warning("entries not copied back from a workspace disk", count=self.skipped)
 
+    def _enter(self, sfd: int, dfd: int) -> Iterator[str]:
+        """The disk directory's names; what only the directory under it holds goes now."""
+        names = list(_names(sfd))
+        keep = set(names)
+        for gone in _names(dfd):
+            if gone not in keep:
+                _remove(dfd, gone)
+        return iter(names)
+
     def _file(self, sfd: int, dfd: int, name: str, path: str, st: os.stat_result) -> None:
+        self.copied += 1
         first = self.links.get(st.st_ino) if st.st_nlink > 1 else None
         if first is not None:
             try:
                 os.link(first, name, src_dir_fd=self.dst, dst_dir_fd=dfd, follow_symlinks=False)
                 return
             except OSError as exc:
-                if exc.errno not in (errno.EMLINK, errno.ENAMETOOLONG):
+                if exc.errno not in (errno.EMLINK, errno.ENAMETOOLONG, errno.ENOENT):
                     raise
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         fin = os.open(name, flags, dir_fd=sfd)
@@ -384,14 +454,24 @@ def _sparse_copy(fin: int, fout: int, size: int) -> None:
     os.ftruncate(fout, size)
 
 
-def _set_meta(dfd: int, name: str, st: os.stat_result) -> None:
-    """Owner, mode (no setuid, setgid or sticky bit) and times of ``st`` onto ``name``."""
+def _set_meta(dfd: int, name: str, st: os.stat_result, *, only_changed: bool = False) -> None:
+    """Owner, mode (no setuid, setgid or sticky bit) and times of ``st`` onto ``name``.
+
+    With ``only_changed`` (directories kept from before), only what differs is set:
+    an untouched directory keeps its ctime, and collection's stat cache its entry.
+    """
+    mode = stat.S_IMODE(st.st_mode) & 0o777
     if name:
         os.chown(name, st.st_uid, st.st_gid, dir_fd=dfd, follow_symlinks=False)
         if not stat.S_ISLNK(st.st_mode):
-            os.chmod(name, stat.S_IMODE(st.st_mode) & 0o777, dir_fd=dfd)
+            os.chmod(name, mode, dir_fd=dfd)
         os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dfd, follow_symlinks=False)
-    else:  # the directory dfd itself
+        return
+    cur = os.fstat(dfd)  # the directory dfd itself
+    if not only_changed or (cur.st_uid, cur.st_gid) != (st.st_uid, st.st_gid):
         os.fchown(dfd, st.st_uid, st.st_gid)
-        os.fchmod(dfd, stat.S_IMODE(st.st_mode) & 0o777)
+    if not only_changed or stat.S_IMODE(cur.st_mode) != mode:
+        os.fchmod(dfd, mode)
+    # Whole seconds: mkfs.ext4 -d copies times without their nanoseconds.
+    if not only_changed or int(cur.st_mtime) != int(st.st_mtime):
         os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
