@@ -118,9 +118,13 @@ time.sleep(3600)
 """
 
 
+@pytest.mark.parametrize("zombie_for", [0.0, 2.0], ids=["reaped", "zombie"])
 @pytest.mark.parametrize("backend", MICROVM_BACKENDS)
-def test_watchdog_reaps_the_sandbox_when_its_owner_is_killed(tmp_path: Path, backend: str) -> None:
-    """SIGKILL the owner: its watchdog kills the VMM and removes the VM at once."""
+def test_watchdog_reaps_the_sandbox_when_its_owner_is_killed(
+    tmp_path: Path, backend: str, zombie_for: float
+) -> None:
+    """SIGKILL the owner: its watchdog kills the VMM and removes the VM at once, also
+    while the dead owner is still a zombie its parent has not reaped yet."""
     data = tmp_path / "data"
     log = tmp_path / "wd.log"
     owner = subprocess.Popen(
@@ -139,6 +143,7 @@ def test_watchdog_reaps_the_sandbox_when_its_owner_is_killed(tmp_path: Path, bac
         assert "pydantic_core" not in maps and "psutil" not in maps
         assert not vm.vmm_dead(1.0)
         owner.kill()
+        time.sleep(zombie_for)
         owner.wait(10)
         assert vm.vmm_dead(60), log.read_text()
         assert _wait_for(lambda: not vm.dir.exists(), 60), log.read_text()

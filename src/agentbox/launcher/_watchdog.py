@@ -217,6 +217,18 @@ def _wait(at: float, owner_pid: int | None, owner_start: int) -> Why:
     return "deadline"
 
 
+def _wait_reaped(pid: int, start: int, timeout: float = 10.0) -> None:
+    """Give the dead owner's parent a moment to reap it.
+
+    Until then the owner is a zombie, and the backends' liveness checks
+    (``kill(pid, 0)``, psutil) still count it alive, so a reap could skip its
+    sandbox's records. Past ``timeout`` we act anyway (the sandbox is killed by name).
+    """
+    end = time.monotonic() + timeout
+    while start and process_start(pid) == start and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=_MODULE)
     ap.add_argument("--backend", required=True)
@@ -250,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         why = _wait(args.at, args.owner_pid, args.owner_start)
         what = "deadline reached" if why == "deadline" else "its owner is gone"
         print(f"watchdog: {what}, removing sandbox {args.sandbox}", flush=True)
+        if why == "owner" and args.owner_pid is not None:
+            _wait_reaped(args.owner_pid, args.owner_start)
         if sys.flags.no_site:
             # The light waiting process cannot reach the backends: become the full
             # interpreter (same pid, so the owner's records still name us).
