@@ -68,10 +68,13 @@ def run_proxy(
     from agentbox.gateway._run import drop_privileges
     from agentbox.gateway._serve import bind, parse_listen
 
-    sock = bind(parse_listen(f"unix:{socket_path}"))
-    record = EgressLog(log_path, max_bytes=policy.limits.max_log_bytes)
+    try:
+        record = EgressLog(log_path, max_bytes=policy.limits.max_log_bytes)
+    except OSError as exc:
+        raise EgressError(f"cannot open the egress log {log_path}: {exc.strerror}") from exc
     proxy = EgressProxy(policy, record)
     try:
+        sock = bind(parse_listen(f"unix:{socket_path}"))
         if run_as is not None:
             # Load now what would be loaded lazily after the drop: the resolver's
             # executor threads and the IDNA codec getaddrinfo encodes names with.
