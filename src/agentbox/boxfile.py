@@ -26,9 +26,19 @@ Example::
     allow = ["LANG", "TZ"]      # host variables passed through by name
     set = { PYTHONDONTWRITEBYTECODE = "1" }
 
+    [setup]                     # runs before the agent; what it makes is frozen and reused
+    run = ["python3 -m venv .venv", ".venv/bin/pip install -r requirements.txt"]
+    inputs = ["requirements.txt"]   # files (globs) whose contents key the frozen environment
+    network = "registries"      # none | registries (the host's own pip/npm/uv indexes)
+    deadline = 900              # seconds
+
+    [network]                   # the agent phase's egress, through the per-task proxy
+    allow = ["docs.example.org", "*.example.com"]   # within the host's egress cap
+
 Unknown keys and bad values are refused with a :class:`BoxfileError` naming
-the key. Asking for capabilities or a network is refused by name: those are
-not knobs agentbox offers.
+the key. Asking for capabilities or a network (``network = "host"``) is refused
+by name: those are not knobs agentbox offers. Egress is only ever named hosts
+through the per-task proxy (``[setup] network``, ``[network] allow``).
 
 A Boxfile may come from a repo someone else wrote: :func:`load_boxfile` reads
 at most :data:`MAX_BOXFILE_BYTES` of a regular file, and bytes that are not
@@ -56,9 +66,12 @@ __all__ = [
     "DiskLimit",
     "EnvPolicy",
     "Mount",
+    "NetworkPolicy",
     "Resources",
+    "Setup",
     "host_defaults",
     "load_boxfile",
+    "loads_boxfile",
     "parse_size",
 ]
 
@@ -179,6 +192,78 @@ class EnvPolicy(_Strict):
         return v
 
 
+#: A ``[network] allow`` entry: ``host`` or ``*.suffix`` (letters, digits, ``-``, dots).
+_HOST_PATTERN = re.compile(r"^(\*\.)?(?!-)[a-z0-9-]{1,63}(?<!-)(\.(?!-)[a-z0-9-]{1,63}(?<!-))*$")
+#: Setup commands, inputs and allowed hosts are each capped in number.
+MAX_SETUP_COMMANDS = 64
+MAX_SETUP_INPUTS = 64
+MAX_ALLOWED_HOSTS = 64
+
+
+class Setup(_Strict):
+    """``[setup]``: shell commands run in ``/workspace`` before the agent, in the same sandbox
+    posture; what they create there is frozen and reused (see :mod:`agentbox.env`).
+
+    ``inputs`` are globs (relative to the repo root) of the files whose contents key the
+    frozen environment, with the image and ``run``. ``network`` is ``"none"`` or
+    ``"registries"`` (the package indexes the host's own pip, npm and uv use, through the
+    task's egress proxy; ``[network] allow`` adds to it).
+    """
+
+    run: tuple[str, ...] = Field(min_length=1, max_length=MAX_SETUP_COMMANDS)
+    inputs: tuple[str, ...] = Field(default=(), max_length=MAX_SETUP_INPUTS)
+    network: Literal["none", "registries"] = "none"
+    deadline: float = Field(default=900.0, gt=0, le=24 * 3600)
+
+    @field_validator("run")
+    @classmethod
+    def _commands(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for cmd in v:
+            if not cmd.strip() or len(cmd) > 8192 or "\0" in cmd:
+                raise ValueError("each setup command must be 1..8192 characters without NUL")
+        return v
+
+    @field_validator("inputs")
+    @classmethod
+    def _globs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for g in v:
+            p = PurePosixPath(g)
+            if (
+                not g
+                or len(g) > 1024
+                or p.is_absolute()
+                or ".." in p.parts
+                or any(c in g for c in "\0\n\\")
+            ):
+                raise ValueError(f"input {g!r:.60} must be a relative glob without '..'")
+        return v
+
+
+class NetworkPolicy(_Strict):
+    """``[network]``: host names the *agent* phase may reach through the egress proxy.
+
+    Each entry is ``host`` or ``*.suffix``; IP literals are refused. The host's
+    ``egress_allow_cap`` setting bounds them (checked when a task is validated).
+    """
+
+    allow: tuple[str, ...] = Field(default=(), max_length=MAX_ALLOWED_HOSTS)
+
+    @field_validator("allow")
+    @classmethod
+    def _hosts(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for h in v:
+            name = h.lower().removesuffix(".") if isinstance(h, str) else ""
+            if (
+                len(name) > 253
+                or not _HOST_PATTERN.match(name)
+                or name.rsplit(".", 1)[-1][:1].isdigit()
+            ):
+                raise ValueError(f"not a host name or '*.suffix' (no IP literals): {h!r:.80}")
+            out.append(name)
+        return tuple(dict.fromkeys(out))
+
+
 class Boxfile(_Strict):
     """One sandbox's declaration. Every field has a safe default."""
 
@@ -192,16 +277,35 @@ class Boxfile(_Strict):
     resources: Resources = Field(default_factory=Resources)
     mounts: tuple[Mount, ...] = ()
     env: EnvPolicy = Field(default_factory=EnvPolicy)
-    # These exist only to refuse them by name (a clearer error than "unknown key").
-    network: Literal["none"] = "none"
+    setup: Setup | None = None
+    # A string other than "none" exists only to be refused by name; a [network] table
+    # names the hosts the agent phase may reach through the egress proxy.
+    network: Literal["none"] | NetworkPolicy = "none"
+    # This exists only to refuse it by name (a clearer error than "unknown key").
     capabilities: tuple[()] = ()
 
     @field_validator("network", mode="before")
     @classmethod
     def _no_network(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            try:
+                return NetworkPolicy.model_validate(v)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])[:100]
+                msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+                raise ValueError(f"{where}: {msg.removeprefix('Value error, ')}") from None
         if v != "none":
-            raise ValueError("sandboxes have no network; the model gateway is the only way out")
+            raise ValueError(
+                "sandboxes have no network; name hosts in a [network] table "
+                '(allow = ["host"]) to reach them through the egress proxy'
+            )
         return v
+
+    @property
+    def egress_allow(self) -> tuple[str, ...]:
+        """The hosts ``[network] allow`` names (empty: the agent phase has no egress)."""
+        return self.network.allow if isinstance(self.network, NetworkPolicy) else ()
 
     @field_validator("capabilities", mode="before")
     @classmethod
@@ -299,6 +403,14 @@ def load_boxfile(path: Path, settings: Settings | None = None) -> Boxfile:
         raise BoxfileError(
             f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start}", path=path
         ) from exc
+    return loads_boxfile(text, path=path, settings=settings)
+
+
+def loads_boxfile(text: str, *, path: Path, settings: Settings | None = None) -> Boxfile:
+    """Validate the Boxfile ``text`` (from ``path``, named in errors: a file or a committed
+    blob); every failure is a :class:`BoxfileError`."""
+    if len(text) > MAX_BOXFILE_BYTES:
+        raise BoxfileError(f"too large (a Boxfile may hold {MAX_BOXFILE_BYTES} bytes)", path=path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

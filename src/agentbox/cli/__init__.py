@@ -38,6 +38,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "_sandbox",
     "_escape",
     "_retention",
+    "_env",
 )
 
 err_console = Console(stderr=True)

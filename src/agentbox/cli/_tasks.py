@@ -31,6 +31,7 @@ from rich.text import Text
 
 from agentbox._text import visible
 from agentbox.boxfile import load_boxfile
+from agentbox.cli._env import env_rows, setup_tail
 from agentbox.config import load_settings
 from agentbox.errors import PolicyRefused
 from agentbox.launcher.api import NO_CHANGES, TaskInfo, TaskRequest, TaskResult
@@ -124,7 +125,13 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
             branch = f"(not published: {why[-1]})"
     table.add_row("branch", _safe(branch))
     table.add_row("commit", _safe(res.commit or "-"))
+    for label, text in env_rows(rep):  # setup phase, frozen environment, egress
+        table.add_row(label, _safe(text))
     console.print(table)
+    tail = setup_tail(rep)
+    if tail is not None:
+        console.print("[bold]setup output (last lines)[/bold]")
+        console.print(_safe(tail.strip()[-4000:]))
     msg = rep.get("final_message")
     if isinstance(msg, str) and msg.strip():
         console.print("[bold]agent's last message[/bold]")

@@ -45,10 +45,21 @@ from pydantic import TypeAdapter
 from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends import get_backend
-from agentbox.backends.base import SandboxSpec
+from agentbox.backends.base import BindMount, SandboxSpec
 from agentbox.boxfile import Boxfile
 from agentbox.collect import Base, Report, Skipped, branch_name, collect, prepare, publish
 from agentbox.config import Settings
+from agentbox.egress import EgressPolicy
+from agentbox.env import (
+    Egress,
+    EnvPlan,
+    egress_argv,
+    prepare_env,
+    release_task_env,
+    save_setup_report,
+    start_egress,
+)
+from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError, PathRefused, PolicyRefused, PublishRefused
 from agentbox.gateway import GatewayHandle, gateway_identity, read_usage, spawn_gateway
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
@@ -180,15 +191,26 @@ def _write_token(path: Path) -> str:
     return token
 
 
-def _check_spec(spec: SandboxSpec, box: Boxfile, paths: TaskPaths, settings: Settings) -> None:
-    """The final spec mounts exactly the workspace, the gateway dir and declared mounts."""
+def _check_spec(
+    spec: SandboxSpec,
+    box: Boxfile,
+    paths: TaskPaths,
+    settings: Settings,
+    *,
+    ours: tuple[BindMount, ...] = (),
+    our_env: frozenset[str] = frozenset(),
+) -> None:
+    """The final spec mounts exactly the workspace, the gateway dir, declared mounts and
+    ``ours`` (the frozen environment's overlay dirs, the egress CA bundle)."""
     if spec.workspace != paths.workspace or spec.gateway_dir != paths.gateway_dir:
         raise PolicyRefused("the sandbox spec does not mount this task's own workspace and gateway")
     declared = {(m.source.resolve(), m.target) for m in box.check_mounts(settings)}
     for m in spec.mounts:
+        if m in ours:
+            continue
         if (m.source.resolve(), m.target) not in declared or not m.read_only:
             raise PolicyRefused(f"undeclared or writable mount in the sandbox spec: {m.source}")
-    allowed = set(box.env.allow) | set(box.env.set)
+    allowed = set(box.env.allow) | set(box.env.set) | our_env
     check_env(spec.env, allowed)
 
 
@@ -377,6 +399,7 @@ def _collect_and_finish(
     data["usage"] = usage_extra
     data["deadline_s"] = row.deadline
     data["repo"] = row.repo
+    data.update(env_report_fields(paths.root, paths.log_dir))
     tmp = paths.report_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
     tmp.replace(paths.report_file)
@@ -461,9 +484,81 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         tlog(f"prepare failed: {exc}")
         store.finish(task_id, "failed", error=f"preparing the workspace failed: {exc}")
         return
+    plan = None
+    if box.setup is not None:
+        plan = _setup_phase(settings, store, task_id, paths, box, cancel, tlog, gateway_future)
+        if plan is None:
+            return
     _run_sandbox(
-        settings, store, store.get(task_id), paths, box, cancel, tlog, token, gateway_future
+        settings, store, store.get(task_id), paths, box, cancel, tlog, token, gateway_future, plan
     )
+
+
+def _setup_phase(
+    settings: Settings,
+    store: Store,
+    task_id: str,
+    paths: TaskPaths,
+    box: Boxfile,
+    cancel: threading.Event,
+    tlog: _TaskLog,
+    gateway_future: concurrent.futures.Future[GatewayHandle],
+) -> EnvPlan | None:
+    """Run (or reuse) the task's ``[setup]``; None when it failed and the task is finished."""
+
+    def cancelled() -> bool:
+        if cancel.is_set():
+            return True
+        with contextlib.suppress(AgentboxError):
+            return store.get(task_id).cancel_requested
+        return False
+
+    error = None
+    plan = None
+    try:
+        plan = prepare_env(
+            settings,
+            box,
+            get_backend(box.backend, settings),
+            task_id=task_id,
+            task_root=paths.root,
+            workspace=paths.workspace,
+            log_dir=paths.log_dir,
+            labels={SANDBOX_LABEL: task_id, DATA_LABEL: data_label(settings)},
+            proxy_identity=gateway_identity(settings),
+            cancelled=cancelled,
+            tlog=tlog,
+        )
+        save_setup_report(paths.root, plan.report)
+        if plan.failed:
+            r = plan.report
+            last = r.output_tail.strip().splitlines()[-1:] or [""]
+            why = "deadline" if r.timed_out else f"exit {r.exit_code}"
+            error = f"setup failed ({why}); no agent ran: {last[0][:300]}"
+    except AgentboxError as exc:
+        error = f"setup failed: {exc}"[:4000]
+    if error is None and cancelled():
+        error = "cancelled during setup"
+    if error is None:
+        return plan
+    if plan is not None:
+        plan.release()
+    tlog(error)
+    with contextlib.suppress(BaseException):
+        gateway_future.result().stop(grace=1.0)
+    base = _load_base(paths)
+    report = Report(
+        task_id=task_id,
+        status="cancelled" if error.startswith("cancelled") else "failed",
+        model=store.get(task_id).model,
+        base_commit=base.base_commit if base is not None else None,
+        error=error,
+    )
+    data = report.model_dump(mode="json")
+    data.update(env_report_fields(paths.root, paths.log_dir))
+    paths.report_file.write_text(json.dumps(data, indent=2, default=str))
+    store.finish(task_id, report.status, error=error)
+    return None
 
 
 def _run_sandbox(
@@ -476,10 +571,12 @@ def _run_sandbox(
     tlog: _TaskLog,
     token: str,
     gateway_future: concurrent.futures.Future[GatewayHandle],
+    plan: EnvPlan | None = None,
 ) -> None:
     task_id = row.id
     gateway = None
     watchdog = None
+    egress: Egress | None = None
     done = threading.Event()
     status, error, exit_code = "failed", None, None
     try:
@@ -494,16 +591,32 @@ def _run_sandbox(
             gateway_start=gw_owner.start if gw_owner else None,
         )
         backend = get_backend(box.backend, settings)
+        ours = plan.mounts if plan is not None else ()
+        if box.egress_allow:
+            # The agent phase reaches only the hosts [network] allow names; without it
+            # there is no proxy and no socket in the sandbox at all.
+            policy = EgressPolicy.for_phase(settings, allow=box.egress_allow)
+            egress = start_egress(
+                settings,
+                policy,
+                paths.gateway_dir,
+                paths.log_dir / "egress-agent.jsonl",
+                gateway_identity(settings),
+            )
+            ours = (*ours, egress.mount)
+            tlog(f"agent egress through the proxy: {', '.join(policy.hosts)}")
         spec = spec_from_boxfile(
             box,
             settings,
             name=sandbox_name(task_id),
             workspace=paths.workspace,
             gateway_dir=paths.gateway_dir,
-            extra_env=agent_env(token),
+            extra_env={**agent_env(token), **(egress.env if egress is not None else {})},
             labels={SANDBOX_LABEL: task_id, DATA_LABEL: data_label(settings)},
         ).replace(deadline=row.deadline)
-        _check_spec(spec, box, paths, settings)
+        spec = spec.replace(mounts=(*spec.mounts, *ours))
+        our_env = frozenset(egress.env) if egress is not None else frozenset()
+        _check_spec(spec, box, paths, settings, ours=ours, our_env=our_env)
         argv = agent_argv(row.task)
         check_agent_argv(argv)
         check_owner(paths.workspace, settings.sandbox_host_uid)
@@ -540,7 +653,7 @@ def _run_sandbox(
         ):
             res = backend.run(
                 spec,
-                argv,
+                egress_argv(argv) if egress is not None else argv,
                 on_stdout=_sink(out),
                 on_stderr=_sink(err),
             )
@@ -567,6 +680,10 @@ def _run_sandbox(
             stop_watchdog(watchdog.pid)
         if gateway is not None:
             gateway.stop(grace=3.0)
+        if egress is not None:
+            egress.proxy.stop(grace=2.0)
+        if plan is not None:
+            plan.release()
     with contextlib.suppress(AgentboxError):
         usage = read_usage(paths.usage_file)
         if usage.exhausted and status in ("failed", "done"):
@@ -638,6 +755,7 @@ def finish_orphan(settings: Settings, store: Store, row: TaskRow) -> None:
         return
     tlog = _TaskLog(paths, store)
     tlog("a restarted launcher reconciles this task: its launcher died")
+    release_task_env(paths.root)
     started = row.started_at or row.created_at
     if row.cancel_requested:
         status, error = "cancelled", "cancelled; its launcher died; partial result collected"

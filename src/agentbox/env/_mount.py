@@ -1,0 +1,122 @@
+"""A frozen environment in one task's sandbox: copy-on-write, never a copy.
+
+The launcher (root) mounts a kernel overlay on the host for the task:
+``lowerdir`` = the frozen tree (never written), ``upperdir``/``workdir`` in
+the task's own directory; then each directory setup created (``.venv``,
+``node_modules`` …) is bind-mounted from the overlay into the sandbox at
+``/workspace/<dir>``, read-write. The sandbox reads the frozen files in
+place and whatever it writes there goes to the task's upper layer, which is
+dropped with the task. The workspace itself holds only an empty mount-point
+directory for each: the workspace disk image, result collection and the
+diff never see the environment's files.
+
+(podman's own ``:O`` overlay volumes fail in a user-namespaced container:
+the kernel refuses the overlay mount from inside it, so the overlay is the
+host's and the container gets a plain bind mount of it.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.backends.base import WORKSPACE_IN_SANDBOX, BindMount
+from agentbox.errors import AgentboxError, PathRefused
+from agentbox.safepath import check_name, openat2
+
+__all__ = ["EnvMount", "make_mountpoint"]
+
+log = get_logger("env.mount")
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def make_mountpoint(workspace: Path, rel: str, uid: int) -> bool:
+    """An empty directory at ``rel`` beneath ``workspace`` owned by ``uid``, for a bind mount.
+
+    The parent is resolved beneath the workspace with no link followed. False (and
+    nothing made) when something other than a directory is already there.
+    """
+    parts = check_name(rel)
+    root = os.open(workspace, _DIR)
+    try:
+        parent = root
+        if len(parts) > 1:
+            parent = openat2(root, b"/".join(parts[:-1]), _DIR)
+        try:
+            name = parts[-1]
+            try:
+                os.mkdir(name, 0o755, dir_fd=parent)
+            except FileExistsError:
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    return False
+            os.chown(name, uid, uid, dir_fd=parent, follow_symlinks=False)
+            return True
+        finally:
+            if parent != root:
+                os.close(parent)
+    except OSError as exc:
+        raise PathRefused(f"cannot make the mount point ({exc.strerror})", path=rel) from exc
+    finally:
+        os.close(root)
+
+
+class EnvMount:
+    """The overlay of frozen tree ``lower`` for one task, in ``where`` (the task's dir)."""
+
+    def __init__(self, lower: Path, where: Path) -> None:
+        self.lower = lower
+        self.where = where
+        self.merged = where / "merged"
+        self._mounted = False
+
+    def mount(self, workspace: Path, roots: list[str], uid: int) -> tuple[BindMount, ...]:
+        """Mount the overlay and return the sandbox's bind mounts, one per root.
+
+        A root whose place in the workspace is taken by a file is skipped (logged).
+        """
+        self.where.mkdir(mode=0o711)
+        upper, work = self.where / "upper", self.where / "work"
+        for d in (upper, work, self.merged):
+            d.mkdir(mode=0o755)
+        opts = f"lowerdir={self.lower},upperdir={upper},workdir={work},nosuid,nodev"
+        if any(c in str(self.where) + str(self.lower) for c in ",:\n\0"):
+            raise PathRefused("an environment path holds ',' or ':'", path=self.where)
+        _proc.run(["mount", "-t", "overlay", "overlay", "-o", opts, self.merged], timeout=60)
+        self._mounted = True
+        mounts = []
+        for rel in roots:
+            if not make_mountpoint(workspace, rel, uid):
+                log.warning("environment dir not mounted: a file is in its place", root=rel)
+                continue
+            src = self.merged / rel
+            mounts.append(BindMount(src, f"{WORKSPACE_IN_SANDBOX}/{rel}", read_only=False))
+        return tuple(mounts)
+
+    def release(self) -> None:
+        """Unmount the overlay (lazily if still busy) and delete the task's layer; idempotent."""
+        if self._mounted or os.path.ismount(self.merged):
+            try:
+                _proc.run(["umount", self.merged], timeout=60)
+            except AgentboxError as exc:
+                log.warning("environment overlay busy; lazy unmount", error=str(exc)[:300])
+                with contextlib.suppress(AgentboxError):
+                    _proc.run(["umount", "--lazy", self.merged], timeout=60)
+            self._mounted = False
+        if os.path.ismount(self.merged):
+            log.error("environment overlay still mounted; its layer is kept", path=str(self.merged))
+            return
+        try:
+            shutil.rmtree(self.where)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.warning("could not remove the task's environment layer", error=str(exc))

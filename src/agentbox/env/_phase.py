@@ -1,0 +1,405 @@
+"""The setup phase, and egress for a phase: what runs before the agent, and how it gets out.
+
+:func:`prepare_env` turns a task's ``[setup]`` into bind mounts for the agent's
+sandbox:
+
+1. the key (:func:`~agentbox.env._key.env_key`) is computed from the image id,
+   the commands and the inputs in the fresh workspace;
+2. **hit**: the frozen environment of that key is mounted copy-on-write
+   (:class:`~agentbox.env._mount.EnvMount`); nothing runs, no proxy starts;
+3. **miss**: the commands run in a sandbox of the same posture as the agent's
+   (same backend, image, uid 64000, no capabilities, read-only root, only
+   ``lo``), under ``[setup] deadline``, output to ``logs/setup.log``. With
+   ``network = "registries"`` (or ``[network] allow``) a per-task egress proxy
+   is its only way out: its socket is mounted at ``/run/agentbox/gw`` and relayed
+   to ``127.0.0.1:3128`` inside, the host's CA bundle is mounted read-only and
+   the proxy variables set; with ``network = "none"`` there is no socket at all.
+   A failed setup (non-zero exit, deadline) is reported with its output tail and
+   no agent starts. Then the directories setup created (whose parent existed
+   before) are moved out of the workspace into a frozen environment, files it
+   left elsewhere are removed, and the environment is mounted as for a hit.
+
+So both ways the workspace the agent starts from (and collection reads) holds
+the repo and empty mount points only: the diff and branch never carry
+``node_modules``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, Backend, BindMount
+from agentbox.boxfile import Boxfile, Setup
+from agentbox.config import Settings
+from agentbox.egress import (
+    EgressPolicy,
+    ProxyHandle,
+    host_ca_bundle,
+    proxy_env,
+    spawn_proxy,
+    summarize,
+)
+from agentbox.env._key import env_key
+from agentbox.env._model import EnvInfo, SetupReport
+from agentbox.env._mount import EnvMount
+from agentbox.env._store import EnvStore
+from agentbox.errors import AgentboxError, PathRefused, UnsupportedError
+from agentbox.safepath import Kind, Tree, check_name, openat2
+from agentbox.sandbox import spec_from_boxfile
+
+__all__ = [
+    "CA_IN_SANDBOX",
+    "EGRESS_PORT",
+    "EGRESS_SOCKET_NAME",
+    "Egress",
+    "EnvPlan",
+    "egress_argv",
+    "image_id",
+    "prepare_env",
+    "start_egress",
+]
+
+log = get_logger("env.setup")
+
+#: Loopback port inside a sandbox that reaches the task's egress proxy.
+EGRESS_PORT = 3128
+#: The proxy's socket, in the directory mounted at ``/run/agentbox/gw``.
+EGRESS_SOCKET_NAME = "egress.sock"
+#: Where the host's CA bundle is mounted (read-only) in a phase with egress.
+CA_IN_SANDBOX = "/run/agentbox/ca.pem"
+#: The in-image relay shim (the same program that carries the gateway).
+_RELAY = "/opt/agentbox/relay.py"
+#: The setup log is capped; the report carries its last characters.
+MAX_SETUP_LOG = 16 << 20
+TAIL_CHARS = 4000
+#: A setup may create at most this many separate directories (``.venv``, ``a/node_modules`` …).
+MAX_ROOTS = 32
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def image_id(image: str) -> str:
+    """The full id of local image ``image`` (the key must change when the image does)."""
+    try:
+        res = _proc.run(["podman", "image", "inspect", "--format", "{{.Id}}", image], timeout=60)
+    except AgentboxError as exc:
+        raise UnsupportedError(f"image {image} not found for the setup phase: {exc}") from exc
+    return res.stdout.strip()
+
+
+def egress_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` behind the relay to the egress proxy (``127.0.0.1:EGRESS_PORT`` inside)."""
+    return [
+        "python3", "-I", "-S", _RELAY,
+        "--port", str(EGRESS_PORT),
+        "--socket", f"{GATEWAY_DIR_IN_SANDBOX}/{EGRESS_SOCKET_NAME}",
+        "--", *argv,
+    ]  # fmt: skip
+
+
+@dataclass
+class Egress:
+    """A running proxy for one phase and what the sandbox needs to use it."""
+
+    proxy: ProxyHandle
+    env: dict[str, str]
+    mount: BindMount
+
+
+def start_egress(
+    settings: Settings,
+    policy: EgressPolicy,
+    socket_dir: Path,
+    log_path: Path,
+    run_as: tuple[int, int] | None,
+) -> Egress:
+    """Start a proxy on ``socket_dir/egress.sock`` (given to the sandbox uid)."""
+    sock = socket_dir / EGRESS_SOCKET_NAME
+    proxy = spawn_proxy(sock, policy, log_path, run_as, stderr_file=log_path.with_suffix(".stderr"))
+    try:
+        host_uid = settings.sandbox_host_uid
+        os.chown(sock, host_uid, host_uid, follow_symlinks=False)
+        ca = host_ca_bundle(settings)
+    except BaseException:
+        proxy.stop(grace=1.0)
+        raise
+    mount = BindMount(source=ca, target=CA_IN_SANDBOX, read_only=True)
+    return Egress(proxy=proxy, env=proxy_env(EGRESS_PORT, CA_IN_SANDBOX), mount=mount)
+
+
+@dataclass
+class EnvPlan:
+    """What the agent's sandbox gets from ``[setup]``: mounts, and the report's part."""
+
+    report: SetupReport
+    mounts: tuple[BindMount, ...] = ()
+    overlay: EnvMount | None = None
+    info: EnvInfo | None = field(default=None)
+
+    @property
+    def failed(self) -> bool:
+        return self.report.cache == "failed"
+
+    def release(self) -> None:
+        """Unmount the task's overlay; idempotent."""
+        if self.overlay is not None:
+            self.overlay.release()
+
+
+def _tail(path: Path) -> str:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - TAIL_CHARS * 4))
+            data = fh.read()
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace")[-TAIL_CHARS:]
+
+
+def _snapshot(workspace: Path) -> set[bytes]:
+    with Tree(workspace) as tree:
+        return {e.path for e in tree.walk()}
+
+
+def _parent(rel: bytes) -> bytes:
+    return rel.rpartition(b"/")[0]
+
+
+def _produced(workspace: Path, before: set[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """``(roots, loose)``: new directories whose parent existed, and other new entries there."""
+    roots: list[bytes] = []
+    loose: list[bytes] = []
+    with Tree(workspace) as tree:
+        for e in tree.walk(prune=lambda rel: any(rel.startswith(r + b"/") for r in roots)):
+            if e.path in before:
+                continue
+            parent = _parent(e.path)
+            if parent and parent not in before:
+                continue
+            (roots if e.kind is Kind.DIR else loose).append(e.path)
+    return roots, loose
+
+
+def _unlink_beneath(workspace: Path, rel: bytes) -> None:
+    parts = check_name(rel)
+    root = os.open(workspace, _DIR)
+    try:
+        parent = openat2(root, b"/".join(parts[:-1]), _DIR) if len(parts) > 1 else root
+        try:
+            os.unlink(parts[-1], dir_fd=parent)
+        finally:
+            if parent != root:
+                os.close(parent)
+    finally:
+        os.close(root)
+
+
+def _move_out(workspace: Path, rel: bytes, dest: Path) -> None:
+    """Move directory ``rel`` (beneath ``workspace``, no link followed) to ``dest``."""
+    parts = check_name(rel)
+    dest.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    root = os.open(workspace, _DIR)
+    try:
+        parent = openat2(root, b"/".join(parts[:-1]), _DIR) if len(parts) > 1 else root
+        try:
+            os.rename(parts[-1], dest, src_dir_fd=parent)
+        finally:
+            if parent != root:
+                os.close(parent)
+    finally:
+        os.close(root)
+
+
+def _sink(fh: object, limit: int) -> Callable[[bytes], None]:
+    written = 0
+
+    def write(chunk: bytes) -> None:
+        nonlocal written
+        if written >= limit:
+            return
+        room = limit - written
+        fh.write(chunk[:room])  # type: ignore[attr-defined]
+        written += min(len(chunk), room)
+        if written >= limit:
+            fh.write(b"\n[agentbox: setup output past this point dropped]\n")  # type: ignore[attr-defined]
+        fh.flush()  # type: ignore[attr-defined]
+
+    return write
+
+
+def _script(setup: Setup) -> str:
+    lines = ["set -e", "cd /workspace"]
+    for cmd in setup.run:
+        lines.append(f"printf '+ %s\\n' {_sh_quote(cmd)} >&2")
+        lines.append(cmd)
+    return "\n".join(lines) + "\n"
+
+
+def _sh_quote(s: str) -> str:
+    return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+def _watch(
+    cancelled: Callable[[], bool], done: threading.Event, kill: Callable[[], object]
+) -> None:
+    while not done.wait(0.5):
+        if cancelled():
+            with contextlib.suppress(Exception):
+                kill()
+            return
+
+
+def prepare_env(
+    settings: Settings,
+    box: Boxfile,
+    backend: Backend,
+    *,
+    task_id: str,
+    task_root: Path,
+    workspace: Path,
+    log_dir: Path,
+    labels: Mapping[str, str],
+    proxy_identity: tuple[int, int] | None,
+    cancelled: Callable[[], bool] = lambda: False,
+    tlog: Callable[[str], None] = lambda msg: None,
+) -> EnvPlan:
+    """Make ``box.setup``'s environment available to the task (see the module docstring).
+
+    Returns a plan whose ``report.cache`` is ``hit``, ``miss`` or ``failed``; call
+    :meth:`EnvPlan.release` after the agent's sandbox is gone. Raises
+    :class:`~agentbox.errors.AgentboxError` subclasses for what is not the setup's
+    own failure (a refused input, a proxy that does not start).
+    """
+    setup = box.setup
+    if setup is None:
+        raise ValueError("prepare_env needs a Boxfile with [setup]")
+    if box.backend != "podman":
+        raise UnsupportedError(
+            f"[setup] runs on the podman backend only for now, not {box.backend}",
+            fix='use backend = "podman" for a Boxfile with [setup]',
+        )
+    spec0 = spec_from_boxfile(box, settings, name=f"agentbox-setup-{task_id}")
+    img = image_id(spec0.image)
+    key, inputs = env_key(img, setup, workspace)
+    store = EnvStore(settings)
+    uid = settings.sandbox_host_uid
+    info = store.get(key)
+    if info is not None:
+        tlog(f"environment {key[:12]} is frozen: setup skipped (cache hit)")
+        overlay = EnvMount(store.tree(key), task_root / "env")
+        try:
+            mounts = overlay.mount(workspace, info.roots, uid)
+        except BaseException:
+            overlay.release()
+            raise
+        store.touch(key)
+        report = SetupReport(
+            cache="hit", key=key, ran=False, roots=info.roots, files=info.files, size=info.size
+        )
+        return EnvPlan(report=report, mounts=mounts, overlay=overlay, info=info)
+
+    tlog(f"running setup ({len(setup.run)} command(s), deadline {setup.deadline:g}s)")
+    before = _snapshot(workspace)
+    egress: Egress | None = None
+    net_dir = task_root / "setup-net"
+    egress_log = log_dir / "egress-setup.jsonl"
+    env: dict[str, str] = {}
+    extra_mounts: tuple[BindMount, ...] = ()
+    argv = ["/bin/sh", "-c", _script(setup)]
+    if setup.network == "registries" or box.egress_allow:
+        policy = EgressPolicy.for_phase(
+            settings, allow=box.egress_allow, registries=setup.network == "registries"
+        )
+        net_dir.mkdir(mode=0o755)
+        egress = start_egress(settings, policy, net_dir, egress_log, proxy_identity)
+        env = dict(egress.env)
+        extra_mounts = (egress.mount,)
+        argv = egress_argv(argv)
+        tlog(f"setup egress through the proxy: {', '.join(policy.hosts) or 'no hosts'}")
+    started = time.time()
+    done = threading.Event()
+    name = f"agentbox-setup-{task_id}"
+    try:
+        spec = spec_from_boxfile(
+            box,
+            settings,
+            name=name,
+            workspace=workspace,
+            gateway_dir=net_dir if egress is not None else None,
+            extra_env=env,
+            labels=labels,
+        )
+        spec = spec.replace(deadline=setup.deadline, mounts=(*spec.mounts, *extra_mounts))
+        watcher = threading.Thread(
+            target=_watch, args=(cancelled, done, lambda: backend.kill(name)), daemon=True
+        )
+        watcher.start()
+        with (log_dir / "setup.log").open("ab") as out:
+            sink = _sink(out, MAX_SETUP_LOG)
+            res = backend.run(spec, argv, on_stdout=sink, on_stderr=sink)
+    finally:
+        done.set()
+        if egress is not None:
+            egress.proxy.stop(grace=2.0)
+    duration = round(time.time() - started, 3)
+    summary = summarize(egress_log).model_dump(mode="json") if egress is not None else None
+    tail = _tail(log_dir / "setup.log")
+    report = SetupReport(
+        cache="failed",
+        key=key,
+        ran=True,
+        exit_code=res.exit_code,
+        timed_out=res.timed_out,
+        duration_s=duration,
+        output_tail=tail,
+        egress=summary,
+    )
+    if res.exit_code != 0 or res.timed_out or cancelled():
+        tlog(f"setup failed (exit {res.exit_code}{', deadline' if res.timed_out else ''})")
+        return EnvPlan(report=report)
+    tlog(f"setup done in {duration:.1f}s; freezing what it made")
+    roots, loose = _produced(workspace, before)
+    if len(roots) > MAX_ROOTS:
+        report.output_tail = (
+            f"[agentbox] setup created {len(roots)} separate directories "
+            f"(at most {MAX_ROOTS})\n" + tail
+        )
+        return EnvPlan(report=report)
+    for rel in loose:
+        with contextlib.suppress(OSError, PathRefused):
+            _unlink_beneath(workspace, rel)
+    stage = store.staging()
+    try:
+        for rel in roots:
+            _move_out(workspace, rel, stage / "tree" / os.fsdecode(rel))
+        info = store.freeze(
+            stage,
+            EnvInfo(
+                key=key,
+                image=spec0.image,
+                commands=list(setup.run),
+                inputs=inputs,
+                roots=[os.fsdecode(r) for r in roots],
+            ),
+        )
+    except BaseException:
+        store.discard(stage)
+        raise
+    overlay = EnvMount(store.tree(key), task_root / "env")
+    try:
+        mounts = overlay.mount(workspace, info.roots, uid)
+    except BaseException:
+        overlay.release()
+        raise
+    store.touch(key)
+    report.cache = "miss"
+    report.roots, report.files, report.size = info.roots, info.files, info.size
+    report.dropped = [os.fsdecode(r) for r in loose[:50]]
+    return EnvPlan(report=report, mounts=mounts, overlay=overlay, info=info)

@@ -1,0 +1,279 @@
+"""End to end (issue 12): a Python project's dependencies, installed by ``[setup]`` through
+the egress proxy from the registry this host's pip uses, then the real Claude Code
+(driven by a replay script) runs ``.venv/bin/pytest`` in the agent phase with no network.
+
+The repo commits its Boxfile at ``.agentbox/Boxfile.toml`` (no ``--boxfile``): it is read
+from the commit. Three tasks on the same launcher:
+
+- ``cold``: a miss: setup runs, its proxy log names the registry, the environment is
+  frozen; the agent's tests pass; the agent cannot reach the registry; the branch holds
+  only the agent's file, never ``.venv``;
+- ``warm`` (after ``cold``): a hit: no setup, no proxy, the same tests pass;
+- ``changed``: ``requirements.txt`` changed in a new commit: a miss again.
+
+The default image has ``venv`` but no ``ensurepip`` (Debian ships it in python3-venv), so
+the test image adds the host's ``ensurepip`` and pip wheel to it (what a Containerfile
+with ``python3-venv`` does; see docs/how-to/give-the-agent-dependencies.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agentbox.config import DEFAULT_IMAGE, Settings
+from agentbox.env import EnvStore
+from agentbox.launcher import Launcher, TaskInfo, TaskRequest, TaskResult
+from git_helpers import git
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.claude,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
+]
+
+NONCE = secrets.token_hex(4)
+IMAGE = f"localhost/agentbox-test-pyvenv:{NONCE}"
+ENSUREPIP = Path("/usr/lib/python3.11/ensurepip")
+WHEELS = Path("/usr/share/python-wheels")
+
+SCRIPT = """\
+name: env-python
+turns:
+  - text: "Running the project's tests with its own environment."
+    tool_use:
+      - name: Bash
+        input:
+          command: ".venv/bin/pytest -q -p no:cacheprovider 2>&1; echo PYTEST-EXIT=$?"
+          description: "Run the tests"
+  - text: "Can I reach the package index from here?"
+    tool_use:
+      - name: Bash
+        input:
+          command: __REGISTRY_CMD__
+          description: "Try the registry"
+  - text: "Writing down what I saw."
+    tool_use:
+      - name: Write
+        input: {file_path: "{{cwd}}/NOTES.md", content: "the tests ran\\n"}
+  - text: "Done: the tests ran with the project's dependencies."
+"""
+
+#: Try the registry from the agent phase; print whether it answered and how many proxy variables
+#: the agent has (the markers are built at run time, so the command text never matches them).
+REGISTRY_CMD = (
+    "python3 -c 'import urllib.request as u; u.urlopen(\"__INDEX__\", timeout=5)' "
+    ">/dev/null 2>&1 && R=REACHED || R=UNREACHABLE; "
+    "printf 'REGISTRY-%s proxy-vars=%s\\n' $R $(env | grep -ci _proxy=)"
+)
+
+BOXFILE = f"""\
+image = "{IMAGE}"
+
+[setup]
+run = ["python3 -m venv .venv", ".venv/bin/pip install -q -r requirements.txt"]
+inputs = ["requirements.txt"]
+network = "registries"
+deadline = 600
+"""
+
+TEST_FILE = """\
+import attrs
+
+
+@attrs.define
+class Point:
+    x: int
+    y: int
+
+
+def test_point():
+    assert Point(1, 2).x == 1
+
+
+def test_attrs_is_installed():
+    assert attrs.__version__
+"""
+
+
+@dataclass
+class Run:
+    info: TaskInfo
+    result: TaskResult
+    repo: Path
+    task_dir: Path
+
+    def agent_log(self) -> str:
+        return (self.task_dir / "logs" / "agent.jsonl").read_text(errors="replace")
+
+
+def _pip_index() -> str:
+    from agentbox.egress import host_registries
+
+    pip = [(sch, h, p) for src, sch, h, p in host_registries() if src == "pip"]
+    if not pip:
+        pytest.skip("this host's pip names no http(s) index")
+    sch, h, p = pip[0]
+    return f"{sch}://{h}:{p}/simple/attrs/"
+
+
+def _build_image(ctx: Path) -> None:
+    if not (ENSUREPIP / "__init__.py").is_file() or not list(WHEELS.glob("pip-*.whl")):
+        pytest.skip("the host has no python3-venv (ensurepip + pip wheel) to add to the image")
+    (ctx / "ensurepip").mkdir(parents=True)
+    for f in ENSUREPIP.glob("*.py"):
+        shutil.copy(f, ctx / "ensurepip" / f.name)
+    shutil.copytree(WHEELS, ctx / "wheels")
+    (ctx / "Containerfile").write_text(
+        f"FROM {DEFAULT_IMAGE}\nUSER 0\n"
+        "COPY ensurepip/ /usr/lib/python3.11/ensurepip/\n"
+        "COPY wheels/ /usr/share/python-wheels/\nUSER 64000\n"
+    )
+    subprocess.run(["podman", "build", "-q", "-t", IMAGE, str(ctx)], check=True)
+
+
+def _commit(repo: Path, msg: str) -> None:
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", msg)
+
+
+def _make_repo(path: Path) -> Path:
+    path.mkdir()
+    (path / "requirements.txt").write_text("attrs\npytest\n")
+    (path / "test_point.py").write_text(TEST_FILE)
+    (path / ".gitignore").write_text(".venv/\n")
+    (path / ".agentbox").mkdir()
+    (path / ".agentbox" / "Boxfile.toml").write_text(BOXFILE)
+    git(path, "init", "-q", "-b", "main")
+    _commit(path, "a python project")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[tuple[Settings, dict[str, Run]]]:
+    from agentbox.image import build_default
+
+    build_default(Settings())
+    index = _pip_index()
+    base = Path(tempfile.mkdtemp(prefix="agentbox-env-e2e-", dir="/var/tmp"))
+    base.chmod(0o711)
+    _build_image(base / "ctx")
+    command = json.dumps(REGISTRY_CMD.replace("__INDEX__", index))  # a JSON string is YAML
+    (base / "script.yaml").write_text(SCRIPT.replace("__REGISTRY_CMD__", command))
+    (base / "models.toml").write_text(
+        f'[models.replay-env]\nkind = "replay"\nupstream = "{base / "script.yaml"}"\n'
+    )
+    (base / "data").mkdir()
+    (base / "repos").mkdir()
+    settings = Settings(
+        data_dir=base / "data", repos_root=base / "repos", models_file=base / "models.toml"
+    )
+    launcher = Launcher(settings, max_tasks=2)
+    out: dict[str, Run] = {}
+    keys: set[str] = set()
+
+    def run(name: str, repo: Path) -> str:
+        req = TaskRequest(
+            repo=str(repo), task=f"env {name}: run the tests", model="replay-env",
+            deadline=600.0, task_id=f"env-{name}-{NONCE}",
+        )  # fmt: skip
+        return launcher.submit(req).id
+
+    def finish(name: str, task_id: str, repo: Path) -> None:
+        info = launcher.wait(task_id, timeout=900)
+        out[name] = Run(info, launcher.result(task_id), repo, settings.data_dir / "tasks" / task_id)
+        setup = out[name].result.report.get("setup") or {}
+        if setup.get("key"):
+            keys.add(setup["key"])
+
+    try:
+        repo = _make_repo(settings.repos_root / "proj")
+        finish("cold", run("cold", repo), repo)
+        warm = run("warm", repo)
+        other = _make_repo(settings.repos_root / "proj2")
+        (other / "requirements.txt").write_text("attrs\npytest\n# pinned later\n")
+        _commit(other, "requirements changed")
+        changed = run("changed", other)
+        finish("warm", warm, repo)
+        finish("changed", changed, other)
+        yield settings, out
+    finally:
+        launcher.close()
+        store = EnvStore(settings)
+        for key in keys:
+            store.remove(key, force=True)
+        subprocess.run(["podman", "rmi", "-f", IMAGE], check=False, capture_output=True)
+        if not os.environ.get("E2E_KEEP_DIRS"):
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def test_cold_task_runs_setup_through_the_proxy_and_the_agent_runs_the_tests(
+    runs: tuple[Settings, dict[str, Run]],
+) -> None:
+    run = runs[1]["cold"]
+    assert run.info.status == "done", (run.info.error, run.result.report.get("setup"))
+    setup = run.result.report["setup"]
+    assert setup["cache"] == "miss" and setup["ran"] is True and setup["exit_code"] == 0
+    assert setup["roots"] == [".venv"] and setup["files"] > 100 and setup["size"] > 1_000_000
+    # The setup's only way out was the proxy, and it logged the registry it used.
+    egress = setup["egress"]
+    assert egress["allowed"] >= 1 and egress["bytes_down"] > 100_000
+    assert any(h["allowed"] for h in egress["hosts"])
+    log = run.agent_log()
+    assert "2 passed" in log and "PYTEST-EXIT=0" in log
+    # The agent phase had no [network]: no proxy variables, no way to the registry.
+    assert "REGISTRY-UNREACHABLE proxy-vars=0" in log and "REGISTRY-REACHED" not in log
+    assert "egress" not in run.result.report
+    # The branch holds the agent's change only: never the environment.
+    files = git(run.repo, "ls-tree", "-r", "--name-only", run.result.branch).split()
+    assert "NOTES.md" in files
+    assert not any(f.startswith(".venv") for f in files)
+    assert ".venv" not in run.result.diff
+    assert run.result.report["diffstat"]["files_changed"] == 1
+
+
+def test_second_task_is_a_cache_hit_with_no_setup_and_no_proxy(
+    runs: tuple[Settings, dict[str, Run]],
+) -> None:
+    cold, warm = runs[1]["cold"], runs[1]["warm"]
+    assert warm.info.status == "done", warm.info.error
+    setup = warm.result.report["setup"]
+    assert setup["cache"] == "hit" and setup["ran"] is False
+    assert setup["key"] == cold.result.report["setup"]["key"]
+    assert setup["egress"] is None
+    assert not (warm.task_dir / "logs" / "egress-setup.jsonl").exists()
+    assert not (warm.task_dir / "logs" / "setup.log").exists()
+    log = warm.agent_log()
+    assert "2 passed" in log and "REGISTRY-UNREACHABLE" in log
+    # Its overlay is gone with the task; the frozen environment is intact.
+    assert not (warm.task_dir / "env").exists()
+    store = EnvStore(runs[0])
+    info = store.get(setup["key"])
+    assert info is not None and info.uses >= 2
+    assert (store.tree(setup["key"]) / ".venv" / "bin" / "pytest").is_file()
+
+
+def test_changing_requirements_is_a_miss(runs: tuple[Settings, dict[str, Run]]) -> None:
+    cold, changed = runs[1]["cold"], runs[1]["changed"]
+    assert changed.info.status == "done", changed.info.error
+    setup = changed.result.report["setup"]
+    assert setup["cache"] == "miss" and setup["ran"] is True
+    assert setup["key"] != cold.result.report["setup"]["key"]
+    assert "2 passed" in changed.agent_log()
+
+
+def test_report_json_carries_the_setup_part(runs: tuple[Settings, dict[str, Run]]) -> None:
+    run = runs[1]["cold"]
+    data = json.loads((run.task_dir / "report.json").read_text())
+    assert data["setup"]["cache"] == "miss"
+    assert "+ .venv/bin/pip install" in data["setup"]["output_tail"]
