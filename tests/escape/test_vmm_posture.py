@@ -19,11 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from agentbox.backends._microvm_posture import thread_status
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.qemu import QemuBackend, QemuSandbox, vmm_uid
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
-from agentbox.microvm.posture import thread_status
 
 pytestmark = pytest.mark.qemu
 

@@ -1,36 +1,85 @@
 """Sandbox backends behind one Protocol (:mod:`agentbox.backends.base`).
 
-:func:`get_backend` is the one way to get a backend by name; each backend's
-module is imported only when asked for, so a host without QEMU never imports
-the qemu backend.
+:data:`BACKENDS` is the registry, the one place backend names live: a new
+backend is a module (or package) under ``agentbox.backends`` plus one line
+here. :func:`get_backend` is the one way to get a backend by name; each
+backend's module is imported only when asked for, so a host without QEMU never
+imports the qemu backend. Callers outside this package never compare a
+backend's name: they ask its traits (``kind``, ``runtimes``,
+``shares_host_kernel``) and call its verbs.
 """
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
+from agentbox._log import get_logger
 from agentbox.backends.base import Backend
 from agentbox.config import Settings
-from agentbox.errors import UnsupportedError
+from agentbox.errors import AgentboxError, UnsupportedError
 
-__all__ = ["BACKENDS", "get_backend"]
+__all__ = [
+    "BACKENDS",
+    "backend_class",
+    "get_backend",
+    "owned_sandboxes",
+    "sweep_stale_files",
+]
+
+log = get_logger("backends")
 
 #: Backend name → "module:ClassName"; the class is called as ``Class(settings, **kw)``.
 BACKENDS: dict[str, str] = {
     "podman": "agentbox.backends.podman:PodmanBackend",
     "qemu": "agentbox.backends.qemu:QemuBackend",
     "firecracker": "agentbox.backends.firecracker:FirecrackerBackend",
+    "fake": "agentbox.backends.fake:FakeBackend",
 }
 
 
-def get_backend(name: str, settings: Settings, **kw: Any) -> Backend:
-    """The backend called ``name``, built with ``settings`` and backend-specific ``kw``."""
+def backend_class(name: str) -> type[Backend]:
+    """The class registered as ``name`` (its module imported now)."""
     try:
         target = BACKENDS[name]
     except KeyError:
         known = ", ".join(sorted(BACKENDS))
         raise UnsupportedError(f"unknown backend {name!r}", fix=f"use one of: {known}") from None
     module, _, cls = target.partition(":")
-    backend: Backend = getattr(importlib.import_module(module), cls)(settings, **kw)
+    found: type[Backend] = getattr(importlib.import_module(module), cls)
+    return found
+
+
+def get_backend(name: str, settings: Settings, **kw: Any) -> Backend:
+    """The backend called ``name``, built with ``settings`` and backend-specific ``kw``."""
+    backend: Backend = backend_class(name)(settings, **kw)  # type: ignore[call-arg]
     return backend
+
+
+def owned_sandboxes(settings: Settings) -> list[tuple[str, str]]:
+    """(backend, sandbox) for every sandbox of every backend that ``settings.data_dir`` owns.
+
+    What a restarted launcher holds against its records. A backend that cannot be
+    built or listed on this host (its tools absent) contributes nothing.
+    """
+    found: dict[str, str] = {}
+    for name in BACKENDS:
+        try:
+            names = get_backend(name, settings).owned()
+        except (AgentboxError, OSError, ImportError) as exc:
+            log.debug("backend lists nothing here", backend=name, error=str(exc))
+            continue
+        for sandbox in names:
+            # Backends that share a store (the microVMs' VM dirs) list the same sandbox:
+            # the first one registered acts for both, with the same verbs.
+            found.setdefault(sandbox, name)
+    return [(backend, sandbox) for sandbox, backend in found.items()]
+
+
+def sweep_stale_files() -> list[Path]:
+    """Remove what older versions of the backends left on the host (environment dirs
+    under ``/tmp`` a killed caller left); return what was removed."""
+    from agentbox.backends._podman_util import sweep_stale_env_dirs
+
+    return sweep_stale_env_dirs()

@@ -19,6 +19,7 @@ from agentbox.backends._podman_posture import read_posture
 from agentbox.backends._podman_util import (
     MAX_COPY_OUT,
     Capture,
+    cgroup_pids,
     conmon_cwd,
     env_file,
     force_remove,
@@ -208,6 +209,19 @@ class PodmanSandbox:
     def posture(self) -> Posture:
         """Read the live posture: probes inside, ``podman inspect`` and ``/proc`` on the host."""
         return read_posture(self, self._backend.settings)
+
+    def host_pids(self) -> list[int]:
+        """The container's init pid (from ``podman inspect``) and the rest of its pids cgroup."""
+        res = _proc.run(
+            ["podman", "inspect", "--format", "{{.State.Pid}}", self.name], timeout=30, check=False
+        )
+        try:
+            init = int(res.stdout.strip() or "0")
+        except ValueError:
+            init = 0
+        if init <= 0:
+            raise SandboxError("podman reports no pid for it (not running?)", sandbox=self.name)
+        return cgroup_pids(init)
 
     def stop(self, timeout: float = 10.0) -> None:
         """TERM the sandbox's processes, KILL after ``timeout``; the container is kept."""

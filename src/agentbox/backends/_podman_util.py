@@ -32,6 +32,7 @@ __all__ = [
     "STALE_ENV_AGE",
     "Capture",
     "EnvFile",
+    "cgroup_pids",
     "conmon_cwd",
     "env_file",
     "force_remove",
@@ -222,3 +223,24 @@ def conmon_cwd() -> Path:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise SandboxError(f"{d} is not a private directory of ours (a link, or not 0700)")
     return d
+
+
+def cgroup_pids(pid: int) -> list[int]:
+    """Every process in ``pid``'s pids cgroup (the whole container), ``pid`` included."""
+    pids: set[int] = {pid}
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return sorted(pids)
+    found: Path | None = None
+    for line in lines:
+        _, ctrls, path = ([*line.split(":", 2), "", ""])[:3]
+        if "pids" in ctrls.split(","):
+            found = Path(f"/sys/fs/cgroup/pids{path}")
+            break
+        if ctrls == "" and Path(f"/sys/fs/cgroup{path}/cgroup.controllers").exists():
+            found = Path(f"/sys/fs/cgroup{path}")
+    if found is not None:
+        with contextlib.suppress(OSError, ValueError):
+            pids |= {int(x) for x in (found / "cgroup.procs").read_text().split()}
+    return sorted(pids)

@@ -1,9 +1,31 @@
 """The sandbox backend Protocol: one small interface, several backends.
 
-Every backend (podman, qemu, firecracker) implements :class:`Backend` and the
+Every backend (podman, qemu, firecracker, and the in-process
+:class:`~agentbox.backends.fake.FakeBackend`) implements :class:`Backend` and the
 :class:`Sandbox` it creates, and passes the same contract tests
 (``tests/integration/test_backend_contract.py``). A backend refuses a spec it
 cannot honour *before* anything starts (:meth:`Backend.check`).
+
+The Protocol is the *whole* contract: no caller outside ``agentbox.backends``
+compares a backend's name. What a caller needs to know of a backend's kind is
+one of its traits (:attr:`Backend.kind`, :attr:`Backend.runtimes`); what it
+needs done is one of its verbs:
+
+=====================  ===========================================================
+``check/create/run``   refuse early; start a sandbox; one-shot command
+``kill(name)``         stop a sandbox by name from any process (cancel, deadline)
+``reap(name)``         owner died: kill, save what it wrote, remove
+``recover(name, into)`` save what a dead sandbox wrote into a directory
+``owned()``            the sandboxes this data dir owns (a restarted launcher)
+``cleanup_orphans()``  remove sandboxes no live owner holds
+``Sandbox.host_pids``  the host processes a sandbox breakout would become
+``Sandbox.posture``    the live posture, read by the backend's own package
+=====================  ===========================================================
+
+Names live in one place, the registry in :mod:`agentbox.backends`
+(:data:`~agentbox.backends.BACKENDS`). :class:`BaseSandbox` is the small concrete
+base a backend's sandbox may build on: it owns the context manager and an
+idempotent, *verified* :meth:`~BaseSandbox.destroy`.
 
 Layout inside every sandbox, whatever the backend:
 
@@ -24,6 +46,8 @@ nothing else of the path.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +55,19 @@ from types import TracebackType
 from typing import Literal, Protocol, Self, runtime_checkable
 
 from agentbox.boxfile import Resources
+from agentbox.errors import SandboxError
 
 __all__ = [
     "GATEWAY_DIR_IN_SANDBOX",
     "GATEWAY_PORT",
     "GATEWAY_SOCKET_NAME",
     "HOME_IN_SANDBOX",
+    "LABEL",
+    "OWNER_DATA_LABEL",
     "WORKSPACE_IN_SANDBOX",
     "Backend",
+    "BackendKind",
+    "BaseSandbox",
     "BindMount",
     "ExecResult",
     "OutputCallback",
@@ -46,6 +75,7 @@ __all__ = [
     "PostureCheck",
     "Sandbox",
     "SandboxSpec",
+    "data_dir_label",
 ]
 
 WORKSPACE_IN_SANDBOX = "/workspace"
@@ -57,6 +87,18 @@ GATEWAY_PORT = 8080
 GATEWAY_SOCKET_NAME = "gateway.sock"
 #: Label put on every sandbox (container, VM jail) so orphans can be found and removed.
 LABEL = "io.agentbox.sandbox"
+#: Label naming the data dir whose launcher owns a sandbox (value: :func:`data_dir_label`).
+OWNER_DATA_LABEL = "io.agentbox.data"
+
+#: What kind of isolation a backend gives: a container shares the host's kernel
+#: (unless its runtime brings its own, gVisor), a microVM always runs its own.
+BackendKind = Literal["container", "microvm", "process"]
+
+
+def data_dir_label(data_dir: Path) -> str:
+    """A label value naming ``data_dir``: launchers of other data dirs leave its sandboxes be."""
+    return hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
+
 
 OutputCallback = Callable[[bytes], None]
 
@@ -166,7 +208,13 @@ class Sandbox(Protocol):
         ...
 
     def posture(self) -> Posture:
-        """Read the live posture (inside and from the host)."""
+        """Read the live posture (inside and from the host), by the backend's own package."""
+        ...
+
+    def host_pids(self) -> list[int]:
+        """Host pids of the sandbox's processes: what a process that broke out would be
+        (a container's init and the rest of its cgroup; a microVM's VMM). Raises
+        :class:`~agentbox.errors.SandboxError` when it is not running."""
         ...
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -192,6 +240,16 @@ class Backend(Protocol):
     """Makes sandboxes of one kind."""
 
     name: str
+    #: container, microvm or process (the fake): callers ask this, never the name.
+    kind: BackendKind
+    #: The OCI runtimes ``SandboxSpec.runtime`` may name (empty: the field is ignored).
+    runtimes: tuple[str, ...]
+    #: Whether it restores sandboxes from a snapshot (built with ``cold=True``, it boots fresh).
+    snapshots: bool
+
+    def shares_host_kernel(self, runtime: str) -> bool:
+        """Whether a sandbox of this backend with ``runtime`` runs on the host's kernel."""
+        ...
 
     def check(self, spec: SandboxSpec) -> None:
         """Raise (UnsupportedError, PolicyRefused, ImageError) if ``spec`` cannot be honoured."""
@@ -234,6 +292,73 @@ class Backend(Protocol):
         """
         ...
 
+    def recover(self, name: str, into: Path) -> list[str]:
+        """Save what dead sandbox ``name`` wrote into directory ``into``; idempotent.
+
+        A microVM's ``/data`` disk is read (in userspace, in a jail) and its entries
+        replace ``into``'s; a container whose workspace is a host bind mount has
+        nothing to save beyond settling its workspace disk. The sandbox must be
+        dead (killed, or its owner gone). Returns what was saved.
+        """
+        ...
+
+    def owned(self) -> list[str]:
+        """Names of this backend's sandboxes that this data dir (``settings.data_dir``)
+        owns, live or not: what a restarted launcher checks against its records."""
+        ...
+
     def cleanup_orphans(self) -> list[str]:
         """Remove sandboxes of this backend that no live owner holds; return their names."""
         ...
+
+
+class BaseSandbox:
+    """The small concrete base of a sandbox: the context manager and a verified destroy.
+
+    A subclass sets ``name`` and implements :meth:`_teardown` (remove everything
+    the sandbox holds on the host) and :meth:`leftovers` (what of it is still
+    there: processes, cgroups, containers, VM dirs, sockets). :meth:`destroy`
+    runs the teardown once, however often and from however many threads it is
+    called, then checks :meth:`leftovers` and raises if anything survived, like
+    Firecracker's ``Microvm.kill()``.
+    """
+
+    name: str
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._destroy_lock = threading.Lock()
+        self._destroyed = False
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    def _teardown(self) -> None:
+        raise NotImplementedError
+
+    def leftovers(self) -> list[str]:
+        """What of this sandbox still exists on the host (empty once destroyed)."""
+        return []
+
+    def destroy(self) -> None:
+        """Remove the sandbox and everything it held; idempotent; verifies nothing survived."""
+        with self._destroy_lock:
+            if self._destroyed:
+                return
+            self._destroyed = True  # even if the teardown raises: never run it twice
+            self._teardown()
+            left = self.leftovers()
+        if left:
+            raise SandboxError(f"teardown left {', '.join(left)}", sandbox=self.name)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.destroy()

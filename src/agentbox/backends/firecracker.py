@@ -42,6 +42,7 @@ import psutil
 
 from agentbox import _host
 from agentbox._log import get_logger
+from agentbox.backends._microvm_posture import read_posture
 from agentbox.backends.base import LABEL, Posture, SandboxSpec
 from agentbox.backends.qemu import QemuBackend, QemuSandbox, vmm_uid
 from agentbox.config import Settings
@@ -65,7 +66,6 @@ from agentbox.microvm._jail import Cgroup, spawn
 from agentbox.microvm._vm import Vm, VmConfig
 from agentbox.microvm._vsock import connect_vsock
 from agentbox.microvm.kvm import probe_kvm
-from agentbox.microvm.posture import read_posture
 
 __all__ = [
     "FirecrackerBackend",
@@ -241,6 +241,7 @@ class FirecrackerBackend(QemuBackend):
     """Makes Firecracker microVM sandboxes (``name = "firecracker"``); always cold boots."""
 
     name = "firecracker"
+    snapshots = False  # every Firecracker sandbox boots cold
 
     def __init__(
         self,
@@ -329,7 +330,7 @@ class FirecrackerSandbox(QemuSandbox):
     def posture(self) -> Posture:
         """Host-side facts read off the live Firecracker process, and inside facts."""
         p = read_posture(self)
-        return Posture("firecracker", "kvm", p.checks)
+        return Posture(p.backend, "kvm", p.checks)
 
     def jail_contents(self) -> dict[str, str]:
         """What the VMM's root holds now (name → kind), for diagnostics and tests."""

@@ -61,7 +61,15 @@ from agentbox.backends._podman_util import (
     stdin_fd,
     sweep_stale_env_dirs,
 )
-from agentbox.backends.base import LABEL, ExecResult, OutputCallback, SandboxSpec
+from agentbox.backends.base import (
+    LABEL,
+    OWNER_DATA_LABEL,
+    BackendKind,
+    ExecResult,
+    OutputCallback,
+    SandboxSpec,
+    data_dir_label,
+)
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, CommandTimeout, ConfigError, SandboxError
 
@@ -79,6 +87,13 @@ class PodmanBackend:
     """
 
     name = "podman"
+    kind: BackendKind = "container"
+    runtimes: tuple[str, ...] = ("runc", "crun", "runsc")
+    snapshots = False
+
+    def shares_host_kernel(self, runtime: str) -> bool:
+        """runc and crun run on the host's kernel; runsc (gVisor) brings its own."""
+        return runtime in ("runc", "crun")
 
     def __init__(self, settings: Settings, *, unsafe_extra_args: tuple[str, ...] = ()) -> None:
         self.settings = settings
@@ -294,6 +309,23 @@ class PodmanBackend:
         for disk in settle_orphan_disks(self.settings, name):
             log.info("settled the workspace disk of a dead owner", sandbox=disk)
         return done
+
+    def recover(self, name: str, into: Path) -> list[str]:
+        """The workspace is a host bind mount: only a workspace disk needs settling (what
+        the agent wrote copied back into the workspace it was made from, ``into``)."""
+        del into  # a container's files are already where its owner collects them
+        return list(settle_orphan_disks(self.settings, name))
+
+    def owned(self) -> list[str]:
+        """Containers labelled with this data dir (the launcher labels every task's)."""
+        argv = ["podman", "ps", "-a", "--filter", f"label={LABEL}=1",
+                "--filter", f"label={OWNER_DATA_LABEL}={data_dir_label(self.settings.data_dir)}",
+                "--format", "{{.Names}}"]  # fmt: skip
+        try:
+            res = _proc.run(argv, timeout=60, check=False)
+        except AgentboxError:
+            return []
+        return res.stdout.split()
 
     def cleanup_orphans(self) -> list[str]:
         """Remove labelled containers whose owner process is gone; return their names.

@@ -27,11 +27,13 @@ from typing import Literal, Self
 
 from agentbox import _host, _proc
 from agentbox._log import get_logger
+from agentbox.backends._microvm_posture import read_posture
 from agentbox.backends.base import (
     GATEWAY_SOCKET_NAME,
     HOME_IN_SANDBOX,
     LABEL,
     WORKSPACE_IN_SANDBOX,
+    BackendKind,
     ExecResult,
     OutputCallback,
     Posture,
@@ -55,7 +57,6 @@ from agentbox.microvm._kernel import ensure_kernel
 from agentbox.microvm._snapshot import ensure_snapshot, wait_incoming
 from agentbox.microvm._vm import Vm, VmConfig
 from agentbox.microvm.kvm import probe_kvm
-from agentbox.microvm.posture import read_posture
 from agentbox.paths import check_inside
 
 __all__ = ["QemuBackend", "QemuSandbox", "kill_sandbox", "probe_kvm", "recover_sandbox", "vmm_uid"]
@@ -98,6 +99,14 @@ class QemuBackend:
     """Makes QEMU microVM sandboxes (``name = "qemu"``)."""
 
     name = "qemu"
+    kind: BackendKind = "microvm"
+    runtimes: tuple[str, ...] = ()
+    snapshots = True
+
+    def shares_host_kernel(self, runtime: str) -> bool:
+        """Never: the guest runs its own kernel whatever ``runtime`` says."""
+        del runtime
+        return False
 
     def __init__(
         self,
@@ -328,6 +337,28 @@ class QemuBackend:
         kill the VMM, save ``/data`` into the recorded workspace, remove the VM dir."""
         return recover_sandbox(self.settings, name)
 
+    def recover(self, name: str, into: Path) -> list[str]:
+        """Save the ``/data`` disk of each dead VM of sandbox ``name`` into ``into`` (read in
+        userspace in a jail, never mounted; ``into`` must lie inside the data dir)."""
+        saved = []
+        workspace = check_inside(self.settings.data_dir, into, what="recovery target")
+        uid = vmm_uid(self.settings, "strict")
+        for vm_dir, owner in _vm_dirs(self.settings):
+            disk = vm_dir / "data.img"
+            if owner.get(LABEL) != name or not disk.is_file():
+                continue
+            pid = owner.get("pid")
+            if isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+                raise SandboxError("its owner is alive: not recovering", sandbox=name)
+            _replace_workspace(workspace, functools.partial(_export_into, disk, uid=uid))
+            saved.append(vm_dir.name)
+        return saved
+
+    def owned(self) -> list[str]:
+        """Sandboxes with a VM dir under this data dir (``microvm/*/owner`` names them)."""
+        names = {str(owner.get(LABEL)) for _, owner in _vm_dirs(self.settings)}
+        return sorted(n for n in names if n and n != "None")
+
     def cleanup_orphans(self) -> list[str]:
         """Settle VM dirs whose owning process is gone: kill the VMM, save ``/data``
         into the task workspace it was made from (see :func:`recover_sandbox`), remove."""
@@ -391,6 +422,10 @@ def _recover(settings: Settings, vm_dir: Path, owner: dict[str, object]) -> None
         except AgentboxError as exc:
             log.error("could not save an orphan VM's /data", vm=vm_dir.name, error=str(exc))
     shutil.rmtree(vm_dir, ignore_errors=True)
+
+
+def _export_into(disk: Path, dest: Path, *, uid: int) -> None:
+    export_disk(disk, dest, uid=uid)
 
 
 def _replace_workspace(ws: Path, fill: Callable[[Path], object]) -> None:
@@ -589,6 +624,10 @@ class QemuSandbox:
     def posture(self) -> Posture:
         """Host-side facts read off the live VMM, and inside facts from the guest."""
         return read_posture(self)
+
+    def host_pids(self) -> list[int]:
+        """The VMM process: what a guest that broke out would become."""
+        return [int(self.vm.vmm_pid())]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Sync and power the guest off (kill after ``timeout``); the /data disk is kept."""

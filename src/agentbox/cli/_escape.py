@@ -27,15 +27,16 @@ ControlsOpt = typer.Option(False, "--controls", help="Also run the positive cont
 ImageOpt = typer.Option(None, "--image", help="Image to test (default: the configured one)")
 
 
-def _runtimes(backend: str, asked: list[str] | None, default: str) -> list[str]:
+def _runtimes(runtimes: tuple[str, ...], asked: list[str] | None, default: str) -> list[str]:
+    """The runtimes to test: ``runtimes`` is what the backend offers (empty: it has none)."""
     from agentbox import _host
 
     if not asked:
         return [default]
     if asked == ["all"]:
-        if backend != "podman":
+        if not runtimes:
             return [default]
-        return [r for r in ("runc", "crun", "runsc") if _host.podman_runtime(r).ok]
+        return [r for r in runtimes if _host.podman_runtime(r).ok]
     return asked
 
 
@@ -60,7 +61,7 @@ def escape_test(
     settings = load_settings()
     be = get_backend(backend, settings)
     reports = []
-    for i, rt in enumerate(_runtimes(backend, runtime, settings.runtime)):
+    for i, rt in enumerate(_runtimes(be.runtimes, runtime, settings.runtime)):
         # The controls prove the probes, not the runtime: once per invocation is enough.
         reports.append(
             run_suite(

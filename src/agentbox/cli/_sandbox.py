@@ -102,13 +102,13 @@ def _prepare(
     *,
     cold: bool = False,
 ) -> tuple[Any, SandboxSpec]:
-    from agentbox.backends import get_backend
+    from agentbox.backends import backend_class, get_backend
     from agentbox.errors import PolicyRefused
     from agentbox.sandbox import spec_from_boxfile
 
     box = _boxfile(boxfile, backend, runtime, mounts, settings)
     spec = spec_from_boxfile(box, settings, workspace=workspace)
-    if cold and box.backend != "qemu":
+    if cold and not backend_class(box.backend).snapshots:
         raise PolicyRefused(f"--cold is for the qemu backend (snapshot restore); not {box.backend}")
     be = (
         get_backend(box.backend, settings, cold=True)

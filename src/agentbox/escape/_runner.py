@@ -25,7 +25,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
-from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends.base import Backend, BindMount, Sandbox, SandboxSpec
 from agentbox.boxfile import Resources
@@ -140,26 +139,10 @@ def inside_outcomes(data: dict[str, Any], *, vm: bool = False) -> list[Outcome]:
     return out
 
 
-def sandbox_pids(box: Sandbox, backend_name: str) -> list[int]:
-    """Host pids of every process of ``box``: its ``host_pids()`` if it has one (microVMs
-
-    expose their VMM this way), else podman's init pid and the rest of its cgroup.
-    """
-    getter = getattr(box, "host_pids", None)
-    if callable(getter):
-        return sorted({int(p) for p in getter()})
-    vm = getattr(box, "vm", None)
-    vmm_pid = getattr(vm, "vmm_pid", None)
-    if callable(vmm_pid):
-        # A microVM: the VMM process is what a guest that breaks out would become.
-        return [int(vmm_pid())]
-    if backend_name != "podman":
-        raise SandboxError(f"backend {backend_name} exposes no host pids", sandbox=box.name)
-    res = _proc.run(["podman", "inspect", "--format", "{{.State.Pid}}", box.name], timeout=30)
-    init = int(res.stdout.strip() or "0")
-    if init <= 0:
-        raise SandboxError("podman reports no pid for it (not running?)", sandbox=box.name)
-    return hc.cgroup_pids(init)
+def sandbox_pids(box: Sandbox) -> list[int]:
+    """Host pids of every process of ``box`` (:meth:`~agentbox.backends.base.Sandbox.host_pids`:
+    a container's init and the rest of its cgroup, a microVM's VMM)."""
+    return sorted({int(p) for p in box.host_pids()})
 
 
 class HostView:
@@ -425,7 +408,7 @@ def latency_outcome(meter: hc.LatencyMeter) -> Outcome:
     return _outcome(spec, "pass" if ok else "fail", seen)
 
 
-def kernel_outcome(box: _Execs, runtime: str, backend_name: str) -> Outcome:
+def kernel_outcome(box: _Execs, runtime: str, shares_host_kernel: bool) -> Outcome:
     """Own kernel: release and boot id inside vs the host's (n/a on runc/crun: shared by design)."""
     spec = next(p for p in PROBES if p.id == "host.own_kernel")
     code = (
@@ -438,7 +421,7 @@ def kernel_outcome(box: _Execs, runtime: str, backend_name: str) -> Outcome:
     host_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     differs = rel != host_rel and boot != host_boot
     seen = f"inside {rel} boot {boot[:8]}; host {host_rel} boot {host_boot[:8]}"
-    if backend_name == "podman" and runtime in ("runc", "crun"):
+    if shares_host_kernel:
         return _outcome(spec, "n/a", f"container-only runtime shares the host kernel: {seen}")
     return _outcome(spec, "pass" if differs else "fail", seen)
 
@@ -506,7 +489,7 @@ def run_real(
             spec = spec.replace(mounts=())
             backend.check(spec)
     facts: dict[str, object] = {"sandbox": spec.name, "fixture_root": str(fx.root)}
-    vm = backend.name != "podman"
+    vm = backend.kind == "microvm"
     view = HostView(
         runtime=runtime,
         mapped_uid=vmm_uid(settings, isolation) if vm else settings.sandbox_host_uid,
@@ -550,10 +533,10 @@ def run_real(
             for o in outcomes
             if o.id in via_exec and via_exec[o.id].status != o.status
         }
-        pids = sandbox_pids(box, backend.name)
+        pids = sandbox_pids(box)
         facts["host_pids"] = len(pids)
         outcomes += host_outcomes(pids, view)
-        outcomes.append(kernel_outcome(box, runtime, backend.name))
+        outcomes.append(kernel_outcome(box, runtime, backend.shares_host_kernel(runtime)))
         outcomes += quota_outcomes(box, view)
         # Before the fork bomb: under gVisor the bomb may take the sandbox down.
         extra = during(box) if during is not None else []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from agentbox._log import get_logger
-from agentbox.backends.base import Backend, Sandbox
+from agentbox.backends import get_backend
+from agentbox.backends.base import Backend
 from agentbox.config import Settings
 from agentbox.escape._controls import exec_controls, run_weak_controls, stall_control
 from agentbox.escape._fixtures import Fixture
@@ -17,12 +18,10 @@ __all__ = ["run_suite"]
 
 
 def _exec_controls_on_podman(settings: Settings, fx: Fixture, image: str) -> list[Outcome]:
-    from agentbox.backends.podman import PodmanBackend
-
     spec = real_spec(fx, settings, image, "runc", "standard").replace(
         name=f"agentbox-escape-{fx.marker_nonce[-12:]}-execctl"
     )
-    with PodmanBackend(settings).create(spec) as box:
+    with get_backend("podman", settings).create(spec) as box:
         return exec_controls(box.name, settings.sandbox_uid)
 
 
@@ -48,15 +47,8 @@ def run_suite(
     report = Report(backend=backend.name, runtime=runtime, isolation=isolation)
     t0 = time.monotonic()
     with Fixture(uid=settings.sandbox_host_uid) as fx:
-
-        def during(box: Sandbox) -> list[Outcome]:
-            if not controls or backend.name != "podman":
-                return []
-            return exec_controls(box.name, settings.sandbox_uid)
-
-        outcomes, extra, facts = run_real(
-            backend, settings, fx, image=image, runtime=runtime, isolation=isolation,
-            during=during,
+        outcomes, _, facts = run_real(
+            backend, settings, fx, image=image, runtime=runtime, isolation=isolation
         )  # fmt: skip
         report.outcomes = outcomes
         report.facts = facts
@@ -64,11 +56,9 @@ def run_suite(
             got = run_weak_controls(
                 fx, image, uid=settings.sandbox_uid, mapped_uid=settings.sandbox_host_uid
             )
-            if backend.name != "podman":
-                # The exec-level controls need `podman exec -t` / `--preserve-fds`: they
-                # prove the probe program, so a hardened podman sandbox serves any backend.
-                extra = _exec_controls_on_podman(settings, fx, image)
-            got += extra
+            # The exec-level controls need `podman exec -t` / `--preserve-fds`: they prove
+            # the probe program, so a hardened podman sandbox of its own serves any backend.
+            got += _exec_controls_on_podman(settings, fx, image)
             got.append(stall_control())
             order = {p.id: i for i, p in enumerate(PROBES)}
             report.controls = sorted(got, key=lambda o: order.get(o.id, 999))

@@ -22,7 +22,7 @@ import threading
 import time
 
 from agentbox._log import get_logger
-from agentbox.backends._podman_util import sweep_stale_env_dirs
+from agentbox.backends import owned_sandboxes, sweep_stale_files
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, PathRefused, TaskError, TaskNotFound
@@ -327,20 +327,17 @@ class Launcher:
             for r in self.store.all()
             if r.sandbox and not r.info().terminal and r.owner is not None and r.owner.alive()
         }
-        for name in _runner.list_task_sandboxes(self.settings):
+        # Every backend lists the sandboxes this data dir owns; each one no live task
+        # holds is reaped by its own backend's verb (killed, what it wrote saved, removed;
+        # a microVM whose owner is alive, an exec/shell, is left be by its backend).
+        for backend, name in owned_sandboxes(self.settings):
             if name not in live:
-                log.warning("removing orphan sandbox", sandbox=name)
-                reap_sandbox("podman", name, self.settings.data_dir)
+                log.warning("removing orphan sandbox", sandbox=name, backend=backend)
+                reap_sandbox(backend, name, self.settings.data_dir)
         # Older versions wrote sandbox environments (one-time tokens) to /tmp and left
         # them there when killed; the current one keeps them in memory only.
-        for stale in sweep_stale_env_dirs():
+        for stale in sweep_stale_files():
             log.warning("removed a stale environment dir of an older version", path=str(stale))
-        if (self.settings.data_dir / "microvm").is_dir():
-            from agentbox.backends.qemu import QemuBackend
-
-            with contextlib.suppress(AgentboxError, OSError):
-                for vm in QemuBackend(self.settings).cleanup_orphans():
-                    log.warning("removed orphan microVM (its /data saved)", vm=vm)
         live_ids = {
             r.id
             for r in self.store.all()

@@ -1,4 +1,5 @@
-"""The live posture of a microVM sandbox, read off the running VMM and from inside the guest.
+"""The live posture of a microVM sandbox (qemu, firecracker), read off the running VMM
+and from inside the guest.
 
 Host side: for **every thread** of the QEMU process, ``/proc/<pid>/task/<tid>/status``
 (CapEff, NoNewPrivs, Seccomp, Uid); its namespaces against ours; its cgroups'
@@ -151,4 +152,4 @@ def read_posture(sb: QemuSandbox) -> Posture:
     checks.append(PostureCheck("guest interfaces", "lo", " ".join(nets), nets == ["lo"]))
     checks.append(PostureCheck("no /dev/kvm in guest", "nokvm", lines[2].strip(),
                                lines[2].strip() == "nokvm"))  # fmt: skip
-    return Posture("qemu", f"{sb.vm.cfg.accel}", tuple(checks))
+    return Posture(sb.backend.name, f"{sb.vm.cfg.accel}", tuple(checks))
