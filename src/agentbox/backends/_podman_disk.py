@@ -18,10 +18,12 @@ project quotas, so every sandbox with a workspace gets its own filesystem:
    whose inode and ctime on the disk are what they were at mount (a snapshot
    taken before the sandbox started; ctime cannot be set from userspace) are
    left as they are, so the copy costs what the agent changed and collection's
-   stat cache stays valid; the rest is removed or copied (regular files sparse,
-   hard links kept as links, FIFOs, sockets and devices skipped,
-   setuid/setgid bits dropped). Then the image is unmounted (the loop device
-   is freed with it) and deleted.
+   stat cache stays valid; the rest is removed or copied as the agent left it
+   (regular files sparse, hard links as links, symlinks as symlinks, FIFOs and
+   sockets as such, modes with their setuid/setgid bits: collection, the
+   trusted reader, skips and reports those as it did when the workspace was a
+   plain bind mount; device nodes, which the sandbox cannot make, are skipped).
+   Then the image is unmounted (the loop device is freed with it) and deleted.
 
 A write past the limit fails inside the sandbox with ENOSPC; the copy back
 holds at most what the image held, so collection afterwards sees the agent's
@@ -383,8 +385,13 @@ class _Sync:
                 elif stat.S_ISLNK(st.st_mode):
                     os.symlink(os.readlink(name, dir_fd=sfd), name, dir_fd=dfd)
                     _set_meta(dfd, name, st)
+                elif stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+                    # Inert on the host (nothing listens, nothing is read); kept so that
+                    # collection reports them, as it did for the plain bind mount.
+                    os.mknod(name, stat.S_IFMT(st.st_mode) | 0o600, dir_fd=dfd)
+                    _set_meta(dfd, name, st)
                 else:
-                    self.skipped += 1  # FIFO, socket, device: collection skips them too
+                    self.skipped += 1  # a device node: the sandbox cannot make one
         finally:
             for sfd, dfd, _, _, dir_st in stack:
                 if dir_st is not None:
@@ -455,12 +462,12 @@ def _sparse_copy(fin: int, fout: int, size: int) -> None:
 
 
 def _set_meta(dfd: int, name: str, st: os.stat_result, *, only_changed: bool = False) -> None:
-    """Owner, mode (no setuid, setgid or sticky bit) and times of ``st`` onto ``name``.
+    """Owner, mode and times of ``st`` onto ``name`` (the owner first: chown clears setuid).
 
     With ``only_changed`` (directories kept from before), only what differs is set:
     an untouched directory keeps its ctime, and collection's stat cache its entry.
     """
-    mode = stat.S_IMODE(st.st_mode) & 0o777
+    mode = stat.S_IMODE(st.st_mode)
     if name:
         os.chown(name, st.st_uid, st.st_gid, dir_fd=dfd, follow_symlinks=False)
         if not stat.S_ISLNK(st.st_mode):
