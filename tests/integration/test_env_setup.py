@@ -1,0 +1,236 @@
+"""The setup phase and frozen environments on real podman sandboxes (issue 12), without the agent.
+
+Each test runs :func:`agentbox.env.prepare_env` as the launcher does, in a task dir
+of its own, then (where it matters) a sandbox with the plan's mounts as the agent's
+would get them. Commands carry a nonce so their keys are this run's own; every
+environment made is removed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agentbox.backends import get_backend
+from agentbox.boxfile import Boxfile
+from agentbox.config import Settings
+from agentbox.env import EnvPlan, EnvStore, prepare_env
+from agentbox.gateway import gateway_identity
+from agentbox.sandbox import spec_from_boxfile
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the overlay and the proxy need root"),
+]
+
+
+class Task:
+    """One task dir: ``root/workspace`` (the sandbox's) and ``root/logs``."""
+
+    def __init__(self, settings: Settings, files: dict[str, str]) -> None:
+        self.settings = settings
+        self.root = Path(tempfile.mkdtemp(prefix="envtask-", dir=settings.data_dir))
+        self.root.chmod(0o711)
+        self.ws = self.root / "workspace"
+        self.logs = self.root / "logs"
+        self.ws.mkdir()
+        self.logs.mkdir()
+        uid = settings.sandbox_host_uid
+        for rel, text in files.items():
+            p = self.ws / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        for top, dirs, names in os.walk(self.ws):
+            for n in [*dirs, *names, "."]:
+                os.chown(Path(top, n), uid, uid)
+        self.plan: EnvPlan | None = None
+
+    def prepare(self, box: Boxfile) -> EnvPlan:
+        self.plan = prepare_env(
+            self.settings,
+            box,
+            get_backend("podman", self.settings),
+            task_id=f"t{secrets.token_hex(4)}",
+            task_root=self.root,
+            workspace=self.ws,
+            log_dir=self.logs,
+            labels={},
+            proxy_identity=gateway_identity(self.settings),
+        )
+        return self.plan
+
+    def run(self, box: Boxfile, script: str) -> tuple[int, str]:
+        """Run ``script`` in a sandbox with the plan's mounts (the agent's view), no egress."""
+        assert self.plan is not None
+        spec = spec_from_boxfile(box, self.settings, workspace=self.ws)
+        spec = spec.replace(mounts=(*spec.mounts, *self.plan.mounts), deadline=120)
+        res = get_backend("podman", self.settings).run(spec, ["/bin/sh", "-c", script])
+        return res.exit_code, (res.stdout + res.stderr).decode(errors="replace")
+
+    def close(self) -> None:
+        if self.plan is not None:
+            self.plan.release()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def tasks(
+    sandbox_settings: Settings, default_image: str
+) -> Iterator[Callable[[dict[str, str]], Task]]:
+    made: list[Task] = []
+
+    def make(files: dict[str, str]) -> Task:
+        t = Task(sandbox_settings, files)
+        made.append(t)
+        return t
+
+    yield make
+    store = EnvStore(sandbox_settings)
+    keys = {t.plan.report.key for t in made if t.plan is not None}
+    for t in made:
+        t.close()
+    for key in keys:
+        store.remove(key, force=True)
+
+
+def _box(image: str, run: list[str], **setup: object) -> Boxfile:
+    return Boxfile.from_dict(
+        {"image": image, "resources": {"disk": "256MiB"}, "setup": {"run": run, **setup}}
+    )
+
+
+def _index_url() -> str:
+    from agentbox.egress import host_registries
+
+    pip = [(sch, h, p) for src, sch, h, p in host_registries() if src == "pip" and sch == "https"]
+    if not pip:
+        pytest.skip("this host's pip names no https index")
+    _, host, port = pip[0]
+    try:
+        socket.create_connection((host, port), timeout=10).close()
+    except OSError as exc:
+        pytest.skip(f"pip's index is unreachable from this host: {exc}")
+    return f"https://{host}:{port}/simple/"
+
+
+FETCH = (
+    "python3 -c 'import sys, urllib.request as u; "
+    'r = u.urlopen(sys.argv[1], timeout=20); print("GOT-%d" % r.status)\' {url}'
+)
+
+
+def test_a_failed_setup_reports_its_output_and_freezes_nothing(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    nonce = secrets.token_hex(4)
+    t = tasks({"README": "x\n"})
+    box = _box(
+        default_image, [f"echo about to fail {nonce}", "mkdir .venv", "exit 3", "echo never"]
+    )
+    plan = t.prepare(box)
+    assert plan.failed and plan.report.cache == "failed" and plan.report.ran
+    assert plan.report.exit_code == 3 and not plan.report.timed_out
+    assert f"about to fail {nonce}" in plan.report.output_tail
+    assert "never" not in plan.report.output_tail.replace("echo never", "")
+    assert plan.mounts == () and plan.report.egress is None
+    assert EnvStore(t.settings).get(plan.report.key) is None
+    assert f"about to fail {nonce}" in (t.logs / "setup.log").read_text()
+
+
+def test_setup_past_its_deadline_fails(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    t = tasks({"README": "x\n"})
+    plan = t.prepare(_box(default_image, ["sleep 60"], deadline=3))
+    assert plan.failed and plan.report.timed_out
+
+
+def test_miss_freezes_what_setup_made_and_a_hit_mounts_it_copy_on_write(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    nonce = secrets.token_hex(4)
+    files = {"req.txt": "pkg==1\n", "sub/keep.py": "print('repo')\n"}
+    run = [
+        "mkdir -p .venv/bin sub/node_modules/pkg",
+        f"echo tool-{nonce} > .venv/bin/tool",
+        "echo module > sub/node_modules/pkg/index.js",
+        "echo loose > sub/loose.txt",
+    ]
+    box = _box(default_image, run, inputs=["req.txt"])
+    first = tasks(files)
+    plan = first.prepare(box)
+    assert plan.report.cache == "miss", plan.report.output_tail
+    assert sorted(plan.report.roots) == [".venv", "sub/node_modules"]
+    assert plan.report.dropped == ["sub/loose.txt"] and plan.report.files == 2
+    # The host workspace keeps empty mount points only: nothing for collection to see.
+    assert sorted(os.listdir(first.ws)) == [".venv", "req.txt", "sub"]
+    assert os.listdir(first.ws / ".venv") == [] and os.listdir(first.ws / "sub/node_modules") == []
+    assert not (first.ws / "sub/loose.txt").exists()
+    # The agent's view has it in place, and may write there: into its own layer.
+    code, out = first.run(
+        box,
+        "cat .venv/bin/tool && echo changed > .venv/bin/tool && rm sub/node_modules/pkg/index.js"
+        " && touch .venv/new && cat .venv/bin/tool",
+    )
+    assert code == 0 and f"tool-{nonce}\nchanged" in out, out
+    first.plan.release() if first.plan else None
+    frozen = EnvStore(first.settings).tree(plan.report.key)
+    assert (frozen / ".venv/bin/tool").read_text() == f"tool-{nonce}\n"
+    assert (frozen / "sub/node_modules/pkg/index.js").is_file()
+    assert not (frozen / ".venv/new").exists()
+    assert not (first.root / "env").exists()  # the task's layer went with it
+    # Same key: a hit, no setup run, the frozen files as setup left them.
+    second = tasks(files)
+    plan2 = second.prepare(box)
+    assert plan2.report.cache == "hit" and not plan2.report.ran
+    assert plan2.report.key == plan.report.key
+    assert not (second.logs / "setup.log").exists()
+    code, out = second.run(box, "cat .venv/bin/tool; ls sub/node_modules/pkg; ls .venv")
+    assert code == 0 and f"tool-{nonce}" in out and "index.js" in out and "new" not in out
+    # Another input content: another key, a miss.
+    third = tasks({**files, "req.txt": "pkg==2\n"})
+    assert third.prepare(box).report.key != plan.report.key
+
+
+def test_setup_without_network_has_no_way_out(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    url = _index_url()
+    t = tasks({"README": "x\n"})
+    plan = t.prepare(
+        _box(default_image, ["test ! -e /run/agentbox/gw/egress.sock", FETCH.format(url=url)])
+    )
+    assert plan.failed and plan.report.exit_code != 0
+    assert "URLError" in plan.report.output_tail and "GOT-200" not in plan.report.output_tail
+    assert plan.report.egress is None  # no proxy ran
+
+
+def test_setup_reaches_the_registry_through_the_proxy_and_nothing_else(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    url = _index_url()
+    nonce = secrets.token_hex(4)
+    t = tasks({"README": "x\n"})
+    run = [
+        f"mkdir -p .deps && echo {nonce} > .deps/stamp",
+        FETCH.format(url=url),
+        # A host the host's clients do not use: refused by the proxy (403), logged.
+        f"{FETCH.format(url='https://example.org/')} || echo REFUSED-AS-EXPECTED",
+    ]
+    plan = t.prepare(_box(default_image, run, network="registries"))
+    tail = plan.report.output_tail
+    assert plan.report.cache == "miss", tail
+    assert "GOT-200" in tail and "REFUSED-AS-EXPECTED" in tail
+    egress = plan.report.egress
+    assert egress is not None
+    hosts = {h["host"]: h for h in egress["hosts"]}
+    assert any(h["allowed"] for h in hosts.values())
+    assert hosts["example.org"]["denied"] >= 1 and hosts["example.org"]["allowed"] == 0
+    assert "not-allowed" in hosts["example.org"]["denied_rules"]
