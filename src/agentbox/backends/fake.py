@@ -15,16 +15,18 @@ Scripts are set on the class, because callers build their backend by name
     with FakeBackend.scripted(FakeScript(exit_code=0, files={"a.txt": b"hi\\n"})):
         launcher.submit(...)
 
-A script can match one sandbox by name (``scripted(script, name=...)``); the
-newest matching script wins. :data:`FakeBackend.events` records every verb
-called, for assertions. ``kill(name)`` from any thread (a cancel, a watchdog
-in this process) ends the sandbox's running command with exit 137, as a real
-backend's SIGKILL does.
+Code that builds the backend a Boxfile names gets the fake inside
+``FakeBackend.installed_as("podman")``. A script can match one sandbox by name
+(``scripted(script, name=...)``); the newest matching script wins.
+:data:`FakeBackend.events` records every verb called, for assertions.
+``kill(name)`` from any thread (a cancel, a watchdog in this process) ends the
+sandbox's running command with exit 137, as a real backend's SIGKILL does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -89,6 +91,8 @@ class FakeSandbox(BaseSandbox):
         self.spec = spec
         self.script = script
         self.killed = threading.Event()
+        self._wake = threading.Event()
+        self._skipped = 0.0
         self.commands: list[list[str]] = []
         self.started = time.monotonic()
 
@@ -117,6 +121,8 @@ class FakeSandbox(BaseSandbox):
             self.script.action(self, argv)
         for rel, data in self.script.files.items():
             self._write(rel, data)
+        begun = time.monotonic()
+        self._skipped = 0.0
         out, err = self.script.stdout, self.script.stderr
         if on_stdout is not None and out:
             on_stdout(out)
@@ -124,15 +130,29 @@ class FakeSandbox(BaseSandbox):
         if on_stderr is not None and err:
             on_stderr(err)
             err = b""
-        left = self.spec.deadline - (time.monotonic() - self.started)
-        limits = [self.script.delay, max(0.0, left)] + ([timeout] if timeout is not None else [])
-        wait = min(limits)
-        if self.killed.wait(wait):
-            return ExecResult(KILLED, out, err)
-        if wait < self.script.delay:  # the deadline (or the exec timeout) came first
-            self.killed.set()
-            return ExecResult(KILLED, out, err, timed_out=True)
-        return ExecResult(self.script.exit_code, out, err)
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # The fake's clock: real time since the start, plus what advance() added.
+            elapsed = time.monotonic() - self.started
+            to_deadline = self.spec.deadline - elapsed
+            to_done = self.script.delay - (time.monotonic() - begun) - self._skipped
+            to_timeout = math.inf if end is None else end - time.monotonic()
+            if self.killed.is_set():
+                return ExecResult(KILLED, out, err)
+            if to_deadline <= 0 or to_timeout <= 0:
+                self.killed.set()
+                return ExecResult(KILLED, out, err, timed_out=True)
+            if to_done <= 0:
+                return ExecResult(self.script.exit_code, out, err)
+            self._wake.wait(min(to_deadline, to_done, to_timeout))
+            self._wake.clear()
+
+    def advance(self, seconds: float) -> None:
+        """Move this sandbox's clock on: a deadline or a delay passes without a test
+        waiting for it."""
+        self.started -= seconds
+        self._skipped += seconds
+        self._wake.set()
 
     def copy_in(self, src: Path, dest: str) -> None:
         """Copy a host file into the workspace (only ``/workspace/...`` exists here)."""
@@ -156,10 +176,15 @@ class FakeSandbox(BaseSandbox):
     def stop(self, timeout: float = 10.0) -> None:
         """End the running command (as a KILL would); the workspace is kept."""
         del timeout
+        self.kill_now()
+
+    def kill_now(self) -> None:
+        """End the running command with exit 137 (what ``Backend.kill`` does)."""
         self.killed.set()
+        self._wake.set()
 
     def _teardown(self) -> None:
-        self.killed.set()
+        self.kill_now()
         self.script.raise_if("destroy", self.name)
         FakeBackend.record("destroy", self.name)
         FakeBackend.forget(self)
@@ -230,6 +255,23 @@ class FakeBackend:
                 cls._scripts.remove(entry)
 
     @classmethod
+    @contextlib.contextmanager
+    def installed_as(cls, name: str) -> Iterator[None]:
+        """Register the fake under ``name`` too (``"podman"``: what a default Boxfile asks)
+        inside the block, so code that builds its backend by name gets the fake."""
+        from agentbox import backends
+
+        before = backends.BACKENDS.get(name)
+        backends.BACKENDS[name] = f"{__name__}:{cls.__name__}"
+        try:
+            yield
+        finally:
+            if before is None:
+                backends.BACKENDS.pop(name, None)
+            else:
+                backends.BACKENDS[name] = before
+
+    @classmethod
     def script_for(cls, name: str) -> FakeScript:
         with cls._lock:
             for want, script in reversed(cls._scripts):
@@ -268,7 +310,7 @@ class FakeBackend:
             cls._scripts.clear()
             cls.events.clear()
         for box in boxes:
-            box.killed.set()
+            box.kill_now()
 
     # -- Backend Protocol
 
@@ -316,7 +358,7 @@ class FakeBackend:
         box = self.live(name)
         if box is None:
             return []
-        box.killed.set()
+        box.kill_now()
         return [name]
 
     def reap(self, name: str) -> list[str]:
@@ -326,7 +368,7 @@ class FakeBackend:
         box = self.live(name)
         if box is None:
             return []
-        box.killed.set()
+        box.kill_now()
         self.forget(box)
         return [name]
 
