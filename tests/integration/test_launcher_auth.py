@@ -302,6 +302,7 @@ def test_a_second_launcher_refuses_and_leaves_the_live_socket(
         stop(second)
     assert code not in (None, 0), "a second launcher started on a data dir that has one"
     assert "already" in err and str(launcher.pid) in err, err
+    assert "listening" not in err, err  # a refused launcher announces no socket
     assert stack.real_socket().lstat().st_ino == ino  # never unlinked, never replaced
     assert launcher.poll() is None
     assert call_as(0, stack.link, "GET", "/v1/tasks").status == 200

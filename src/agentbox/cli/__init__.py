@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from agentbox._log import configure
+from agentbox._text import visible
 from agentbox.errors import AgentboxError, RefusedError, UnsupportedError
 
 __all__ = ["app", "main"]
@@ -78,6 +79,6 @@ def main() -> None:
         app()
     except AgentboxError as exc:
         # The message may hold untrusted text (paths, agent output): never parse it as markup.
-        err_console.print(Text.assemble(("error: ", "red"), str(exc)), highlight=False)
+        err_console.print(Text.assemble(("error: ", "red"), visible(str(exc))), highlight=False)
         code = 3 if isinstance(exc, RefusedError) else 4 if isinstance(exc, UnsupportedError) else 1
         sys.exit(code)

@@ -333,11 +333,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve the launcher's API on <data_dir>/launcher.sock (used by the MCP server)."""
         from agentbox.launcher._server import serve as _serve
-        from agentbox.launcher._server import socket_path
 
         launcher = _launcher(max_tasks)
-        err.print(f"launcher listening on {socket_path(launcher.settings.data_dir)}")
-        _serve(launcher)
+        # Announced only once bound: a refused start (another launcher) prints no address.
+        _serve(launcher, on_listening=lambda p: err.print(f"launcher listening on {p}"))
 
     app.add_typer(launcher_app, name="launcher")
 

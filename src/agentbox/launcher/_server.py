@@ -427,10 +427,17 @@ def _remove_if_ours(path: Path, ident: tuple[int, int] | None) -> None:
             path.unlink()
 
 
-def serve(launcher: Launcher, *, path: Path | None = None) -> None:
+def serve(
+    launcher: Launcher,
+    *,
+    path: Path | None = None,
+    on_listening: Callable[[Path], None] | None = None,
+) -> None:
     """Lock, reconcile, then serve ``launcher`` on its unix socket until SIGINT/SIGTERM.
 
     :class:`~agentbox.errors.RefusedError` if another launcher serves this data dir.
+    ``on_listening(path)`` runs once the socket is bound and listening (never before:
+    a caller that announces the socket must not announce one that may yet fail).
     """
     data_dir = launcher.settings.data_dir
     path = path or socket_path(data_dir)
@@ -458,6 +465,8 @@ def serve(launcher: Launcher, *, path: Path | None = None) -> None:
             lst = os.lstat(link)
             link_id = (lst.st_dev, lst.st_ino)
         log.info("launcher serving", socket=str(path), pid=os.getpid())
+        if on_listening is not None:
+            on_listening(path)
         server = build_server(launcher)
         # uvicorn re-raises SIGTERM once it has shut down; make that an exit that
         # runs the clean-up below instead of the default kill.

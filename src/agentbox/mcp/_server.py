@@ -242,7 +242,7 @@ class _Tools:
         return _info_json(info)
 
     async def list_tasks(self) -> str:
-        """Every task the launcher knows (newest first) with its state, repo and tokens."""
+        """Your tasks (newest first; root sees every task) with its state, repo and tokens."""
         tasks = await self._call(self.client.list)
         return frame(json.dumps([_info_dict(t) for t in tasks[:200]], indent=1), _STATE)
 
