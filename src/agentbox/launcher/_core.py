@@ -25,11 +25,12 @@ from agentbox._log import get_logger
 from agentbox.backends import owned_sandboxes, sweep_stale_files
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
+from agentbox.env import check_env_policy, committed_boxfile
 from agentbox.errors import AgentboxError, PathRefused, TaskError, TaskNotFound
 from agentbox.gateway import DEFAULT_MODEL, load_registry, read_usage
 from agentbox.launcher import _runner
 from agentbox.launcher._store import Owner, Store, TaskRow
-from agentbox.launcher._validate import validate
+from agentbox.launcher._validate import git_readonly, validate
 from agentbox.launcher._watchdog import kill_sandbox, reap_sandbox, stop_watchdog
 from agentbox.launcher.api import (
     ModelInfo,
@@ -100,6 +101,12 @@ class Launcher:
         """
         registry = load_registry(self.settings)
         v = validate(request, self.settings, registry, boxfile=boxfile)
+        if boxfile is None:
+            # The repo's own .agentbox/Boxfile.toml, from its commit (never the work tree);
+            # a client over the socket (MCP delegate) can never pass a Boxfile of its own.
+            boxfile = committed_boxfile(v.repo, self.settings, git_readonly)
+            if boxfile is not None:
+                v = validate(request, self.settings, registry, boxfile=boxfile)
         if caller not in (None, 0):
             owner = v.repo.stat().st_uid
             if owner != caller:
@@ -110,6 +117,7 @@ class Launcher:
         box = boxfile or Boxfile.from_dict({}, settings=self.settings)
         if box.mounts:
             box.check_mounts(self.settings)
+        check_env_policy(box, self.settings)
         now = time.time()
         self.store.insert(
             id=v.task_id,
