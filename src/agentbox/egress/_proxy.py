@@ -44,7 +44,7 @@ log = get_logger("egress.proxy")
 #: ``(host, port) -> addresses``; the default asks the host's resolver (getaddrinfo).
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
-_CHUNK = 65536
+_CHUNK = 262144
 _REASONS = {
     400: "Bad Request",
     403: "Forbidden",
