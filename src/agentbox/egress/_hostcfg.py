@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 from agentbox import _proc
@@ -150,6 +151,9 @@ def host_registries(env: Mapping[str, str] | None = None) -> tuple[RegistryURL, 
     pass a fake ``HOME``.
     """
     env = dict(os.environ if env is None else env)
-    urls = [*_pip(env), *_npm(env), *_uv(env)]
+    # The clients start slowly (a second or more each): ask them at the same time.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        pip, npm = pool.submit(_pip, env), pool.submit(_npm, env)
+        urls = [*pip.result(), *npm.result(), *_uv(env)]
     log.debug("host registries", registries=[f"{s}:{sch}://{h}:{p}" for s, sch, h, p in urls])
     return _dedupe(urls)
