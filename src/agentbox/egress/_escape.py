@@ -21,12 +21,24 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from agentbox.config import Settings
 from agentbox.egress._policy import AllowRule, EgressLimits, EgressPolicy
 from agentbox.egress._process import spawn_proxy
+from agentbox.errors import AgentboxError
 
-__all__ = ["CLIENT_SOURCE", "PROBE_ID", "egress_probe", "probe_policy", "probe_targets"]
+if TYPE_CHECKING:
+    from agentbox.escape._model import Outcome
+
+__all__ = [
+    "CLIENT_SOURCE",
+    "PROBE_ID",
+    "egress_probe",
+    "probe_policy",
+    "probe_targets",
+    "suite_outcome",
+]
 
 PROBE_ID = "host.egress_proxy_inner"
 _SOCKET = "egress-probe.sock"
@@ -127,12 +139,15 @@ def egress_probe(
     socket_owner: int | None,
     run_as: tuple[int, int] | None,
     checked: bool = True,
+    open_socket: bool = False,
 ) -> tuple[str, str]:
     """Run the probe against ``box``: (``pass``/``fail``/``error``, what was seen).
 
     ``shared_dir`` is a host directory the sandbox sees at ``inside_dir`` (the gateway
     dir); the probe's socket lives there only while it runs, owned by
-    ``socket_owner`` (the sandbox's host uid). ``checked=False`` is the control.
+    ``socket_owner`` (the sandbox's host uid), or mode 0666 with ``open_socket`` (as the
+    suite's fixture makes its gateway socket: gVisor's gofer connects as another uid).
+    ``checked=False`` is the control.
     """
     sock = shared_dir / _SOCKET
     logdir = Path(tempfile.mkdtemp(prefix="agentbox-egress-probe-"))
@@ -140,6 +155,8 @@ def egress_probe(
         with spawn_proxy(sock, probe_policy(checked=checked), logdir / "egress.log", run_as):
             if socket_owner is not None:
                 os.chown(sock, socket_owner, socket_owner)
+            if open_socket:
+                sock.chmod(0o666)
             cfg = {"socket": f"{inside_dir}/{_SOCKET}", "targets": probe_targets()}
             res = box.exec(
                 ["python3", "-I", "-S", "-c", CLIENT_SOURCE, json.dumps(cfg)], timeout=180
@@ -156,3 +173,36 @@ def egress_probe(
         shutil.rmtree(logdir, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
+
+
+def suite_outcome(
+    box: _Execs, settings: Settings, gateway_dir: Path, *, vm: bool = False, control: bool = False
+) -> Outcome:
+    """The escape suite's :data:`PROBE_ID` outcome on ``box`` (whose gateway dir is
+    ``gateway_dir`` on the host). ``control``: the weak container and the unchecked proxy.
+    A microVM reaches host sockets over vsock, not a shared directory: n/a, said so."""
+    from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX
+    from agentbox.escape._model import Outcome
+    from agentbox.escape._registry import by_id
+    from agentbox.gateway import gateway_identity
+
+    spec = by_id(PROBE_ID)
+
+    def done(status: str, seen: str) -> Outcome:
+        return Outcome(spec.id, spec.where, spec.tried, spec.expected, seen[:400], status)  # type: ignore[arg-type]
+
+    if vm:
+        return done("n/a", "a microVM has no host socket directory to put the proxy's socket in")
+    try:
+        status, seen = egress_probe(
+            box,
+            gateway_dir,
+            GATEWAY_DIR_IN_SANDBOX,
+            socket_owner=None,
+            run_as=gateway_identity(settings),
+            checked=not control,
+            open_socket=True,
+        )
+    except AgentboxError as exc:
+        status, seen = "error", f"the probe could not run: {exc}"
+    return done(status, seen)
