@@ -9,7 +9,10 @@ from the commit. Three tasks on the same launcher:
   frozen; the agent's tests pass; the agent cannot reach the registry; the branch holds
   only the agent's file, never ``.venv``;
 - ``warm`` (after ``cold``): a hit: no setup, no proxy, the same tests pass;
-- ``changed``: ``requirements.txt`` changed in a new commit: a miss again.
+- ``changed``: ``requirements.txt`` changed in a new commit: a miss again;
+- ``netallow``: the same environment (a hit) with ``[network] allow`` naming the index's
+  host (within the host's ``egress_allow_cap``): the agent phase reaches it through its
+  own proxy, and the report's ``egress`` part says so.
 
 The default image has ``venv`` but no ``ensurepip`` (Debian ships it in python3-venv), so
 the test image adds the host's ``ensurepip`` and pip wheel to it (what a Containerfile
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.boxfile import Boxfile, loads_boxfile
 from agentbox.config import DEFAULT_IMAGE, Settings
 from agentbox.env import EnvStore
 from agentbox.launcher import Launcher, TaskInfo, TaskRequest, TaskResult
@@ -117,14 +121,23 @@ class Run:
         return (self.task_dir / "logs" / "agent.jsonl").read_text(errors="replace")
 
 
-def _pip_index() -> str:
+def _pip_index() -> tuple[str, str]:
     from agentbox.egress import host_registries
 
     pip = [(sch, h, p) for src, sch, h, p in host_registries() if src == "pip"]
     if not pip:
         pytest.skip("this host's pip names no http(s) index")
     sch, h, p = pip[0]
-    return f"{sch}://{h}:{p}/simple/attrs/"
+    return f"{sch}://{h}:{p}/simple/attrs/", h
+
+
+def _addresses(host: str) -> tuple[str, ...]:
+    """``host``'s addresses as /32 (/128) ranges: a Boxfile's name may resolve there (on this
+    network the index resolves to a reserved address, as company mirrors do)."""
+    import socket
+
+    infos = socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
+    return tuple(sorted({f"{i[4][0]}/{32 if i[0] == socket.AF_INET else 128}" for i in infos}))
 
 
 def _build_image(ctx: Path) -> None:
@@ -164,7 +177,7 @@ def runs() -> Iterator[tuple[Settings, dict[str, Run]]]:
     from agentbox.image import build_default
 
     build_default(Settings())
-    index = _pip_index()
+    index, index_host = _pip_index()
     base = Path(tempfile.mkdtemp(prefix="agentbox-env-e2e-", dir="/var/tmp"))
     base.chmod(0o711)
     _build_image(base / "ctx")
@@ -176,18 +189,22 @@ def runs() -> Iterator[tuple[Settings, dict[str, Run]]]:
     (base / "data").mkdir()
     (base / "repos").mkdir()
     settings = Settings(
-        data_dir=base / "data", repos_root=base / "repos", models_file=base / "models.toml"
+        data_dir=base / "data",
+        repos_root=base / "repos",
+        models_file=base / "models.toml",
+        egress_allow_cap=(index_host,),
+        egress_trusted_ranges=_addresses(index_host),
     )
     launcher = Launcher(settings, max_tasks=2)
     out: dict[str, Run] = {}
     keys: set[str] = set()
 
-    def run(name: str, repo: Path) -> str:
+    def run(name: str, repo: Path, boxfile: Boxfile | None = None) -> str:
         req = TaskRequest(
             repo=str(repo), task=f"env {name}: run the tests", model="replay-env",
             deadline=600.0, task_id=f"env-{name}-{NONCE}",
         )  # fmt: skip
-        return launcher.submit(req).id
+        return launcher.submit(req, boxfile=boxfile).id
 
     def finish(name: str, task_id: str, repo: Path) -> None:
         info = launcher.wait(task_id, timeout=900)
@@ -205,7 +222,13 @@ def runs() -> Iterator[tuple[Settings, dict[str, Run]]]:
         _commit(other, "requirements changed")
         changed = run("changed", other)
         finish("warm", warm, repo)
+        # The CLI's --boxfile: the committed one plus [network] allow for the agent phase.
+        netbox = loads_boxfile(
+            BOXFILE + f'\n[network]\nallow = ["{index_host}"]\n', path=Path("netallow.toml")
+        )
+        netallow = run("netallow", repo, netbox)
         finish("changed", changed, other)
+        finish("netallow", netallow, repo)
         yield settings, out
     finally:
         launcher.close()
@@ -277,3 +300,18 @@ def test_report_json_carries_the_setup_part(runs: tuple[Settings, dict[str, Run]
     data = json.loads((run.task_dir / "report.json").read_text())
     assert data["setup"]["cache"] == "miss"
     assert "+ .venv/bin/pip install" in data["setup"]["output_tail"]
+
+
+def test_network_allow_gives_the_agent_phase_that_host_through_its_proxy(
+    runs: tuple[Settings, dict[str, Run]],
+) -> None:
+    run = runs[1]["netallow"]
+    assert run.info.status == "done", run.info.error
+    assert run.result.report["setup"]["cache"] == "hit"  # same key: setup did not run
+    log = run.agent_log()
+    assert "2 passed" in log
+    assert "REGISTRY-REACHED proxy-vars=" in log and "REGISTRY-UNREACHABLE" not in log
+    egress = run.result.report["egress"]
+    assert egress["allowed"] >= 1 and egress["denied"] == 0
+    assert [h["host"] for h in egress["hosts"]] == [runs[0].egress_allow_cap[0]]
+    assert (run.task_dir / "logs" / "egress-agent.jsonl").is_file()
