@@ -14,8 +14,11 @@ from agentbox.image import _keys
 
 def test_public_surface() -> None:
     assert sorted(image.__all__) == [
+        "BASE_IMAGE",
+        "CUSTOM_REPO",
         "HASH_LABEL",
         "ImageInfo",
+        "build_containerfile",
         "build_default",
         "images_dir",
         "list_images",

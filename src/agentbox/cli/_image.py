@@ -1,10 +1,11 @@
-"""``agentbox image build|ls|rm``: the default sandbox image and the ones agentbox built."""
+"""``agentbox image build|ls|rm``: the default image, Containerfile images, and their cache."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -55,16 +56,45 @@ class _PhaseProgress:
 
 @image_app.command("build")
 def build(
+    containerfile: Annotated[
+        Path | None,
+        typer.Option(
+            "--containerfile",
+            help="Build from this Containerfile (usually FROM localhost/agentbox-base) "
+            "instead of the default image",
+        ),
+    ] = None,
+    context: Annotated[
+        Path | None,
+        typer.Option("--context", help="The build context (default: the Containerfile's dir)"),
+    ] = None,
+    tag: Annotated[
+        str | None, typer.Option("--tag", help="Also tag the Containerfile image with this name")
+    ] = None,
     force: bool = typer.Option(False, "--force", help="Rebuild the Debian base and the image"),
     as_json: bool = typer.Option(False, "--json", help="No progress; print the result as JSON"),
 ) -> None:
-    """Build the default image (cached by content hash: seconds when nothing changed)."""
-    from agentbox.image import build_default
+    """Build the default image, or one from a Containerfile with agentbox's layer.
+
+    Both are hardened and verified the same way and cached by content hash
+    (seconds when nothing changed). The default build also makes
+    localhost/agentbox-base, the usual FROM of a Containerfile.
+    """
+    from agentbox.image import build_containerfile, build_default
 
     settings = load_settings()
+    if containerfile is None and (context is not None or tag is not None):
+        raise typer.BadParameter("--context and --tag go with --containerfile")
+
+    def run(progress: Any = None) -> Any:
+        if containerfile is None:
+            return build_default(settings, force=force, progress=progress)
+        return build_containerfile(
+            settings, containerfile, context=context, tag=tag, force=force, progress=progress
+        )
+
     if as_json:
-        info = build_default(settings, force=force)
-        print(json.dumps(_info_dict(info)))
+        print(json.dumps(_info_dict(run())))
         return
     started = time.monotonic()
     with Progress(
@@ -74,7 +104,7 @@ def build(
         console=_err,
         transient=True,
     ) as progress:
-        info = build_default(settings, force=force, progress=_PhaseProgress(progress))
+        info = run(_PhaseProgress(progress))
     took = time.monotonic() - started
     state = "up to date" if info.cached else "built"
     _out.print(

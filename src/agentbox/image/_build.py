@@ -183,6 +183,15 @@ def _build_base(images: Path, key: str, sources: _keys.AptSources, say: Progress
 KEEP_PREVIOUS = 2
 
 
+def _is_default(entry: Path) -> bool:
+    """True for a kept default image (not one built from a Containerfile)."""
+    try:
+        data = json.loads((entry / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return True
+    return not (isinstance(data, dict) and data.get("kind") == "containerfile")
+
+
 def _prune(images: Path, key: str, base: str) -> list[str]:
     """Drop older default images (cache dir and podman tags) and unused bases.
 
@@ -190,7 +199,11 @@ def _prune(images: Path, key: str, base: str) -> list[str]:
     container still uses stays (podman refuses; we never force).
     """
     olds = sorted(
-        (p for p in images.iterdir() if _HASH_RE.fullmatch(p.name) and p.name != key),
+        (
+            p
+            for p in images.iterdir()
+            if _HASH_RE.fullmatch(p.name) and p.name != key and _is_default(p)
+        ),
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )
@@ -199,7 +212,7 @@ def _prune(images: Path, key: str, base: str) -> list[str]:
     for entry in _podman.list_labelled(HASH_LABEL):
         labels = entry.get("Labels")
         old = str(labels.get(HASH_LABEL)) if isinstance(labels, dict) else ""
-        names = [str(n) for n in entry.get("Names") or [] if str(n).startswith(DEFAULT_REPO)]
+        names = [str(n) for n in entry.get("Names") or [] if str(n).startswith(f"{DEFAULT_REPO}:")]
         if old in keep or not names or DEFAULT_IMAGE in names:
             continue
         try:
@@ -243,13 +256,26 @@ def _import(root: Path, workdir: Path, key: str, base: str, uid: int, say: Progr
         tarball.unlink(missing_ok=True)
 
 
+def _base_image(images: Path, bkey: str, say: Progress) -> None:
+    """``localhost/agentbox-base``: the Debian root without our layer, for Containerfiles."""
+    from agentbox.image._containerfile import ensure_base_image, prune_base_images
+
+    base = images / "base" / bkey / "rootfs"
+    if base.is_dir():
+        ensure_base_image(base, bkey, say)
+        for gone in prune_base_images(bkey):
+            say(f"prune: {gone}")
+
+
 def build_default(
     settings: Settings, *, force: bool = False, progress: Progress | None = None
 ) -> ImageInfo:
     """Build (or find in the cache) the default image and return it.
 
     Imports it into podman as ``localhost/agentbox-default:<hash>`` and
-    ``:latest``, and keeps its verified root under the cache dir. With nothing
+    ``:latest``, and keeps its verified root under the cache dir. Its Debian
+    root without our layer (apt kept) becomes ``localhost/agentbox-base``, the
+    usual ``FROM`` of a Containerfile (:func:`build_containerfile`). With nothing
     changed, returns at once with ``cached=True``. ``force`` rebuilds the
     Debian base and the image. ``progress`` receives ``"<phase>: <what>"`` lines.
     """
@@ -292,6 +318,7 @@ def build_default(
                 latest = _podman.inspect(DEFAULT_IMAGE)
                 if latest is None or latest.get("Id") != got.get("Id"):
                     _podman.tag(ref, DEFAULT_IMAGE)
+                _base_image(images, bkey, say)
                 say(f"cached: {key}")
                 return ImageInfo(DEFAULT_IMAGE, key, final / "rootfs", str(got.get("Id")), True)
             # The root is kept but podman lost the image (podman rmi, storage reset).
@@ -348,6 +375,7 @@ def build_default(
             safe_rmtree(tmp)
             raise
         pid = _import(final / "rootfs", images, key, bkey, uid, say)
+        _base_image(images, bkey, say)
         for gone in _prune(images, key, bkey):
             say(f"prune: {gone}")
         say(f"done: {DEFAULT_IMAGE} ({key})")

@@ -18,6 +18,7 @@ import shutil
 import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Literal
 
 from agentbox.errors import ImageError
 from agentbox.image._rootfs import resolve_in, resolve_parent_in, walk
@@ -30,6 +31,7 @@ __all__ = [
     "forbidden_name",
     "harden",
     "install",
+    "packaged_paths",
     "verify",
 ]
 
@@ -145,12 +147,33 @@ def _remove_package(root: Path, package: str, removed: list[str]) -> None:
                 _unlink(p, removed, root)
 
 
-def harden(root: Path) -> dict[str, list[str]]:
+def packaged_paths(root: Path) -> set[Path]:
+    """Every path dpkg's file lists attribute to an installed package, resolved in ``root``."""
+    out: set[Path] = set()
+    info = root / "var/lib/dpkg/info"
+    if not info.is_dir() or info.is_symlink():
+        return out
+    for lst in sorted(info.glob("*.list")):
+        for line in lst.read_text(errors="replace").splitlines():
+            if line.startswith("/") and line != "/.":
+                out.add(resolve_parent_in(root, line))
+    return out
+
+
+def harden(root: Path, *, strip: Literal["all", "packaged"] = "all") -> dict[str, list[str]]:
     """Remove the package manager, su/sudo and identity tools; strip setuid/setgid/caps.
 
-    Returns what was done (``removed`` and ``stripped`` paths, image-relative),
-    for the manifest. :func:`verify` checks the result independently.
+    ``strip="all"`` (the default image: every file came from Debian's packages)
+    strips every setuid/setgid bit and file capability. ``strip="packaged"``
+    (an image from a user's Containerfile) strips them from directories (a
+    setgid directory such as ``/var/mail`` only passes on its group) and from
+    files a Debian package installed, as read from dpkg's lists before they
+    go; any other file (a binary the Containerfile made setuid, or gave a
+    capability) is left for :func:`verify` to refuse by name. Returns what was
+    done (``removed`` and ``stripped`` paths, image-relative), for the
+    manifest. :func:`verify` checks the result independently.
     """
+    packaged = packaged_paths(root) if strip == "packaged" else None
     removed: list[str] = []
     for pkg in REMOVED_PACKAGES:
         _remove_package(root, pkg, removed)
@@ -165,6 +188,8 @@ def harden(root: Path) -> dict[str, list[str]]:
     for p, st in walk(root):
         if stat.S_ISLNK(st.st_mode):
             continue
+        if packaged is not None and not stat.S_ISDIR(st.st_mode) and p not in packaged:
+            continue  # left for verify() to refuse by name
         changed = False
         if st.st_mode & (stat.S_ISUID | stat.S_ISGID):
             # The path's components are real directories (walk never follows links),
@@ -265,15 +290,20 @@ def verify(
     sandbox_uid: int = 64000,
     guest_names: Sequence[str] = (),
     require_claude: bool = True,
+    tools_anywhere: bool = False,
 ) -> None:
     """Read the finished root and raise ImageError naming every offending path.
 
     Checks: no setuid/setgid file or directory and no file capability anywhere;
-    no package manager, su/sudo or identity tool on any PATH dir; no dpkg/apt
-    state; Claude Code present and executable; tini, the ``agent`` user, the
-    guest programs and the mount points present.
+    no package manager, su/sudo or identity tool on any PATH dir (with
+    ``tools_anywhere``, as for an image from a user's Containerfile: no
+    executable file by such a name anywhere, so a copy of ``dpkg`` kept in
+    ``/opt`` is found too); no dpkg/apt state; Claude Code present and
+    executable; tini, the ``agent`` user, the guest programs and the mount
+    points present.
     """
     problems: list[str] = []
+    path_dirs = _path_dirs(root)
     for p, st in walk(root):
         if stat.S_ISLNK(st.st_mode):
             continue
@@ -283,7 +313,15 @@ def verify(
             problems.append(f"{kind} {oct(stat.S_IMODE(st.st_mode))}: {rel}")
         elif stat.S_ISREG(st.st_mode) and _CAP_XATTR in _xattrs(p):
             problems.append(f"file capability: {rel}")
-    for d in _path_dirs(root):
+        if (
+            tools_anywhere
+            and stat.S_ISREG(st.st_mode)
+            and st.st_mode & 0o111
+            and forbidden_name(p.name)
+            and p.parent not in path_dirs
+        ):
+            problems.append(f"forbidden tool: {rel}")
+    for d in path_dirs:
         for entry in sorted(d.iterdir()):
             if forbidden_name(entry.name):
                 problems.append(f"forbidden tool on PATH: /{entry.relative_to(root)}")

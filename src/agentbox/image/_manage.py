@@ -80,11 +80,13 @@ def _names(entry: dict[str, Any]) -> list[str]:
 
 
 def _display_name(names: list[str], key: str, image_id: str) -> str:
-    """``…:latest`` if the image has it, else its ``<repo>:<hash>`` tag, else any name."""
+    """``…:latest`` if the image has it, else a name the user gave it (``--tag``), else
+    its ``<repo>:<hash>`` tag, else any name."""
     if DEFAULT_IMAGE in names:
         return DEFAULT_IMAGE
     tagged = [n for n in names if n.endswith(f":{key}")]
-    return (tagged or sorted(names) or [image_id])[0]
+    given = sorted(n for n in names if n not in tagged)
+    return (given or tagged or [image_id])[0]
 
 
 def list_images(settings: Settings) -> list[ImageInfo]:

@@ -22,6 +22,7 @@ __all__ = [
     "list_labelled",
     "remove_names",
     "tag",
+    "valid_reference",
 ]
 
 # A podman/OCI image reference: registry/path:tag or @digest, or a bare image id.
@@ -34,6 +35,11 @@ def _run(argv: Sequence[str], *, timeout: float = 120, check: bool = True) -> _p
         return _proc.run(argv, timeout=timeout, check=check)
     except FileNotFoundError as exc:
         raise ImageError(f"podman not found ({exc.filename}): apt-get install podman") from exc
+
+
+def valid_reference(name: str) -> bool:
+    """True if ``name`` looks like an image reference podman may be given."""
+    return isinstance(name, str) and _REF_RE.fullmatch(name) is not None
 
 
 def check_reference(name: str) -> str:
