@@ -3,7 +3,7 @@
 Example::
 
     image = "localhost/agentbox-default:latest"
-    backend = "podman"          # podman | qemu | firecracker
+    backend = "podman"          # podman | docker | qemu | firecracker
     runtime = "runc"            # runc | crun | runsc   (podman only)
     isolation = "standard"      # standard | strict
     deadline = 1800             # seconds
@@ -268,7 +268,7 @@ class Boxfile(_Strict):
     """One sandbox's declaration. Every field has a safe default."""
 
     image: str = DEFAULT_IMAGE
-    backend: Literal["podman", "qemu", "firecracker"] = "podman"
+    backend: Literal["podman", "qemu", "firecracker", "docker"] = "podman"
     runtime: Literal["runc", "crun", "runsc"] = "runc"
     isolation: Literal["standard", "strict"] = "standard"
     deadline: float = Field(default=3600.0, gt=0, le=7 * 24 * 3600)

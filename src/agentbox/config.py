@@ -74,7 +74,7 @@ def _check_size(size: int) -> int:
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 
-Backend = Literal["podman", "qemu", "firecracker"]
+Backend = Literal["podman", "qemu", "firecracker", "docker"]
 Runtime = Literal["runc", "crun", "runsc"]
 
 

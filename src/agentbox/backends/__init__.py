@@ -35,6 +35,7 @@ BACKENDS: dict[str, str] = {
     "podman": "agentbox.backends.podman:PodmanBackend",
     "qemu": "agentbox.backends.qemu:QemuBackend",
     "firecracker": "agentbox.backends.firecracker:FirecrackerBackend",
+    "docker": "agentbox.backends.docker:DockerBackend",
     "fake": "agentbox.backends.fake:FakeBackend",
 }
 

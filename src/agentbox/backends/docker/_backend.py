@@ -1,0 +1,321 @@
+"""The docker backend: the seed's own engine, hardened like podman, through the Engine API."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agentbox._log import get_logger
+from agentbox.backends._podman_disk import settle_orphan_disks, workspace_disk
+from agentbox.backends._podman_util import Capture, check_env, owner_start
+from agentbox.backends.base import (
+    GATEWAY_PORT,
+    LABEL,
+    OWNER_DATA_LABEL,
+    BackendKind,
+    ExecResult,
+    OutputCallback,
+    SandboxSpec,
+    data_dir_label,
+)
+from agentbox.backends.docker._client import GuardedClient, connect
+from agentbox.backends.docker._config import (
+    DaemonFacts,
+    container_body,
+    daemon_facts,
+    docker_runtime,
+)
+from agentbox.backends.docker._image import ensure_image, forget_images
+from agentbox.backends.docker._sandbox import DockerSandbox, status_of
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, ConfigError, PathRefused, SandboxError, UnsupportedError
+
+__all__ = ["DEFAULT_HOST", "DockerBackend"]
+
+log = get_logger("docker")
+
+DEFAULT_HOST = "unix:///var/run/docker.sock"
+RUNTIMES = ("runc", "runsc")
+
+_RELAY_WAIT = r"""
+import socket, sys, time
+end = time.monotonic() + float(sys.argv[1])
+while True:
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[2])), timeout=1).close()
+        break
+    except OSError:
+        if time.monotonic() > end:
+            sys.exit(1)
+        time.sleep(0.02)
+"""
+
+
+def _check_dir(path: Path, what: str) -> None:
+    if not path.is_absolute() or not path.is_dir():
+        raise PathRefused(f"{what} is not an existing absolute directory", path=path)
+
+
+class DockerBackend:
+    """Hardened Docker containers under runc or runsc (gVisor); docs/reference/docker-backend.md.
+
+    Used by the launcher only (it holds ``docker.sock``, which is root-equivalent);
+    every Engine call goes through the allow-list of :mod:`._client`.
+    ``unsafe_host_config`` weakens every sandbox it makes: for the escape suite's
+    positive controls only, unreachable from a Boxfile or the normal CLI.
+    """
+
+    name = "docker"
+    kind: BackendKind = "container"
+    runtimes: tuple[str, ...] = RUNTIMES
+    snapshots = False
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        base_url: str | None = None,
+        unsafe_host_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.base_url = base_url or os.environ.get("DOCKER_HOST") or DEFAULT_HOST
+        self.unsafe_host_config = dict(unsafe_host_config or {})
+        if self.unsafe_host_config:
+            log.warning("docker backend weakened on purpose", extra=self.unsafe_host_config)
+        self._client: GuardedClient | None = None
+        self._facts: DaemonFacts | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> GuardedClient:
+        with self._lock:
+            if self._client is None:
+                self._client = connect(self.base_url)
+            return self._client
+
+    def facts(self) -> DaemonFacts:
+        """The daemon's version, runtimes, AppArmor and userns-remap (read once)."""
+        with self._lock:
+            if self._facts is not None:
+                return self._facts
+        try:
+            info = self.client.api.info()
+            version = self.client.api.version(api_version=False)
+        except Exception as exc:
+            raise UnsupportedError(
+                f"no docker daemon at {self.base_url}: {exc}",
+                fix="scripts/setup.sh starts one (dockerd --iptables=false --bridge=none)",
+            ) from exc
+        facts = daemon_facts(info, version)
+        with self._lock:
+            self._facts = facts
+        return facts
+
+    def shares_host_kernel(self, runtime: str) -> bool:
+        """runc runs on the host's kernel; runsc (gVisor) brings its own."""
+        return runtime == "runc"
+
+    def check(self, spec: SandboxSpec) -> None:
+        """Refuse ``spec`` before anything starts: runtime, uid mapping, mounts, env."""
+        if spec.runtime not in RUNTIMES:
+            raise UnsupportedError(f"runtime {spec.runtime!r} is not offered by the docker backend",
+                                   fix=f"use one of {', '.join(RUNTIMES)}")  # fmt: skip
+        facts = self.facts()
+        want = docker_runtime(spec)
+        if want not in facts.runtimes:
+            raise UnsupportedError(
+                f"the docker daemon has no runtime {want!r} (it has {', '.join(facts.runtimes)})",
+                fix="register runsc and runsc-gw in /etc/docker/daemon.json (scripts/setup.sh; "
+                "see docs/reference/docker-backend.md)",
+            )
+        if facts.remap_base is not None and facts.remap_base < 0:
+            raise UnsupportedError(f"cannot read the userns-remap base from {facts.root_dir}")
+        if not 0 < spec.uid < 65536:
+            raise UnsupportedError(f"sandbox uid {spec.uid} is outside the 65536-id map")
+        if facts.host_uid(spec.uid) != self.settings.sandbox_host_uid:
+            raise UnsupportedError(
+                f"docker maps sandbox uid {spec.uid} to host uid {facts.host_uid(spec.uid)} "
+                f"({facts.userns_mode}), but agentbox gives workspaces to host uid "
+                f"{self.settings.sandbox_host_uid}",
+                fix=f"set userns-remap with subordinate ids from {self.settings.subid_base} "
+                "(scripts/setup.sh), or AGENTBOX_SUBID_BASE to the remap base in force",
+            )
+        if spec.workspace is not None:
+            _check_dir(spec.workspace, "workspace")
+        if spec.gateway_dir is not None:
+            _check_dir(spec.gateway_dir, "gateway dir")
+        for m in spec.mounts:
+            if not m.source.is_absolute() or not m.source.exists():
+                raise PathRefused("declared mount is not an existing absolute path", path=m.source)
+        check_env(spec.env)
+
+    def _labels(self, spec: SandboxSpec) -> SandboxSpec:
+        labels = {LABEL: "1", **spec.labels, "io.agentbox.owner-start": owner_start()}
+        return spec.replace(labels=labels)
+
+    def create(self, spec: SandboxSpec) -> DockerSandbox:
+        """Start a sandbox idling under tini; ``exec`` commands into it; ``destroy`` it."""
+        self.check(spec)
+        image_id = ensure_image(self.client, self.settings, spec.image)
+        spec = self._labels(spec)
+        disk = workspace_disk(self.settings, spec)
+        disk.__enter__()  # left by DockerSandbox.destroy, after the container is gone
+        try:
+            box = self._start(spec, image_id)
+        except BaseException:
+            disk.__exit__(None, None, None)
+            raise
+        box._disk = disk
+        try:
+            if spec.gateway_dir is not None:
+                self._wait_relay(box)
+        except BaseException:
+            box.destroy()
+            raise
+        return box
+
+    def _start(self, spec: SandboxSpec, image_id: str) -> DockerSandbox:
+        body = container_body(spec, self.settings, self.facts(), image_id,
+                              unsafe_host_config=self.unsafe_host_config)  # fmt: skip
+        api = self.client.api
+        try:
+            made = api.create_container_from_config(body, name=spec.name)
+        except Exception as exc:
+            if status_of(exc) == 404:
+                forget_images()
+            raise SandboxError(f"docker could not create it: {exc}", sandbox=spec.name) from exc
+        box = DockerSandbox(self, spec, str(made.get("Id") or spec.name))
+        try:
+            api.start(box.id)
+        except Exception as exc:
+            with contextlib.suppress(AgentboxError):
+                self.remove_container(box.id)
+            raise SandboxError(f"docker could not start it: {exc}", sandbox=spec.name) from exc
+        box._start_watchdog()
+        return box
+
+    def _wait_relay(self, box: DockerSandbox, timeout: float = 10.0) -> None:
+        res = box.exec(["python3", "-I", "-S", "-c", _RELAY_WAIT, str(timeout), str(GATEWAY_PORT)])
+        if res.exit_code != 0:
+            raise SandboxError("gateway relay did not start listening", sandbox=box.name)
+
+    def run(
+        self,
+        spec: SandboxSpec,
+        argv: Sequence[str],
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """One shot: a fresh sandbox runs ``argv``, then is destroyed (whatever happens).
+
+        The sandbox's deadline kills it (``timed_out`` set), and its own clock ends it
+        a little later should this process have died.
+        """
+        if not argv:
+            raise ConfigError("run needs a command")
+        out, err = Capture(on_stdout), Capture(on_stderr)
+        with self.create(spec) as box:
+            res = box.exec(argv, stdin=stdin, on_stdout=out, on_stderr=err)
+            expired = box.expired
+        return ExecResult(res.exit_code, out.data, err.data, timed_out=res.timed_out or expired)
+
+    # Verbs by name: from any process, without a handle.
+
+    def kill_container(self, ident: str) -> None:
+        """SIGKILL container ``ident`` (absent or stopped is fine)."""
+        try:
+            self.client.api.kill(ident, signal="SIGKILL")
+        except Exception as exc:
+            if status_of(exc) not in (404, 409):
+                raise SandboxError(f"docker kill: {exc}", sandbox=ident) from exc
+
+    def remove_container(self, ident: str) -> None:
+        """Kill and remove container ``ident``, then wait until it is gone; absent is fine."""
+        api = self.client.api
+        self.kill_container(ident)
+        err: Exception | None = None
+        for _ in range(5):
+            try:
+                api.remove_container(ident, force=True)
+                return
+            except Exception as exc:
+                if status_of(exc) == 404:
+                    return
+                err = exc
+                with contextlib.suppress(Exception):
+                    api.wait(ident, timeout=2, condition="removed")
+        raise SandboxError(f"could not remove: {err}", sandbox=ident) from err
+
+    def kill(self, name: str) -> list[str]:
+        """Kill container ``name`` and remove it; the workspace is a host bind mount."""
+        self.remove_container(name)
+        return [name]
+
+    def reap(self, name: str) -> list[str]:
+        """Remove container ``name`` whose owner died, then settle its workspace disk."""
+        done = self.kill(name)
+        for disk in settle_orphan_disks(self.settings, name):
+            log.info("settled the workspace disk of a dead owner", sandbox=disk)
+        return done
+
+    def recover(self, name: str, into: Path) -> list[str]:
+        """The workspace is a host bind mount: only a workspace disk needs settling."""
+        del into
+        return list(settle_orphan_disks(self.settings, name))
+
+    def list_sandboxes(self, *labels: str) -> list[dict[str, Any]]:
+        """Every container labelled as an agentbox sandbox (and ``labels``), running or not."""
+        try:
+            got = self.client.api.containers(all=True, filters={"label": [f"{LABEL}=1", *labels]})
+        except Exception as exc:
+            raise SandboxError(f"docker ps: {exc}") from exc
+        return [c for c in got or [] if isinstance(c, dict)]
+
+    def owned(self) -> list[str]:
+        """Containers labelled with this data dir (the launcher labels every task's)."""
+        try:
+            found = self.list_sandboxes(
+                f"{OWNER_DATA_LABEL}={data_dir_label(self.settings.data_dir)}"
+            )
+        except (AgentboxError, UnsupportedError):
+            return []
+        return [n for c in found for n in _names(c)[:1]]
+
+    def cleanup_orphans(self) -> list[str]:
+        """Remove labelled containers whose owner process is gone; return their names."""
+        removed = []
+        for c in self.list_sandboxes():
+            names = _names(c)
+            labels = c.get("Labels") or {}
+            if not names or not isinstance(labels, dict) or _owner_alive(labels):
+                continue
+            log.info("removing orphan sandbox", sandbox=names[0])
+            self.remove_container(names[0])
+            removed.append(names[0])
+        for name in settle_orphan_disks(self.settings):
+            log.info("settled the workspace disk of a dead owner", sandbox=name)
+            if name not in removed:
+                removed.append(name)
+        return removed
+
+
+def _names(c: Mapping[str, object]) -> list[str]:
+    names = c.get("Names") or []
+    return [str(n).lstrip("/") for n in names] if isinstance(names, list) else []
+
+
+def _owner_alive(labels: Mapping[str, object]) -> bool:
+    try:
+        pid = int(str(labels.get("io.agentbox.owner-pid", "")))
+        start = str(labels.get("io.agentbox.owner-start", ""))
+        return f"{psutil.Process(pid).create_time():.0f}" == start
+    except (ValueError, psutil.Error):
+        return False

@@ -1,0 +1,221 @@
+"""The Engine JSON of a hardened sandbox container, and the daemon facts it depends on.
+
+Each field answers a line of the seed's "Agent container" list, like
+:func:`agentbox.backends._podman_args.run_args` does for podman; the comment
+next to it says which threat it closes. Nothing here talks to the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentbox.backends._podman_args import RELAY_PATH
+from agentbox.backends._seccomp import profile_path
+from agentbox.backends._userns_limits import SANDBOX_RLIMITS
+from agentbox.backends.base import (
+    GATEWAY_DIR_IN_SANDBOX,
+    GATEWAY_PORT,
+    GATEWAY_SOCKET_NAME,
+    HOME_IN_SANDBOX,
+    LABEL,
+    WORKSPACE_IN_SANDBOX,
+    SandboxSpec,
+)
+from agentbox.config import Settings
+
+__all__ = [
+    "DEADLINE_GRACE",
+    "RUNSC_GATEWAY_RUNTIME",
+    "DaemonFacts",
+    "container_body",
+    "daemon_facts",
+    "docker_runtime",
+    "entry_argv",
+    "nano_cpus",
+]
+
+#: The container's own clock (its idle ``sleep``) ends it this long after our watchdog
+#: should have: the deadline holds even if agentbox died (podman: conmon's --timeout).
+DEADLINE_GRACE = 5
+#: The runsc runtime registered for sandboxes with a gateway: the same flags plus
+#: ``--host-uds=open`` (connect to the mounted gateway socket, never create one).
+RUNSC_GATEWAY_RUNTIME = "runsc-gw"
+
+
+@dataclass(frozen=True)
+class DaemonFacts:
+    """What the daemon is: version, runtimes, AppArmor, user-namespace remapping."""
+
+    version: str
+    api_version: str
+    runtimes: tuple[str, ...]
+    apparmor: bool
+    seccomp: bool
+    #: Host id that container id 0 maps to (None: no userns-remap, ids are the host's).
+    remap_base: int | None
+    root_dir: str
+
+    @property
+    def userns_mode(self) -> str:
+        """``remap (0 → N)`` or ``host ids``: which of the seed's two models is in force."""
+        return f"remap (0 → {self.remap_base})" if self.remap_base is not None else "host ids"
+
+    def host_uid(self, uid: int) -> int:
+        """The host uid that sandbox uid ``uid`` is."""
+        return uid + (self.remap_base or 0)
+
+
+def daemon_facts(info: dict[str, Any], version: dict[str, Any]) -> DaemonFacts:
+    """Read ``GET /info`` and ``GET /version`` (untrusted shapes: checked, never assumed)."""
+    opts = [str(o) for o in info.get("SecurityOptions") or [] if isinstance(o, str)]
+    names = {o.split(",")[0].removeprefix("name=") for o in opts}
+    root = str(info.get("DockerRootDir") or "")
+    base: int | None = None
+    if "userns" in names:
+        # A remapped daemon keeps its state under <root>/<uid>.<gid>: the remap base.
+        tail = Path(root).name
+        uid, _, _gid = tail.partition(".")
+        base = int(uid) if uid.isdigit() else -1
+    runtimes = info.get("Runtimes")
+    return DaemonFacts(
+        version=str(version.get("Version") or info.get("ServerVersion") or "?"),
+        api_version=str(version.get("ApiVersion") or "?"),
+        runtimes=tuple(sorted(str(k) for k in runtimes)) if isinstance(runtimes, dict) else (),
+        apparmor="apparmor" in names,
+        seccomp="seccomp" in names,
+        remap_base=base,
+        root_dir=root,
+    )
+
+
+def nano_cpus(cpus: float) -> int:
+    """CPU quota in 1e-9 CPUs; the Engine refuses more CPUs than the host has, so clamp."""
+    return int(min(cpus, float(os.cpu_count() or 1)) * 1e9)
+
+
+def docker_runtime(spec: SandboxSpec) -> str:
+    """The daemon runtime for ``spec``: runc, or runsc (network off at runsc level, see
+    docs/reference/docker-backend.md), with host unix sockets only when there is a gateway."""
+    if spec.runtime == "runsc" and spec.gateway_dir is not None:
+        return RUNSC_GATEWAY_RUNTIME
+    return spec.runtime
+
+
+def seccomp_json(settings: Settings, runtime: str) -> str:
+    """agentbox's profile (the same file podman uses), as the Engine takes it: inline."""
+    path = profile_path(settings.cache_dir, allow_clone3=runtime == "runsc")
+    return json.dumps(json.loads(path.read_text()), separators=(",", ":"))
+
+
+def entry_argv(spec: SandboxSpec, argv: list[str]) -> list[str]:
+    """The container's command: ``argv``, behind the gateway relay when there is a gateway."""
+    if spec.gateway_dir is None:
+        return list(argv)
+    return [
+        "python3", "-I", "-S", RELAY_PATH,
+        "--port", str(GATEWAY_PORT),
+        "--socket", f"{GATEWAY_DIR_IN_SANDBOX}/{GATEWAY_SOCKET_NAME}",
+        "--", *argv,
+    ]  # fmt: skip
+
+
+def _bind(source: Path, target: str, read_only: bool) -> dict[str, Any]:
+    return {
+        "Type": "bind",
+        "Source": str(source),
+        "Target": target,
+        "ReadOnly": read_only,
+        "BindOptions": {"Propagation": "rprivate", "NonRecursive": True},
+    }
+
+
+def container_body(
+    spec: SandboxSpec,
+    settings: Settings,
+    facts: DaemonFacts,
+    image_id: str,
+    *,
+    unsafe_host_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``POST /containers/create`` body: an idle sandbox whose own clock ends it.
+
+    The main process is ``sleep`` for the deadline plus :data:`DEADLINE_GRACE` under
+    tini (``Init``): when it ends, the container's pid namespace dies with every
+    process in it, even if agentbox is gone. Commands are exec'd into it.
+    """
+    res = spec.resources
+    mem = int(res.memory)
+    security = [
+        "no-new-privileges",
+        # podman's default profile minus user namespaces, socket families, AIO, keyctl.
+        f"seccomp={seccomp_json(settings, spec.runtime)}",
+    ]
+    if facts.apparmor:
+        security.append("apparmor=docker-default")
+    mounts = []
+    if spec.workspace is not None:
+        mounts.append(_bind(spec.workspace, WORKSPACE_IN_SANDBOX, False))
+    if spec.gateway_dir is not None:
+        mounts.append(_bind(spec.gateway_dir, GATEWAY_DIR_IN_SANDBOX, False))
+    mounts += [_bind(m.source, m.target, m.read_only) for m in spec.mounts]
+    ulimits = [
+        {"Name": "nofile", "Soft": res.nofile, "Hard": res.nofile},
+        {"Name": "nproc", "Soft": res.pids, "Hard": res.pids},
+        *({"Name": k, "Soft": v, "Hard": v} for k, v in sorted(SANDBOX_RLIMITS.items())),
+    ]
+    host_config: dict[str, Any] = {
+        "NetworkMode": "none",               # only lo
+        "ReadonlyRootfs": True,              # read-only root filesystem
+        "CapDrop": ["ALL"],
+        "CapAdd": [],
+        "SecurityOpt": security,
+        "IpcMode": "private",
+        "CgroupnsMode": "private",           # its own cgroup tree, not the host's (v1)
+        "Init": True,                        # tini as PID 1: reaps, forwards signals
+        "PidsLimit": res.pids,
+        "Memory": mem,
+        "MemorySwap": mem,                   # equal to memory: no swap
+        "NanoCpus": nano_cpus(res.cpus),    # 4, or all the host has if fewer
+        "Ulimits": ulimits,
+        "Tmpfs": {
+            "/tmp": "rw,nosuid,nodev,mode=1777",
+            HOME_IN_SANDBOX: "rw,nosuid,nodev,mode=1777",
+        },
+        "Mounts": mounts,                    # exactly the declared ones, nothing else
+        "Runtime": docker_runtime(spec),
+        "AutoRemove": False,                 # removed by us (and the orphan sweep)
+        "RestartPolicy": {"Name": "no"},
+        "Privileged": False,
+        "PublishAllPorts": False,
+    }  # fmt: skip
+    if unsafe_host_config:
+        host_config.update(unsafe_host_config)
+    labels = {
+        LABEL: "1",
+        **spec.labels,
+        "io.agentbox.owner-pid": str(os.getpid()),
+        "io.agentbox.runtime": spec.runtime,
+        "io.agentbox.backend": "docker",
+    }
+    return {
+        "Image": image_id,
+        # tini comes from the daemon (Init): the image's own entrypoint is cleared.
+        "Entrypoint": [""],
+        "Cmd": entry_argv(spec, ["sleep", str(math.ceil(spec.deadline) + DEADLINE_GRACE)]),
+        "User": f"{spec.uid}:{spec.uid}",
+        "WorkingDir": spec.workdir,
+        "Env": [f"{k}={v}" for k, v in sorted(spec.env.items())],
+        "Labels": labels,
+        "NetworkDisabled": True,
+        "AttachStdin": False,
+        "AttachStdout": False,
+        "AttachStderr": False,
+        "Tty": False,
+        "OpenStdin": False,
+        "HostConfig": host_config,
+    }

@@ -1,0 +1,116 @@
+"""One command in a running container over the Engine's exec API, streamed.
+
+``POST /containers/{id}/exec`` then ``POST /exec/{id}/start`` hijacks the HTTP
+connection: stdin is written to it (then half-closed), and the daemon sends the
+command's output as frames (8-byte header: stream, 0, 0, 0, size). The exit code
+is read with ``GET /exec/{id}/json``. Frames are untrusted sizes: bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from agentbox.backends.base import OutputCallback
+from agentbox.backends.docker._client import GuardedClient
+from agentbox.errors import SandboxError
+
+__all__ = ["ExecOutcome", "exec_stream"]
+
+_MAX_FRAME = 16 * 1024 * 1024
+
+
+class ExecOutcome:
+    """Exit code (None: the daemon had none, the container died) and whether we gave up."""
+
+    def __init__(self, exit_code: int | None, gave_up: bool) -> None:
+        self.exit_code = exit_code
+        self.gave_up = gave_up
+
+
+def _raw(sock: Any) -> socket.socket:
+    raw = getattr(sock, "_sock", sock)
+    if not isinstance(raw, socket.socket):
+        raise SandboxError(f"docker exec gave no socket ({type(raw).__name__})")
+    return raw
+
+
+def _read_exactly(raw: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = raw.recv(min(n - len(buf), 65536))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
+def exec_stream(
+    client: GuardedClient,
+    container: str,
+    argv: Sequence[str],
+    *,
+    user: str,
+    workdir: str,
+    env: Mapping[str, str] | None,
+    stdin: bytes | None,
+    on_stdout: OutputCallback,
+    on_stderr: OutputCallback,
+    timeout: float | None,
+) -> ExecOutcome:
+    """Run ``argv`` in ``container``; output to the callbacks; ``timeout`` bounds the read."""
+    try:
+        made = client.api.exec_create(
+            container,
+            list(argv),
+            stdout=True,
+            stderr=True,
+            stdin=stdin is not None,
+            tty=False,
+            privileged=False,
+            user=user,
+            environment=[f"{k}={v}" for k, v in (env or {}).items()],
+            workdir=workdir,
+        )
+        exec_id = str(made["Id"])
+        sock = client.api.exec_start(exec_id, socket=True, tty=False)
+    except SandboxError:
+        raise
+    except Exception as exc:  # the SDK's APIError, requests' errors
+        raise SandboxError(f"docker exec failed: {exc}", sandbox=container) from exc
+    raw = _raw(sock)
+    gave_up = False
+    try:
+        raw.settimeout(timeout)
+        if stdin is not None:
+            raw.sendall(stdin)
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_WR)
+        while True:
+            head = _read_exactly(raw, 8)
+            if len(head) < 8:
+                break
+            kind, size = struct.unpack(">BxxxL", head)
+            if size > _MAX_FRAME:
+                raise SandboxError(f"docker exec sent a frame of {size} bytes", sandbox=container)
+            data = _read_exactly(raw, size)
+            (on_stderr if kind == 2 else on_stdout)(data)
+            if len(data) < size:
+                break
+    except TimeoutError:
+        gave_up = True
+    except OSError as exc:
+        raise SandboxError(f"docker exec stream: {exc}", sandbox=container) from exc
+    finally:
+        with contextlib.suppress(Exception):
+            sock.close()
+    try:
+        info = client.api.exec_inspect(exec_id)
+    except Exception:  # the container is gone (killed at its deadline)
+        return ExecOutcome(None, gave_up)
+    code = info.get("ExitCode")
+    running = bool(info.get("Running"))
+    return ExecOutcome(code if isinstance(code, int) and not running else None, gave_up)

@@ -1,0 +1,161 @@
+"""Reading a live docker sandbox's posture: inside (the shared probe) and from the host.
+
+Inside: the same stdlib probe podman's posture runs (ids, capability sets,
+no_new_privs, seccomp, interfaces, mounts), its output untrusted and only
+compared. Host: ``docker inspect`` (the seed's smoke test reads exactly these
+fields) and ``/proc`` of every thread of the container's cgroup.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentbox.backends._podman_posture import (
+    NAMESPACES,
+    PROBE,
+    _check,
+    _inside_checks,
+    expected_mounts,
+    host_processes,
+)
+from agentbox.backends.base import Posture, PostureCheck, SandboxSpec
+from agentbox.backends.docker._config import DaemonFacts, docker_runtime, nano_cpus
+from agentbox.config import Settings
+from agentbox.errors import SandboxError
+
+if TYPE_CHECKING:
+    from agentbox.backends.docker._sandbox import DockerSandbox
+
+__all__ = ["inspect_checks", "read_posture"]
+
+#: podman sets these per-userns counters with an OCI hook; Docker runs no hooks (see docs).
+_NOT_HERE = {"user namespace caps (/proc/sys/user)"}
+
+
+#: Mounts the Engine itself adds (tini from ``Init``), outside the declared ones.
+_ENGINE_MOUNTS = ("/usr/sbin/docker-init",)
+
+
+def _docker_mounts(check: PostureCheck) -> PostureCheck:
+    """The shared "mounts" check, with the Engine's own init mount not counted."""
+    if check.name != "mounts":
+        return check
+    try:
+        seen = [p for p in ast.literal_eval(check.seen) if p not in _ENGINE_MOUNTS]
+    except (ValueError, SyntaxError):
+        return check
+    return PostureCheck(check.name, check.expected, str(seen), str(seen) == check.expected)
+
+
+def _inside(box: DockerSandbox) -> dict[str, Any]:
+    res = box.exec(["python3", "-I", "-S", "-c", PROBE], timeout=60)
+    if res.exit_code != 0 or len(res.stdout) > 1_000_000:
+        tail = res.stderr.decode(errors="replace")[-400:]
+        raise SandboxError(f"posture probe failed (exit {res.exit_code}): {tail}", sandbox=box.name)
+    try:
+        data = json.loads(res.stdout)
+    except json.JSONDecodeError as exc:
+        raise SandboxError(f"posture probe printed no JSON: {exc}", sandbox=box.name) from exc
+    if not isinstance(data, dict):
+        raise SandboxError("posture probe printed no object", sandbox=box.name)
+    return data
+
+
+def inspect_checks(
+    spec: SandboxSpec, facts: DaemonFacts, info: dict[str, Any]
+) -> list[PostureCheck]:
+    """The seed's ``docker inspect`` checks, literally."""
+    hc = info.get("HostConfig") or {}
+    cfg = info.get("Config") or {}
+    nets = (info.get("NetworkSettings") or {}).get("Networks") or {}
+    res = spec.resources
+    ulimits = {u.get("Name"): (u.get("Soft"), u.get("Hard")) for u in hc.get("Ulimits") or []}
+    mounts = sorted(str(m.get("Destination")) for m in info.get("Mounts") or [])
+    secopt = [str(s) for s in hc.get("SecurityOpt") or []]
+    checks = [
+        _check("runtime", docker_runtime(spec), hc.get("Runtime"), where="host"),
+        _check("NetworkMode", "none", hc.get("NetworkMode"), where="host"),
+        # NetworkDisabled: the Engine attaches no network at all, not even "none".
+        _check("networks", "none or no network", sorted(nets),
+               sorted(nets) in ([], ["none"]), where="host"),
+        _check("ReadonlyRootfs", True, hc.get("ReadonlyRootfs"), where="host"),
+        _check("CapDrop", ["ALL"], hc.get("CapDrop"), where="host"),
+        _check("CapAdd", [], hc.get("CapAdd") or [], where="host"),
+        _check("Privileged", False, hc.get("Privileged"), where="host"),
+        _check("no-new-privileges", True, "no-new-privileges" in secopt, where="host"),
+        _check("seccomp profile (agentbox's)", True,
+               any(s.startswith("seccomp=") and "EAFNOSUPPORT" not in s and '"socket"' in s
+                   for s in secopt), where="host"),
+        _check("User", f"{spec.uid}:{spec.uid}", cfg.get("User"), where="host"),
+        _check("IpcMode", "private", hc.get("IpcMode"), where="host"),
+        _check("Init", True, hc.get("Init"), where="host"),
+        _check("PidsLimit", res.pids, hc.get("PidsLimit"), where="host"),
+        _check("Memory = MemorySwap", res.memory,
+               hc.get("Memory") if hc.get("Memory") == hc.get("MemorySwap") else "swap allowed",
+               where="host"),
+        _check("NanoCpus", nano_cpus(res.cpus), hc.get("NanoCpus"), where="host"),
+        _check("nofile", (res.nofile, res.nofile), ulimits.get("nofile"), where="host"),
+        _check("tmpfs", ["/home/agent", "/tmp"], sorted(hc.get("Tmpfs") or {}), where="host"),
+        _check("mounts (inspect)", sorted(expected_mounts(spec)), mounts, where="host"),
+        _check("userns-remap", facts.userns_mode, facts.userns_mode, where="host"),
+    ]  # fmt: skip
+    if facts.apparmor:
+        checks.append(_check("AppArmorProfile", "docker-default", info.get("AppArmorProfile"),
+                             where="host"))  # fmt: skip
+    else:
+        checks.append(_check("AppArmor (host has none)", "unavailable", "unavailable",
+                             where="host"))  # fmt: skip
+    return checks
+
+
+def _ns(pid: int | str, kind: str) -> str:
+    try:
+        return str(Path(f"/proc/{pid}/ns/{kind}").readlink())
+    except OSError:
+        return "?"
+
+
+def _all_same(values: list[str]) -> str:
+    vals = sorted(set(values))
+    return vals[0] if len(vals) == 1 else ",".join(vals) or "none"
+
+
+def _proc_checks(spec: SandboxSpec, facts: DaemonFacts, info: dict[str, Any]) -> list[PostureCheck]:
+    pid = int((info.get("State") or {}).get("Pid") or 0)
+    if pid <= 0:
+        return [_check("container process", "running", "not running", where="host")]
+    gvisor = spec.runtime == "runsc"
+    checks = []
+    kinds: tuple[str, ...] = ("net", "ipc", "mnt") if gvisor else NAMESPACES
+    if facts.remap_base is None:
+        kinds = tuple(k for k in kinds if k != "user")
+    for kind in kinds:
+        theirs, ours = _ns(pid, kind), _ns("self", kind)
+        own = "?" not in (theirs, ours) and theirs != ours
+        checks.append(_check(f"{kind} namespace", "not the host's", theirs, own, where="host"))
+    threads = host_processes(pid)
+    checks.append(_check("threads read", ">0", len(threads), bool(threads), where="host"))
+    nnp = _all_same([st.get("NoNewPrivs", "?") for _, _, st in threads])
+    sec = _all_same([st.get("Seccomp", "?") for _, _, st in threads])
+    checks.append(_check("NoNewPrivs (every thread)", "1", nnp, where="host"))
+    checks.append(_check("Seccomp (every thread)", "2", sec, where="host"))
+    if not gvisor:
+        want = "\t".join([str(facts.host_uid(spec.uid))] * 4)
+        uids = _all_same([st.get("Uid", "?") for _, _, st in threads])
+        caps = _all_same([st.get("CapEff", "?") for _, _, st in threads])
+        checks.append(_check("host uid (every thread)", want, uids, where="host"))
+        checks.append(_check("CapEff (every thread)", "0000000000000000", caps, where="host"))
+    return checks
+
+
+def read_posture(box: DockerSandbox, settings: Settings, facts: DaemonFacts) -> Posture:
+    """Inside and host checks of a running docker sandbox."""
+    del settings
+    inside = [_docker_mounts(c) for c in _inside_checks(box.spec, _inside(box))
+              if c.name not in _NOT_HERE]  # fmt: skip
+    info = box.inspect()
+    checks = inside + inspect_checks(box.spec, facts, info) + _proc_checks(box.spec, facts, info)
+    return Posture("docker", box.spec.runtime, tuple(checks))
