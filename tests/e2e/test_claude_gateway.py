@@ -146,16 +146,30 @@ def test_claude_stopped_by_budget(tmp_path: Path) -> None:
                     "tool_use": [
                         {"name": "Bash", "input": {"command": "echo one", "description": "Say one"}}
                     ],
-                    "usage": {"input_tokens": 150_000, "output_tokens": 30},
+                    "usage": {"input_tokens": 200_000, "output_tokens": 30},
                 },
                 {"text": "never reached"},
             ],
         },
     )
-    # Claude Code asks for max_tokens 128000 with ~50 KB of prompt: ~190k reserved per call.
+    # The second call's input estimate (~50 KB of prompt) does not fit the ~50k left,
+    # with room for an answer: refused.
     run = _claude(tmp_path, script, "Say one.", budget=250_000)
     assert run.returncode != 0 and run.out["is_error"] is True
     assert "403" in run.out["result"] and "budget" in run.out["result"]
     u = run.usage
     assert u.refusals == {"over_budget": 1} and u.exhausted
-    assert u.weighted_total == 150_030 <= u.budget
+    assert u.weighted_total == 200_030 <= u.budget
+
+
+def test_claude_first_call_clamped_under_small_budget(tmp_path: Path) -> None:
+    """Issue 13 item 3: Claude Code asks for a large max_tokens with a ~50 KB prompt, so
+    its first call used to reserve more than a 100k budget and was refused (reported as
+    "Failed to authenticate"). Now max_tokens is lowered to what is left and it goes."""
+    script = write_script(tmp_path, {"name": "small", "turns": [{"text": "Done small."}]})
+    run = _claude(tmp_path, script, "Say done.", budget=100_000)
+    assert run.returncode == 0 and run.out["is_error"] is False, run.out
+    assert run.out["result"] == "Done small."
+    u = run.usage
+    assert u.clamped >= 1 and u.refusals == {} and not u.exhausted
+    assert u.weighted_total <= u.budget

@@ -240,14 +240,35 @@ def test_duplicate_keys_cannot_smuggle_a_model(tmp_path: Path) -> None:
         assert body["model"] == "test-model" and body["max_tokens"] == 9
 
 
-def test_max_tokens_beyond_budget_refused_not_forwarded(tmp_path: Path) -> None:
+def test_max_tokens_beyond_budget_clamped_not_refused(tmp_path: Path) -> None:
+    """Issue 13 item 3: a max_tokens over what is left is lowered to fit and forwarded."""
+    thinking = {
+        **MSG,
+        "max_tokens": 100_000,
+        "thinking": {"type": "enabled", "budget_tokens": 60_000},
+    }
     with (
         running_replay(tmp_path, CHAT_SCRIPT) as up,
         running_gateway(tmp_path, upstream=up.url, budget=5_000) as gw,
     ):
+        assert _post(gw, {**MSG, "max_tokens": 100_000}).status_code == 200
+        assert _post(gw, thinking).status_code == 200
+        sent = [r["body"] for r in up.requests()]
+        u = gw.usage()
+    first, second = sent
+    assert 2048 <= second["max_tokens"] < first["max_tokens"] < 5_000
+    assert second["thinking"]["budget_tokens"] == second["max_tokens"] - 1
+    assert u.clamped == 2 and u.refusals == {} and u.weighted_total <= 5_000
+
+
+def test_max_tokens_refused_when_too_little_is_left(tmp_path: Path) -> None:
+    with (
+        running_replay(tmp_path, CHAT_SCRIPT) as up,
+        running_gateway(tmp_path, upstream=up.url, budget=2_500) as gw,
+    ):
         r = _post(gw, {**MSG, "max_tokens": 100_000})
         _is_error(r, 403, "permission_error")
-        assert "max_tokens" in r.json()["error"]["message"]
+        assert "exhausted" in r.json()["error"]["message"]
         assert up.requests() == []
         assert _post(gw).status_code == 200  # a request that fits still goes through
         u = gw.usage()

@@ -9,7 +9,8 @@ per body byte plus 346 for the tool-use prompt, 1,600 per image, 600 pages of
 random between input, cache writes and cache reads, and up to ``max_tokens`` of
 output, streamed or not. Hypothesis draws batches of admitted requests (text,
 images, PDFs, tool references, tools, any ``max_tokens``) sent concurrently
-against a small budget.
+against a small budget. A ``max_tokens`` past what is left is clamped, not
+refused; the clamped request must still fit.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ TOOL = {"name": "Read", "description": "read " * 40, "defer_loading": True,
         "input_schema": {"type": "object", "properties": {"p": {"type": "string"}}}}  # fmt: skip
 requests = st.fixed_dictionaries(
     {
-        "max_tokens": st.integers(1, 4000),
+        # Past the budget too: those are clamped to what is left (issue 13 item 3).
+        "max_tokens": st.one_of(st.integers(1, 4000), st.integers(4000, 200_000)),
         "messages": st.lists(
             st.builds(lambda c: {"role": "user", "content": c}, user_content),
             min_size=1,
@@ -208,3 +210,24 @@ def test_control_without_image_allowance_overdraws(tmp_path: Path) -> None:
         u = gw.usage()
     assert statuses == [200]
     assert u.weighted_total > 1_200
+
+
+def test_clamped_first_call_fits_worst_case(tmp_path: Path) -> None:
+    """Claude Code's shape (~50 KB prompt, max_tokens 128000) under a 100k budget: the
+    first call goes through with max_tokens lowered, and even an upstream that bills
+    every byte as a cache write and every allowed output token stays within budget."""
+    body = {"max_tokens": 128_000, "stream": True,
+            "messages": [{"role": "user", "content": "x" * 50_000}]}  # fmt: skip
+    with (
+        _Upstream(worst=True) as up,
+        running_gateway(tmp_path, upstream=up.url, budget=100_000,
+                        entry=replay_entry(kind="anthropic")) as gw,
+    ):  # fmt: skip
+        statuses = asyncio.run(_send_all(gw.url, gw.auth(), [body]))
+        u = gw.usage()
+        again = asyncio.run(_send_all(gw.url, gw.auth(), [body]))
+        after = gw.usage()
+    assert statuses == [200] and u.clamped == 1
+    assert 2048 <= u.output < 128_000  # the worst-case upstream used every allowed token
+    assert u.weighted_total == pytest.approx(up.app.weighted) and u.weighted_total <= 100_000
+    assert again == [403] and after.exhausted and after.refusals == {"over_budget": 1}

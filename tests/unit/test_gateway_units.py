@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 import agentbox.gateway as gateway_pkg
 from agentbox.config import Settings
 from agentbox.errors import ConfigError, GatewayError
-from agentbox.gateway._budget import Ledger, Refusal
+from agentbox.gateway._budget import MIN_OUTPUT_TOKENS, Ledger, Refusal
 from agentbox.gateway._meter import StreamMeter, TokenCount, usage_from_message
 from agentbox.gateway._usage import Usage, read_usage, write_usage
 from agentbox.gateway.registry import DEFAULT_MODEL, load_registry
@@ -101,20 +102,52 @@ def test_ledger_incomplete_keeps_worst_case() -> None:
 
 
 def test_ledger_refusals() -> None:
-    led = Ledger(budget=3000, model="m")
+    led = Ledger(budget=2500, model="m")
     with pytest.raises(Refusal) as e:
-        led.reserve(body_len=100, max_tokens=5000)
-    assert e.value.reason == "over_budget" and "max_tokens" in str(e.value)
+        led.reserve(body_len=100, max_tokens=5000)  # 765 input + under 2048 left for output
+    assert e.value.reason == "over_budget" and "exhausted" in str(e.value)
     assert led.usage.exhausted  # nothing in flight could free budget
     r1 = led.reserve(body_len=100, max_tokens=1000)  # 765 + 1000
     with pytest.raises(Refusal):
-        led.reserve(body_len=100, max_tokens=1000)  # would pass 3000 with r1 held
+        led.reserve(body_len=100, max_tokens=1000)  # would pass 2500 with r1 held
     led.release(r1)
     r2 = led.reserve(body_len=100, max_tokens=1000)
     led.settle(r2, TokenCount(3000, 1), complete=True)
     with pytest.raises(Refusal) as e:
         led.reserve(body_len=1, max_tokens=1)
     assert e.value.reason == "budget_exhausted"
+
+
+def test_ledger_clamps_max_tokens_to_what_is_left() -> None:
+    """Issue 13 item 3: a max_tokens over the budget is lowered, not refused."""
+    led = Ledger(budget=100_000, model="m")
+    r = led.reserve(body_len=50_000, max_tokens=128_000)  # Claude Code's first call
+    est = 50_000 + 512
+    assert r.clamped and r.requested == 128_000
+    assert r.max_tokens == math.floor(100_000 - est * 1.25)
+    assert r.amount <= 100_000 and led.usage.clamped == 1
+    assert not led.usage.exhausted
+    led.settle(r, TokenCount(input=est, output=r.max_tokens), complete=True)
+    # What is left (under input estimate + MIN_OUTPUT_TOKENS) refuses the next call.
+    with pytest.raises(Refusal) as e:
+        led.reserve(body_len=50_000, max_tokens=128_000)
+    assert e.value.reason == "over_budget" and led.usage.exhausted
+    # A request that fits is never touched.
+    led2 = Ledger(budget=100_000, model="m")
+    r = led2.reserve(body_len=100, max_tokens=4000)
+    assert (r.max_tokens, r.clamped, led2.usage.clamped) == (4000, False, 0)
+
+
+def test_ledger_clamp_floor() -> None:
+    led = Ledger(budget=765 + MIN_OUTPUT_TOKENS, model="m")
+    r = led.reserve(body_len=100, max_tokens=50_000)
+    assert r.max_tokens == MIN_OUTPUT_TOKENS  # exactly the floor still goes
+    led.release(r)
+    led = Ledger(budget=765 + MIN_OUTPUT_TOKENS - 1, model="m")
+    with pytest.raises(Refusal):
+        led.reserve(body_len=100, max_tokens=50_000)
+    # A small request that fits in full is not held to the floor.
+    assert led.reserve(body_len=100, max_tokens=100).max_tokens == 100
 
 
 def test_usage_file_roundtrip_and_errors(tmp_path: Path) -> None:

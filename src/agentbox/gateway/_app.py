@@ -11,7 +11,9 @@ Request path (every refusal is an Anthropic-style error and is counted by reason
 5. the request held against the model's allow-lists (:mod:`._policy`): unknown fields
    stripped, anything that would make the upstream reach the network refused (400),
    ``model`` rewritten, the body re-serialised;
-6. the budget reservation (403 once exhausted or when ``max_tokens`` cannot fit);
+6. the budget reservation: a ``max_tokens`` that does not fit what is left is lowered
+   to fit (clamped, ``thinking.budget_tokens`` with it); 403 once exhausted, or when
+   fewer than ``MIN_OUTPUT_TOKENS`` would be left for the answer;
 7. forwarded with an allow-list of headers and the upstream's own key; the
    answer passed back as it arrives (SSE event by event), metered on the way;
 8. the reservation settled with the real usage and the usage file replaced.
@@ -387,12 +389,7 @@ class Gateway:
             tools_bytes = len(json.dumps(req["tools"]))
         extra = admitted.extra_tokens(self._policy, tools_bytes)
         max_tokens = req.get("max_tokens")
-        try:
-            out = json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            # A lone surrogate (valid as a JSON escape, not as UTF-8): keep it escaped.
-            out = json.dumps(req, separators=(",", ":")).encode()
-        del req
+        out = _serialise(req)
         if len(out) > self.cfg.max_body:
             # Re-serialising can grow a body (1e15 becomes 1000000000000000.0).
             self._refuse("too_large")
@@ -420,6 +417,17 @@ class Gateway:
             self._refuse(ref.reason)
             await send_error(send, 403, str(ref))
             return
+        if reservation.clamped:
+            # Smaller numbers serialise no longer, so the input estimate (taken on the
+            # body before) still bounds this body.
+            _clamp(req, reservation.max_tokens)
+            out = _serialise(req)
+            log.info(
+                "max_tokens clamped to the budget left",
+                requested=max_tokens,
+                granted=reservation.max_tokens,
+            )
+        del req
         try:
             await self._forward(scope, out, betas, reservation, receive, send)
         finally:
@@ -613,3 +621,23 @@ class Gateway:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         else:
             self.ledger.usage.dropped_streams += 1
+
+
+def _serialise(req: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        # A lone surrogate (valid as a JSON escape, not as UTF-8): keep it escaped.
+        return json.dumps(req, separators=(",", ":")).encode()
+
+
+def _clamp(req: dict[str, Any], max_tokens: int) -> None:
+    """Lower ``req``'s ``max_tokens`` (and a thinking budget that would not fit under it)."""
+    req["max_tokens"] = max_tokens
+    thinking = req.get("thinking")
+    if isinstance(thinking, dict):
+        bt = thinking.get("budget_tokens")
+        if isinstance(bt, int) and not isinstance(bt, bool) and bt >= max_tokens:
+            # The API wants budget_tokens < max_tokens; max_tokens >= MIN_OUTPUT_TOKENS
+            # (2048) here, so this stays above thinking's own minimum of 1,024.
+            thinking["budget_tokens"] = max_tokens - 1

@@ -6,6 +6,12 @@ together pass the budget. The invariant is ``charged + reserved <= budget``
 whenever the upstream reports no more than it was allowed (input within the
 estimate, output within ``max_tokens``); an upstream that reports more is still
 charged in full, and the task is then exhausted.
+
+A request whose ``max_tokens`` does not fit what is left is not refused: its
+``max_tokens`` is lowered (clamped) to what is left after its input estimate, so
+the model stops early and the client carries on or ends. Only when fewer than
+:data:`MIN_OUTPUT_TOKENS` output tokens would be left is it refused. The minimum
+useful budget is therefore one request's input reservation plus that many tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +22,11 @@ from dataclasses import dataclass, field
 from agentbox.gateway._meter import TokenCount
 from agentbox.gateway._usage import Usage
 
-__all__ = ["Ledger", "Refusal", "Reservation"]
+__all__ = ["MIN_OUTPUT_TOKENS", "Ledger", "Refusal", "Reservation"]
+
+#: The fewest output tokens a clamped request is given; below that it is refused.
+#: More than 1,024 so that extended thinking's minimum budget still fits under it.
+MIN_OUTPUT_TOKENS = 2048
 
 
 class Refusal(Exception):
@@ -34,7 +44,14 @@ class Reservation:
     amount: float
     input_estimate: int
     max_tokens: int
+    """The ``max_tokens`` the request may be forwarded with (lowered if clamped)."""
     settled: bool = False
+    requested: int = 0
+    """The client's ``max_tokens``; above :attr:`max_tokens` when it was clamped."""
+
+    @property
+    def clamped(self) -> bool:
+        return self.requested > self.max_tokens
 
 
 @dataclass
@@ -94,20 +111,31 @@ class Ledger:
                 f"{self.budget} tokens used",
             )
         est = self.estimate_input(body_len) + extra_input
-        amount = est * self._input_weight + max_tokens
+        input_cost = est * self._input_weight
         left = self.remaining
-        if amount > left:
-            if self.usage.reserved == 0:
-                # Nothing else in flight could free budget: this task cannot go on.
-                self.usage.exhausted = True
-            raise Refusal(
-                "over_budget",
-                f"request refused: it may cost up to {amount:.0f} tokens "
-                f"(input estimate {est} + max_tokens {max_tokens}) but only {max(left, 0):.0f} "
-                f"of the task's {self.budget}-token budget are left; lower max_tokens",
-            )
+        # What is left for output once the worst-case input is held.
+        room = math.floor(left - input_cost)
+        granted = max_tokens
+        if max_tokens > room:
+            if room < MIN_OUTPUT_TOKENS:
+                if self.usage.reserved == 0:
+                    # Nothing else in flight could free budget: this task cannot go on.
+                    self.usage.exhausted = True
+                raise Refusal(
+                    "over_budget",
+                    f"token budget exhausted: {self.usage.weighted_total:.0f} of "
+                    f"{self.budget} tokens used and {max(left, 0):.0f} left "
+                    f"({self.usage.reserved:.0f} held by requests in flight); this "
+                    f"request's input alone may cost {input_cost:.0f} (estimate {est}), "
+                    f"leaving fewer than {MIN_OUTPUT_TOKENS} tokens for its answer",
+                )
+            # Lower max_tokens to what is left: the model stops early, within budget.
+            granted = room
+        amount = input_cost + granted
         self.usage.reserved += amount
-        return Reservation(amount, est, max_tokens)
+        if granted < max_tokens:
+            self.usage.clamped += 1
+        return Reservation(amount, est, granted, requested=max_tokens)
 
     def settle(self, r: Reservation, count: TokenCount | None, *, complete: bool) -> float:
         """Release ``r`` and charge what the request cost; returns the charge.

@@ -44,6 +44,8 @@ class Usage(BaseModel):
     """Streams the client hung up on (billed for the worst case unless usage was read)."""
     upstream_errors: int = 0
     """Upstream answers with an error status (passed through to the client)."""
+    clamped: int = 0
+    """Requests whose ``max_tokens`` was lowered to fit what was left of the budget."""
     exhausted: bool = False
     """The budget is spent: the total reached it, or a request was refused for lack of it."""
 
