@@ -5,6 +5,12 @@ qemu) must pass the same tests: one-shot run with exit code and separate
 streams, deadlines, create/exec/env/stdin, copy in and out without following
 links out, posture, idempotent destroy, and the gateway path (127.0.0.1:
 GATEWAY_PORT inside reaching ``gateway_dir/gateway.sock`` on the host).
+
+"Nothing survived" is part of the contract: every sandbox here is made through
+a :class:`~sandbox_leaks.SandboxTracker` (the ``sandbox_factory`` fixture of
+``conftest.py``), which asserts after each test that no process, cgroup,
+container, VM dir, socket or env fd of it remains, and saves its posture and
+logs when a test fails.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError
 from agentbox.sandbox import spec_from_boxfile
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.podman
 
@@ -41,6 +48,11 @@ CASES = [
     if _host.podman_runtime(rt).ok
 ]
 CASES.append(pytest.param(("qemu", None), id="qemu", marks=pytest.mark.qemu))
+CASES.append(
+    pytest.param(
+        ("firecracker", None), id="firecracker", marks=[pytest.mark.qemu, pytest.mark.firecracker]
+    )
+)
 
 
 class Case:
@@ -71,40 +83,52 @@ def case(
     return Case(get_backend(name, settings), settings, runtime)
 
 
+@pytest.fixture
+def sandboxes(
+    case: Case, sandbox_factory: Callable[[Backend, Settings], SandboxTracker]
+) -> SandboxTracker:
+    """This test's sandboxes of the backend; checked for survivors after the test."""
+    return sandbox_factory(case.backend, case.settings)
+
+
 @pytest.fixture(scope="module")
 def live(case: Case, workspace_factory: Callable[[Settings], Path]) -> Iterator[Sandbox]:
-    """One sandbox per backend, shared by the exec/copy/posture tests of this module."""
+    """One sandbox per backend, shared by the exec/copy/posture tests of this module;
+    checked for survivors once the module is done with it."""
     spec = case.spec(workspace=workspace_factory(case.settings))
     case.backend.check(spec)
-    box = case.backend.create(spec)
+    tracker = SandboxTracker(case.backend, case.settings)
+    box = tracker.create(spec)
     try:
         yield box
-    finally:
         box.destroy()
+        tracker.assert_clean()
+    finally:
+        tracker.close()
 
 
-def test_run_exit_code_and_separate_streams(case: Case) -> None:
+def test_run_exit_code_and_separate_streams(case: Case, sandboxes: SandboxTracker) -> None:
     spec = case.spec()
-    res = case.backend.run(spec, ["sh", "-c", "echo out; echo err >&2; exit 7"])
+    res = sandboxes.run(spec, ["sh", "-c", "echo out; echo err >&2; exit 7"])
     assert (res.exit_code, res.stdout, res.stderr, res.timed_out) == (7, b"out\n", b"err\n", False)
 
 
-def test_run_streams_to_callbacks(case: Case) -> None:
+def test_run_streams_to_callbacks(case: Case, sandboxes: SandboxTracker) -> None:
     chunks: list[bytes] = []
-    res = case.backend.run(
+    res = sandboxes.run(
         case.spec(), ["sh", "-c", "echo one; echo two"], on_stdout=chunks.append, stdin=None
     )
     assert res.exit_code == 0 and res.stdout == b""
     assert b"".join(chunks) == b"one\ntwo\n"
 
 
-def test_run_stdin(case: Case) -> None:
-    res = case.backend.run(case.spec(), ["wc", "-c"], stdin=b"x" * 1000)
+def test_run_stdin(case: Case, sandboxes: SandboxTracker) -> None:
+    res = sandboxes.run(case.spec(), ["wc", "-c"], stdin=b"x" * 1000)
     assert res.stdout.strip() == b"1000"
 
 
-def test_run_deadline_kills_and_says_so(case: Case) -> None:
-    res = case.backend.run(case.spec(deadline=1.5), ["sleep", "60"])
+def test_run_deadline_kills_and_says_so(case: Case, sandboxes: SandboxTracker) -> None:
+    res = sandboxes.run(case.spec(deadline=1.5), ["sleep", "60"])
     assert res.timed_out
     assert res.exit_code != 0
 
@@ -230,25 +254,33 @@ def _check_replies(stdout: bytes, n: int) -> None:
     assert got == want
 
 
-def test_gateway_reachable_from_run(case: Case, gateway_dir: Path) -> None:
-    res = case.backend.run(case.spec(gateway_dir=gateway_dir), ["python3", "-c", CLIENT, "6"])
+def test_gateway_reachable_from_run(
+    case: Case, gateway_dir: Path, sandboxes: SandboxTracker
+) -> None:
+    res = sandboxes.run(case.spec(gateway_dir=gateway_dir), ["python3", "-c", CLIENT, "6"])
     assert res.exit_code == 0, res.stderr
     _check_replies(res.stdout, 6)
 
 
 def test_gateway_reachable_from_exec(
-    case: Case, gateway_dir: Path, workspace_factory: Callable[[Settings], Path]
+    case: Case,
+    gateway_dir: Path,
+    workspace_factory: Callable[[Settings], Path],
+    sandboxes: SandboxTracker,
 ) -> None:
     spec = case.spec(gateway_dir=gateway_dir, workspace=workspace_factory(case.settings))
-    with case.backend.create(spec) as box:
+    with sandboxes.create(spec) as box:
         res = box.exec(["python3", "-c", CLIENT, "8"], timeout=60)
         assert res.exit_code == 0, res.stderr
         _check_replies(res.stdout, 8)
 
 
-def test_destroy_is_idempotent(case: Case) -> None:
-    box = case.backend.create(case.spec())
+def test_destroy_is_idempotent(case: Case, sandboxes: SandboxTracker) -> None:
+    box = sandboxes.create(case.spec())
+    pids = box.host_pids()
+    assert pids, "a live sandbox has host processes"
     box.destroy()
     box.destroy()
+    sandboxes.assert_clean()  # at once, not only at teardown
     with pytest.raises(AgentboxError):
         box.exec(["true"])
