@@ -128,7 +128,7 @@ def guarded(
     ended it sweeps whatever the unwinding could not remove. ``scratch`` is a
     throw-away workspace the watchdog removes after a reap.
     """
-    from agentbox.launcher._watchdog import spawn_watchdog
+    from agentbox.launcher import spawn_watchdog
 
     run_dir = data_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -61,6 +61,12 @@ from agentbox.backends._podman_util import (
     stdin_fd,
     sweep_stale_env_dirs,
 )
+from agentbox.backends._userns_limits import (
+    HOST_SANDBOXES,
+    HOST_SYSCTLS,
+    SANDBOX_CAPS,
+    host_shortfall,
+)
 from agentbox.backends.base import (
     LABEL,
     OWNER_DATA_LABEL,
@@ -73,7 +79,15 @@ from agentbox.backends.base import (
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, CommandTimeout, ConfigError, SandboxError
 
-__all__ = ["PodmanBackend", "PodmanSandbox"]
+__all__ = [
+    "HOST_SANDBOXES",
+    "HOST_SYSCTLS",
+    "SANDBOX_CAPS",
+    "PodmanBackend",
+    "PodmanSandbox",
+    "conmon_cwd",
+    "host_shortfall",
+]
 
 log = get_logger("podman")
 

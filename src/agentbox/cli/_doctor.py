@@ -100,7 +100,7 @@ def _kernel_quotas() -> _host.Facility:
 
     so each may spend up to its cap of them (see backends/_userns_limits.py).
     """
-    from agentbox.backends._userns_limits import (
+    from agentbox.backends.podman import (
         HOST_SANDBOXES,
         HOST_SYSCTLS,
         SANDBOX_CAPS,

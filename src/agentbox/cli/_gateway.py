@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agentbox.config import load_settings
-from agentbox.gateway._cli import gateway
+from agentbox.gateway import gateway_command as gateway
 
 __all__ = ["register"]
 
@@ -27,7 +27,7 @@ def model_serve(
     ] = None,
 ) -> None:
     """Serve the replay model alone (a scripted Messages API server)."""
-    from agentbox.gateway._run import run_replay
+    from agentbox.gateway import run_replay
 
     run_replay(script=script, listen=listen, log_path=log_requests)
 

@@ -41,8 +41,7 @@ def mcp(
     ),
 ) -> None:
     """Run the MCP server (stdio by default: claude mcp add agentbox -- agentbox mcp)."""
-    from agentbox.mcp._auth import parse_listen
-    from agentbox.mcp._run import prepare, run_http, run_stdio
+    from agentbox.mcp import parse_listen, prepare, run_http, run_stdio
 
     settings = load_settings()
     listen = parse_listen(http) if http else None  # refuse a bad bind before anything else
@@ -66,7 +65,7 @@ def serve_cmd(
     max_pending: int = typer.Option(DEFAULT_MAX_PENDING, "--max-pending", min=1, max=1000),
 ) -> None:
     """Run the launcher and the MCP HTTP server together; Ctrl-C stops both."""
-    from agentbox.mcp._run import serve
+    from agentbox.mcp import serve
 
     settings = load_settings()
     code = serve(

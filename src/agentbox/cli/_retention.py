@@ -18,14 +18,7 @@ from rich.table import Table
 
 from agentbox.config import Settings, load_settings
 from agentbox.errors import AgentboxError
-from agentbox.launcher._retention import (
-    Removal,
-    data_usage,
-    parse_age,
-    prune,
-    remove_task,
-)
-from agentbox.launcher._store import Store
+from agentbox.launcher import Removal, Store, data_usage, parse_age, prune, remove_task
 
 __all__ = ["register"]
 

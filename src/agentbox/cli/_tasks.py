@@ -332,7 +332,7 @@ def register(app: typer.Typer) -> None:
         max_tasks: int = typer.Option(4, "--max-tasks", min=1, max=64),
     ) -> None:
         """Serve the launcher's API on <data_dir>/launcher.sock (used by the MCP server)."""
-        from agentbox.launcher._server import serve as _serve
+        from agentbox.launcher import serve as _serve
 
         launcher = _launcher(max_tasks)
         # Announced only once bound: a refused start (another launcher) prints no address.

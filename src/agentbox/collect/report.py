@@ -12,9 +12,10 @@ listed in ``flagged``, which the CLI and the MCP result show above the diff.
 Every string here may hold text the agent chose (file names, its final
 message): print it through :func:`agentbox._text.visible`, never as markup.
 
-Token counts use the launcher's wire model :class:`~agentbox.launcher.api.TokenUsage`
-(``Tokens`` here is the same class), so the report's ``tokens`` and a task's
-``tokens`` are one definition with one JSON shape.
+Token counts use the wire model :class:`~agentbox._wire.TokenUsage` (also
+:class:`agentbox.launcher.api.TokenUsage`; ``Tokens`` here is the same class),
+so the report's ``tokens`` and a task's ``tokens`` are one definition with one
+JSON shape.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import os
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentbox._text import visible
+from agentbox._wire import NO_CHANGES, TokenUsage
 from agentbox.collect._model import Collected, DiffStat, Skipped
 from agentbox.collect._risky import flag_change, risky_reason
-from agentbox.launcher.api import NO_CHANGES, TokenUsage
 
 __all__ = ["Flagged", "Report", "Tokens"]
 

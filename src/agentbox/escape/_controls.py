@@ -32,8 +32,8 @@ from typing import Any
 
 from agentbox import _proc
 from agentbox._log import get_logger
-from agentbox.backends._podman_util import conmon_cwd
 from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, LABEL, ExecResult
+from agentbox.backends.podman import conmon_cwd
 from agentbox.errors import AgentboxError, CommandError, SandboxError
 from agentbox.escape import _hostcheck as hc
 from agentbox.escape._fixtures import RO_TARGET, TOKEN_ENV, Fixture

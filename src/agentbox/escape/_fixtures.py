@@ -29,8 +29,8 @@ from types import TracebackType
 from typing import Self
 
 from agentbox._log import get_logger
-from agentbox.backends._userns_limits import SANDBOX_CAPS
 from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, GATEWAY_SOCKET_NAME
+from agentbox.backends.podman import SANDBOX_CAPS
 
 __all__ = ["TOKEN_ENV", "TOKEN_REGEX", "Fixture"]
 

@@ -14,6 +14,8 @@ What the launcher calls::
     handle.stop()
 """
 
+from typing import TYPE_CHECKING, Any
+
 from agentbox.gateway._process import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.gateway._usage import Usage, read_usage
 from agentbox.gateway.registry import (
@@ -24,6 +26,10 @@ from agentbox.gateway.registry import (
     load_registry,
 )
 
+if TYPE_CHECKING:
+    from agentbox.gateway._cli import gateway as gateway_command
+    from agentbox.gateway._run import run_replay
+
 __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_MODEL",
@@ -32,11 +38,26 @@ __all__ = [
     "ModelEntry",
     "Registry",
     "Usage",
+    "gateway_command",
     "gateway_identity",
     "load_registry",
     "read_usage",
+    "run_replay",
     "spawn_gateway",
 ]
 
 #: The default per-task token budget.
 DEFAULT_BUDGET = 20_000_000
+
+
+def __getattr__(name: str) -> Any:
+    """``gateway_command`` (the ``agentbox gateway`` command) and ``run_replay``, on first use."""
+    if name == "gateway_command":
+        from agentbox.gateway._cli import gateway
+
+        return gateway
+    if name == "run_replay":
+        from agentbox.gateway._run import run_replay
+
+        return run_replay
+    raise AttributeError(name)

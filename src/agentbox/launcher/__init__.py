@@ -22,22 +22,49 @@ from agentbox.launcher.client import LauncherClient
 
 if TYPE_CHECKING:
     from agentbox.launcher._core import Launcher
+    from agentbox.launcher._retention import Removal, data_usage, parse_age, prune, remove_task
+    from agentbox.launcher._server import serve, socket_path
+    from agentbox.launcher._store import Store
+    from agentbox.launcher._watchdog import spawn_watchdog
 
 __all__ = [
     "Launcher",
     "LauncherClient",
     "ModelInfo",
+    "Removal",
+    "Store",
     "TaskInfo",
     "TaskRequest",
     "TaskResult",
     "TaskStatus",
     "TokenUsage",
+    "data_usage",
+    "parse_age",
+    "prune",
+    "remove_task",
+    "serve",
+    "socket_path",
+    "spawn_watchdog",
 ]
+
+#: Names imported on first use (each pulls in the backends, the store or the server).
+_LAZY = {
+    "Launcher": "agentbox.launcher._core",
+    "Removal": "agentbox.launcher._retention",
+    "data_usage": "agentbox.launcher._retention",
+    "parse_age": "agentbox.launcher._retention",
+    "prune": "agentbox.launcher._retention",
+    "remove_task": "agentbox.launcher._retention",
+    "serve": "agentbox.launcher._server",
+    "socket_path": "agentbox.launcher._server",
+    "Store": "agentbox.launcher._store",
+    "spawn_watchdog": "agentbox.launcher._watchdog",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Launcher":
-        from agentbox.launcher._core import Launcher
+    if name in _LAZY:
+        import importlib
 
-        return Launcher
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

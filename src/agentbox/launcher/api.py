@@ -37,6 +37,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentbox._wire import NO_CHANGES, TokenUsage
+
 __all__ = [
     "DEFAULT_BUDGET",
     "MAX_BUDGET",
@@ -70,8 +72,6 @@ MAX_TASK_CHARS = 32768
 TASK_ID_PATTERN = r"^[0-9a-z-]{1,64}$"
 
 TaskStatus = Literal["queued", "running", "collecting", "done", "failed", "timed_out", "cancelled"]
-#: How a finished task whose agent changed nothing is described (CLI, MCP, report).
-NO_CHANGES = "no changes: the agent left every file as it was, so no branch was made"
 #: Statuses a task never leaves.
 TERMINAL: frozenset[str] = frozenset({"done", "failed", "timed_out", "cancelled"})
 
@@ -99,25 +99,6 @@ class TaskRequest(_Wire):
     """Copy uncommitted changes too (otherwise a dirty repo is refused)."""
     publish: bool = True
     """Fetch the result branch ``agentbox/<id>`` into the user's repo."""
-
-
-class TokenUsage(_Wire):
-    """Tokens metered by the task's gateway, by kind (never parsed from model output).
-
-    The one definition: the wire (``TaskInfo.tokens``), the task store and the
-    collection report (:class:`agentbox.collect.Report`, where it is also named
-    ``agentbox.collect.Tokens``) all use it, so the JSON is the same everywhere.
-    """
-
-    input: int = 0
-    output: int = 0
-    cache_creation: int = 0
-    cache_read: int = 0
-
-    @property
-    def total(self) -> int:
-        """All tokens of every kind."""
-        return self.input + self.output + self.cache_creation + self.cache_read
 
 
 class TaskInfo(_Wire):

@@ -7,7 +7,13 @@ unprivileged: started as root it drops to an ordinary uid with no
 capabilities, and talks to the launcher only through its unix socket.
 """
 
-from agentbox.mcp._auth import GateMiddleware, check_bind, load_or_create_token, token_path
+from agentbox.mcp._auth import (
+    GateMiddleware,
+    check_bind,
+    load_or_create_token,
+    parse_listen,
+    token_path,
+)
 from agentbox.mcp._fetch import branch_name, fetch_branch
 from agentbox.mcp._privdrop import Identity, drop_privileges, process_posture, resolve_identity
 from agentbox.mcp._repo import validate_repo
@@ -37,6 +43,7 @@ __all__ = [
     "launcher_socket",
     "load_or_create_token",
     "mcp_url",
+    "parse_listen",
     "prepare",
     "process_posture",
     "resolve_identity",
