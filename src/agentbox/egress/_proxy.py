@@ -34,6 +34,7 @@ import h11
 
 from agentbox._log import get_logger
 from agentbox.egress._addr import check_address, normalize_host
+from agentbox.egress._pipe import Upstream
 from agentbox.egress._policy import EgressPolicy
 from agentbox.egress._record import EgressLog
 
@@ -292,9 +293,7 @@ class EgressProxy:
         path = parts.path or "/"
         return host, port, path + (f"?{parts.query}" if parts.query else "")
 
-    async def _open_upstream(
-        self, att: _Attempt, host: str, port: int, *, tls: bool
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open_upstream(self, att: _Attempt, host: str, port: int, *, tls: bool) -> Upstream:
         verdict = self.policy.decide(host, port, tls=tls)
         if not verdict.allowed:
             if verdict.rule == "port":
@@ -335,14 +334,18 @@ class EgressProxy:
         for addr in parsed:
             try:
                 # The address checked, never the name again: no second resolution.
-                stream = await asyncio.wait_for(
-                    asyncio.open_connection(str(addr), port, limit=_CHUNK), timeout
+                loop = asyncio.get_running_loop()
+                _, up = await asyncio.wait_for(
+                    loop.create_connection(
+                        lambda: Upstream(lambda n: self._grant(att, "down", n)), str(addr), port
+                    ),
+                    timeout,
                 )
             except (OSError, TimeoutError) as exc:
                 last = exc
                 continue
             att.address = str(addr)
-            return stream
+            return up
         att.address = str(parsed[-1])
         status = 504 if isinstance(last, TimeoutError) else 502
         raise _Refuse(status, "connect", f"cannot connect to {host}: {_safe(repr(last))}")
@@ -353,9 +356,8 @@ class EgressProxy:
         conn: h11.Connection,
         writer: asyncio.StreamWriter,
         reader: asyncio.StreamReader,
-        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        up: Upstream,
     ) -> None:
-        u_reader, u_writer = upstream
         try:
             while (event := conn.next_event()) is not h11.PAUSED:
                 if not isinstance(event, h11.EndOfMessage):
@@ -363,17 +365,20 @@ class EgressProxy:
             writer.write(conn.send(h11.Response(status_code=200, headers=[],
                                                 reason=b"Connection established")))  # fmt: skip
             att.status = 200
+            up.attach(writer)
             early, _closed = conn.trailing_data
             if early:
                 if not self._take(att, "up", len(early)):
                     att.end = "byte-cap"
                     return
-                u_writer.write(early)
-            att.end = await self._relay(att, reader, writer, u_reader, u_writer, upload=True)
+                await up.write(early)
+            att.end = await self._relay(att, reader, up)
         except h11.ProtocolError as exc:
             raise _Refuse(400, "malformed", f"bad request: {_safe(str(exc))}") from None
+        except (ConnectionError, OSError):
+            att.end = "error"
         finally:
-            u_writer.transport.abort()
+            up.close()
 
     async def _forward(
         self,
@@ -383,9 +388,8 @@ class EgressProxy:
         port: int,
         path: str,
         writer: asyncio.StreamWriter,
-        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        up: Upstream,
     ) -> None:
-        u_reader, u_writer = upstream
         try:
             drop = set(_HOP)
             for name, value in req.headers:
@@ -402,13 +406,13 @@ class EgressProxy:
             if not self._take(att, "up", len(out)):
                 att.end = "byte-cap"
                 return
-            u_writer.write(out)
-            await u_writer.drain()
-            att.end = await self._relay(att, None, writer, u_reader, u_writer, upload=False)
+            up.attach(writer)
+            await up.write(out)
+            att.end = await self._relay(att, None, up)
         except (h11.ProtocolError, OSError) as exc:
             raise _Refuse(502, "upstream", f"relaying to {host}: {_safe(repr(exc))}") from None
         finally:
-            u_writer.transport.abort()
+            up.close()
 
     def _take(self, att: _Attempt, way: str, n: int) -> bool:
         """Count ``n`` bytes one way against the task's cap; False once it is reached."""
@@ -425,32 +429,34 @@ class EgressProxy:
         att.last = asyncio.get_running_loop().time()
         return True
 
-    async def _pump(
-        self,
-        att: _Attempt,
-        way: str,
-        src: asyncio.StreamReader,
-        dst: asyncio.StreamWriter,
-    ) -> str:
-        cap = self.limits.max_bytes_up if way == "up" else self.limits.max_bytes_down
+    def _grant(self, att: _Attempt, way: str, n: int) -> int:
+        """Count up to ``n`` bytes one way against the task's cap; how many may pass."""
+        if way == "up":
+            n = max(0, min(n, self.limits.max_bytes_up - self.bytes_up))
+            self.bytes_up += n
+            att.bytes_up += n
+        else:
+            n = max(0, min(n, self.limits.max_bytes_down - self.bytes_down))
+            self.bytes_down += n
+            att.bytes_down += n
+        if n:
+            att.last = asyncio.get_running_loop().time()
+        return n
+
+    async def _pump_up(self, att: _Attempt, src: asyncio.StreamReader, up: Upstream) -> str:
+        """Client → upstream until EOF (then half-close) or the cap."""
         try:
             while True:
                 data = await src.read(_CHUNK)
                 if not data:
-                    if dst.can_write_eof():
-                        dst.write_eof()
+                    up.write_eof()
                     return "eof"
-                if not self._take(att, way, len(data)):
-                    used = self.bytes_up if way == "up" else self.bytes_down
-                    room = cap - used
-                    if room > 0:
-                        self._take(att, way, room)
-                        dst.write(data[:room])
-                        await dst.drain()
+                n = self._grant(att, "up", len(data))
+                if n:
+                    await up.write(data if n == len(data) else data[:n])
+                if n < len(data):
                     return "byte-cap"
-                dst.write(data)
-                await dst.drain()
-        except OSError:
+        except (ConnectionError, OSError):
             return "error"
 
     async def _watch(self, att: _Attempt) -> str:
@@ -465,35 +471,24 @@ class EgressProxy:
                 return "idle"
             await asyncio.sleep(tick)
 
-    async def _relay(
-        self,
-        att: _Attempt,
-        reader: asyncio.StreamReader | None,
-        writer: asyncio.StreamWriter,
-        u_reader: asyncio.StreamReader,
-        u_writer: asyncio.StreamWriter,
-        *,
-        upload: bool,
-    ) -> str:
-        """Both directions (only the answer when not ``upload``) until both end or a cap hits."""
+    async def _relay(self, att: _Attempt, reader: asyncio.StreamReader | None, up: Upstream) -> str:
+        """Both directions (only the answer without ``reader``) until both end or a cap hits."""
         att.last = asyncio.get_running_loop().time()
-        pumps = {asyncio.ensure_future(self._pump(att, "down", u_reader, writer))}
-        if upload and reader is not None:
-            pumps.add(asyncio.ensure_future(self._pump(att, "up", reader, u_writer)))
+        ways: set[asyncio.Future[str]] = {up.ended}
+        if reader is not None:
+            ways.add(asyncio.ensure_future(self._pump_up(att, reader, up)))
         dog = asyncio.ensure_future(self._watch(att))
-        end = "closed"
         try:
-            while pumps:
-                done, _ = await asyncio.wait(pumps | {dog}, return_when=asyncio.FIRST_COMPLETED)
+            while ways:
+                done, _ = await asyncio.wait(ways | {dog}, return_when=asyncio.FIRST_COMPLETED)
                 if dog in done:
                     return dog.result()
-                for task in done:
-                    pumps.discard(task)
-                    result = task.result()
-                    if result != "eof":
+                for fut in done:
+                    ways.discard(fut)
+                    if (result := fut.result()) != "eof":
                         return result
-            return end
+            return "closed"
         finally:
-            for task in (*pumps, dog):
-                task.cancel()
-            await asyncio.gather(*pumps, dog, return_exceptions=True)
+            for fut in (*ways, dog):
+                fut.cancel()
+            await asyncio.gather(*ways, dog, return_exceptions=True)
