@@ -2,7 +2,10 @@
 
 Example::
 
-    image = "localhost/agentbox-default:latest"
+    image = "localhost/agentbox-default:latest"   # or an [image] table:
+    # [image]
+    # containerfile = "Containerfile"   # built FROM localhost/agentbox-base, hardened
+    # context = "."                     # (paths relative to this file)
     backend = "podman"          # podman | docker | qemu | firecracker
     runtime = "runc"            # runc | crun | runsc   (podman only)
     isolation = "standard"      # standard | strict
@@ -55,7 +58,14 @@ import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from agentbox.config import DEFAULT_DISK, DEFAULT_IMAGE, Settings, Size, parse_size
 from agentbox.errors import BoxfileError, PathRefused
@@ -264,10 +274,26 @@ class NetworkPolicy(_Strict):
         return tuple(dict.fromkeys(out))
 
 
+class ImageBuild(_Strict):
+    """``[image]``: the sandbox image is built from a Containerfile (``agentbox image build
+    --containerfile``: the user's build, then agentbox's layer, hardening and verifier).
+
+    Relative paths are relative to the Boxfile's directory; ``context`` defaults to the
+    Containerfile's directory. A caller turns this into an image name with
+    :func:`agentbox.image.build_for_boxfile` before a sandbox is made from the Boxfile.
+    """
+
+    containerfile: Path
+    context: Path | None = None
+    tag: str | None = Field(default=None, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
+
+
 class Boxfile(_Strict):
     """One sandbox's declaration. Every field has a safe default."""
 
     image: str = DEFAULT_IMAGE
+    # ``[image] containerfile = …`` (a table where ``image`` is a name) lands here.
+    image_build: ImageBuild | None = None
     backend: Literal["podman", "qemu", "firecracker", "docker"] = "podman"
     runtime: Literal["runc", "crun", "runsc"] = "runc"
     isolation: Literal["standard", "strict"] = "standard"
@@ -314,6 +340,15 @@ class Boxfile(_Strict):
             raise ValueError("capabilities cannot be granted: every sandbox runs with none")
         return ()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _image_table(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("image"), dict):
+            if "image_build" in data:
+                raise ValueError("give either an [image] table or image_build, not both")
+            data = {k: v for k, v in data.items() if k != "image"} | {"image_build": data["image"]}
+        return data
+
     @field_validator("image")
     @classmethod
     def _image_name(cls, v: str) -> str:
@@ -347,12 +382,28 @@ class Boxfile(_Strict):
         if settings is not None:
             data = {**host_defaults(settings), **data}
         try:
-            return cls.model_validate(data)
+            box = cls.model_validate(data)
         except ValidationError as exc:
             err = exc.errors()[0]
             key = ".".join(str(p) for p in err["loc"])[:200] or None
+            if key is not None and key.startswith("image_build") and "image_build" not in data:
+                key = "image" + key.removeprefix("image_build")  # the [image] table's key
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             raise BoxfileError(msg, key=key, path=path) from exc
+        build = box.image_build
+        if build is not None and path is not None:
+            here = path.absolute().parent
+            box = box.model_copy(
+                update={
+                    "image_build": build.model_copy(
+                        update={
+                            "containerfile": here / build.containerfile,
+                            "context": None if build.context is None else here / build.context,
+                        }
+                    )
+                }
+            )
+        return box
 
 
 def host_defaults(settings: Settings) -> dict[str, Any]:

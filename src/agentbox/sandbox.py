@@ -128,6 +128,13 @@ def spec_from_boxfile(
         raise ConfigError(f"not a sandbox name: {name!r:.80}")
     if settings.sandbox_uid >= 65536 or settings.sandbox_uid <= 0:
         raise ConfigError(f"sandbox_uid must be in 1..65535, got {settings.sandbox_uid}")
+    if boxfile.image_build is not None:
+        raise ConfigError(
+            f"the Boxfile's [image] table (containerfile {boxfile.image_build.containerfile}) "
+            "is built by the agentbox CLI before a sandbox is made, never by the launcher "
+            "(a committed Boxfile cannot start a build): run `agentbox image build "
+            "--containerfile PATH --tag NAME` and set image = NAME"
+        )
     fields_set = boxfile.model_fields_set
     image = boxfile.image if "image" in fields_set else settings.image
     if image == DEFAULT_IMAGE and settings.image != DEFAULT_IMAGE:

@@ -193,3 +193,55 @@ def test_user_env_keeps_theirs_and_replaces_ours() -> None:
     info = {"Config": {"Env": ["PATH=/x", "NODE_ENV=production", "A=two words", "bad name=1"]}}
     assert _user_env(info) == ['ENV NODE_ENV="production"', 'ENV A="two words"']
     assert _user_env({}) == []
+
+
+def test_boxfile_image_table_paths_are_relative_to_the_boxfile(tmp_path: Path) -> None:
+    from agentbox.boxfile import Boxfile, loads_boxfile
+
+    where = tmp_path / "repo/.agentbox/Boxfile.toml"
+    box = loads_boxfile(
+        '[image]\ncontainerfile = "../ci/Containerfile"\n'
+        'context = "../ci"\ntag = "localhost/p:1"\n',
+        path=where,
+    )
+    assert box.image_build is not None
+    assert box.image_build.containerfile == where.parent / "../ci/Containerfile"
+    assert box.image_build.context == where.parent / "../ci"
+    assert box.image_build.tag == "localhost/p:1"
+    # The CLI's round trip (dump, then validate again) keeps it.
+    again = Boxfile.from_dict(box.model_dump(exclude_unset=True, mode="json"), path=where)
+    assert again.image_build == box.image_build
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[image]\ncontainerfile = "x"\nfoo = 1\n', "image.foo"),
+        ("[image]\n", "image.containerfile"),
+        ('[image]\ncontainerfile = "x"\ntag = "--rm"\n', "image.tag"),
+        ("image = 3\n", "image"),
+    ],
+)
+def test_boxfile_image_table_refusals_name_the_key(text: str, key: str) -> None:
+    from agentbox.boxfile import loads_boxfile
+    from agentbox.errors import BoxfileError
+
+    with pytest.raises(BoxfileError) as err:
+        loads_boxfile(text, path=Path("/b.toml"))
+    assert err.value.key == key
+
+
+def test_an_unbuilt_image_table_never_makes_a_sandbox(tmp_path: Path) -> None:
+    # The launcher (and a committed Boxfile) never starts a build: only the CLI does.
+    from agentbox.boxfile import loads_boxfile
+    from agentbox.config import Settings
+    from agentbox.errors import ConfigError
+    from agentbox.sandbox import spec_from_boxfile
+
+    box = loads_boxfile('[image]\ncontainerfile = "Containerfile"\n', path=tmp_path / "B.toml")
+    with pytest.raises(ConfigError, match=r"\[image\] table .* never by the launcher"):
+        spec_from_boxfile(box, Settings(data_dir=tmp_path / "data"))
+    built = box.model_copy(update={"image": "localhost/built:1", "image_build": None})
+    assert (
+        spec_from_boxfile(built, Settings(data_dir=tmp_path / "data")).image == "localhost/built:1"
+    )

@@ -20,6 +20,7 @@ def test_public_surface() -> None:
         "ImageInfo",
         "build_containerfile",
         "build_default",
+        "build_for_boxfile",
         "images_dir",
         "list_images",
         "manifest",

@@ -128,7 +128,8 @@ def ls(as_json: bool = typer.Option(False, "--json", help="Print JSON")) -> None
         rows = []
         for i in infos:
             m = manifest(i) or {}
-            rows.append({**_info_dict(i), "created": m.get("created")})
+            kind = m.get("kind") or ("default" if m else None)
+            rows.append({**_info_dict(i), "kind": kind, "created": m.get("created")})
         print(json.dumps(rows))
         return
     table = Table("name", "hash", "podman id", "root dir", "created")

@@ -63,7 +63,12 @@ def _boxfile(
         data["mounts"] = list(data.get("mounts", [])) + [
             {"source": str(m.absolute()), "target": str(m.absolute())} for m in mounts
         ]
-    return Boxfile.from_dict(data, path=boxfile, settings=settings)
+    box = Boxfile.from_dict(data, path=boxfile, settings=settings)
+    if box.image_build is not None:  # [image] containerfile = …: build it (cached) first
+        from agentbox.image import build_for_boxfile
+
+        box = build_for_boxfile(settings, box)
+    return box
 
 
 @contextlib.contextmanager

@@ -12,7 +12,12 @@ verifies it the same way. See docs/reference/image.md.
 """
 
 from agentbox.image._build import build_default, images_dir
-from agentbox.image._containerfile import BASE_IMAGE, CUSTOM_REPO, build_containerfile
+from agentbox.image._containerfile import (
+    BASE_IMAGE,
+    CUSTOM_REPO,
+    build_containerfile,
+    build_for_boxfile,
+)
 from agentbox.image._harden import verify
 from agentbox.image._manage import list_images, manifest, remove, resolve
 from agentbox.image._types import HASH_LABEL, ImageInfo
@@ -24,6 +29,7 @@ __all__ = [
     "ImageInfo",
     "build_containerfile",
     "build_default",
+    "build_for_boxfile",
     "images_dir",
     "list_images",
     "manifest",

@@ -39,6 +39,7 @@ from typing import Any
 
 from agentbox import _proc
 from agentbox._log import get_logger
+from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, ImageError
 from agentbox.image import _harden, _keys, _podman
@@ -58,6 +59,7 @@ __all__ = [
     "CUSTOM_REPO",
     "KIND_LABEL",
     "build_containerfile",
+    "build_for_boxfile",
     "containerfile_key",
     "ensure_base_image",
     "from_images",
@@ -454,3 +456,22 @@ def _import(root: Path, workdir: Path, key: str, uid: int, env: list[str], say: 
         return _podman.import_tarball(tarball, reference=ref, changes=changes)
     finally:
         tarball.unlink(missing_ok=True)
+
+
+def build_for_boxfile(
+    settings: Settings, box: Boxfile, *, progress: Progress | None = None
+) -> Boxfile:
+    """A Boxfile with an ``[image]`` table, with its image built (or found in the cache).
+
+    Returns ``box`` itself when it names an image; else a copy naming the image
+    built from its Containerfile, with the table consumed. A sandbox is never
+    made from a Boxfile whose table was not built this way
+    (:func:`agentbox.sandbox.spec_from_boxfile` refuses it).
+    """
+    build = box.image_build
+    if build is None:
+        return box
+    info = build_containerfile(
+        settings, build.containerfile, context=build.context, tag=build.tag, progress=progress
+    )
+    return box.model_copy(update={"image": info.name, "image_build": None})
