@@ -182,10 +182,6 @@ class EgressProxy:
             self._open -= 1
             if task is not None:
                 self._tasks.discard(task)
-            if att.end == "closed":
-                writer.close()
-            else:
-                writer.transport.abort()
             if att.end != "empty":  # a connect-and-close is no attempt
                 self._log.write(
                     conn=att.conn,
@@ -202,6 +198,13 @@ class EgressProxy:
                     duration=round(loop.time() - att.start, 3),
                     end=att.end,
                 )
+            if att.end in ("closed", "byte-cap"):
+                # What is already buffered for the client still reaches it (a refusal's
+                # body, the last bytes before the cap), for at most a few seconds.
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(writer.wait_closed(), 5.0)
+            writer.transport.abort()
 
     async def _answer(self, writer: asyncio.StreamWriter, ref: _Refuse) -> None:
         body = f"agentbox egress proxy: {ref.reason}\n".encode()
