@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/agentbox image build
 # podman, QEMU and Claude Code are installed by setup.sh: their tests must run, not skip.
-export AGENTBOX_REQUIRE=${AGENTBOX_REQUIRE-podman,qemu,claude}
+export AGENTBOX_REQUIRE=${AGENTBOX_REQUIRE-podman,qemu,claude,docker}
 .venv/bin/ruff check src tests bench
 .venv/bin/ruff format --check src tests bench
 .venv/bin/mypy

@@ -35,6 +35,10 @@ def _facility(marker: str) -> _host.Facility | None:
         from agentbox.backends.firecracker import facility
 
         return facility(Settings())
+    if marker == "docker":
+        from agentbox.backends.docker._facility import facility as docker_facility
+
+        return docker_facility(Settings())
     return None
 
 
@@ -42,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     required = _required()
     missing: list[str] = []
     for item in items:
-        for marker in ("podman", "qemu", "claude", "firecracker"):
+        for marker in ("podman", "qemu", "claude", "firecracker", "docker"):
             if item.get_closest_marker(marker) is None:
                 continue
             fac = _facility(marker)

@@ -57,9 +57,9 @@ ALLOWED = LIFE | SETUP
 _VERSION = re.compile(r"^/v\d+\.\d+")
 _PATTERNS = (
     (re.compile(r"^/containers/(?!create$|json$)[^/]+$"), "/containers/{id}"),
-    (re.compile(r"^/containers/(?!create$|json$)[^/]+/(start|wait|exec|json|kill)$"),
+    (re.compile(r"^/containers/(?!create$|json$)[^/]+/([a-z]+)$"),
      r"/containers/{id}/\1"),
-    (re.compile(r"^/exec/[^/]+/(start|json)$"), r"/exec/{id}/\1"),
+    (re.compile(r"^/exec/[^/]+/([a-z]+)$"), r"/exec/{id}/\1"),
     (re.compile(r"^/images/(?!create$|json$).+/json$"), "/images/{id}/json"),
 )  # fmt: skip
 
