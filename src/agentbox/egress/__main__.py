@@ -9,13 +9,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from agentbox.errors import AgentboxError
+from agentbox.errors import AgentboxError, ConfigError
+
+
+def _user(spec: str) -> tuple[int, int]:
+    uid, _, gid = spec.partition(":")
+    if not uid.isdigit() or (gid and not gid.isdigit()):
+        raise ConfigError(f"--user {spec!r}: use numeric UID or UID:GID")
+    return int(uid), int(gid or uid)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse argv, read the policy from stdin, serve until SIGTERM."""
     from agentbox.egress._process import read_policy, run_proxy
-    from agentbox.gateway._run import parse_user
 
     p = argparse.ArgumentParser(prog="python -m agentbox.egress", description=__doc__)
     p.add_argument("--socket", type=Path, required=True, help="unix socket to listen on")
@@ -30,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             socket_path=args.socket.absolute(),
             policy=policy,
             log_path=args.log,
-            run_as=parse_user(args.user) if args.user else None,
+            run_as=_user(args.user) if args.user else None,
             ready_fd=args.ready_fd,
             max_memory=args.max_memory or None,
         )

@@ -29,7 +29,7 @@ from agentbox.egress._process import spawn_proxy
 from agentbox.errors import AgentboxError
 
 if TYPE_CHECKING:
-    from agentbox.escape._model import Outcome
+    from agentbox.escape import Outcome
 
 __all__ = [
     "CLIENT_SOURCE",
@@ -182,11 +182,10 @@ def suite_outcome(
     ``gateway_dir`` on the host). ``control``: the weak container and the unchecked proxy.
     A microVM reaches host sockets over vsock, not a shared directory: n/a, said so."""
     from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX
-    from agentbox.escape._model import Outcome
-    from agentbox.escape._registry import by_id
+    from agentbox.escape import PROBES, Outcome
     from agentbox.gateway import gateway_identity
 
-    spec = by_id(PROBE_ID)
+    spec = next(p for p in PROBES if p.id == PROBE_ID)
 
     def done(status: str, seen: str) -> Outcome:
         return Outcome(spec.id, spec.where, spec.tried, spec.expected, seen[:400], status)  # type: ignore[arg-type]

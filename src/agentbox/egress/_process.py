@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO
 
@@ -97,6 +99,24 @@ def run_proxy(
             socket_path.unlink()
 
 
+def _wait_ready(fd: int, timeout: float) -> None:
+    """Wait for the child's ``ready`` line; EgressError if it closes the pipe or is late."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in got:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise EgressError(f"egress proxy not ready within {timeout:g}s")
+        readable, _, _ = select.select([fd], [], [], left)
+        if readable:
+            chunk = os.read(fd, 64)
+            if not chunk:
+                raise EgressError("egress proxy exited before it was ready")
+            got += chunk
+    if not got.startswith(b"ready"):
+        raise EgressError(f"egress proxy said {got[:64]!r} instead of ready")
+
+
 class ProxyHandle:
     """A running proxy process: ``pid``, ``alive()``, ``stop()`` (idempotent), a context manager."""
 
@@ -160,8 +180,6 @@ def spawn_proxy(
     Raises :class:`EgressError` (with the diagnostics' tail) if it does not serve
     within ``timeout`` seconds.
     """
-    from agentbox.gateway._process import _wait_ready
-
     env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["MALLOC_ARENA_MAX"] = "2"  # under RLIMIT_AS: not one 64 MiB arena per resolver thread
@@ -198,15 +216,14 @@ def spawn_proxy(
             proc.stdin.close()
         # "ready" comes once the server accepts (and after the drop): no probe connection.
         _wait_ready(ready_r, timeout)
-    except (GatewayError, OSError) as exc:
+    except (EgressError, OSError) as exc:
         handle.stop(grace=1.0)
         tail = ""
         if stderr_file is not None:
             with contextlib.suppress(OSError):
                 lines = stderr_file.read_text(errors="replace").splitlines()[-20:]
                 tail = "\n" + "\n".join(lines)
-        msg = str(exc).replace("gateway", "egress proxy")
-        raise EgressError(f"{msg}{tail}") from exc
+        raise EgressError(f"{exc}{tail}") from exc
     finally:
         os.close(ready_r)
     return handle
