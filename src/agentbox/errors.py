@@ -2,39 +2,61 @@
 
 Every error agentbox raises on purpose derives from :class:`AgentboxError`;
 errors of lower layers (subprocess, podman, QEMU, HTTP, sqlite) are translated
-at the boundary with ``raise ... from exc`` and never leak raw. The tree is
-grouped by what the caller can do about it::
+at the boundary with ``raise ... from exc`` (:func:`map_exceptions` does it for
+a block) and never leak raw. The tree is grouped by what the caller can do
+about it; every timeout is also an :class:`AgentboxTimeout`::
 
     AgentboxError
     ├── ConfigError            bad settings, Boxfile, model registry: fix the input
-    │   └── BoxfileError       names the offending key
+    │   └── BoxfileError       names the offending key (key, path)
     ├── RefusedError           a request that is well-formed but not allowed
-    │   ├── PathRefused        a path outside its root, through a link, wrong owner
+    │   ├── PathRefused        a path outside its root, through a link, wrong owner (path)
+    │   │   └── SizeRefused    a file, or the running total, over its size cap
     │   ├── TaskIdRefused      an id that does not match ^[0-9a-z-]{1,64}$
     │   ├── PolicyRefused      a capability, a network, a command that is not claude …
     │   └── PublishRefused     a branch agentbox did not write, or one checked out: kept as
     │                          is (also a CollectError: the result is kept, unpublished)
-    ├── UnsupportedError       the host lacks a facility (runtime, KVM, binary): install it
-    ├── CommandError           a subprocess failed: argv, exit code, stderr tail
-    │   └── CommandTimeout     ... or ran past its timeout
-    ├── ImageError             building, verifying or finding an image failed
-    ├── SandboxError           a sandbox could not be created, run or destroyed
-    │   ├── SandboxTimeout     a sandbox ran past its deadline and was killed
+    ├── UnsupportedError       the host lacks a facility (runtime, KVM, binary): install it (fix)
+    ├── CommandError           a subprocess failed (argv, returncode, stderr tail)
+    │   └── CommandTimeout     ... or ran past its timeout (timeout)
+    ├── ImageError             building, verifying or finding an image failed (image)
+    ├── SandboxError           a sandbox could not be created, run or destroyed (sandbox)
     │   └── GuestError         a microVM guest misbehaved (bad frame, wrong kernel, no answer)
-    ├── GatewayError           the per-task model gateway failed to start or serve
+    │       └── GuestTimeout   the guest did not answer in time
+    ├── GatewayError           the per-task model gateway failed to start or serve (task_id)
+    │   ├── UpstreamError      the upstream broke the protocol or the connection (status)
+    │   │   ├── UpstreamConnectError  no connection to the upstream
+    │   │   └── UpstreamTimeout       the upstream did not answer in time
+    │   ├── Refusal            a request the budget does not allow (reason)
+    │   ├── BodyTooLarge       a request body over the configured cap
+    │   └── PolicyViolation    a request the gateway's policy refuses (400; also a ValueError)
     ├── EgressError            the per-task egress proxy failed to start or serve
-    ├── CollectError           result collection failed (the workspace is kept)
-    └── TaskError              a task-level failure: carries the task id
+    ├── CollectError           result collection failed; the workspace is kept (task_id, path)
+    └── TaskError              a task-level failure (task_id)
         └── TaskNotFound
+
+    AgentboxTimeout            mixed into every timeout above: CommandTimeout,
+                               GuestTimeout, UpstreamTimeout (``except AgentboxTimeout``)
+
+Exceptions not in the tree, on purpose: private control-flow exceptions that
+never leave their module (``_Cancelled``, ``_Stale`` …), and the guest agent's
+``ProtocolError`` (:mod:`agentbox.guest` runs *inside* the sandbox on the bare
+standard library; the host translates what it reports into :class:`GuestError`),
+and :class:`agentbox._reap.Terminated`, a ``KeyboardInterrupt``: a signal, not an error.
+``tests/unit/test_errors_tree.py`` imports every module and holds every other
+exception class to this tree and this drawing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
     "AgentboxError",
+    "AgentboxTimeout",
+    "BodyTooLarge",
     "BoxfileError",
     "CollectError",
     "CommandError",
@@ -43,22 +65,33 @@ __all__ = [
     "EgressError",
     "GatewayError",
     "GuestError",
+    "GuestTimeout",
     "ImageError",
     "PathRefused",
     "PolicyRefused",
+    "PolicyViolation",
     "PublishRefused",
+    "Refusal",
     "RefusedError",
     "SandboxError",
-    "SandboxTimeout",
+    "SizeRefused",
     "TaskError",
     "TaskIdRefused",
     "TaskNotFound",
     "UnsupportedError",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamTimeout",
 ]
+# map_exceptions is public too, but not in __all__: that lists the exception classes only.
 
 
 class AgentboxError(Exception):
     """Root of every error agentbox raises on purpose."""
+
+
+class AgentboxTimeout(AgentboxError):
+    """Mixed into every timeout of the tree (``except AgentboxTimeout`` catches them all)."""
 
 
 class ConfigError(AgentboxError):
@@ -86,6 +119,10 @@ class PathRefused(RefusedError):
     def __init__(self, message: str, *, path: Path | str | None = None) -> None:
         super().__init__(f"{message}: {path}" if path is not None else message)
         self.path = path
+
+
+class SizeRefused(PathRefused):
+    """A file (or the running total) is over its size cap."""
 
 
 class TaskIdRefused(RefusedError):
@@ -125,7 +162,7 @@ class CommandError(AgentboxError):
         super().__init__(msg)
 
 
-class CommandTimeout(CommandError):
+class CommandTimeout(CommandError, AgentboxTimeout):
     """A subprocess ran past its timeout and was killed."""
 
     def __init__(self, argv: Sequence[str], timeout: float, stderr: str = "") -> None:
@@ -135,7 +172,11 @@ class CommandTimeout(CommandError):
 
 
 class ImageError(AgentboxError):
-    """Building, verifying or finding a sandbox image failed."""
+    """Building, verifying or finding a sandbox image failed; ``image`` names it if known."""
+
+    def __init__(self, message: str, *, image: str | None = None) -> None:
+        super().__init__(message)
+        self.image = image
 
 
 class SandboxError(AgentboxError):
@@ -146,16 +187,52 @@ class SandboxError(AgentboxError):
         self.sandbox = sandbox
 
 
-class SandboxTimeout(SandboxError):
-    """A sandbox ran past its deadline and was killed."""
-
-
 class GuestError(SandboxError):
     """A microVM guest misbehaved: a malformed frame, the host's kernel, no answer."""
 
 
+class GuestTimeout(GuestError, AgentboxTimeout):
+    """The guest did not answer in time (the channel itself may still be fine)."""
+
+
 class GatewayError(AgentboxError):
-    """The per-task model gateway failed to start or to serve."""
+    """The per-task model gateway failed to start or to serve; ``task_id`` if known."""
+
+    def __init__(self, message: str = "", *, task_id: str | None = None) -> None:
+        super().__init__(message)
+        self.task_id = task_id
+
+
+class UpstreamError(GatewayError):
+    """The upstream broke the protocol or the connection; ``status`` if it answered."""
+
+    def __init__(self, message: str = "", *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class UpstreamConnectError(UpstreamError):
+    """No connection to the upstream."""
+
+
+class UpstreamTimeout(UpstreamError, AgentboxTimeout):
+    """The upstream did not answer in time."""
+
+
+class Refusal(GatewayError):
+    """A request the budget does not allow; ``reason`` is the usage-file key."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class BodyTooLarge(GatewayError):
+    """The request body passed the configured cap."""
+
+
+class PolicyViolation(GatewayError, ValueError):
+    """A request the policy refuses (400); the message names the part and why."""
 
 
 class EgressError(AgentboxError):
@@ -163,7 +240,17 @@ class EgressError(AgentboxError):
 
 
 class CollectError(AgentboxError):
-    """Result collection failed. The workspace is kept so it can be retried."""
+    """Result collection failed. The workspace is kept so it can be retried.
+
+    ``task_id`` and ``path`` (the file or directory that failed) when known.
+    """
+
+    def __init__(
+        self, message: str = "", *, task_id: str | None = None, path: Path | str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.task_id = task_id
+        self.path = path
 
 
 class PublishRefused(CollectError, RefusedError):
@@ -181,3 +268,31 @@ class TaskError(AgentboxError):
 
 class TaskNotFound(TaskError):
     """No task with that id is known to the launcher."""
+
+
+@contextlib.contextmanager
+def map_exceptions(
+    mapping: Mapping[type[BaseException], Callable[[str], AgentboxError]],
+    *,
+    what: str = "",
+) -> Iterator[None]:
+    """Translate lower-layer exceptions at a boundary, as httpcore's ``map_exceptions``.
+
+    Inside the block, an exception that is an instance of a key of ``mapping``
+    (checked in order) is raised again as ``mapping[type](message)`` from it; the
+    message is ``what: <the original>`` when ``what`` is given. An
+    :class:`AgentboxError` passes through untouched::
+
+        with map_exceptions({OSError: SandboxError, ValueError: ConfigError}, what="read"):
+            ...
+    """
+    try:
+        yield
+    except AgentboxError:
+        raise
+    except BaseException as exc:
+        for kind, make in mapping.items():
+            if isinstance(exc, kind):
+                text = str(exc) or type(exc).__name__
+                raise make(f"{what}: {text}" if what else text) from exc
+        raise

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Self
 
-from agentbox.errors import PathRefused, UnsupportedError
+from agentbox.errors import PathRefused, SizeRefused, UnsupportedError
 
 __all__ = [
     "MAX_NAME",
@@ -94,10 +94,6 @@ MAX_NAME = 255
 MAX_PATH = 4096
 
 _CONTROL = frozenset([*range(0x20), 0x7F])
-
-
-class SizeRefused(PathRefused):
-    """A file (or the running total) is over its size cap."""
 
 
 class _OpenHow(ctypes.Structure):

@@ -35,9 +35,10 @@ PENDING = {
 }
 
 
-#: Packages still being written (issue 13's egress proxy reuses the gateway's confinement
-#: and the escape suite's model): all their edges are pending until they land.
-PENDING_PACKAGES = {"egress"}
+#: Packages still being written, whose edges are pending until they land: the egress
+#: proxy reuses the gateway's confinement and the escape suite's model; the setup
+#: phase (env/) reads podman's image facts (``agentbox.backends.podman.image_facts``).
+PENDING_PACKAGES = {"egress", "env"}
 
 
 def _package(path: Path) -> str:

@@ -87,6 +87,7 @@ __all__ = [
     "PodmanSandbox",
     "conmon_cwd",
     "host_shortfall",
+    "image_facts",
 ]
 
 log = get_logger("podman")

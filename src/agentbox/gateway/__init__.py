@@ -27,8 +27,10 @@ from agentbox.gateway.registry import (
 )
 
 if TYPE_CHECKING:
-    from agentbox.gateway._cli import gateway as gateway_command
-    from agentbox.gateway._run import run_replay
+    from agentbox.gateway._cli import gateway as _gateway_command
+    from agentbox.gateway._run import run_replay as run_replay
+
+    gateway_command = _gateway_command
 
 __all__ = [
     "DEFAULT_BUDGET",
@@ -38,11 +40,9 @@ __all__ = [
     "ModelEntry",
     "Registry",
     "Usage",
-    "gateway_command",
     "gateway_identity",
     "load_registry",
     "read_usage",
-    "run_replay",
     "spawn_gateway",
 ]
 
@@ -51,7 +51,10 @@ DEFAULT_BUDGET = 20_000_000
 
 
 def __getattr__(name: str) -> Any:
-    """``gateway_command`` (the ``agentbox gateway`` command) and ``run_replay``, on first use."""
+    """``gateway_command`` (the ``agentbox gateway`` command) and ``run_replay``, on first use.
+
+    For the CLI; not in ``__all__`` (the library surface), which stays as pinned.
+    """
     if name == "gateway_command":
         from agentbox.gateway._cli import gateway
 

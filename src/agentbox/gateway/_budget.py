@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from agentbox.errors import Refusal
 from agentbox.gateway._meter import TokenCount
 from agentbox.gateway._usage import Usage
 
@@ -27,14 +28,6 @@ __all__ = ["MIN_OUTPUT_TOKENS", "Ledger", "Refusal", "Reservation"]
 #: The fewest output tokens a clamped request is given; below that it is refused.
 #: More than 1,024 so that extended thinking's minimum budget still fits under it.
 MIN_OUTPUT_TOKENS = 2048
-
-
-class Refusal(Exception):
-    """A request the budget does not allow; ``reason`` is the usage-file key."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass

@@ -30,6 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentbox.errors import PolicyViolation
+
 __all__ = [
     "CLAUDE_CODE_BETAS",
     "NETWORK_BETA_PREFIXES",
@@ -155,10 +157,6 @@ _TOOL_KEYS = frozenset(
 _TOOL_CHOICES = frozenset({"auto", "any", "tool", "none"})
 _IMAGE_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 _ROLES = frozenset({"user", "assistant", "system"})
-
-
-class PolicyViolation(ValueError):
-    """A request the policy refuses (400); the message names the part and why."""
 
 
 @dataclass(frozen=True)

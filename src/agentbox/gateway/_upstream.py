@@ -36,6 +36,8 @@ from typing import Protocol
 
 import httpx
 
+from agentbox.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+
 __all__ = [
     "HttpxPool",
     "PlainPool",
@@ -70,18 +72,6 @@ def _buffered_chunk(r: asyncio.StreamReader) -> int:
         return 0
     size = int(size_s, 16)
     return size if size and len(buf) >= end + 2 + size + 2 else 0
-
-
-class UpstreamError(Exception):
-    """The upstream broke the protocol or the connection."""
-
-
-class UpstreamConnectError(UpstreamError):
-    """No connection to the upstream."""
-
-
-class UpstreamTimeout(UpstreamError):
-    """The upstream did not answer in time."""
 
 
 class UpstreamResponse(Protocol):

@@ -13,6 +13,8 @@ import secrets
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
+from agentbox.errors import BodyTooLarge
+
 __all__ = [
     "ERROR_TYPES",
     "BodyTooLarge",
@@ -48,10 +50,6 @@ ERROR_TYPES: dict[int, str] = {
     504: "timeout_error",
     529: "overloaded_error",
 }
-
-
-class BodyTooLarge(Exception):
-    """The request body passed the configured cap."""
 
 
 def new_id(prefix: str) -> str:

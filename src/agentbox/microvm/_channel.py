@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentbox._log import get_logger
-from agentbox.errors import GuestError
+from agentbox.errors import GuestError, GuestTimeout
 from agentbox.guest.agent import (
     CTRL,
     MAX_PAYLOAD,
@@ -57,10 +57,6 @@ SEND_TIMEOUT = 60.0
 DataHandler = Callable[[int, bytes], None]
 """Called in the reader thread with (frame type, payload) for a stream's data frames.
 It must not block; raising :class:`GuestError` breaks the channel."""
-
-
-class GuestTimeout(GuestError):
-    """The guest did not answer in time (the channel itself may still be fine)."""
 
 
 class Channel:

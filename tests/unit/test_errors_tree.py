@@ -1,0 +1,126 @@
+"""Every exception class agentbox defines is rooted in errors.py and drawn in its docstring.
+
+The walk imports *every* module of the package (``pkgutil.walk_packages``), not
+only what ``errors.__all__`` lists, so an exception class added anywhere outside
+the tree fails here. Exempt: private control-flow classes (``_Name``) that never
+leave their module, and :mod:`agentbox.guest`, which runs inside the sandbox on
+the bare standard library, and :class:`agentbox._reap.Terminated`, a
+``KeyboardInterrupt`` (a signal, not an error).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+
+import pytest
+
+import agentbox
+from agentbox import errors
+from agentbox.errors import (
+    AgentboxError,
+    AgentboxTimeout,
+    CollectError,
+    ConfigError,
+    SandboxError,
+    UpstreamError,
+    map_exceptions,
+)
+
+
+def _modules() -> list[str]:
+    names = [agentbox.__name__]
+    for info in pkgutil.walk_packages(agentbox.__path__, prefix="agentbox."):
+        if info.name.endswith("__main__"):
+            continue  # running it is its import
+        names.append(info.name)
+    return names
+
+
+def _exception_classes() -> list[tuple[str, type[BaseException]]]:
+    found = []
+    for name in _modules():
+        mod = importlib.import_module(name)
+        for attr, obj in vars(mod).items():
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and obj.__module__ == name
+                and attr == obj.__name__
+            ):
+                found.append((name, obj))
+    return found
+
+
+def test_the_walk_reaches_every_package() -> None:
+    mods = _modules()
+    for pkg in ("backends", "gateway", "launcher", "collect", "microvm", "mcp", "escape"):
+        assert any(m.startswith(f"agentbox.{pkg}.") for m in mods), pkg
+    assert len(mods) > 100
+
+
+def test_every_exception_is_rooted_in_agentbox_error() -> None:
+    unrooted = [
+        f"{mod}.{cls.__name__}"
+        for mod, cls in _exception_classes()
+        if issubclass(cls, Exception)  # Terminated is a KeyboardInterrupt: a signal
+        and not issubclass(cls, AgentboxError)
+        and not cls.__name__.startswith("_")
+        and not mod.startswith("agentbox.guest")
+    ]
+    assert not unrooted, f"exceptions outside the tree: {unrooted}"
+
+
+def test_every_public_error_is_defined_in_errors_and_drawn() -> None:
+    drawing = errors.__doc__ or ""
+    for mod, cls in _exception_classes():
+        if not issubclass(cls, AgentboxError) or cls.__name__.startswith("_"):
+            continue
+        assert mod == "agentbox.errors", f"{mod}.{cls.__name__}: define it in errors.py"
+        assert re.search(rf"\b{cls.__name__}\b", drawing), f"{cls.__name__} not drawn"
+    for name in errors.__all__:
+        assert re.search(rf"\b{name}\b", drawing), f"{name} not drawn"
+
+
+def test_timeouts_share_one_base() -> None:
+    for name in ("CommandTimeout", "GuestTimeout", "UpstreamTimeout"):
+        assert issubclass(getattr(errors, name), AgentboxTimeout), name
+
+
+def test_component_errors_carry_their_fields() -> None:
+    assert UpstreamError("bad gateway", status=502).status == 502
+    c = CollectError("unreadable", task_id="t-1", path="/w/x")
+    assert (c.task_id, c.path) == ("t-1", "/w/x")
+    assert errors.ImageError("missing", image="agentbox-default").image == "agentbox-default"
+    assert errors.GatewayError("down", task_id="t-2").task_id == "t-2"
+    assert SandboxError("gone", sandbox="sb").sandbox == "sb"
+
+
+def test_gateway_errors_keep_their_old_names_and_behaviour() -> None:
+    from agentbox.gateway import _budget, _policy, _upstream, _wire
+
+    assert _upstream.UpstreamTimeout is errors.UpstreamTimeout
+    assert _budget.Refusal("budget_exhausted", "no").reason == "budget_exhausted"
+    assert _wire.BodyTooLarge is errors.BodyTooLarge
+    assert issubclass(_policy.PolicyViolation, ValueError)  # callers catch ValueError
+
+
+def test_map_exceptions_translates_at_the_boundary() -> None:
+    with (
+        pytest.raises(SandboxError, match="reading x: boom") as info,
+        map_exceptions({OSError: SandboxError}, what="reading x"),
+    ):
+        raise OSError("boom")
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_map_exceptions_first_match_wins_and_ours_pass_through() -> None:
+    table = {FileNotFoundError: ConfigError, OSError: SandboxError}
+    with pytest.raises(ConfigError), map_exceptions(table):
+        raise FileNotFoundError("nope")
+    with pytest.raises(CollectError), map_exceptions(table):
+        raise CollectError("already ours")
+    with pytest.raises(KeyError), map_exceptions(table):
+        raise KeyError("not mapped: unchanged")
