@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, Backend, BindMount
 from agentbox.boxfile import Boxfile, Setup
@@ -51,7 +50,7 @@ from agentbox.env._key import env_key
 from agentbox.env._model import EnvInfo, SetupReport
 from agentbox.env._mount import EnvMount
 from agentbox.env._store import EnvStore
-from agentbox.errors import AgentboxError, PathRefused, UnsupportedError
+from agentbox.errors import PathRefused, UnsupportedError
 from agentbox.safepath import Kind, Tree, check_name, openat2
 from agentbox.sandbox import spec_from_boxfile
 
@@ -86,12 +85,12 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def image_id(image: str) -> str:
-    """The full id of local image ``image`` (the key must change when the image does)."""
-    try:
-        res = _proc.run(["podman", "image", "inspect", "--format", "{{.Id}}", image], timeout=60)
-    except AgentboxError as exc:
-        raise UnsupportedError(f"image {image} not found for the setup phase: {exc}") from exc
-    return res.stdout.strip()
+    """The id of local image ``image`` the podman backend will run (the key must change
+    when the image does): the backend's own per-process inspection, so it is exactly
+    the image the sandboxes get, and costs nothing more to the task's start."""
+    from agentbox.backends._podman_args import image_facts
+
+    return image_facts(image).id
 
 
 def egress_argv(argv: Sequence[str]) -> list[str]:
