@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -65,6 +65,7 @@ class World:
     base: Path
     env: dict[str, str]
     settings: Settings
+    clients: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
 
 @pytest.fixture
@@ -80,9 +81,22 @@ def world(default_image: str) -> Iterator[World]:
         "AGENTBOX_REPOS_ROOT": str(base / "repos"),
         "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
     }
+    world = World(base, env, Settings(data_dir=base / "data"))
     try:
-        yield World(base, env, Settings(data_dir=base / "data"))
+        yield world
     finally:
+        # A test that failed before its signal leaves its client running: TERM lets
+        # it clean up (the feature under test), KILL if it does not.
+        for proc in world.clients:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(GONE_WITHIN)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(30)
+        with contextlib.suppress(AssertionError):
+            _poll(lambda: not _watchdogs(world), GONE_WITHIN, "")
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -168,11 +182,29 @@ def _signal_and_check(
             f"{backend}: the sandbox outlived its client ({sig.name}): "
             f"{_sandboxes(backend, world, owner)}; watchdog log: {_wd_log(world)}",
         )
+        # Nothing of the client is left either: its watchdog has finished and exited.
+        _poll(lambda: not _watchdogs(world), GONE_WITHIN, "the watchdog never exited")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
         _cleanup(backend, world, owner, vms)
+
+
+def _watchdogs(world: World) -> list[int]:
+    """Live watchdog processes of this data dir."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or not _alive(int(d.name)):
+            continue
+        with contextlib.suppress(OSError):
+            args = (d / "cmdline").read_bytes().split(b"\0")
+            if (
+                any(b"_watchdog" in a for a in args)
+                and str(world.settings.data_dir).encode() in args
+            ):
+                found.append(int(d.name))
+    return found
 
 
 def _wd_log(world: World) -> str:
@@ -196,11 +228,13 @@ def _wait_line(proc: subprocess.Popen[bytes], marker: bytes) -> None:
 
 def _cli(args: list[str], world: World) -> subprocess.Popen[bytes]:
     # Its own session: the signal reaches the client alone, never the test.
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "agentbox", *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         env=world.env, start_new_session=True,
     )  # fmt: skip
+    world.clients.append(proc)
+    return proc
 
 
 def _backend_args(backend: tuple[str, str | None]) -> list[str]:
@@ -292,12 +326,17 @@ def test_run_client_killed_leaves_no_sandbox(
         assert time.monotonic() < end, "the agent never got to its long command"
         time.sleep(0.5)
     gateways = _task_gateways(world, task_id)
-    _signal_and_check(proc, sig, name, world)
-    _poll(
-        lambda: not any(_alive(pid) for pid in gateways),
-        GONE_WITHIN,
-        f"the task's gateway outlived its client ({sig.name})",
-    )
+    try:
+        _signal_and_check(proc, sig, name, world)
+        _poll(
+            lambda: not any(_alive(pid) for pid in gateways),
+            GONE_WITHIN,
+            f"the task's gateway outlived its client ({sig.name})",
+        )
+    finally:
+        for pid in gateways:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def _in_long_command(world: World, task_id: str) -> bool:
