@@ -33,12 +33,14 @@ Public API::
 - :func:`spawn_proxy` ``(socket_path, policy, log_path, run_as=None) -> ProxyHandle``
   raises :class:`~agentbox.errors.EgressError` if it does not start;
 - :func:`summarize` ``(log_path) -> EgressSummary``;
-- :func:`host_ca_bundle` ``(settings) -> Path``; :func:`proxy_env` ``(port, ca_path)``.
+- :func:`host_ca_bundle` ``(settings) -> Path``; :func:`proxy_env` ``(port, ca_path)``;
+- :func:`escape_outcome`: the escape suite's ``host.egress_proxy_inner`` probe.
 """
 
 from __future__ import annotations
 
 from agentbox.egress._env import host_ca_bundle, proxy_env
+from agentbox.egress._escape import suite_outcome as escape_outcome
 from agentbox.egress._hostcfg import host_registries
 from agentbox.egress._policy import AllowRule, EgressLimits, EgressPolicy
 from agentbox.egress._process import ProxyHandle, spawn_proxy
@@ -51,6 +53,7 @@ __all__ = [
     "EgressSummary",
     "HostSummary",
     "ProxyHandle",
+    "escape_outcome",
     "host_ca_bundle",
     "host_registries",
     "proxy_env",

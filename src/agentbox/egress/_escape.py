@@ -176,11 +176,18 @@ def egress_probe(
 
 
 def suite_outcome(
-    box: _Execs, settings: Settings, gateway_dir: Path, *, vm: bool = False, control: bool = False
+    box: _Execs,
+    gateway_dir: Path,
+    *,
+    settings: Settings | None = None,
+    vm: bool = False,
+    control: bool = False,
 ) -> Outcome:
-    """The escape suite's :data:`PROBE_ID` outcome on ``box`` (whose gateway dir is
-    ``gateway_dir`` on the host). ``control``: the weak container and the unchecked proxy.
-    A microVM reaches host sockets over vsock, not a shared directory: n/a, said so."""
+    """The escape suite's :data:`PROBE_ID` outcome on ``box``, whose gateway dir is
+    ``gateway_dir`` on the host. The proxy drops to the gateway's identity when
+    ``settings`` are given and this runs as root. ``control``: the unchecked proxy (on
+    the weak container). A microVM reaches host sockets over vsock, not a shared
+    directory: n/a, said so."""
     from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX
     from agentbox.escape import PROBES, Outcome
     from agentbox.gateway import gateway_identity
@@ -198,7 +205,7 @@ def suite_outcome(
             gateway_dir,
             GATEWAY_DIR_IN_SANDBOX,
             socket_owner=None,
-            run_as=gateway_identity(settings),
+            run_as=gateway_identity(settings) if settings is not None else None,
             checked=not control,
             open_socket=True,
         )
