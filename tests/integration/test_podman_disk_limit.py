@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from agentbox import _host
@@ -251,9 +252,12 @@ def test_reap_after_the_owner_was_killed_saves_the_work_and_unmounts(
             time.sleep(0.2)
         assert os.path.ismount(ws)
         owner.send_signal(signal.SIGKILL)
-        owner.wait()
+        while psutil.Process(owner.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
         assert os.path.ismount(ws)  # nobody released it
+        # Reaped the moment it died: the owner is still a zombie (nobody waited for it).
         assert PodmanBackend(sandbox_settings).reap(name) == [name]
+        owner.wait()
         assert not os.path.ismount(ws)
         assert (ws / "f").read_text() == "mine\n"
         _assert_no_disk_left(sandbox_settings, ws)

@@ -234,10 +234,13 @@ def settle_orphan_disks(settings: Settings, name: str | None = None) -> list[str
 
 
 def _alive(pid: int, start: str) -> bool:
+    """Whether the record's owner still runs. A zombie does not: it died, and its
+    parent has not reaped it yet (a reaper acting the moment it died sees one)."""
     import psutil
 
     try:
-        return f"{psutil.Process(pid).create_time():.0f}" == start
+        proc = psutil.Process(pid)
+        return f"{proc.create_time():.0f}" == start and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
