@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import socket
 import ssl
 import statistics
@@ -135,9 +136,10 @@ def main() -> int:
             relay.terminate()
             relay.wait(5)
     direct.close()
+    s = summarize(log)
+    shutil.rmtree(tmp, ignore_errors=True)
     d, q = statistics.median(rates["direct"]), statistics.median(rates["proxied"])
     b = statistics.median(rates["proxy only"])
-    s = summarize(log)
     print(f"files: {len(urls)} of {args.package} x {args.runs} runs, {total / 1e6:.1f} MB proxied")
     print(f"direct   median {d:8.1f} MB/s")
     print(f"proxied  median {q:8.1f} MB/s  (relay -> unix socket -> proxy process)")
