@@ -24,6 +24,7 @@ from agentbox.config import Settings
 from agentbox.env import EnvPlan, EnvStore, prepare_env
 from agentbox.gateway import gateway_identity
 from agentbox.sandbox import spec_from_boxfile
+from conftest import PODMAN_RUNTIMES
 
 pytestmark = [
     pytest.mark.podman,
@@ -100,9 +101,14 @@ def tasks(
         store.remove(key, force=True)
 
 
-def _box(image: str, run: list[str], **setup: object) -> Boxfile:
+def _box(image: str, run: list[str], runtime: str = "runc", **setup: object) -> Boxfile:
     return Boxfile.from_dict(
-        {"image": image, "resources": {"disk": "256MiB"}, "setup": {"run": run, **setup}}
+        {
+            "image": image,
+            "runtime": runtime,
+            "resources": {"disk": "256MiB"},
+            "setup": {"run": run, **setup},
+        }
     )
 
 
@@ -234,3 +240,23 @@ def test_setup_reaches_the_registry_through_the_proxy_and_nothing_else(
     assert any(h["allowed"] for h in hosts.values())
     assert hosts["example.org"]["denied"] >= 1 and hosts["example.org"]["allowed"] == 0
     assert "not-allowed" in hosts["example.org"]["denied_rules"]
+
+
+@pytest.mark.skipif("runsc" not in PODMAN_RUNTIMES, reason="runsc is not usable here")
+def test_setup_through_the_proxy_and_a_hit_under_gvisor(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    url = _index_url()
+    nonce = secrets.token_hex(4)
+    run = [f"mkdir -p .deps && echo {nonce} > .deps/stamp", FETCH.format(url=url)]
+    box = _box(default_image, run, runtime="runsc", network="registries")
+    first = tasks({"README": "x\n"})
+    plan = first.prepare(box)
+    assert plan.report.cache == "miss" and "GOT-200" in plan.report.output_tail, plan.report
+    second = tasks({"README": "x\n"})
+    assert second.prepare(box).report.cache == "hit"
+    code, out = second.run(box, "cat .deps/stamp && echo more > .deps/stamp && cat .deps/stamp")
+    assert code == 0 and f"{nonce}\nmore" in out, out
+    assert (EnvStore(second.settings).tree(plan.report.key) / ".deps/stamp").read_text() == (
+        f"{nonce}\n"
+    )

@@ -119,17 +119,28 @@ def start_egress(
     log_path: Path,
     run_as: tuple[int, int] | None,
 ) -> Egress:
-    """Start a proxy on ``socket_dir/egress.sock`` (given to the sandbox uid)."""
+    """Start a proxy on ``socket_dir/egress.sock`` (given to the sandbox uid).
+
+    The host's CA bundle is copied next to ``socket_dir`` (``egress-ca.pem``, 0444, the
+    sandbox uid's: runsc's gofer can read it, and a host bundle replaced while the task
+    runs changes nothing) and that copy is mounted read-only.
+    """
     sock = socket_dir / EGRESS_SOCKET_NAME
+    ca_copy = socket_dir.parent / "egress-ca.pem"
+    host_uid = settings.sandbox_host_uid
+    if not ca_copy.exists():
+        data = host_ca_bundle(settings).read_bytes()
+        fd = os.open(ca_copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chown(ca_copy, host_uid, host_uid, follow_symlinks=False)
     proxy = spawn_proxy(sock, policy, log_path, run_as, stderr_file=log_path.with_suffix(".stderr"))
     try:
-        host_uid = settings.sandbox_host_uid
         os.chown(sock, host_uid, host_uid, follow_symlinks=False)
-        ca = host_ca_bundle(settings)
     except BaseException:
         proxy.stop(grace=1.0)
         raise
-    mount = BindMount(source=ca, target=CA_IN_SANDBOX, read_only=True)
+    mount = BindMount(source=ca_copy, target=CA_IN_SANDBOX, read_only=True)
     return Egress(proxy=proxy, env=proxy_env(EGRESS_PORT, CA_IN_SANDBOX), mount=mount)
 
 
