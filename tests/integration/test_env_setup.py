@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from agentbox import _host
 from agentbox.backends import get_backend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.env import EnvPlan, EnvStore, prepare_env
 from agentbox.gateway import gateway_identity
 from agentbox.sandbox import spec_from_boxfile
-from conftest import PODMAN_RUNTIMES
 
 pytestmark = [
     pytest.mark.podman,
@@ -242,7 +242,7 @@ def test_setup_reaches_the_registry_through_the_proxy_and_nothing_else(
     assert "not-allowed" in hosts["example.org"]["denied_rules"]
 
 
-@pytest.mark.skipif("runsc" not in PODMAN_RUNTIMES, reason="runsc is not usable here")
+@pytest.mark.skipif(not _host.podman_runtime("runsc").ok, reason="runsc is not usable here")
 def test_setup_through_the_proxy_and_a_hit_under_gvisor(
     tasks: Callable[[dict[str, str]], Task], default_image: str
 ) -> None:
