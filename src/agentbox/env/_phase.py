@@ -49,6 +49,7 @@ from agentbox.egress import (
 from agentbox.env._key import env_key
 from agentbox.env._model import EnvInfo, SetupReport
 from agentbox.env._mount import EnvMount
+from agentbox.env._report import record_proxy
 from agentbox.env._store import EnvStore
 from agentbox.errors import PathRefused, UnsupportedError
 from agentbox.safepath import Kind, Tree, check_name, openat2
@@ -136,6 +137,8 @@ def start_egress(
         os.chown(ca_copy, host_uid, host_uid, follow_symlinks=False)
     proxy = spawn_proxy(sock, policy, log_path, run_as, stderr_file=log_path.with_suffix(".stderr"))
     try:
+        # Recorded so a restarted launcher ends it if this one dies (release_task_env).
+        record_proxy(socket_dir.parent, proxy.pid)
         os.chown(sock, host_uid, host_uid, follow_symlinks=False)
     except BaseException:
         proxy.stop(grace=1.0)

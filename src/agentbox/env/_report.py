@@ -6,13 +6,19 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from agentbox._log import get_logger
 from agentbox.egress import summarize
 from agentbox.env._model import SetupReport
 from agentbox.env._mount import EnvMount
 
-__all__ = ["release_task_env", "report_fields", "save_setup_report"]
+__all__ = ["record_proxy", "release_task_env", "report_fields", "save_setup_report"]
+
+log = get_logger("env.report")
 
 _SETUP_FILE = "setup.json"
+_PROXIES_FILE = "egress-proxies"
 _MAX_SETUP_FILE = 1 << 20
 
 
@@ -37,8 +43,27 @@ def report_fields(task_root: Path, log_dir: Path) -> dict[str, Any]:
     return out
 
 
+def record_proxy(task_root: Path, pid: int) -> None:
+    """Note a running egress proxy of the task (pid and start time) in its dir."""
+    try:
+        start = psutil.Process(pid).create_time()
+    except psutil.Error:
+        return
+    with (task_root / _PROXIES_FILE).open("a") as fh:
+        fh.write(f"{pid} {start!r}\n")
+
+
 def release_task_env(task_root: Path) -> None:
-    """Unmount a task's environment overlay left by a launcher that died; idempotent."""
+    """What a launcher that died left of a task's environment: end its egress proxies
+    (each only if it is still that very process) and unmount its overlay; idempotent."""
+    with contextlib.suppress(OSError):
+        for line in (task_root / _PROXIES_FILE).read_text().splitlines()[:16]:
+            with contextlib.suppress(ValueError, psutil.Error):
+                pid, start = line.split()
+                proc = psutil.Process(int(pid))
+                if proc.create_time() == float(start):
+                    log.warning("ending an orphan egress proxy", pid=proc.pid)
+                    proc.kill()
     where = task_root / "env"
     if where.is_dir() and not where.is_symlink():
         EnvMount(Path("/nonexistent"), where).release()
