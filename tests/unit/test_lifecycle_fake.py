@@ -215,7 +215,7 @@ def test_an_exhausted_budget_fails_the_task(launcher: Launcher, repo: Path) -> N
         tid = _submit(launcher, repo, budget=1000)
         info = launcher.wait(tid, timeout=30)
     assert info.status == "failed"
-    assert "token budget exhausted" in (info.error or "")
+    assert "budget exhausted after 1,500 of 1,000 tokens" in (info.error or "")
     assert info.tokens is not None and info.tokens.input == 1500
 
 

@@ -8,9 +8,12 @@ this module only assembles them and maps errors to exit codes.
 from __future__ import annotations
 
 import importlib
+import json
 import sys
+from typing import Any
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.text import Text
 
@@ -44,6 +47,19 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 err_console = Console(stderr=True)
 
+_display_type_rich = typer.core.TyperOption.display_type_rich
+
+
+def _flag_type(self: typer.core.TyperOption, ctx: Any) -> str | None:
+    # typer's rich help shows every option's type, flags too (``--json <bool>``), which
+    # reads as an option taking a value: a flag shows none, as in click's own help.
+    if self.is_flag and not self.count:
+        return None
+    return _display_type_rich(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
+
 
 def _version(value: bool) -> None:
     if value:
@@ -75,10 +91,42 @@ def main() -> None:
     Usage errors are click's (exit 2); refusals exit 3, missing host facilities 4,
     other agentbox errors 1.
     """
+    as_json = "--json" in sys.argv[1:]
     try:
-        app()
+        if not as_json:
+            app()
+            return
+        # --json: usage errors too come out as JSON, so run click non-standalone.
+        rv: Any = app(standalone_mode=False)
+        sys.exit(rv if isinstance(rv, int) else 0)
     except AgentboxError as exc:
-        # The message may hold untrusted text (paths, agent output): never parse it as markup.
-        err_console.print(Text.assemble(("error: ", "red"), visible(str(exc))), highlight=False)
         code = 3 if isinstance(exc, RefusedError) else 4 if isinstance(exc, UnsupportedError) else 1
+        if as_json:
+            _json_error(error_kind(exc), str(exc))
+        else:
+            # The message may hold untrusted text (paths, agent output): never markup.
+            err_console.print(
+                Text.assemble(("error: ", "red"), visible(str(exc))),
+                highlight=False,
+                soft_wrap=True,  # one line per error: no breaks (and padding) at 80 columns
+            )
         sys.exit(code)
+    except typer.TyperException as exc:  # usage errors (only raised here under --json)
+        _json_error(error_kind(exc), exc.format_message())
+        sys.exit(getattr(exc, "exit_code", 2))
+    except typer.Abort:
+        _json_error("interrupted", "interrupted")
+        sys.exit(130)
+
+
+def error_kind(exc: BaseException) -> str:
+    """A stable snake_case key for an error class (``PolicyRefused`` -> ``policy_refused``)."""
+    name = type(exc).__name__
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+def _json_error(kind: str, message: str) -> None:
+    """An error as one JSON object on stdout, where ``--json`` output goes."""
+    doc = {"error": kind, "message": visible(message)}
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.spinner import Spinner
 from rich.syntax import Syntax
@@ -32,6 +32,7 @@ from rich.text import Text
 from agentbox._text import visible
 from agentbox.boxfile import load_boxfile
 from agentbox.cli._env import env_rows, setup_tail
+from agentbox.cli._table import Col, fit_table, print_table
 from agentbox.config import load_settings
 from agentbox.errors import PolicyRefused
 from agentbox.launcher.api import NO_CHANGES, TaskInfo, TaskRequest, TaskResult
@@ -51,6 +52,9 @@ _STYLE = {
     "timed_out": "yellow",
     "cancelled": "magenta",
 }
+
+
+_STATUS_HELP = f"Only tasks in this status ({', '.join(_STYLE)}); repeatable."
 
 
 def _safe(text: object, style: str = "") -> Text:
@@ -106,8 +110,13 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
         f"cache read {t.cache_read:,} (budget {info.budget:,})",
     )
     stat = rep.get("diffstat")
-    if info.changed is False:
+    if info.changed is False and info.status == "done":
         table.add_row("changes", f"[yellow]{NO_CHANGES}[/]")
+    elif info.changed is False:
+        # A failed task that changed nothing: why it failed says it, not "no changes".
+        table.add_row("changes", "none")
+    elif info.changed is None and rep.get("agent_ran") is False:
+        table.add_row("changes", "none: the agent never started (see why)")
     elif isinstance(stat, dict):
         table.add_row(
             "changes",
@@ -116,7 +125,7 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
     skipped = rep.get("skipped")
     if isinstance(skipped, list) and skipped:
         table.add_row("skipped", f"{len(skipped)} entries (see agentbox show --json)")
-    branch = res.branch or ("none" if info.changed is False else "(not published)")
+    branch = res.branch or ("none" if not info.changed else "(not published)")
     if not res.branch and info.changed:
         # A refused publish (a branch of the user's own by that name) says why.
         why = [n.get("reason") for n in rep.get("notes") or []
@@ -127,7 +136,7 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
     table.add_row("commit", _safe(res.commit or "-"))
     for label, text in env_rows(rep):  # setup phase, frozen environment, egress
         table.add_row(label, _safe(text))
-    console.print(table)
+    print_table(console, table)
     tail = setup_tail(rep)
     if tail is not None:
         console.print("[bold]setup output (last lines)[/bold]")
@@ -158,7 +167,8 @@ def _print_flagged(flagged: object) -> None:
 
 def _print_diff(res: TaskResult) -> None:
     if not res.diff.strip():
-        console.print("[dim](no changes)[/dim]")
+        if res.changed is False and res.status == "done":
+            console.print("[dim](no changes)[/dim]")
         return
     # File contents are the agent's: escape sequences in them must not reach the terminal
     # (OSC 52 clipboard, OSC 8 links, CSI 2J), whether it is a terminal or a pipe.
@@ -185,8 +195,11 @@ def register(app: typer.Typer) -> None:
 
     @app.command("run")
     def run(
-        task: Annotated[str, typer.Argument(help="What the agent should do.")],
         repo: Annotated[Path, typer.Option("--repo", help="The git repo (inside the repos root).")],
+        task: Annotated[
+            str | None,
+            typer.Argument(help="What the agent should do; '-' reads it from stdin."),
+        ] = None,
         model: str | None = typer.Option(None, "--model", help="A model from `agentbox models`."),
         budget: int | None = typer.Option(None, "--budget", help="Token budget (default 20M)."),
         deadline: float | None = typer.Option(None, "--deadline", help="Seconds (10..86400)."),
@@ -201,8 +214,13 @@ def register(app: typer.Typer) -> None:
             False, "--no-publish", help="Keep the result in the shadow git dir only."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        task_file: Annotated[
+            Path | None,
+            typer.Option("--task-file", help="Read the task from this file ('-': stdin)."),
+        ] = None,
     ) -> None:
         """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
+        task = _task_text(task, task_file)
         box = load_boxfile(boxfile, load_settings()) if boxfile is not None else None
         if task_id is not None:
             validate_task_id(task_id)
@@ -245,24 +263,45 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(0 if info.status == "done" else 1)
 
     @app.command("tasks")
-    def tasks(as_json: bool = typer.Option(False, "--json")) -> None:
-        """List tasks, newest first."""
-        infos = _launcher(1).list()
+    def tasks(
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        repo: str | None = typer.Option(
+            None, "--repo", help="Only this repo's tasks (its path, or its directory name)."
+        ),
+        status: Annotated[list[str] | None, typer.Option("--status", help=_STATUS_HELP)] = None,
+    ) -> None:
+        """List tasks, newest first (running ones with their live token counts)."""
+        bad = [x for x in status or [] if x not in _STYLE]
+        if bad:
+            raise typer.BadParameter(
+                f"{bad[0]!r:.40} is not a status (one of {', '.join(_STYLE)})",
+                param_hint="--status",
+            )
+        launcher = _launcher(1)
+        infos = _filter_tasks(launcher.list(), repo=repo, status=status)
         if as_json:
             _dump({"tasks": [i.model_dump(mode="json") for i in infos]})
             return
-        table = Table("id", "status", "model", "time", "tokens", "branch", "task")
-        for i in infos:
-            table.add_row(
+        cols = [
+            Col("id", keep=True), Col("status", keep=True), Col("tokens", keep=True),
+            Col("repo"), Col("created"), Col("time"), Col("task", ratio=1),
+            Col("model"), Col("branch"),
+        ]  # fmt: skip
+        rows: list[list[RenderableType]] = [
+            [
                 _safe(i.id),
                 _safe(i.status, _STYLE.get(i.status, "")),
-                _safe(i.model),
-                f"{_elapsed(i):.0f}s",
                 f"{i.tokens.total:,}",
+                _safe(_short_repo(i.repo, launcher.settings.repos_root)),
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created_at)),
+                f"{_elapsed(i):.0f}s",
+                _safe(i.task.splitlines()[0][:60] if i.task.strip() else ""),
+                _safe(i.model),
                 _safe(i.branch or ("(no changes)" if i.changed is False else "")),
-                _safe(i.task.splitlines()[0][:50] if i.task.strip() else ""),
-            )
-        console.print(table)
+            ]
+            for i in infos
+        ]
+        print_table(console, fit_table(console, cols, rows))
 
     @app.command("show")
     def show(
@@ -290,7 +329,13 @@ def register(app: typer.Typer) -> None:
     @app.command("cancel")
     def cancel(task_id: str = typer.Argument(...)) -> None:
         """Cancel a task (its partial result is still collected)."""
-        info = _launcher(1).cancel(task_id)
+        launcher = _launcher(1)
+        before = launcher.get(task_id)
+        if before.terminal:
+            done = f"{before.id} had already finished ({before.status}): nothing to cancel"
+            err.print(_safe(done))
+            raise typer.Exit(1)
+        info = launcher.cancel(task_id)
         console.print(_safe(f"{info.id}: {info.status}"))
 
     @app.command("logs")
@@ -339,6 +384,62 @@ def register(app: typer.Typer) -> None:
         _serve(launcher, on_listening=lambda p: err.print(f"launcher listening on {p}"))
 
     app.add_typer(launcher_app, name="launcher")
+
+
+#: The most task text read from a file or stdin (the launcher caps it lower still).
+_MAX_TASK_BYTES = 1 << 20
+
+
+def _task_text(task: str | None, task_file: Path | None) -> str:
+    """The task from the argument, ``--task-file PATH`` or stdin (``-`` for either)."""
+    if task is not None and task_file is not None:
+        raise typer.BadParameter("give the task as an argument or --task-file, not both")
+    if task is None and task_file is None:
+        raise typer.BadParameter(
+            "what should the agent do? Give TASK, '-' (stdin) or --task-file PATH",
+            param_hint="TASK",
+        )
+    if task is not None and task != "-":
+        return task
+    try:
+        if task == "-" or str(task_file) == "-":
+            raw = sys.stdin.buffer.read(_MAX_TASK_BYTES + 1)
+            where = "stdin"
+        else:
+            assert task_file is not None
+            with task_file.expanduser().open("rb") as fh:
+                raw = fh.read(_MAX_TASK_BYTES + 1)
+            where = str(task_file)
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot read {task_file}: {exc.strerror}", param_hint="--task-file"
+        ) from exc
+    if len(raw) > _MAX_TASK_BYTES:
+        raise typer.BadParameter(f"the task in {where} is over {_MAX_TASK_BYTES} bytes")
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text:
+        raise typer.BadParameter(f"the task read from {where} is empty")
+    return text
+
+
+def _short_repo(repo: str, root: Path) -> str:
+    """A repo as a path below the repos root (the whole path when it is not below it)."""
+    p = Path(repo)
+    return str(p.relative_to(root)) if p.is_relative_to(root) and p != root else repo
+
+
+def _filter_tasks(
+    infos: list[TaskInfo], *, repo: str | None, status: list[str] | None
+) -> list[TaskInfo]:
+    if status:
+        infos = [i for i in infos if i.status in status]
+    if repo:
+        if "/" in repo:
+            want = str(Path(repo).expanduser().absolute())
+            infos = [i for i in infos if i.repo.rstrip("/") == want.rstrip("/")]
+        else:
+            infos = [i for i in infos if Path(i.repo).name == repo]
+    return infos
 
 
 def _render_event(line: str) -> str:

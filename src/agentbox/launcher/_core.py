@@ -147,16 +147,18 @@ class Launcher:
     def get(self, task_id: str, *, caller: int | None = None) -> TaskInfo:
         """The task's state; live token counts while it runs."""
         row = self._row(task_id, caller)
-        tokens = None
-        if row.status in ("running", "collecting"):
-            tokens = tokens_from_usage(TaskPaths(self.settings.data_dir, row.id))
-        return row.info(tokens)
+        return row.info(self._live_tokens(row))
 
     def list(self, *, caller: int | None = None) -> builtins.list[TaskInfo]:
         """Every task ``caller`` may see, newest first."""
-        if caller in (None, 0):
-            return [r.info() for r in self.store.all()]
-        return [r.info() for r in self.store.all(caller_uid=caller)]
+        rows = self.store.all() if caller in (None, 0) else self.store.all(caller_uid=caller)
+        return [r.info(self._live_tokens(r)) for r in rows]
+
+    def _live_tokens(self, row: TaskRow) -> TokenUsage | None:
+        """A running task's tokens from its gateway's usage file (the row has them at the end)."""
+        if row.status not in ("running", "collecting"):
+            return None
+        return tokens_from_usage(TaskPaths(self.settings.data_dir, row.id))
 
     def cancel(self, task_id: str, *, caller: int | None = None) -> TaskInfo:
         """Stop a task. A queued one never starts; a running one is killed and collected."""

@@ -61,7 +61,13 @@ from agentbox.env import (
 )
 from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError, PathRefused, PolicyRefused, PublishRefused
-from agentbox.gateway import GatewayHandle, gateway_identity, read_usage, spawn_gateway
+from agentbox.gateway import (
+    GatewayHandle,
+    Usage,
+    gateway_identity,
+    read_usage,
+    spawn_gateway,
+)
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._watchdog import kill_sandbox, spawn_watchdog, stop_watchdog
@@ -321,8 +327,13 @@ def _collect_and_finish(
     error: str | None,
     exit_code: int | None,
     tlog: _TaskLog,
+    agent_ran: bool = True,
 ) -> None:
-    """Collect whatever the workspace holds, publish it, write the report, mark the task."""
+    """Collect whatever the workspace holds, publish it, write the report, mark the task.
+
+    ``agent_ran`` False (it failed before the agent started): an untouched workspace is
+    not reported as "no changes" (``changed`` stays None) but by what failed.
+    """
     store.update(row.id, expect={"running", "collecting"}, status="collecting")
     tokens, usage_extra = _tokens(paths)
     refusals = usage_extra.get("refusals") or {}
@@ -360,7 +371,9 @@ def _collect_and_finish(
             commit, diff, truncated = collected.commit, collected.diff, collected.diff_truncated
             changed = collected.changed
             report.branch = None
-            if not changed:
+            if not changed and not agent_ran:
+                changed = None  # nothing ran to change anything: the error says why
+            elif not changed:
                 # Nothing to review: no commit, so nothing is published into the user's repo.
                 tlog(NO_CHANGES)
             elif not row.publish:
@@ -397,6 +410,7 @@ def _collect_and_finish(
     report.duration_s = round(finished - started, 3)
     data = report.model_dump(mode="json")
     data["usage"] = usage_extra
+    data["agent_ran"] = agent_ran
     data["deadline_s"] = row.deadline
     data["repo"] = row.repo
     data.update(env_report_fields(paths.root, paths.log_dir))
@@ -420,9 +434,28 @@ def _collect_and_finish(
     tlog(f"finished: {status}" + (f" ({error})" if error else ""))
 
 
+#: A commit subject's length, as git tools show it (``git log --oneline``, GitHub).
+SUBJECT_CHARS = 72
+
+
+def commit_subject(task_id: str, task: str) -> str:
+    """``agentbox <id>: <summary>``: the task's first line, cut at a word, within 72 chars."""
+    lines = [ln.strip() for ln in task.strip().splitlines() if ln.strip()]
+    first = " ".join(lines[0].split()) if lines else "task"
+    head = f"agentbox {task_id}: "
+    room = max(SUBJECT_CHARS - len(head), 10)
+    if len(first) > room:
+        cut = first[: room - 1]
+        if " " in cut[room // 2 :]:
+            cut = cut[: cut.rindex(" ")]  # never mid-word when a space is near the end
+        first = cut.rstrip(" ,.;:-") + "…"
+    return head + first
+
+
 def _commit_message(row: TaskRow, status: str) -> str:
-    first = row.task.strip().splitlines()[0][:72] if row.task.strip() else "task"
-    return f"agentbox {row.id}: {first}\n\nstatus: {status}\nmodel: {row.model}\n"
+    """A short subject line; the whole task text in the body."""
+    subject = commit_subject(row.id, row.task)
+    return f"{subject}\n\n{row.task.strip()}\n\nstatus: {status}\nmodel: {row.model}\n"
 
 
 def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.Event) -> None:
@@ -579,6 +612,7 @@ def _run_sandbox(
     egress: Egress | None = None
     done = threading.Event()
     status, error, exit_code = "failed", None, None
+    agent_ran = False
     try:
         gateway = gateway_future.result()
         gw_owner = Owner.of(gateway.pid)
@@ -658,6 +692,7 @@ def _run_sandbox(
                 on_stderr=_sink(err),
             )
         exit_code = res.exit_code
+        agent_ran = True
         elapsed = time.time() - started
         tlog(f"agent exited with code {exit_code} after {elapsed:.1f}s")
         if cancel.is_set() or store.get(task_id).cancel_requested:
@@ -672,7 +707,9 @@ def _run_sandbox(
         status, error = "cancelled", "cancelled before the sandbox started"
     except AgentboxError as exc:
         tlog(f"error: {exc}")
-        log.error("task failed", task_id=task_id, error=str(exc))
+        # The task's failure, recorded in its row, report and log; not the launcher's
+        # (a CLI run would print it raw on stderr above the report that says it).
+        log.info("task failed", task_id=task_id, error=str(exc))
         status, error = "failed", str(exc)[:4000]
     finally:
         done.set()
@@ -685,10 +722,15 @@ def _run_sandbox(
         if plan is not None:
             plan.release()
     with contextlib.suppress(AgentboxError):
-        usage = read_usage(paths.usage_file)
-        if usage.exhausted and status in ("failed", "done"):
-            status = "failed"
-            error = f"token budget exhausted ({usage.weighted_total:.0f} of {usage.budget})"
+        why = budget_error(read_usage(paths.usage_file))
+        if why is not None and status in ("failed", "done"):
+            # Claude Code reports a 403 as "Failed to authenticate": say what it was.
+            status, error = "failed", why
+    if not agent_ran:
+        # A failure before the agent started (no image, a sandbox that would not start):
+        # its output log is empty. One that ran and then failed to tear down wrote there.
+        with contextlib.suppress(OSError):
+            agent_ran = (paths.log_dir / "agent.jsonl").stat().st_size > 0
     _collect_and_finish(
         settings,
         store,
@@ -698,6 +740,19 @@ def _run_sandbox(
         error=error,
         exit_code=exit_code,
         tlog=tlog,
+        agent_ran=agent_ran,
+    )
+
+
+def budget_error(usage: Usage) -> str | None:
+    """The task's error when the gateway refused for budget ("budget exhausted after N of M
+    tokens"), else None."""
+    refused = sum(usage.refusals.get(k, 0) for k in ("budget_exhausted", "over_budget"))
+    if not usage.exhausted and not refused:
+        return None
+    return (
+        f"budget exhausted after {usage.weighted_total:,.0f} of {usage.budget:,} tokens "
+        f"(the gateway refused {refused} request(s) for budget)"
     )
 
 
