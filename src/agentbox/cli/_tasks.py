@@ -222,6 +222,11 @@ def register(app: typer.Typer) -> None:
         """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
         task = _task_text(task, task_file)
         box = load_boxfile(boxfile, load_settings()) if boxfile is not None else None
+        if box is not None and box.image_build is not None:
+            # [image] containerfile = …: built here (cached), never by the launcher.
+            from agentbox.image import build_for_boxfile
+
+            box = build_for_boxfile(load_settings(), box)
         if task_id is not None:
             validate_task_id(task_id)
         try:
