@@ -4,6 +4,7 @@
 #   - apt: podman, runc, crun, runsc (gVisor), bubblewrap, mmdebstrap, QEMU, busybox, …
 #   - a project venv in .venv with agentbox and its dev tools
 #   - the pinned Claude Code npm package (native binary) under the data dir
+#   - a Docker Engine for the docker backend, unless Docker is already there
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -62,6 +63,45 @@ print("\n".join(f"{k} = {v}" for k, v in h.items()))' | while read -r key _ want
     echo "$key = $want" >> "$conf"
   fi
 done
+
+# Docker Engine for the docker backend (docs/reference/docker-backend.md). A daemon that
+# answers, or a Docker installation that is not Debian's docker.io, is left alone. Else:
+# Debian's docker.io, our daemon.json (userns-remap onto the sandbox ids, runsc and
+# runsc-gw with gVisor's network off) when there is none, and dockerd without iptables
+# or a bridge (sandboxes have no network).
+docker_up() { .venv/bin/python -c 'import docker; docker.APIClient(version="1.41", timeout=5).ping()' >/dev/null 2>&1; }
+if docker_up; then
+  :
+elif command -v dockerd >/dev/null && ! dpkg -S "$(command -v dockerd)" 2>/dev/null | grep -q '^docker.io:'; then
+  log "docker: an existing Docker installation without a running daemon: left alone"
+else
+  if ! command -v dockerd >/dev/null; then
+    log "apt-get install docker.io"
+    apt-get install -y -qq --no-install-recommends docker.io >/dev/null
+  fi
+  base=$(.venv/bin/python -c 'from agentbox.config import load_settings as l; print(l().subid_base)')
+  getent passwd dockremap >/dev/null || useradd --system --no-create-home --shell /usr/sbin/nologin dockremap
+  grep -q '^dockremap:' /etc/subuid 2>/dev/null || echo "dockremap:$base:65536" >> /etc/subuid
+  grep -q '^dockremap:' /etc/subgid 2>/dev/null || echo "dockremap:$base:65536" >> /etc/subgid
+  if [ ! -e /etc/docker/daemon.json ]; then
+    log "docker: writing /etc/docker/daemon.json (userns-remap, runsc, runsc-gw)"
+    mkdir -p /etc/docker
+    runsc=$(command -v runsc || echo /usr/bin/runsc)
+    cat > /etc/docker/daemon.json <<JSON
+{
+  "userns-remap": "dockremap",
+  "runtimes": {
+    "runsc": {"path": "$runsc", "runtimeArgs": ["--network=none", "--platform=ptrace", "--oci-seccomp"]},
+    "runsc-gw": {"path": "$runsc", "runtimeArgs": ["--network=none", "--platform=ptrace", "--oci-seccomp", "--host-uds=open"]}
+  }
+}
+JSON
+  fi
+  log "docker: starting dockerd --iptables=false --bridge=none (log: /var/log/agentbox-dockerd.log)"
+  setsid nohup dockerd --iptables=false --bridge=none >>/var/log/agentbox-dockerd.log 2>&1 </dev/null &
+  for _ in $(seq 50); do docker_up && break; sleep 0.4; done
+  docker_up || echo "setup.sh: dockerd did not answer; see /var/log/agentbox-dockerd.log" >&2
+fi
 
 # Claude Code, pinned; the native binary lives in its platform package.
 ver=$(.venv/bin/python -c 'from agentbox.config import CLAUDE_CODE_VERSION as v; print(v)')

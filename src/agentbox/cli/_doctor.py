@@ -161,6 +161,14 @@ def _firecracker(settings: Settings) -> Check:
     return _row(facility(settings), present=settings.firecracker_binary is not None)
 
 
+def _docker(settings: Settings) -> list[Check]:
+    """The docker backend's rows: daemon and version, runtimes, AppArmor, userns-remap."""
+    from agentbox.backends.docker._facility import doctor_rows
+
+    present = shutil.which("dockerd") is not None or Path("/var/run/docker.sock").exists()
+    return [_row(fac, present=present) for fac in doctor_rows(settings)]
+
+
 def _binary(name: str, binary: str, package: str, *, what: str = "") -> _host.Facility:
     path = shutil.which(binary)
     if path is None:
@@ -209,6 +217,7 @@ def checks(settings: Settings) -> list[Check]:
     out.append(_kvm(settings))
     out.append(_row(_host.qemu(settings.qemu_binary)))
     out.append(_firecracker(settings))
+    out += _docker(settings)
     out.append(_row(_binary("bubblewrap", "bwrap", "bubblewrap")))
     out.append(_row(_binary("mmdebstrap", "mmdebstrap", "mmdebstrap"), essential=True))
     out.append(_row(_apt_sources(), essential=True))

@@ -19,11 +19,13 @@ from agentbox.backends.base import (
     LABEL,
     OWNER_DATA_LABEL,
     BackendKind,
+    BindMount,
     ExecResult,
     OutputCallback,
     SandboxSpec,
     data_dir_label,
 )
+from agentbox.backends.docker._binds import HostBinds, sweep
 from agentbox.backends.docker._client import GuardedClient, connect
 from agentbox.backends.docker._config import (
     DaemonFacts,
@@ -180,17 +182,32 @@ class DockerBackend:
             raise
         return box
 
+    def _bound(self, spec: SandboxSpec, binds: HostBinds) -> SandboxSpec:
+        """``spec`` with every source replaced by its hardened bind point (see _binds.py)."""
+        ws = spec.workspace and binds.add(spec.workspace, read_only=False)
+        gw = spec.gateway_dir and binds.add(spec.gateway_dir, read_only=False, noexec=True)
+        mounts = tuple(
+            BindMount(binds.add(m.source, read_only=m.read_only), m.target, m.read_only)
+            for m in spec.mounts
+        )
+        return spec.replace(workspace=ws, gateway_dir=gw, mounts=mounts)
+
     def _start(self, spec: SandboxSpec, image_id: str) -> DockerSandbox:
-        body = container_body(spec, self.settings, self.facts(), image_id,
-                              unsafe_host_config=self.unsafe_host_config)  # fmt: skip
-        api = self.client.api
+        binds = HostBinds(self.settings, spec.name)
         try:
-            made = api.create_container_from_config(body, name=spec.name)
+            body = container_body(self._bound(spec, binds), self.settings, self.facts(),
+                                  image_id, unsafe_host_config=self.unsafe_host_config)  # fmt: skip
+            made = self.client.api.create_container_from_config(body, name=spec.name)
         except Exception as exc:
+            binds.release()
+            if isinstance(exc, AgentboxError):
+                raise
             if status_of(exc) == 404:
                 forget_images()
             raise SandboxError(f"docker could not create it: {exc}", sandbox=spec.name) from exc
         box = DockerSandbox(self, spec, str(made.get("Id") or spec.name))
+        box._binds = binds
+        api = self.client.api
         try:
             api.start(box.id)
         except Exception as exc:
@@ -255,8 +272,10 @@ class DockerBackend:
         raise SandboxError(f"could not remove: {err}", sandbox=ident) from err
 
     def kill(self, name: str) -> list[str]:
-        """Kill container ``name`` and remove it; the workspace is a host bind mount."""
+        """Kill container ``name``, remove it and its bind points; the workspace is a
+        host bind mount: nothing is lost."""
         self.remove_container(name)
+        HostBinds(self.settings, name).release_all()
         return [name]
 
     def reap(self, name: str) -> list[str]:
@@ -300,6 +319,7 @@ class DockerBackend:
             log.info("removing orphan sandbox", sandbox=names[0])
             self.remove_container(names[0])
             removed.append(names[0])
+        sweep(self.settings, keep={n for c in self.list_sandboxes() for n in _names(c)})
         for name in settle_orphan_disks(self.settings):
             log.info("settled the workspace disk of a dead owner", sandbox=name)
             if name not in removed:

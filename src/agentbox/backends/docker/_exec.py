@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agentbox.backends.base import OutputCallback
@@ -38,14 +40,54 @@ def _raw(sock: Any) -> socket.socket:
     return raw
 
 
-def _read_exactly(raw: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = raw.recv(min(n - len(buf), 65536))
-        if not chunk:
-            break
-        buf += chunk
-    return bytes(buf)
+#: How often a silent stream checks that its container still runs (a killed gVisor
+#: container may leave the exec stream open: its shim holds the other end).
+_POLL = 2.0
+
+
+class _GaveUp(Exception):
+    pass
+
+
+class _Reader:
+    """Reads the frame stream; a silent stream whose container died reads as EOF."""
+
+    def __init__(self, raw: socket.socket, end: float | None, alive: Callable[[], bool]) -> None:
+        self.raw, self.end, self.alive = raw, end, alive
+        raw.settimeout(_POLL)
+
+    def some(self, n: int) -> bytes:
+        while True:
+            try:
+                return self.raw.recv(n)
+            except TimeoutError:
+                if self.end is not None and time.monotonic() > self.end:
+                    raise _GaveUp from None
+                if not self.alive():
+                    return b""
+
+    def exactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.some(min(n - len(buf), 65536))
+            if not chunk:
+                break
+            buf += chunk
+        return bytes(buf)
+
+
+def _feed(raw: socket.socket, data: bytes) -> None:
+    """Send ``data`` then half-close (the command reads EOF); the reader's timeout stays."""
+    view = memoryview(data)
+    try:
+        while view:
+            try:
+                view = view[raw.send(view[:65536]) :]
+            except TimeoutError:
+                continue
+        raw.shutdown(socket.SHUT_WR)
+    except OSError:
+        return  # the stream is gone (the command exited without reading it all)
 
 
 def exec_stream(
@@ -83,24 +125,33 @@ def exec_stream(
         raise SandboxError(f"docker exec failed: {exc}", sandbox=container) from exc
     raw = _raw(sock)
     gave_up = False
+
+    def alive() -> bool:
+        try:
+            state = client.api.inspect_container(container).get("State") or {}
+        except Exception:  # gone
+            return False
+        return bool(state.get("Running")) if isinstance(state, dict) else False
+
+    end = None if timeout is None else time.monotonic() + timeout
+    reader = _Reader(raw, end, alive)
     try:
-        raw.settimeout(timeout)
         if stdin is not None:
-            raw.sendall(stdin)
-            with contextlib.suppress(OSError):
-                raw.shutdown(socket.SHUT_WR)
+            # From a thread: a command that writes before it reads would otherwise
+            # deadlock against us (both socket buffers full).
+            threading.Thread(target=_feed, args=(raw, stdin), daemon=True).start()
         while True:
-            head = _read_exactly(raw, 8)
+            head = reader.exactly(8)
             if len(head) < 8:
                 break
             kind, size = struct.unpack(">BxxxL", head)
             if size > _MAX_FRAME:
                 raise SandboxError(f"docker exec sent a frame of {size} bytes", sandbox=container)
-            data = _read_exactly(raw, size)
+            data = reader.exactly(size)
             (on_stderr if kind == 2 else on_stdout)(data)
             if len(data) < size:
                 break
-    except TimeoutError:
+    except (_GaveUp, TimeoutError):
         gave_up = True
     except OSError as exc:
         raise SandboxError(f"docker exec stream: {exc}", sandbox=container) from exc

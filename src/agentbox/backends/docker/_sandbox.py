@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from agentbox._log import get_logger
 from agentbox.backends._podman_util import MAX_COPY_OUT, Capture, cgroup_pids, check_env
 from agentbox.backends.base import BaseSandbox, ExecResult, OutputCallback, Posture, SandboxSpec
+from agentbox.backends.docker._binds import HostBinds
 from agentbox.backends.docker._exec import exec_stream
 from agentbox.errors import AgentboxError, ConfigError, SandboxError
 
@@ -45,6 +46,8 @@ class DockerSandbox(BaseSandbox):
         self.expired = False
         #: The workspace disk's context (see _podman_disk.py): left after the container.
         self._disk: contextlib.AbstractContextManager[object] | None = None
+        #: The hardened bind points of its mounts (see _binds.py): released after it.
+        self._binds: HostBinds | None = None
 
     def _start_watchdog(self) -> None:
         self._watchdog.start()
@@ -208,16 +211,20 @@ class DockerSandbox(BaseSandbox):
         try:
             self._backend.remove_container(self.id)
         finally:
+            binds, self._binds = self._binds, None
+            if binds is not None:
+                binds.release()
             disk, self._disk = self._disk, None
             if disk is not None:  # copied back and unmounted only once the container is gone
                 disk.__exit__(None, None, None)
 
     def leftovers(self) -> list[str]:
-        """The container, if the daemon still has it."""
+        """The container, if the daemon still has it, and its bind points."""
+        binds = HostBinds(self._backend.settings, self.name).leftovers()
         try:
             self._backend.client.api.inspect_container(self.id)
         except Exception as exc:
             if status_of(exc) == 404:
-                return []
-            return [f"container {self.name} (inspect: {exc})"]
-        return [f"container {self.name}"]
+                return binds
+            return [f"container {self.name} (inspect: {exc})", *binds]
+        return [f"container {self.name}", *binds]
