@@ -71,3 +71,13 @@ def test_sandbox_protocol_has_host_pids() -> None:
 def test_unknown_backend_names_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedError, match="podman"):
         get_backend("nope", Settings(data_dir=tmp_path))
+
+
+def test_a_broken_backend_module_is_an_unsupported_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """map_exceptions at the registry's boundary: an ImportError never leaks raw."""
+    from agentbox import backends
+
+    monkeypatch.setitem(backends.BACKENDS, "broken", "agentbox.backends.no_such_module:X")
+    with pytest.raises(UnsupportedError, match="backend broken") as info:
+        backend_class("broken")
+    assert isinstance(info.value.__cause__, ImportError)

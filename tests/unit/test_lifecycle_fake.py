@@ -27,7 +27,6 @@ from agentbox.errors import SandboxError
 from agentbox.gateway import GatewayHandle
 from agentbox.gateway._usage import Usage, write_usage
 from agentbox.launcher import Launcher, TaskRequest, _runner
-from agentbox.launcher._store import Owner
 from agentbox.paths import TaskPaths
 from git_helpers import git
 
@@ -238,27 +237,39 @@ def test_publish_false_keeps_the_result_for_the_mcp_server_to_fetch(
 def test_reconcile_after_a_crash_collects_and_marks(
     settings: Settings, fake: type[FakeBackend], repo: Path
 ) -> None:
-    """A launcher that died mid-task: the next one kills what is left, collects, marks."""
+    """A launcher that died mid-task: the next one reaps what is left, collects, marks."""
+    import threading
+
+    frozen = threading.Event()  # the dead launcher's worker: stuck until the test ends
+
+    def agent(box: FakeSandbox, argv: Sequence[str]) -> None:
+        box._write("before-crash.txt", b"c\n")
+        frozen.wait(60)
+
     with (
         Launcher(settings, max_tasks=1) as la,
-        FakeBackend.scripted(FakeScript(delay=60, files={"before-crash.txt": b"c\n"})),
+        FakeBackend.scripted(FakeScript(delay=60, action=agent)),
     ):
-        tid = _submit(la, repo)
-        name = f"agentbox-task-{tid}"
-        _until(lambda: FakeBackend.live(name) is not None)
-        # The crash: the owner recorded for the task is now a process that is gone.
-        dead = subprocess.Popen(["true"])
-        dead.wait()
-        gone = Owner.of(dead.pid) or Owner(pid=dead.pid, start=1.0)
-        la.store.update(tid, owner_pid=gone.pid, owner_start=gone.start)
-        settled = Launcher(settings).reconcile()
-        assert tid in settled
-        assert ("reap", name) in FakeBackend.events
-        info = la.get(tid)
-        assert info.status == "failed", info
-        la.cancel(tid)  # let the first launcher's worker end too
-    result = Launcher(settings).result(tid)
-    assert result.branch and _branch_file(repo, result.branch, "before-crash.txt") == "c"
+        try:
+            tid = _submit(la, repo)
+            name = f"agentbox-task-{tid}"
+            _until(lambda: (settings.data_dir / "tasks" / tid / "workspace").is_dir()
+                   and FakeBackend.live(name) is not None)  # fmt: skip
+            # The crash: the owner recorded for the task is now a process that is gone.
+            dead = subprocess.Popen(["true"])
+            dead.wait()
+            la.store.update(tid, owner_pid=dead.pid, owner_start=1.0)
+            settled = Launcher(settings).reconcile()
+            assert tid in settled
+            assert ("reap", name) in FakeBackend.events
+            assert FakeBackend.live(name) is None
+            info = la.get(tid)
+            assert info.status == "failed", info
+            result = Launcher(settings).result(tid)
+            assert result.branch, result
+            assert _branch_file(repo, result.branch, "before-crash.txt") == "c"
+        finally:
+            frozen.set()
 
 
 def test_destroy_is_idempotent_and_verified(settings: Settings, tmp_path: Path) -> None:

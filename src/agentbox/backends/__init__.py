@@ -18,7 +18,7 @@ from typing import Any
 from agentbox._log import get_logger
 from agentbox.backends.base import Backend
 from agentbox.config import Settings
-from agentbox.errors import AgentboxError, UnsupportedError
+from agentbox.errors import AgentboxError, UnsupportedError, map_exceptions
 
 __all__ = [
     "BACKENDS",
@@ -48,7 +48,11 @@ def backend_class(name: str) -> type[Backend]:
         known = ", ".join(sorted(BACKENDS))
         raise UnsupportedError(f"unknown backend {name!r}", fix=f"use one of: {known}") from None
     module, _, cls = target.partition(":")
-    found: type[Backend] = getattr(importlib.import_module(module), cls)
+    fix = "reinstall agentbox (a backend module is missing or broken)"
+    with map_exceptions(
+        {ImportError: lambda m: UnsupportedError(m, fix=fix)}, what=f"backend {name}"
+    ):
+        found: type[Backend] = getattr(importlib.import_module(module), cls)
     return found
 
 

@@ -10,8 +10,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
-from types import TracebackType
-from typing import IO, TYPE_CHECKING, Self
+from typing import IO, TYPE_CHECKING
 
 from agentbox import _proc
 from agentbox._log import get_logger
@@ -26,7 +25,7 @@ from agentbox.backends._podman_util import (
     podman_error,
     stdin_fd,
 )
-from agentbox.backends.base import ExecResult, OutputCallback, Posture, SandboxSpec
+from agentbox.backends.base import BaseSandbox, ExecResult, OutputCallback, Posture, SandboxSpec
 from agentbox.errors import AgentboxError, CommandError, CommandTimeout, ConfigError, SandboxError
 
 if TYPE_CHECKING:
@@ -37,16 +36,14 @@ __all__ = ["PodmanSandbox"]
 log = get_logger("podman")
 
 
-class PodmanSandbox:
+class PodmanSandbox(BaseSandbox):
     """A live podman sandbox made by :meth:`PodmanBackend.create`."""
 
     def __init__(self, backend: PodmanBackend, spec: SandboxSpec, container_id: str) -> None:
-        self.name = spec.name
+        super().__init__(spec.name)
         self.spec = spec
         self.id = container_id
         self._backend = backend
-        self._destroyed = False
-        self._lock = threading.Lock()
         self._watchdog = threading.Timer(spec.deadline, self._expire)
         self._watchdog.daemon = True
         self.expired = False
@@ -233,25 +230,16 @@ class PodmanSandbox:
         except CommandError as exc:
             raise SandboxError(f"could not stop: {exc}", sandbox=self.name) from exc
 
-    def destroy(self) -> None:
-        """Kill and remove the container (idempotent); nothing of it is left on the host."""
-        with self._lock:
-            if self._destroyed:
-                return
-            self._watchdog.cancel()
-            force_remove(self.name)
-            self._destroyed = True
-            disk, self._disk = self._disk, None
+    def _teardown(self) -> None:
+        """Kill and remove the container, then settle its workspace disk (once; see
+        :class:`~agentbox.backends.base.BaseSandbox`)."""
+        self._watchdog.cancel()
+        force_remove(self.name)
+        disk, self._disk = self._disk, None
         if disk is not None:  # copied back and unmounted only once the container is gone
             disk.__exit__(None, None, None)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.destroy()
+    def leftovers(self) -> list[str]:
+        """The container, if podman still knows it."""
+        res = _proc.run(["podman", "container", "exists", self.name], timeout=60, check=False)
+        return ["the container"] if res.returncode == 0 else []

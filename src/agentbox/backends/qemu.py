@@ -22,8 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
-from types import TracebackType
-from typing import Literal, Self
+from typing import Literal
 
 from agentbox import _host, _proc
 from agentbox._log import get_logger
@@ -34,6 +33,7 @@ from agentbox.backends.base import (
     LABEL,
     WORKSPACE_IN_SANDBOX,
     BackendKind,
+    BaseSandbox,
     ExecResult,
     OutputCallback,
     Posture,
@@ -488,8 +488,8 @@ def _cgroup_dirs(name: str) -> list[Path]:
     return [root / "pids" / "agentbox" / name, root / "memory" / "agentbox" / name]
 
 
-class QemuSandbox:
-    """A live microVM sandbox; ``destroy`` is idempotent and leaves nothing behind."""
+class QemuSandbox(BaseSandbox):
+    """A live microVM sandbox; ``destroy`` is idempotent and verifies nothing is left."""
 
     def __init__(
         self, backend: QemuBackend, spec: SandboxSpec, vm: Vm, vm_dir: Path, *, restored: bool
@@ -498,13 +498,11 @@ class QemuSandbox:
         self.spec = spec
         self.vm = vm
         self.vm_dir = vm_dir
-        self.name = vm.cfg.name
+        super().__init__(vm.cfg.name)
         self.restored = restored
         self.session: GuestSession | None = None
         self.broken_reason: str | None = None
         self.deadline_at = time.monotonic() + spec.deadline
-        self._destroyed = False
-        self._lock = threading.Lock()
         self._watchdog = threading.Timer(spec.deadline, self._deadline_hit)
         self._watchdog.daemon = True
         self.timed_out = False
@@ -637,28 +635,24 @@ class QemuSandbox:
             self.session.shutdown(timeout)
         self.vm.terminate()
 
-    def destroy(self) -> None:
-        """Kill the VM, remove its cgroups, sockets and disks; idempotent."""
-        with self._lock:
-            if self._destroyed:
-                return
-            self._destroyed = True
+    def _teardown(self) -> None:
+        """Kill the VM, remove its cgroups, sockets and disks (once; see BaseSandbox)."""
         self._watchdog.cancel()
         if self.session is not None:
             self.session.channel.close()
         self.vm.kill()
         shutil.rmtree(self.vm_dir, ignore_errors=True)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.destroy()
+    def leftovers(self) -> list[str]:
+        """The VMM process, its cgroups, its socket dir or the VM dir, if still there."""
+        left = []
+        if self.vm.alive():
+            left.append("the VMM process")
+        if self.vm.cgroup is not None:
+            left += [f"cgroup {d}" for d in self.vm.cgroup.dirs if d.exists()]
+        left += [f"{what} {p}" for what, p in (("run dir", self.vm.cfg.run_dir),
+                                               ("VM dir", self.vm_dir)) if p.exists()]  # fmt: skip
+        return left
 
 
 def _tar_chunks(src: Path, arcname: str) -> Iterator[bytes]:
