@@ -29,6 +29,7 @@ def _refused(path: Path, *words: str) -> str:
 
 def test_a_good_file_loads(tmp_path: Path) -> None:
     f = tmp_path / "models.toml"
+    (tmp_path / "s.yaml").write_text("turns: []\n")  # checked at load (issue 13.4)
     f.write_text(GOOD)
     assert load_registry(path=f).get("a").upstream == str(tmp_path / "s.yaml")
 

@@ -176,6 +176,7 @@ def test_builtin_registry(settings: Settings) -> None:
 
 def test_registry_file(tmp_path: Path) -> None:
     f = tmp_path / "models.toml"
+    (tmp_path / "s.yaml").write_text("turns: []\n")  # checked at load (issue 13.4)
     f.write_text(
         '[models.local]\nkind = "compatible"\nupstream = "http://127.0.0.1:8081"\n'
         'upstream_model = "qwen2.5-coder"\ncache_read_weight = 0.5\n'

@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from agentbox.config import load_settings
 from agentbox.gateway import gateway_command as gateway
@@ -36,7 +35,8 @@ def models(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
     models_file: Annotated[Path | None, typer.Option(help="Model registry (TOML)")] = None,
 ) -> None:
-    """List the models clients may choose."""
+    """List the models clients may choose: which is the default, which need a key not set."""
+    from agentbox.cli._table import Col, fit_table, print_table
     from agentbox.gateway.registry import load_registry
 
     reg = load_registry(load_settings(), models_file)
@@ -48,17 +48,27 @@ def models(
                 "upstream_model": e.target_model,
                 "key_env": e.key_env,
                 "description": e.description,
+                "default": e.name == reg.default,
+                "available": e.unavailable() is None,
+                "unavailable_reason": e.unavailable() or "",
             }
             for e in reg
         ]
         typer.echo(json.dumps(rows, indent=2))
         return
-    table = Table(title=f"models ({reg.source})")
-    for col in ("name", "kind", "upstream model", "key env", "description"):
-        table.add_column(col)
+    console = Console()
+    cols = [
+        Col("name", keep=True), Col("available"), Col("kind"), Col("upstream model"),
+        Col("description", ratio=1),
+    ]  # fmt: skip
+    table_rows = []
     for e in reg:
-        table.add_row(e.name, e.kind, e.target_model, e.key_env or "-", e.description)
-    Console().print(table)
+        why = e.unavailable()
+        name = f"{e.name} (default)" if e.name == reg.default else e.name
+        table_rows.append([name, "yes" if why is None else f"no: {why}", e.kind, e.target_model,
+                           e.description])  # fmt: skip
+    print_table(console, fit_table(console, cols, table_rows, title=f"models ({reg.source})"))
+    console.print(f"default: {reg.default} ({reg.default_reason})", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -17,7 +17,14 @@ default entry ``replay-demo`` is the offline replay model and needs no key::
     cache_creation_weight = 1.25
     cache_read_weight = 0.1
 
-A relative replay script path is resolved against the registry file's directory.
+A relative replay script path is resolved against the registry file's directory,
+and must name a readable file when the registry is loaded. A top-level
+``default = "<name>"`` picks the model a task gets when it names none; without
+it, ``replay-demo`` if the file has it, else the first name in sort order (and
+``agentbox models`` says which, and why). An entry whose ``key_env`` is not set
+in the environment is listed as unavailable, with that reason, and a task
+naming it is refused before anything starts. Errors in an entry are reported in
+our own words, naming the entry and the key (``[models.x] kind: …``).
 """
 
 from __future__ import annotations
@@ -195,13 +202,33 @@ class ModelEntry(BaseModel):
         """The script path of a replay entry."""
         return Path(self.upstream) if self.kind == "replay" else None
 
+    def unavailable(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """Why a task cannot use this model here (its key is not set), or None."""
+        env = os.environ if environ is None else environ
+        if self.key_env and not env.get(self.key_env):
+            return f"{self.key_env} is not set"
+        return None
+
 
 class Registry:
     """The models clients may choose, by name."""
 
-    def __init__(self, entries: Mapping[str, ModelEntry], *, source: str = "built-in") -> None:
+    def __init__(
+        self,
+        entries: Mapping[str, ModelEntry],
+        *,
+        source: str = "built-in",
+        default: str | None = None,
+    ) -> None:
         self._entries = dict(entries)
         self.source = source
+        if default is not None:
+            self.default, self.default_reason = default, f"set by `default` in {source}"
+        elif DEFAULT_MODEL in self._entries:
+            self.default, self.default_reason = DEFAULT_MODEL, "the built-in default"
+        else:
+            self.default = (sorted(self._entries) or [""])[0]
+            self.default_reason = f"the first by name: {source} sets no `default`"
 
     def get(self, name: str) -> ModelEntry:
         """The entry named ``name``; :class:`ConfigError` naming the known ones otherwise."""
@@ -251,10 +278,37 @@ _BUILTIN: dict[str, dict[str, Any]] = {
 }
 
 
+def _in_our_words(name: str, exc: ValidationError) -> str:
+    """A pydantic error as ``[models.<name>] <key>: <what is wrong>`` (no pydantic URL)."""
+    out = []
+    for e in exc.errors(include_url=False):
+        key = ".".join(str(p) for p in e["loc"]) or "(entry)"
+        kind, ctx, got = e["type"], e.get("ctx") or {}, e.get("input")
+        if kind == "literal_error":
+            what = f"must be one of {ctx.get('expected', '?')}, not {got!r:.60}"
+        elif kind == "extra_forbidden":
+            what = "is not a key a model entry has (check its spelling)"
+        elif kind == "missing":
+            what = "is required"
+        elif kind.endswith("_type") or kind.endswith("_parsing"):
+            want = kind.removesuffix("_type").removesuffix("_parsing").replace("_", " ")
+            what = f"must be a {want}, not {got!r:.60}"
+        else:
+            what = str(e["msg"]).removeprefix("Value error, ")
+        out.append(f"[models.{name}] {key}: {what}")
+    return "; ".join(out)
+
+
 def _parse(data: Mapping[str, Any], *, base: Path | None, source: str) -> Registry:
     models = data.get("models")
     if not isinstance(models, Mapping) or not models:
         raise ConfigError(f"model registry {source}: needs a non-empty [models.<name>] table")
+    default = data.get("default")
+    if default is not None and (not isinstance(default, str) or default not in models):
+        known = ", ".join(sorted(models))
+        raise ConfigError(
+            f"model registry {source}: default = {default!r:.60} names no entry (known: {known})"
+        )
     entries: dict[str, ModelEntry] = {}
     for name, raw in models.items():
         if not isinstance(raw, Mapping):
@@ -264,15 +318,33 @@ def _parse(data: Mapping[str, Any], *, base: Path | None, source: str) -> Regist
         try:
             entry = ModelEntry.model_validate(fields)
         except ValidationError as exc:
-            raise ConfigError(f"model registry {source}: [models.{name}]: {exc}") from exc
+            raise ConfigError(f"model registry {source}: {_in_our_words(name, exc)}") from None
         if entry.kind == "replay" and base is not None and not Path(entry.upstream).is_absolute():
             entry = entry.model_copy(update={"upstream": str(base / entry.upstream)})
-        if entry.kind != "replay" and not entry.upstream.startswith(("http://", "https://")):
+        if entry.kind == "replay":
+            _check_script(
+                Path(entry.upstream), f"model registry {source}: [models.{name}] upstream"
+            )
+        elif not entry.upstream.startswith(("http://", "https://")):
             raise ConfigError(
                 f"model registry {source}: [models.{name}] upstream must be an http(s) URL"
             )
         entries[name] = entry
-    return Registry(entries, source=source)
+    return Registry(entries, source=source, default=default)
+
+
+def _check_script(path: Path, where: str) -> None:
+    """A replay entry's script must be a readable regular file now, not only inside a task."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ConfigError(
+            f"{where}: replay script {path} cannot be read ({exc.strerror})"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{where}: replay script {path} is not a regular file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{where}: replay script {path} is not readable")
 
 
 def builtin_registry() -> Registry:

@@ -27,7 +27,7 @@ from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.env import check_env_policy, committed_boxfile
 from agentbox.errors import AgentboxError, PathRefused, TaskError, TaskNotFound
-from agentbox.gateway import DEFAULT_MODEL, load_registry, read_usage
+from agentbox.gateway import load_registry, read_usage
 from agentbox.launcher import _runner
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._validate import git_readonly, validate
@@ -235,10 +235,15 @@ class Launcher:
     def models(self) -> builtins.list[ModelInfo]:
         """The models a task may name; the default first."""
         reg = load_registry(self.settings)
-        default = DEFAULT_MODEL if DEFAULT_MODEL in reg else (reg.names() or [""])[0]
         out = [
             ModelInfo(
-                name=e.name, kind=e.kind, default=e.name == default, description=e.description
+                name=e.name,
+                kind=e.kind,
+                default=e.name == reg.default,
+                description=e.description,
+                available=e.unavailable() is None,
+                unavailable_reason=e.unavailable() or "",
+                default_reason=reg.default_reason if e.name == reg.default else "",
             )
             for e in reg
         ]

@@ -26,7 +26,7 @@ from agentbox.errors import (
     PathRefused,
     PolicyRefused,
 )
-from agentbox.gateway.registry import DEFAULT_MODEL, Registry
+from agentbox.gateway.registry import Registry
 from agentbox.launcher.api import (
     DEFAULT_BUDGET,
     DEFAULT_DEADLINE,
@@ -126,12 +126,14 @@ def validate(
         raise PolicyRefused(f"the task text must be 1..{MAX_TASK_CHARS} characters, without NUL")
     model = req.model if req.model is not None else (boxfile.model if boxfile else None)
     if model is None:
-        names = registry.names()
-        model = DEFAULT_MODEL if DEFAULT_MODEL in registry else (names[0] if names else "")
+        model = registry.default
     try:
-        registry.get(model)
+        why = registry.get(model).unavailable()
     except ConfigError as exc:
         raise PolicyRefused(str(exc)) from exc
+    if why is not None:
+        # Refused before anything starts, rather than a task failing inside.
+        raise PolicyRefused(f"model {model!r} is unavailable: {why}")
     budget = _first(req.budget, boxfile.budget if boxfile else None, DEFAULT_BUDGET)
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
         raise PolicyRefused(f"budget must be 1..{MAX_BUDGET} tokens, got {budget}")

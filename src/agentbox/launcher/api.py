@@ -170,6 +170,11 @@ class ModelInfo(_Wire):
     """``replay``, ``anthropic``, ``local`` ..."""
     default: bool = False
     description: str = ""
+    available: bool = True
+    """False when a task could not use it here (its API key is not set)."""
+    unavailable_reason: str = ""
+    default_reason: str = ""
+    """On the default entry: why it is the default (set in the file, built in, first)."""
 
 
 class ModelList(_Wire):

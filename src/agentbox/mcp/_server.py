@@ -247,7 +247,9 @@ class _Tools:
         return frame(json.dumps([_info_dict(t) for t in tasks[:200]], indent=1), _STATE)
 
     async def models(self) -> str:
-        """The models a delegated task may use (pass one as `model`); one is the default."""
+        """The models a delegated task may use (pass one as `model`): `default` marks the one
+        used when you pass none (`default_reason` says why); one with `available` false
+        cannot be used here (`unavailable_reason`: e.g. its API key is not set)."""
         models = await self._call(self.client.models)
         return json.dumps([m.model_dump(mode="json") for m in models], indent=1)
 
