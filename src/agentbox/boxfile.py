@@ -224,6 +224,25 @@ class Setup(_Strict):
     inputs: tuple[str, ...] = Field(default=(), max_length=MAX_SETUP_INPUTS)
     network: Literal["none", "registries"] = "none"
     deadline: float = Field(default=900.0, gt=0, le=24 * 3600)
+    keep: tuple[str, ...] = Field(default=(), max_length=16)
+    """Paths under ``~`` (``"~/.cache/ms-playwright"``) setup leaves that are frozen with
+    the environment and mounted at the same place for the agent."""
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for k in v:
+            rel = PurePosixPath(k[2:]) if k.startswith("~/") else None
+            if (
+                rel is None
+                or len(k) > 512
+                or not rel.parts
+                or rel.is_absolute()
+                or any(part in ("..", ".") for part in rel.parts)
+                or any(c in k for c in "\0\n'\\")
+            ):
+                raise ValueError(f"keep {k!r:.60} must be a path under '~/' without '..'")
+        return v
 
     @field_validator("run")
     @classmethod

@@ -260,3 +260,30 @@ def test_setup_through_the_proxy_and_a_hit_under_gvisor(
     assert (EnvStore(second.settings).tree(plan.report.key) / ".deps/stamp").read_text() == (
         f"{nonce}\n"
     )
+
+
+def test_keep_paths_under_home_are_frozen_and_mounted_back(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    nonce = secrets.token_hex(4)
+    run = [
+        "mkdir -p .venv ~/.cache/tool/bin",
+        f"echo {nonce} > ~/.cache/tool/bin/data",
+        "echo lost > ~/not-kept",
+    ]
+    box = _box(default_image, run, keep=["~/.cache/tool", "~/.absent"])
+    first = tasks({"README": "x\n"})
+    plan = first.prepare(box)
+    assert plan.report.cache == "miss", plan.report.output_tail
+    assert plan.report.roots == [".venv", "~/.cache/tool"]
+    assert not (first.ws / ".agentbox-keep").exists()  # never in the workspace
+    second = tasks({"README": "x\n"})
+    assert second.prepare(box).report.cache == "hit"
+    code, out = second.run(
+        box,
+        "cat ~/.cache/tool/bin/data && ls ~ && echo agent > ~/.cache/tool/bin/data "
+        "&& cat ~/.cache/tool/bin/data",
+    )
+    assert code == 0 and f"{nonce}\n" in out and "agent" in out and "not-kept" not in out, out
+    tree = EnvStore(second.settings).tree(plan.report.key)
+    assert (tree / ".agentbox-keep/.cache/tool/bin/data").read_text() == f"{nonce}\n"

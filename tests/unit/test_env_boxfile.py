@@ -67,7 +67,11 @@ def test_defaults_have_no_setup_and_no_egress() -> None:
         ({"setup": {"run": ["true"], "inputs": ["/etc/passwd"]}}, "setup.inputs", "relative"),
         ({"setup": {"run": ["true"], "network": "all"}}, "setup.network", "'registries'"),
         ({"setup": {"run": ["true"], "deadline": 0}}, "setup.deadline", "greater than 0"),
-        ({"setup": {"run": ["true"], "keep": ["~/.cache"]}}, "setup.keep", "unknown key"),
+        ({"setup": {"run": ["true"], "keep": ["/etc"]}}, "setup.keep", "under '~/'"),
+        ({"setup": {"run": ["true"], "keep": ["~/../etc"]}}, "setup.keep", "without '..'"),
+        ({"setup": {"run": ["true"], "keep": ["~/"]}}, "setup.keep", "under '~/'"),
+        ({"setup": {"run": ["true"], "keep": ["~/a'b"]}}, "setup.keep", "under '~/'"),
+        ({"setup": {"run": ["true"], "cache": ["x"]}}, "setup.cache", "unknown key"),
     ],
 )
 def test_bad_setup_and_network_are_refused_naming_the_key(

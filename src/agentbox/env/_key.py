@@ -58,11 +58,13 @@ def env_key(image_id: str, setup: Setup, workspace: Path) -> tuple[str, list[str
     """``(key, inputs)``: the hex key of the environment ``setup`` makes on ``image_id``.
 
     Covers :data:`KEY_VERSION`, the image id, the commands in order, the network
-    mode, and each matched input's path and content. Raises :class:`PathRefused`
+    mode, the ``keep`` paths, and each matched input's path and content. Raises :class:`PathRefused`
     for an input that is a link, too large or unreadable.
     """
     h = hashlib.sha256()
     head = {"v": KEY_VERSION, "image": image_id, "run": list(setup.run), "net": setup.network}
+    if setup.keep:
+        head["keep"] = list(setup.keep)
     h.update(json.dumps(head, sort_keys=True).encode())
     with Tree(workspace) as tree:
         inputs = match_inputs(tree, setup.inputs)

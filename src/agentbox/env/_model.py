@@ -19,6 +19,8 @@ class EnvInfo(BaseModel):
     """The input files that keyed it (repo-relative paths)."""
     roots: list[str] = Field(default_factory=list)
     """The directories setup created, relative to ``/workspace`` (``.venv``, ``node_modules``)."""
+    keep: list[str] = Field(default_factory=list)
+    """``[setup] keep`` paths (relative to ``$HOME``) it holds under ``.agentbox-keep``."""
     files: int = 0
     size: int = 0
     """Bytes of its regular files."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from agentbox import _proc
 from agentbox._log import get_logger
-from agentbox.backends.base import WORKSPACE_IN_SANDBOX, BindMount
+from agentbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX, BindMount
 from agentbox.errors import AgentboxError, PathRefused
 from agentbox.safepath import check_name, openat2
 
@@ -34,6 +34,8 @@ __all__ = ["EnvMount", "make_mountpoint"]
 
 log = get_logger("env.mount")
 
+#: Where setup's ``[setup] keep`` paths are frozen, inside the environment's tree.
+KEEP_DIR = ".agentbox-keep"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -77,8 +79,11 @@ class EnvMount:
         self.merged = where / "merged"
         self._mounted = False
 
-    def mount(self, workspace: Path, roots: list[str], uid: int) -> tuple[BindMount, ...]:
-        """Mount the overlay and return the sandbox's bind mounts, one per root.
+    def mount(
+        self, workspace: Path, roots: list[str], uid: int, *, keep: list[str] | None = None
+    ) -> tuple[BindMount, ...]:
+        """Mount the overlay and return the sandbox's bind mounts, one per root, and one
+        per ``keep`` path (frozen under ``.agentbox-keep``, mounted at ``$HOME/<path>``).
 
         A root whose place in the workspace is taken by a file is skipped (logged).
         """
@@ -92,7 +97,13 @@ class EnvMount:
         _proc.run(["mount", "-t", "overlay", "overlay", "-o", opts, self.merged], timeout=60)
         self._mounted = True
         mounts = []
+        for rel in keep or []:
+            src = self.merged / KEEP_DIR / rel
+            if src.exists() and not src.is_symlink():
+                mounts.append(BindMount(src, f"{HOME_IN_SANDBOX}/{rel}", read_only=False))
         for rel in roots:
+            if rel == KEEP_DIR:
+                continue
             if not make_mountpoint(workspace, rel, uid):
                 log.warning("environment dir not mounted: a file is in its place", root=rel)
                 continue

@@ -32,10 +32,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from agentbox._log import get_logger
-from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, Backend, BindMount
+from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, HOME_IN_SANDBOX, Backend, BindMount
 from agentbox.boxfile import Boxfile, Setup
 from agentbox.config import Settings
 from agentbox.egress import (
@@ -48,7 +48,7 @@ from agentbox.egress import (
 )
 from agentbox.env._key import env_key
 from agentbox.env._model import EnvInfo, SetupReport
-from agentbox.env._mount import EnvMount
+from agentbox.env._mount import KEEP_DIR, EnvMount
 from agentbox.env._report import record_proxy
 from agentbox.env._store import EnvStore
 from agentbox.errors import PathRefused, UnsupportedError
@@ -247,16 +247,31 @@ def _sink(fh: object, limit: int) -> Callable[[bytes], None]:
     return write
 
 
+def keep_paths(setup: Setup) -> list[str]:
+    """``[setup] keep`` as paths relative to ``$HOME`` (``.cache/ms-playwright``)."""
+    return [str(PurePosixPath(k[2:])) for k in setup.keep]
+
+
 def _script(setup: Setup) -> str:
     lines = ["set -e", "cd /workspace"]
     for cmd in setup.run:
         lines.append(f"printf '+ %s\\n' {_sh_quote(cmd)} >&2")
         lines.append(cmd)
+    # What [setup] keep names is carried out of $HOME (a tmpfs gone with the sandbox)
+    # into /workspace/.agentbox-keep, from where it is frozen like the rest.
+    for rel in keep_paths(setup):
+        src, dst = _sh_quote(f"{HOME_IN_SANDBOX}/{rel}"), _sh_quote(f"/workspace/{KEEP_DIR}/{rel}")
+        lines.append(f'if [ -e {src} ]; then mkdir -p "$(dirname {dst})" && cp -a {src} {dst}; fi')
     return "\n".join(lines) + "\n"
 
 
 def _sh_quote(s: str) -> str:
     return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+def _shown(info: EnvInfo) -> list[str]:
+    """The environment's directories as the report names them (``keep`` ones as ``~/…``)."""
+    return [r for r in info.roots if r != KEEP_DIR] + [f"~/{k}" for k in info.keep]
 
 
 def _watch(
@@ -308,18 +323,20 @@ def prepare_env(
         tlog(f"environment {key[:12]} is frozen: setup skipped (cache hit)")
         overlay = EnvMount(store.tree(key), task_root / "env")
         try:
-            mounts = overlay.mount(workspace, info.roots, uid)
+            mounts = overlay.mount(workspace, info.roots, uid, keep=info.keep)
         except BaseException:
             overlay.release()
             raise
         store.touch(key)
         report = SetupReport(
-            cache="hit", key=key, ran=False, roots=info.roots, files=info.files, size=info.size
+            cache="hit", key=key, ran=False, roots=_shown(info), files=info.files, size=info.size
         )
         return EnvPlan(report=report, mounts=mounts, overlay=overlay, info=info)
 
     tlog(f"running setup ({len(setup.run)} command(s), deadline {setup.deadline:g}s)")
     before = _snapshot(workspace)
+    if setup.keep and os.fsencode(KEEP_DIR) in before:
+        raise PathRefused(f"the repo has a {KEEP_DIR} of its own: [setup] keep cannot be used")
     egress: Egress | None = None
     net_dir = task_root / "setup-net"
     egress_log = log_dir / "egress-setup.jsonl"
@@ -400,6 +417,7 @@ def prepare_env(
                 commands=list(setup.run),
                 inputs=inputs,
                 roots=[os.fsdecode(r) for r in roots],
+                keep=[k for k in keep_paths(setup) if (stage / "tree" / KEEP_DIR / k).exists()],
             ),
         )
     except BaseException:
@@ -407,12 +425,12 @@ def prepare_env(
         raise
     overlay = EnvMount(store.tree(key), task_root / "env")
     try:
-        mounts = overlay.mount(workspace, info.roots, uid)
+        mounts = overlay.mount(workspace, info.roots, uid, keep=info.keep)
     except BaseException:
         overlay.release()
         raise
     store.touch(key)
     report.cache = "miss"
-    report.roots, report.files, report.size = info.roots, info.files, info.size
+    report.roots, report.files, report.size = _shown(info), info.files, info.size
     report.dropped = [os.fsdecode(r) for r in loose[:50]]
     return EnvPlan(report=report, mounts=mounts, overlay=overlay, info=info)
