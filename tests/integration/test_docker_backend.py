@@ -107,7 +107,7 @@ def test_inspect_shows_the_seeds_container_list(
         assert not hc["CapAdd"]
         assert "no-new-privileges" in hc["SecurityOpt"]
         assert hc["IpcMode"] == "private"
-        assert hc["Init"] is True
+        assert info["Config"]["Entrypoint"] == ["/usr/bin/tini", "--"]
         assert hc["PidsLimit"] == 512
         assert hc["Memory"] == hc["MemorySwap"] == 8 * 1024**3
         assert {u["Name"]: u["Hard"] for u in hc["Ulimits"]}["nofile"] == 4096

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -11,9 +12,11 @@ from typing import Any
 
 import psutil
 
+from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends._podman_disk import settle_orphan_disks, workspace_disk
 from agentbox.backends._podman_util import Capture, check_env, owner_start
+from agentbox.backends._userns_limits import HOOK_SCRIPT, SANDBOX_CAPS
 from agentbox.backends.base import (
     GATEWAY_PORT,
     LABEL,
@@ -215,7 +218,31 @@ class DockerBackend:
                 self.remove_container(box.id)
             raise SandboxError(f"docker could not start it: {exc}", sandbox=spec.name) from exc
         box._start_watchdog()
+        if spec.runtime == "runc":
+            try:
+                self._cap_userns(box)
+            except BaseException:
+                box.destroy()
+                raise
         return box
+
+    def _cap_userns(self, box: DockerSandbox) -> None:
+        """Cap the per-user kernel counters of the sandbox's user namespace (inotify,
+        fanotify, namespaces: see _userns_limits.py) before anything of the agent runs.
+
+        podman runs this as an OCI prestart hook; the Engine runs no hooks, so we run
+        the same script from the host against the started container's init, and fail
+        closed. Only the sandbox's own sleep (or our relay) has run by then.
+        """
+        pid = box.inspect().get("State", {}).get("Pid")
+        if not isinstance(pid, int) or pid <= 1:
+            raise SandboxError("no init pid to cap its user namespace", sandbox=box.name)
+        args = [f"{k}={v}" for k, v in sorted(SANDBOX_CAPS.items())]
+        try:
+            _proc.run(["/bin/sh", "-c", HOOK_SCRIPT, "hook", *args],
+                      input=json.dumps({"pid": pid}), timeout=30)  # fmt: skip
+        except AgentboxError as exc:
+            raise SandboxError(f"cannot cap its user namespace: {exc}", sandbox=box.name) from exc
 
     def _wait_relay(self, box: DockerSandbox, timeout: float = 10.0) -> None:
         res = box.exec(["python3", "-I", "-S", "-c", _RELAY_WAIT, str(timeout), str(GATEWAY_PORT)])

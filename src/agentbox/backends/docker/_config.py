@@ -31,6 +31,7 @@ from agentbox.config import Settings
 __all__ = [
     "DEADLINE_GRACE",
     "RUNSC_GATEWAY_RUNTIME",
+    "TINI",
     "DaemonFacts",
     "container_body",
     "daemon_facts",
@@ -45,6 +46,8 @@ DEADLINE_GRACE = 5
 #: The runsc runtime registered for sandboxes with a gateway: the same flags plus
 #: ``--host-uds=open`` (connect to the mounted gateway socket, never create one).
 RUNSC_GATEWAY_RUNTIME = "runsc-gw"
+#: PID 1 of every sandbox: the image's tini (agentbox's images carry it).
+TINI = "/usr/bin/tini"
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,9 @@ def container_body(
         "SecurityOpt": security,
         "IpcMode": "private",
         "CgroupnsMode": "private",           # its own cgroup tree, not the host's (v1)
-        "Init": True,                        # tini as PID 1: reaps, forwards signals
+        # Not the Engine's Init: it bind-mounts /usr/sbin/docker-init, an undeclared mount
+        # (the escape suite's fs.declared_mounts_only). The image's own tini is PID 1.
+        "Init": False,
         "PidsLimit": res.pids,
         "Memory": mem,
         "MemorySwap": mem,                   # equal to memory: no swap
@@ -204,8 +209,7 @@ def container_body(
     }
     return {
         "Image": image_id,
-        # tini comes from the daemon (Init): the image's own entrypoint is cleared.
-        "Entrypoint": [""],
+        "Entrypoint": [TINI, "--"],  # tini as PID 1: reaps, forwards signals
         "Cmd": entry_argv(spec, ["sleep", str(math.ceil(spec.deadline) + DEADLINE_GRACE)]),
         "User": f"{spec.uid}:{spec.uid}",
         "WorkingDir": spec.workdir,

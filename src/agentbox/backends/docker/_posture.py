@@ -8,7 +8,6 @@ fields) and ``/proc`` of every thread of the container's cgroup.
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,7 @@ from agentbox.backends._podman_posture import (
     host_processes,
 )
 from agentbox.backends.base import Posture, PostureCheck, SandboxSpec
-from agentbox.backends.docker._config import DaemonFacts, docker_runtime, nano_cpus
+from agentbox.backends.docker._config import TINI, DaemonFacts, docker_runtime, nano_cpus
 from agentbox.config import Settings
 from agentbox.errors import SandboxError
 
@@ -31,23 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["inspect_checks", "read_posture"]
 
-#: podman sets these per-userns counters with an OCI hook; Docker runs no hooks (see docs).
-_NOT_HERE = {"user namespace caps (/proc/sys/user)"}
-
-
-#: Mounts the Engine itself adds (tini from ``Init``), outside the declared ones.
-_ENGINE_MOUNTS = ("/usr/sbin/docker-init",)
-
-
-def _docker_mounts(check: PostureCheck) -> PostureCheck:
-    """The shared "mounts" check, with the Engine's own init mount not counted."""
-    if check.name != "mounts":
-        return check
-    try:
-        seen = [p for p in ast.literal_eval(check.seen) if p not in _ENGINE_MOUNTS]
-    except (ValueError, SyntaxError):
-        return check
-    return PostureCheck(check.name, check.expected, str(seen), str(seen) == check.expected)
+#: Checks of podman's that do not apply (none: the userns caps are set from the host).
+_NOT_HERE: set[str] = set()
 
 
 def _inside(box: DockerSandbox) -> dict[str, Any]:
@@ -91,7 +75,7 @@ def inspect_checks(
                    for s in secopt), where="host"),
         _check("User", f"{spec.uid}:{spec.uid}", cfg.get("User"), where="host"),
         _check("IpcMode", "private", hc.get("IpcMode"), where="host"),
-        _check("Init", True, hc.get("Init"), where="host"),
+        _check("init (tini) is PID 1", [TINI, "--"], cfg.get("Entrypoint"), where="host"),
         _check("PidsLimit", res.pids, hc.get("PidsLimit"), where="host"),
         _check("Memory = MemorySwap", res.memory,
                hc.get("Memory") if hc.get("Memory") == hc.get("MemorySwap") else "swap allowed",
@@ -154,8 +138,7 @@ def _proc_checks(spec: SandboxSpec, facts: DaemonFacts, info: dict[str, Any]) ->
 def read_posture(box: DockerSandbox, settings: Settings, facts: DaemonFacts) -> Posture:
     """Inside and host checks of a running docker sandbox."""
     del settings
-    inside = [_docker_mounts(c) for c in _inside_checks(box.spec, _inside(box))
-              if c.name not in _NOT_HERE]  # fmt: skip
+    inside = [c for c in _inside_checks(box.spec, _inside(box)) if c.name not in _NOT_HERE]
     info = box.inspect()
     checks = inside + inspect_checks(box.spec, facts, info) + _proc_checks(box.spec, facts, info)
     return Posture("docker", box.spec.runtime, tuple(checks))
