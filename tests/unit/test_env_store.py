@@ -73,9 +73,11 @@ def test_store_freeze_list_touch_remove_prune(tmp_path: Path) -> None:
     stage = store.staging()
     (stage / "tree" / ".venv").mkdir()
     (stage / "tree" / ".venv" / "f").write_bytes(b"x" * 1000)
+    (stage / "tree" / ".venv" / "f").chmod(0o6755)  # setuid/setgid: dropped when frozen
     info = store.freeze(stage, EnvInfo(key="ab" * 16, image="img", roots=[".venv"]))
     assert (info.files, info.size) == (1, 1000)
     assert not stage.exists() and store.tree("ab" * 16).is_dir()
+    assert (store.tree("ab" * 16) / ".venv" / "f").stat().st_mode & 0o7777 == 0o755
     assert oct(store.root.stat().st_mode & 0o777) == "0o700"
     # A second freeze of the same key keeps the first, drops its own staging.
     stage2 = store.staging()

@@ -32,16 +32,24 @@ log = get_logger("env.store")
 _KEY_CHARS = frozenset("0123456789abcdef")
 
 
-def tree_size(root: Path) -> tuple[int, int]:
-    """``(files, bytes)`` of the regular files under ``root`` (links never followed)."""
+def tree_size(root: Path, *, strip_setid: bool = False) -> tuple[int, int]:
+    """``(files, bytes)`` of the regular files under ``root`` (links never followed).
+
+    With ``strip_setid``, setuid/setgid bits are dropped on the way (what setup made is
+    untrusted: a program setuid to the sandbox's host uid has no place on the host).
+    """
     files = size = 0
     for top, _dirs, names in os.walk(root, followlinks=False):
         for name in names:
+            p = Path(top) / name
             with contextlib.suppress(OSError):
-                st = (Path(top) / name).lstat()
-                if stat.S_ISREG(st.st_mode):
-                    files += 1
-                    size += st.st_size
+                st = p.lstat()
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                files += 1
+                size += st.st_size
+                if strip_setid and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                    p.chmod(stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
     return files, size
 
 
@@ -115,7 +123,7 @@ class EnvStore:
         If another task froze the same key first, that one is kept and ``stage`` removed.
         """
         final = self.path(info.key)
-        info.files, info.size = tree_size(stage / "tree")
+        info.files, info.size = tree_size(stage / "tree", strip_setid=True)
         info.created_at = info.last_used = time.time()
         self._write_meta(stage, info)
         try:

@@ -568,7 +568,9 @@ def _setup_phase(
             last = r.output_tail.strip().splitlines()[-1:] or [""]
             why = "deadline" if r.timed_out else f"exit {r.exit_code}"
             error = f"setup failed ({why}); no agent ran: {last[0][:300]}"
-    except AgentboxError as exc:
+    except (AgentboxError, OSError) as exc:
+        # OSError: freezing what setup made (a move, a mount) failed on the host.
+        log.error("setup phase failed", task_id=task_id, error=str(exc))
         error = f"setup failed: {exc}"[:4000]
     if error is None and cancelled():
         error = "cancelled during setup"
