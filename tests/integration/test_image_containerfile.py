@@ -264,3 +264,34 @@ def test_ls_shows_it_and_rm_removes_exactly_it(
     tag_b, key_b, root_b = ids["b"]
     assert _exists(tag_b) and _exists(f"{CUSTOM_REPO}:{key_b}") and root_b.is_dir()
     assert _exists(BASE_IMAGE)
+
+
+def test_boxfile_image_table_is_built_then_run_by_exec(
+    base_image: str, made: list[str], tmp_path: Path, sandbox_settings: Settings
+) -> None:
+    repo = tmp_path / "repo"
+    (repo / "ci").mkdir(parents=True)
+    (repo / ".agentbox").mkdir()
+    token = secrets.token_hex(8)
+    (repo / "ci/marker").write_text(token + "\n")
+    (repo / "ci/Containerfile").write_text(f"FROM {base_image}\nCOPY marker /opt/marker\n")
+    tag = _tag(made, "boxfile")
+    (repo / ".agentbox/Boxfile.toml").write_text(
+        f'[image]\ncontainerfile = "../ci/Containerfile"\ntag = "{tag}"\n'
+    )
+    env = {
+        "PATH": os.environ["PATH"],
+        "AGENTBOX_DATA_DIR": str(sandbox_settings.data_dir),
+        "AGENTBOX_MOUNT_ROOTS": ":".join(str(r) for r in sandbox_settings.mount_roots),
+        "AGENTBOX_CONFIG": "/nonexistent",
+    }
+    res = subprocess.run(
+        [AGENTBOX, "exec", "--boxfile", str(repo / ".agentbox/Boxfile.toml"), "--",
+         "sh", "-c", "cat /opt/marker; id -u"],
+        capture_output=True, text=True, env=env, timeout=900, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == [token, "64000"]
+    info = resolve(Settings(), tag)
+    made.append(f"{CUSTOM_REPO}:{info.hash}")
+    assert info.rootfs is not None and (info.rootfs / "opt/marker").read_text().strip() == token
