@@ -218,6 +218,9 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option("--task-file", help="Read the task from this file ('-': stdin)."),
         ] = None,
+        backend: str | None = typer.Option(
+            None, "--backend", help="podman, docker, qemu, firecracker (overrides the Boxfile)."
+        ),
     ) -> None:
         """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
         task = _task_text(task, task_file)
@@ -227,6 +230,12 @@ def register(app: typer.Typer) -> None:
             from agentbox.image import build_for_boxfile
 
             box = build_for_boxfile(load_settings(), box)
+        if backend is not None:
+            from agentbox.boxfile import Boxfile
+
+            base = box if box is not None else Boxfile.from_dict({}, settings=load_settings())
+            Boxfile.from_dict({"backend": backend})  # the name checked like a Boxfile's
+            box = base.model_copy(update={"backend": backend})
         if task_id is not None:
             validate_task_id(task_id)
         try:
