@@ -295,3 +295,14 @@ def test_boxfile_image_table_is_built_then_run_by_exec(
     info = resolve(Settings(), tag)
     made.append(f"{CUSTOM_REPO}:{info.hash}")
     assert info.rootfs is not None and (info.rootfs / "opt/marker").read_text().strip() == token
+
+
+def test_a_from_image_not_in_local_storage_is_named(made: list[str], tmp_path: Path) -> None:
+    missing = f"localhost/agentbox-test-{secrets.token_hex(4)}-missing:1"
+    (tmp_path / "Containerfile").write_text(f"FROM {missing}\nRUN true\n")
+    tag = _tag(made, "nofrom")
+    with pytest.raises(ImageError) as err:
+        build_containerfile(Settings(), tmp_path / "Containerfile", tag=tag)
+    assert f"FROM {missing}: not in podman's local storage" in str(err.value)
+    assert not _exists(tag)
+    assert _podman_names("localhost/agentbox-build-") == []

@@ -381,7 +381,16 @@ def build_containerfile(
         built: str | None = None
         try:
             say(f"build: podman build {containerfile} (context {ctx})")
-            built = _podman_build(settings, containerfile, ctx, build_tag, tmp / "iid", say)
+            try:
+                built = _podman_build(settings, containerfile, ctx, build_tag, tmp / "iid", say)
+            except ImageError as exc:
+                missing = [r for r, i in from_ids.items() if i.startswith("unresolved:")]
+                if not missing:
+                    raise
+                raise ImageError(
+                    f"{exc}\nFROM {', '.join(missing)}: not in podman's local storage (run "
+                    f"`agentbox image build` for {BASE_IMAGE}, or build or pull it first)"
+                ) from exc
             user = _podman.inspect(built) or {}
             root = tmp / "rootfs"
             say("copy: the built image's root")
