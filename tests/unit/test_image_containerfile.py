@@ -245,3 +245,30 @@ def test_an_unbuilt_image_table_never_makes_a_sandbox(tmp_path: Path) -> None:
     assert (
         spec_from_boxfile(built, Settings(data_dir=tmp_path / "data")).image == "localhost/built:1"
     )
+
+
+def test_a_default_build_prunes_old_defaults_but_never_containerfile_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from agentbox.image import _build, _podman
+
+    images = tmp_path / "images"
+    made = {}
+    for i, kind in enumerate(["default", "default", "default", "containerfile", "default"]):
+        key = f"{i:016x}"
+        d = images / key
+        (d / "rootfs").mkdir(parents=True)
+        manifest = {"hash": key} if kind == "default" else {"hash": key, "kind": kind}
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        os.utime(d, (1000 + i, 1000 + i))
+        made[key] = kind
+    # podman holds none of them (the podman half of pruning is tested with real podman)
+    monkeypatch.setattr(_podman, "list_labelled", lambda _label: [])
+    newest = f"{4:016x}"
+    removed = _build._prune(images, newest, "base")
+    left = {p.name for p in images.iterdir()}
+    # the new one and the 2 newest older defaults stay; the Containerfile image stays
+    assert left == {newest, f"{2:016x}", f"{1:016x}", f"{3:016x}"}
+    assert removed == [str(images / f"{0:016x}")]
