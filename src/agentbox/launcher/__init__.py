@@ -22,30 +22,28 @@ from agentbox.launcher.client import LauncherClient
 
 if TYPE_CHECKING:
     from agentbox.launcher._core import Launcher
-    from agentbox.launcher._retention import Removal, data_usage, parse_age, prune, remove_task
-    from agentbox.launcher._server import serve, socket_path
-    from agentbox.launcher._store import Store
-    from agentbox.launcher._watchdog import spawn_watchdog
+    from agentbox.launcher._retention import Removal as Removal
+    from agentbox.launcher._retention import data_usage as data_usage
+    from agentbox.launcher._retention import parse_age as parse_age
+    from agentbox.launcher._retention import prune as prune
+    from agentbox.launcher._retention import remove_task as remove_task
+    from agentbox.launcher._server import serve as serve
+    from agentbox.launcher._server import socket_path as socket_path
+    from agentbox.launcher._store import Store as Store
+    from agentbox.launcher._watchdog import spawn_watchdog as spawn_watchdog
 
 __all__ = [
     "Launcher",
     "LauncherClient",
     "ModelInfo",
-    "Removal",
-    "Store",
     "TaskInfo",
     "TaskRequest",
     "TaskResult",
     "TaskStatus",
     "TokenUsage",
-    "data_usage",
-    "parse_age",
-    "prune",
-    "remove_task",
-    "serve",
-    "socket_path",
-    "spawn_watchdog",
 ]
+# Also importable from here, for the CLI (not the pinned library surface above): Removal,
+# Store, data_usage, parse_age, prune, remove_task, serve, socket_path, spawn_watchdog.
 
 #: Names imported on first use (each pulls in the backends, the store or the server).
 _LAZY = {
