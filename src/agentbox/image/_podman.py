@@ -74,14 +74,23 @@ def labels_of(info: dict[str, Any]) -> dict[str, str]:
 
 
 def list_labelled(label: str) -> list[dict[str, Any]]:
-    """Every local image carrying ``label`` (``podman images --format json``)."""
-    try:
-        res = _run(
-            ["podman", "images", "--filter", f"label={label}", "--format", "json"], timeout=60
-        )
-        data = json.loads(res.stdout or "[]")
-    except (AgentboxError, json.JSONDecodeError) as exc:
-        raise ImageError(f"cannot list podman images: {exc}") from exc
+    """Every local image carrying ``label`` (``podman images --format json``).
+
+    ``podman images`` fails ("image not known") when an image it is listing is
+    removed meanwhile by someone else; the listing is then taken again.
+    """
+    argv = ["podman", "images", "--filter", f"label={label}", "--format", "json"]
+    for attempt in range(3):
+        try:
+            res = _run(argv, timeout=60)
+            data = json.loads(res.stdout or "[]")
+            break
+        except CommandError as exc:
+            if attempt < 2 and "image not known" in f"{exc.stderr} {exc.stdout}":
+                continue
+            raise ImageError(f"cannot list podman images: {exc}") from exc
+        except (AgentboxError, json.JSONDecodeError) as exc:
+            raise ImageError(f"cannot list podman images: {exc}") from exc
     return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
 
 
