@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentbox import _host, _proc
+from agentbox._acl import acl_allows
 from agentbox.backends._seccomp import profile_path
 from agentbox.backends._userns_limits import SANDBOX_RLIMITS, hooks_dir
 from agentbox.backends.base import (
@@ -183,7 +184,8 @@ def _searchable_by(path: Path, uid: int) -> Path | None:
 
     The gofer is root of the container's user namespace (host ids ``uid`` ..
     ``uid+65535``) with CAP_DAC_OVERRIDE there: a directory whose owner and
-    group are both mapped is always traversable; any other needs its x bit.
+    group are both mapped is always traversable; any other needs its x bit, or a
+    named-user ACL entry giving ``uid`` search (what the launcher sets on its task dirs).
     """
     mapped = range(uid, uid + 65536)
     for d in [*reversed(path.parents), path]:
@@ -194,7 +196,7 @@ def _searchable_by(path: Path, uid: int) -> Path | None:
         if st.st_uid in mapped and st.st_gid in mapped:
             continue
         bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == uid else 0o001
-        if not st.st_mode & bit:
+        if not st.st_mode & bit and not acl_allows(d, uid, 1):
             return d
     return None
 

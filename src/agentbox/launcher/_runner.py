@@ -43,6 +43,7 @@ import psutil
 from pydantic import TypeAdapter
 
 from agentbox import _proc
+from agentbox._acl import grant_search
 from agentbox._log import get_logger
 from agentbox.backends import get_backend
 from agentbox.backends.base import BindMount, SandboxSpec
@@ -187,6 +188,21 @@ def _make_task_dir(paths: TaskPaths) -> None:
             "the task dir already exists: not one this task made", path=paths.root
         ) from exc
     paths.log_dir.mkdir(mode=0o700)
+
+
+def _let_gofer_through(paths: TaskPaths, gofer_uid: int, tlog: _TaskLog) -> None:
+    """Let gVisor's gofer (host uid ``subid_base``) search the tasks dir and this task's.
+
+    It opens the workspace and gateway dir (bind-mount sources) as that uid, which is
+    neither owner nor group of these private dirs: a named-user ACL entry gives it
+    ``--x`` there and nobody else anything (``o+x`` would open them to every user).
+    """
+    for d in (paths.data_dir / "tasks", paths.root):
+        try:
+            grant_search(d, gofer_uid)
+        except OSError as exc:
+            # The backend's own check then names the dir and the fix.
+            tlog(f"cannot give runsc's gofer (uid {gofer_uid}) search on {d}: {exc}")
 
 
 def _write_token(path: Path) -> str:
@@ -470,6 +486,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     _make_task_dir(paths)
     tlog = _TaskLog(paths, store)
     box = Boxfile.model_validate_json(row.boxfile or "{}")
+    if box.backend == "podman" and box.runtime == "runsc":
+        _let_gofer_through(paths, settings.subid_base, tlog)
     # The gateway starts (a Python process: about a second) while the workspace is
     # copied; neither needs the other.
     token = _write_token(paths.root / "token")
