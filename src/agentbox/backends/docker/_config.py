@@ -26,6 +26,7 @@ from agentbox.backends.base import (
     WORKSPACE_IN_SANDBOX,
     SandboxSpec,
 )
+from agentbox.backends.docker._spawn import CLIENT, SPAWNER
 from agentbox.config import Settings
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "daemon_facts",
     "docker_runtime",
     "entry_argv",
+    "exec_argv",
+    "main_argv",
     "nano_cpus",
 ]
 
@@ -127,6 +130,25 @@ def entry_argv(spec: SandboxSpec, argv: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
+def main_argv(spec: SandboxSpec) -> list[str]:
+    """The idle main process: its lifetime is the deadline plus :data:`DEADLINE_GRACE`.
+
+    runc: ``sleep``. runsc: the spawner commands are started from (see _spawn.py), so
+    they inherit the seccomp filter gVisor applies to the init's descendants only.
+    """
+    life = str(math.ceil(spec.deadline) + DEADLINE_GRACE)
+    if spec.runtime == "runsc":
+        return ["python3", "-I", "-S", "-c", SPAWNER, life]
+    return ["sleep", life]
+
+
+def exec_argv(spec: SandboxSpec, argv: list[str]) -> list[str]:
+    """What ``docker exec`` runs for ``argv``: itself (runc), or through the spawner (runsc)."""
+    if spec.runtime == "runsc":
+        return ["python3", "-I", "-S", "-c", CLIENT, "--", *argv]
+    return argv
+
+
 def _bind(source: Path, target: str, read_only: bool) -> dict[str, Any]:
     return {
         "Type": "bind",
@@ -210,7 +232,7 @@ def container_body(
     return {
         "Image": image_id,
         "Entrypoint": [TINI, "--"],  # tini as PID 1: reaps, forwards signals
-        "Cmd": entry_argv(spec, ["sleep", str(math.ceil(spec.deadline) + DEADLINE_GRACE)]),
+        "Cmd": entry_argv(spec, main_argv(spec)),
         "User": f"{spec.uid}:{spec.uid}",
         "WorkingDir": spec.workdir,
         "Env": [f"{k}={v}" for k, v in sorted(spec.env.items())],

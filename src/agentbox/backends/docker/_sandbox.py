@@ -16,6 +16,7 @@ from agentbox._log import get_logger
 from agentbox.backends._podman_util import MAX_COPY_OUT, Capture, cgroup_pids, check_env
 from agentbox.backends.base import BaseSandbox, ExecResult, OutputCallback, Posture, SandboxSpec
 from agentbox.backends.docker._binds import HostBinds
+from agentbox.backends.docker._config import exec_argv
 from agentbox.backends.docker._exec import exec_stream
 from agentbox.errors import AgentboxError, ConfigError, SandboxError
 
@@ -84,7 +85,7 @@ class DockerSandbox(BaseSandbox):
         got = exec_stream(
             self._backend.client,
             self.id,
-            inner,
+            exec_argv(self.spec, inner),
             user=f"{self.spec.uid}:{self.spec.uid}",
             workdir=self.spec.workdir,
             env=env,
