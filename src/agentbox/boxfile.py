@@ -67,7 +67,7 @@ from pydantic import (
     model_validator,
 )
 
-from agentbox.config import DEFAULT_DISK, DEFAULT_IMAGE, Settings, Size, parse_size
+from agentbox.config import DEFAULT_DISK, DEFAULT_IMAGE, Settings, Size, parse_size, setting_hint
 from agentbox.errors import BoxfileError, PathRefused
 
 __all__ = [
@@ -382,7 +382,8 @@ class Boxfile(_Strict):
             if not any(real == r or r in real.parents for r in settings.mount_roots):
                 roots = ", ".join(map(str, settings.mount_roots)) or "none configured"
                 raise PathRefused(
-                    f"[mounts.{i}.source] must live under a configured mount root ({roots})",
+                    f"[mounts.{i}.source] must live under a configured mount root ({roots}; "
+                    f"set by {setting_hint('mount_roots')})",
                     path=m.source,
                 )
             if not real.exists():

@@ -92,6 +92,23 @@ def _default_data_dir() -> Path:
     return Path(base) / "agentbox"
 
 
+#: How a setting is written in the environment, for errors that name it.
+_SETTING_FORMS = {
+    "repos_root": "a directory",
+    "mount_roots": "a colon-separated list of directories, as PATH is",
+    "egress_allow_cap": "a comma-separated list of host names",
+    "egress_trusted_ranges": "a comma-separated list of CIDR ranges",
+    "max_disk": "a size such as 100GiB",
+    "models_file": "a TOML file",
+}
+
+
+def setting_hint(name: str) -> str:
+    """``AGENTBOX_<NAME>`` and its format, for an error that names the setting ``name``."""
+    form = _SETTING_FORMS.get(name)
+    return f"AGENTBOX_{name.upper()}" + (f", {form}" if form else "")
+
+
 class Settings(BaseSettings):
     """Host-level settings. A Boxfile chooses per sandbox within these."""
 

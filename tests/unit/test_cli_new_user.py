@@ -256,3 +256,26 @@ def test_tasks_lists_live_tokens_of_a_running_task(
         la.cancel(tid)
         la.wait(tid, timeout=30)
     assert "1,290" in shown, shown
+
+
+# -- errors that name a setting give its environment variable and format -------------------
+
+
+@needs_root
+def test_errors_name_the_setting_env_var(settings: Settings, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    git(outside, "init", "-q")
+    r = _cli(settings, "run", "--repo", str(outside), "x")
+    assert r.returncode == 3 and "AGENTBOX_REPOS_ROOT" in r.stderr, r.stderr
+    box = tmp_path / "Boxfile.toml"
+    box.write_text(f'[[mounts]]\nsource = "{tmp_path}"\ntarget = "/opt/x"\n')
+    repo = settings.repos_root / "p"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "f").write_text("f\n")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "f")
+    r = _cli(settings, "run", "--repo", str(repo), "--boxfile", str(box), "x")
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 3 and "AGENTBOX_MOUNT_ROOTS, a colon-separated list" in err, err

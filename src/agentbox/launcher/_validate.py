@@ -18,7 +18,7 @@ from typing import Any
 
 from agentbox import _proc
 from agentbox.boxfile import Boxfile
-from agentbox.config import Settings
+from agentbox.config import Settings, setting_hint
 from agentbox.errors import (
     AgentboxError,
     CommandError,
@@ -82,10 +82,18 @@ def git_readonly(repo: Path, *args: str, timeout: float = 60) -> _proc.Result:
 def _check_repo(settings: Settings, repo: str, include_uncommitted: bool) -> Path:
     if "\0" in repo or not Path(repo).is_absolute():
         raise PathRefused("the repo must be an absolute path", path=repo)
-    real = check_inside(settings.repos_root, Path(repo), what="repo")
+    hint = setting_hint("repos_root")
+    try:
+        real = check_inside(settings.repos_root, Path(repo), what="repo")
+    except PathRefused:
+        raise PathRefused(
+            f"the repo resolves outside the repos root {settings.repos_root} (set by {hint})",
+            path=repo,
+        ) from None
     if real == settings.repos_root:
         raise PathRefused(
-            "the repo must be a directory inside the repos root, not the root", path=repo
+            f"the repo must be a directory inside the repos root, not the root ({hint})",
+            path=repo,
         )
     if not real.is_dir():
         raise PathRefused("the repo is not a directory", path=repo)

@@ -15,6 +15,7 @@ import os
 import stat
 from pathlib import Path
 
+from agentbox.config import setting_hint
 from agentbox.errors import PathRefused
 
 __all__ = ["MAX_PATH_CHARS", "validate_repo"]
@@ -39,9 +40,16 @@ def validate_repo(repos_root: Path, repo: object, *, uid: int | None = None) -> 
     root = repos_root.resolve()
     real = raw.resolve()
     if real != root and root not in real.parents:
-        raise PathRefused(f"repo resolves outside the repos root {root}", path=repo)
+        raise PathRefused(
+            f"repo resolves outside the repos root {root} (set by {setting_hint('repos_root')})",
+            path=repo,
+        )
     if real == root:
-        raise PathRefused("repo must be a directory below the repos root, not the root", path=repo)
+        raise PathRefused(
+            f"repo must be a directory below the repos root, not the root "
+            f"({setting_hint('repos_root')})",
+            path=repo,
+        )
     # Walk the components as given: a link anywhere on the way is refused even if
     # its target happens to lie inside the root (the target can be swapped later).
     cur = Path(raw.anchor)
