@@ -488,6 +488,10 @@ def _cgroup_dirs(name: str) -> list[Path]:
     return [root / "pids" / "agentbox" / name, root / "memory" / "agentbox" / name]
 
 
+#: Seconds destroy() waits for a killed VMM's cgroups to become removable.
+CGROUP_SETTLE = 30.0
+
+
 class QemuSandbox(BaseSandbox):
     """A live microVM sandbox; ``destroy`` is idempotent and verifies nothing is left."""
 
@@ -641,6 +645,14 @@ class QemuSandbox(BaseSandbox):
         if self.session is not None:
             self.session.channel.close()
         self.vm.kill()
+        # A VMM with a GiB of guest RAM can take seconds to exit under load, longer than
+        # one Cgroup.remove() waits: until it has, its cgroups cannot be removed. Wait
+        # (bounded), as Firecracker's Microvm.kill() does, rather than leave them.
+        cgroup, end = self.vm.cgroup, time.monotonic() + CGROUP_SETTLE
+        while cgroup is not None and any(d.exists() for d in cgroup.dirs):
+            if time.monotonic() > end:
+                break  # leftovers() names them
+            cgroup.remove()
         shutil.rmtree(self.vm_dir, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
