@@ -28,8 +28,9 @@ from agentbox._text import visible
 from agentbox._wire import NO_CHANGES, TokenUsage
 from agentbox.collect._model import Collected, DiffStat, Skipped
 from agentbox.collect._risky import flag_change, risky_reason
+from agentbox.transcript import TestCommand
 
-__all__ = ["Flagged", "Report", "Tokens"]
+__all__ = ["Flagged", "Report", "Tokens", "tests_line"]
 
 #: Tokens metered by the gateway, by kind: the launcher's :class:`TokenUsage`, not a copy.
 Tokens = TokenUsage
@@ -96,6 +97,21 @@ def flagged_paths(c: Collected) -> list[Flagged]:
     return sorted(out, key=lambda f: f.path)
 
 
+def tests_line(t: TestCommand | dict[str, object] | None) -> str:
+    """``last_test_command`` in words: the command and how it exited, or that none ran."""
+    if isinstance(t, dict):
+        cmd, code = t.get("command"), t.get("exit_code")
+    elif t is not None:
+        cmd, code = t.command, t.exit_code
+    else:
+        return "none run (the agent ran no test command)"
+    if not isinstance(cmd, str):
+        return "none run (the agent ran no test command)"
+    how = "exit code unknown" if not isinstance(code, int) else (
+        "passed (exit 0)" if code == 0 else f"FAILED (exit {code})")  # fmt: skip
+    return f"{how}: {cmd[:200]}"
+
+
 class Report(BaseModel):
     """One task's outcome. Every field may be absent while the task runs."""
 
@@ -123,6 +139,11 @@ class Report(BaseModel):
     """What the sandbox or gateway refused (the launcher fills this)."""
     final_message: str | None = None
     error: str | None = None
+    tools_run: dict[str, int] = Field(default_factory=dict)
+    """The agent's tool calls by tool name (from its transcript)."""
+    last_test_command: TestCommand | None = None
+    """The last command the agent ran that looks like tests (pytest, npm test, go test…)
+    and its exit code; None: it ran none ("done, but the tests never ran")."""
 
     def add_collected(self, c: Collected) -> None:
         """Copy the collection outcome in: changed, commit, branch, diffstat, skipped,
@@ -161,6 +182,10 @@ class Report(BaseModel):
         lines.append(f"changes   {NO_CHANGES if self.changed is False else self.diffstat}")
         if self.error:
             lines.append(f"error     {self.error}")
+        lines.append(f"tests     {tests_line(self.last_test_command)}")
+        if self.tools_run:
+            runs = ", ".join(f"{k} {v}" for k, v in sorted(self.tools_run.items()))
+            lines.append(f"tools     {runs}")
         if self.flagged:
             lines.append("runs code when the branch is opened or merged (review first):")
             lines.extend(f"  {f.change} {f.path}: {f.reason}" for f in self.flagged)

@@ -76,6 +76,7 @@ from agentbox.launcher._workspace import check_owner, ensure_private_dir, give_t
 from agentbox.launcher.api import NO_CHANGES, TokenUsage
 from agentbox.paths import TaskPaths, check_inside
 from agentbox.sandbox import spec_from_boxfile
+from agentbox.transcript import summary as transcript_summary
 
 __all__ = [
     "SANDBOX_LABEL",
@@ -365,6 +366,7 @@ def _collect_and_finish(
         base_commit=base.base_commit if base is not None else None,
         final_message=message or None,
         refused=[f"gateway refused {n} request(s): {why}" for why, n in refusals.items()],
+        **transcript_summary(paths.log_dir / "agent.jsonl"),  # tools_run, last_test_command
     )
     commit = ""
     branch = ""
