@@ -67,3 +67,6 @@ def test_verdict_reads_untrusted_results() -> None:
     assert _verdict([held, {"target": "d", "status": 403, "rule": "not-allowed"}])[0] == "error"
     assert _verdict([])[0] == "error"
     assert _verdict(["junk", 5])[0] == "error"  # type: ignore[list-item]
+    gone = {"target": "a", "status": None, "error": "[Errno 2] No such file or directory"}
+    assert _verdict([gone, gone])[0] == "n/a"  # the sandbox does not share the directory
+    assert _verdict([gone, held])[0] == "error"

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -82,7 +83,16 @@ print(json.dumps({"results": out}))
 
 
 class _Execs(Protocol):
-    def exec(self, argv: list[str], **kw: Any) -> Any: ...
+    def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Any = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        on_stdout: Any = None,
+        on_stderr: Any = None,
+    ) -> Any: ...
 
 
 def probe_policy(*, checked: bool = True) -> EgressPolicy:
@@ -108,6 +118,16 @@ def probe_targets() -> list[tuple[str, str]]:
 
 def _verdict(results: list[dict[str, Any]]) -> tuple[str, str]:
     """(status, seen) from the client's results (untrusted: shape-checked)."""
+    dicts = [r for r in results if isinstance(r, dict)]
+    if (
+        dicts
+        and len(dicts) == len(results)
+        and all("No such file" in str(r.get("error", "")) for r in dicts)
+    ):
+        return (
+            "n/a",
+            "the proxy's socket is not visible inside: this sandbox does not share its gateway dir",
+        )
     held, skipped, fired, odd = [], [], [], []
     for rec in results[:64]:
         if not isinstance(rec, dict):

@@ -183,6 +183,10 @@ def run_weak_controls(fx: Fixture, image: str, *, uid: int, mapped_uid: int) -> 
         got.update({o.id: o for o in forkbomb_outcomes(box, view, pids[0] if pids else 0)})
         # Own kernel: a runc container shares the host's kernel, so the comparison must say so.
         got["host.own_kernel"] = kernel_outcome(box, "control", shares_host_kernel=False)
+        # The egress proxy with its address checks off: localhost must get through.
+        from agentbox.egress import escape_outcome
+
+        got["host.egress_proxy_inner"] = escape_outcome(box, fx.gateway_dir, control=True)
     finally:
         box.destroy()
     return [

@@ -26,6 +26,7 @@ _B = "seed B"
 _U = "audit tools"
 _I11 = "issue 11"
 _I18 = "issue 18"
+_I12 = "issue 12"
 
 
 def _in(pid: str, tried: str, expected: str, source: str, control: str = "weak") -> ProbeSpec:
@@ -184,6 +185,14 @@ PROBES: tuple[ProbeSpec, ...] = (
         "root sets up one context meanwhile",
         "root never refused",
         _I18,
+    ),
+    # the egress proxy: the host starts a real one, the sandbox asks it for inner targets
+    _host(
+        "host.egress_proxy_inner",
+        "through a real egress proxy, from inside: CONNECT/GET to localhost, a metadata name, "
+        "and loopback, metadata and private address literals",
+        "each refused for its address (403 ip-literal, address:*)",
+        _I12,
     ),
 )
 

@@ -538,6 +538,10 @@ def run_real(
         outcomes += host_outcomes(pids, view)
         outcomes.append(kernel_outcome(box, runtime, backend.shares_host_kernel(runtime)))
         outcomes += quota_outcomes(box, view)
+        # The egress proxy, asked from inside for inner targets (its socket in the gateway dir).
+        from agentbox.egress import escape_outcome
+
+        outcomes.append(escape_outcome(box, fx.gateway_dir, settings=settings, vm=vm))
         # Before the fork bomb: under gVisor the bomb may take the sandbox down.
         extra = during(box) if during is not None else []
         outcomes += forkbomb_outcomes(box, view, pids[0] if pids else 0)
