@@ -118,17 +118,20 @@ def test_a_file_capability_the_containerfile_added_is_refused_by_name(root: Path
 
 def test_a_package_manager_kept_off_path_is_refused_by_name(root: Path) -> None:
     _packaged_base(root)
-    _exe(root / "opt/keep/dpkg")
-    _exe(root / "opt/keep/apt-get")
+    elf = "\x7fELF\x02\x01\x01 (a program)"
+    _exe(root / "opt/keep/dpkg", elf)
+    _exe(root / "opt/keep/apt-get", elf)
     (root / "usr/share/bash-completion/completions").mkdir(parents=True)
     (root / "usr/share/bash-completion/completions/su").write_text("# not a program\n")
+    # build-essential brings dpkg-dev's reportbug hook: a script, not a package manager
+    _exe(root / "usr/share/bug/dpkg-dev", "#!/bin/sh\necho hook\n")
     harden(root, strip="packaged")
     verify(root)  # the default image's check looks on PATH only
     with pytest.raises(ImageError) as err:
         verify(root, tools_anywhere=True)
     text = str(err.value)
     assert "forbidden tool: /opt/keep/dpkg" in text and "forbidden tool: /opt/keep/apt-get" in text
-    assert "completions/su" not in text
+    assert "completions/su" not in text and "/usr/share/bug/dpkg-dev" not in text
 
 
 def test_from_images() -> None:

@@ -211,6 +211,20 @@ def _xattrs(p: Path) -> list[str]:
         return []
 
 
+def _is_elf(p: Path) -> bool:
+    """True if ``p`` (a regular file, not followed if a link) is an ELF program."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.read(fd, 4) == b"\x7fELF"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _replace_entries(path: Path, name: str, ident: int, line: str) -> None:
     """Write ``line`` into a passwd-style file, dropping entries with its name or id."""
     old = path.read_text().splitlines() if path.exists() else []
@@ -297,10 +311,11 @@ def verify(
     Checks: no setuid/setgid file or directory and no file capability anywhere;
     no package manager, su/sudo or identity tool on any PATH dir (with
     ``tools_anywhere``, as for an image from a user's Containerfile: no
-    executable file by such a name anywhere, so a copy of ``dpkg`` kept in
-    ``/opt`` is found too); no dpkg/apt state; Claude Code present and
-    executable; tini, the ``agent`` user, the guest programs and the mount
-    points present.
+    executable ELF program by such a name anywhere, so a copy of ``dpkg``
+    kept in ``/opt`` is found too, while a packaged hook script such as
+    ``/usr/share/bug/dpkg-dev`` is not a package manager); no dpkg/apt
+    state; Claude Code present and executable; tini, the ``agent`` user, the
+    guest programs and the mount points present.
     """
     problems: list[str] = []
     path_dirs = _path_dirs(root)
@@ -319,6 +334,7 @@ def verify(
             and st.st_mode & 0o111
             and forbidden_name(p.name)
             and p.parent not in path_dirs
+            and _is_elf(p)
         ):
             problems.append(f"forbidden tool: {rel}")
     for d in path_dirs:
