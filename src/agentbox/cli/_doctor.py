@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, RenderableType
+from rich.text import Text
 
 from agentbox import _host, _proc
+from agentbox.cli._table import Col, fit_table, print_table
 from agentbox.config import Settings, load_settings
 from agentbox.errors import AgentboxError
 
@@ -236,15 +237,20 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print JSON")) -> 
     if as_json:
         print(json.dumps({"ok": ok, "checks": [r.as_dict() for r in rows]}))
     else:
-        table = Table("facility", "status", "detail", "fix")
+        console = Console()
+        # Never cut: facility and status stay whole, detail and fix fold onto more lines
+        # (an ellipsis would hide the one thing the user must type).
+        cols = [Col("facility", keep=True), Col("status", keep=True),
+                Col("detail", ratio=1), Col("fix", ratio=1)]  # fmt: skip
+        cells: list[list[RenderableType]] = []
         for r in rows:
             f = r.facility
             status = f"[{_STYLE[r.status]}]{r.status}[/]" + ("" if not r.essential else " *")
             if r.essential and not f.ok:
                 status = f"[bold red]{r.status} *[/]"
-            table.add_row(f.name, status, f.detail, f.fix if not f.ok or f.fix else "")
-        console = Console()
-        console.print(table)
+            fix = f.fix if not f.ok or f.fix else ""
+            cells.append([Text(f.name), Text.from_markup(status), Text(f.detail), Text(fix)])
+        print_table(console, fit_table(console, cols, cells))
         console.print(
             "[green]essentials present[/green] (* = essential: podman, runc, image tooling)"
             if ok

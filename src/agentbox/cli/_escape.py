@@ -9,6 +9,7 @@ probe must fire. Exits 1 when any probe failed or any control stayed quiet.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import typer
 
@@ -72,11 +73,61 @@ def escape_test(
     if as_json:
         sys.stdout.write(report_json(reports) + "\n")
     else:
-        console = Console(width=max(Console().width, 160))
-        for r in reports:
-            print_report(r, console)
+        # The terminal's width (80 when piped), never wider; piped, no trailing padding.
+        console = Console()
+        with console.capture() as cap:
+            for r in reports:
+                if console.width >= WIDE:
+                    print_report(r, console)
+                else:
+                    _print_narrow(r, console)
+        text = cap.get()
+        if not console.is_terminal:
+            text = "".join(ln.rstrip() + "\n" for ln in text.splitlines())
+        sys.stdout.write(text)
     if not all(r.ok for r in reports):
         raise SystemExit(1)
+
+
+#: Below this many columns the six-column table would cut every cell: a narrower one
+#: (probe, result, where, what was seen) is printed; --json has everything.
+WIDE = 120
+
+
+def _print_narrow(report: Any, console: Any) -> None:
+    from rich.text import Text
+
+    from agentbox.cli._table import Col, fit_table
+
+    styles = {"pass": "green", "fail": "bold red", "error": "bold red", "n/a": "yellow"}
+    cols = [Col("probe", keep=True), Col("result", keep=True), Col("where"),
+            Col("seen", ratio=2), Col("expected", ratio=1)]  # fmt: skip
+    for title, rows, control in (
+        (f"escape suite: {report.backend}/{report.runtime} ({report.isolation})",
+         report.outcomes, False),
+        ("positive controls (each probe must fire)", report.controls, True),
+    ):  # fmt: skip
+        if not rows:
+            continue
+        cells = []
+        for o in rows:
+            verdict = (
+                {"pass": "fired", "fail": "QUIET"}.get(o.status, o.status) if control else o.status
+            )
+            cells.append([Text(o.id), Text(verdict, style=styles.get(o.status, "")),
+                          Text(o.where), Text(o.seen), Text(o.expected)])  # fmt: skip
+        console.print(fit_table(console, cols, cells, title=title))
+    counts: dict[str, int] = {}
+    for o in report.outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    if report.controls:
+        fired = sum(1 for c in report.controls if c.status == "pass")
+        summary += f"; controls: {fired}/{len(report.controls)} fired"
+    verdict = "[green]OK[/]" if report.ok else f"[bold red]{len(report.failures)} FAILED[/]"
+    console.print(f"{len(report.outcomes)} probes: {summary} in {report.seconds:.1f}s: {verdict}")
+    for f in report.failures:
+        console.print(Text.assemble(("  ✗ ", "red"), f"{f.id}: {f.seen}"))
 
 
 def register(app: typer.Typer) -> None:
