@@ -1,6 +1,7 @@
-"""Sandbox start latency: agentbox's podman backend against raw `podman run --rm`.
+"""Sandbox start latency: agentbox's podman and docker backends against raw `run --rm`.
 
 Usage: .venv/bin/python bench/start_latency.py [--runs 15] [--runtime runc] [--compass]
+       [--no-docker]
 
 Times, interleaved in the same run (shuffled each round, a short pause before each
 step) so machine load and background cleanup hit all alike:
@@ -12,6 +13,9 @@ step) so machine load and background cleanup hit all alike:
   chunk through on_stdout (spec built and checked once beforehand, as the CLI does);
 * backend run → return: the same call, to its return (container removed by --rm);
 * agentbox exec -- true: the CLI process, start → exit (includes Python and CLI imports).
+* docker (unless --no-docker or no daemon): raw `docker run --rm` with the same flags the
+  docker backend gives the Engine, Popen → first stdout byte; DockerBackend.run, call →
+  first chunk and → return. Docker rows are also given as a ratio to raw `docker run`.
 
 With --compass it also times the two ways past podman's own overhead:
 
@@ -23,6 +27,9 @@ With --compass it also times the two ways past podman's own overhead:
 
 Prints medians and each row's ratio to raw `podman run` (first output).
 Target: backend create → first output <= 1.2x raw; compass <= 0.5x.
+
+Whatever happens, every sandbox and raw container it started is removed by name
+(``finally``), so a failed step leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -38,9 +45,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from agentbox.backends._podman_args import entry_argv, image_facts, run_args
 from agentbox.backends._podman_util import env_file
+from agentbox.backends._seccomp import profile_path
 from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
@@ -68,7 +77,7 @@ def prepare_bundle(
     its config.json (same seccomp, caps, userns, mounts, rootfs) for ``runc run``."""
     s = spec_from_boxfile(box, settings, workspace=ws, name=name)
     with env_file(s.env) as envf:
-        argv = run_args(s, settings, facts, detach=True, env_file=envf)  # type: ignore[arg-type]
+        argv = run_args(s, settings, facts, detach=True, env_file=envf.path)  # type: ignore[arg-type]
         i = argv.index("run")
         argv[i : i + 2] = ["create"]  # "run -d" -> "create"
         subprocess.run([*argv, "echo", "x"], check=True, capture_output=True)
@@ -89,12 +98,103 @@ def prepare_bundle(
     return bundle
 
 
+DOCKER_RAW = "raw docker run --rm: first output"
+#: (backend, name) of every sandbox and raw container started: removed in ``finally``.
+MADE: list[tuple[str, str]] = []
+
+
+def docker_argv(name: str, settings: Settings, body: dict[str, Any]) -> list[str]:
+    """``docker run --rm`` with the flags of the docker backend's create body (same
+    seccomp profile, limits, mounts, user, entrypoint and runtime)."""
+    hc = body["HostConfig"]
+    argv = ["docker", "run", "--rm", "--name", name, "--network", "none", "--read-only",
+            "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+            "--security-opt", f"seccomp={profile_path(settings.cache_dir)}",
+            "--ipc", "private", "--cgroupns", "private", "--user", body["User"],
+            "--pids-limit", str(hc["PidsLimit"]), "--memory", str(hc["Memory"]),
+            "--memory-swap", str(hc["MemorySwap"]), "--cpus", str(hc["NanoCpus"] / 1e9),
+            "--runtime", hc["Runtime"], "--workdir", body["WorkingDir"],
+            "--entrypoint", body["Entrypoint"][0]]  # fmt: skip
+    for u in hc["Ulimits"]:
+        argv += ["--ulimit", f"{u['Name']}={u['Soft']}:{u['Hard']}"]
+    for path, opts in hc["Tmpfs"].items():
+        argv += ["--tmpfs", f"{path}:{opts}"]
+    for m in hc["Mounts"]:
+        argv += ["-v", f"{m['Source']}:{m['Target']}:{'ro' if m['ReadOnly'] else 'rw'}"]
+    return [*argv, body["Image"], *body["Entrypoint"][1:], "echo", "x"]
+
+
+def docker_steps(
+    settings: Settings, box: Boxfile, ws: Path, rows: dict[str, list[float]]
+) -> list[Callable[[], None]] | None:
+    """The docker rows' steps; None (with a note) when there is no usable daemon."""
+    from agentbox.backends.docker import DockerBackend
+    from agentbox.backends.docker._config import container_body
+    from agentbox.backends.docker._image import ensure_image
+    from agentbox.errors import AgentboxError
+
+    be = DockerBackend(settings)
+    dbox = box.model_copy(update={"backend": "docker"})
+    try:
+        spec = spec_from_boxfile(dbox, settings, workspace=ws)
+        be.check(spec)
+        image_id = ensure_image(be.client, settings, spec.image)
+        body = container_body(spec, settings, be.facts(), image_id)
+    except AgentboxError as exc:
+        print(f"docker rows skipped: {exc}", file=sys.stderr)
+        return None
+    rows[DOCKER_RAW] = []
+    rows["docker backend create -> first output"] = []
+    rows["docker backend run -> return"] = []
+    counter = iter(range(10**6))
+
+    def raw() -> None:
+        name = f"agentbox-bench-raw-{os.getpid()}-{next(counter)}"
+        MADE.append(("docker", name))
+        rows[DOCKER_RAW].append(first_output(docker_argv(name, settings, body))[0])
+
+    def ours() -> None:
+        s = spec_from_boxfile(dbox, settings, workspace=ws)
+        be.check(s)
+        MADE.append(("docker", s.name))
+        got: list[float] = []
+        t0 = time.perf_counter()
+
+        def cb(_chunk: bytes) -> None:
+            if not got:
+                got.append(time.perf_counter() - t0)
+
+        be.run(s, ["echo", "x"], on_stdout=cb)
+        rows["docker backend run -> return"].append(time.perf_counter() - t0)
+        rows["docker backend create -> first output"].append(got[0])
+
+    return [raw, ours]
+
+
+def remove_made(settings: Settings) -> None:
+    """Remove, by name, every sandbox and raw container the bench started (idempotent:
+    most are long gone); a failure is reported, never hides the bench's own error."""
+    from agentbox.backends import get_backend
+
+    for name in ("podman", "docker"):
+        names = sorted({n for b, n in MADE if b == name})
+        if not names:
+            continue
+        try:
+            be = get_backend(name, settings)
+            for n in names:
+                be.kill(n)
+        except Exception as exc:
+            print(f"{name}: could not remove the bench's sandboxes: {exc}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--runtime", default="runc")
     ap.add_argument("--compass", action="store_true")
     ap.add_argument("--settle", type=float, default=0.5, help="pause before each step (s)")
+    ap.add_argument("--no-docker", action="store_true", help="skip the docker rows")
     args = ap.parse_args()
 
     settings = Settings()
@@ -110,6 +210,7 @@ def main() -> None:
     def spec() -> object:
         s = spec_from_boxfile(box, settings, workspace=ws)
         backend.check(s)
+        MADE.append(("podman", s.name))
         return s
 
     rows: dict[str, list[float]] = {
@@ -125,7 +226,8 @@ def main() -> None:
     def raw() -> None:
         s = spec_from_boxfile(box, settings, workspace=ws)
         with env_file(s.env) as envf:
-            argv = run_args(s, settings, facts, detach=False, env_file=envf)
+            argv = run_args(s, settings, facts, detach=False, env_file=envf.path)
+            MADE.append(("podman", s.name))
             first, done = first_output(argv + entry_argv(s, ["echo", "x"]))
         rows["raw podman run --rm: first output"].append(first)
         rows["raw podman run --rm: exit"].append(done)
@@ -149,6 +251,9 @@ def main() -> None:
         rows["agentbox exec -- true: start -> exit"].append(time.perf_counter() - t0)
 
     steps: list[Callable[[], None]] = [raw, ours, cli]
+    docker = None if args.no_docker else docker_steps(settings, box, ws, rows)
+    if docker is not None:
+        steps += docker
     warm = None
     oci_name = f"agentbox-bench-oci-{os.getpid()}"
     if args.compass:
@@ -189,6 +294,7 @@ def main() -> None:
     finally:
         if warm is not None:
             warm.destroy()
+        remove_made(settings)
         subprocess.run(["podman", "rm", "-f", oci_name], capture_output=True, check=False)
         # runc removes each container's cgroup, not the parent we named in the bundle.
         for d in Path("/sys/fs/cgroup").glob("*/agentbox-bench"):
@@ -199,12 +305,16 @@ def main() -> None:
         subprocess.run(["rm", "-rf", str(root)], check=False)
 
     base = statistics.median(rows["raw podman run --rm: first output"])
+    dbase = statistics.median(rows[DOCKER_RAW]) if rows.get(DOCKER_RAW) else None
     print(f"\nstart latency, runtime {args.runtime}, {args.runs} runs each (median)\n")
-    print(f"{'measure':45} {'median s':>9} {'min s':>7} {'ratio':>7}")
+    print(f"{'measure':45} {'median s':>9} {'min s':>7} {'ratio':>7} {'/docker':>8}")
     for name, vals in rows.items():
         med = statistics.median(vals)
-        print(f"{name:45} {med:9.3f} {min(vals):7.3f} {med / base:6.2f}x")
+        dr = f"{med / dbase:7.2f}x" if dbase and "docker" in name else ""
+        print(f"{name:45} {med:9.3f} {min(vals):7.3f} {med / base:6.2f}x {dr:>8}")
     print("\nratio = median / median(raw podman run --rm: first output)")
+    if dbase:
+        print("/docker = median / median(raw docker run --rm: first output)")
 
 
 if __name__ == "__main__":
