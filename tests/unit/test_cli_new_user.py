@@ -279,3 +279,14 @@ def test_errors_name_the_setting_env_var(settings: Settings, tmp_path: Path) -> 
     r = _cli(settings, "run", "--repo", str(repo), "--boxfile", str(box), "x")
     err = " ".join(r.stderr.split())
     assert r.returncode == 3 and "AGENTBOX_MOUNT_ROOTS, a colon-separated list" in err, err
+
+
+def test_mcp_says_no_changes_only_for_a_finished_task() -> None:
+    from agentbox.launcher.api import NO_CHANGES, TaskInfo
+    from agentbox.mcp._server import _info_dict
+
+    base = {"id": "t-000000000001", "repo": "/r", "task": "x", "model": "m", "budget": 10,
+            "deadline": 60.0, "created_at": 1.0, "changed": False}  # fmt: skip
+    failed = TaskInfo(status="failed", error="budget exhausted after 0 of 10 tokens", **base)
+    assert "outcome" not in _info_dict(failed)
+    assert _info_dict(TaskInfo(status="done", **base))["outcome"] == NO_CHANGES

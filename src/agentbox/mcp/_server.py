@@ -274,7 +274,8 @@ class _Tools:
 
     async def _fetch(self, info: TaskInfo, res: TaskResult) -> str:
         if res.changed is False:
-            return NO_CHANGES
+            # "no changes" only for a task that finished; a failed one says why (its error).
+            return NO_CHANGES if res.status == "done" else "no branch: nothing was changed"
         if not res.commit or not res.shadow_git:
             return "no branch: nothing was collected"
         try:
@@ -300,7 +301,7 @@ def _info_dict(info: TaskInfo) -> dict[str, Any]:
     d = info.model_dump(mode="json")
     d["task"] = d["task"][:200]
     d["tokens_total"] = info.tokens.total
-    if info.changed is False:
+    if info.changed is False and info.status == "done":
         d["outcome"] = NO_CHANGES
     end = info.finished_at or time.time()
     d["elapsed_s"] = round(end - info.started_at, 1) if info.started_at else 0.0
