@@ -97,6 +97,7 @@ WIDE = 120
 def _print_narrow(report: Any, console: Any) -> None:
     from rich.text import Text
 
+    from agentbox._text import visible
     from agentbox.cli._table import Col, fit_table
 
     styles = {"pass": "green", "fail": "bold red", "error": "bold red", "n/a": "yellow"}
@@ -114,8 +115,10 @@ def _print_narrow(report: Any, console: Any) -> None:
             verdict = (
                 {"pass": "fired", "fail": "QUIET"}.get(o.status, o.status) if control else o.status
             )
+            # What a probe saw came from inside the sandbox: printed as visible text.
+            seen, expected = Text(visible(o.seen)), Text(visible(o.expected))
             cells.append([Text(o.id), Text(verdict, style=styles.get(o.status, "")),
-                          Text(o.where), Text(o.seen), Text(o.expected)])  # fmt: skip
+                          Text(o.where), seen, expected])  # fmt: skip
         console.print(fit_table(console, cols, cells, title=title))
     counts: dict[str, int] = {}
     for o in report.outcomes:
@@ -127,7 +130,7 @@ def _print_narrow(report: Any, console: Any) -> None:
     verdict = "[green]OK[/]" if report.ok else f"[bold red]{len(report.failures)} FAILED[/]"
     console.print(f"{len(report.outcomes)} probes: {summary} in {report.seconds:.1f}s: {verdict}")
     for f in report.failures:
-        console.print(Text.assemble(("  ✗ ", "red"), f"{f.id}: {f.seen}"))
+        console.print(Text.assemble(("  ✗ ", "red"), visible(f"{f.id}: {f.seen}")))
 
 
 def register(app: typer.Typer) -> None:
