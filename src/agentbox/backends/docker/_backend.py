@@ -126,6 +126,12 @@ class DockerBackend:
         """runc runs on the host's kernel; runsc (gVisor) brings its own."""
         return runtime == "runc"
 
+    def bind_source_uid(self, runtime: str) -> int | None:
+        """None: dockerd's root opens the bind-mount sources (what the launcher did before
+        this verb existed; the docker backend's owner may refine it for userns-remap)."""
+        del runtime
+        return None
+
     def check(self, spec: SandboxSpec) -> None:
         """Refuse ``spec`` before anything starts: runtime, uid mapping, mounts, env."""
         if spec.runtime not in RUNTIMES:
