@@ -15,8 +15,8 @@ from the commit. Three tasks on the same launcher:
   own proxy, and the report's ``egress`` part says so.
 
 The default image has ``venv`` but no ``ensurepip`` (Debian ships it in python3-venv), so
-the test image adds the host's ``ensurepip`` and pip wheel to it (what a Containerfile
-with ``python3-venv`` does; see docs/how-to/give-the-agent-dependencies.md).
+the test builds the image the how-to describes: a Containerfile ``FROM agentbox-base``
+adding ``python3-venv`` (docs/how-to/give-the-agent-dependencies.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.boxfile import Boxfile, loads_boxfile
-from agentbox.config import DEFAULT_IMAGE, Settings
+from agentbox.config import Settings
 from agentbox.env import EnvStore
 from agentbox.launcher import Launcher, TaskInfo, TaskRequest, TaskResult
 from git_helpers import git
@@ -48,8 +48,6 @@ pytestmark = [
 
 NONCE = secrets.token_hex(4)
 IMAGE = f"localhost/agentbox-test-pyvenv:{NONCE}"
-ENSUREPIP = Path("/usr/lib/python3.11/ensurepip")
-WHEELS = Path("/usr/share/python-wheels")
 
 SCRIPT = """\
 name: env-python
@@ -141,18 +139,17 @@ def _addresses(host: str) -> tuple[str, ...]:
 
 
 def _build_image(ctx: Path) -> None:
-    if not (ENSUREPIP / "__init__.py").is_file() or not list(WHEELS.glob("pip-*.whl")):
-        pytest.skip("the host has no python3-venv (ensurepip + pip wheel) to add to the image")
-    (ctx / "ensurepip").mkdir(parents=True)
-    for f in ENSUREPIP.glob("*.py"):
-        shutil.copy(f, ctx / "ensurepip" / f.name)
-    shutil.copytree(WHEELS, ctx / "wheels")
+    """The documented way: a Containerfile FROM agentbox-base adding Debian's python3-venv
+    (venv + ensurepip + pip), built and hardened by ``agentbox image build``."""
+    from agentbox.image import BASE_IMAGE, build_containerfile
+
+    ctx.mkdir(parents=True)
     (ctx / "Containerfile").write_text(
-        f"FROM {DEFAULT_IMAGE}\nUSER 0\n"
-        "COPY ensurepip/ /usr/lib/python3.11/ensurepip/\n"
-        "COPY wheels/ /usr/share/python-wheels/\nUSER 64000\n"
+        f"FROM {BASE_IMAGE}\n"
+        "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y "
+        "--no-install-recommends python3-venv\n"
     )
-    subprocess.run(["podman", "build", "-q", "-t", IMAGE, str(ctx)], check=True)
+    build_containerfile(Settings(), ctx / "Containerfile", tag=IMAGE)
 
 
 def _commit(repo: Path, msg: str) -> None:
@@ -235,7 +232,13 @@ def runs() -> Iterator[tuple[Settings, dict[str, Run]]]:
         store = EnvStore(settings)
         for key in keys:
             store.remove(key, force=True)
-        subprocess.run(["podman", "rmi", "-f", IMAGE], check=False, capture_output=True)
+        from agentbox.errors import ImageError
+        from agentbox.image import remove
+
+        try:
+            remove(Settings(), IMAGE)
+        except ImageError:
+            subprocess.run(["podman", "rmi", "-f", IMAGE], check=False, capture_output=True)
         if not os.environ.get("E2E_KEEP_DIRS"):
             shutil.rmtree(base, ignore_errors=True)
 
