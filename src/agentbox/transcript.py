@@ -42,7 +42,10 @@ __all__ = [
     "Event",
     "TestCommand",
     "Transcript",
+    "TranscriptPage",
+    "event_text",
     "is_test_command",
+    "page",
     "parse_agent_jsonl",
     "read_transcript",
     "summary",
@@ -426,3 +429,74 @@ def summary(agent_jsonl: Path) -> dict[str, Any]:
     """``tools_run`` and ``last_test_command`` of a task, for its report."""
     p, _ = parse_agent_jsonl(agent_jsonl, max_output=200)
     return {"tools_run": dict(p.tools_run), "last_test_command": p.last_test}
+
+
+#: The most events one page carries.
+MAX_PAGE = 500
+
+
+class TranscriptPage(BaseModel):
+    """Events ``since`` .. ``next`` of a task's transcript (the launcher's ``transcript`` call)."""
+
+    task_id: str
+    events: list[Event] = Field(default_factory=list)
+    next: int = 0
+    """Pass as ``since`` to read on; equal to ``total`` when there is no more yet."""
+    total: int = 0
+    tools_run: dict[str, int] = Field(default_factory=dict)
+    last_test_command: TestCommand | None = None
+    tokens: TokenUsage = Field(default_factory=TokenUsage)
+    refusals: dict[str, int] = Field(default_factory=dict)
+    skipped_lines: int = 0
+    truncated: bool = False
+
+
+def page(
+    task_id: str,
+    task_root: Path,
+    *,
+    since: int = 0,
+    limit: int = 200,
+    created_at: float | None = None,
+    max_output: int = DEFAULT_OUTPUT_CHARS,
+) -> TranscriptPage:
+    """One page of a task's transcript: events ``since`` onwards, at most ``limit``
+    (``since`` < 0: the last ``-since`` events, the tail)."""
+    t = read_transcript(task_root, created_at=created_at, max_output=max_output)
+    limit = max(1, min(limit, MAX_PAGE))
+    total = len(t.events)
+    start = max(0, total + since) if since < 0 else min(since, total)
+    events = t.events[start : start + limit]
+    return TranscriptPage(
+        task_id=task_id,
+        events=events,
+        next=start + len(events),
+        total=total,
+        tools_run=t.tools_run,
+        last_test_command=t.last_test_command,
+        tokens=t.tokens,
+        refusals=t.refusals,
+        skipped_lines=t.skipped_lines,
+        truncated=t.truncated,
+    )
+
+
+def event_text(e: Event, *, tail_lines: int | None = 12) -> str:
+    """One event as plain text lines (for a model to read: frame it, it is the agent's)."""
+    when = time.strftime("%H:%M:%S", time.gmtime(e.time)) + "Z" if e.time is not None else "?"
+    head = f"[{e.seq}] {when}"
+    if e.kind == "tool_call":
+        shown = f"$ {e.input}" if e.tool == "Bash" else (e.input or "")
+        return f"{head} {e.tool} {shown}"
+    if e.kind == "tool_result":
+        status = f"exit {e.exit_code}" if e.exit_code is not None else (
+            "error" if e.is_error else "ok")  # fmt: skip
+        lines = e.text.rstrip("\n").splitlines()
+        kept = lines if tail_lines is None else lines[-tail_lines:]
+        cut = f" (last {len(kept)} of {len(lines)} lines)" if len(kept) < len(lines) else ""
+        body = "".join(f"\n    {ln}" for ln in kept)
+        return f"{head} -> {e.tool} {status}{cut}{body}"
+    label = {"phase": "launcher", "refusal": "gateway refused", "error": "ERROR"}.get(
+        e.kind, "agent"
+    )
+    return f"{head} {label}: {e.text}"

@@ -399,7 +399,8 @@ async def _check_refusals(client: Client, world: World) -> None:
     before = world.snapshot()
     async with client:
         names = {t.name for t in (await client.list_tools()).tools}
-        assert names == {"delegate", "status", "result", "cancel", "list_tasks", "models"}
+        assert names == {"delegate", "status", "result", "transcript", "cancel", "list_tasks",
+                         "models"}  # fmt: skip
         for name, args, needle in calls:
             with anyio.fail_after(20):  # reaching the silent placeholder launcher would hang
                 res = await client.call_tool(name, args)

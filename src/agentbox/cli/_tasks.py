@@ -33,6 +33,7 @@ from agentbox._text import visible
 from agentbox.boxfile import load_boxfile
 from agentbox.cli._env import env_rows, setup_tail
 from agentbox.cli._table import Col, fit_table, print_table
+from agentbox.collect.report import tests_line
 from agentbox.config import load_settings
 from agentbox.errors import PolicyRefused
 from agentbox.launcher.api import NO_CHANGES, TaskInfo, TaskRequest, TaskResult
@@ -98,6 +99,15 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
     style = _STYLE.get(info.status, "")
     table.add_row("task", _safe(info.id))
     table.add_row("status", _safe(info.status, style))
+    if rep.get("agent_ran") is not False and "last_test_command" in rep:
+        ltc = rep.get("last_test_command")
+        failed = isinstance(ltc, dict) and ltc.get("exit_code") not in (0, None)
+        color = "red" if failed else ("yellow" if not ltc else "green")
+        table.add_row("tests", _safe(tests_line(ltc), color))
+    tools_run = rep.get("tools_run")
+    if isinstance(tools_run, dict) and tools_run:
+        runs = ", ".join(f"{k} {v}" for k, v in sorted(tools_run.items())[:20])
+        table.add_row("tools run", _safe(f"{runs} (agentbox logs {info.id})"))
     if info.error:
         table.add_row("why", _safe(info.error))
     table.add_row("exit code", str(info.exit_code) if info.exit_code is not None else "-")
@@ -356,33 +366,26 @@ def register(app: typer.Typer) -> None:
     def logs(
         task_id: str = typer.Argument(...),
         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until done."),
+        as_json: bool = typer.Option(
+            False, "--json", help="The transcript as JSON (with -f: one event a line)."
+        ),
+        full: bool = typer.Option(
+            False, "--full", help="Every line of every tool's output (default: the last lines)."
+        ),
     ) -> None:
-        """Print what the launcher did and what the agent printed."""
+        """What the agent ran and what came back: launcher phases, each tool call with
+        its result, the agent's messages, gateway refusals, with times."""
+        from agentbox.cli._logs import follow_logs, print_logs
         from agentbox.paths import TaskPaths
 
         launcher = _launcher(1)
         info = launcher.get(task_id)
-        paths = TaskPaths(launcher.settings.data_dir, info.id)
-        files = [("launcher", "launcher.log"), ("agent", "agent.jsonl"), ("stderr", "agent.stderr")]
-        offsets = dict.fromkeys((f for _, f in files), 0)
-        while True:
-            for label, name in files:
-                path = paths.log_dir / name
-                try:
-                    with path.open("rb") as fh:
-                        fh.seek(offsets[name])
-                        data = fh.read()
-                        offsets[name] = fh.tell()
-                except OSError:
-                    continue
-                for line in data.decode(errors="replace").splitlines():
-                    console.print(
-                        Text.assemble((f"{label:>8}", "dim"), " ", visible(_render_event(line))),
-                        soft_wrap=True,
-                    )
-            if not follow or launcher.get(task_id).terminal:
-                break
-            time.sleep(0.5)
+        root = TaskPaths(launcher.settings.data_dir, info.id).root
+        if follow and not info.terminal:
+            follow_logs(console, root, created_at=info.created_at, full=full, as_json=as_json,
+                        finished=lambda: bool(launcher.get(task_id).terminal))  # fmt: skip
+        else:
+            print_logs(console, root, created_at=info.created_at, full=full, as_json=as_json)
 
     launcher_app = typer.Typer(help="The privileged launcher service.", no_args_is_help=True)
 
@@ -454,35 +457,6 @@ def _filter_tasks(
         else:
             infos = [i for i in infos if Path(i.repo).name == repo]
     return infos
-
-
-def _render_event(line: str) -> str:
-    """A short human line for one stream-json event (the raw line if it is not one)."""
-    try:
-        ev = json.loads(line)
-    except ValueError:
-        return line
-    if not isinstance(ev, dict):
-        return line[:300]
-    kind = ev.get("type")
-    if kind == "assistant":
-        msg = ev.get("message")
-        parts = []
-        for block in (msg or {}).get("content", []) if isinstance(msg, dict) else []:
-            if not isinstance(block, dict):
-                continue
-            if block.get("type") == "text":
-                parts.append(str(block.get("text", ""))[:300])
-            elif block.get("type") == "tool_use":
-                parts.append(f"[tool {block.get('name')}] {json.dumps(block.get('input'))[:300]}")
-        return "assistant: " + " | ".join(parts)
-    if kind == "user":
-        return "tool result"
-    if kind == "result":
-        return f"result: {str(ev.get('result', ''))[:300]}"
-    if kind == "system":
-        return f"system: {ev.get('subtype', '')}"
-    return line[:300]
 
 
 def _follow(launcher: Any, task_id: str, *, live: bool) -> TaskInfo:

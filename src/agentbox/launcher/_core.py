@@ -40,6 +40,8 @@ from agentbox.launcher.api import (
     TokenUsage,
 )
 from agentbox.paths import TaskPaths, validate_task_id
+from agentbox.transcript import TranscriptPage
+from agentbox.transcript import page as transcript_page
 
 __all__ = ["Launcher"]
 
@@ -208,6 +210,15 @@ class Launcher:
             commit=row.commit_id or "",
             changed=row.changed,
         )
+
+    def transcript(
+        self, task_id: str, *, since: int = 0, limit: int = 200, caller: int | None = None
+    ) -> TranscriptPage:
+        """A page of the task's transcript (what the agent ran and what came back), while
+        it runs or after; ``since`` < 0 reads the last ``-since`` events."""
+        row = self._row(task_id, caller)
+        root = TaskPaths(self.settings.data_dir, row.id).root
+        return transcript_page(row.id, root, since=since, limit=limit, created_at=row.created_at)
 
     def publish(self, task_id: str, *, branch: str | None = None) -> TaskInfo:
         """Publish a finished task's kept result as ``branch`` (default ``agentbox/<id>``).

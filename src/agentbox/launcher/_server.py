@@ -285,12 +285,23 @@ def create_app(launcher: Launcher) -> Starlette:
     async def models(request: Request, caller: int) -> Response:
         return _json(ModelList(models=await run(launcher.models)))
 
+    async def transcript(request: Request, caller: int) -> Response:
+        try:
+            since = int(request.query_params.get("since", "0")[:12])
+            limit = int(request.query_params.get("limit", "200")[:12])
+        except ValueError:
+            return _error(400, "since and limit must be integers", "RefusedError")
+        page = await run(launcher.transcript, task_id(request), since=since, limit=limit,
+                         caller=caller)  # fmt: skip
+        return _json(page)
+
     routes = [
         Route("/v1/tasks", _guard(submit), methods=["POST"]),
         Route("/v1/tasks", _guard(list_tasks), methods=["GET"]),
         Route("/v1/tasks/{task_id}", _guard(get_task), methods=["GET"]),
         Route("/v1/tasks/{task_id}/cancel", _guard(cancel), methods=["POST"]),
         Route("/v1/tasks/{task_id}/result", _guard(result), methods=["GET"]),
+        Route("/v1/tasks/{task_id}/transcript", _guard(transcript), methods=["GET"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
     ]
     return Starlette(routes=routes)

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from agentbox import errors
 from agentbox.launcher.api import ModelInfo, ModelList, TaskInfo, TaskList, TaskRequest, TaskResult
 from agentbox.paths import validate_task_id
+from agentbox.transcript import TranscriptPage
 
 __all__ = ["LauncherClient"]
 
@@ -100,6 +101,12 @@ class LauncherClient:
         """The finished task's report and diff; TaskError while it is still running."""
         data = self._call("GET", f"/v1/tasks/{validate_task_id(task_id)}/result")
         return TaskResult.model_validate(data, strict=False)
+
+    def transcript(self, task_id: str, *, since: int = 0, limit: int = 200) -> TranscriptPage:
+        """A page of the task's transcript (``since`` < 0: its last ``-since`` events)."""
+        path = f"/v1/tasks/{validate_task_id(task_id)}/transcript?since={int(since)}"
+        data = self._call("GET", f"{path}&limit={int(limit)}")
+        return TranscriptPage.model_validate(data, strict=False)
 
     def models(self) -> builtins.list[ModelInfo]:
         """The models a task may name."""

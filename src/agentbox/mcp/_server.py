@@ -1,4 +1,4 @@
-"""The MCP tools: delegate, status, result, cancel, list_tasks, models.
+"""The MCP tools: delegate, status, result, transcript, cancel, list_tasks, models.
 
 Every argument arrives from a model that may be prompt-injected. Arguments are
 validated by their schema first (types, ranges, lengths), then by us (the repo
@@ -50,6 +50,7 @@ from agentbox.mcp._fetch import branch_name, fetch_branch
 from agentbox.mcp._repo import validate_repo
 from agentbox.mcp._untrusted import frame
 from agentbox.paths import validate_task_id
+from agentbox.transcript import TranscriptPage, event_text
 
 __all__ = ["DEFAULT_MAX_DIFF_CHARS", "DEFAULT_MAX_PENDING", "ServerConfig", "build_server"]
 
@@ -58,6 +59,10 @@ log = get_logger("mcp")
 DEFAULT_MAX_PENDING = 4
 DEFAULT_MAX_DIFF_CHARS = 40_000
 MAX_REPORT_CHARS = 16_000
+#: Events of the transcript's tail in a `result`.
+RESULT_TAIL_EVENTS = 30
+#: The most characters of transcript text in one tool answer.
+MAX_TRANSCRIPT_CHARS = 40_000
 POLL_SECONDS = 1.0
 
 INSTRUCTIONS = """\
@@ -66,6 +71,7 @@ hardened sandbox that has no network and its own metered model gateway. The resu
 as a git branch agentbox/<task-id> in your repo, plus a diff and a report. Delegate work that
 can be checked by reading a diff (a fix, a test, a refactor). Use `delegate` with wait=true
 for a short task; for a long one, delegate without waiting and poll `status`, then `result`.
+`transcript` shows what the agent ran and what came back (each command with its output).
 """
 
 _T = TypeVar("_T")
@@ -232,6 +238,27 @@ class _Tools:
             )
         return await self._result_text(info)
 
+    async def transcript(
+        self,
+        id: Annotated[str, Field(max_length=64, description="The task id from `delegate`.")],
+        since: Annotated[
+            int | None,
+            Field(
+                ge=-500,
+                le=1_000_000,
+                description="The first event to show (from the previous answer's `next`); "
+                "omit for the start; negative: the last -since events.",
+            ),
+        ] = None,
+    ) -> str:
+        """What the agent did, as numbered events: launcher phases, each tool call (the
+        command) with its result (exit code and output), the agent's messages, gateway
+        refusals. Works while the task runs; page on with `since`."""
+        page = await self._call(
+            lambda: self.client.transcript(self._task_id(id), since=since or 0, limit=200)
+        )
+        return _transcript_text(page, tail_lines=40)
+
     async def cancel(
         self,
         id: Annotated[str, Field(max_length=64, description="The task id to stop.")],
@@ -270,7 +297,14 @@ class _Tools:
     async def _result_text(self, info: TaskInfo) -> str:
         res = await self._call(self.client.result, info.id)
         fetched = await self._fetch(info, res)
-        return _format_result(info, res, fetched, self.config.max_diff_chars)
+        text = _format_result(info, res, fetched, self.config.max_diff_chars)
+        try:
+            tail = await self._call(
+                lambda: self.client.transcript(info.id, since=-RESULT_TAIL_EVENTS, limit=200)
+            )
+        except ToolError as exc:  # an older launcher, say: the result stands without it
+            return f"{text}\n(no transcript: {exc})\n"
+        return f"{text}\n{_transcript_text(tail, tail_lines=15)}"
 
     async def _fetch(self, info: TaskInfo, res: TaskResult) -> str:
         if res.changed is False:
@@ -350,7 +384,7 @@ def _format_result(info: TaskInfo, res: TaskResult, fetched: str, max_diff: int)
         note = f"\n[diff truncated by the launcher; see branch {branch_name(info.id)}]"
     head = (
         f"task {info.id}: {res.status} (exit code {info.exit_code}), "
-        f"{info.tokens.total} tokens\n{fetched}\n"
+        f"{info.tokens.total} tokens; {_tests_word(res.report)}\n{fetched}\n"
     )
     error = f"error: {info.error}\n\n" if info.error else ""
     body = f"{error}report:\n{report}\n\ndiff:\n{diff or '(no changes)'}\n"
@@ -358,8 +392,47 @@ def _format_result(info: TaskInfo, res: TaskResult, fetched: str, max_diff: int)
     return f"{head}{_flagged_text(res.report)}\n{frame(body, what)}{note.lstrip()}\n"
 
 
+def _tests_word(report: dict[str, Any]) -> str:
+    """Whether the agent ran tests and how they exited (no agent text: the command is
+    in the framed report)."""
+    ltc = report.get("last_test_command")
+    if not isinstance(ltc, dict):
+        return "tests: none run (the agent ran no test command)"
+    code = ltc.get("exit_code")
+    if not isinstance(code, int):
+        return "tests: ran, exit code unknown (see last_test_command in the report)"
+    word = "passed" if code == 0 else "FAILED"
+    return f"tests: {word} (exit {code}; the command is last_test_command in the report)"
+
+
+def _transcript_text(page: TranscriptPage, *, tail_lines: int) -> str:
+    """A page of the transcript: counts outside, every event inside a framed block."""
+    start = page.next - len(page.events)
+    parts: list[str] = []
+    size = 0
+    for e in page.events:
+        line = event_text(e, tail_lines=tail_lines)
+        if size + len(line) > MAX_TRANSCRIPT_CHARS:
+            break
+        parts.append(line)
+        size += len(line) + 1
+    nxt = start + len(parts)
+    more = (
+        f"call transcript with since={nxt} for the next ones"
+        if nxt < page.total
+        else "no more events yet"
+    )
+    head = (
+        f"transcript of task {page.task_id}: events {start}..{max(start, nxt - 1)} of "
+        f"{page.total} ({more}); tools run: {sum(page.tools_run.values())}; "
+        f"tokens metered by the gateway: {page.tokens.total}\n"
+    )
+    what = "the task's transcript: the agent's commands, their output and its messages"
+    return head + frame("\n".join(parts) or "(no events)", what)
+
+
 def build_server(config: ServerConfig) -> MCPServer:
-    """The MCP server with agentbox's six tools, talking to the launcher at ``config``."""
+    """The MCP server with agentbox's seven tools, talking to the launcher at ``config``."""
     tools = _Tools(config)
     server: MCPServer = MCPServer(
         "agentbox", instructions=INSTRUCTIONS, log_level="WARNING", warn_on_duplicate_tools=False
@@ -376,6 +449,7 @@ def build_server(config: ServerConfig) -> MCPServer:
         name="result",
         annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=True),
     )
+    server.add_tool(tools.transcript, name="transcript", annotations=ro)
     server.add_tool(tools.cancel, name="cancel", annotations=ToolAnnotations(destructive_hint=True))
     server.add_tool(tools.list_tasks, name="list_tasks", annotations=ro)
     server.add_tool(tools.models, name="models", annotations=ro)
