@@ -52,9 +52,10 @@ def test_an_old_database_gains_the_column_and_its_tasks_are_roots(settings: Sett
         assert [t.id for t in launcher.list(caller=0)] == ["old-1"]
         assert launcher.list() and launcher.get("old-1").uid is None
         assert launcher.list(caller=1000) == []
-        for call in (launcher.get, launcher.result, launcher.cancel):
+        for call in (launcher.get, launcher.result, launcher.cancel, launcher.transcript):
             with pytest.raises(TaskNotFound):
                 call("old-1", caller=1000)
+        assert launcher.transcript("old-1", caller=0).task_id == "old-1"
         _row(launcher.store, "new-1", 1000)
         assert [t.id for t in launcher.list(caller=1000)] == ["new-1"]
 
