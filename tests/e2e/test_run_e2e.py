@@ -52,7 +52,7 @@ turns:
     tool_use:
       - name: Write
         input: {file_path: "{{cwd}}/partial.txt", content: "written before the budget ran out\\n"}
-    usage: {input_tokens: 900000, output_tokens: 10}
+    usage: {input_tokens: 960000, output_tokens: 10}
   - text: "Writing the second part."
     tool_use:
       - name: Write
@@ -206,6 +206,8 @@ upstream = "scripts/nochange.yaml"
     plan: dict[str, tuple[str, dict[str, Any]]] = {
         "edit": ("replay-edit", {}),
         "create": ("replay-demo", {}),
+        # 960k charged by the first turn: the ~40k left cannot hold the next call's input
+        # estimate plus 2,048 output tokens, so it is refused, not clamped.
         "budget": ("replay-budget", {"budget": 1_000_000}),
         "deadline": ("replay-deadline", {"deadline": 20.0}),
         "attack": ("replay-attack", {}),
