@@ -18,6 +18,7 @@ needs done is one of its verbs:
 ``recover(name, into)`` save what a dead sandbox wrote into a directory
 ``owned()``            the sandboxes this data dir owns (a restarted launcher)
 ``cleanup_orphans()``  remove sandboxes no live owner holds
+``bind_source_uid``    which host uid opens the bind-mount sources (runsc's gofer)
 ``Sandbox.host_pids``  the host processes a sandbox breakout would become
 ``Sandbox.posture``    the live posture, read by the backend's own package
 =====================  ===========================================================
@@ -249,6 +250,12 @@ class Backend(Protocol):
 
     def shares_host_kernel(self, runtime: str) -> bool:
         """Whether a sandbox of this backend with ``runtime`` runs on the host's kernel."""
+        ...
+
+    def bind_source_uid(self, runtime: str) -> int | None:
+        """The host uid that opens bind-mount sources under ``runtime``, when it is not
+        root (gVisor's gofer under podman: the mapped root, ``subid_base``): the caller
+        must let that uid search the private dirs above the workspace. None: root does."""
         ...
 
     def check(self, spec: SandboxSpec) -> None:

@@ -319,6 +319,11 @@ class FakeBackend:
         del runtime
         return True
 
+    def bind_source_uid(self, runtime: str) -> int | None:
+        """None: nothing opens the workspace but this process."""
+        del runtime
+        return None
+
     def check(self, spec: SandboxSpec) -> None:
         """Refuse only what the script says (and a workspace that is not a directory)."""
         self.script_for(spec.name).raise_if("check", spec.name)

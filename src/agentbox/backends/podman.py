@@ -110,6 +110,10 @@ class PodmanBackend:
         """runc and crun run on the host's kernel; runsc (gVisor) brings its own."""
         return runtime in ("runc", "crun")
 
+    def bind_source_uid(self, runtime: str) -> int | None:
+        """runsc's gofer opens bind-mount sources as the mapped container root."""
+        return self.settings.subid_base if runtime == "runsc" else None
+
     def __init__(self, settings: Settings, *, unsafe_extra_args: tuple[str, ...] = ()) -> None:
         self.settings = settings
         self.unsafe_extra_args = tuple(unsafe_extra_args)

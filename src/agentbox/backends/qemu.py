@@ -108,6 +108,11 @@ class QemuBackend:
         del runtime
         return False
 
+    def bind_source_uid(self, runtime: str) -> int | None:
+        """None: mounts reach the guest as disks the launcher (root) builds."""
+        del runtime
+        return None
+
     def __init__(
         self,
         settings: Settings,

@@ -488,8 +488,9 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     _make_task_dir(paths)
     tlog = _TaskLog(paths, store)
     box = Boxfile.model_validate_json(row.boxfile or "{}")
-    if box.backend == "podman" and box.runtime == "runsc":
-        _let_gofer_through(paths, settings.subid_base, tlog)
+    gofer_uid = get_backend(box.backend, settings).bind_source_uid(box.runtime)
+    if gofer_uid is not None:
+        _let_gofer_through(paths, gofer_uid, tlog)
     # The gateway starts (a Python process: about a second) while the workspace is
     # copied; neither needs the other.
     token = _write_token(paths.root / "token")
