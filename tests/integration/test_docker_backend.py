@@ -167,3 +167,18 @@ def test_orphans_are_removed_and_live_ones_kept(backend: DockerBackend) -> None:
         assert name not in [n for c in backend.list_sandboxes() for n in c["Names"]]
     finally:
         backend.kill(name)
+
+
+def test_posture_catches_a_weakened_container(
+    settings_factory: Callable[[], Settings], default_image: str
+) -> None:
+    """The control: the same backend with the Engine's default seccomp profile and a
+    capability back must fail those posture rows (the checks can fail)."""
+    be = DockerBackend(settings_factory(),
+                       unsafe_host_config={"SecurityOpt": ["no-new-privileges"],
+                                           "CapAdd": ["CHOWN"]})  # fmt: skip
+    with be.create(_spec(be, f"d1-weak-{os.getpid()}")) as box:
+        posture = box.posture()
+    bad = {c.name for c in posture.checks if not c.ok}
+    assert {"seccomp profile (agentbox's)", "CapAdd"} <= bad, bad
+    assert not posture.ok

@@ -21,7 +21,13 @@ from agentbox.backends._podman_posture import (
     host_processes,
 )
 from agentbox.backends.base import Posture, PostureCheck, SandboxSpec
-from agentbox.backends.docker._config import TINI, DaemonFacts, docker_runtime, nano_cpus
+from agentbox.backends.docker._config import (
+    TINI,
+    DaemonFacts,
+    docker_runtime,
+    nano_cpus,
+    seccomp_json,
+)
 from agentbox.config import Settings
 from agentbox.errors import SandboxError
 
@@ -49,9 +55,10 @@ def _inside(box: DockerSandbox) -> dict[str, Any]:
 
 
 def inspect_checks(
-    spec: SandboxSpec, facts: DaemonFacts, info: dict[str, Any]
+    spec: SandboxSpec, facts: DaemonFacts, info: dict[str, Any], want_seccomp: str
 ) -> list[PostureCheck]:
-    """The seed's ``docker inspect`` checks, literally."""
+    """The seed's ``docker inspect`` checks, literally (``want_seccomp``: our profile's
+    ``seccomp=<json>`` security option)."""
     hc = info.get("HostConfig") or {}
     cfg = info.get("Config") or {}
     nets = (info.get("NetworkSettings") or {}).get("Networks") or {}
@@ -70,9 +77,8 @@ def inspect_checks(
         _check("CapAdd", [], hc.get("CapAdd") or [], where="host"),
         _check("Privileged", False, hc.get("Privileged"), where="host"),
         _check("no-new-privileges", True, "no-new-privileges" in secopt, where="host"),
-        _check("seccomp profile (agentbox's)", True,
-               any(s.startswith("seccomp=") and "EAFNOSUPPORT" not in s and '"socket"' in s
-                   for s in secopt), where="host"),
+        # Exactly the profile agentbox derived (the same file podman uses), not a default.
+        _check("seccomp profile (agentbox's)", True, want_seccomp in secopt, where="host"),
         _check("User", f"{spec.uid}:{spec.uid}", cfg.get("User"), where="host"),
         _check("IpcMode", "private", hc.get("IpcMode"), where="host"),
         _check("init (tini) is PID 1", [TINI, "--"], cfg.get("Entrypoint"), where="host"),
@@ -137,8 +143,10 @@ def _proc_checks(spec: SandboxSpec, facts: DaemonFacts, info: dict[str, Any]) ->
 
 def read_posture(box: DockerSandbox, settings: Settings, facts: DaemonFacts) -> Posture:
     """Inside and host checks of a running docker sandbox."""
-    del settings
     inside = [c for c in _inside_checks(box.spec, _inside(box)) if c.name not in _NOT_HERE]
     info = box.inspect()
-    checks = inside + inspect_checks(box.spec, facts, info) + _proc_checks(box.spec, facts, info)
+    want = f"seccomp={seccomp_json(settings, box.spec.runtime)}"
+    checks = (
+        inside + inspect_checks(box.spec, facts, info, want) + _proc_checks(box.spec, facts, info)
+    )
     return Posture("docker", box.spec.runtime, tuple(checks))
