@@ -393,13 +393,13 @@ def read_transcript(
     tokens, refusals, gw = _gateway(task_root)
     # Agent events without a time (init, result) take their neighbour's: stable order.
     agent = p.events
-    last: float | None = next((e.time for e in agent if e.time is not None), None)
+    start = next((e.time for e in phases if e.text.startswith("running ")), None)
+    last: float | None = next((e.time for e in agent if e.time is not None), start)
     for e in agent:
         if e.time is None:
             e.time = last
         else:
             last = e.time
-    start = next((e.time for e in phases if e.text.startswith("running ")), None)
     # Launcher times are whole seconds: a phase after the agent started ("agent exited")
     # sorts at the end of its second, so it never lands before the agent's last events.
     after = {id(e) for e in phases if start is not None and e.time is not None and e.time >= start

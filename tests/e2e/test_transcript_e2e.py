@@ -213,3 +213,18 @@ async def _page(st: Stack) -> None:
 
 def test_mcp_transcript_pages(stack: Stack) -> None:
     anyio.run(_page, stack)
+
+
+def test_run_piped_prints_the_id_at_once_then_one_line_per_event(stack: Stack) -> None:
+    data = stack.base / "data-run"  # its own launcher (in-process), not the served one
+    data.mkdir()
+    env = {**stack.env, "AGENTBOX_DATA_DIR": str(data)}
+    argv = [sys.executable, "-m", "agentbox", "run", "--repo", str(stack.repo), "--model", "cmd",
+            "--no-publish", "Run the tests"]  # fmt: skip
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
+    lines = r.stderr.splitlines()
+    assert lines and re.match(r"task t-[0-9a-f]+ queued", lines[0]), r.stderr
+    assert any("$ python3 -c" in ln for ln in lines), r.stderr
+    assert MARKER in r.stderr and "running claude" in r.stderr, r.stderr
+    assert all(re.match(r"\d\d:\d\d:\d\d |\s", ln) for ln in lines[1:]), r.stderr
+    assert re.search(r"tests\s+FAILED \(exit 1\): python3 -m unittest", r.stdout), r.stdout

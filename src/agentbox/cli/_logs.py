@@ -22,7 +22,14 @@ from rich.text import Text
 from agentbox._text import visible
 from agentbox.transcript import Event, Transcript, read_transcript
 
-__all__ = ["FULL_OUTPUT_CHARS", "TAIL_LINES", "event_lines", "follow_logs", "print_logs"]
+__all__ = [
+    "FULL_OUTPUT_CHARS",
+    "TAIL_LINES",
+    "EventTail",
+    "event_lines",
+    "follow_logs",
+    "print_logs",
+]
 
 #: Lines of a tool's output shown by default (``--full``: all).
 TAIL_LINES = 12
@@ -188,3 +195,38 @@ def _new(events: Iterable[Event], seen: dict[str, int], said: set[str]) -> list[
             out.append(e)
     seen.update(count)
     return out
+
+
+class EventTail:
+    """The new events of a running task, for ``agentbox run``'s progress: its lines
+    one per event and the tool call in flight."""
+
+    def __init__(self, task_root: Path, created_at: float) -> None:
+        self.root = task_root
+        self.created_at = created_at
+        self.seen: dict[str, int] = {"launcher": 0, "agent": 0}
+        self.said: set[str] = set()
+        self.current = ""
+        """The tool call still waiting for its result ("" when none)."""
+
+    def new_lines(self) -> list[Text]:
+        """Lines for the events since the last call (and ``current`` updated)."""
+        t = read_transcript(self.root, created_at=self.created_at, max_output=4_000)
+        open_calls: dict[str | None, Event] = {}
+        for e in t.events:
+            if e.kind == "tool_call":
+                open_calls[e.tool_id] = e
+            elif e.kind == "tool_result":
+                open_calls.pop(e.tool_id, None)
+        running = list(open_calls.values())[-1:] if open_calls else []
+        if running:
+            e = running[0]
+            what = f"$ {e.input}" if e.tool == "Bash" else (e.input or "")
+            self.current = visible(f"{e.tool} {_one_line(what, 80)}")
+        else:
+            self.current = ""
+        out: list[Text] = []
+        for e in _new(t.events, self.seen, self.said):
+            lines = event_lines(e, full=False)
+            out.extend(lines[:1] + lines[1:][-4:] if e.kind == "tool_result" else lines)
+        return out

@@ -75,7 +75,7 @@ def _elapsed(info: TaskInfo, *, since_submit: bool = False) -> float:
     return max(0.0, end - start)
 
 
-def _progress_line(info: TaskInfo, spinner: Spinner | None = None) -> Group:
+def _progress_line(info: TaskInfo, spinner: Spinner | None = None, current: str = "") -> Group:
     t = info.tokens
     pct = 100.0 * t.total / info.budget if info.budget else 0.0
     text = Text.assemble(
@@ -84,6 +84,7 @@ def _progress_line(info: TaskInfo, spinner: Spinner | None = None) -> Group:
         f"  tokens in {t.input:,} · out {t.output:,} · cache {t.cache_read + t.cache_creation:,}",
         f"  ({pct:.2f}% of {info.budget:,})",
         (f"  · {visible(info.phase[:70])}" if info.phase and not info.terminal else "", "dim"),
+        (f"\n  running {current}" if current and not info.terminal else "", "cyan"),
     )
     if spinner is None:
         return Group(Spinner("dots", text=text))
@@ -272,7 +273,10 @@ def register(app: typer.Typer) -> None:
             try:
                 launcher.reconcile()
                 info = launcher.submit(req, boxfile=box)
-                info = _follow(launcher, info.id, live=not as_json and console.is_terminal)
+                info = _follow(
+                    launcher, info.id, live=not as_json and console.is_terminal,
+                    events=not as_json,
+                )  # fmt: skip
             except KeyboardInterrupt:
                 launcher.shutdown()  # interrupted before _follow took over: cancel, collect
                 raise
@@ -459,18 +463,38 @@ def _filter_tasks(
     return infos
 
 
-def _follow(launcher: Any, task_id: str, *, live: bool) -> TaskInfo:
-    """Wait for the task, showing phase, elapsed time and tokens; Ctrl-C cancels it."""
+def _follow(launcher: Any, task_id: str, *, live: bool, events: bool = False) -> TaskInfo:
+    """Wait for the task; Ctrl-C cancels it. ``live`` (a terminal): a spinner with the
+    status, time, tokens and the tool call in flight, the events printed above it.
+    ``events`` without ``live`` (piped, CI): the task id at once, then one line per event."""
+    from agentbox.cli._logs import EventTail
+    from agentbox.paths import TaskPaths
+
     try:
-        if not live:
+        if not live and not events:
             info: TaskInfo = launcher.wait(task_id)
             return info
-        spinner = Spinner("dots")
-        first = _progress_line(launcher.get(task_id), spinner)
-        with Live(first, console=err, refresh_per_second=8) as lv:
+        info = launcher.get(task_id)
+        tail = EventTail(TaskPaths(launcher.settings.data_dir, info.id).root, info.created_at)
+        if not live:
+            err.print(_safe(f"task {info.id} {info.status} (agentbox logs {info.id})"))
             while True:
                 info = launcher.get(task_id)
-                lv.update(_progress_line(info, spinner))
+                for line in tail.new_lines():
+                    err.print(line, soft_wrap=True)
+                if info.terminal:
+                    return info
+                time.sleep(0.5)
+        spinner = Spinner("dots")
+        with Live(_progress_line(info, spinner), console=err, refresh_per_second=8) as lv:
+            polls = 0
+            while True:
+                info = launcher.get(task_id)
+                if polls % 4 == 0 or info.terminal:  # the transcript about once a second
+                    for line in tail.new_lines():
+                        lv.console.print(line, soft_wrap=True)
+                polls += 1
+                lv.update(_progress_line(info, spinner, tail.current))
                 if info.terminal:
                     return info
                 time.sleep(0.25)
