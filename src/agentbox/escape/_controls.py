@@ -34,6 +34,7 @@ from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, LABEL, ExecResult
 from agentbox.backends.podman import conmon_cwd
+from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, SandboxError
 from agentbox.escape import _hostcheck as hc
 from agentbox.escape._fixtures import RO_TARGET, TOKEN_ENV, Fixture
@@ -168,8 +169,14 @@ def control_outcome(spec: ProbeSpec, probe: Outcome | None, control: str) -> Out
     return Outcome(spec.id, spec.where, f"[{control}] {spec.tried}", "fires", seen[:400], status)
 
 
-def run_weak_controls(fx: Fixture, image: str, *, uid: int, mapped_uid: int) -> list[Outcome]:
-    """Start the weak container, run every ``weak``/``kernel`` probe on it, remove it."""
+def run_weak_controls(
+    fx: Fixture, image: str, *, uid: int, mapped_uid: int, settings: Settings | None = None
+) -> list[Outcome]:
+    """Start the weak container, run every ``weak``/``kernel`` probe on it, remove it.
+
+    The gateway's posture checks fire on a gateway spawned unconfined (``settings``:
+    whose gateway identity and models; the defaults when not given).
+    """
     box = WeakContainer(fx, image, f"agentbox-escape-{fx.marker_nonce[-12:]}-ctl")
     box.start()
     try:
@@ -187,6 +194,10 @@ def run_weak_controls(fx: Fixture, image: str, *, uid: int, mapped_uid: int) -> 
         from agentbox.egress import escape_outcome
 
         got["host.egress_proxy_inner"] = escape_outcome(box, fx.gateway_dir, control=True)
+        # The gateway as the launcher spawned it before issue 11: root, unconfined.
+        from agentbox.escape._gateway import gateway_outcomes
+
+        got.update({o.id: o for o in gateway_outcomes(settings or Settings(), control=True)})
     finally:
         box.destroy()
     return [

@@ -186,6 +186,12 @@ PROBES: tuple[ProbeSpec, ...] = (
         "root never refused",
         _I18,
     ),
+    # the gateway: the host spawns one as run_task does and reads every thread from /proc
+    _host("gateway.uid", "uids of every gateway thread", "only its dedicated uid, never 0", _I11),
+    _host("gateway.caps", "CapEff/CapPrm/CapBnd of every gateway thread", "all 0", _I11),
+    _host("gateway.no_new_privs", "NoNewPrivs of every gateway thread", "1", _I11),
+    _host("gateway.seccomp", "Seccomp mode of every gateway thread", "2 (filter)", _I11),
+    _host("gateway.memory_limit", "the gateway's RLIMIT_AS", "finite", _I11),
     # the egress proxy: the host starts a real one, the sandbox asks it for inner targets
     _host(
         "host.egress_proxy_inner",

@@ -542,6 +542,10 @@ def run_real(
         from agentbox.egress import escape_outcome
 
         outcomes.append(escape_outcome(box, fx.gateway_dir, settings=settings, vm=vm))
+        # The task's gateway, spawned as run_task spawns it (its posture, not the sandbox's).
+        from agentbox.escape._gateway import gateway_outcomes
+
+        outcomes += gateway_outcomes(settings)
         # Before the fork bomb: under gVisor the bomb may take the sandbox down.
         extra = during(box) if during is not None else []
         outcomes += forkbomb_outcomes(box, view, pids[0] if pids else 0)

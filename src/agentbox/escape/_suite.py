@@ -54,7 +54,11 @@ def run_suite(
         report.facts = facts
         if controls:
             got = run_weak_controls(
-                fx, image, uid=settings.sandbox_uid, mapped_uid=settings.sandbox_host_uid
+                fx,
+                image,
+                uid=settings.sandbox_uid,
+                mapped_uid=settings.sandbox_host_uid,
+                settings=settings,
             )
             # The exec-level controls need `podman exec -t` / `--preserve-fds`: they prove
             # the probe program, so a hardened podman sandbox of its own serves any backend.

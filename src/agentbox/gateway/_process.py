@@ -190,6 +190,7 @@ def gateway_argv(
     max_concurrency: int | None = None,
     run_as: tuple[int, int] | None = None,
     ready_fd: int | None = None,
+    max_memory: int | None = None,
 ) -> list[str]:
     """The argv that runs a gateway with this interpreter (``python -m agentbox.gateway``,
     the same command as ``agentbox gateway``, without importing the whole CLI)."""
@@ -204,6 +205,8 @@ def gateway_argv(
         argv += ["--max-concurrency", str(max_concurrency)]
     if run_as is not None:
         argv += ["--user", f"{run_as[0]}:{run_as[1]}"]
+    if max_memory is not None:
+        argv += ["--max-memory", str(max_memory)]
     if ready_fd is not None:
         argv += ["--ready-fd", str(ready_fd)]
     return argv
@@ -221,6 +224,7 @@ def spawn_gateway(
     log_file: Path | None = None,
     timeout: float = 20.0,
     run_as: tuple[int, int] | None = None,
+    max_memory: int | None = None,
 ) -> GatewayHandle:
     """Start a gateway on ``socket_path`` for one task and wait until it answers.
 
@@ -237,6 +241,8 @@ def spawn_gateway(
     ``<usage_file>.d/`` (owned by that uid), and ``usage_file`` is a link to it that
     :func:`read_usage` follows. The socket stays owned by the starting user, mode
     0660: chown it to let the sandbox's relay in. Its log is capped (``_logcap``).
+    ``max_memory``: its ``RLIMIT_AS`` in bytes (default: the gateway's own, 1 GiB;
+    0: none, which only the escape suite's positive control asks for).
     """
     entry = load_registry(settings).get(model)
     if not token_file.is_file():
@@ -258,6 +264,7 @@ def spawn_gateway(
         models_file=settings.models_file,
         upstream=f"replay:{replay_script}" if replay_script is not None else None,
         run_as=run_as,
+        max_memory=max_memory,
     )
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
