@@ -148,3 +148,24 @@ def test_any_input_parses_without_raising(chunks: list[bytes]) -> None:
         p, _ = parse_agent_jsonl(path)
         for e in p.events:
             assert isinstance(e.text, str)
+
+
+def test_rendered_lines_show_controls_as_escapes(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from agentbox.cli._logs import event_lines
+
+    evil = "ok\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\u202eevil\r"
+    lines = [_bash("a", f"echo {evil}"), _result("a", f"{evil}\n" * 30, is_error=True)]
+    t = read_transcript(_task(tmp_path, lines))
+    console = Console(file=None, force_terminal=False, width=200)
+    for full in (False, True):
+        for e in t.events:
+            for line in event_lines(e, full=full):
+                with console.capture() as cap:
+                    console.print(line, soft_wrap=True)
+                out = cap.get()
+                assert "\x1b" not in out and "\u202e" not in out and "\r" not in out, out
+    res = next(e for e in t.events if e.kind == "tool_result")
+    shown = event_lines(res, full=False)
+    assert len(shown) == 1 + 1 + 12  # head, "… earlier lines", the last 12
