@@ -227,6 +227,8 @@ def test_budget_refusal_is_said_not_no_changes(
     r = _cli(settings, "show", tid)
     assert "budget exhausted after 0 of 10,000 tokens" in r.stdout, r.stdout
     assert "no changes" not in r.stdout
+    log = (TaskPaths(settings.data_dir, tid).log_dir / "launcher.log").read_text()
+    assert "budget exhausted after" in log and "no changes" not in log, log
 
 
 @needs_root

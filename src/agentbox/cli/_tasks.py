@@ -154,7 +154,11 @@ def _report_text(info: TaskInfo, res: TaskResult) -> None:
         console.print(_safe(tail.strip()[-4000:]))
     msg = rep.get("final_message")
     if isinstance(msg, str) and msg.strip():
-        console.print("[bold]agent's last message[/bold]")
+        title = "agent's last message"
+        if (info.error or "").startswith("budget exhausted"):
+            # Claude Code reports the gateway's 403 as "Failed to authenticate".
+            title += " (a budget refusal, whatever it says: see why)"
+        console.print(f"[bold]{title}[/bold]")
         console.print(_safe(msg.strip()[:4000]))
     _print_flagged(rep.get("flagged"))
 

@@ -393,7 +393,8 @@ def _collect_and_finish(
                 changed = None  # nothing ran to change anything: the error says why
             elif not changed:
                 # Nothing to review: no commit, so nothing is published into the user's repo.
-                tlog(NO_CHANGES)
+                # "no changes" describes a finished task; a failed one is said by its error.
+                tlog(NO_CHANGES if status == "done" else "nothing changed: no branch")
             elif not row.publish:
                 _share_shadow(paths)
             else:
