@@ -160,4 +160,5 @@ def test_a_100k_budget_lets_the_first_call_through(world: World) -> None:
     doc = _json(r)
     usage = doc["result"]["report"]["usage"]
     assert usage["requests"] >= 1 and usage["weighted_total"] > 0, (usage, r.stderr[-2000:])
+    assert usage["clamped"] >= 1
     assert usage["weighted_total"] <= 100_000

@@ -330,7 +330,8 @@ def _tokens(paths: TaskPaths) -> tuple[TokenUsage, dict[str, Any]]:
     t = TokenUsage(input=u.input, output=u.output, cache_creation=u.cache_creation,
                    cache_read=u.cache_read)  # fmt: skip
     extra = {"budget": u.budget, "weighted_total": u.weighted_total, "exhausted": u.exhausted,
-             "requests": u.requests, "refusals": dict(u.refusals)}  # fmt: skip
+             "requests": u.requests, "refusals": dict(u.refusals),
+             "clamped": u.clamped}  # fmt: skip
     return t, extra
 
 
