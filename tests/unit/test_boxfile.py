@@ -57,7 +57,7 @@ def test_defaults_are_the_seeds() -> None:
     [
         ('imagee = "x"', "imagee"),
         ('runtime = "kata"', "runtime"),
-        ('backend = "docker"', "backend"),
+        ('backend = "lxc"', "backend"),
         ("deadline = -1", "deadline"),
         ('[resources]\nmemory = "lots"', "resources.memory"),
         ("[resources]\nnofile = 100000", "resources.nofile"),

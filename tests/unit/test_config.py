@@ -28,7 +28,7 @@ def test_seed_runtime_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 
 def test_bad_values_are_config_errors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AGENTBOX_CONFIG", str(tmp_path / "none.toml"))
-    monkeypatch.setenv("AGENTBOX_BACKEND", "docker")
+    monkeypatch.setenv("AGENTBOX_BACKEND", "lxc")
     with pytest.raises(ConfigError, match="backend"):
         load_settings()
 

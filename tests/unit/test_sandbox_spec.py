@@ -229,4 +229,4 @@ def test_runsc_needs_mount_sources_the_gofer_can_reach() -> None:
 def test_get_backend(settings: Settings) -> None:
     assert get_backend("podman", settings).name == "podman"
     with pytest.raises(UnsupportedError, match="unknown backend"):
-        get_backend("docker", settings)
+        get_backend("lxc", settings)
