@@ -99,13 +99,15 @@ def _tag(made: list[str], what: str) -> str:
 def node_image(
     base_image: str, made: list[str], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[str, str]:
-    """A Containerfile FROM agentbox-base adding Debian's nodejs; returns (name, hash)."""
+    """A Containerfile FROM agentbox-base adding Debian's nodejs and build-essential (the
+    documented example; dpkg-dev brings a hook script named like a package-manager tool);
+    returns (name, hash)."""
     ctx = tmp_path_factory.mktemp("node-ctx")
     (ctx / "hello.js").write_text(f'console.log("hello {secrets.token_hex(4)}")\n')
     (ctx / "Containerfile").write_text(
         f"FROM {base_image}\n"
         "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y "
-        "--no-install-recommends nodejs\n"
+        "--no-install-recommends nodejs build-essential\n"
         "COPY hello.js /opt/app/hello.js\n"
         "ENV NODE_ENV=production\n"
     )
@@ -144,13 +146,14 @@ def test_nodejs_from_debian_packages_is_hardened_and_runs(
     res = tracker.run(  # type: ignore[attr-defined]
         spec,
         ["sh", "-c", "node --version && node /opt/app/hello.js && id -u && echo $NODE_ENV"
-         " && { command -v apt-get dpkg || echo no-package-manager; }"],
+         " && printf 'int main(void){return 0;}' > /tmp/a.c && cc /tmp/a.c -o /tmp/a && /tmp/a"
+         " && echo compiled && { command -v apt-get dpkg || echo no-package-manager; }"],
     )  # fmt: skip
     out = res.stdout.decode()
     assert res.exit_code == 0, out + res.stderr.decode()
     lines = out.split()
     assert lines[0].startswith("v") and lines[1] == "hello" and lines[3] == "64000"
-    assert lines[4] == "production" and lines[-1] == "no-package-manager"
+    assert lines[4:] == ["production", "compiled", "no-package-manager"]
 
 
 @pytest.mark.qemu
