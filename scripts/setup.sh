@@ -77,7 +77,9 @@ elif command -v dockerd >/dev/null && ! dpkg -S "$(command -v dockerd)" 2>/dev/n
 else
   if ! command -v dockerd >/dev/null; then
     log "apt-get install docker.io"
-    apt-get install -y -qq --no-install-recommends docker.io >/dev/null
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends docker.io >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq --no-install-recommends docker.io >/dev/null; }
   fi
   base=$(.venv/bin/python -c 'from agentbox.config import load_settings as l; print(l().subid_base)')
   getent passwd dockremap >/dev/null || useradd --system --no-create-home --shell /usr/sbin/nologin dockremap
