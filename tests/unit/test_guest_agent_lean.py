@@ -25,6 +25,7 @@ from agentbox.guest import agent
 from agentbox.guest.agent import ProtocolError, decode_ctrl, encode_ctrl, proof
 
 AGENT = Path(agent.__file__)
+WIRE = AGENT.parent / "wire.py"
 
 
 def _read_all(fd: int) -> str:
@@ -184,6 +185,11 @@ def test_precompiled_agent_is_what_the_guest_imports(tmp_path: Path) -> None:
     # The source the guest sees is never read for an unchecked-hash pyc: prove it by
     # shipping a source that would fail to compile.
     (tmp_path / "agent.py").write_text("this is not python\n")
+    # Its sibling wire.py ships the same way (the initramfs carries both).
+    wire_name, wire_pyc = _agent_bytecode(WIRE.read_bytes(), "wire")
+    assert wire_name == f"wire.{sys.implementation.cache_tag}.pyc"
+    (tmp_path / "__pycache__" / wire_name).write_bytes(wire_pyc)
+    (tmp_path / "wire.py").write_text("this is not python either\n")
     code = "import sys; sys.path.insert(0, sys.argv[1]); import agent; print(agent.VSOCK_PORT)"
     out = subprocess.run(
         [sys.executable, "-I", "-S", "-c", code, str(tmp_path)],

@@ -31,7 +31,7 @@ from typing import Any
 
 from agentbox._log import get_logger
 from agentbox.errors import GuestError, GuestTimeout
-from agentbox.guest.agent import (
+from agentbox.guest.wire import (
     CTRL,
     MAX_PAYLOAD,
     FrameReader,

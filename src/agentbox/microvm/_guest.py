@@ -7,7 +7,7 @@ and boot id that both differ from the host's (so the command is about to run
 on the guest's own kernel, not on a runtime that fell back to the host).
 
 What the host holds for one guest is bounded, whatever the guest sends: per
-gateway stream at most :data:`~agentbox.guest.agent.GW_WINDOW` bytes waiting
+gateway stream at most :data:`~agentbox.guest.wire.GW_WINDOW` bytes waiting
 for the gateway (credit is granted back only as they drain; a guest that sends
 past it breaks the channel), so :data:`MAX_GATEWAY_HELD` for all of them; the
 channel's queued control messages (:data:`~agentbox.microvm._channel.MAX_QUEUED_BYTES`);
@@ -34,7 +34,7 @@ from typing import IO, Any
 from agentbox._log import get_logger
 from agentbox.backends.base import ExecResult, OutputCallback
 from agentbox.errors import GuestError
-from agentbox.guest.agent import FILE, GW, GW_WINDOW, MAX_PAYLOAD, STDERR, STDIN, STDOUT, proof
+from agentbox.guest.wire import FILE, GW, GW_WINDOW, MAX_PAYLOAD, STDERR, STDIN, STDOUT, proof
 from agentbox.microvm._channel import Channel, GuestTimeout
 
 __all__ = ["GuestSession", "KernelFacts", "host_kernel"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from agentbox.config import Settings
 from agentbox.errors import ImageError
-from agentbox.guest import agent as agent_module
+from agentbox.guest import wire as wire_module
 from agentbox.microvm._kernel import MODULES, Kernel
 
 __all__ = ["INIT_SCRIPT", "MARKER", "build_cpio", "ensure_initramfs"]
@@ -40,7 +40,9 @@ ROOT_LABEL = "agentbox-root"
 _APPLETS = (
     "sh", "mount", "insmod", "findfs", "mkdir", "chroot", "ip", "reboot", "sleep", "cat", "setpriv",
 )  # fmt: skip
-DATA_LABEL = agent_module.DATA_LABEL
+DATA_LABEL = wire_module.DATA_LABEL
+#: The guest agent's source, shipped next to its wire.py (the host never imports it).
+AGENT_SOURCE = Path(wire_module.__file__).with_name("agent.py")
 #: How /init starts the agent: the precompiled module from the read-only bind.
 _AGENT_CMD = (
     "/usr/bin/python3 -I -S -c "
@@ -135,8 +137,8 @@ def _has_interp(elf: bytes) -> bool:
     return False
 
 
-def _agent_bytecode(source: bytes) -> tuple[str, bytes]:
-    """The agent compiled by this interpreter, as an unchecked-hash ``.pyc``.
+def _agent_bytecode(source: bytes, name: str = "agent") -> tuple[str, bytes]:
+    """The agent (or its ``wire``) compiled by this interpreter, as an unchecked-hash ``.pyc``.
 
     Compiling ``agent.py`` costs the guest tens of milliseconds of a cold boot
     under TCG. The file is named for this interpreter's cache tag, so a guest
@@ -144,14 +146,14 @@ def _agent_bytecode(source: bytes) -> tuple[str, bytes]:
     write back: the bind is read-only); the magic number is checked either way.
     """
     with tempfile.TemporaryDirectory(prefix="agentbox-pyc-") as d:
-        src = Path(d) / "agent.py"
+        src = Path(d) / f"{name}.py"
         src.write_bytes(source)
-        out = Path(d) / "agent.pyc"
+        out = Path(d) / f"{name}.pyc"
         py_compile.compile(
-            str(src), cfile=str(out), dfile="/opt/agentbox/vm/agent.py", doraise=True,
+            str(src), cfile=str(out), dfile=f"/opt/agentbox/vm/{name}.py", doraise=True,
             invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
         )  # fmt: skip
-        return f"agent.{sys.implementation.cache_tag}.pyc", out.read_bytes()
+        return f"{name}.{sys.implementation.cache_tag}.pyc", out.read_bytes()
 
 
 def ensure_initramfs(
@@ -168,7 +170,8 @@ def ensure_initramfs(
         raise ImageError("busybox not found (fix: apt-get install busybox-static)")
     # Every VM start asks; re-reading and hashing ~3 MB each time costs a cold boot
     # ~10 ms. Remembered per process while no input file changes (size, mtime).
-    inputs = [Path(busybox), Path(agent_module.__file__), *extra_modules]
+    inputs = [Path(busybox), AGENT_SOURCE, Path(wire_module.__file__)]
+    inputs += extra_modules
     inputs += [kernel.modules / f"{m}.ko" for m in MODULES]
     memo_key = (kernel.release, str(settings.cache_dir), *(_stamp(p) for p in inputs))
     hit = _MEMO.get(memo_key)
@@ -193,11 +196,13 @@ def _build_initramfs(
     bb = busybox.read_bytes()
     if _has_interp(bb):
         raise ImageError("busybox is dynamically linked (fix: apt-get install busybox-static)")
-    agent = Path(agent_module.__file__).read_bytes()
+    agent = AGENT_SOURCE.read_bytes()
+    wire = Path(wire_module.__file__).read_bytes()
     files: dict[str, tuple[int, bytes]] = {
         "init": (0o100755, _init_script([*MODULES, *(m.stem for m in extra_modules)]).encode()),
         "bin/busybox": (0o100755, bb),
         "agentbox/agent.py": (0o100644, agent),
+        "agentbox/wire.py": (0o100644, wire),
     }
     for applet in _APPLETS:
         files[f"bin/{applet}"] = (0o120777, b"busybox")
@@ -221,6 +226,8 @@ def _build_initramfs(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.is_file():
             pyc_name, pyc = _agent_bytecode(agent)
+            files[f"agentbox/__pycache__/{pyc_name}"] = (0o100644, pyc)
+            pyc_name, pyc = _agent_bytecode(wire, "wire")
             files[f"agentbox/__pycache__/{pyc_name}"] = (0o100644, pyc)
             tmp = out.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(build_cpio(files, dirs))
