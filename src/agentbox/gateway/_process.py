@@ -12,7 +12,6 @@ import contextlib
 import os
 import select
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from agentbox._log import get_logger
+from agentbox._wait import socket_accepts, wait_until
 from agentbox.config import Settings
 from agentbox.errors import GatewayError
 from agentbox.gateway.registry import load_registry
@@ -82,21 +82,17 @@ def _state_dir(usage_file: Path, run_as: tuple[int, int]) -> Path:
 
 def wait_for_socket(path: Path, *, timeout: float, proc: subprocess.Popen[bytes] | None) -> None:
     """Poll until a unix socket at ``path`` accepts a connection; GatewayError past ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def listening() -> bool:
         if proc is not None and proc.poll() is not None:
             raise GatewayError(f"gateway exited with code {proc.returncode} before listening")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(1.0)
-            try:
-                s.connect(str(path))
-            except OSError:
-                pass
-            else:
-                return
-        if time.monotonic() > deadline:
-            raise GatewayError(f"gateway did not listen on {path} within {timeout:g}s")
-        time.sleep(0.02)
+        return socket_accepts(path)
+
+    wait_until(
+        listening,
+        timeout=timeout,
+        on_timeout=lambda: GatewayError(f"gateway did not listen on {path} within {timeout:g}s"),
+    )
 
 
 def _wait_ready(fd: int, timeout: float) -> None:
