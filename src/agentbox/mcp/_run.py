@@ -32,6 +32,7 @@ import anyio
 
 from agentbox._log import get_logger
 from agentbox._proc import kill_group
+from agentbox._wait import socket_accepts, wait_until
 from agentbox.config import Settings
 from agentbox.errors import ConfigError, PathRefused, SandboxError, UnsupportedError
 from agentbox.mcp._auth import GateMiddleware, load_or_create_token, parse_listen, token_path
@@ -234,30 +235,28 @@ def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float) 
     # And served by *our* child: another launcher already serving this data dir also
     # answers there, and our child then refuses to start (its lock is taken).
     lock = path.parent / LAUNCHER_LOCK
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+
+    def ours_listening() -> bool:
         if proc.poll() is not None:
             raise SandboxError(f"the launcher exited with {proc.returncode} before it listened")
-        if _lock_holder(lock) != proc.pid:
-            time.sleep(0.1)
-            continue
-        with socket.socket(socket.AF_UNIX) as s:
-            try:
-                s.connect(str(path))
-            except OSError:
-                pass
-            else:
-                return
-        time.sleep(0.1)
-    raise SandboxError(f"the launcher did not listen on {path} within {timeout:g}s")
+        return _lock_holder(lock) == proc.pid and socket_accepts(path)
+
+    wait_until(
+        ours_listening,
+        timeout=timeout,
+        interval=0.1,
+        on_timeout=lambda: SandboxError(
+            f"the launcher did not listen on {path} within {timeout:g}s"
+        ),
+    )
 
 
 def _wait_for_http(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
     # The listener is ours (bound above, shared only with the child), so any HTTP
     # answer on it comes from the MCP child: it is serving, not merely started.
     request = f"GET /mcp HTTP/1.1\r\nHost: {_addr(host, port)}\r\nConnection: close\r\n\r\n"
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+
+    def answering() -> bool:
         if proc.poll() is not None:
             raise SandboxError(
                 f"the MCP server exited with {proc.returncode} before it served {_addr(host, port)}"
@@ -265,9 +264,17 @@ def _wait_for_http(host: str, port: int, proc: subprocess.Popen[bytes], timeout:
         with contextlib.suppress(OSError), socket.create_connection((host, port), 2.0) as s:
             s.sendall(request.encode())
             if s.recv(16).startswith(b"HTTP/1."):
-                return
-        time.sleep(0.1)
-    raise SandboxError(f"the MCP server did not answer on {_addr(host, port)} within {timeout:g}s")
+                return True
+        return False
+
+    wait_until(
+        answering,
+        timeout=timeout,
+        interval=0.1,
+        on_timeout=lambda: SandboxError(
+            f"the MCP server did not answer on {_addr(host, port)} within {timeout:g}s"
+        ),
+    )
 
 
 def serve(settings: Settings, listen: str, *, user: str | None, max_pending: int) -> int:
