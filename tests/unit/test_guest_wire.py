@@ -6,8 +6,12 @@ re-exports the same objects (one definition of the frames and codec).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentbox.guest import agent, wire
 
@@ -29,3 +33,69 @@ def test_the_agent_uses_the_same_wire_objects() -> None:
         assert getattr(agent, name) is getattr(wire, name), name
     frame = agent.encode_ctrl({"op": "ready"}, 3)
     assert wire.FrameReader().feed(frame) == [(wire.CTRL, 3, b'{"op":"ready"}')]
+
+
+# ---------------------------------------------------------------- the fast JSON codec
+# The guest parses and writes control frames without the json module (start-up cost);
+# these hold its codec to json's, on values and texts hypothesis makes up.
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+def _same(a: object, b: object) -> bool:
+    # json.dumps tells 1 from 1.0 and True from 1, which == does not.
+    return json.dumps(a) == json.dumps(b)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_values)
+def test_fast_dumps_is_jsons_compact_ascii_output(value: object) -> None:
+    want = json.dumps(value, separators=(",", ":"), allow_nan=False)
+    assert wire._dumps(value) == want  # type: ignore[operator]
+
+
+@settings(max_examples=400, deadline=None)
+@given(_values, st.booleans(), st.sampled_from([(",", ":"), (", ", ": "), (" ,\n", " :\t")]))
+def test_fast_loads_reads_what_json_writes(
+    value: object, ascii_only: bool, seps: tuple[str, str]
+) -> None:
+    text = json.dumps(value, ensure_ascii=ascii_only, separators=seps)
+    assert _same(wire._loads(text), json.loads(text))  # type: ignore[operator]
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.text(alphabet='{}[]",:0123456789.eE+-truefalsnNI \\u\n\xe9', max_size=40))
+def test_fast_loads_accepts_nothing_json_refuses(text: str) -> None:
+    try:
+        ours = wire._loads(text)  # type: ignore[operator]
+    except (ValueError, RecursionError):
+        return  # stricter than json is fine (no leading/trailing whitespace, no NaN)
+    assert _same(ours, json.loads(text))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.text(), _values, max_size=4), st.text(min_size=1), st.integers(0, 2**32 - 1)
+)
+def test_ctrl_frames_round_trip(fields: dict[str, object], op: str, stream: int) -> None:
+    msg = {**fields, "op": op}
+    try:
+        frame = wire.encode_ctrl(msg, stream)
+    except wire.ProtocolError:
+        return  # over MAX_CTRL: refused on the way out
+    [(ftype, got_stream, payload)] = wire.FrameReader().feed(frame)
+    assert (ftype, got_stream) == (wire.CTRL, stream)
+    assert _same(wire.decode_ctrl(payload), json.loads(payload))
+    assert _same(wire.decode_ctrl(payload), msg)
