@@ -62,13 +62,16 @@ def supported() -> bool:
     """True if the running kernel implements openat2 with the resolve flags we use."""
     global _supported
     if _supported is None:
+        root = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.close(openat2(os.open("/", os.O_RDONLY | os.O_DIRECTORY), ".", os.O_PATH))
+            os.close(openat2(root, ".", os.O_PATH))
             _supported = True
         except OSError as exc:
             if exc.errno not in (errno.ENOSYS, errno.E2BIG, errno.EINVAL, errno.EPERM):
                 raise
             _supported = False
+        finally:
+            os.close(root)
     return _supported
 
 
