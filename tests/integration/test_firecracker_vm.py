@@ -62,9 +62,13 @@ def test_the_vsock_initramfs_loads_every_module_in_the_real_kernel() -> None:
     assert " ".join(VSOCK_MODULES).encode() in blob  # in /init's insmod loop
 
     with tempfile.TemporaryDirectory(prefix="agentbox-fc-probe-") as tmp:
+        # An empty file of our own, not /dev/null: QEMU takes OFD locks on its disks, and
+        # any other holder of a lock on the shared /dev/null inode would refuse the boot.
+        empty = Path(tmp) / "empty.img"
+        empty.write_bytes(b"")
         cfg = VmConfig(
             name=f"fc-probe-{os.getpid()}", kernel=kernel, initramfs=initramfs,
-            root_disk=Path("/dev/null"), data_disk=None, run_dir=Path(tmp) / "run",
+            root_disk=empty, data_disk=None, run_dir=Path(tmp) / "run",
             accel="tcg", marker=True, jail=False, use_cgroup=False,
             cmdline_extra=("agentbox_probe=1", "agentbox_transport=vsock"),
         )  # fmt: skip
