@@ -14,16 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import select
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import IO
 
 from agentbox._log import get_logger
+from agentbox._service import ServiceHandle, wait_ready
 from agentbox.egress._policy import EgressPolicy
 from agentbox.egress._proxy import EgressProxy
 from agentbox.egress._record import EgressLog
@@ -101,63 +100,18 @@ def run_proxy(
 
 def _wait_ready(fd: int, timeout: float) -> None:
     """Wait for the child's ``ready`` line; EgressError if it closes the pipe or is late."""
-    got = b""
-    deadline = time.monotonic() + timeout
-    while b"\n" not in got:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise EgressError(f"egress proxy not ready within {timeout:g}s")
-        readable, _, _ = select.select([fd], [], [], left)
-        if readable:
-            chunk = os.read(fd, 64)
-            if not chunk:
-                raise EgressError("egress proxy exited before it was ready")
-            got += chunk
-    if not got.startswith(b"ready"):
-        raise EgressError(f"egress proxy said {got[:64]!r} instead of ready")
+    wait_ready(fd, timeout, what="egress proxy", error=EgressError)
 
 
-class ProxyHandle:
-    """A running proxy process: ``pid``, ``alive()``, ``stop()`` (idempotent), a context manager."""
+class ProxyHandle(ServiceHandle):
+    """A running proxy process: ``pid``, ``alive()``, ``stop()`` (idempotent), a context manager.
+
+    On TERM the proxy ends its connections, logs each and closes its log.
+    """
 
     def __init__(self, proc: subprocess.Popen[bytes], *, socket_path: Path, log_path: Path):
-        self._proc = proc
-        self.socket_path = socket_path
+        super().__init__(proc, socket_path=socket_path)
         self.log_path = log_path
-
-    @property
-    def pid(self) -> int:
-        """The proxy's process id (also its process group id)."""
-        return self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """The exit code once it exited, else None."""
-        return self._proc.poll()
-
-    def alive(self) -> bool:
-        """Whether the process is still running."""
-        return self._proc.poll() is None
-
-    def stop(self, grace: float = 5.0) -> int | None:
-        """TERM the proxy's group, KILL it after ``grace`` s; idempotent. Returns the exit code.
-
-        On TERM the proxy ends its connections, logs each and closes its log."""
-        from agentbox._proc import kill_group
-
-        kill_group(self._proc, grace=grace)
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
-        return self._proc.poll()
-
-    def __enter__(self) -> ProxyHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"ProxyHandle(pid={self.pid}, socket={self.socket_path}, alive={self.alive()})"
 
 
 def spawn_proxy(

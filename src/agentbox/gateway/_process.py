@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
-import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import IO
 
 from agentbox._log import get_logger
+from agentbox._service import ServiceHandle, wait_ready
 from agentbox._wait import socket_accepts, wait_until
 from agentbox.config import Settings
 from agentbox.errors import GatewayError
@@ -97,25 +95,15 @@ def wait_for_socket(path: Path, *, timeout: float, proc: subprocess.Popen[bytes]
 
 def _wait_ready(fd: int, timeout: float) -> None:
     """Wait for the child's ``ready`` line; GatewayError if it closes the pipe or is late."""
-    got = b""
-    deadline = time.monotonic() + timeout
-    while b"\n" not in got:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise GatewayError(f"gateway not ready within {timeout:g}s")
-        readable, _, _ = select.select([fd], [], [], left)
-        if not readable:
-            continue
-        chunk = os.read(fd, 64)
-        if not chunk:
-            raise GatewayError("gateway exited before it was ready")
-        got += chunk
-    if not got.startswith(b"ready"):
-        raise GatewayError(f"gateway said {got!r} instead of ready")
+    wait_ready(fd, timeout, what="gateway", error=GatewayError)
 
 
-class GatewayHandle:
-    """A running gateway process: ``pid``, ``alive()``, ``stop()`` (idempotent)."""
+class GatewayHandle(ServiceHandle):
+    """A running gateway process: ``pid``, ``alive()``, ``stop()`` (idempotent).
+
+    ``stop(grace)`` gives in-flight requests ``grace`` seconds to finish and be written
+    to the usage file.
+    """
 
     def __init__(
         self,
@@ -125,53 +113,9 @@ class GatewayHandle:
         usage_file: Path,
         log_file: Path | None,
     ) -> None:
-        self._proc = proc
-        self.socket_path = socket_path
+        super().__init__(proc, socket_path=socket_path)
         self.usage_file = usage_file
         self.log_file = log_file
-
-    @property
-    def pid(self) -> int:
-        """The gateway's process id (also its process group id)."""
-        return self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """The exit code once it exited, else None."""
-        return self._proc.poll()
-
-    def alive(self) -> bool:
-        """Whether the process is still running."""
-        return self._proc.poll() is None
-
-    def stop(self, grace: float = 5.0) -> int | None:
-        """TERM the gateway's process group, KILL it after ``grace`` s; idempotent.
-
-        Returns the exit code. In-flight requests get ``grace`` seconds to finish
-        and be written to the usage file.
-        """
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            if self._proc.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(wait)
-        # The leader is gone; make sure nothing of its group survives it.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
-        return self._proc.poll()
-
-    def __enter__(self) -> GatewayHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"GatewayHandle(pid={self.pid}, socket={self.socket_path}, alive={self.alive()})"
 
 
 def gateway_argv(
