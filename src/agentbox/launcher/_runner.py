@@ -394,8 +394,10 @@ def _collect_and_finish(
                 changed = None  # nothing ran to change anything: the error says why
             elif not changed:
                 # Nothing to review: no commit, so nothing is published into the user's repo.
-                # "no changes" describes a finished task; a failed one is said by its error.
-                tlog(NO_CHANGES if status == "done" else "nothing changed: no branch")
+                # The agent ran (a failure before it started is said by its error, above),
+                # so "no changes" is true of a finished or interrupted task; a task the
+                # gateway stopped for budget is said by that error, never "no changes".
+                tlog("nothing changed: no branch" if _budget_stopped(paths, status) else NO_CHANGES)
             elif not row.publish:
                 _share_shadow(paths)
             else:
@@ -767,6 +769,16 @@ def _run_sandbox(
         tlog=tlog,
         agent_ran=agent_ran,
     )
+
+
+def _budget_stopped(paths: TaskPaths, status: str) -> bool:
+    """Whether a task that did not finish was stopped by the gateway for budget."""
+    if status == "done":
+        return False
+    try:
+        return budget_error(read_usage(paths.usage_file)) is not None
+    except AgentboxError:  # no usage file (a reconciled task): not a budget stop
+        return False
 
 
 def budget_error(usage: Usage) -> str | None:
