@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,8 +41,19 @@ def _result(tid: str, text: str, *, is_error: bool = False) -> str:
     return json.dumps({"type": "user", "message": {"content": [block]}})
 
 
-def test_a_real_claude_code_transcript(tmp_path: Path) -> None:
-    t = read_transcript(_task(tmp_path), created_at=REAL.stat().st_mtime)
+# When the recorded task was created (the launcher log's clock times are of that day; the
+# agent's stream is UTC). A fixed value: a checkout's file times say nothing about it.
+REAL_CREATED_AT = datetime(2026, 12, 1, 12, 32, 4, tzinfo=UTC).timestamp()
+
+
+def test_a_real_claude_code_transcript(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TZ", "UTC")  # the launcher log was written in UTC
+    time.tzset()
+    try:
+        t = read_transcript(_task(tmp_path), created_at=REAL_CREATED_AT)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
     kinds = [e.kind for e in t.events]
     assert kinds[0] == "phase" and kinds[-1] == "phase"
     assert t.tools_run == {"Write": 2, "Edit": 1, "Bash": 1}
