@@ -19,7 +19,7 @@ from agentbox._log import get_logger
 from agentbox.collect import publish
 from agentbox.config import Settings
 from agentbox.errors import TaskError
-from agentbox.launcher._runner import _repo_at_use
+from agentbox.launcher._finish import repo_at_use as _repo_at_use
 from agentbox.launcher._store import Store
 from agentbox.launcher.api import TaskInfo
 from agentbox.paths import TaskPaths, validate_task_id
