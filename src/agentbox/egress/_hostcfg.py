@@ -13,15 +13,28 @@ trust is the allow-list of a ``registries`` phase. Read here:
 
 Only ``http``/``https`` URLs count (``file://`` indexes and plain paths are local).
 A client that is not installed contributes nothing.
+
+Asking the clients costs a second or more (several under load), so the answer is
+cached in the process for :data:`CACHE_TTL` seconds, keyed by what changes it
+(:func:`client_fingerprint`): the clients' config files (path, size, mtime and
+content), the binaries found on ``PATH`` (path, target, size, mtime) and every
+environment variable that steers them (``PIP_*``, ``npm_config_*``, ``UV_*``,
+``PYENV*``, ``XDG_*``, ``HOME``, ``PATH``, ``VIRTUAL_ENV`` …). A change to any of
+them is a miss; the TTL bounds what the key cannot see (a pip upgrade in a
+pyenv version chosen by a file).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from agentbox import _proc
@@ -29,7 +42,7 @@ from agentbox._log import get_logger
 from agentbox.egress._addr import normalize_host
 from agentbox.errors import CommandError
 
-__all__ = ["RegistryURL", "host_registries"]
+__all__ = ["CACHE_TTL", "RegistryURL", "client_fingerprint", "host_registries"]
 
 log = get_logger("egress.hostcfg")
 
@@ -144,13 +157,100 @@ def _dedupe(urls: Iterable[RegistryURL]) -> tuple[RegistryURL, ...]:
     return tuple(dict.fromkeys(urls))
 
 
-def host_registries(env: Mapping[str, str] | None = None) -> tuple[RegistryURL, ...]:
+#: Seconds a discovery answer is reused (with an unchanged :func:`client_fingerprint`).
+CACHE_TTL = 600.0
+#: Environment variables (exact names, then prefixes) that change what the clients say.
+_ENV_NAMES = frozenset({
+    "HOME", "PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "PYTHONHOME",
+    "PYTHONNOUSERSITE", "PREFIX",
+})  # fmt: skip
+_ENV_PREFIXES = ("PIP_", "NPM_CONFIG_", "UV_", "PYENV", "XDG_")
+#: Config files looked at for each client, besides those named by variables.
+_MAX_CONFIG = 1 << 20
+_cache: dict[str, tuple[float, tuple[RegistryURL, ...]]] = {}
+_cache_lock = threading.Lock()
+
+
+def _config_files(env: Mapping[str, str]) -> list[str]:
+    home = env.get("HOME", "")
+    xdg_home = env.get("XDG_CONFIG_HOME") or (f"{home}/.config" if home else "")
+    xdg_dirs = (env.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":")
+    files = [f"{d}/pip/pip.conf" for d in xdg_dirs if d]
+    files += ["/etc/pip.conf", "/etc/npmrc", "/usr/etc/npmrc", f"{Path.cwd()}/.npmrc"]
+    if home:
+        files += [f"{home}/.pip/pip.conf", f"{home}/.npmrc"]
+    if xdg_home:
+        files.append(f"{xdg_home}/pip/pip.conf")
+    if venv := env.get("VIRTUAL_ENV"):
+        files.append(f"{venv}/pip.conf")
+    for key, value in env.items():
+        upper = key.upper()
+        if upper in ("PIP_CONFIG_FILE", "NPM_CONFIG_USERCONFIG", "NPM_CONFIG_GLOBALCONFIG"):
+            files.append(value)
+    for tool in ("python3", "npm"):
+        if (found := shutil.which(tool, path=env.get("PATH"))) is not None:
+            # pip's site config and npm's builtin npmrc live next to the install.
+            prefix = Path(found).resolve().parent.parent
+            files += [f"{prefix}/pip.conf", f"{prefix}/npmrc"]
+    return files
+
+
+def _stamp_file(h: hashlib._Hash, path: str) -> None:
+    h.update(b"\0file\0" + os.fsencode(path))
+    p = Path(path)
+    try:
+        st = p.stat()
+        h.update(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}".encode())
+        if p.is_file() and st.st_size <= _MAX_CONFIG:
+            h.update(hashlib.sha256(p.read_bytes()).digest())
+    except OSError as exc:
+        h.update(f"missing:{exc.errno}".encode())
+
+
+def client_fingerprint(env: Mapping[str, str]) -> str:
+    """A digest of everything :func:`host_registries` depends on that can be seen cheaply."""
+    h = hashlib.sha256()
+    for key in sorted(env):
+        if key in _ENV_NAMES or key.upper().startswith(_ENV_PREFIXES):
+            h.update(f"\0env\0{key}={env[key]}".encode(errors="surrogateescape"))
+    for tool in ("python3", "npm"):
+        found = shutil.which(tool, path=env.get("PATH"))
+        h.update(f"\0bin\0{tool}={found}".encode())
+        if found is not None:
+            _stamp_file(h, str(Path(found).resolve()))
+    for path in dict.fromkeys(_config_files(env)):
+        _stamp_file(h, path)
+    return h.hexdigest()
+
+
+def host_registries(
+    env: Mapping[str, str] | None = None, *, cache: bool = True
+) -> tuple[RegistryURL, ...]:
     """Every http(s) package index the host's pip, npm and uv are configured with.
 
     ``env`` is the environment the clients run in (default: this process's); tests
-    pass a fake ``HOME``.
+    pass a fake ``HOME``. With ``cache`` (the default) an answer for the same
+    :func:`client_fingerprint` younger than :data:`CACHE_TTL` is reused.
     """
     env = dict(os.environ if env is None else env)
+    if not cache:
+        return _ask_clients(env)
+    key = client_fingerprint(env)
+    now = time.monotonic()
+    with _cache_lock:
+        hit = _cache.get(key)
+    if hit is not None and now - hit[0] < CACHE_TTL:
+        log.debug("host registries (cached)", age_s=round(now - hit[0], 1))
+        return hit[1]
+    found = _ask_clients(env)
+    with _cache_lock:
+        for k in [k for k, (t, _) in _cache.items() if now - t >= CACHE_TTL]:
+            del _cache[k]
+        _cache[key] = (now, found)
+    return found
+
+
+def _ask_clients(env: Mapping[str, str]) -> tuple[RegistryURL, ...]:
     # The clients start slowly (a second or more each): ask them at the same time.
     with ThreadPoolExecutor(max_workers=2) as pool:
         pip, npm = pool.submit(_pip, env), pool.submit(_npm, env)
