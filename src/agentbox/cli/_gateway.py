@@ -25,10 +25,17 @@ def model_serve(
         Path | None, typer.Option(help="Append every request to this JSONL file")
     ] = None,
 ) -> None:
-    """Serve the replay model alone (a scripted Messages API server)."""
+    """Serve the replay model alone (a scripted Messages API server).
+
+    Says on stderr where it listens once the socket accepts connections (the real
+    port for ``tcp:127.0.0.1:0``), so a script started in the background can wait for it.
+    """
     from agentbox.gateway import run_replay
 
-    run_replay(script=script, listen=listen, log_path=log_requests)
+    def _ready(addr: str) -> None:
+        typer.echo(f"replay model listening on {addr} (script {script}); Ctrl-C stops it", err=True)
+
+    run_replay(script=script, listen=listen, log_path=log_requests, on_listening=_ready)
 
 
 def models(

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,7 @@ def run_gateway(
     ready_fd: int | None = None,
     max_memory: int | None = None,
     max_file: int | None = None,
+    exit_at: float | None = None,
     **kwargs: Any,
 ) -> None:
     """Serve a gateway for one task until SIGTERM (arguments as :func:`build_gateway`).
@@ -169,6 +171,8 @@ def run_gateway(
     then be writable by that uid (it is written through a descriptor opened now).
     ``max_memory`` / ``max_file``: ``RLIMIT_AS`` / ``RLIMIT_FSIZE`` in bytes.
     ``ready_fd``: written ``ready`` and closed once serving (after the drop).
+    ``exit_at``: stop as SIGTERM would (usage written) at this unix time, whoever is
+    left to stop it (live restore: a task's gateway outlives its launcher, not its deadline).
     """
     group, gateway, replay_dir = build_gateway(listen=listen, **kwargs)
     if run_as is not None:
@@ -187,7 +191,7 @@ def run_gateway(
     limit_resources(max_memory=max_memory, max_file=max_file)
     log.info("gateway listening", listen=listen, model=gateway.cfg.entry.name)
     try:
-        asyncio.run(group.run(ready_fd=ready_fd))
+        asyncio.run(group.run(ready_fd=ready_fd, exit_at=exit_at))
     finally:
         gateway.write_usage()
         if replay_dir is not None:
@@ -198,10 +202,27 @@ def run_gateway(
                 lst.path.unlink()
 
 
-def run_replay(*, script: Path, listen: str, log_path: Path | None = None) -> None:
-    """Serve the replay model alone until SIGTERM."""
+def run_replay(
+    *,
+    script: Path,
+    listen: str,
+    log_path: Path | None = None,
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
+    """Serve the replay model alone until SIGTERM.
+
+    ``on_listening`` gets the bound address (``tcp:HOST:PORT`` with the real port when
+    ``PORT`` was 0, or ``unix:PATH``) once the socket accepts connections.
+    """
     model = ReplayModel(load_script(script), log_path=log_path)
     sock = bind(parse_listen(listen))
+    if on_listening is not None:
+        name = sock.getsockname()
+        if isinstance(name, tuple):
+            host = f"[{name[0]}]" if ":" in name[0] else name[0]
+            on_listening(f"tcp:{host}:{name[1]}")
+        else:
+            on_listening(f"unix:{name}")
     try:
         asyncio.run(serve([(model, sock)]))
     finally:
