@@ -113,4 +113,7 @@ if [ ! -x "$cc/node_modules/@anthropic-ai/claude-code-linux-x64/claude" ]; then
   mkdir -p "$cc"
   npm install --silent --no-audit --no-fund --prefix "$cc" "@anthropic-ai/claude-code@$ver" >/dev/null
 fi
+# `claude` on PATH (/usr/local/bin/claude runs the pinned binary) for your own Claude Code
+# (`claude mcp add agentbox …`); a claude you installed yourself is left alone.
+sh scripts/claude-wrapper.sh "$cc/node_modules/@anthropic-ai/claude-code-linux-x64/claude"
 log "ready: $(.venv/bin/agentbox --version 2>/dev/null || echo agentbox) · claude $ver"
