@@ -64,6 +64,10 @@ def gateway(
     ready_fd: Annotated[
         int | None, typer.Option(help="Write 'ready' to this inherited fd once serving")
     ] = None,
+    exit_at: Annotated[
+        float | None,
+        typer.Option(help="Stop by itself at this unix time (a task's deadline plus a grace)"),
+    ] = None,
 ) -> None:
     """Run one task's model gateway until SIGTERM."""
     from agentbox.gateway._logcap import log_file_limit
@@ -87,6 +91,7 @@ def gateway(
         max_concurrency=max_concurrency,
         max_connections=max_connections,
         header_timeout=header_timeout,
+        exit_at=exit_at,
         body_timeout=body_timeout,
         run_as=parse_user(user) if user is not None else None,
         ready_fd=ready_fd,

@@ -131,6 +131,7 @@ def gateway_argv(
     run_as: tuple[int, int] | None = None,
     ready_fd: int | None = None,
     max_memory: int | None = None,
+    exit_at: float | None = None,
 ) -> list[str]:
     """The argv that runs a gateway with this interpreter (``python -m agentbox.gateway``,
     the same command as ``agentbox gateway``, without importing the whole CLI)."""
@@ -149,6 +150,8 @@ def gateway_argv(
         argv += ["--max-memory", str(max_memory)]
     if ready_fd is not None:
         argv += ["--ready-fd", str(ready_fd)]
+    if exit_at is not None:
+        argv += ["--exit-at", repr(exit_at)]
     return argv
 
 
@@ -165,6 +168,7 @@ def spawn_gateway(
     timeout: float = 20.0,
     run_as: tuple[int, int] | None = None,
     max_memory: int | None = None,
+    exit_at: float | None = None,
 ) -> GatewayHandle:
     """Start a gateway on ``socket_path`` for one task and wait until it answers.
 
@@ -183,6 +187,8 @@ def spawn_gateway(
     0660: chown it to let the sandbox's relay in. Its log is capped (``_logcap``).
     ``max_memory``: its ``RLIMIT_AS`` in bytes (default: the gateway's own, 1 GiB;
     0: none, which only the escape suite's positive control asks for).
+    ``exit_at``: the gateway stops by itself at this unix time (it outlives a launcher
+    that dies; the launcher passes the task's deadline plus a grace).
     """
     entry = load_registry(settings).get(model)
     if not token_file.is_file():
@@ -205,6 +211,7 @@ def spawn_gateway(
         upstream=f"replay:{replay_script}" if replay_script is not None else None,
         run_as=run_as,
         max_memory=max_memory,
+        exit_at=exit_at,
     )
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()

@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import socket
+import time
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -153,8 +154,11 @@ class ServerGroup:
         """Every server is accepting connections."""
         return all(s.started for s in self.servers)
 
-    async def run(self, *, signals: bool = True, ready_fd: int | None = None) -> None:
-        """Serve until stopped (SIGTERM/SIGINT with ``signals``), then shut down.
+    async def run(
+        self, *, signals: bool = True, ready_fd: int | None = None, exit_at: float | None = None
+    ) -> None:
+        """Serve until stopped (SIGTERM/SIGINT with ``signals``, or unix time ``exit_at``),
+        then shut down.
 
         ``ready_fd``: once every server accepts connections, ``ready`` is written to
         this file descriptor and it is closed (how :func:`spawn_gateway` knows).
@@ -163,6 +167,8 @@ class ServerGroup:
         if signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
+        if exit_at is not None:
+            loop.call_later(max(0.0, exit_at - time.time()), self.stop)
         try:
             # The sockets already listen (bind() did), so clients queue until serving starts.
             tasks = [
