@@ -1,0 +1,180 @@
+"""The node side: one launcher per host, fed attempts from the driver.
+
+:class:`NodeService` is plain Python (no Ray): the node actor wraps it, and the
+local executor and the unit tests use it directly. It holds this host's
+:class:`~agentbox.launcher.Launcher` with this host's settings (data dir, repos
+root, model registry and keys, all read from the node's own environment), so
+every task runs with exactly the security of a local one. What it receives is
+an :class:`~agentbox.cluster.Attempt` (task text, a model *name*, budget,
+deadline, Boxfile) and the base commit as a git bundle; what it returns is a
+:class:`~agentbox.cluster.NodeOutcome`.
+
+``run`` is idempotent on the attempt id: a second call (Ray retrying, a driver
+resuming) never starts a second task; it waits for the first and returns its
+outcome, rebuilt from the launcher's store if this process restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentbox import _host
+from agentbox._log import get_logger
+from agentbox.boxfile import Boxfile
+from agentbox.cluster._gitio import bundle_result, unbundle
+from agentbox.cluster._spec import MAX_RESULT_BUNDLE, Attempt, NodeOutcome
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, RefusedError, TaskNotFound
+from agentbox.launcher.api import TaskRequest
+
+if TYPE_CHECKING:
+    from agentbox.launcher import Launcher
+
+__all__ = ["NodeService", "node_problems"]
+
+log = get_logger("cluster.node")
+
+
+def node_problems(settings: Settings) -> list[str]:
+    """What keeps this host from running tasks: the doctor's probes a node needs
+    (podman, the OCI runtime, Claude Code, the image). Empty when it may join."""
+    from agentbox.image import resolve
+
+    facilities = [
+        _host.podman(),
+        _host.podman_runtime(settings.runtime),
+        _host.claude_code(settings.claude_binary),
+    ]
+    out = [f"{f.name}: {f.detail}" + (f" (fix: {f.fix})" if f.fix else "")
+           for f in facilities if not f.ok]  # fmt: skip
+    try:
+        resolve(settings)
+    except AgentboxError as exc:
+        out.append(f"image: {exc}")
+    return out
+
+
+class NodeService:
+    """This host's launcher, run on behalf of a batch driver.
+
+    Refuses to start (:class:`~agentbox.errors.RefusedError`, with every
+    reason) when :func:`node_problems` finds any, unless ``check`` is False
+    (the fake-backend tests).
+    """
+
+    def __init__(self, settings: Settings, *, slots: int, name: str, check: bool = True) -> None:
+        if check and (problems := node_problems(settings)):
+            raise RefusedError(f"node {name} refused: " + "; ".join(problems))
+        from agentbox.launcher import Launcher
+
+        self.settings = settings
+        self.name = name
+        self.slots = max(1, slots)
+        self.launcher: Launcher = Launcher(settings, max_tasks=self.slots)
+        # Tasks a previous life of this node left behind are settled (and their
+        # sandboxes reaped) before new ones run: an attempt id asked again then
+        # finds its task terminal, never half-alive.
+        self.launcher.reconcile()
+        self._lock = threading.Lock()
+        self._starting: dict[str, threading.Lock] = {}
+        log.info("node ready", node=name, slots=self.slots, data_dir=str(settings.data_dir))
+
+    def repo_dir(self, attempt_id: str) -> Path:
+        """Where this node keeps the attempt's repo (made from the bundle)."""
+        return self.settings.repos_root / "agentbox-cluster" / attempt_id
+
+    def info(self) -> dict[str, object]:
+        """Name, slots and the attempts running now (for the driver's progress)."""
+        return {"node": self.name, "slots": self.slots, "active": self.active()}
+
+    def active(self) -> list[str]:
+        """Attempt ids not yet finished on this node."""
+        return [t.id for t in self.launcher.list() if not t.terminal]
+
+    def run(self, attempt: Attempt, bundle: bytes) -> NodeOutcome:
+        """Run ``attempt`` (once, whatever the number of calls) and return its outcome."""
+        aid = attempt.attempt_id
+        with self._lock:
+            gate = self._starting.setdefault(aid, threading.Lock())
+        timings: dict[str, float] = {}
+        with gate:  # two calls with one id: the second waits for the first to submit
+            try:
+                self.launcher.get(aid)
+                log.info("attempt already known: not started again", attempt=aid)
+            except TaskNotFound:
+                t0 = time.monotonic()
+                repo = self.repo_dir(aid)
+                if repo.exists():  # a bundle unpacked by a life that died before submitting
+                    shutil.rmtree(repo)
+                unbundle(bundle, attempt.base, repo)
+                timings["unbundle"] = time.monotonic() - t0
+                box = (
+                    Boxfile.from_dict(attempt.boxfile, settings=self.settings)
+                    if attempt.boxfile
+                    else None
+                )
+                self.launcher.submit(
+                    TaskRequest(
+                        repo=str(repo),
+                        task=attempt.task,
+                        model=attempt.model,
+                        budget=attempt.budget,
+                        deadline=attempt.deadline,
+                        task_id=aid,
+                    ),
+                    boxfile=box,
+                )
+        t0 = time.monotonic()
+        self.launcher.wait(aid)
+        timings["run"] = time.monotonic() - t0
+        return self.outcome(aid, base=attempt.base, timings=timings)
+
+    def outcome(self, aid: str, *, base: str, timings: dict[str, float]) -> NodeOutcome:
+        """The finished attempt's outcome: its branch as a bundle, report, transcript tail."""
+        info = self.launcher.get(aid)
+        res = self.launcher.result(aid)
+        data = b""
+        error = info.error or ""
+        t0 = time.monotonic()
+        if res.commit and res.branch:
+            data = bundle_result(self.repo_dir(aid), res.branch, base)
+            if len(data) > MAX_RESULT_BUNDLE:
+                data, error = b"", f"result bundle over {MAX_RESULT_BUNDLE} bytes: not sent"
+        elif res.commit:
+            error = error or "the result was collected but not published on the node"
+        timings["bundle"] = time.monotonic() - t0
+        transcript = ""
+        with contextlib.suppress(AgentboxError, OSError, ValueError):
+            transcript = self.launcher.transcript(aid, since=-200, limit=200).model_dump_json()
+        if len(transcript) > 8 * 1024 * 1024:
+            transcript = ""
+        status = info.status if info.status in ("done", "failed", "timed_out") else "cancelled"
+        return NodeOutcome(
+            attempt_id=aid,
+            node=self.name,
+            status=status,
+            commit=res.commit if data else "",
+            bundle=data,
+            tokens=info.tokens.total,
+            report=res.report,
+            transcript=transcript,
+            error=error[:4000],
+            timings=timings,
+        )
+
+    def cancel(self, attempt_id: str) -> bool:
+        """Cancel the attempt if this node runs it; False when it does not know it."""
+        try:
+            self.launcher.cancel(attempt_id)
+        except TaskNotFound:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Cancel what runs, let it be collected, stop the launcher."""
+        self.launcher.shutdown(grace=30.0)
