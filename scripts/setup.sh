@@ -40,10 +40,10 @@ getent group agentbox >/dev/null || groupadd --system agentbox
 stamp=.venv/.agentbox-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  log "creating .venv and installing agentbox[dev]"
+  log "creating .venv and installing agentbox[dev,ray]"
   python3 -m venv .venv
   .venv/bin/pip install -q -U pip >/dev/null
-  .venv/bin/pip install -q -e '.[dev]'
+  .venv/bin/pip install -q -e '.[dev,ray]'  # ray: the cluster tests (agentbox[ray])
   echo "$want" > "$stamp"
 fi
 
