@@ -21,8 +21,9 @@ about it; every timeout is also an :class:`AgentboxTimeout`::
     │   └── CommandTimeout     ... or ran past its timeout (timeout)
     ├── ImageError             building, verifying or finding an image failed (image)
     ├── SandboxError           a sandbox could not be created, run or destroyed (sandbox)
-    │   └── GuestError         a microVM guest misbehaved (bad frame, wrong kernel, no answer)
-    │       └── GuestTimeout   the guest did not answer in time
+    │   ├── GuestError         a microVM guest misbehaved (bad frame, wrong kernel, no answer)
+    │   │   └── GuestTimeout   the guest did not answer in time
+    │   └── SandboxGone        no such sandbox (any more): removed, never made, not ours
     ├── GatewayError           the per-task model gateway failed to start or serve (task_id)
     │   ├── UpstreamError      the upstream broke the protocol or the connection (status)
     │   │   ├── UpstreamConnectError  no connection to the upstream
@@ -74,6 +75,7 @@ __all__ = [
     "Refusal",
     "RefusedError",
     "SandboxError",
+    "SandboxGone",
     "SizeRefused",
     "TaskError",
     "TaskIdRefused",
@@ -193,6 +195,14 @@ class GuestError(SandboxError):
 
 class GuestTimeout(GuestError, AgentboxTimeout):
     """The guest did not answer in time (the channel itself may still be fine)."""
+
+
+class SandboxGone(SandboxError):
+    """No sandbox of that name exists (any more): removed, never made, or not this backend's.
+
+    What :meth:`~agentbox.backends.base.Backend.follow` raises for a detached sandbox
+    another process already followed to its end and removed.
+    """
 
 
 class GatewayError(AgentboxError):

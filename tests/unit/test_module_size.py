@@ -33,7 +33,6 @@ PENDING = {
     "boxfile.py",
     "launcher/_server.py",
     "egress/_proxy.py",
-    "backends/_podman_disk.py",
     "image/_containerfile.py",
     "microvm/_guest.py",
     "mcp/_server.py",

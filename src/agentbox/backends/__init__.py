@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from agentbox._log import get_logger
-from agentbox.backends.base import Backend
+from agentbox.backends.base import Backend, Exited
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, UnsupportedError, map_exceptions
 
 __all__ = [
     "BACKENDS",
+    "Backend",
+    "Exited",
     "backend_class",
     "get_backend",
     "owned_sandboxes",

@@ -217,9 +217,16 @@ def run_args(
     env_file: Path,
     interactive: bool = False,
     tty: bool = False,
+    log: Path | None = None,
+    log_max: int = 0,
     unsafe_extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The full ``podman … run …`` argv up to and including the image name."""
+    """The full ``podman … run …`` argv up to and including the image name.
+
+    With ``detach`` and ``log`` (a detached sandbox, ``PodmanBackend.launch``),
+    conmon writes the output to ``log`` in the ``k8s-file`` format, at most
+    ``log_max`` bytes (it then truncates and starts over: see _podman_log.py).
+    """
     res = spec.resources
     uid = spec.uid
     base = settings.subid_base
@@ -230,6 +237,15 @@ def run_args(
     # which the kernel also charges to root (see _userns_limits.py).
     args += ["--hooks-dir", str(hooks_dir(settings.cache_dir)), "run"]
     args += ["-d"] if detach else ["--rm", "--log-driver", "passthrough"]
+    if detach and log is not None:
+        if not log.is_absolute() or any(c in str(log) for c in (",", "\n", "\0")):
+            # --log-opt splits on ",": a comma would smuggle in another option.
+            raise PathRefused(
+                "the sandbox log must be absolute, without ',' or a newline", path=log
+            )
+        args += ["--log-driver", "k8s-file", "--log-opt", f"path={log}"]
+        if log_max > 0:
+            args += ["--log-opt", f"max-size={log_max}"]
     if interactive:
         args.append("-i")
     if tty:

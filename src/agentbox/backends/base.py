@@ -21,7 +21,20 @@ needs done is one of its verbs:
 ``bind_source_uid``    which host uid opens the bind-mount sources (runsc's gofer)
 ``Sandbox.host_pids``  the host processes a sandbox breakout would become
 ``Sandbox.posture``    the live posture, read by the backend's own package
+``detaches(runtime)``  whether the detached verbs below work for ``runtime``
+``launch``             start a sandbox with nothing of ours attached (survives us)
+``follow(name)``       stream its output from the start, wait, save, remove
+``adoptable(name)``    whether a sandbox is ours to follow (labels, data dir)
 =====================  ===========================================================
+
+Detached sandboxes (live restore, issue 19): :meth:`Backend.launch` starts the
+task's sandbox so that no process of ours stays attached and its deadline holds
+without us; its output goes to a log file the caller names. Any process, the
+launching one or a launcher started after it died, then calls
+:meth:`Backend.follow` to stream that output from its start and wait for the end;
+:meth:`Backend.adoptable` tells a restarted launcher whether a sandbox it finds is
+the one it recorded. Backends whose :meth:`Backend.detaches` is False raise
+:class:`~agentbox.errors.UnsupportedError` from the three; callers use ``run``.
 
 Names live in one place, the registry in :mod:`agentbox.backends`
 (:data:`~agentbox.backends.BACKENDS`). :class:`BaseSandbox` is the small concrete
@@ -56,7 +69,7 @@ from types import TracebackType
 from typing import Literal, Protocol, Self, runtime_checkable
 
 from agentbox.boxfile import Resources
-from agentbox.errors import SandboxError
+from agentbox.errors import SandboxError, UnsupportedError
 
 __all__ = [
     "GATEWAY_DIR_IN_SANDBOX",
@@ -64,6 +77,7 @@ __all__ = [
     "GATEWAY_SOCKET_NAME",
     "HOME_IN_SANDBOX",
     "LABEL",
+    "MAX_LOG_BYTES",
     "OWNER_DATA_LABEL",
     "WORKSPACE_IN_SANDBOX",
     "Backend",
@@ -71,12 +85,14 @@ __all__ = [
     "BaseSandbox",
     "BindMount",
     "ExecResult",
+    "Exited",
     "OutputCallback",
     "Posture",
     "PostureCheck",
     "Sandbox",
     "SandboxSpec",
     "data_dir_label",
+    "refuse_detached",
 ]
 
 WORKSPACE_IN_SANDBOX = "/workspace"
@@ -102,6 +118,20 @@ def data_dir_label(data_dir: Path) -> str:
 
 
 OutputCallback = Callable[[bytes], None]
+
+
+def refuse_detached(backend: str, runtime: str | None = None) -> UnsupportedError:
+    """The error a backend whose ``detaches()`` is False raises from launch/follow/adoptable."""
+    what = f"{backend} ({runtime})" if runtime else backend
+    return UnsupportedError(
+        f"the {what} backend cannot run a sandbox detached",
+        fix="use run(): the sandbox then lives as long as its caller",
+    )
+
+
+#: The cap on a detached sandbox's output log (stdout and stderr together, per file).
+#: What a backend does at the cap is in its ``launch`` docstring (podman: keeps the last part).
+MAX_LOG_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -147,6 +177,16 @@ class ExecResult:
     stdout: bytes = b""
     stderr: bytes = b""
     timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class Exited:
+    """How a detached sandbox ended (:meth:`Backend.follow`)."""
+
+    exit_code: int
+    """The main command's exit code; -1 if unknown."""
+    timed_out: bool
+    """Killed at ``spec.deadline`` (by the runtime's own timeout, or a kill after it)."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +356,45 @@ class Backend(Protocol):
 
     def cleanup_orphans(self) -> list[str]:
         """Remove sandboxes of this backend that no live owner holds; return their names."""
+        ...
+
+    def detaches(self, runtime: str) -> bool:
+        """Whether :meth:`launch`, :meth:`follow` and :meth:`adoptable` work for ``runtime``."""
+        ...
+
+    def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
+        """Start a fresh sandbox running ``argv`` as its main command, detached; return
+        once it runs.
+
+        No process of ours stays attached, and ``spec.deadline`` is enforced without
+        us. The sandbox's stdout and stderr are written by the runtime to ``log`` (a
+        path the caller chose; the backend owns its format), capped near
+        :data:`MAX_LOG_BYTES`. Raises what :meth:`run` raises when it cannot start.
+        """
+        ...
+
+    def follow(
+        self,
+        name: str,
+        *,
+        log: Path,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        poll: float = 0.2,
+    ) -> Exited:
+        """Stream sandbox ``name``'s output from the start of ``log`` until it has exited
+        and its output is drained; then save what it wrote (as :meth:`run` does) and
+        remove it and everything of it.
+
+        Called again (from another process, after a first follower died), it streams
+        the whole output again, in order. Raises
+        :class:`~agentbox.errors.SandboxGone` when no such sandbox exists.
+        """
+        ...
+
+    def adoptable(self, name: str, *, labels: Mapping[str, str]) -> bool:
+        """Whether sandbox ``name`` exists (running or exited) under this backend and
+        data dir and carries exactly ``labels`` (value-equal); anything else is refused."""
         ...
 
 

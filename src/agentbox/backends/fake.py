@@ -21,6 +21,10 @@ Code that builds the backend a Boxfile names gets the fake inside
 :data:`FakeBackend.events` records every verb called, for assertions.
 ``kill(name)`` from any thread (a cancel, a watchdog in this process) ends the
 sandbox's running command with exit 137, as a real backend's SIGKILL does.
+
+Detached sandboxes (``launch``/``follow``/``adoptable``) are in
+:mod:`agentbox.backends._fake_detach`: a second ``FakeBackend`` on the same data
+dir adopts and follows what a first one launched (a launcher restart, in process).
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import ClassVar, Literal
 
+from agentbox.backends._fake_detach import FakeDetached
 from agentbox.backends.base import (
     WORKSPACE_IN_SANDBOX,
     BackendKind,
     BaseSandbox,
     ExecResult,
+    Exited,
     OutputCallback,
     Posture,
     PostureCheck,
@@ -50,7 +56,7 @@ from agentbox.errors import AgentboxError, PathRefused, SandboxError
 __all__ = ["FakeBackend", "FakeSandbox", "FakeScript", "Verb"]
 
 #: Where a script can make the backend fail.
-Verb = Literal["check", "create", "exec", "destroy", "kill", "reap", "recover"]
+Verb = Literal["check", "create", "exec", "destroy", "kill", "reap", "recover", "launch", "follow"]
 #: The exit code of a killed command (128 + SIGKILL), as every real backend reports it.
 KILLED = 137
 
@@ -95,6 +101,10 @@ class FakeSandbox(BaseSandbox):
         self._skipped = 0.0
         self.commands: list[list[str]] = []
         self.started = time.monotonic()
+        #: Launched detached (``FakeBackend.launch``): how it ended, set when ``done`` is.
+        self.detached = False
+        self.exited: Exited | None = None
+        self.done = threading.Event()
 
     # -- Sandbox Protocol
 
@@ -220,7 +230,7 @@ class FakeSandbox(BaseSandbox):
         target.write_bytes(data)
 
 
-class FakeBackend:
+class FakeBackend(FakeDetached):
     """The in-process backend (``name = "fake"``); see the module docstring."""
 
     name = "fake"
@@ -370,6 +380,7 @@ class FakeBackend:
         """Kill and remove ``name`` (its workspace is the host directory: nothing to save)."""
         self.script_for(name).raise_if("reap", name)
         self.record("reap", name)
+        self._drop_record(name)
         box = self.live(name)
         if box is None:
             return []
@@ -385,8 +396,9 @@ class FakeBackend:
         return []
 
     def owned(self) -> list[str]:
-        """None across processes: a fake sandbox dies with the process that made it."""
-        return []
+        """The detached sandboxes this data dir launched that live on in this process
+        (a fake sandbox dies with the process that made it)."""
+        return self.detached_names()
 
     def cleanup_orphans(self) -> list[str]:
         """Nothing: a fake sandbox cannot outlive its owner."""

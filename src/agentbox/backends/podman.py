@@ -9,6 +9,9 @@ there). Two ways to run:
   process, stdio passed straight through (``--log-driver passthrough``).
 * :meth:`PodmanBackend.create`: a sandbox that idles (``sleep infinity`` under
   tini) until commands are ``podman exec``'d into it.
+* :meth:`PodmanBackend.launch` / ``follow``: detached, ``podman run -d`` with
+  conmon alone holding it, followed from any process (live restore; see
+  :mod:`agentbox.backends._podman_detach`).
 
 Deadlines are enforced twice, both outside the caller's event loop: a watchdog
 thread kills the container at the deadline, and conmon's own ``--timeout``
@@ -47,6 +50,7 @@ from agentbox.backends._podman_args import (
     image_facts,
     run_args,
 )
+from agentbox.backends._podman_detach import DETACHED_LABEL, PodmanDetached, conmon_of, inspect
 from agentbox.backends._podman_disk import settle_orphan_disks, workspace_disk
 from agentbox.backends._podman_posture import wait_relay
 from agentbox.backends._podman_sandbox import PodmanSandbox
@@ -93,7 +97,7 @@ __all__ = [
 log = get_logger("podman")
 
 
-class PodmanBackend:
+class PodmanBackend(PodmanDetached):
     """Hardened podman containers; see the module docstring.
 
     ``unsafe_extra_args`` weakens every sandbox this backend makes; it is for
@@ -323,8 +327,14 @@ class PodmanBackend:
     def reap(self, name: str) -> list[str]:
         """Remove container ``name`` whose owner died, then settle its workspace disk:
         what the agent wrote is copied back into the workspace directory, where the
-        owner would have collected it, and the disk unmounted (see _podman_disk.py)."""
+        owner would have collected it, and the disk unmounted (see _podman_disk.py).
+        A detached sandbox's disk is settled once its conmon, its recorded owner, is gone."""
+        info = inspect(name)
+        conmon = conmon_of(info) if info is not None else None
         done = self.kill(name)
+        if conmon is not None:
+            with contextlib.suppress(psutil.Error):
+                conmon.wait(15)
         for disk in settle_orphan_disks(self.settings, name):
             log.info("settled the workspace disk of a dead owner", sandbox=disk)
         return done
@@ -347,7 +357,8 @@ class PodmanBackend:
         return res.stdout.split()
 
     def cleanup_orphans(self) -> list[str]:
-        """Remove labelled containers whose owner process is gone; return their names.
+        """Remove labelled containers whose owner process is gone, except detached ones;
+        return their names.
 
         Also sweeps the stale ``/tmp/agentbox-env-*`` dirs older versions left
         behind when killed (see :func:`sweep_stale_env_dirs`).
@@ -361,7 +372,9 @@ class PodmanBackend:
             names = c.get("Names") or []
             if not isinstance(labels, dict) or not isinstance(names, list) or not names:
                 continue
-            if _owner_alive(labels):
+            if _owner_alive(labels) or labels.get(DETACHED_LABEL) == "1":
+                # A detached sandbox outlives its launcher on purpose: its data dir's
+                # next launcher adopts it (follow) or reaps it (owned() lists it).
                 continue
             name = str(names[0])
             log.info("removing orphan sandbox", sandbox=name)

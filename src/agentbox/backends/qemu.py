@@ -35,9 +35,11 @@ from agentbox.backends.base import (
     BackendKind,
     BaseSandbox,
     ExecResult,
+    Exited,
     OutputCallback,
     Posture,
     SandboxSpec,
+    refuse_detached,
 )
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, GuestError, ImageError, SandboxError, UnsupportedError
@@ -368,6 +370,33 @@ class QemuBackend:
         """Settle VM dirs whose owning process is gone: kill the VMM, save ``/data``
         into the task workspace it was made from (see :func:`recover_sandbox`), remove."""
         return _settle(self.settings, None)
+
+    # Detached sandboxes (live restore) are not built for microVM yet: callers use run().
+
+    def detaches(self, runtime: str) -> bool:
+        """False: microVM sandboxes live as long as their caller (see ``run``)."""
+        del runtime
+        return False
+
+    def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
+        """Unsupported here (:meth:`detaches` is False)."""
+        raise refuse_detached(self.name, spec.runtime)
+
+    def follow(
+        self,
+        name: str,
+        *,
+        log: Path,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        poll: float = 0.2,
+    ) -> Exited:
+        """Unsupported here (:meth:`detaches` is False)."""
+        raise refuse_detached(self.name)
+
+    def adoptable(self, name: str, *, labels: Mapping[str, str]) -> bool:
+        """Unsupported here (:meth:`detaches` is False)."""
+        raise refuse_detached(self.name)
 
 
 def recover_sandbox(settings: Settings, name: str) -> list[str]:

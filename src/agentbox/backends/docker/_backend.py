@@ -24,9 +24,11 @@ from agentbox.backends.base import (
     BackendKind,
     BindMount,
     ExecResult,
+    Exited,
     OutputCallback,
     SandboxSpec,
     data_dir_label,
+    refuse_detached,
 )
 from agentbox.backends.docker._binds import HostBinds, sweep
 from agentbox.backends.docker._client import GuardedClient, connect
@@ -358,6 +360,33 @@ class DockerBackend:
             if name not in removed:
                 removed.append(name)
         return removed
+
+    # Detached sandboxes (live restore) are not built for docker yet: callers use run().
+
+    def detaches(self, runtime: str) -> bool:
+        """False: docker sandboxes live as long as their caller (see ``run``)."""
+        del runtime
+        return False
+
+    def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
+        """Unsupported here (:meth:`detaches` is False)."""
+        raise refuse_detached(self.name, spec.runtime)
+
+    def follow(
+        self,
+        name: str,
+        *,
+        log: Path,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        poll: float = 0.2,
+    ) -> Exited:
+        """Unsupported here (:meth:`detaches` is False)."""
+        raise refuse_detached(self.name)
+
+    def adoptable(self, name: str, *, labels: Mapping[str, str]) -> bool:
+        """Unsupported here (:meth:`detaches` is False)."""
+        raise refuse_detached(self.name)
 
 
 def _names(c: Mapping[str, object]) -> list[str]:

@@ -1,0 +1,383 @@
+"""Detached podman sandboxes: nothing of ours attached, re-adoptable by a new launcher.
+
+:meth:`~PodmanDetached.launch` is ``podman run -d`` (no ``--rm``) with the same
+hardening as ``run`` (:func:`~agentbox.backends._podman_args.run_args`); the podman
+client exits as soon as the container runs and **conmon alone holds it** (about
+2 MiB, against the attached client's 35 MiB). conmon is a daemon of its own
+(parent 1, its own session and process group) and its ``--timeout`` kills the
+sandbox at its deadline whether or not any launcher lives. Its output goes to the
+caller's log in conmon's ``k8s-file`` format, capped at
+:data:`~agentbox.backends.base.MAX_LOG_BYTES` (at the cap conmon starts the file
+over: the *last* part is kept; see :mod:`agentbox.backends._podman_log`).
+
+cgroups: under the cgroupfs manager on a v1/hybrid host, podman moves conmon out
+of its caller's cgroup in every v1 *controller* hierarchy (to
+``/libpod_parent/conmon``), but leaves it in the caller's ``name=systemd`` and
+unified (``0::``) cgroups, the ones systemd tracks a unit by: a ``systemctl
+restart`` of the launcher's unit would kill it. :func:`place_conmon` moves it
+there too (``libpod_parent/conmon`` of those hierarchies), right after the start.
+
+:meth:`~PodmanDetached.follow`, from any process, reads the log from its start
+and watches conmon (no podman client held: one short ``podman inspect`` at the
+start and one at the end); past the deadline it kills the sandbox itself too.
+When the sandbox has exited it records how (``<log>.exit``), removes the
+container, and settles the workspace disk (copied back, unmounted) once conmon
+is gone. :meth:`~PodmanDetached.adoptable` checks name, labels, the data dir and
+a seal only this data dir's key makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.backends._podman_args import (
+    check_spec,
+    entry_argv,
+    forget_image,
+    image_facts,
+    run_args,
+)
+from agentbox.backends._podman_cgroup import place_conmon
+from agentbox.backends._podman_disk import WorkspaceDisk, settle_orphan_disks
+from agentbox.backends._podman_log import LogReader, exit_marker, read_exit, write_exit
+from agentbox.backends._podman_util import conmon_cwd, env_file, force_remove, kill
+from agentbox.backends.base import (
+    LABEL,
+    MAX_LOG_BYTES,
+    OWNER_DATA_LABEL,
+    Exited,
+    OutputCallback,
+    SandboxSpec,
+    data_dir_label,
+)
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxError, SandboxGone
+
+__all__ = [
+    "DEADLINE_LABEL",
+    "DETACHED_LABEL",
+    "SEAL_LABEL",
+    "PodmanDetached",
+    "conmon_of",
+]
+
+logger = get_logger("podman.detach")
+
+#: Set ("1") on a detached sandbox: orphan sweeps leave it to its data dir's launcher.
+DETACHED_LABEL = "io.agentbox.detached"
+#: The spec's deadline in seconds (the follower kills at StartedAt + this).
+DEADLINE_LABEL = "io.agentbox.deadline"
+#: HMAC of the name and data dir under the data dir's key: made by us, for this data dir.
+SEAL_LABEL = "io.agentbox.seal"
+#: How long a follower waits for conmon to go after the container is removed.
+CONMON_EXIT_WAIT = 15.0
+
+
+class PodmanDetached:
+    """Mixed into :class:`~agentbox.backends.podman.PodmanBackend`: the detached verbs."""
+
+    settings: Settings
+    unsafe_extra_args: tuple[str, ...]
+
+    if TYPE_CHECKING:
+
+        def _labels(self, spec: SandboxSpec) -> SandboxSpec: ...
+
+    def detaches(self, runtime: str) -> bool:
+        """True for every OCI runtime: conmon monitors runc, crun and runsc alike."""
+        del runtime
+        return True
+
+    def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
+        """``podman run -d``: see the module docstring. Returns once the sandbox runs."""
+        if not argv:
+            raise ConfigError("launch needs a command")
+        if not log.is_absolute() or not log.parent.is_dir():
+            raise ConfigError(f"the sandbox log must be an absolute path in a directory: {log}")
+        facts = check_spec(spec, subid_base=self.settings.subid_base)
+        assert facts is not None
+        spec = self._labels(spec)
+        labels = {
+            **spec.labels,
+            OWNER_DATA_LABEL: data_dir_label(self.settings.data_dir),
+            DETACHED_LABEL: "1",
+            DEADLINE_LABEL: f"{spec.deadline:g}",
+            SEAL_LABEL: seal(self.settings, spec.name),
+        }
+        spec = spec.replace(labels=labels)
+        for stale in (log, exit_marker(log), log.with_name(log.name + ".tmp")):
+            stale.unlink(missing_ok=True)
+        disk = None
+        if spec.workspace is not None:
+            limit = spec.resources.disk_limit(self.settings)
+            disk = WorkspaceDisk(self.settings, spec.name, spec.workspace, limit)
+        try:
+            if disk is not None:
+                disk.mount()
+            with env_file(spec.env) as envf:
+                args = run_args(
+                    spec,
+                    self.settings,
+                    facts,
+                    detach=True,
+                    env_file=envf.path,
+                    log=log,
+                    log_max=MAX_LOG_BYTES,
+                    unsafe_extra_args=self.unsafe_extra_args,
+                )
+                args += entry_argv(spec, argv)
+                try:
+                    _proc.run(args, timeout=120, cwd=conmon_cwd())
+                except CommandError as exc:
+                    if "image not known" in exc.stderr:
+                        forget_image(spec.image)
+                        image_facts(spec.image, refresh=True)  # raises ImageError
+                    raise SandboxError(f"could not start: {exc}", sandbox=spec.name) from exc
+            conmon = conmon_of(inspect(spec.name) or {})
+            if conmon is not None:
+                place_conmon(conmon.pid)
+            if disk is not None:
+                # Settled once conmon is gone (the sandbox exited), by whoever comes first.
+                start = f"{conmon.create_time():.0f}" if conmon is not None else ""
+                disk.hand_over(conmon.pid if conmon is not None else 0, start)
+        except BaseException:
+            with contextlib.suppress(AgentboxError):
+                force_remove(spec.name)
+            if disk is not None:
+                with contextlib.suppress(AgentboxError, OSError):
+                    disk.release()
+            raise
+        log_event("launched", spec.name, conmon=conmon.pid if conmon is not None else None)
+
+    def follow(
+        self,
+        name: str,
+        *,
+        log: Path,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        poll: float = 0.2,
+    ) -> Exited:
+        """Stream ``log`` from its start until the sandbox has exited, then remove it."""
+        info = inspect(name)
+        if info is None:
+            return self._replay(name, log, on_stdout, on_stderr)
+        if not self._ours(name, info):
+            raise SandboxGone("not a detached sandbox of this data dir", sandbox=name)
+        labels = _labels_of(info)
+        try:
+            deadline = float(labels.get(DEADLINE_LABEL, "inf"))
+        except ValueError:
+            deadline = float("inf")
+        started = _when(_state(info).get("StartedAt")) or time.time()
+        conmon = conmon_of(info)
+        killed = False
+        with LogReader(log, on_stdout, on_stderr) as reader:
+            while True:
+                reader.pump()
+                if time.time() >= started + deadline and not killed:
+                    log_event("deadline passed; killing", name)
+                    kill(name)
+                    killed = True
+                if conmon is not None and _running(conmon):
+                    time.sleep(poll)
+                    continue
+                # conmon is gone: the sandbox exited (or conmon was killed: ask podman).
+                info = inspect(name)
+                if info is None:  # another follower removed it meanwhile
+                    break
+                if _state(info).get("Running") is True:
+                    conmon = conmon_of(info)
+                    time.sleep(max(poll, 1.0))
+                    continue
+                break
+            reader.pump()
+            if info is None:
+                reader.close()
+                return self._replay(name, log, None, None, replayed=True)
+        state = _state(info)
+        code = state.get("ExitCode")
+        exit_code = code if isinstance(code, int) else -1
+        finished = _when(state.get("FinishedAt")) or time.time()
+        timed_out = killed or (exit_code in (137, 255) and finished - started >= deadline)
+        ended = Exited(exit_code, timed_out)
+        with self._final(name):
+            write_exit(log, ended)
+            force_remove(name)
+            self._settle(name, conmon)
+        log_event("followed to its end", name, exit_code=exit_code, timed_out=timed_out)
+        return ended
+
+    def adoptable(self, name: str, *, labels: Mapping[str, str]) -> bool:
+        """Whether ``name`` exists, is a detached sandbox of this data dir, sealed by its
+        key, and carries each of ``labels`` with the same value."""
+        info = inspect(name)
+        if info is None or not self._ours(name, info):
+            return False
+        have = _labels_of(info)
+        return all(have.get(k) == v for k, v in labels.items())
+
+    # -- internals
+
+    def _ours(self, name: str, info: Mapping[str, Any]) -> bool:
+        have = _labels_of(info)
+        want_seal = seal(self.settings, name)
+        return (
+            _name_of(info) == name
+            and have.get(LABEL) == "1"
+            and have.get(DETACHED_LABEL) == "1"
+            and have.get(OWNER_DATA_LABEL) == data_dir_label(self.settings.data_dir)
+            and hmac.compare_digest(have.get(SEAL_LABEL, ""), want_seal)
+        )
+
+    def _replay(
+        self,
+        name: str,
+        log: Path,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        *,
+        replayed: bool = False,
+    ) -> Exited:
+        """No container: a follower before us recorded the end; replay the log, settle."""
+        ended = read_exit(log)
+        if ended is None:
+            raise SandboxGone("no such sandbox (and no record of its end)", sandbox=name)
+        with self._final(name):
+            self._settle(name, None)
+        if not replayed:
+            with LogReader(log, on_stdout, on_stderr) as reader:
+                reader.pump()
+        return ended
+
+    @contextlib.contextmanager
+    def _final(self, name: str) -> Iterator[None]:
+        """One follower at a time removes the sandbox and copies its disk back."""
+        d = self.settings.data_dir / "run"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(d / f"{name}.follow.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                (d / f"{name}.follow.lock").unlink()
+
+    def _settle(self, name: str, conmon: psutil.Process | None) -> None:
+        if conmon is not None:
+            with contextlib.suppress(psutil.Error):
+                conmon.wait(CONMON_EXIT_WAIT)
+        for done in settle_orphan_disks(self.settings, name):
+            log_event("workspace disk copied back", done)
+
+
+def log_event(what: str, name: str, **kw: object) -> None:
+    logger.info(what, sandbox=name, **kw)
+
+
+def seal(settings: Settings, name: str) -> str:
+    """HMAC-SHA256 of ``name`` and the data dir under ``data_dir/detach.key`` (0600, made
+    on first use): a container labelled by hand, or by another data dir, lacks it."""
+    path = settings.data_dir / "detach.key"
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            key = path.read_bytes()
+        else:
+            key = secrets.token_bytes(32)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(key)
+    msg = f"{name}\0{data_dir_label(settings.data_dir)}".encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
+
+
+def inspect(name: str) -> dict[str, Any] | None:
+    """``podman container inspect`` of ``name``; None when there is no such container."""
+    res = _proc.run(
+        ["podman", "container", "inspect", "--format", "json", name], timeout=60, check=False
+    )
+    if res.returncode != 0:
+        if "no such" in res.stderr.lower():
+            return None
+        raise SandboxError(f"podman inspect failed: {res.stderr.strip()[-500:]}", sandbox=name)
+    try:
+        data = json.loads(res.stdout)
+    except json.JSONDecodeError as exc:
+        raise SandboxError(f"podman inspect gave no JSON: {exc}", sandbox=name) from exc
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        return None
+    found: dict[str, Any] = data[0]
+    return found
+
+
+def _state(info: Mapping[str, Any]) -> Mapping[str, Any]:
+    state = info.get("State")
+    return state if isinstance(state, dict) else {}
+
+
+def _labels_of(info: Mapping[str, Any]) -> dict[str, str]:
+    config = info.get("Config")
+    labels = config.get("Labels") if isinstance(config, dict) else None
+    if not isinstance(labels, dict):
+        return {}
+    return {str(k): str(v) for k, v in labels.items()}
+
+
+def _name_of(info: Mapping[str, Any]) -> str:
+    return str(info.get("Name", "")).lstrip("/")
+
+
+_FRACTION = re.compile(r"\.(\d{1,9})")
+
+
+def _when(stamp: object) -> float | None:
+    """Seconds since the epoch of podman's RFC 3339 time (nanoseconds cut to micro)."""
+    if not isinstance(stamp, str) or stamp.startswith("0001-"):
+        return None
+    text = _FRACTION.sub(lambda m: "." + m.group(1)[:6].ljust(6, "0"), stamp, count=1)
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def conmon_of(info: Mapping[str, Any]) -> psutil.Process | None:
+    """The live conmon of an inspected container (checked to be a conmon), or None."""
+    pid = _state(info).get("ConmonPid")
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if proc.name() != "conmon":
+            return None
+    except psutil.Error:
+        return None
+    return proc
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
