@@ -39,6 +39,7 @@ import concurrent.futures
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from agentbox import _proc
@@ -46,7 +47,7 @@ from agentbox._log import get_logger
 from agentbox.collect._git import ShadowGit
 from agentbox.collect._model import Base, Collected, DiffStat, Limits
 from agentbox.collect._objects import BlobWriter
-from agentbox.collect._statcache import BaseListing, load_keys
+from agentbox.collect._statcache import BaseListing, key_mode, load_keys, load_racy, stat_key
 from agentbox.collect._tree import Trees, build_tree, prefetch, write_commit, write_ref
 from agentbox.collect._walk import Walk, judge_reported, walk
 from agentbox.errors import CollectError, CommandError, PathRefused
@@ -80,6 +81,24 @@ def _git_changed(shadow: ShadowGit, workspace: Path, index: Path) -> set[str] | 
         log.warning("git diff-files failed; every tracked file is stat-ed instead", rc=rc)
         return None
     return {os.fsdecode(p) for p in out.split(b"\0") if p}
+
+
+def _racy_changed(tree: Tree, keys: dict[str, bytes]) -> set[str]:
+    """Which files saved in the snapshot's newest second changed (full-precision lstat).
+
+    git's whole-second ctime cannot tell a write in that second from the saved
+    state; ours can (see ``_statcache``). lstat only, beneath the root.
+    """
+    out = set()
+    for rel, key in keys.items():
+        try:
+            st = tree.stat(rel)
+        except (PathRefused, OSError):
+            out.add(rel)  # gone or unreachable: the walk and judge_reported decide
+            continue
+        if stat_key(key_mode(key), st) != key:
+            out.add(rel)
+    return out
 
 
 def _ignored(shadow: ShadowGit, workspace: Path, new: list[str]) -> set[str] | None:
@@ -253,9 +272,12 @@ def collect(
     listing = BaseListing.load(base_index)
     with ShadowGit(shadow_git) as shadow, Tree(workspace) as tree, \
             tempfile.TemporaryDirectory(prefix="agentbox-index-") as tmp:  # fmt: skip
-        # A fresh mtime on the index means no entry is "racily clean": git would
-        # read such a file (and its .gitattributes, maybe a FIFO) to compare.
-        os.utime(base_index)
+        # An index younger (in whole seconds) than every saved entry means no entry is
+        # "racily clean": git would read such a file (and its .gitattributes, maybe a
+        # FIFO) to compare. Past the snapshot's newest second, even if that is now.
+        racy = load_racy(base_index)
+        stamp = time.time_ns() if racy is None else max(time.time_ns(), (racy[0] + 1) * 10**9)
+        os.utime(base_index, ns=(stamp, stamp))
         fmt = base.object_format
 
         def oracle() -> tuple[set[str] | None, Trees]:
@@ -273,6 +295,8 @@ def collect(
             asked = pool.submit(oracle)
             w = walk(listing, limits, tree, trust=True)
             changed, trees = asked.result()
+            if changed is not None and racy is not None:
+                changed |= _racy_changed(tree, racy[1])
             if changed is None:  # no oracle: judge every entry against the saved stat keys
                 tree.skipped.clear()
                 w = walk(listing, limits, tree, trust=False, keys=load_keys(base_index))

@@ -10,8 +10,8 @@ would consult the agent's ``.gitattributes`` files, which may be FIFOs):
 * an empty file is recorded with size 1: git reads the content of a changed
   entry only when its recorded size is 0, so empty files are always reported
   as changed instead, and we compare them ourselves;
-* the caller makes sure the index is written in a later second than every
-  file's ctime, so no entry is "racily clean" (git's other content check).
+* collection sets the index's mtime past the snapshot's newest second, so no
+  entry is "racily clean" (git's other content check).
 """
 
 from __future__ import annotations

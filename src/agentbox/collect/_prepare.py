@@ -10,12 +10,13 @@ uncommitted changes included, ``git add -A`` runs against a *copy* of the
 user's index and writes its objects into the shadow dir
 (``GIT_OBJECT_DIRECTORY``), so neither the user's index nor object store change.
 
-The workspace gets exactly the bytes of the base tree, written by us through
-:class:`~agentbox.safepath.SafeWriter` from ``git cat-file --batch`` (no smudge
-filter, no eol conversion, no ``export-ignore``), and a fresh ``.git`` of its own
-(one root commit of the base tree, no hooks) that the agent may wreck:
-collection never reads it. Then the workspace is stat-ed and the stat data
-saved next to the base index (see :mod:`agentbox.collect._statcache`).
+The workspace gets exactly the bytes of the base tree (:mod:`._checkout`:
+written by us through :class:`~agentbox.safepath.SafeWriter` from ``git
+cat-file --batch``, or reflinked from the user's work tree and verified, where
+the filesystem can), and a fresh ``.git`` of its own (one root commit of the
+base tree, no hooks) that the agent may wreck: collection never reads it. Then
+the workspace is stat-ed and the stat data saved next to the base index (see
+:mod:`agentbox.collect._statcache`). No whole-second wait: see :func:`_past`.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ import os
 import re
 import shlex
 import shutil
-import tempfile
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.collect import _statcache
+from agentbox.collect._checkout import chown_tree, write_workspace
 from agentbox.collect._git import (
     RepoDir,
     ShadowGit,
@@ -45,8 +45,9 @@ from agentbox.collect._git import (
 from agentbox.collect._index import fill_stat
 from agentbox.collect._model import Base
 from agentbox.collect._objects import BlobWriter
+from agentbox.collect._tree import write_ref
 from agentbox.errors import CollectError, CommandError, PathRefused, RefusedError
-from agentbox.safepath import Kind, SafeWriter, Tree, openat2
+from agentbox.safepath import Kind, Tree
 
 __all__ = ["prepare"]
 
@@ -63,6 +64,18 @@ def _inspect(repo: RepoDir, commit: str) -> tuple[str, str, str]:
     """Return (object format, commit sha, HEAD sha) of the user's repo, or refuse."""
     if not commit or commit.startswith("-") or "\0" in commit:
         raise _refused(f"bad commit name {commit!r:.80}", repo)
+    # One git process when all is well (the name cannot start with "-": no option);
+    # the step-by-step questions below only to say precisely what is wrong.
+    once = user_git(
+        repo, "rev-parse", "--show-cdup", "--show-object-format",
+        "HEAD^{commit}", f"{commit}^{{commit}}", "--", check=False,
+    )  # fmt: skip
+    got = once.stdout.split("\n")
+    if (
+        once.returncode == 0 and len(got) == 6 and got[4:] == ["--", ""] and not got[0]
+        and got[1] in ("sha1", "sha256") and _HEX.fullmatch(got[2]) and _HEX.fullmatch(got[3])
+    ):  # fmt: skip
+        return got[1], got[3], got[2]
     try:
         # git starts in the opened directory: it must be the top of its work tree
         # (no way up to it), asked without naming any path.
@@ -179,102 +192,6 @@ def _import_loose(objects: Path, writer: BlobWriter) -> None:
                 raise CollectError(f"object {e.path!r} does not hash to its name")
 
 
-def _tree_entries(shadow: ShadowGit, tree: str) -> list[tuple[int, str, bytes]]:
-    rc, out = shadow.run_bytes("ls-tree", "-r", "-z", "--full-tree", tree)
-    if rc != 0:
-        raise CollectError(f"git ls-tree {tree} failed in the shadow dir")
-    entries = []
-    for rec in out.split(b"\0"):
-        if not rec:
-            continue
-        meta, _, path = rec.partition(b"\t")
-        mode, _kind, oid = meta.split(b" ")
-        entries.append((int(mode, 8), oid.decode(), path))
-    return entries
-
-
-def _write_workspace(shadow: ShadowGit, tree: str, workspace: Path) -> dict[str, int]:
-    """Write the base tree's exact bytes; return {path: git mode} of every entry."""
-    entries = _tree_entries(shadow, tree)
-    modes: dict[str, int] = {}
-    blobs = [(m, oid, p) for m, oid, p in entries if m != 0o160000]
-    with SafeWriter(workspace, max_file_size=1 << 62, max_total_size=1 << 62) as writer:
-        for mode, _oid, path in entries:
-            modes[os.fsdecode(path)] = mode
-            if mode == 0o160000:  # a submodule: an empty directory, as git checks out
-                writer.mkdir(path)
-        for (mode, _oid, path), data in zip(blobs, _cat_blobs(shadow, blobs), strict=True):
-            if mode == 0o120000:
-                writer.symlink(path, data)
-            else:
-                writer.write_file(path, data, mode=0o755 if mode == 0o100755 else 0o644)
-    return modes
-
-
-def _cat_blobs(shadow: ShadowGit, blobs: list[tuple[int, str, bytes]]) -> Iterator[bytes]:
-    """The content of each blob, in order, from one ``git cat-file --batch``."""
-    # Not streamed into memory whole: batches of objects keep memory bounded.
-    batch: list[str] = []
-    size = 0
-    for _mode, oid, _path in blobs:
-        batch.append(oid)
-        size += 1
-        if size >= 2000:
-            yield from _cat_batch(shadow, batch)
-            batch, size = [], 0
-    if batch:
-        yield from _cat_batch(shadow, batch)
-
-
-def _cat_batch(shadow: ShadowGit, oids: list[str]) -> Iterator[bytes]:
-    chunks: list[bytes] = []
-    with tempfile.TemporaryFile() as stdin:
-        stdin.write(("\n".join(oids) + "\n").encode())
-        stdin.seek(0)
-        err: list[bytes] = []
-        rc = _proc.stream(
-            shadow.argv(["cat-file", "--batch"]),
-            on_stdout=chunks.append,
-            on_stderr=err.append,
-            env=shadow.env(),
-            cwd=shadow.git_dir,
-            stdin=stdin.fileno(),
-            timeout=shadow.timeout,
-        )
-    if rc != 0:
-        raise CommandError(shadow.argv(["cat-file", "--batch"]), rc, b"".join(err).decode())
-    buf = b"".join(chunks)
-    pos = 0
-    for oid in oids:
-        nl = buf.index(b"\n", pos)
-        header = buf[pos:nl].split(b" ")
-        if len(header) != 3 or header[0].decode() != oid:
-            raise CollectError(f"unexpected cat-file output for {oid}")
-        size = int(header[2])
-        yield buf[nl + 1 : nl + 1 + size]
-        pos = nl + 1 + size + 1
-
-
-def _init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt: str) -> None:
-    """Give the workspace a fresh ``.git`` of its own: one root commit of the base tree."""
-    root = shadow.run(
-        "commit-tree", tree, "-m", f"agentbox: workspace base (from {base[:12]})"
-    ).stdout.strip()
-    shadow.run("update-ref", "refs/agentbox/workspace", root)
-    agent_git = workspace / ".git"
-    with ShadowGit(agent_git) as ws:
-        ws.run("init", "--quiet", "--template=", "--initial-branch=main", "--bare",
-               f"--object-format={fmt}")  # fmt: skip
-        ws.run("config", "core.bare", "false")
-        ws.run("config", "user.name", "agentbox agent")
-        ws.run("config", "user.email", "agent@agentbox.invalid")
-        ws.run(
-            "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", "--update-head-ok",
-            str(shadow.git_dir), "refs/agentbox/workspace:refs/heads/main",
-        )  # fmt: skip
-        ws.run("read-tree", "main", index=agent_git / "index")
-
-
 def prepare(
     repo: Path,
     workspace: Path,
@@ -344,21 +261,22 @@ def _prepare(
             base_commit = (
                 _snapshot_uncommitted(shadow, repo, head, fmt) if include_uncommitted else sha
             )
-            shadow.run("update-ref", "refs/agentbox/base", base_commit)
+            write_ref(shadow_git, "refs/agentbox/base", base_commit)
             tree = shadow.run("rev-parse", f"{base_commit}^{{tree}}").stdout.strip()
             made.append(workspace)
             workspace.mkdir(mode=0o755)
-            modes = _write_workspace(shadow, tree, workspace)
-            _init_agent_git(shadow, workspace, tree, base_commit, fmt)
+            # The workspace's own .git is made (git processes) while we write the files.
+            done = write_workspace(shadow, tree, workspace, fmt=fmt, source=repo,
+                                   init=(tree, base_commit))  # fmt: skip
+            modes = done.modes
             if owner is not None:
-                _chown_tree(workspace, *owner)
+                chown_tree(workspace, *owner)
             made.append(base_index)
             tmp_index = base_index.with_name(base_index.name + ".tmp")
             stats = _statcache.snapshot(workspace)
-            # The index must be younger (in whole seconds) than every file it
-            # describes, or git treats entries as racily clean and reads them.
             every = [*stats.files.values(), *stats.dirs.values()]
-            _past_second(max((max(st.st_ctime_ns, st.st_mtime_ns) for st in every), default=0))
+            newest = max((max(st.st_ctime_ns, st.st_mtime_ns) for st in every), default=0)
+            _past(newest, fine=any(st.st_ctime_ns % 1_000_000_000 for st in every))
             shadow.run("read-tree", tree, index=tmp_index)
             fill_stat(
                 tmp_index,
@@ -369,7 +287,7 @@ def _prepare(
                 },
                 fmt,
             )
-            _statcache.save(base_index, modes, stats)
+            _statcache.save(base_index, modes, stats, newest=newest)
             tmp_index.rename(base_index)
     except BaseException:
         for path in made:
@@ -380,7 +298,8 @@ def _prepare(
                     path.unlink()
         _statcache.remove(base_index)
         raise
-    log.info("prepared", repo=str(repo.path), base=base_commit, tree=tree)
+    log.info("prepared", repo=str(repo.path), base=base_commit, tree=tree,
+             cloned=done.cloned, written=done.written)  # fmt: skip
     return Base(
         base_commit=base_commit,
         tree=tree,
@@ -390,30 +309,26 @@ def _prepare(
     )
 
 
-def _past_second(ctime_ns: int) -> None:
-    """Return only once the clock is in a later second than ``ctime_ns``.
+#: ``CLOCK_REALTIME_COARSE`` (Linux): the clock file timestamps are taken from.
+_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)
 
-    git compares stat times in whole seconds unless built with USE_NSEC: an
-    agent's write in the same second as our snapshot, keeping size and mtime,
-    could look unchanged to it, and entries as old as the index are "racily
-    clean" (git re-reads them). After this, both are impossible.
+
+def _past(newest_ns: int, *, fine: bool) -> None:
+    """Return only once a file written from now on gets a later ctime than ``newest_ns``.
+
+    Collection trusts a file whose stat matches the snapshot, and git compares
+    ctime in whole seconds (Debian's git has no USE_NSEC): an agent's write in
+    the same second, keeping size and mtime, would look unchanged to it. So the
+    files whose saved ctime is in the newest second are also compared at full
+    precision by collection (``_statcache``'s racy sidecar), and here we only
+    wait until the kernel's timestamp clock has moved past ``newest_ns`` (a
+    tick, a few milliseconds), so that such a write cannot get the saved ctime
+    either. On a filesystem with whole-second timestamps (``fine`` false)
+    nanoseconds say nothing: wait for the next second, as git needs.
     """
-    while time.time_ns() // 1_000_000_000 <= ctime_ns // 1_000_000_000:
-        time.sleep(0.05)
-
-
-def _chown_tree(root: Path, uid: int, gid: int) -> None:
-    """``chown -R -h`` beneath ``root``: every entry, links themselves, never followed."""
-    os.chown(root, uid, gid, follow_symlinks=False)
-    with Tree(root) as tree:
-        for entry in tree.walk():
-            parent, _, name = entry.path.rpartition(b"/")
-            fd = (
-                openat2(tree.fd, parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-                if parent
-                else os.dup(tree.fd)
-            )
-            try:
-                os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
-            finally:
-                os.close(fd)
+    if not fine:
+        while time.time_ns() // 1_000_000_000 <= newest_ns // 1_000_000_000:
+            time.sleep(0.05)
+        return
+    while time.clock_gettime_ns(_COARSE) <= newest_ns:
+        time.sleep(0.001)

@@ -12,6 +12,11 @@ Two sidecars of ``base_index``, both written by us before the agent ran:
 * ``<base_index>.stat``: ``{path: packed (git mode, st_mode, size, mtime_ns,
   ctime_ns, ino)}``, read only when ``git diff-files`` could not answer and we
   fall back to comparing every entry's lstat ourselves.
+* ``<base_index>.racy``: ``(newest second, {path: packed key})`` for the files
+  whose saved ctime is in the newest second of the snapshot. git compares
+  whole seconds, so an agent's write in that same second (size and mtime kept)
+  could pass it; collection compares these few at full precision itself. With
+  it, ``prepare`` need not wait for the next second (it waits a clock tick).
 
 A file is unchanged when its lstat matches in type, executable bit, size,
 mtime, ctime and inode; ctime cannot be set from userspace, so an agent cannot
@@ -26,6 +31,7 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agentbox.errors import CollectError
 from agentbox.safepath import Tree
@@ -35,7 +41,9 @@ __all__ = [
     "BaseListing",
     "Snapshot",
     "dir_key",
+    "key_mode",
     "load_keys",
+    "load_racy",
     "save",
     "snapshot",
     "stat_key",
@@ -84,14 +92,15 @@ def snapshot(workspace: Path) -> Snapshot:
     return snap
 
 
-def _paths(base_index: Path) -> tuple[Path, Path]:
+def _paths(base_index: Path) -> tuple[Path, Path, Path]:
     return (
         base_index.with_name(base_index.name + ".tree"),
         base_index.with_name(base_index.name + ".stat"),
+        base_index.with_name(base_index.name + ".racy"),
     )
 
 
-def _dump(path: Path, obj: dict[str, bytes] | dict[str, tuple[str, bytes, bytes, str]]) -> None:
+def _dump(path: Path, obj: dict[str, Any] | list[Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         marshal.dump((_VERSION, obj), f)
@@ -109,8 +118,11 @@ def _load(path: Path) -> object:
     return obj
 
 
-def save(base_index: Path, modes: dict[str, int], snap: Snapshot) -> None:
-    """Write both sidecars of ``base_index`` (``modes``: every base path -> git mode)."""
+def save(base_index: Path, modes: dict[str, int], snap: Snapshot, *, newest: int) -> None:
+    """Write the sidecars of ``base_index`` (``modes``: every base path -> git mode).
+
+    ``newest``: the newest ctime or mtime (ns) in the snapshot.
+    """
     grouped: dict[str, tuple[list[str], bytearray]] = {p: ([], bytearray()) for p in snap.dirs}
     for rel, mode in modes.items():
         prefix, _, name = rel.rpartition("/")
@@ -127,9 +139,13 @@ def save(base_index: Path, modes: dict[str, int], snap: Snapshot) -> None:
         )
         for p, (n, c) in grouped.items()
     }
-    tree_file, stat_file = _paths(base_index)
+    tree_file, stat_file, racy_file = _paths(base_index)
     _dump(tree_file, listing)
-    _dump(stat_file, {r: stat_key(m, snap.files[r]) for r, m in modes.items() if r in snap.files})
+    keys = {r: stat_key(m, snap.files[r]) for r, m in modes.items() if r in snap.files}
+    _dump(stat_file, keys)
+    second = newest // 1_000_000_000
+    racy = {r: keys[r] for r in keys if snap.files[r].st_ctime_ns // 1_000_000_000 >= second}
+    _dump(racy_file, [second, racy])
 
 
 def load_keys(base_index: Path) -> dict[str, bytes]:
@@ -138,6 +154,27 @@ def load_keys(base_index: Path) -> dict[str, bytes]:
     if not isinstance(keys, dict):
         raise CollectError("base stat sidecar is malformed")
     return keys
+
+
+def load_racy(base_index: Path) -> tuple[int, dict[str, bytes]] | None:
+    """The newest second and the keys of the files saved in it; None if never saved.
+
+    None for a base made before this sidecar existed (its ``prepare`` waited
+    for the next second, so git alone could judge every file).
+    """
+    path = _paths(base_index)[2]
+    if not path.exists():
+        return None
+    got = _load(path)
+    if not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], int)
+            and isinstance(got[1], dict)):  # fmt: skip
+        raise CollectError("base racy sidecar is malformed")
+    return got[0], got[1]
+
+
+def key_mode(key: bytes) -> int:
+    """The git mode a packed :func:`stat_key` was made with."""
+    return int(_KEY.unpack(key)[0])
 
 
 def remove(base_index: Path) -> None:

@@ -169,12 +169,13 @@ def build_tree(
 
 
 def write_commit(
-    objects: BlobWriter, tree: str, parent: str, message: str, *, when: int | None = None
+    objects: BlobWriter, tree: str, parent: str | None, message: str, *, when: int | None = None
 ) -> str:
-    """Store a commit of ``tree`` on ``parent`` by ``agentbox <agentbox@localhost>``."""
+    """Store a commit of ``tree`` on ``parent`` (None: a root commit) by agentbox."""
     stamp = f"{int(time.time()) if when is None else when} +0000"
     who = f"agentbox <agentbox@localhost> {stamp}"
-    body = f"tree {tree}\nparent {parent}\nauthor {who}\ncommitter {who}\n\n{message}"
+    parents = f"parent {parent}\n" if parent else ""
+    body = f"tree {tree}\n{parents}author {who}\ncommitter {who}\n\n{message}"
     return objects.write(body.encode(), kind="commit")
 
 

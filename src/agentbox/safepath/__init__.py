@@ -66,11 +66,12 @@ from agentbox.safepath._openat2 import (
     supported,
 )
 from agentbox.safepath._tree import Entry, Kind, Tree
-from agentbox.safepath._writer import SafeWriter
+from agentbox.safepath._writer import NO_CLONE, SafeWriter
 
 __all__ = [
     "MAX_NAME",
     "MAX_PATH",
+    "NO_CLONE",
     "RESOLVE_BENEATH",
     "RESOLVE_NO_MAGICLINKS",
     "RESOLVE_NO_SYMLINKS",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Self
@@ -18,6 +20,13 @@ from agentbox.safepath._openat2 import (
 )
 
 Data = bytes | BinaryIO | Iterable[bytes]
+
+#: ``ioctl(dst, FICLONE, src)``: share ``src``'s extents copy-on-write (XFS, btrfs, bcachefs).
+FICLONE = 0x40049409
+#: errnos that mean "this filesystem (pair) cannot clone": the caller writes instead.
+NO_CLONE = frozenset(
+    {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM}
+)
 
 
 @dataclass
@@ -142,6 +151,55 @@ class SafeWriter:
                 os.unlink(name, dir_fd=parent)
                 raise
             os.close(fd)
+            self.written += size
+            return size
+        finally:
+            os.close(parent)
+
+    def clone_file(
+        self, rel: bytes | str, src_fd: int, mode: int = 0o644,
+        check: Callable[[int], bool] | None = None,
+    ) -> int | None:  # fmt: skip
+        """Create the regular file ``rel`` as a reflink clone of ``src_fd``; return its size.
+
+        The clone is an independent copy (copy-on-write): a later write to the
+        source never shows in it. ``check(fd)`` may read the new file (an
+        ``O_RDWR`` fd) and refuse it: the file is then removed and None
+        returned. An ``OSError`` whose errno is in :data:`NO_CLONE` means the
+        filesystem cannot clone (nothing is left behind); the size caps apply
+        as for :meth:`write_file`.
+        """
+        parent, name = self._parent(rel, make=True)
+        try:
+            try:
+                fd = os.open(
+                    name,
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,
+                    dir_fd=parent,
+                )
+            except OSError as exc:
+                raise PathRefused(f"cannot create file ({exc.strerror})", path=show(rel)) from exc
+            keep = False
+            try:
+                size = os.fstat(src_fd).st_size
+                if size > self.max_file_size:
+                    raise SizeRefused(f"file over {self.max_file_size} bytes", path=show(rel))
+                if self.written + size > self.max_total_size:
+                    raise SizeRefused(
+                        f"total written over {self.max_total_size} bytes", path=show(rel)
+                    )
+                fcntl.ioctl(fd, FICLONE, src_fd)
+                # The clone's own size: the source may have changed since the fstat.
+                size = os.fstat(fd).st_size
+                if size > self.max_file_size or (check is not None and not check(fd)):
+                    return None
+                os.fchmod(fd, git_mode(mode))
+                keep = True
+            finally:
+                os.close(fd)
+                if not keep:
+                    os.unlink(name, dir_fd=parent)
             self.written += size
             return size
         finally:
