@@ -22,17 +22,23 @@ model (the MCP server does).
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
-import json
-import os
 import re
-import stat
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, Field
-
+from agentbox._transcript_model import (
+    DEFAULT_OUTPUT_CHARS,
+    MAX_EVENTS,
+    MAX_FILE_BYTES,
+    MAX_LINE_BYTES,
+    MAX_PAGE,
+    Event,
+    TestCommand,
+    Transcript,
+    TranscriptPage,
+)
+from agentbox._transcript_parse import cap, is_test_command, parse_agent_jsonl, read_lines
 from agentbox._wire import TokenUsage
 
 __all__ = [
@@ -51,294 +57,12 @@ __all__ = [
     "summary",
 ]
 
-#: The most of ``agent.jsonl`` read (its head; a longer file is marked truncated).
-MAX_FILE_BYTES = 64 << 20
-#: A longer line is skipped (counted in ``skipped_lines``).
-MAX_LINE_BYTES = 4 << 20
-#: The most events kept (later ones are dropped and the transcript marked truncated).
-MAX_EVENTS = 20_000
-#: Default cap of a tool's output, in characters (its tail is kept).
-DEFAULT_OUTPUT_CHARS = 8_000
-#: Cap of a tool call's input and of an agent text block, in characters.
-MAX_INPUT_CHARS = 4_000
 #: The most lines of ``launcher.log`` and ``agent.stderr`` read.
 _MAX_SIDE_BYTES = 1 << 20
 
-Kind = Literal["phase", "session", "text", "tool_call", "tool_result", "error", "refusal", "result"]
-
-#: Commands that look like running tests (matched on a Bash command line).
-_TEST_RE = re.compile(
-    r"(?:^|[\s;&|(/])(?:"
-    r"pytest|py\.test|tox|nox|unittest|nosetests|"
-    r"(?:npm|pnpm|yarn|bun)\s+(?:run\s+)?test|npx\s+(?:jest|vitest|mocha)|jest|vitest|mocha|"
-    r"go\s+test|cargo\s+(?:test|nextest)|make\s+(?:-\S+\s+)*(?:test|check)\b|ctest|"
-    r"mvn\s+(?:\S+\s+)*test|gradlew?\s+(?:\S+\s+)*test|rspec|rake\s+test|phpunit|"
-    r"mix\s+test|dotnet\s+test|bazel\s+test|meson\s+test|deno\s+test|prove"
-    r")(?:$|[\s;&|)])"
-)
-_EXIT_RE = re.compile(r"^\s*Exit code (-?\d{1,4})\b")
-
-
-class Event(BaseModel):
-    """One thing that happened in a task, in order."""
-
-    seq: int
-    """Its index in the transcript (``transcript(id, since=seq)`` pages from here)."""
-    time: float | None = None
-    """Epoch seconds (launcher phases: to the second; events without a time: None)."""
-    source: Literal["launcher", "agent", "gateway"]
-    kind: Kind
-    text: str = ""
-    """Phase text, agent text, error text, or a tool result's output (its tail, capped)."""
-    tool: str | None = None
-    """The tool's name (tool_call; tool_result: the name of the call it answers)."""
-    tool_id: str | None = None
-    input: str | None = None
-    """A tool call's input: the command for Bash, else its JSON (capped)."""
-    exit_code: int | None = None
-    """A tool result's exit code where known (Bash: 0 unless it says ``Exit code N``)."""
-    is_error: bool = False
-    output_chars: int | None = None
-    """A tool result's full output length; more than ``len(text)`` when it was capped."""
-    line: int | None = None
-    """Its line in ``logs/agent.jsonl`` (where the full text is)."""
-
-
-class TestCommand(BaseModel):
-    """The last command the agent ran that looks like running tests."""
-
-    command: str
-    exit_code: int | None = None
-    """None: no result came back (the task ended while it ran) or it was not said."""
-
-
-class Transcript(BaseModel):
-    """A task's events and what they add up to."""
-
-    events: list[Event] = Field(default_factory=list)
-    tools_run: dict[str, int] = Field(default_factory=dict)
-    """Tool calls by tool name."""
-    last_test_command: TestCommand | None = None
-    turns: int = 0
-    """Model turns (distinct assistant messages)."""
-    tokens: TokenUsage = Field(default_factory=TokenUsage)
-    """As the gateway metered them (never from the model's own text)."""
-    refusals: dict[str, int] = Field(default_factory=dict)
-    """Requests the gateway refused, by reason."""
-    skipped_lines: int = 0
-    """Lines of agent.jsonl that were not a usable event (malformed, too long)."""
-    truncated: bool = False
-    """A cap was hit (file size, event count): some events are missing."""
-
-
-def _cap(text: str, n: int, *, tail: bool = False) -> str:
-    if len(text) <= n:
-        return text
-    return ("…" + text[-n:]) if tail else (text[:n] + "…")
-
-
-def _str(v: object, n: int = 200) -> str:
-    return _cap(v, n) if isinstance(v, str) else ""
-
-
-def _iso_time(v: object) -> float | None:
-    if not isinstance(v, str) or len(v) > 40:
-        return None
-    try:
-        t = _dt.datetime.fromisoformat(v).timestamp()
-    except (ValueError, OverflowError, OSError):
-        return None
-    return t if 0 < t < 1e11 else None
-
-
-def is_test_command(command: str) -> bool:
-    """Whether a shell command line looks like it runs tests (pytest, npm test, go test…)."""
-    return _TEST_RE.search(command[:4000]) is not None
-
-
-def _content_text(content: object) -> str:
-    """A tool_result's content (a string, or text blocks) as one string."""
-    if isinstance(content, str):
-        return content
-    parts: list[str] = []
-    if isinstance(content, list):
-        for block in content[:1000]:
-            if isinstance(block, dict) and isinstance(block.get("text"), str):
-                parts.append(block["text"])
-            elif isinstance(block, dict) and block.get("type") == "image":
-                parts.append("[image]")
-    return "\n".join(parts)
-
-
-def _tool_input(name: str, inp: object) -> str:
-    if isinstance(inp, dict):
-        cmd = inp.get("command")
-        if name == "Bash" and isinstance(cmd, str):
-            return _cap(cmd, MAX_INPUT_CHARS)
-        for key in ("file_path", "path", "pattern", "url"):
-            if isinstance(inp.get(key), str) and len(inp) <= 2:
-                return _cap(inp[key], MAX_INPUT_CHARS)
-    try:
-        return _cap(json.dumps(inp, ensure_ascii=False, default=str), MAX_INPUT_CHARS)
-    except (ValueError, TypeError, RecursionError):
-        return ""
-
-
-class _Parser:
-    def __init__(self, max_output: int) -> None:
-        self.max_output = max_output
-        self.events: list[Event] = []
-        self.calls: dict[str, tuple[str, str]] = {}  # tool_use id -> (name, input)
-        self.tools_run: dict[str, int] = {}
-        self.last_test: TestCommand | None = None
-        self.test_id: str | None = None
-        self.messages: set[str] = set()
-        self.skipped = 0
-        self.truncated = False
-
-    def add(self, **kw: Any) -> None:
-        if len(self.events) >= MAX_EVENTS:
-            self.truncated = True
-            return
-        self.events.append(Event(seq=len(self.events), source="agent", **kw))
-
-    def line(self, raw: bytes, n: int) -> None:
-        try:
-            ev = json.loads(raw)
-        except (ValueError, RecursionError):
-            self.skipped += 1
-            return
-        if not isinstance(ev, dict):
-            self.skipped += 1
-            return
-        kind = ev.get("type")
-        t = _iso_time(ev.get("timestamp"))
-        if kind == "assistant":
-            self.assistant(ev.get("message"), t, n)
-        elif kind == "user":
-            self.user(ev.get("message"), t, n)
-        elif kind == "system":
-            self.system(ev, t, n)
-        elif kind == "result":
-            self.result(ev, t, n)
-        # anything else (tool_progress heartbeats, stream events, unknown) is not an event
-
-    def assistant(self, msg: object, t: float | None, n: int) -> None:
-        if not isinstance(msg, dict):
-            self.skipped += 1
-            return
-        mid = msg.get("id")
-        if isinstance(mid, str) and len(self.messages) < MAX_EVENTS:
-            self.messages.add(mid[:100])
-        content = msg.get("content")
-        if not isinstance(content, list):
-            return
-        for block in content[:1000]:
-            if not isinstance(block, dict):
-                continue
-            btype = block.get("type")
-            if btype == "text" and isinstance(block.get("text"), str):
-                if block["text"].strip():
-                    self.add(time=t, kind="text", text=_cap(block["text"], MAX_INPUT_CHARS), line=n)
-            elif btype == "tool_use":
-                name = _str(block.get("name"), 100) or "?"
-                tid = _str(block.get("id"), 100) or None
-                inp = _tool_input(name, block.get("input"))
-                if len(self.tools_run) < 200 or name in self.tools_run:
-                    self.tools_run[name] = self.tools_run.get(name, 0) + 1
-                if tid is not None and len(self.calls) < MAX_EVENTS:
-                    self.calls[tid] = (name, inp)
-                if name == "Bash" and is_test_command(inp):
-                    self.last_test = TestCommand(command=inp)
-                    self.test_id = tid
-                self.add(time=t, kind="tool_call", tool=name, tool_id=tid, input=inp, line=n)
-
-    def user(self, msg: object, t: float | None, n: int) -> None:
-        content = msg.get("content") if isinstance(msg, dict) else None
-        if not isinstance(content, list):
-            return  # a plain user prompt: the task text, known already
-        for block in content[:1000]:
-            if not isinstance(block, dict) or block.get("type") != "tool_result":
-                continue
-            tid = _str(block.get("tool_use_id"), 100) or None
-            name, _inp = self.calls.get(tid or "", ("?", ""))
-            full = _content_text(block.get("content"))
-            is_error = block.get("is_error") is True
-            code: int | None = None
-            if name == "Bash":
-                m = _EXIT_RE.match(full)
-                code = int(m.group(1)) if m else (None if is_error else 0)
-            if tid is not None and tid == self.test_id and self.last_test is not None:
-                self.last_test = self.last_test.model_copy(update={"exit_code": code})
-            self.add(time=t, kind="tool_result", tool=name, tool_id=tid, exit_code=code,
-                     is_error=is_error, text=_cap(full, self.max_output, tail=True),
-                     output_chars=len(full), line=n)  # fmt: skip
-
-    def system(self, ev: dict[str, Any], t: float | None, n: int) -> None:
-        sub = _str(ev.get("subtype"), 60)
-        if sub == "init":
-            tools = ev.get("tools")
-            count = len(tools) if isinstance(tools, list) else 0
-            text = f"Claude Code started (model {_str(ev.get('model'), 80) or '?'}, {count} tools)"
-            self.add(time=t, kind="session", text=text, line=n)
-        elif "error" in sub or "retry" in sub:
-            err = ev.get("error")
-            detail = _str(err, 300) or _str(ev.get("message"), 300)
-            if isinstance(err, dict):
-                detail = _str(err.get("message"), 300) or _str(err.get("type"), 100)
-            self.add(time=t, kind="error", text=f"{sub}: {detail}".rstrip(": "), line=n)
-
-    def result(self, ev: dict[str, Any], t: float | None, n: int) -> None:
-        turns = ev.get("num_turns")
-        sub = _str(ev.get("subtype"), 60) or "?"
-        text = f"{sub}" + (f" after {turns} turns" if isinstance(turns, int) else "")
-        if ev.get("is_error") is True:
-            why = _str(ev.get("result"), 1000)
-            self.add(time=t, kind="error", text=f"Claude Code ended with an error ({text}): {why}",
-                     is_error=True, line=n)  # fmt: skip
-        else:
-            self.add(time=t, kind="result", text=text, line=n)
-
-
-def _read_lines(path: Path, limit: int) -> tuple[list[bytes], bool]:
-    """The first ``limit`` bytes of a regular file, split into lines; whether it was longer."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return [], False
-    with os.fdopen(fd, "rb") as fh:
-        try:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                return [], False  # a FIFO or device the agent put there: never read
-            data = fh.read(limit + 1)
-        except OSError:
-            return [], False
-    longer = len(data) > limit
-    lines = data[:limit].split(b"\n")
-    if longer or (lines and lines[-1] != b""):
-        lines = lines[:-1]  # a half-written last line is not read yet
-    return lines, longer
-
-
-def parse_agent_jsonl(
-    path: Path, *, max_output: int = DEFAULT_OUTPUT_CHARS
-) -> tuple[_Parser, bool]:
-    """Parse Claude Code's stream-json; never raises on its content."""
-    p = _Parser(max_output)
-    lines, longer = _read_lines(path, MAX_FILE_BYTES)
-    for n, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        if len(raw) > MAX_LINE_BYTES:
-            p.skipped += 1
-            continue
-        p.line(raw, n)
-    p.truncated = p.truncated or longer
-    return p, longer
-
 
 def _launcher_events(path: Path, day: float | None) -> list[Event]:
-    lines, _ = _read_lines(path, _MAX_SIDE_BYTES)
+    lines, _ = read_lines(path, _MAX_SIDE_BYTES)
     base = time.localtime(day) if day is not None else None
     out: list[Event] = []
     for raw in lines[-2000:]:
@@ -353,9 +77,7 @@ def _launcher_events(path: Path, day: float | None) -> list[Event]:
                 t = time.mktime((base.tm_year, base.tm_mon, base.tm_mday, hh, mm, ss, 0, 0, -1))
                 if t < day - 3600:
                     t += 86400  # past midnight
-        out.append(
-            Event(seq=0, time=t, source="launcher", kind="phase", text=_cap(m.group(4), 500))
-        )
+        out.append(Event(seq=0, time=t, source="launcher", kind="phase", text=cap(m.group(4), 500)))
     return out
 
 
@@ -429,26 +151,6 @@ def summary(agent_jsonl: Path) -> dict[str, Any]:
     """``tools_run`` and ``last_test_command`` of a task, for its report."""
     p, _ = parse_agent_jsonl(agent_jsonl, max_output=200)
     return {"tools_run": dict(p.tools_run), "last_test_command": p.last_test}
-
-
-#: The most events one page carries.
-MAX_PAGE = 500
-
-
-class TranscriptPage(BaseModel):
-    """Events ``since`` .. ``next`` of a task's transcript (the launcher's ``transcript`` call)."""
-
-    task_id: str
-    events: list[Event] = Field(default_factory=list)
-    next: int = 0
-    """Pass as ``since`` to read on; equal to ``total`` when there is no more yet."""
-    total: int = 0
-    tools_run: dict[str, int] = Field(default_factory=dict)
-    last_test_command: TestCommand | None = None
-    tokens: TokenUsage = Field(default_factory=TokenUsage)
-    refusals: dict[str, int] = Field(default_factory=dict)
-    skipped_lines: int = 0
-    truncated: bool = False
 
 
 def page(
