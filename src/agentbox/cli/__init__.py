@@ -43,6 +43,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "_escape",
     "_retention",
     "_env",
+    "_batch",
 )
 
 err_console = Console(stderr=True)

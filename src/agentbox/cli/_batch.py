@@ -1,0 +1,335 @@
+"""``agentbox node …`` and ``agentbox batch …``: scale out on a Ray cluster (``agentbox[ray]``).
+
+* ``agentbox node start --address RAY_ADDR [--slots N]`` checks this host (podman,
+  runtime, Claude Code, image: the doctor's probes), joins the Ray cluster with
+  ``ray start`` advertising ``agentbox_slot: N``, and starts this host's node actor
+  (its launcher, with this host's settings and model keys). ``--no-join``: this
+  host already runs a Ray node (e.g. the head); only the actor is started on it.
+* ``agentbox node list`` shows the node actors, their slots and what runs on them.
+* ``agentbox batch run tasks.jsonl`` runs a batch (a live table per node; ``--json``:
+  one event per line), ``--batch ID`` resumes one; ``batch status|cancel BATCH``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import sys
+import tomllib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console, RenderableType
+from rich.live import Live
+from rich.text import Text
+
+from agentbox import _proc
+from agentbox.cli._table import Col, fit_table, print_table
+from agentbox.config import load_settings
+from agentbox.errors import ConfigError, RefusedError, UnsupportedError
+
+__all__ = ["Tally", "register"]
+
+_out = Console()
+_err = Console(stderr=True)
+
+node_app = typer.Typer(
+    help="Join this host to a Ray cluster as an agentbox node.", no_args_is_help=True
+)
+batch_app = typer.Typer(help="Run batches of tasks on a Ray cluster.", no_args_is_help=True)
+
+
+def _state_dir(given: str | None) -> Path:
+    return Path(given) if given is not None else load_settings().data_dir / "batches"
+
+
+def _cluster() -> Any:
+    """agentbox.cluster with its Ray parts usable, or UnsupportedError saying how."""
+    import agentbox.cluster as cluster
+
+    cluster.RayExecutor  # noqa: B018 (imports Ray, or raises UnsupportedError with the fix)
+    return cluster
+
+
+def _ray_binary() -> str:
+    here = Path(sys.executable).parent / "ray"
+    found = str(here) if here.is_file() else shutil.which("ray")
+    if not found:
+        raise UnsupportedError(
+            "the ray command is not installed", fix="pip install 'agentbox[ray]'"
+        )
+    return found
+
+
+@node_app.command("start")
+def node_start(
+    address: str = typer.Option(..., "--address", help="The Ray cluster (head's host:port)."),
+    slots: int = typer.Option(2, "--slots", min=1, max=256, help="Tasks this host runs at once."),
+    name: str | None = typer.Option(None, "--name", help="The node's name (default host-id)."),
+    join: bool = typer.Option(True, "--join/--no-join", help="Run `ray start` to join first."),
+) -> None:
+    """Check this host, join the Ray cluster, and start its node actor."""
+    from agentbox.cluster import node_problems
+
+    problems = node_problems(load_settings())
+    if problems:
+        raise RefusedError("this host cannot be a node: " + "; ".join(problems))
+    cluster = _cluster()
+    import ray
+
+    marker = f"agentbox_node_{secrets.token_hex(4)}"
+    if join:
+        resources = json.dumps({"agentbox_slot": slots, marker: 1})
+        _proc.run(
+            [
+                _ray_binary(),
+                "start",
+                f"--address={address}",
+                f"--resources={resources}",
+                "--disable-usage-stats",
+            ],
+            timeout=180,
+        )
+    cluster.connect(address)
+    try:
+        if join:
+            listed: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+            ids = [n["NodeID"] for n in listed if n["Alive"] and marker in n["Resources"]]
+            if not ids:
+                raise ConfigError(f"joined {address}, but the new Ray node is not listed")
+            node_id = ids[0]
+        else:
+            node_id = ray.get_runtime_context().get_node_id()
+        cluster.start_node(node_id, slots=slots, name=name)
+    finally:
+        ray.shutdown()
+    _out.print(Text(f"node {name or node_id[:12]} joined {address} with {slots} slots"))
+
+
+@node_app.command("list")
+def node_list(
+    address: str | None = typer.Option(None, "--address", help="The Ray cluster."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """The node actors of the cluster: slots and the attempts running on each."""
+    cluster = _cluster()
+    cluster.connect(address)
+    nodes = cluster.RayExecutor().nodes()
+    if as_json:
+        print(json.dumps({"nodes": nodes}))
+        return
+    rows: list[list[RenderableType]] = [
+        [Text(str(n["node"])), Text(str(n["slots"])), Text(" ".join(n["active"]) or "-")]
+        for n in nodes
+    ]
+    cols = [Col("node", keep=True), Col("slots", keep=True), Col("running", ratio=1)]
+    print_table(_out, fit_table(_out, cols, rows))
+
+
+_COUNTS = ("running", "done", "failed", "lost", "skipped", "tokens")
+
+
+class Tally:
+    """Counts per node for the live display: queued, running, done, failed, tokens."""
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self.nodes: dict[str, Counter[str]] = {}
+        self.where: dict[str, str] = {}
+        self.lost = 0
+
+    def add(self, ev: Any) -> None:
+        if ev.event == "batch":
+            self.queued = int(ev.detail.split()[0]) if ev.detail else 0
+        elif ev.event == "placed" and ev.node and self.where.get(ev.attempt_id) != ev.node:
+            if ev.attempt_id not in self.where:
+                self.queued -= 1
+            self.where[ev.attempt_id] = ev.node
+            self.nodes.setdefault(ev.node, Counter())["running"] += 1
+        elif ev.event == "placed" and ev.attempt_id not in self.where:
+            self.where[ev.attempt_id] = ""
+            self.queued -= 1
+        elif ev.event in ("finished", "lost"):
+            node = ev.node or self.where.get(ev.attempt_id, "") or "?"
+            c = self.nodes.setdefault(node, Counter())
+            if self.where.get(ev.attempt_id):
+                c["running"] -= 1
+            if ev.event == "lost":
+                self.lost += 1
+                self.queued += 1
+                c["lost"] += 1
+            else:
+                c["done" if ev.status == "done" else "failed"] += 1
+                c["tokens"] += ev.tokens
+        elif ev.event == "skipped":
+            self.queued -= 1
+            self.nodes.setdefault("(not placed)", Counter())["skipped"] += 1
+
+    def table(self, console: Console) -> RenderableType:
+        cols = [
+            Col(h, keep=True)
+            for h in ("node", "running", "done", "failed", "lost", "skipped", "tokens")
+        ]
+        rows: list[list[RenderableType]] = [
+            [Text(n), *(Text(str(c[k])) for k in _COUNTS)] for n, c in sorted(self.nodes.items())
+        ]
+        queued: list[RenderableType] = [Text("queued", style="dim"), Text(str(max(self.queued, 0)))]
+        rows.append(queued + [Text("")] * 5)
+        return fit_table(console, cols, rows)
+
+
+@batch_app.command("run")
+def batch_run(
+    tasks: str = typer.Argument(..., help="tasks.jsonl: one {repo, task, …} per line."),
+    address: str | None = typer.Option(None, "--address", help="The Ray cluster."),
+    batch_id: str | None = typer.Option(None, "--batch", help="Resume (or name) this batch."),
+    max_in_flight: int | None = typer.Option(None, "--max-in-flight", min=1),
+    model: str | None = typer.Option(None, "--model", help="Model name (each node's registry)."),
+    budget: int | None = typer.Option(None, "--budget", min=1, help="The batch's token budget."),
+    task_budget: int | None = typer.Option(None, "--task-budget", min=1),
+    deadline: float | None = typer.Option(None, "--deadline", help="Seconds, per task."),
+    boxfile: str | None = typer.Option(None, "--boxfile", help="A Boxfile (TOML) for all tasks."),
+    state_dir: str | None = typer.Option(None, "--state-dir", help="Where batch state lives."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON event per line."),
+) -> None:
+    """Run every task of TASKS on the cluster; each result lands as agentbox/<id> in its repo."""
+    cluster = _cluster()
+    box: dict[str, Any] | None = None
+    if boxfile is not None:
+        try:
+            box = tomllib.loads(Path(boxfile).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read the Boxfile {boxfile}: {exc}") from exc
+    batch_id = batch_id or cluster.new_batch_id()
+    cluster.connect(address)
+    tally = Tally()
+    kw: dict[str, Any] = {
+        "executor": cluster.RayExecutor(),
+        "state_dir": _state_dir(state_dir),
+        "batch_id": batch_id,
+        "model": model,
+        "budget": budget,
+        "task_budget": task_budget,
+        "deadline": deadline,
+        "boxfile": box,
+        "max_in_flight": max_in_flight,
+    }
+    exists = (cluster.batch_dir(kw["state_dir"], batch_id) / "batch.db").is_file()
+    task_list = None if exists else list(cluster.read_tasks(Path(tasks)))
+    results = []
+    if as_json:
+        kw["on_event"] = lambda ev: print(ev.model_dump_json(), flush=True)
+        results = list(cluster.run_batch(task_list, **kw))
+    else:
+        _err.print(Text(f"batch {batch_id}" + (" (resumed)" if exists else "")))
+        with Live(tally.table(_err), console=_err, refresh_per_second=4) as live:
+
+            def show(ev: Any) -> None:
+                tally.add(ev)
+                live.update(tally.table(_err))
+
+            kw["on_event"] = show
+            results = list(cluster.run_batch(task_list, **kw))
+        for r in results:
+            line = f"{r.key}\t{r.status}\t{r.branch or '-'}\t{r.error[:200]}"
+            _out.print(Text(line.rstrip()), highlight=False, soft_wrap=True)
+    if any(r.status != "done" for r in results):
+        raise typer.Exit(1)
+
+
+@batch_app.command("status")
+def batch_status(
+    batch_id: str = typer.Argument(..., help="The batch id."),
+    state_dir: str | None = typer.Option(None, "--state-dir", help="Where batch state lives."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Where every task of a batch stands (read from its state file; Ray not needed)."""
+    from agentbox.cluster import BatchState, batch_dir
+
+    path = batch_dir(_state_dir(state_dir), batch_id) / "batch.db"
+    if not path.is_file():
+        raise ConfigError(f"no batch {batch_id} in {path.parent.parent}")
+    st = BatchState(path)
+    try:
+        meta, rows = st.batch(), st.tasks()
+        committed = st.committed()
+    finally:
+        st.close()
+    if as_json:
+        out = {
+            **meta,
+            "committed_tokens": committed,
+            "tasks": [
+                {
+                    "key": r.key,
+                    "state": r.state,
+                    "status": r.status,
+                    "attempt_id": r.attempt_id,
+                    "node": r.node,
+                    "branch": r.branch,
+                    "tokens": r.tokens,
+                    "lost": list(r.lost),
+                    "error": r.error,
+                }
+                for r in rows
+            ],
+        }
+        print(json.dumps(out))
+        return
+    cols = [
+        Col("key", keep=True),
+        Col("state", keep=True),
+        Col("status", keep=True),
+        Col("node"),
+        Col("tokens"),
+        Col("branch"),
+        Col("error", ratio=1),
+    ]
+    cells: list[list[RenderableType]] = [
+        [
+            Text(r.key),
+            Text(r.state),
+            Text(r.status or "-"),
+            Text(r.node or "-"),
+            Text(str(r.tokens)),
+            Text(r.branch or "-"),
+            Text(r.error[:300]),
+        ]
+        for r in rows
+    ]
+    print_table(_out, fit_table(_out, cols, cells))
+    cap = f" of {meta['budget']}" if meta["budget"] else ""
+    _out.print(
+        Text(
+            f"tokens committed: {committed}{cap}"
+            + ("; cancel requested" if meta["cancel_requested"] else "")
+        )
+    )
+
+
+@batch_app.command("cancel")
+def batch_cancel(
+    batch_id: str = typer.Argument(..., help="The batch id."),
+    state_dir: str | None = typer.Option(None, "--state-dir", help="Where batch state lives."),
+) -> None:
+    """Ask the driver running BATCH to stop: queued tasks are skipped, running ones cancelled."""
+    from agentbox.cluster import BatchState, batch_dir
+
+    path = batch_dir(_state_dir(state_dir), batch_id) / "batch.db"
+    if not path.is_file():
+        raise ConfigError(f"no batch {batch_id} in {path.parent.parent}")
+    st = BatchState(path)
+    try:
+        st.request_cancel()
+    finally:
+        st.close()
+    _out.print(Text(f"batch {batch_id}: cancel requested"))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``agentbox node`` and ``agentbox batch`` to the CLI."""
+    app.add_typer(node_app, name="node")
+    app.add_typer(batch_app, name="batch")
