@@ -29,7 +29,6 @@ PENDING = {
     "gateway/_app.py",
     "cli/_tasks.py",
     "gateway/_upstream.py",
-    "boxfile.py",
     "launcher/_server.py",
     "egress/_proxy.py",
     "image/_containerfile.py",
