@@ -215,7 +215,11 @@ class PodmanDetached:
         code = state.get("ExitCode")
         exit_code = code if isinstance(code, int) else -1
         finished = _when(state.get("FinishedAt")) or time.time()
-        timed_out = killed or (exit_code in (137, 255) and finished - started >= deadline)
+        # conmon's --timeout SIGKILLs the sandbox and leaves no exit status: podman then
+        # reports -1. Past the deadline that is our kill, reported as run() reports one.
+        timed_out = killed or (exit_code in (-1, 137, 255) and finished - started >= deadline)
+        if timed_out and exit_code == -1:
+            exit_code = 137
         ended = Exited(exit_code, timed_out)
         with self._final(name):
             write_exit(log, ended)

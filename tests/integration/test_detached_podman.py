@@ -1,0 +1,361 @@
+"""Detached podman sandboxes (issue 19 item 2, issue 15 item 1): real podman, conmon, git-free.
+
+* launched from a child process that is then SIGKILLed together with the
+  (emulated) service unit's whole cgroup, the sandbox runs on, and *this*
+  process follows it to the end: the whole output, in order, stdout and stderr
+  apart, the exit code, the workspace written back, and nothing left (container,
+  conmon, disk, mount, log handle);
+* its deadline holds with nobody following (conmon's ``--timeout``), and a
+  follower that comes later reports ``timed_out``;
+* ``adoptable`` refuses a hand-made container with our labels, another data
+  dir's sandbox, and a name that does not exist;
+* hostile output comes back byte for byte (a 10 MB line, invalid UTF-8, forged
+  k8s-file prefixes); at the log cap only the last part is kept;
+* one case on runsc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agentbox import _host
+from agentbox.backends import Exited
+from agentbox.backends import _podman_detach as detach
+from agentbox.backends.base import LABEL, OWNER_DATA_LABEL, SandboxSpec, data_dir_label
+from agentbox.backends.podman import PodmanBackend
+from agentbox.config import Settings
+from agentbox.errors import SandboxGone
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.skipif(os.geteuid() != 0, reason="workspace disks and cgroups need root"),
+]
+
+#: The hierarchies systemd tracks a unit by on a hybrid host (a restart kills what is in them).
+UNIT_HIERARCHIES = [h for h in ("systemd", "unified") if Path(f"/sys/fs/cgroup/{h}").is_dir()]
+
+
+def _spec(settings: Settings, image: str, ws: Path | None, name: str, **kw: object) -> SandboxSpec:
+    return SandboxSpec(name=name, image=image, workspace=ws, **kw)  # type: ignore[arg-type]
+
+
+def _follow(backend: PodmanBackend, name: str, log: Path) -> tuple[Exited, bytes, bytes]:
+    out: list[bytes] = []
+    err: list[bytes] = []
+    ended = backend.follow(name, log=log, on_stdout=out.append, on_stderr=err.append, poll=0.05)
+    return ended, b"".join(out), b"".join(err)
+
+
+def _leftovers(settings: Settings, name: str, ws: Path | None, log: Path) -> list[str]:
+    left = []
+    if subprocess.run(["podman", "container", "exists", name], check=False).returncode == 0:
+        left.append("the container")
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "conmon" in " ".join(cmd[:1]) and name in cmd:
+            left.append(f"conmon {p.pid}")
+        with contextlib.suppress(psutil.Error):
+            if any(f.path == str(log) for f in p.open_files()):
+                left.append(f"process {p.pid} holds the log")
+    disks = settings.data_dir / "disks"
+    if disks.is_dir():
+        left += [f"disk file {f.name}" for f in disks.iterdir() if f.name.startswith(name)]
+    if ws is not None and os.path.ismount(ws):
+        left.append("the workspace disk is mounted")
+    return left
+
+
+def _assert_clean(settings: Settings, name: str, ws: Path | None, log: Path) -> None:
+    end = time.monotonic() + 10
+    while (left := _leftovers(settings, name, ws, log)) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not left, left
+
+
+@pytest.fixture
+def cleanup(sandbox_settings: Settings) -> Iterator[list[str]]:
+    """Names to reap whatever the test's outcome."""
+    names: list[str] = []
+    yield names
+    backend = PodmanBackend(sandbox_settings)
+    for name in names:
+        with contextlib.suppress(Exception):
+            backend.reap(name)
+
+
+@pytest.fixture
+def unit_cgroup() -> Iterator[str]:
+    """An emulated service unit: a cgroup in the hierarchies systemd tracks units by."""
+    if not UNIT_HIERARCHIES:
+        pytest.skip("no name=systemd or unified cgroup hierarchy to emulate a unit in")
+    name = f"agentbox-test-unit-{os.getpid()}"
+    for h in UNIT_HIERARCHIES:
+        (Path("/sys/fs/cgroup") / h / name).mkdir()
+    yield name
+    for h in UNIT_HIERARCHIES:
+        d = Path("/sys/fs/cgroup") / h / name
+        for _ in range(50):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+                break
+            time.sleep(0.1)
+
+
+_LAUNCHER = """
+import json, os, signal, sys
+from pathlib import Path
+from agentbox.backends.base import SandboxSpec
+from agentbox.backends.podman import PodmanBackend
+from agentbox.config import Settings
+a = json.loads(sys.argv[1])
+for h in a["unit_hierarchies"]:
+    Path(f"/sys/fs/cgroup/{h}/{a['unit']}/cgroup.procs").write_text(str(os.getpid()))
+settings = Settings(data_dir=Path(a["data_dir"]), repos_root=Path(a["repos_root"]),
+                    mount_roots=tuple(Path(p) for p in a["mount_roots"]))
+spec = SandboxSpec(name=a["name"], image=a["image"], workspace=Path(a["ws"]), deadline=120)
+PodmanBackend(settings).launch(spec, a["argv"], log=Path(a["log"]))
+print("launched", flush=True)
+signal.pause()  # the launcher lives on until it is killed
+"""
+
+
+def test_a_sandbox_outlives_its_launcher_and_its_unit_and_is_followed_elsewhere(
+    sandbox_settings: Settings,
+    default_image: str,
+    make_workspace: Callable[[], Path],
+    unit_cgroup: str,
+    cleanup: list[str],
+) -> None:
+    ws = make_workspace()
+    name = f"det-{os.getpid()}"
+    cleanup.append(name)
+    log = sandbox_settings.data_dir / "sandbox.log"
+    script = (
+        "for i in 1 2 3 4 5 6 7 8; do echo tick $i; echo $i >> /workspace/progress; "
+        "sleep 0.4; done; echo bye >&2; exit 5"
+    )
+    args = {
+        "data_dir": str(sandbox_settings.data_dir),
+        "repos_root": str(sandbox_settings.repos_root),
+        "mount_roots": [str(p) for p in sandbox_settings.mount_roots],
+        "name": name,
+        "image": default_image,
+        "ws": str(ws),
+        "log": str(log),
+        "argv": ["sh", "-c", script],
+        "unit": unit_cgroup,
+        "unit_hierarchies": UNIT_HIERARCHIES,
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, json.dumps(args)], stdout=subprocess.PIPE
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline() == b"launched\n", "the launcher child failed"
+    info = detach.inspect(name)
+    assert info is not None
+    conmon = detach.conmon_of(info)
+    assert conmon is not None
+    # conmon is nothing of the launcher's: not its child, group, session or unit cgroup.
+    assert conmon.ppid() == 1
+    assert os.getsid(conmon.pid) != os.getsid(child.pid)
+    assert os.getpgid(conmon.pid) != os.getpgid(child.pid)
+    for h in UNIT_HIERARCHIES:
+        procs = (Path("/sys/fs/cgroup") / h / unit_cgroup / "cgroup.procs").read_text().split()
+        assert str(conmon.pid) not in procs, f"conmon is in the unit's {h} cgroup"
+    # `systemctl restart` of the unit: every process in its cgroup is SIGKILLed.
+    for h in UNIT_HIERARCHIES:
+        for pid in (Path("/sys/fs/cgroup") / h / unit_cgroup / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    child.wait(10)
+    child.stdout.close()
+    # The sandbox runs on with no launcher: its progress keeps growing.
+    progress = ws / "progress"
+    end = time.monotonic() + 30
+    while (
+        time.monotonic() < end
+        and len(progress.read_text().split() if progress.exists() else []) < 3
+    ):
+        time.sleep(0.1)
+    assert len(progress.read_text().split()) >= 3
+
+    backend = PodmanBackend(sandbox_settings)  # a new launcher, in another process
+    assert backend.adoptable(name, labels={LABEL: "1"})
+    ended, out, err = _follow(backend, name, log)
+    assert ended == Exited(5, False)
+    assert out == b"".join(b"tick %d\n" % i for i in range(1, 9))
+    assert err == b"bye\n"
+    assert progress.read_text().split() == [str(i) for i in range(1, 9)]  # copied back
+    _assert_clean(sandbox_settings, name, ws, log)
+    # A follower after the end (the first died before returning) replays the same end.
+    assert _follow(backend, name, log) == (ended, out, err)
+
+
+def test_the_deadline_holds_with_nobody_following(
+    sandbox_settings: Settings,
+    default_image: str,
+    make_workspace: Callable[[], Path],
+    cleanup: list[str],
+) -> None:
+    ws = make_workspace()
+    name = f"det-dl-{os.getpid()}"
+    cleanup.append(name)
+    log = sandbox_settings.data_dir / "deadline.log"
+    backend = PodmanBackend(sandbox_settings)
+    spec = _spec(sandbox_settings, default_image, ws, name, deadline=2.0)
+    backend.launch(spec, ["sh", "-c", "echo started; exec sleep 600"], log=log)
+    info = detach.inspect(name)
+    conmon = detach.conmon_of(info or {})
+    assert conmon is not None
+    # Nobody follows: conmon's own --timeout (deadline + grace) kills it.
+    conmon.wait(60)
+    state = (detach.inspect(name) or {}).get("State", {})
+    assert state.get("Running") is False  # conmon's timeout leaves ExitCode -1
+    ended, out, _ = _follow(PodmanBackend(sandbox_settings), name, log)
+    assert ended == Exited(137, True)
+    assert out == b"started\n"
+    _assert_clean(sandbox_settings, name, ws, log)
+
+
+def test_adoptable_refuses_what_is_not_ours(
+    sandbox_settings: Settings,
+    settings_factory: Callable[[], Settings],
+    default_image: str,
+    cleanup: list[str],
+) -> None:
+    backend = PodmanBackend(sandbox_settings)
+    assert not backend.adoptable("det-no-such-sandbox", labels={})
+    with pytest.raises(SandboxGone):
+        backend.follow(
+            "det-no-such-sandbox",
+            log=sandbox_settings.data_dir / "none.log",
+            on_stdout=None,
+            on_stderr=None,
+        )
+    # Another data dir's sandbox, same name, same labels: refused.
+    other = settings_factory()
+    name = f"det-other-{os.getpid()}"
+    cleanup.append(name)
+    other_log = other.data_dir / "other.log"
+    PodmanBackend(other).launch(
+        _spec(other, default_image, None, name, labels={"io.agentbox.task": "t"}),
+        ["sleep", "600"],
+        log=other_log,
+    )
+    assert PodmanBackend(other).adoptable(name, labels={"io.agentbox.task": "t"})
+    assert not backend.adoptable(name, labels={"io.agentbox.task": "t"})
+    with pytest.raises(SandboxGone):
+        backend.follow(
+            name, log=sandbox_settings.data_dir / "x.log", on_stdout=None, on_stderr=None
+        )
+    assert detach.inspect(name) is not None, "a refused follower must not touch it"
+    PodmanBackend(other).reap(name)
+    # Made by hand with our labels and our data dir's label, but not by us (no seal).
+    forged = f"det-forged-{os.getpid()}"
+    cleanup.append(forged)
+    labels = {
+        LABEL: "1",
+        OWNER_DATA_LABEL: data_dir_label(sandbox_settings.data_dir),
+        detach.DETACHED_LABEL: "1",
+        detach.DEADLINE_LABEL: "600",
+        detach.SEAL_LABEL: "0" * 32,
+    }
+    argv = ["podman", "--runtime", "runc", "run", "-d", "--name", forged, "--network", "none",
+            "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=512:512"]  # fmt: skip
+    for k, v in labels.items():
+        argv += ["--label", f"{k}={v}"]
+    subprocess.run([*argv, default_image, "sleep", "600"], check=True, capture_output=True)
+    assert not backend.adoptable(forged, labels={})
+
+
+def test_hostile_output_comes_back_byte_for_byte(
+    sandbox_settings: Settings, default_image: str, cleanup: list[str]
+) -> None:
+    name = f"det-hostile-{os.getpid()}"
+    cleanup.append(name)
+    log = sandbox_settings.data_dir / "hostile.log"
+    prog = (
+        "import sys\n"
+        "o, e = sys.stdout.buffer, sys.stderr.buffer\n"
+        "o.write(b'x' * 10_000_000 + b'\\n')\n"
+        "o.write(b'\\xff\\xfe\\x00\\xc3(\\r\\n')\n"
+        "o.write(b'2026-01-01T00:00:00.000000000+00:00 stderr F forged\\n')\n"
+        "o.flush()\n"
+        "e.write(b'2026-01-01T00:00:00Z stdout P also forged'); e.flush()\n"
+        "o.write(b'no newline at the end'); o.flush()\n"
+    )
+    backend = PodmanBackend(sandbox_settings)
+    backend.launch(
+        _spec(sandbox_settings, default_image, None, name), ["python3", "-c", prog], log=log
+    )
+    ended, out, err = _follow(backend, name, log)
+    assert ended == Exited(0, False)
+    want = (
+        b"x" * 10_000_000
+        + b"\n\xff\xfe\x00\xc3(\r\n"
+        + b"2026-01-01T00:00:00.000000000+00:00 stderr F forged\n"
+        + b"no newline at the end"
+    )
+    assert out == want
+    assert err == b"2026-01-01T00:00:00Z stdout P also forged"
+    _assert_clean(sandbox_settings, name, None, log)
+
+
+def test_at_the_log_cap_the_last_part_is_kept(
+    sandbox_settings: Settings,
+    default_image: str,
+    cleanup: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(detach, "MAX_LOG_BYTES", 100_000)
+    name = f"det-cap-{os.getpid()}"
+    cleanup.append(name)
+    log = sandbox_settings.data_dir / "cap.log"
+    backend = PodmanBackend(sandbox_settings)
+    prog = "for i in range(20000): print('line %06d' % i, flush=True)"
+    backend.launch(
+        _spec(sandbox_settings, default_image, None, name), ["python3", "-c", prog], log=log
+    )
+    conmon = detach.conmon_of(detach.inspect(name) or {})
+    if conmon is not None:
+        conmon.wait(60)  # nobody follows while it prints
+    ended, out, _ = _follow(backend, name, log)
+    assert ended == Exited(0, False)
+    printed = b"".join(b"line %06d\n" % i for i in range(20000))
+    assert out and len(out) < 100_000 < len(printed)
+    assert printed.endswith(out) and out.startswith(b"line ")
+
+
+@pytest.mark.skipif(not _host.podman_runtime("runsc").ok, reason="runsc unusable here")
+def test_runsc_launch_and_follow(
+    sandbox_settings: Settings,
+    default_image: str,
+    make_workspace: Callable[[], Path],
+    cleanup: list[str],
+) -> None:
+    ws = make_workspace()
+    name = f"det-runsc-{os.getpid()}"
+    cleanup.append(name)
+    log = sandbox_settings.data_dir / "runsc.log"
+    backend = PodmanBackend(sandbox_settings)
+    spec = _spec(sandbox_settings, default_image, ws, name, runtime="runsc")
+    script = "uname -r; echo done > /workspace/out.txt; echo oops >&2; exit 3"
+    backend.launch(spec, ["sh", "-c", script], log=log)
+    assert backend.adoptable(name, labels={})
+    ended, out, err = _follow(backend, name, log)
+    assert ended == Exited(3, False)
+    assert out.strip() == b"4.4.0"  # gVisor's kernel, not the host's
+    assert err == b"oops\n"
+    assert (ws / "out.txt").read_text() == "done\n"
+    _assert_clean(sandbox_settings, name, ws, log)
