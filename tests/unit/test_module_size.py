@@ -30,7 +30,6 @@ PENDING = {
     "cli/_tasks.py",
     "gateway/_upstream.py",
     "launcher/_server.py",
-    "egress/_proxy.py",
     "image/_containerfile.py",
     "microvm/_guest.py",
     "mcp/_server.py",

@@ -24,111 +24,34 @@ import asyncio
 import contextlib
 import ipaddress
 import itertools
-import socket
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import h11
 
 from agentbox._log import get_logger
-from agentbox.egress._addr import check_address, normalize_host
+from agentbox.egress._addr import check_address
 from agentbox.egress._pipe import Upstream
 from agentbox.egress._policy import EgressPolicy
 from agentbox.egress._record import EgressLog
+from agentbox.egress._request import (
+    HOP,
+    REASONS,
+    Attempt,
+    Closed,
+    Refuse,
+    Resolver,
+    checked_host,
+    safe,
+    split_authority,
+    system_resolver,
+)
 
 __all__ = ["EgressProxy", "Resolver", "system_resolver"]
 
 log = get_logger("egress.proxy")
 
-#: ``(host, port) -> addresses``; the default asks the host's resolver (getaddrinfo).
-Resolver = Callable[[str, int], Awaitable[list[str]]]
-
 _CHUNK = 262144
-_REASONS = {
-    400: "Bad Request",
-    403: "Forbidden",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    431: "Request Header Fields Too Large",
-    502: "Bad Gateway",
-    503: "Service Unavailable",
-    504: "Gateway Timeout",
-}
-_HOP = frozenset(
-    b"connection keep-alive proxy-connection proxy-authorization proxy-authenticate "
-    b"te trailer transfer-encoding upgrade host content-length".split()
-)
-
-
-async def system_resolver(host: str, port: int) -> list[str]:
-    """The host's resolver (``getaddrinfo``), TCP addresses in its order, without repeats."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
-    return list(dict.fromkeys(str(info[4][0]) for info in infos))
-
-
-class _Closed(Exception):
-    """The client closed before sending a whole request head: nothing to answer or log."""
-
-
-class _Refuse(Exception):
-    """An attempt the proxy answers with an error status (and logs as denied or failed)."""
-
-    def __init__(self, status: int, rule: str, reason: str, *, address: str | None = None):
-        super().__init__(reason)
-        self.status, self.rule, self.reason, self.address = status, rule, reason, address
-
-
-@dataclass
-class _Attempt:
-    """What the log records about one connection."""
-
-    conn: int
-    start: float
-    method: str = "-"
-    host: str = "-"
-    port: int | None = None
-    decision: str = "denied"
-    rule: str = "-"
-    reason: str = ""
-    address: str | None = None
-    status: int | None = None
-    bytes_up: int = 0
-    bytes_down: int = 0
-    end: str = "closed"
-    last: float = field(default=0.0)
-
-
-def _safe(text: str, limit: int = 200) -> str:
-    """Printable ASCII only (what a refusal echoes of the sandbox's request)."""
-    out = "".join(c if " " <= c <= "~" else "?" for c in text[:limit])
-    return out + ("…" if len(text) > limit else "")
-
-
-def _split_authority(authority: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) → (host, port); _Refuse 400 when malformed."""
-    host, sep, port_s = authority.rpartition(":")
-    if not sep or not port_s.isdigit() or not 0 < int(port_s) < 65536 or len(port_s) > 5:
-        raise _Refuse(400, "malformed", f"CONNECT needs host:port, got {_safe(authority)!r}")
-    return host, int(port_s)
-
-
-def _checked_host(raw: str) -> str:
-    try:
-        ipaddress.ip_address(raw.strip("[]"))
-    except ValueError:
-        pass
-    else:
-        raise _Refuse(403, "ip-literal", f"{_safe(raw)} is an IP address: name a host")
-    try:
-        return normalize_host(raw)
-    except ValueError as exc:
-        rule = "ip-literal" if "address" in str(exc) else "malformed"
-        raise _Refuse(
-            403 if rule == "ip-literal" else 400, rule, f"{_safe(raw)!r}: {exc}"
-        ) from None
 
 
 class EgressProxy:
@@ -157,7 +80,7 @@ class EgressProxy:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client connection, start to end; never raises."""
         loop = asyncio.get_running_loop()
-        att = _Attempt(conn=next(self._ids), start=loop.time())
+        att = Attempt(conn=next(self._ids), start=loop.time())
         att.last = att.start
         task = asyncio.current_task()
         if task is not None:
@@ -165,13 +88,13 @@ class EgressProxy:
         self._open += 1
         try:
             if self._open > self.limits.max_connections:
-                raise _Refuse(503, "connections", "too many connections through the proxy")
+                raise Refuse(503, "connections", "too many connections through the proxy")
             await self._serve(att, reader, writer)
-        except _Refuse as ref:
+        except Refuse as ref:
             att.status, att.rule, att.reason = ref.status, ref.rule, ref.reason
             att.address = ref.address or att.address
             await self._answer(writer, ref)
-        except _Closed:
+        except Closed:
             att.end = "empty"
         except asyncio.CancelledError:
             att.end = "stopped"
@@ -206,10 +129,10 @@ class EgressProxy:
                     await asyncio.wait_for(writer.wait_closed(), 5.0)
             writer.transport.abort()
 
-    async def _answer(self, writer: asyncio.StreamWriter, ref: _Refuse) -> None:
+    async def _answer(self, writer: asyncio.StreamWriter, ref: Refuse) -> None:
         body = f"agentbox egress proxy: {ref.reason}\n".encode()
         head = (
-            f"HTTP/1.1 {ref.status} {_REASONS.get(ref.status, 'Error')}\r\n"
+            f"HTTP/1.1 {ref.status} {REASONS.get(ref.status, 'Error')}\r\n"
             "Content-Type: text/plain; charset=utf-8\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n"
             f"X-Agentbox-Egress: {ref.rule}\r\n\r\n"
@@ -227,38 +150,38 @@ class EgressProxy:
             except h11.RemoteProtocolError as exc:
                 status = 431 if exc.error_status_hint == 431 else 400
                 rule = "header-size" if status == 431 else "malformed"
-                raise _Refuse(status, rule, f"bad request: {_safe(str(exc))}") from None
+                raise Refuse(status, rule, f"bad request: {safe(str(exc))}") from None
             if event is h11.NEED_DATA:
                 # h11 bounds only an incomplete head: a whole one that arrives at once is
                 # bounded here, by never reading more than the cap allows.
                 room = self.limits.max_header_bytes - got
                 if room <= 0:
-                    raise _Refuse(431, "header-size", "request head too large")
+                    raise Refuse(431, "header-size", "request head too large")
                 data = await reader.read(min(_CHUNK, room + 1))
                 if not data and not got:
-                    raise _Closed  # a connect-and-close (a readiness probe): not an attempt
+                    raise Closed  # a connect-and-close (a readiness probe): not an attempt
                 if not data:
-                    raise _Refuse(400, "malformed", "connection closed inside the request head")
+                    raise Refuse(400, "malformed", "connection closed inside the request head")
                 got += len(data)
                 conn.receive_data(data)
                 continue
             if isinstance(event, h11.Request):
                 return conn, event
-            raise _Refuse(400, "malformed", "no request")
+            raise Refuse(400, "malformed", "no request")
 
     async def _serve(
-        self, att: _Attempt, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, att: Attempt, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         try:
             conn, req = await asyncio.wait_for(self._read_head(reader), self.limits.header_timeout)
         except TimeoutError:
-            raise _Refuse(408, "header-timeout", "request head not received in time") from None
-        att.method = _safe(req.method.decode("ascii", "replace"), 16)
+            raise Refuse(408, "header-timeout", "request head not received in time") from None
+        att.method = safe(req.method.decode("ascii", "replace"), 16)
         target = req.target.decode("ascii", "replace")
         if req.method == b"CONNECT":
-            raw_host, att.port = _split_authority(target)
-            att.host = _safe(raw_host)
-            host = _checked_host(raw_host)
+            raw_host, att.port = split_authority(target)
+            att.host = safe(raw_host)
+            host = checked_host(raw_host)
             att.host = host
             upstream = await self._open_upstream(att, host, att.port, tls=True)
             await self._connect(att, conn, writer, reader, upstream)
@@ -268,17 +191,17 @@ class EgressProxy:
                 (n, v) for n, v in req.headers if n in (b"content-length", b"transfer-encoding")
             ]
             if any(n == b"transfer-encoding" or v != b"0" for n, v in framing):
-                raise _Refuse(400, "body", f"a {att.method} with a body is not relayed")
+                raise Refuse(400, "body", f"a {att.method} with a body is not relayed")
             upstream = await self._open_upstream(att, host, port, tls=False)
             await self._forward(att, req, host, port, path, writer, upstream)
         else:
-            raise _Refuse(
+            raise Refuse(
                 405, "method", f"method {att.method} not allowed (CONNECT, GET and HEAD only)"
             )
 
-    def _absolute(self, att: _Attempt, target: str) -> tuple[str, int, str]:
+    def _absolute(self, att: Attempt, target: str) -> tuple[str, int, str]:
         if not target.lower().startswith("http://"):
-            raise _Refuse(
+            raise Refuse(
                 400,
                 "malformed",
                 "use the absolute form http://host/path (and CONNECT for https)",
@@ -287,46 +210,46 @@ class EgressProxy:
             parts = urlsplit(target)
             port = parts.port or 80
         except ValueError:
-            raise _Refuse(400, "malformed", f"bad URL {_safe(target)!r}") from None
+            raise Refuse(400, "malformed", f"bad URL {safe(target)!r}") from None
         if parts.username is not None or parts.password is not None or not parts.hostname:
-            raise _Refuse(400, "malformed", "a URL with credentials or no host")
-        att.host, att.port = _safe(parts.hostname), port
-        host = _checked_host(parts.hostname)
+            raise Refuse(400, "malformed", "a URL with credentials or no host")
+        att.host, att.port = safe(parts.hostname), port
+        host = checked_host(parts.hostname)
         att.host = host
         path = parts.path or "/"
         return host, port, path + (f"?{parts.query}" if parts.query else "")
 
-    async def _open_upstream(self, att: _Attempt, host: str, port: int, *, tls: bool) -> Upstream:
+    async def _open_upstream(self, att: Attempt, host: str, port: int, *, tls: bool) -> Upstream:
         verdict = self.policy.decide(host, port, tls=tls)
         if not verdict.allowed:
             if verdict.rule == "port":
                 kind = "CONNECT" if tls else "plain HTTP"
-                raise _Refuse(403, "port", f"port {port} is not allowed for {host} ({kind})")
-            raise _Refuse(403, "not-allowed", f"{host} is not in this task's allow-list")
+                raise Refuse(403, "port", f"port {port} is not allowed for {host} ({kind})")
+            raise Refuse(403, "not-allowed", f"{host} is not in this task's allow-list")
         lim = self.limits
         if self.bytes_down >= lim.max_bytes_down or self.bytes_up >= lim.max_bytes_up:
-            raise _Refuse(403, "byte-cap", "this task's egress byte cap is used up")
+            raise Refuse(403, "byte-cap", "this task's egress byte cap is used up")
         att.rule, att.decision = verdict.rule, "allowed"
         timeout = self.limits.connect_timeout
         try:
             addrs = await asyncio.wait_for(self._resolve(host, port), timeout)
         except (OSError, TimeoutError, UnicodeError) as exc:
-            raise _Refuse(502, "resolve", f"cannot resolve {host}: {_safe(str(exc))}") from None
+            raise Refuse(502, "resolve", f"cannot resolve {host}: {safe(str(exc))}") from None
         if not addrs:
-            raise _Refuse(502, "resolve", f"{host} has no address")
+            raise Refuse(502, "resolve", f"{host} has no address")
         parsed = []
         for a in addrs:
             try:
                 addr = ipaddress.ip_address(a.split("%", 1)[0])
             except ValueError:
-                raise _Refuse(502, "resolve", f"{host}: resolver gave {_safe(a)!r}") from None
+                raise Refuse(502, "resolve", f"{host}: resolver gave {safe(a)!r}") from None
             if self.policy.address_checks:
                 why = check_address(
                     addr, trusted_name=verdict.trusted, trusted_ranges=self._networks
                 )
                 if why is not None:
                     att.decision = "denied"
-                    raise _Refuse(
+                    raise Refuse(
                         403,
                         f"address:{why}",
                         f"{host} resolves to {addr} ({why})",
@@ -351,11 +274,11 @@ class EgressProxy:
             return up
         att.address = str(parsed[-1])
         status = 504 if isinstance(last, TimeoutError) else 502
-        raise _Refuse(status, "connect", f"cannot connect to {host}: {_safe(repr(last))}")
+        raise Refuse(status, "connect", f"cannot connect to {host}: {safe(repr(last))}")
 
     async def _connect(
         self,
-        att: _Attempt,
+        att: Attempt,
         conn: h11.Connection,
         writer: asyncio.StreamWriter,
         reader: asyncio.StreamReader,
@@ -364,7 +287,7 @@ class EgressProxy:
         try:
             while (event := conn.next_event()) is not h11.PAUSED:
                 if not isinstance(event, h11.EndOfMessage):
-                    raise _Refuse(400, "body", "a CONNECT with a body")
+                    raise Refuse(400, "body", "a CONNECT with a body")
             writer.write(conn.send(h11.Response(status_code=200, headers=[],
                                                 reason=b"Connection established")))  # fmt: skip
             att.status = 200
@@ -377,7 +300,7 @@ class EgressProxy:
                 await up.write(early)
             att.end = await self._relay(att, reader, up)
         except h11.ProtocolError as exc:
-            raise _Refuse(400, "malformed", f"bad request: {_safe(str(exc))}") from None
+            raise Refuse(400, "malformed", f"bad request: {safe(str(exc))}") from None
         except (ConnectionError, OSError):
             att.end = "error"
         finally:
@@ -385,7 +308,7 @@ class EgressProxy:
 
     async def _forward(
         self,
-        att: _Attempt,
+        att: Attempt,
         req: h11.Request,
         host: str,
         port: int,
@@ -394,7 +317,7 @@ class EgressProxy:
         up: Upstream,
     ) -> None:
         try:
-            drop = set(_HOP)
+            drop = set(HOP)
             for name, value in req.headers:
                 if name == b"connection":
                     drop.update(t.strip().lower() for t in value.split(b","))
@@ -413,11 +336,11 @@ class EgressProxy:
             await up.write(out)
             att.end = await self._relay(att, None, up)
         except (h11.ProtocolError, OSError) as exc:
-            raise _Refuse(502, "upstream", f"relaying to {host}: {_safe(repr(exc))}") from None
+            raise Refuse(502, "upstream", f"relaying to {host}: {safe(repr(exc))}") from None
         finally:
             up.close()
 
-    def _take(self, att: _Attempt, way: str, n: int) -> bool:
+    def _take(self, att: Attempt, way: str, n: int) -> bool:
         """Count ``n`` bytes one way against the task's cap; False once it is reached."""
         if way == "up":
             if self.bytes_up + n > self.limits.max_bytes_up:
@@ -432,7 +355,7 @@ class EgressProxy:
         att.last = asyncio.get_running_loop().time()
         return True
 
-    def _grant(self, att: _Attempt, way: str, n: int) -> int:
+    def _grant(self, att: Attempt, way: str, n: int) -> int:
         """Count up to ``n`` bytes one way against the task's cap; how many may pass."""
         if way == "up":
             n = max(0, min(n, self.limits.max_bytes_up - self.bytes_up))
@@ -446,7 +369,7 @@ class EgressProxy:
             att.last = asyncio.get_running_loop().time()
         return n
 
-    async def _pump_up(self, att: _Attempt, src: asyncio.StreamReader, up: Upstream) -> str:
+    async def _pump_up(self, att: Attempt, src: asyncio.StreamReader, up: Upstream) -> str:
         """Client → upstream until EOF (then half-close) or the cap."""
         try:
             while True:
@@ -462,7 +385,7 @@ class EgressProxy:
         except (ConnectionError, OSError):
             return "error"
 
-    async def _watch(self, att: _Attempt) -> str:
+    async def _watch(self, att: Attempt) -> str:
         loop = asyncio.get_running_loop()
         lim = self.limits
         tick = min(1.0, lim.idle_timeout / 4, lim.max_connection_time / 4)
@@ -474,7 +397,7 @@ class EgressProxy:
                 return "idle"
             await asyncio.sleep(tick)
 
-    async def _relay(self, att: _Attempt, reader: asyncio.StreamReader | None, up: Upstream) -> str:
+    async def _relay(self, att: Attempt, reader: asyncio.StreamReader | None, up: Upstream) -> str:
         """Both directions (only the answer without ``reader``) until both end or a cap hits."""
         att.last = asyncio.get_running_loop().time()
         ways: set[asyncio.Future[str]] = {up.ended}
