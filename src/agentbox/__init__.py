@@ -1,12 +1,42 @@
 """agentbox: run AI coding agents in sandboxes that assume the worst.
 
-The public surface is small; implementation lives in subpackages.
+The public surface is small; implementation lives in subpackages. The names below
+are imported on first use (PEP 562): importing any ``agentbox.x`` module imports
+this package first, and the per-task gateway (``python -m agentbox.gateway``) must
+not pay for the Boxfile model and the settings loader it never uses (issue 15).
 """
 
-from agentbox.boxfile import Boxfile, load_boxfile
-from agentbox.config import Settings, load_settings
-from agentbox.errors import AgentboxError
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentbox.boxfile import Boxfile, load_boxfile
+    from agentbox.config import Settings, load_settings
+    from agentbox.errors import AgentboxError
 
 __version__ = "0.1.0"
 
 __all__ = ["AgentboxError", "Boxfile", "Settings", "__version__", "load_boxfile", "load_settings"]
+
+_LAZY = {
+    "Boxfile": "agentbox.boxfile",
+    "load_boxfile": "agentbox.boxfile",
+    "Settings": "agentbox.config",
+    "load_settings": "agentbox.config",
+    "AgentboxError": "agentbox.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agentbox' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -16,7 +16,6 @@ What the launcher calls::
 
 from typing import TYPE_CHECKING, Any
 
-from agentbox.gateway._process import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.gateway._usage import Usage, read_usage
 from agentbox.gateway.registry import (
     DEFAULT_MODEL,
@@ -28,6 +27,7 @@ from agentbox.gateway.registry import (
 
 if TYPE_CHECKING:
     from agentbox.gateway._cli import gateway as _gateway_command
+    from agentbox.gateway._process import GatewayHandle, gateway_identity, spawn_gateway
     from agentbox.gateway._run import run_replay as run_replay
 
     gateway_command = _gateway_command
@@ -54,7 +54,14 @@ def __getattr__(name: str) -> Any:
     """``gateway_command`` (the ``agentbox gateway`` command) and ``run_replay``, on first use.
 
     For the CLI; not in ``__all__`` (the library surface), which stays as pinned.
+    The spawning side (:mod:`._process`: subprocess, the settings model) is also
+    imported on first use: the gateway process itself, which imports this package
+    first, never spawns a gateway.
     """
+    if name in ("GatewayHandle", "gateway_identity", "spawn_gateway"):
+        from agentbox.gateway import _process
+
+        return getattr(_process, name)
     if name == "gateway_command":
         from agentbox.gateway._cli import gateway
 

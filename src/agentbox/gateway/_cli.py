@@ -1,4 +1,4 @@
-"""The ``gateway`` command, kept apart from :mod:`agentbox.cli` so that a gateway process
+"""The ``gateway`` command (typer), kept apart from :mod:`agentbox.cli` so that a gateway process
 (``python -m agentbox.gateway``, what :func:`spawn_gateway` runs) imports only what it needs:
 the full CLI pulls in every area (the MCP SDK, the launcher …) and costs ~0.5 s of CPU more
 at every task's start.
@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from agentbox.config import load_settings
 
 __all__ = ["gateway"]
 
@@ -31,6 +29,13 @@ def gateway(
         int, typer.Option(help="Token budget (weighted input+output+cache)")
     ] = 20_000_000,
     models_file: Annotated[Path | None, typer.Option(help="Model registry (TOML)")] = None,
+    builtin_models: Annotated[
+        bool,
+        typer.Option(
+            help="Use the built-in registry unless --models-file is given; read no settings "
+            "(how the launcher starts gateways: it already resolved the models file)"
+        ),
+    ] = False,
     upstream: Annotated[
         str | None,
         typer.Option(help="Override the upstream: http(s)://URL, unix:/path or replay:SCRIPT"),
@@ -70,29 +75,27 @@ def gateway(
     ] = None,
 ) -> None:
     """Run one task's model gateway until SIGTERM."""
-    from agentbox.gateway._logcap import log_file_limit
-    from agentbox.gateway._run import parse_user, read_token, run_gateway
-    from agentbox.gateway.registry import load_registry
+    from agentbox.gateway._command import run
 
-    settings = load_settings()
-    entry = load_registry(settings, models_file).get(model)
-    run_gateway(
+    run(
         listen=listen,
-        token=read_token(token=token, token_file=token_file),
-        entry=entry,
+        model=model,
+        token=token,
+        token_file=token_file,
         budget=budget,
+        models_file=models_file,
+        builtin_models=builtin_models,
         upstream=upstream,
-        key_env=upstream_key_env,
+        upstream_key_env=upstream_key_env,
         usage_file=usage_file,
         max_body=max_body,
         max_held=max_held,
-        max_memory=max_memory or None,
-        max_file=log_file_limit(),
+        max_memory=max_memory,
         max_concurrency=max_concurrency,
         max_connections=max_connections,
         header_timeout=header_timeout,
-        exit_at=exit_at,
         body_timeout=body_timeout,
-        run_as=parse_user(user) if user is not None else None,
+        user=user,
         ready_fd=ready_fd,
+        exit_at=exit_at,
     )

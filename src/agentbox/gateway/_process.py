@@ -140,6 +140,8 @@ def gateway_argv(
     argv += ["--usage-file", str(usage_file)]
     if models_file is not None:
         argv += ["--models-file", str(models_file)]
+    else:
+        argv.append("--builtin-models")  # resolved here: the child reads no settings
     if upstream is not None:
         argv += ["--upstream", upstream]
     if max_concurrency is not None:

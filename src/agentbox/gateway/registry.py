@@ -34,11 +34,10 @@ import stat
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from agentbox.config import Settings
 from agentbox.errors import ConfigError
 from agentbox.gateway._policy import (
     DEFAULT_BETAS,
@@ -49,6 +48,11 @@ from agentbox.gateway._policy import (
     NETWORK_FIELDS,
     RequestPolicy,
 )
+
+if TYPE_CHECKING:
+    # Only a type here: the gateway process loads the registry without the settings
+    # loader (pydantic-settings, ~5 MiB per task).
+    from agentbox.config import Settings
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -1,0 +1,300 @@
+"""A lean keep-alive HTTP/1.1 client for plain-HTTP upstreams, framed by h11.
+
+Plain-HTTP upstreams (the replay model on a private socket, llama.cpp or vLLM on
+127.0.0.1) are where the gateway's own cost shows: httpx's transport costs ~0.7 ms
+of CPU per request there (httpcore's state machine under an anyio layer), more
+than the rest of the gateway. :class:`PlainPool` is asyncio streams plus h11, the
+strict HTTP/1.1 framing httpx itself stands on (and uvicorn, already in the
+gateway process): h11 writes the request and parses the response; this module only
+moves bytes and decides when a connection may be reused.
+
+Framing is h11's, with three checks of ours on top, where h11 is more lenient
+than a gateway should be:
+
+- a response with both ``Transfer-Encoding`` and ``Content-Length`` is refused
+  (that ambiguity is how response smuggling starts); h11 would follow the coding;
+- obsolete line folding is refused (h11 unfolds it);
+- an informational (1xx) status is refused: the gateway never asks for one.
+
+Chunks that reached the socket together are passed on together: each read takes
+whatever the kernel has (up to 64 KiB), h11 yields every event in it, and the
+data events are joined into one piece, never waiting for more. (An earlier version
+peeked at ``asyncio.StreamReader._buffer``, a CPython internal, for the same effect.)
+A connection is reused only after its response was read to the end and neither
+side said ``Connection: close`` (h11's states say so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import h11
+
+from agentbox.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from agentbox.gateway._upstream import UpstreamResponse
+
+__all__ = ["PlainPool"]
+
+_MAX_HEAD = 64 << 10
+_READ = 1 << 16
+_IDLE_EXPIRY = 4.0  # below the 5 s keep-alive most servers use: no reuse of a closing socket
+
+
+@dataclass
+class _Conn:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    h11: h11.Connection = field(
+        default_factory=lambda: h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD)
+    )
+    idle_since: float = 0.0
+    reused: bool = False
+
+    def close(self) -> None:
+        self.writer.close()
+
+    @property
+    def reusable(self) -> bool:
+        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+
+@dataclass
+class _PlainResponse:
+    status: int
+    headers: dict[str, str]
+    conn: _Conn
+    pool: PlainPool
+    done: bool = False
+    closed: bool = False
+    _timeout: float = 600.0
+    timed_out: bool = False
+    _last: float = 0.0
+    _timer: asyncio.TimerHandle | None = None
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name)
+
+    def _watch(self) -> None:
+        # One watchdog per response instead of a timeout per read (which cost ~15 % of
+        # the gateway's CPU on streams): it re-arms itself while data keeps coming and
+        # aborts the connection once the upstream has been silent for the read timeout.
+        self._timer = None
+        if self.closed or self.done:
+            return
+        idle = time.monotonic() - self._last
+        if idle >= self._timeout:
+            self.timed_out = True
+            self.conn.writer.transport.abort()
+            return
+        self._timer = asyncio.get_running_loop().call_later(self._timeout - idle, self._watch)
+
+    async def _read(self, coro: Awaitable[bytes]) -> bytes:
+        if self._timer is None:
+            self._last = time.monotonic()
+            self._watch()
+        try:
+            data = await coro
+        except OSError as exc:
+            if self.timed_out:
+                raise UpstreamTimeout("upstream read timed out") from None
+            raise UpstreamError(f"upstream connection broke: {type(exc).__name__}") from None
+        if not data and self.timed_out:
+            raise UpstreamTimeout("upstream read timed out")
+        self._last = time.monotonic()
+        return data
+
+    def _events(self) -> tuple[list[bytes], bool]:
+        """The body bytes h11 can give from what it holds, and whether the body ended."""
+        parts: list[bytes] = []
+        conn = self.conn.h11
+        try:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    return parts, False
+                if isinstance(event, h11.Data):
+                    parts.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    return parts, True
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise UpstreamError("upstream closed before the end of the body")
+        except h11.ProtocolError as exc:
+            raise UpstreamError(f"bad response framing from upstream: {exc}") from None
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        reader = self.conn.reader
+        while True:
+            parts, ended = self._events()
+            if parts:
+                yield parts[0] if len(parts) == 1 else b"".join(parts)
+            if ended:
+                # Only now: a consumer that stopped at the last piece did not read to
+                # the end, and its connection is not reused.
+                self.done = True
+                return
+            data = await self._read(reader.read(_READ))
+            self.conn.h11.receive_data(data)  # b"" is EOF: h11 decides if that ends the body
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.done and self.conn.reusable:
+            self.pool._give(self.conn)
+        else:
+            self.conn.close()
+
+
+class PlainPool:
+    """Keep-alive HTTP/1.1 connections to one plain-HTTP upstream (TCP or a unix socket)."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        uds: str | None,
+        host_header: str,
+        prefix: str,
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> None:
+        self.host, self.port, self.uds = host, port, uds
+        self.prefix = prefix
+        self.host_header = host_header
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self._idle: list[_Conn] = []
+
+    async def _connect(self) -> _Conn:
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                if self.uds is not None:
+                    r, w = await asyncio.open_unix_connection(self.uds, limit=_MAX_HEAD)
+                else:
+                    r, w = await asyncio.open_connection(self.host, self.port, limit=_MAX_HEAD)
+        except TimeoutError:
+            raise UpstreamTimeout("connecting to the upstream timed out") from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect to the upstream: {exc}") from None
+        return _Conn(r, w)
+
+    def _take(self) -> _Conn | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if (
+                now - conn.idle_since < _IDLE_EXPIRY
+                and not conn.writer.is_closing()
+                and not conn.reader.at_eof()
+            ):
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    def _give(self, conn: _Conn) -> None:
+        conn.h11.start_next_cycle()
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
+    async def request(
+        self, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> UpstreamResponse:
+        conn = self._take()
+        if conn is not None:
+            try:
+                return await self._exchange(conn, path, headers, body)
+            except _Stale:
+                conn.close()  # the server closed it while idle: once more on a new one
+        conn = await self._connect()
+        try:
+            return await self._exchange(conn, path, headers, body)
+        except _Stale:
+            conn.close()
+            raise UpstreamError("upstream closed the connection without answering") from None
+
+    def _request_bytes(
+        self, conn: _Conn, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> bytes:
+        hdrs = [("host", self.host_header), *headers, ("content-length", str(len(body)))]
+        try:
+            req = h11.Request(method="POST", target=self.prefix + path, headers=hdrs)
+            out = conn.h11.send(req) or b""
+            out += (conn.h11.send(h11.Data(data=body)) or b"") if body else b""
+            return out + (conn.h11.send(h11.EndOfMessage()) or b"")
+        except h11.ProtocolError as exc:  # a header value h11 will not write (CR, LF, NUL)
+            conn.close()
+            raise UpstreamError(f"request not writable as HTTP/1.1: {exc}") from None
+
+    async def _exchange(
+        self, conn: _Conn, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> UpstreamResponse:
+        data = self._request_bytes(conn, path, headers, body)
+        try:
+            conn.writer.write(data)
+            async with asyncio.timeout(self.read_timeout):
+                await conn.writer.drain()
+                raw = await conn.reader.readuntil(b"\r\n\r\n")
+        except TimeoutError:
+            conn.close()
+            raise UpstreamTimeout("upstream did not answer in time") from None
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                raise _Stale from None
+            conn.close()
+            raise UpstreamError("upstream closed the connection mid-answer") from None
+        except (asyncio.LimitOverrunError, ValueError):
+            conn.close()
+            raise UpstreamError("upstream response head too large") from None
+        except OSError as exc:
+            conn.close()
+            if conn.reused:
+                raise _Stale from None
+            raise UpstreamError(f"upstream connection broke: {exc}") from None
+        try:
+            return self._parse(conn, raw)
+        except UpstreamError:
+            conn.close()
+            raise
+
+    def _parse(self, conn: _Conn, raw: bytes) -> _PlainResponse:
+        if any(line[:1] in (b" ", b"\t") for line in raw[:-4].split(b"\r\n")[1:]):
+            raise UpstreamError("malformed header from upstream (obsolete line folding)")
+        conn.h11.receive_data(raw)
+        try:
+            event = conn.h11.next_event()
+        except h11.ProtocolError as exc:
+            raise UpstreamError(f"malformed response head from upstream: {exc}") from None
+        if isinstance(event, h11.InformationalResponse):
+            raise UpstreamError(
+                f"unexpected informational status {event.status_code} from upstream"
+            )
+        if not isinstance(event, h11.Response):  # NEED_DATA cannot be: the head is complete
+            raise UpstreamError("malformed response head from upstream")
+        headers: dict[str, str] = {}
+        for name, value in event.headers:
+            headers[name.decode("latin-1")] = value.decode("latin-1")
+        if "transfer-encoding" in headers and "content-length" in headers:
+            raise UpstreamError("ambiguous response framing from upstream")
+        return _PlainResponse(event.status_code, headers, conn, self, _timeout=self.read_timeout)
+
+    def prepare(self) -> None:
+        """Nothing to load: plain HTTP reads no files."""
+
+    async def aclose(self) -> None:
+        while self._idle:
+            self._idle.pop().close()
+
+
+class _Stale(Exception):
+    """A reused connection turned out closed before any answer: safe to retry once."""
