@@ -27,9 +27,11 @@ PENDING = {
     "guest/agent.py",
     "backends/qemu.py",
     "gateway/_app.py",
+    "cli/_tasks.py",
     "launcher/_server.py",
     "image/_containerfile.py",
     "microvm/_guest.py",
+    "mcp/_server.py",
 }
 
 
