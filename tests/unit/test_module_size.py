@@ -29,7 +29,6 @@ PENDING = {
     "gateway/_app.py",
     "cli/_tasks.py",
     "launcher/_server.py",
-    "image/_containerfile.py",
     "microvm/_guest.py",
     "mcp/_server.py",
 }
