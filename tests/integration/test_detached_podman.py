@@ -213,7 +213,7 @@ def test_the_deadline_holds_with_nobody_following(
     cleanup.append(name)
     log = sandbox_settings.data_dir / "deadline.log"
     backend = PodmanBackend(sandbox_settings)
-    spec = _spec(sandbox_settings, default_image, ws, name, deadline=2.0)
+    spec = _spec(sandbox_settings, default_image, ws, name, deadline=1.0)
     backend.launch(spec, ["sh", "-c", "echo started; exec sleep 600"], log=log)
     info = detach.inspect(name)
     conmon = detach.conmon_of(info or {})
@@ -359,3 +359,22 @@ def test_runsc_launch_and_follow(
     assert err == b"oops\n"
     assert (ws / "out.txt").read_text() == "done\n"
     _assert_clean(sandbox_settings, name, ws, log)
+
+
+def test_a_cancel_kills_and_the_follower_still_reports_and_removes(
+    sandbox_settings: Settings, default_image: str, cleanup: list[str]
+) -> None:
+    name = f"det-cancel-{os.getpid()}"
+    cleanup.append(name)
+    log = sandbox_settings.data_dir / "cancel.log"
+    backend = PodmanBackend(sandbox_settings)
+    backend.launch(
+        _spec(sandbox_settings, default_image, None, name),
+        ["sh", "-c", "echo up; exec sleep 600"],
+        log=log,
+    )
+    PodmanBackend(sandbox_settings).kill(name)  # a cancel, from any process
+    ended, out, _ = _follow(backend, name, log)
+    assert ended == Exited(137, False)
+    assert out == b"up\n"
+    _assert_clean(sandbox_settings, name, None, log)

@@ -56,7 +56,7 @@ def test_a_truncation_is_followed_to_the_new_file(tmp_path: Path) -> None:
     assert _read(log)[0] == b"third\n"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["stdout", "stderr"]), st.binary(max_size=300))))
 def test_any_output_round_trips(chunks: list[tuple[str, bytes]]) -> None:
     import tempfile

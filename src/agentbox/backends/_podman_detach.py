@@ -75,6 +75,8 @@ __all__ = [
     "SEAL_LABEL",
     "PodmanDetached",
     "conmon_of",
+    "inspect",
+    "is_detached",
 ]
 
 logger = get_logger("podman.detach")
@@ -221,7 +223,7 @@ class PodmanDetached:
         if timed_out and exit_code == -1:
             exit_code = 137
         ended = Exited(exit_code, timed_out)
-        with self._final(name):
+        with self._final(log):
             write_exit(log, ended)
             force_remove(name)
             self._settle(name, conmon)
@@ -263,7 +265,7 @@ class PodmanDetached:
         ended = read_exit(log)
         if ended is None:
             raise SandboxGone("no such sandbox (and no record of its end)", sandbox=name)
-        with self._final(name):
+        with self._final(log):
             self._settle(name, None)
         if not replayed:
             with LogReader(log, on_stdout, on_stderr) as reader:
@@ -271,18 +273,16 @@ class PodmanDetached:
         return ended
 
     @contextlib.contextmanager
-    def _final(self, name: str) -> Iterator[None]:
-        """One follower at a time removes the sandbox and copies its disk back."""
-        d = self.settings.data_dir / "run"
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(d / f"{name}.follow.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def _final(self, log: Path) -> Iterator[None]:
+        """One follower at a time removes the sandbox and copies its disk back (a lock
+        file beside the log, in the caller's directory, like the exit marker)."""
+        lock = log.with_name(log.name + ".lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
-            with contextlib.suppress(OSError):
-                (d / f"{name}.follow.lock").unlink()
 
     def _settle(self, name: str, conmon: psutil.Process | None) -> None:
         if conmon is not None:
@@ -333,6 +333,11 @@ def inspect(name: str) -> dict[str, Any] | None:
         return None
     found: dict[str, Any] = data[0]
     return found
+
+
+def is_detached(info: Mapping[str, Any]) -> bool:
+    """Whether an inspected container was made by ``launch``."""
+    return _labels_of(info).get(DETACHED_LABEL) == "1"
 
 
 def _state(info: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -50,7 +50,13 @@ from agentbox.backends._podman_args import (
     image_facts,
     run_args,
 )
-from agentbox.backends._podman_detach import DETACHED_LABEL, PodmanDetached, conmon_of, inspect
+from agentbox.backends._podman_detach import (
+    DETACHED_LABEL,
+    PodmanDetached,
+    conmon_of,
+    inspect,
+    is_detached,
+)
 from agentbox.backends._podman_disk import settle_orphan_disks, workspace_disk
 from agentbox.backends._podman_posture import wait_relay
 from agentbox.backends._podman_sandbox import PodmanSandbox
@@ -319,8 +325,14 @@ class PodmanBackend(PodmanDetached):
 
     def kill(self, name: str) -> list[str]:
         """Kill container ``name`` (SIGKILL first, so the workload stops at once) and
-        remove it; absent is fine. The workspace is a host bind mount: nothing is lost."""
+        remove it; absent is fine. The workspace is a host bind mount: nothing is lost.
+
+        A detached sandbox is only killed: its follower (``follow``) then returns exit
+        137, records the end, and removes it as after any other end."""
         kill(name)  # the module-level helper of _podman_util
+        info = inspect(name)
+        if info is not None and is_detached(info):
+            return [name]
         force_remove(name)
         return [name]
 
@@ -331,7 +343,9 @@ class PodmanBackend(PodmanDetached):
         A detached sandbox's disk is settled once its conmon, its recorded owner, is gone."""
         info = inspect(name)
         conmon = conmon_of(info) if info is not None else None
-        done = self.kill(name)
+        kill(name)
+        force_remove(name)
+        done = [name]
         if conmon is not None:
             with contextlib.suppress(psutil.Error):
                 conmon.wait(15)
