@@ -26,7 +26,6 @@ EXEMPT = {
 PENDING = {
     "guest/agent.py",
     "backends/qemu.py",
-    "gateway/_app.py",
     "cli/_tasks.py",
     "launcher/_server.py",
     "microvm/_guest.py",

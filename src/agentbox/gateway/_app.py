@@ -15,7 +15,8 @@ Request path (every refusal is an Anthropic-style error and is counted by reason
    to fit (clamped, ``thinking.budget_tokens`` with it); 403 once exhausted, or when
    fewer than ``MIN_OUTPUT_TOKENS`` would be left for the answer;
 7. forwarded with an allow-list of headers and the upstream's own key; the
-   answer passed back as it arrives (SSE event by event), metered on the way;
+   answer passed back as it arrives (SSE event by event), metered on the way
+   (:mod:`._forward`);
 8. the reservation settled with the real usage and the usage file replaced.
 """
 
@@ -32,28 +33,20 @@ from pathlib import Path
 from typing import Any
 
 from agentbox._log import get_logger
-from agentbox.gateway._budget import Ledger, Refusal, Reservation
-from agentbox.gateway._meter import StreamMeter, usage_from_message
+from agentbox.gateway._budget import Ledger, Refusal
+from agentbox.gateway._forward import Forwarding, clamp, printable, serialise
 from agentbox.gateway._policy import PolicyViolation, check_request, filter_betas
-from agentbox.gateway._upstream import (
-    Pool,
-    UpstreamError,
-    UpstreamResponse,
-    UpstreamTimeout,
-    make_pool,
-)
+from agentbox.gateway._upstream import Pool, make_pool
 from agentbox.gateway._usage import write_bytes_atomic, write_usage
 from agentbox.gateway._wire import (
     BodyTooLarge,
     Receive,
     Scope,
     Send,
-    error_body,
     header,
     parse_json_object,
     read_body,
     send_error,
-    send_json,
 )
 from agentbox.gateway.registry import ModelEntry
 
@@ -62,20 +55,8 @@ __all__ = ["Gateway", "GatewayConfig"]
 log = get_logger("gateway")
 
 _PATHS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
-_DEFAULT_VERSION = "2023-06-01"
-#: Upstream response headers passed back to the client (nothing else is).
-_PASS_BACK = (b"retry-after", b"request-id", b"x-request-id")
-_MAX_UPSTREAM_BODY = 256 << 20
-_MAX_ERROR_BODY = 1 << 20
 _MAX_TOKENS_CAP = 1 << 24
 _WRITE_INTERVAL = 0.01
-
-
-def _printable(value: bytes, limit: int = 1024) -> str | None:
-    """A header value safe to forward (printable ASCII, bounded), else None."""
-    if len(value) > limit or any(b < 0x20 or b > 0x7E for b in value):
-        return None
-    return value.decode("ascii")
 
 
 @dataclass
@@ -101,7 +82,7 @@ class GatewayConfig:
     read_timeout: float = 600.0
 
 
-class Gateway:
+class Gateway(Forwarding):
     """The per-task gateway as an ASGI application."""
 
     def __init__(self, cfg: GatewayConfig) -> None:
@@ -149,13 +130,6 @@ class Gateway:
                 read_timeout=self.cfg.read_timeout,
             )
         return self._pool
-
-    async def _upstream(
-        self, scope: Scope, route: str, body: bytes, betas: list[str]
-    ) -> UpstreamResponse:
-        return await self.pool().request(
-            self._upstream_path(scope, route), self._upstream_headers(scope, betas), body
-        )
 
     def prepare_for_drop(self) -> None:
         """Load now what a dropped identity might not be able to read later (the CA bundle)."""
@@ -374,7 +348,7 @@ class Gateway:
             admitted = check_request(req, self._policy)
             betas: list[str] = []
             if self.cfg.entry.passes_beta:
-                values = [v for v in map(_printable, header(scope, b"anthropic-beta")) if v]
+                values = [v for v in map(printable, header(scope, b"anthropic-beta")) if v]
                 betas = filter_betas(values, self._policy)
         except PolicyViolation as exc:
             self._refuse("policy")
@@ -389,7 +363,7 @@ class Gateway:
             tools_bytes = len(json.dumps(req["tools"]))
         extra = admitted.extra_tokens(self._policy, tools_bytes)
         max_tokens = req.get("max_tokens")
-        out = _serialise(req)
+        out = serialise(req)
         if len(out) > self.cfg.max_body:
             # Re-serialising can grow a body (1e15 becomes 1000000000000000.0).
             self._refuse("too_large")
@@ -420,8 +394,8 @@ class Gateway:
         if reservation.clamped:
             # Smaller numbers serialise no longer, so the input estimate (taken on the
             # body before) still bounds this body.
-            _clamp(req, reservation.max_tokens)
-            out = _serialise(req)
+            clamp(req, reservation.max_tokens)
+            out = serialise(req)
             log.info(
                 "max_tokens clamped to the budget left",
                 requested=max_tokens,
@@ -451,193 +425,3 @@ class Gateway:
             if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= _MAX_TOKENS_CAP:
                 return f"max_tokens: an integer between 1 and {_MAX_TOKENS_CAP} is required"
         return None
-
-    def _upstream_headers(self, scope: Scope, betas: list[str]) -> list[tuple[str, str]]:
-        hdrs = [("content-type", "application/json"), ("accept-encoding", "identity")]
-        version = next((v for v in map(_printable, header(scope, b"anthropic-version")) if v), None)
-        hdrs.append(("anthropic-version", version or _DEFAULT_VERSION))
-        if betas:
-            # Only allow-listed values (filter_betas), never the client's header as sent.
-            hdrs.append(("anthropic-beta", ",".join(betas)))
-        hdrs.extend(self._upstream_auth)
-        return hdrs
-
-    def _upstream_path(self, scope: Scope, route: str) -> str:
-        path = "/v1/messages" if route == "messages" else "/v1/messages/count_tokens"
-        # Only the one query parameter Claude Code sends is forwarded.
-        if b"beta=true" in scope.get("query_string", b"").split(b"&"):
-            path += "?beta=true"
-        return path
-
-    def _reply_headers(self, resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
-        out = []
-        for name in _PASS_BACK:
-            v = resp.header(name.decode())
-            if v is not None:
-                safe = _printable(v.encode("latin-1", "replace"), 256)
-                if safe is not None:
-                    out.append((name, safe.encode()))
-        return out
-
-    async def _count_tokens(self, scope: Scope, body: bytes, betas: list[str], send: Send) -> None:
-        if not self.cfg.entry.has_count_tokens:
-            est = self.ledger.estimate_input(len(body))
-            await send_json(send, 200, json.dumps({"input_tokens": est}).encode())
-            return
-        try:
-            resp = await self._upstream(scope, "count_tokens", body, betas)
-            try:
-                content = await self._read_capped(resp, _MAX_ERROR_BODY)
-            finally:
-                await resp.aclose()
-        except UpstreamTimeout as exc:
-            await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
-            return
-        except UpstreamError as exc:
-            await send_error(send, 502, f"upstream failed: {exc}")
-            return
-        if content is None:
-            await send_error(send, 502, "upstream answer too large or broken")
-            return
-        if not 200 <= resp.status < 300:
-            self.ledger.usage.upstream_errors += 1
-            await self._send_upstream_error(send, resp.status, content, resp)
-            return
-        await send_json(send, 200, content, self._reply_headers(resp))
-
-    async def _send_upstream_error(
-        self, send: Send, status: int, content: bytes, resp: UpstreamResponse
-    ) -> None:
-        """Pass an upstream error on, in Anthropic's shape whatever the upstream sent."""
-        try:
-            doc = json.loads(content)
-            ok = (
-                isinstance(doc, dict)
-                and doc.get("type") == "error"
-                and isinstance(doc.get("error"), dict)
-                and isinstance(doc["error"].get("type"), str)
-                and isinstance(doc["error"].get("message"), str)
-            )
-        except (ValueError, RecursionError):
-            ok = False
-        body = content if ok else error_body(status, f"upstream answered HTTP {status}")
-        if not 400 <= status <= 599:
-            status = 502
-        await send_json(send, status, body, self._reply_headers(resp))
-
-    async def _forward(
-        self,
-        scope: Scope,
-        body: bytes,
-        betas: list[str],
-        res: Reservation,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        try:
-            resp = await self._upstream(scope, "messages", body, betas)
-        except UpstreamTimeout as exc:
-            self.ledger.release(res)
-            self.ledger.usage.upstream_errors += 1
-            await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
-            return
-        except UpstreamError as exc:
-            self.ledger.release(res)
-            self.ledger.usage.upstream_errors += 1
-            await send_error(send, 502, f"upstream failed: {exc}")
-            return
-        try:
-            if not 200 <= resp.status < 300:
-                self.ledger.usage.upstream_errors += 1
-                content = await self._read_capped(resp, _MAX_ERROR_BODY)
-                self.ledger.release(res)
-                await self._send_upstream_error(send, resp.status, content or b"", resp)
-            elif (resp.header("content-type") or "").startswith("text/event-stream"):
-                await self._stream(resp, res, receive, send)
-            else:
-                content = await self._read_capped(resp, _MAX_UPSTREAM_BODY)
-                if content is None:
-                    self.ledger.settle(res, None, complete=False)
-                    await send_error(send, 502, "upstream answer too large")
-                    return
-                count = usage_from_message(content)
-                self.ledger.settle(res, count, complete=count is not None)
-                await send_json(send, resp.status, content, self._reply_headers(resp))
-        finally:
-            await resp.aclose()
-
-    @staticmethod
-    async def _read_capped(resp: UpstreamResponse, limit: int) -> bytes | None:
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async for chunk in resp.aiter_bytes():
-                size += len(chunk)
-                if size > limit:
-                    return None
-                chunks.append(chunk)
-        except UpstreamError:
-            return None
-        return b"".join(chunks)
-
-    async def _stream(
-        self, resp: UpstreamResponse, res: Reservation, receive: Receive, send: Send
-    ) -> None:
-        meter = StreamMeter()
-        headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            *self._reply_headers(resp),
-        ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-
-        async def pump() -> None:
-            async for chunk in resp.aiter_bytes():
-                meter.feed(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-
-        async def client_gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        pumping = asyncio.ensure_future(pump())
-        watching = asyncio.ensure_future(client_gone())
-        try:
-            done, _ = await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (pumping, watching):
-                task.cancel()
-            await asyncio.gather(pumping, watching, return_exceptions=True)
-        complete = meter.finished and meter.delta_seen and meter.count.input is not None
-        self.ledger.settle(res, meter.count, complete=complete)
-        if pumping in done:
-            broke = pumping.exception() is not None or not meter.finished
-            if broke and meter.error is None:
-                # The upstream broke off: tell the client in the stream's own terms.
-                why = "upstream stream ended before message_stop"
-                err = {"type": "error", "error": {"type": "api_error", "message": why}}
-                chunk = f"event: error\ndata: {json.dumps(err)}\n\n".encode()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        else:
-            self.ledger.usage.dropped_streams += 1
-
-
-def _serialise(req: dict[str, Any]) -> bytes:
-    try:
-        return json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        # A lone surrogate (valid as a JSON escape, not as UTF-8): keep it escaped.
-        return json.dumps(req, separators=(",", ":")).encode()
-
-
-def _clamp(req: dict[str, Any], max_tokens: int) -> None:
-    """Lower ``req``'s ``max_tokens`` (and a thinking budget that would not fit under it)."""
-    req["max_tokens"] = max_tokens
-    thinking = req.get("thinking")
-    if isinstance(thinking, dict):
-        bt = thinking.get("budget_tokens")
-        if isinstance(bt, int) and not isinstance(bt, bool) and bt >= max_tokens:
-            # The API wants budget_tokens < max_tokens; max_tokens >= MIN_OUTPUT_TOKENS
-            # (2048) here, so this stays above thinking's own minimum of 1,024.
-            thinking["budget_tokens"] = max_tokens - 1

@@ -1,0 +1,247 @@
+"""The gateway's upstream half: forward an admitted request, pass the answer back, meter it.
+
+:class:`Forwarding` is the part of :class:`~agentbox.gateway._app.Gateway` that
+talks to the upstream: the request goes out with an allow-list of headers and the
+upstream's own key (never the client's), the answer comes back as it arrives (SSE
+event by event, metered on the way by :class:`~._meter.StreamMeter`), upstream
+errors are passed on in Anthropic's shape, and the reservation is settled with
+what was really used, or the worst case when the stream broke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+from agentbox.gateway._budget import Ledger, Reservation
+from agentbox.gateway._meter import StreamMeter, usage_from_message
+from agentbox.gateway._upstream import Pool, UpstreamError, UpstreamResponse, UpstreamTimeout
+from agentbox.gateway._wire import Receive, Scope, Send, error_body, header, send_error, send_json
+
+if TYPE_CHECKING:
+    from agentbox.gateway._app import GatewayConfig
+
+__all__ = ["Forwarding", "clamp", "printable", "serialise"]
+
+_DEFAULT_VERSION = "2023-06-01"
+#: Upstream response headers passed back to the client (nothing else is).
+_PASS_BACK = (b"retry-after", b"request-id", b"x-request-id")
+_MAX_UPSTREAM_BODY = 256 << 20
+_MAX_ERROR_BODY = 1 << 20
+
+
+def printable(value: bytes, limit: int = 1024) -> str | None:
+    """A header value safe to forward (printable ASCII, bounded), else None."""
+    if len(value) > limit or any(b < 0x20 or b > 0x7E for b in value):
+        return None
+    return value.decode("ascii")
+
+
+class Forwarding:
+    """The upstream half of the gateway (a base of :class:`~._app.Gateway`)."""
+
+    cfg: GatewayConfig
+    ledger: Ledger
+    _upstream_auth: list[tuple[str, str]]
+
+    def pool(self) -> Pool:
+        """The upstream connection pool."""
+        raise NotImplementedError
+
+    async def _upstream(
+        self, scope: Scope, route: str, body: bytes, betas: list[str]
+    ) -> UpstreamResponse:
+        return await self.pool().request(
+            self._upstream_path(scope, route), self._upstream_headers(scope, betas), body
+        )
+
+    def _upstream_headers(self, scope: Scope, betas: list[str]) -> list[tuple[str, str]]:
+        hdrs = [("content-type", "application/json"), ("accept-encoding", "identity")]
+        version = next((v for v in map(printable, header(scope, b"anthropic-version")) if v), None)
+        hdrs.append(("anthropic-version", version or _DEFAULT_VERSION))
+        if betas:
+            # Only allow-listed values (filter_betas), never the client's header as sent.
+            hdrs.append(("anthropic-beta", ",".join(betas)))
+        hdrs.extend(self._upstream_auth)
+        return hdrs
+
+    def _upstream_path(self, scope: Scope, route: str) -> str:
+        path = "/v1/messages" if route == "messages" else "/v1/messages/count_tokens"
+        # Only the one query parameter Claude Code sends is forwarded.
+        if b"beta=true" in scope.get("query_string", b"").split(b"&"):
+            path += "?beta=true"
+        return path
+
+    def _reply_headers(self, resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+        out = []
+        for name in _PASS_BACK:
+            v = resp.header(name.decode())
+            if v is not None:
+                safe = printable(v.encode("latin-1", "replace"), 256)
+                if safe is not None:
+                    out.append((name, safe.encode()))
+        return out
+
+    async def _count_tokens(self, scope: Scope, body: bytes, betas: list[str], send: Send) -> None:
+        if not self.cfg.entry.has_count_tokens:
+            est = self.ledger.estimate_input(len(body))
+            await send_json(send, 200, json.dumps({"input_tokens": est}).encode())
+            return
+        try:
+            resp = await self._upstream(scope, "count_tokens", body, betas)
+            try:
+                content = await self._read_capped(resp, _MAX_ERROR_BODY)
+            finally:
+                await resp.aclose()
+        except UpstreamTimeout as exc:
+            await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
+            return
+        except UpstreamError as exc:
+            await send_error(send, 502, f"upstream failed: {exc}")
+            return
+        if content is None:
+            await send_error(send, 502, "upstream answer too large or broken")
+            return
+        if not 200 <= resp.status < 300:
+            self.ledger.usage.upstream_errors += 1
+            await self._send_upstream_error(send, resp.status, content, resp)
+            return
+        await send_json(send, 200, content, self._reply_headers(resp))
+
+    async def _send_upstream_error(
+        self, send: Send, status: int, content: bytes, resp: UpstreamResponse
+    ) -> None:
+        """Pass an upstream error on, in Anthropic's shape whatever the upstream sent."""
+        try:
+            doc = json.loads(content)
+            ok = (
+                isinstance(doc, dict)
+                and doc.get("type") == "error"
+                and isinstance(doc.get("error"), dict)
+                and isinstance(doc["error"].get("type"), str)
+                and isinstance(doc["error"].get("message"), str)
+            )
+        except (ValueError, RecursionError):
+            ok = False
+        body = content if ok else error_body(status, f"upstream answered HTTP {status}")
+        if not 400 <= status <= 599:
+            status = 502
+        await send_json(send, status, body, self._reply_headers(resp))
+
+    async def _forward(
+        self,
+        scope: Scope,
+        body: bytes,
+        betas: list[str],
+        res: Reservation,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        try:
+            resp = await self._upstream(scope, "messages", body, betas)
+        except UpstreamTimeout as exc:
+            self.ledger.release(res)
+            self.ledger.usage.upstream_errors += 1
+            await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
+            return
+        except UpstreamError as exc:
+            self.ledger.release(res)
+            self.ledger.usage.upstream_errors += 1
+            await send_error(send, 502, f"upstream failed: {exc}")
+            return
+        try:
+            if not 200 <= resp.status < 300:
+                self.ledger.usage.upstream_errors += 1
+                content = await self._read_capped(resp, _MAX_ERROR_BODY)
+                self.ledger.release(res)
+                await self._send_upstream_error(send, resp.status, content or b"", resp)
+            elif (resp.header("content-type") or "").startswith("text/event-stream"):
+                await self._stream(resp, res, receive, send)
+            else:
+                content = await self._read_capped(resp, _MAX_UPSTREAM_BODY)
+                if content is None:
+                    self.ledger.settle(res, None, complete=False)
+                    await send_error(send, 502, "upstream answer too large")
+                    return
+                count = usage_from_message(content)
+                self.ledger.settle(res, count, complete=count is not None)
+                await send_json(send, resp.status, content, self._reply_headers(resp))
+        finally:
+            await resp.aclose()
+
+    @staticmethod
+    async def _read_capped(resp: UpstreamResponse, limit: int) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    return None
+                chunks.append(chunk)
+        except UpstreamError:
+            return None
+        return b"".join(chunks)
+
+    async def _stream(
+        self, resp: UpstreamResponse, res: Reservation, receive: Receive, send: Send
+    ) -> None:
+        meter = StreamMeter()
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            *self._reply_headers(resp),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+        async def pump() -> None:
+            async for chunk in resp.aiter_bytes():
+                meter.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        async def client_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        pumping = asyncio.ensure_future(pump())
+        watching = asyncio.ensure_future(client_gone())
+        try:
+            done, _ = await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pumping, watching):
+                task.cancel()
+            await asyncio.gather(pumping, watching, return_exceptions=True)
+        complete = meter.finished and meter.delta_seen and meter.count.input is not None
+        self.ledger.settle(res, meter.count, complete=complete)
+        if pumping in done:
+            broke = pumping.exception() is not None or not meter.finished
+            if broke and meter.error is None:
+                # The upstream broke off: tell the client in the stream's own terms.
+                why = "upstream stream ended before message_stop"
+                err = {"type": "error", "error": {"type": "api_error", "message": why}}
+                chunk = f"event: error\ndata: {json.dumps(err)}\n\n".encode()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            self.ledger.usage.dropped_streams += 1
+
+
+def serialise(req: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        # A lone surrogate (valid as a JSON escape, not as UTF-8): keep it escaped.
+        return json.dumps(req, separators=(",", ":")).encode()
+
+
+def clamp(req: dict[str, Any], max_tokens: int) -> None:
+    """Lower ``req``'s ``max_tokens`` (and a thinking budget that would not fit under it)."""
+    req["max_tokens"] = max_tokens
+    thinking = req.get("thinking")
+    if isinstance(thinking, dict):
+        bt = thinking.get("budget_tokens")
+        if isinstance(bt, int) and not isinstance(bt, bool) and bt >= max_tokens:
+            # The API wants budget_tokens < max_tokens; max_tokens >= MIN_OUTPUT_TOKENS
+            # (2048) here, so this stays above thinking's own minimum of 1,024.
+            thinking["budget_tokens"] = max_tokens - 1
