@@ -99,6 +99,10 @@ class TaskRequest(_Wire):
     """Copy uncommitted changes too (otherwise a dirty repo is refused)."""
     publish: bool = True
     """Fetch the result branch ``agentbox/<id>`` into the user's repo."""
+    continue_from: str | None = Field(default=None, pattern=TASK_ID_PATTERN)
+    """A finished task of the same repo to continue: the workspace starts from its result
+    commit (which must be in the repo: published, or fetched by the MCP server), and the
+    agent is given its task, transcript and last message."""
 
 
 class TaskInfo(_Wire):
