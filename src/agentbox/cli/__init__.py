@@ -35,6 +35,9 @@ app = typer.Typer(
 COMMAND_MODULES: tuple[str, ...] = (
     "_mcp",
     "_tasks",
+    "_run",
+    "_wait",
+    "_diff",
     "_publish",
     "_gateway",
     "_image",

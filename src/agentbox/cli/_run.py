@@ -1,0 +1,259 @@
+"""``agentbox run`` and ``agentbox resume``: delegate a task, in the foreground or detached.
+
+In the foreground, the task runs in an in-process :class:`~agentbox.launcher.Launcher`
+(the CLI runs as root, like the launcher) and is followed live; Ctrl-C, a hang-up,
+TERM cancel it and collect the partial result (:mod:`agentbox._reap`). With
+``--detach`` it is submitted to the launcher service over its socket (started on
+demand, :func:`agentbox.cli._client.ensure_service`), its id printed, and the
+command exits: ``agentbox wait``, ``watch``, ``show`` and ``diff`` take it from there.
+
+``resume ID "follow-up"`` is ``run`` on the same repo with ``continue_from`` set:
+the new task starts from the previous task's result commit and the agent is given
+the previous task's transcript (:mod:`agentbox.launcher._session`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+
+from agentbox.boxfile import Boxfile, load_boxfile
+from agentbox.cli._client import ensure_service, in_process
+from agentbox.cli._follow import follow, quiet_print
+from agentbox.cli._view import console, dump, err, print_diff, report_text, safe
+from agentbox.config import Settings, load_settings
+from agentbox.errors import PolicyRefused
+from agentbox.launcher.api import TaskInfo, TaskRequest
+from agentbox.paths import validate_task_id
+
+__all__ = ["register"]
+
+_TASK_ARG = typer.Argument(help="What the agent should do; '-' reads it from stdin.")
+_DETACH_HELP = (
+    "Submit to the launcher service (started if none runs), print the task id and exit; "
+    "follow it with agentbox wait/watch."
+)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``run`` and ``resume`` to the CLI."""
+
+    @app.command("run")
+    def run(
+        repo: Annotated[Path, typer.Option("--repo", help="The git repo (inside the repos root).")],
+        task: Annotated[str | None, _TASK_ARG] = None,
+        model: str | None = typer.Option(None, "--model", help="A model from `agentbox models`."),
+        budget: int | None = typer.Option(None, "--budget", help="Token budget (default 20M)."),
+        deadline: float | None = typer.Option(None, "--deadline", help="Seconds (10..86400)."),
+        boxfile: Annotated[
+            Path | None, typer.Option("--boxfile", help="A Boxfile for the sandbox.")
+        ] = None,
+        include_uncommitted: bool = typer.Option(
+            False, "--include-uncommitted", help="Copy uncommitted changes too."
+        ),
+        task_id: str | None = typer.Option(None, "--id", help="Task id (default: generated)."),
+        no_publish: bool = typer.Option(
+            False, "--no-publish", help="Keep the result in the shadow git dir only."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        task_file: Annotated[
+            Path | None,
+            typer.Option("--task-file", help="Read the task from this file ('-': stdin)."),
+        ] = None,
+        backend: str | None = typer.Option(
+            None, "--backend", help="podman, docker, qemu, firecracker (overrides the Boxfile)."
+        ),
+        detach: bool = typer.Option(False, "--detach", "-d", help=_DETACH_HELP),
+    ) -> None:
+        """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
+        text = _task_text(task, task_file)
+        settings = load_settings()
+        if detach and (boxfile is not None or backend is not None):
+            raise PolicyRefused(
+                "--detach submits to the launcher service, which takes the sandbox from the "
+                "repo's committed .agentbox/Boxfile.toml only; run --boxfile/--backend in the "
+                "foreground (or commit the Boxfile)"
+            )
+        box = None if detach else _boxfile(settings, boxfile, backend)
+        if task_id is not None:
+            validate_task_id(task_id)
+        req = _request(
+            repo=str(repo.expanduser().absolute()), task=text, model=model, budget=budget,
+            deadline=deadline, task_id=task_id, include_uncommitted=include_uncommitted,
+            publish=not no_publish,
+        )  # fmt: skip
+        if detach:
+            _detach(settings, req, as_json=as_json)
+        _foreground(req, box, as_json=as_json)
+
+    @app.command("resume")
+    def resume(
+        previous: Annotated[str, typer.Argument(help="The finished task to continue.")],
+        task: Annotated[str | None, _TASK_ARG] = None,
+        model: str | None = typer.Option(
+            None, "--model", help="A model from `agentbox models` (default: the previous one)."
+        ),
+        budget: int | None = typer.Option(None, "--budget", help="Token budget (default 20M)."),
+        deadline: float | None = typer.Option(None, "--deadline", help="Seconds (10..86400)."),
+        task_id: str | None = typer.Option(None, "--id", help="Task id (default: generated)."),
+        no_publish: bool = typer.Option(
+            False, "--no-publish", help="Keep the result in the shadow git dir only."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        task_file: Annotated[
+            Path | None,
+            typer.Option("--task-file", help="Read the task from this file ('-': stdin)."),
+        ] = None,
+        detach: bool = typer.Option(False, "--detach", "-d", help=_DETACH_HELP),
+    ) -> None:
+        """Continue a finished task: a new task on its branch, told what the previous one did.
+
+        The new branch agentbox/NEW stacks on agentbox/PREVIOUS (which must be published:
+        agentbox publish PREVIOUS). The agent gets the previous task's request, transcript
+        and last message in .git/agentbox/previous-task.md.
+        """
+        text = _task_text(task, task_file)
+        settings = load_settings()
+        launcher = in_process(1, settings)
+        try:
+            prev = launcher.get(validate_task_id(previous))
+        finally:
+            launcher.close(wait=False)
+        if task_id is not None:
+            validate_task_id(task_id)
+        req = _request(
+            repo=prev.repo, task=text, model=model or prev.model, budget=budget,
+            deadline=deadline, task_id=task_id, publish=not no_publish, continue_from=prev.id,
+        )  # fmt: skip
+        if detach:
+            _detach(settings, req, as_json=as_json)
+        _foreground(req, None, as_json=as_json)
+
+
+def _boxfile(settings: Settings, path: Path | None, backend: str | None) -> Boxfile | None:
+    box = load_boxfile(path, settings) if path is not None else None
+    if box is not None and box.image_build is not None:
+        # [image] containerfile = …: built here (cached), never by the launcher.
+        from agentbox.image import build_for_boxfile
+
+        box = build_for_boxfile(settings, box)
+    if backend is not None:
+        base = box if box is not None else Boxfile.from_dict({}, settings=settings)
+        Boxfile.from_dict({"backend": backend})  # the name checked like a Boxfile's
+        box = base.model_copy(update={"backend": backend})
+    return box
+
+
+def _request(**fields: Any) -> TaskRequest:
+    try:
+        return TaskRequest(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise PolicyRefused(f"{where}: {first['msg']}") from exc
+
+
+def _detach(settings: Settings, req: TaskRequest, *, as_json: bool) -> None:
+    """Submit to the launcher service; print the id (``{"id": …}`` with --json) and exit 0."""
+    say = (lambda m: None) if as_json else (lambda m: err.print(safe(m)))
+    client = ensure_service(settings, say=say)
+    try:
+        info = client.submit(req)
+    finally:
+        client.close()
+    if as_json:
+        dump({"id": info.id})
+    else:
+        sys.stdout.write(info.id + "\n")
+        sys.stdout.flush()
+        err.print(
+            safe(
+                f"task {info.id} {info.status}: agentbox watch {info.id} · agentbox wait {info.id}"
+            )
+        )
+    raise typer.Exit(0)
+
+
+def _foreground(req: TaskRequest, box: Boxfile | None, *, as_json: bool) -> None:
+    from agentbox._reap import exit_on_signals
+
+    launcher = in_process()
+    # TERM, HUP, … act like Ctrl-C (cancel, collect the partial result); a SIGKILL
+    # is answered by the task's watchdog, which reaps the sandbox and the gateway,
+    # and the task is settled by the next launcher (or `agentbox wait`/`show`).
+    with exit_on_signals():
+        try:
+            launcher.reconcile()
+            info = launcher.submit(req, boxfile=box)
+            info = _follow(launcher, info, as_json=as_json)
+        except KeyboardInterrupt:
+            launcher.shutdown()  # interrupted before _follow took over: cancel, collect
+            raise
+        finally:
+            launcher.close()
+    res = launcher.result(info.id)
+    if as_json:
+        dump({"task": info.model_dump(mode="json"), "result": res.model_dump(mode="json")})
+    else:
+        report_text(info, res)
+        print_diff(res)
+    raise typer.Exit(0 if info.status == "done" else 1)
+
+
+def _follow(launcher: Any, info: TaskInfo, *, as_json: bool) -> TaskInfo:
+    """Follow the task; Ctrl-C (or any ending signal) cancels it and collects."""
+    from agentbox.cli._logs import EventTail
+    from agentbox.paths import TaskPaths
+
+    task_id = info.id
+    tail = EventTail(TaskPaths(launcher.settings.data_dir, task_id).root, info.created_at)
+    try:
+        return follow(
+            lambda: launcher.get(task_id), tail,
+            live=not as_json and console.is_terminal, events=not as_json,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        quiet_print(err, "[magenta]cancelling; collecting the partial result…[/magenta]")
+        launcher.cancel(task_id)
+        done: TaskInfo = launcher.wait(task_id)
+        return done
+
+
+#: The most task text read from a file or stdin (the launcher caps it lower still).
+MAX_TASK_BYTES = 1 << 20
+
+
+def _task_text(task: str | None, task_file: Path | None) -> str:
+    """The task from the argument, ``--task-file PATH`` or stdin (``-`` for either)."""
+    if task is not None and task_file is not None:
+        raise typer.BadParameter("give the task as an argument or --task-file, not both")
+    if task is None and task_file is None:
+        raise typer.BadParameter(
+            "what should the agent do? Give TASK, '-' (stdin) or --task-file PATH",
+            param_hint="TASK",
+        )
+    if task is not None and task != "-":
+        return task
+    try:
+        if task == "-" or str(task_file) == "-":
+            raw = sys.stdin.buffer.read(MAX_TASK_BYTES + 1)
+            where = "stdin"
+        else:
+            assert task_file is not None
+            with task_file.expanduser().open("rb") as fh:
+                raw = fh.read(MAX_TASK_BYTES + 1)
+            where = str(task_file)
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot read {task_file}: {exc.strerror}", param_hint="--task-file"
+        ) from exc
+    if len(raw) > MAX_TASK_BYTES:
+        raise typer.BadParameter(f"the task in {where} is over {MAX_TASK_BYTES} bytes")
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text:
+        raise typer.BadParameter(f"the task read from {where} is empty")
+    return text
