@@ -26,10 +26,8 @@ EXEMPT = {
 PENDING = {
     "guest/agent.py",
     "backends/qemu.py",
-    "cli/_tasks.py",
     "launcher/_server.py",
     "microvm/_guest.py",
-    "mcp/_server.py",
 }
 
 

@@ -47,10 +47,17 @@ from agentbox.launcher.api import (
 )
 from agentbox.launcher.client import LauncherClient
 from agentbox.mcp._fetch import branch_name, fetch_branch
+from agentbox.mcp._format import (
+    STATE,
+    format_result,
+    info_dict,
+    info_json,
+    transcript_text,
+)
+from agentbox.mcp._format import info_dict as _info_dict  # noqa: F401 (tests import it here)
 from agentbox.mcp._repo import validate_repo
 from agentbox.mcp._untrusted import frame
 from agentbox.paths import validate_task_id
-from agentbox.transcript import TranscriptPage, event_text
 
 __all__ = ["DEFAULT_MAX_DIFF_CHARS", "DEFAULT_MAX_PENDING", "ServerConfig", "build_server"]
 
@@ -58,11 +65,8 @@ log = get_logger("mcp")
 
 DEFAULT_MAX_PENDING = 4
 DEFAULT_MAX_DIFF_CHARS = 40_000
-MAX_REPORT_CHARS = 16_000
 #: Events of the transcript's tail in a `result`.
 RESULT_TAIL_EVENTS = 30
-#: The most characters of transcript text in one tool answer.
-MAX_TRANSCRIPT_CHARS = 40_000
 POLL_SECONDS = 1.0
 
 INSTRUCTIONS = """\
@@ -72,6 +76,8 @@ as a git branch agentbox/<task-id> in your repo, plus a diff and a report. Deleg
 can be checked by reading a diff (a fix, a test, a refactor). Use `delegate` with wait=true
 for a short task; for a long one, delegate without waiting and poll `status`, then `result`.
 `transcript` shows what the agent ran and what came back (each command with its output).
+To follow up on a finished task (fix what it missed, go on), `delegate` with
+continue_from=<its id>: the new task starts from its branch and is told what it did.
 """
 
 _T = TypeVar("_T")
@@ -169,6 +175,16 @@ class _Tools:
                 "(otherwise a repo with uncommitted changes is refused)."
             ),
         ] = False,
+        continue_from: Annotated[
+            str | None,
+            Field(
+                max_length=64,
+                description="The id of a finished task of this repo to continue: the new task "
+                "starts from that task's branch (fetched into the repo first) and its agent is "
+                "given the previous task's request, transcript and last message. The new "
+                "branch stacks on the previous one.",
+            ),
+        ] = None,
     ) -> str:
         """Delegate a coding task to a sandboxed Claude Code working on a copy of `repo`.
 
@@ -184,6 +200,8 @@ class _Tools:
             path = validate_repo(self.config.repos_root, repo)
         except PathRefused as exc:
             raise _tool_error(exc) from exc
+        if continue_from is not None:
+            await self._previous_branch(self._task_id(continue_from))
         request = TaskRequest(
             repo=str(path),
             task=task,
@@ -192,6 +210,7 @@ class _Tools:
             deadline=deadline,
             include_uncommitted=include_uncommitted,
             publish=False,
+            continue_from=continue_from,
         )
         async with self._submit_lock:
             tasks = await self._call(self.client.list)
@@ -221,7 +240,7 @@ class _Tools:
         """The state of one task: queued, running, collecting, done, failed, timed_out or
         cancelled, with elapsed time, tokens used and the exit code."""
         info = await self._call(self.client.get, self._task_id(id))
-        return _info_json(info)
+        return info_json(info)
 
     async def result(
         self,
@@ -257,7 +276,7 @@ class _Tools:
         page = await self._call(
             lambda: self.client.transcript(self._task_id(id), since=since or 0, limit=200)
         )
-        return _transcript_text(page, tail_lines=40)
+        return transcript_text(page, tail_lines=40)
 
     async def cancel(
         self,
@@ -266,12 +285,12 @@ class _Tools:
         """Stop a queued or running task. What it wrote so far is still collected and can be
         read with `result`."""
         info = await self._call(self.client.cancel, self._task_id(id))
-        return _info_json(info)
+        return info_json(info)
 
     async def list_tasks(self) -> str:
         """Your tasks (newest first; root sees every task) with its state, repo and tokens."""
         tasks = await self._call(self.client.list)
-        return frame(json.dumps([_info_dict(t) for t in tasks[:200]], indent=1), _STATE)
+        return frame(json.dumps([info_dict(t) for t in tasks[:200]], indent=1), STATE)
 
     async def models(self) -> str:
         """The models a delegated task may use (pass one as `model`): `default` marks the one
@@ -281,6 +300,18 @@ class _Tools:
         return json.dumps([m.model_dump(mode="json") for m in models], indent=1)
 
     # -- helpers -------------------------------------------------------------
+
+    async def _previous_branch(self, task_id: str) -> None:
+        """Fetch a finished task's branch into its repo, so a follow-up can start from it
+        (the launcher refuses a continuation whose commit is not in the repo)."""
+        prev = await self._call(self.client.get, task_id)
+        if prev.status not in TERMINAL:
+            raise ToolError(f"task {prev.id} is still {prev.status}; continue it once it is done")
+        res = await self._call(self.client.result, prev.id)
+        if res.changed:
+            fetched = await self._fetch(prev, res)
+            if not fetched.startswith("branch agentbox/") or "NOT fetched" in fetched:
+                raise ToolError(f"cannot continue task {prev.id}: {fetched}")
 
     async def _wait(self, info: TaskInfo, ctx: Context) -> TaskInfo:
         start = time.monotonic()
@@ -297,14 +328,14 @@ class _Tools:
     async def _result_text(self, info: TaskInfo) -> str:
         res = await self._call(self.client.result, info.id)
         fetched = await self._fetch(info, res)
-        text = _format_result(info, res, fetched, self.config.max_diff_chars)
+        text = format_result(info, res, fetched, self.config.max_diff_chars)
         try:
             tail = await self._call(
                 lambda: self.client.transcript(info.id, since=-RESULT_TAIL_EVENTS, limit=200)
             )
         except ToolError as exc:  # an older launcher, say: the result stands without it
             return f"{text}\n(no transcript: {exc})\n"
-        return f"{text}\n{_transcript_text(tail, tail_lines=15)}"
+        return f"{text}\n{transcript_text(tail, tail_lines=15)}"
 
     async def _fetch(self, info: TaskInfo, res: TaskResult) -> str:
         if res.changed is False:
@@ -329,106 +360,6 @@ class _Tools:
             log.warning("fetch failed", task_id=info.id, error=str(exc))
             return f"branch {branch_name(info.id)} NOT fetched: {exc}"
         return f"branch {branch} in {repo} (commit {res.commit})"
-
-
-def _info_dict(info: TaskInfo) -> dict[str, Any]:
-    d = info.model_dump(mode="json")
-    d["task"] = d["task"][:200]
-    d["tokens_total"] = info.tokens.total
-    if info.changed is False and info.status == "done":
-        d["outcome"] = NO_CHANGES
-    end = info.finished_at or time.time()
-    d["elapsed_s"] = round(end - info.started_at, 1) if info.started_at else 0.0
-    return d
-
-
-_STATE = "task state as JSON; its error and phase fields may quote what the agent wrote"
-
-
-def _info_json(info: TaskInfo) -> str:
-    return frame(json.dumps(_info_dict(info), indent=1), _STATE)
-
-
-def _flagged_text(report: dict[str, Any]) -> str:
-    """The warning about paths that run code, for above the framed diff ("" if none)."""
-    flagged = report.get("flagged")
-    if not isinstance(flagged, list) or not flagged:
-        return ""
-    lines = [
-        f"WARNING: this result changes {len(flagged)} path(s) that make other tools run code "
-        "when the branch is opened, checked out or merged. Tell the user and review them "
-        "before checking the branch out or merging it (names as JSON strings, chosen by the "
-        "sandboxed agent):"
-    ]
-    for f in flagged[:100]:
-        if isinstance(f, dict):
-            path = json.dumps(str(f.get("path", "?")))
-            lines.append(f"  {f.get('change', '?')} {path}: {f.get('reason', '')}")
-    return "\n".join(lines) + "\n"
-
-
-def _format_result(info: TaskInfo, res: TaskResult, fetched: str, max_diff: int) -> str:
-    report = json.dumps(res.report, indent=1, default=str)
-    if len(report) > MAX_REPORT_CHARS:
-        report = report[:MAX_REPORT_CHARS] + f"\n[report truncated at {MAX_REPORT_CHARS} chars]"
-    diff = res.diff
-    note = ""
-    if len(diff) > max_diff:
-        note = (
-            f"\n[diff truncated: showing {max_diff} of {len(diff)} characters; the full change "
-            f"is on branch {branch_name(info.id)}: git diff {branch_name(info.id)}~1 "
-            f"{branch_name(info.id)}]"
-        )
-        diff = diff[:max_diff]
-    elif res.diff_truncated:
-        note = f"\n[diff truncated by the launcher; see branch {branch_name(info.id)}]"
-    head = (
-        f"task {info.id}: {res.status} (exit code {info.exit_code}), "
-        f"{info.tokens.total} tokens; {_tests_word(res.report)}\n{fetched}\n"
-    )
-    error = f"error: {info.error}\n\n" if info.error else ""
-    body = f"{error}report:\n{report}\n\ndiff:\n{diff or '(no changes)'}\n"
-    what = "the task's report (with the agent's final message) and the diff of its files"
-    return f"{head}{_flagged_text(res.report)}\n{frame(body, what)}{note.lstrip()}\n"
-
-
-def _tests_word(report: dict[str, Any]) -> str:
-    """Whether the agent ran tests and how they exited (no agent text: the command is
-    in the framed report)."""
-    ltc = report.get("last_test_command")
-    if not isinstance(ltc, dict):
-        return "tests: none run (the agent ran no test command)"
-    code = ltc.get("exit_code")
-    if not isinstance(code, int):
-        return "tests: ran, exit code unknown (see last_test_command in the report)"
-    word = "passed" if code == 0 else "FAILED"
-    return f"tests: {word} (exit {code}; the command is last_test_command in the report)"
-
-
-def _transcript_text(page: TranscriptPage, *, tail_lines: int) -> str:
-    """A page of the transcript: counts outside, every event inside a framed block."""
-    start = page.next - len(page.events)
-    parts: list[str] = []
-    size = 0
-    for e in page.events:
-        line = event_text(e, tail_lines=tail_lines)
-        if size + len(line) > MAX_TRANSCRIPT_CHARS:
-            break
-        parts.append(line)
-        size += len(line) + 1
-    nxt = start + len(parts)
-    more = (
-        f"call transcript with since={nxt} for the next ones"
-        if nxt < page.total
-        else "no more events yet"
-    )
-    head = (
-        f"transcript of task {page.task_id}: events {start}..{max(start, nxt - 1)} of "
-        f"{page.total} ({more}); tools run: {sum(page.tools_run.values())}; "
-        f"tokens metered by the gateway: {page.tokens.total}\n"
-    )
-    what = "the task's transcript: the agent's commands, their output and its messages"
-    return head + frame("\n".join(parts) or "(no events)", what)
 
 
 def build_server(config: ServerConfig) -> MCPServer:
