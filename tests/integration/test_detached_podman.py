@@ -35,7 +35,7 @@ from agentbox.backends import _podman_detach as detach
 from agentbox.backends.base import LABEL, OWNER_DATA_LABEL, SandboxSpec, data_dir_label
 from agentbox.backends.podman import PodmanBackend
 from agentbox.config import Settings
-from agentbox.errors import SandboxGone
+from agentbox.errors import SandboxError, SandboxGone
 
 pytestmark = [
     pytest.mark.podman,
@@ -373,6 +373,10 @@ def test_a_cancel_kills_and_the_follower_still_reports_and_removes(
         ["sh", "-c", "echo up; exec sleep 600"],
         log=log,
     )
+    # Launched twice (a confused caller): refused, and the first one is left untouched.
+    with pytest.raises(SandboxError):
+        backend.launch(_spec(sandbox_settings, default_image, None, name), ["true"], log=log)
+    assert backend.adoptable(name, labels={})
     PodmanBackend(sandbox_settings).kill(name)  # a cancel, from any process
     ended, out, _ = _follow(backend, name, log)
     assert ended == Exited(137, False)

@@ -123,9 +123,13 @@ class PodmanDetached:
             SEAL_LABEL: seal(self.settings, spec.name),
         }
         spec = spec.replace(labels=labels)
+        if inspect(spec.name) is not None:
+            # Never touch another sandbox's log, disk or container (a task launched twice).
+            raise SandboxError("a sandbox of that name exists already", sandbox=spec.name)
         for stale in (log, exit_marker(log), log.with_name(log.name + ".tmp")):
             stale.unlink(missing_ok=True)
         disk = None
+        ran = False  # from podman run on, a failure leaves a container of ours to remove
         if spec.workspace is not None:
             limit = spec.resources.disk_limit(self.settings)
             disk = WorkspaceDisk(self.settings, spec.name, spec.workspace, limit)
@@ -145,8 +149,11 @@ class PodmanDetached:
                 )
                 args += entry_argv(spec, argv)
                 try:
+                    ran = True
                     _proc.run(args, timeout=120, cwd=conmon_cwd())
                 except CommandError as exc:
+                    if "already in use" in exc.stderr:  # a launch that raced ours: not ours
+                        ran = False
                     if "image not known" in exc.stderr:
                         forget_image(spec.image)
                         image_facts(spec.image, refresh=True)  # raises ImageError
@@ -159,8 +166,9 @@ class PodmanDetached:
                 start = f"{conmon.create_time():.0f}" if conmon is not None else ""
                 disk.hand_over(conmon.pid if conmon is not None else 0, start)
         except BaseException:
-            with contextlib.suppress(AgentboxError):
-                force_remove(spec.name)
+            if ran:
+                with contextlib.suppress(AgentboxError):
+                    force_remove(spec.name)
             if disk is not None:
                 with contextlib.suppress(AgentboxError, OSError):
                     disk.release()
