@@ -382,3 +382,30 @@ def test_a_cancel_kills_and_the_follower_still_reports_and_removes(
     assert ended == Exited(137, False)
     assert out == b"up\n"
     _assert_clean(sandbox_settings, name, None, log)
+
+
+def test_an_orphan_sweep_never_settles_the_disk_of_a_running_detached_sandbox(
+    sandbox_settings: Settings,
+    default_image: str,
+    make_workspace: Callable[[], Path],
+    cleanup: list[str],
+) -> None:
+    """The launcher died between mounting the disk and handing it to conmon: its
+    record names a dead owner, yet the container runs; a sweep must leave it be."""
+    ws = make_workspace()
+    name = f"det-sweep-{os.getpid()}"
+    cleanup.append(name)
+    log = sandbox_settings.data_dir / "sweep.log"
+    backend = PodmanBackend(sandbox_settings)
+    script = "sleep 2; echo late > /workspace/late.txt"
+    backend.launch(_spec(sandbox_settings, default_image, ws, name), ["sh", "-c", script], log=log)
+    record = sandbox_settings.data_dir / "disks" / f"{name}.json"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    rec = json.loads(record.read_text())
+    record.write_text(json.dumps({**rec, "pid": dead.pid, "start": "1"}))
+    assert name not in backend.cleanup_orphans()
+    assert os.path.ismount(ws), "the sweep settled the disk under a running sandbox"
+    assert _follow(backend, name, log)[0] == Exited(0, False)
+    assert (ws / "late.txt").read_text() == "late\n"
+    _assert_clean(sandbox_settings, name, ws, log)

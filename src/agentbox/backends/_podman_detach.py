@@ -132,7 +132,7 @@ class PodmanDetached:
         ran = False  # from podman run on, a failure leaves a container of ours to remove
         if spec.workspace is not None:
             limit = spec.resources.disk_limit(self.settings)
-            disk = WorkspaceDisk(self.settings, spec.name, spec.workspace, limit)
+            disk = WorkspaceDisk(self.settings, spec.name, spec.workspace, limit, detached=True)
         try:
             if disk is not None:
                 disk.mount()

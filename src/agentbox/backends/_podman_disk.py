@@ -89,8 +89,18 @@ def disks_dir(settings: Settings) -> Path:
 class WorkspaceDisk:
     """One sandbox's workspace image: :meth:`mount` before the container, :meth:`release` after."""
 
-    def __init__(self, settings: Settings, name: str, workspace: Path, limit: DiskLimit) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        name: str,
+        workspace: Path,
+        limit: DiskLimit,
+        *,
+        detached: bool = False,
+    ) -> None:
         self.workspace = workspace
+        #: A detached sandbox's disk: never settled while its container exists.
+        self.detached = detached
         self.limit = limit
         base = disks_dir(settings)
         self.image = base / f"{name}.img"
@@ -121,6 +131,8 @@ class WorkspaceDisk:
         st = os.fstat(under)
         here = f"/proc/{os.getpid()}/fd/{under}"
         rec = {"workspace": str(self.workspace), "pid": os.getpid(), "start": owner_start()}
+        if self.detached:
+            rec["detached"] = True
         fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self._created = True
         with os.fdopen(fd, "w") as fh:
@@ -253,6 +265,11 @@ def settle_orphan_disks(settings: Settings, name: str | None = None) -> list[str
             continue
         if _alive(pid, start):
             continue
+        if rec.get("detached") is True and _container_exists(rec_path.stem):
+            # Its container runs on without the process that mounted the disk (a launcher
+            # that died between the mount and the hand-over): its follower, or a reap,
+            # settles it once the container is removed.
+            continue
         image = rec_path.with_suffix(".img")
         snap = load_snapshot(rec_path.with_suffix(".snap"))
         try:
@@ -280,6 +297,11 @@ def _alive(pid: int, start: str) -> bool:
         return f"{proc.create_time():.0f}" == start and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _container_exists(name: str) -> bool:
+    res = _proc.run(["podman", "container", "exists", name], check=False, timeout=60)
+    return res.returncode == 0
 
 
 def _mounted_from(ws: Path, image: Path) -> bool:
