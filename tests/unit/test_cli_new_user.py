@@ -200,11 +200,11 @@ def test_commit_has_the_full_task_in_its_body(
 def test_a_failure_before_the_agent_is_not_no_changes(
     settings: Settings, fake: type[FakeBackend], repo: Path
 ) -> None:
-    tid = _done_task(settings, repo, fail=frozenset({"create"}))
+    tid = _done_task(settings, repo, fail=frozenset({"launch"}))
     r = _cli(settings, "show", tid)
     assert r.returncode == 0, r
     assert "no changes" not in r.stdout and "the agent never started" in r.stdout, r.stdout
-    assert "scripted failure of create" in r.stdout
+    assert "scripted failure of launch" in r.stdout
     rep = json.loads(_cli(settings, "show", tid, "--json").stdout)
     assert rep["task"]["changed"] is None and rep["result"]["report"]["agent_ran"] is False
 

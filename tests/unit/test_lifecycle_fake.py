@@ -104,8 +104,8 @@ def test_done_collects_and_publishes_the_branch(launcher: Launcher, repo: Path) 
     result = launcher.result(tid)
     assert result.branch, result
     assert _branch_file(repo, result.branch, "new.txt") == "made by the agent"
-    assert ("create", f"agentbox-task-{tid}") in FakeBackend.events
-    assert ("destroy", f"agentbox-task-{tid}") in FakeBackend.events
+    assert ("launch", f"agentbox-task-{tid}") in FakeBackend.events
+    assert ("follow", f"agentbox-task-{tid}") in FakeBackend.events
 
 
 def test_the_agent_runs_claude_with_its_output_logged(launcher: Launcher, repo: Path) -> None:
@@ -141,11 +141,11 @@ def test_no_changes_means_no_branch(launcher: Launcher, repo: Path) -> None:
 
 
 def test_a_sandbox_that_cannot_start_fails_the_task(launcher: Launcher, repo: Path) -> None:
-    with FakeBackend.scripted(FakeScript(fail=frozenset({"create"}))):
+    with FakeBackend.scripted(FakeScript(fail=frozenset({"launch"}))):
         tid = _submit(launcher, repo)
         info = launcher.wait(tid, timeout=30)
     assert info.status == "failed"
-    assert "scripted failure of create" in (info.error or "")
+    assert "scripted failure of launch" in (info.error or "")
 
 
 def test_cancel_kills_the_sandbox_and_collects(launcher: Launcher, repo: Path) -> None:

@@ -8,30 +8,37 @@ wraps. Tasks run on a bounded pool of worker threads; each one goes::
 and the per-task work itself is in :mod:`agentbox.launcher._runner`. State
 lives in SQLite (:mod:`agentbox.launcher._store`) so that another process can
 list, show and cancel tasks, and a restarted launcher can :meth:`reconcile`
-the tasks whose owner died.
+the tasks whose owner died: it runs their queued tasks, re-adopts their running
+detached ones and settles the rest (:mod:`agentbox.launcher._adopt`).
+
+Workers are daemon threads fed in submission order: a launcher that exits (or
+is stopped without ``--drain``/``--cancel``) leaves its detached tasks running
+and its queued ones queued, for the next launcher.
 """
 
 from __future__ import annotations
 
 import builtins
-import concurrent.futures
 import contextlib
 import json
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import Literal
 
 from agentbox._log import get_logger
-from agentbox.backends import owned_sandboxes, sweep_stale_files
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.env import check_env_policy, committed_boxfile
-from agentbox.errors import AgentboxError, PathRefused, TaskError, TaskNotFound
+from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskError, TaskNotFound
 from agentbox.gateway import load_registry, read_usage
-from agentbox.launcher import _runner, _session
+from agentbox.launcher import _runner
+from agentbox.launcher._adopt import adopt, adopt_refusal, remove_orphans, requeue, settle_orphan
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._validate import git_readonly, validate
-from agentbox.launcher._watchdog import kill_sandbox, reap_sandbox, stop_watchdog
+from agentbox.launcher._watchdog import kill_sandbox
 from agentbox.launcher.api import (
     ModelInfo,
     TaskInfo,
@@ -49,6 +56,11 @@ log = get_logger("launcher")
 
 #: Tasks run at once by one launcher unless told otherwise.
 DEFAULT_MAX_TASKS = 4
+
+#: How a launcher stops: ``leave`` its running tasks (detached ones are re-adopted by the
+#: next launcher), ``drain`` (take no new task, wait for the queued and running ones), or
+#: ``cancel`` them (each collected as ``cancelled``).
+StopMode = Literal["leave", "drain", "cancel"]
 
 
 def tokens_from_usage(paths: TaskPaths) -> TokenUsage | None:
@@ -81,13 +93,19 @@ class Launcher:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(settings.data_dir / "state.db")
         self.max_tasks = max(1, max_tasks)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.max_tasks, thread_name_prefix="agentbox-task"
-        )
+        self._queue: queue.SimpleQueue[tuple[str, threading.Event] | None] = queue.SimpleQueue()
+        self._workers = [
+            threading.Thread(target=self._worker, name=f"agentbox-task-{i}", daemon=True)
+            for i in range(self.max_tasks)
+        ]
         self._cancel: dict[str, threading.Event] = {}
-        self._futures: dict[str, concurrent.futures.Future[None]] = {}
+        self._active: set[str] = set()
         self._lock = threading.Lock()
         self._owner = Owner.me()
+        self._closed = False
+        self.draining = False
+        for w in self._workers:
+            w.start()
 
     # -- the API -----------------------------------------------------------
 
@@ -101,6 +119,8 @@ class Launcher:
         A non-root ``caller`` must own the repo (its directory), as the MCP server
         checks on its side: the launcher publishes into it as root.
         """
+        if self.draining or self._closed:
+            raise RefusedError("the launcher is stopping (draining): it takes no new task")
         registry = load_registry(self.settings)
         v = validate(request, self.settings, registry, boxfile=boxfile)
         if boxfile is None:
@@ -120,12 +140,6 @@ class Launcher:
         if box.mounts:
             box.check_mounts(self.settings)
         check_env_policy(box, self.settings)
-        cont = None
-        if request.continue_from is not None:  # resume: refused here, before anything is made
-            prev = self._row(request.continue_from, caller)
-            cont = _session.plan(
-                self.settings, prev, v.repo, include_uncommitted=v.include_uncommitted
-            )
         now = time.time()
         self.store.insert(
             id=v.task_id,
@@ -144,14 +158,8 @@ class Launcher:
             owner_start=self._owner.start,
             caller_uid=os.geteuid() if caller is None else caller,
         )
-        if cont is not None:
-            _session.record(self.settings, v.task_id, cont)
         log.info("task queued", task_id=v.task_id, repo=str(v.repo), model=v.model, caller=caller)
-        event = threading.Event()
-        with self._lock:
-            self._cancel[v.task_id] = event
-            fut = self._pool.submit(self._work, v.task_id, event)
-            self._futures[v.task_id] = fut
+        self._enqueue(v.task_id)
         return self.get(v.task_id)
 
     def get(self, task_id: str, *, caller: int | None = None) -> TaskInfo:
@@ -269,30 +277,71 @@ class Launcher:
         return sorted(out, key=lambda m: (not m.default, m.name))
 
     def reconcile(self) -> builtins.list[str]:
-        """Settle tasks whose owner died; remove orphan sandboxes. Returns the ids settled.
+        """Take over the tasks whose launcher died; remove orphan sandboxes. Returns their ids.
 
-        A running or collecting task whose launcher is gone has its sandbox,
-        gateway and watchdog removed, then whatever the agent wrote is collected
-        and the task marked (``failed``, or ``timed_out`` past its deadline). A
-        queued one is marked failed: it never started, so nothing is lost.
+        Oldest first, each claimed (one of several reconcilers wins): a queued task
+        (or one still preparing: nothing of the agent ran) is queued again and runs
+        here, in submission order; a running detached task whose sandbox and gateway
+        are the recorded ones is re-adopted (followed, collected, published as if
+        nothing had happened); one caught collecting is collected again. Anything
+        else has its sandbox, gateway and watchdog removed, then whatever the agent
+        wrote collected and the task marked (``failed``, or ``timed_out`` past its
+        deadline); its transcript says why it could not be re-adopted.
         """
-        settled = []
-        for row in self.store.all():
+        settled, requeued, adopted = [], [], []
+        for row in sorted(self.store.all(), key=lambda r: r.created_at):
             if row.info().terminal or row.owner is None or row.owner.alive():
                 continue
-            if row.owner == self._owner:
+            if row.owner == self._owner or not self.store.claim(row.id, row.owner, self._owner):
                 continue
-            self._reconcile_one(row)
             settled.append(row.id)
-        self._remove_orphans()
+            if row.status == "queued" and requeue(self.settings, self.store, row):
+                requeued.append(row.id)
+                continue
+            if row.status == "running":
+                why = adopt_refusal(self.settings, row)
+                if why is None:
+                    adopted.append(self.store.get(row.id))
+                    continue
+                settle_orphan(self.settings, self.store, row, why)
+                continue
+            settle_orphan(self.settings, self.store, row, None)
+        remove_orphans(self.settings, self.store)
+        for row in adopted:
+            self._start_adopted(row)
+        for task_id in requeued:
+            self._enqueue(task_id)
         return settled
 
-    def shutdown(self, *, grace: float = 60.0) -> None:
-        """Cancel the tasks this launcher runs, let them be collected, then close.
+    def stop(self, mode: StopMode = "leave", *, grace: float = 60.0) -> None:
+        """Stop this launcher: ``leave`` (running detached tasks go on and are re-adopted
+        by the next launcher; queued ones stay queued for it; attached ones are
+        cancelled and collected), ``drain`` (no new task; wait for every queued and
+        running one), or ``cancel`` (every task cancelled and collected)."""
+        self.draining = True
+        if mode == "drain":
+            while self._busy():
+                time.sleep(0.2)
+        elif mode == "cancel":
+            self.shutdown(grace=grace)
+            return
+        else:
+            with self._lock:
+                running = [t for t in self._active if self.store.get(t).stage != "launched"]
+            for task_id in running:
+                with contextlib.suppress(AgentboxError):
+                    self.cancel(task_id)
+            end = time.monotonic() + grace
+            for task_id in running:
+                with contextlib.suppress(AgentboxError):
+                    self.wait(task_id, max(0.1, end - time.monotonic()))
+        self.close(wait=False)
 
-        Used when ``launcher serve`` stops: every running task ends as
-        ``cancelled`` with its partial result collected, so nothing is left for
-        a later reconcile except what a crash would leave.
+    def shutdown(self, *, grace: float = 60.0) -> None:
+        """Cancel the tasks this launcher runs or queued, let them be collected, then close.
+
+        Used by ``agentbox run`` when interrupted and ``launcher stop --cancel``: every
+        task ends as ``cancelled`` with its partial result collected.
         """
         with self._lock:
             running = list(self._cancel)
@@ -306,8 +355,20 @@ class Launcher:
         self.close(wait=False)
 
     def close(self, *, wait: bool = True) -> None:
-        """Stop taking tasks; with ``wait``, let running ones finish. Idempotent."""
-        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        """Stop taking tasks; with ``wait``, let running and queued ones finish. Idempotent.
+
+        Without ``wait``, tasks not yet started stay ``queued`` in the store (the next
+        launcher runs them) and running ones go on on their (daemon) threads.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for _ in self._workers:
+            self._queue.put(None)
+        if wait:
+            for w in self._workers:
+                w.join()
 
     def __enter__(self) -> Launcher:
         return self
@@ -324,60 +385,55 @@ class Launcher:
             raise TaskNotFound("no such task", task_id=row.id)
         return row
 
-    def _work(self, task_id: str, cancel: threading.Event) -> None:
+    def _enqueue(self, task_id: str) -> None:
+        event = threading.Event()
+        with self._lock:
+            self._cancel[task_id] = event
+        self._queue.put((task_id, event))
+
+    def _worker(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._closed and not self.draining:
+                # Stopped without waiting: leave what was not started queued.
+                with self._lock:
+                    self._cancel.pop(item[0], None)
+                continue
+            self._work(*item)
+
+    def _busy(self) -> bool:
+        with self._lock:
+            return bool(self._cancel)
+
+    def _start_adopted(self, row: TaskRow) -> None:
+        """Follow a re-adopted task on its own thread (it runs already: no queue slot)."""
+        event = threading.Event()
+        with self._lock:
+            self._cancel[row.id] = event
+        job = lambda: adopt(self.settings, self.store, row, event)  # noqa: E731
+        name = f"agentbox-adopt-{row.id}"
+        threading.Thread(
+            target=self._work, args=(row.id, event, job), name=name, daemon=True
+        ).start()
+
+    def _work(
+        self, task_id: str, cancel: threading.Event, job: Callable[[], None] | None = None
+    ) -> None:
+        with self._lock:
+            self._active.add(task_id)
         try:
-            _runner.run_task(self.settings, self.store, task_id, cancel)
+            if job is not None:
+                job()
+            else:
+                _runner.run_task(self.settings, self.store, task_id, cancel)
         except BaseException as exc:  # never lose a task to an unexpected error
             log.error("task crashed", task_id=task_id, error=repr(exc))
             self.store.finish(task_id, "failed", error=f"launcher error: {exc!r}"[:2000])
         finally:
             with self._lock:
                 self._cancel.pop(task_id, None)
-                self._futures.pop(task_id, None)
+                self._active.discard(task_id)
 
     def _reconcile_one(self, row: TaskRow) -> None:
         # Claim the task first so two reconciling launchers do not both settle it.
-        if not self.store.claim(row.id, row.owner, self._owner):
-            return
-        log.warning("reconciling task whose launcher died", task_id=row.id, status=row.status)
-        if row.watchdog_pid:
-            stop_watchdog(row.watchdog_pid)
-        if row.sandbox and row.backend:
-            # Reap, not only kill: the backend saves what the agent wrote where it is
-            # collected (a microVM's /data disk, qemu or firecracker, read in userspace
-            # in a jail; a podman workspace disk copied back and unmounted), then removes
-            # the sandbox. Usually the task's watchdog did it when the launcher died.
-            reap_sandbox(row.backend, row.sandbox, self.settings.data_dir)
-        if row.gateway is not None:
-            _runner.kill_gateway(row.gateway)
-        if row.status == "queued":
-            self.store.finish(row.id, "failed", error="the launcher stopped before the task ran")
-            return
-        _runner.finish_orphan(self.settings, self.store, self.store.get(row.id))
-
-    def _remove_orphans(self) -> None:
-        live = {
-            r.sandbox
-            for r in self.store.all()
-            if r.sandbox and not r.info().terminal and r.owner is not None and r.owner.alive()
-        }
-        # Every backend lists the sandboxes this data dir owns; each one no live task
-        # holds is reaped by its own backend's verb (killed, what it wrote saved, removed;
-        # a microVM whose owner is alive, an exec/shell, is left be by its backend).
-        for backend, name in owned_sandboxes(self.settings):
-            if name not in live:
-                log.warning("removing orphan sandbox", sandbox=name, backend=backend)
-                reap_sandbox(backend, name, self.settings.data_dir)
-        # Older versions wrote sandbox environments (one-time tokens) to /tmp and left
-        # them there when killed; the current one keeps them in memory only.
-        for stale in sweep_stale_files():
-            log.warning("removed a stale environment dir of an older version", path=str(stale))
-        live_ids = {
-            r.id
-            for r in self.store.all()
-            if not r.info().terminal and r.owner is not None and r.owner.alive()
-        }
-        for task_id, gw in _runner.list_task_gateways(self.settings):
-            if task_id not in live_ids:
-                log.warning("removing orphan gateway", task_id=task_id, pid=gw.pid)
-                _runner.kill_gateway(gw)
+        if self.store.claim(row.id, row.owner, self._owner):
+            settle_orphan(self.settings, self.store, row, None)

@@ -47,8 +47,10 @@ __all__ = [
     "finish_orphan",
     "load_base",
     "read_diff",
+    "recorded_outcome",
     "repo_at_use",
     "save_base",
+    "settle",
     "share_gid",
 ]
 
@@ -324,6 +326,66 @@ def _commit_message(row: TaskRow, status: str) -> str:
     """A short subject line; the whole task text in the body."""
     subject = commit_subject(row.id, row.task)
     return f"{subject}\n\n{row.task.strip()}\n\nstatus: {status}\nmodel: {row.model}\n"
+
+
+def settle(
+    settings: Settings,
+    store: Store,
+    paths: TaskPaths,
+    outcome: tuple[str, str | None, int | None],
+    tlog: TaskLog,
+    *,
+    agent_ran: bool,
+) -> None:
+    """From how the agent ended (status, error, exit code) to a finished task.
+
+    The outcome is recorded first (``outcome``, ``exit_code``): a launcher that dies
+    while collecting leaves it for the next one, which collects again with it.
+    """
+    status, error, exit_code = outcome
+    with contextlib.suppress(AgentboxError):
+        why = budget_error(read_usage(paths.usage_file))
+        if why is not None and status in ("failed", "done"):
+            # Claude Code reports a 403 as "Failed to authenticate": say what it was.
+            status, error = "failed", why
+    if not agent_ran:
+        # A failure before the agent started (no image, a sandbox that would not start):
+        # its output log is empty. One that ran and then failed to tear down wrote there.
+        with contextlib.suppress(OSError):
+            agent_ran = (paths.log_dir / "agent.jsonl").stat().st_size > 0
+    store.update(
+        paths.task_id,
+        expect={"queued", "running", "collecting"},
+        outcome=json.dumps([status, error, exit_code, agent_ran]),
+    )
+    collect_and_finish(
+        settings,
+        store,
+        store.get(paths.task_id),
+        paths,
+        status=status,
+        error=error,
+        exit_code=exit_code,
+        tlog=tlog,
+        agent_ran=agent_ran,
+    )
+
+
+def recorded_outcome(raw: str | None) -> tuple[tuple[str, str | None, int | None], bool] | None:
+    """The outcome :func:`settle` recorded (its status, error, exit code; agent_ran), if any."""
+    try:
+        got = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    if (
+        not isinstance(got, list)
+        or len(got) != 4
+        or got[0] not in ("done", "failed", "timed_out", "cancelled")
+    ):
+        return None
+    error = got[1] if isinstance(got[1], str) else None
+    code = got[2] if isinstance(got[2], int) and not isinstance(got[2], bool) else None
+    return (got[0], error, code), bool(got[3])
 
 
 def _budget_stopped(paths: TaskPaths, status: str) -> bool:

@@ -31,34 +31,34 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 from agentbox._acl import grant_search
 from agentbox._log import get_logger
 from agentbox.backends import get_backend
-from agentbox.backends.base import BindMount, SandboxSpec
+from agentbox.backends.base import Backend, BindMount, SandboxSpec
 from agentbox.boxfile import Boxfile
 from agentbox.collect import prepare
 from agentbox.config import Settings
 from agentbox.egress import EgressPolicy
 from agentbox.env import Egress, EnvPlan, egress_argv, start_egress
 from agentbox.errors import AgentboxError, PathRefused, PolicyRefused
-from agentbox.gateway import GatewayHandle, gateway_identity, read_usage, spawn_gateway
-from agentbox.launcher import _session
+from agentbox.gateway import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
 from agentbox.launcher._finish import (
     TaskLog,
-    budget_error,
     collect_and_finish,
     commit_subject,
     finish_orphan,
     read_diff,
     repo_at_use,
     save_base,
+    settle,
     share_gid,
 )
+from agentbox.launcher._follow import MAX_LOG_BYTES, Ended, ended, follow_sandbox
+from agentbox.launcher._follow import monitor as _monitor
+from agentbox.launcher._follow import sink as _sink
 from agentbox.launcher._names import (
     SANDBOX_LABEL,
     kill_gateway,
@@ -69,12 +69,13 @@ from agentbox.launcher._names import (
 )
 from agentbox.launcher._setup import setup_phase
 from agentbox.launcher._store import Owner, Store, TaskRow
-from agentbox.launcher._watchdog import kill_sandbox, spawn_watchdog, stop_watchdog
+from agentbox.launcher._watchdog import spawn_watchdog, stop_watchdog
 from agentbox.launcher._workspace import check_owner, ensure_private_dir, give_to_sandbox
 from agentbox.paths import TaskPaths
 from agentbox.sandbox import spec_from_boxfile
 
 __all__ = [
+    "MAX_LOG_BYTES",
     "SANDBOX_LABEL",
     "commit_subject",
     "finish_orphan",
@@ -96,8 +97,10 @@ log = get_logger("launcher.task")
 
 #: Seconds past the deadline after which the watchdog process removes the sandbox.
 WATCHDOG_GRACE = 30.0
-#: Each of the agent's log files (stdout, stderr) is capped.
-MAX_LOG_BYTES = 64 << 20
+#: Seconds past the deadline after which a task's gateway stops by itself (``--exit-at``).
+GATEWAY_GRACE = 120.0
+#: Added to a gateway's exit time when the task has a ``[setup]`` phase to run first.
+SETUP_ALLOWANCE = 3600.0
 
 
 def _make_task_dir(paths: TaskPaths) -> None:
@@ -170,6 +173,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         store.finish(task_id, "cancelled", error="cancelled before it started")
         return
     paths = TaskPaths(settings.data_dir, task_id)
+    # From here until the sandbox runs, a launcher that dies leaves a task to run again.
+    store.update(task_id, expect={"queued"}, stage="preparing")
     _make_task_dir(paths)
     tlog = TaskLog(paths, store)
     box = Boxfile.model_validate_json(row.boxfile or "{}")
@@ -193,6 +198,11 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         log_file=paths.log_dir / "gateway.log",
         # Never root: a dedicated uid, no capabilities, no_new_privs, seccomp (issue 11.4).
         run_as=gateway_identity(settings),
+        # It outlives a launcher that dies (a detached task is re-adopted), not the task.
+        exit_at=time.time()
+        + row.deadline
+        + GATEWAY_GRACE
+        + (SETUP_ALLOWANCE if box.setup is not None else 0.0),
     )
     starter.shutdown(wait=False)
     tlog(f"preparing the workspace from {row.repo}")
@@ -208,13 +218,11 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
             paths.workspace,
             paths.shadow_git,
             paths.base_index,
-            commit=_session.base_commit(settings, task_id),  # HEAD, or a resumed task's result
             include_uncommitted=row.include_uncommitted,
             owner=(uid, uid),
             root=settings.repos_root,
         )
         save_base(paths, base)
-        _session.seed(settings, paths)  # a resumed task: the previous one, for the agent
         give_to_sandbox(paths.workspace, settings.sandbox_host_uid)
         check_owner(paths.workspace, settings.sandbox_host_uid)
     except BaseException as exc:
@@ -292,58 +300,63 @@ def _run_sandbox(
         spec = spec.replace(mounts=(*spec.mounts, *ours))
         our_env = frozenset(egress.env) if egress is not None else frozenset()
         _check_spec(spec, box, paths, settings, ours=ours, our_env=our_env)
-        argv = agent_argv(_session.agent_task(paths, row.task))
+        argv = agent_argv(row.task)
         check_agent_argv(argv)
         check_owner(paths.workspace, settings.sandbox_host_uid)
         started = time.time()
-        watchdog = spawn_watchdog(
-            backend=box.backend,
-            sandbox=spec.name,
-            data_dir=settings.data_dir,
-            at=started + row.deadline + WATCHDOG_GRACE,
-            gateway_pid=gateway.pid,
-            gateway_start=gw_owner.start if gw_owner else None,
-            log_file=paths.log_dir / "watchdog.log",
-        )
-        if not store.update(
-            task_id,
-            expect={"queued"},
-            status="running",
-            started_at=started,
-            sandbox=spec.name,
-            watchdog_pid=watchdog.pid,
-        ):
-            raise _Cancelled
-        monitor = threading.Thread(
-            target=_monitor,
-            args=(store, task_id, cancel, done, box.backend, spec.name, settings.data_dir),
-            name=f"agentbox-monitor-{task_id}",
-            daemon=True,
-        )
-        monitor.start()
-        tlog(f"running claude in sandbox {spec.name} (deadline {row.deadline:g}s)")
-        with (
-            (paths.log_dir / "agent.jsonl").open("ab") as out,
-            (paths.log_dir / "agent.stderr").open("ab") as err,
-        ):
-            res = backend.run(
-                spec,
-                egress_argv(argv) if egress is not None else argv,
-                on_stdout=_sink(out),
-                on_stderr=_sink(err),
+        run_argv = egress_argv(argv) if egress is not None else argv
+        # Detached where the backend can (podman): the launcher may die and a new one
+        # re-adopts the task. Not with agent egress: its proxy is the launcher's child.
+        if egress is None and backend.detaches(box.runtime):
+            status, error, exit_code = _run_detached(
+                store, row, paths, box, backend, spec, run_argv, cancel, tlog, started
             )
-        exit_code = res.exit_code
-        agent_ran = True
-        elapsed = time.time() - started
-        tlog(f"agent exited with code {exit_code} after {elapsed:.1f}s")
-        if cancel.is_set() or store.get(task_id).cancel_requested:
-            status, error = "cancelled", "cancelled while running; partial result collected"
-        elif res.timed_out or elapsed >= row.deadline:
-            status, error = "timed_out", f"killed at its deadline ({row.deadline:g}s)"
-        elif exit_code == 0:
-            status = "done"
+            agent_ran = True
         else:
-            status, error = "failed", f"the agent exited with code {exit_code}"
+            watchdog = spawn_watchdog(
+                backend=box.backend,
+                sandbox=spec.name,
+                data_dir=settings.data_dir,
+                at=started + row.deadline + WATCHDOG_GRACE,
+                gateway_pid=gateway.pid,
+                gateway_start=gw_owner.start if gw_owner else None,
+                log_file=paths.log_dir / "watchdog.log",
+            )
+            if not store.update(
+                task_id,
+                expect={"queued"},
+                status="running",
+                started_at=started,
+                sandbox=spec.name,
+                watchdog_pid=watchdog.pid,
+                stage="attached",
+            ):
+                raise _Cancelled
+            monitor = threading.Thread(
+                target=_monitor,
+                args=(store, task_id, cancel, done, box.backend, spec.name, settings.data_dir),
+                name=f"agentbox-monitor-{task_id}",
+                daemon=True,
+            )
+            monitor.start()
+            tlog(f"running claude in sandbox {spec.name} (deadline {row.deadline:g}s)")
+            with (
+                (paths.log_dir / "agent.jsonl").open("ab") as out,
+                (paths.log_dir / "agent.stderr").open("ab") as err,
+            ):
+                res = backend.run(spec, run_argv, on_stdout=_sink(out), on_stderr=_sink(err))
+            agent_ran = True
+            elapsed = time.time() - started
+            tlog(f"agent exited with code {res.exit_code} after {elapsed:.1f}s")
+            status, error, exit_code = ended(
+                store,
+                task_id,
+                cancel,
+                exit_code=res.exit_code,
+                timed_out=res.timed_out,
+                deadline=row.deadline,
+                past_deadline=elapsed >= row.deadline,
+            )
     except _Cancelled:
         status, error = "cancelled", "cancelled before the sandbox started"
     except AgentboxError as exc:
@@ -362,70 +375,53 @@ def _run_sandbox(
             egress.proxy.stop(grace=2.0)
         if plan is not None:
             plan.release()
-    with contextlib.suppress(AgentboxError):
-        why = budget_error(read_usage(paths.usage_file))
-        if why is not None and status in ("failed", "done"):
-            # Claude Code reports a 403 as "Failed to authenticate": say what it was.
-            status, error = "failed", why
-    if not agent_ran:
-        # A failure before the agent started (no image, a sandbox that would not start):
-        # its output log is empty. One that ran and then failed to tear down wrote there.
-        with contextlib.suppress(OSError):
-            agent_ran = (paths.log_dir / "agent.jsonl").stat().st_size > 0
-    collect_and_finish(
-        settings,
-        store,
-        store.get(task_id),
-        paths,
-        status=status,
-        error=error,
-        exit_code=exit_code,
-        tlog=tlog,
-        agent_ran=agent_ran,
-    )
+    settle(settings, store, paths, (status, error, exit_code), tlog, agent_ran=agent_ran)
 
 
 class _Cancelled(Exception):
     pass
 
 
-def _sink(fh: BinaryIO, limit: int = MAX_LOG_BYTES) -> Callable[[bytes], None]:
-    """A callback writing the agent's output to ``fh``, up to ``limit`` bytes.
-
-    The agent controls what it prints; past the cap the rest is dropped (once
-    noted in the file) so a task cannot fill the host's disk through its log.
-    """
-    written = 0
-
-    def write(chunk: bytes) -> None:
-        nonlocal written
-        if written >= limit:
-            return
-        room = limit - written
-        fh.write(chunk[:room])
-        written += min(len(chunk), room)
-        if written >= limit:
-            fh.write(b"\n[agentbox: output past this point dropped: log cap reached]\n")
-        fh.flush()
-
-    return write
-
-
-def _monitor(
+def _run_detached(
     store: Store,
-    task_id: str,
+    row: TaskRow,
+    paths: TaskPaths,
+    box: Boxfile,
+    backend: Backend,
+    spec: SandboxSpec,
+    argv: list[str],
     cancel: threading.Event,
-    done: threading.Event,
-    backend: str,
-    sandbox: str,
-    data_dir: Path,
-) -> None:
-    """Turn a cancel (this process's event, or another process's flag) into a kill."""
-    while not done.wait(0.5):
-        flagged = cancel.is_set()
-        if not flagged:
-            with contextlib.suppress(AgentboxError):
-                flagged = store.get(task_id).cancel_requested
-        if flagged:
-            kill_sandbox(backend, sandbox, data_dir)
-            return
+    tlog: TaskLog,
+    started: float,
+) -> Ended:
+    """Launch the agent's sandbox detached and follow it to its end (no watchdog: the
+    runtime holds the deadline, the gateway its own exit time)."""
+    log_path = paths.log_dir / "sandbox.log"
+    # Recorded before the launch: a launcher that dies right after it leaves a task
+    # the next one re-adopts (what it checks: the name, these labels, the gateway).
+    if not store.update(
+        row.id,
+        expect={"queued"},
+        status="running",
+        started_at=started,
+        sandbox=spec.name,
+        stage="launched",
+        runtime=box.runtime,
+        labels=dict(spec.labels),
+        sandbox_log=str(log_path),
+        deadline_at=started + row.deadline,
+    ):
+        raise _Cancelled
+    tlog(f"running claude in sandbox {spec.name}, detached (deadline {row.deadline:g}s)")
+    backend.launch(spec, argv, log=log_path)
+    return follow_sandbox(
+        backend,
+        box.backend,
+        store,
+        paths,
+        name=spec.name,
+        cancel=cancel,
+        deadline=row.deadline,
+        deadline_at=started + row.deadline,
+        tlog=tlog,
+    )

@@ -10,6 +10,15 @@ restarted launcher reconciles only tasks whose owner is gone. Each task also
 records its *caller* (``caller_uid``, the uid that submitted it): a non-root
 caller of the socket API sees only its own. A database from before that column
 gets it added, NULL in its old rows: those tasks are visible to root only.
+
+The schema is versioned (``PRAGMA user_version``, :data:`SCHEMA_VERSION`) so a
+launcher of the next version re-adopts the tasks of the previous one: opening a
+store runs each migration from the database's version up to ours, in one
+transaction; a database of a *newer* version is refused (a downgraded launcher
+would misread it). Version 0 is every database made before versioning (columns
+were then added ad hoc), 1 that schema complete, 2 adds what re-adopting a
+running task needs (:attr:`TaskRow.stage`, the sandbox's labels and log, the
+deadline as an epoch), 3 the count of re-adoptions.
 """
 
 from __future__ import annotations
@@ -26,12 +35,22 @@ from typing import Any
 
 import psutil
 
-from agentbox.errors import TaskIdRefused, TaskNotFound
+from agentbox.errors import ConfigError, TaskIdRefused, TaskNotFound
 from agentbox.launcher.api import TaskInfo, TokenUsage
 
-__all__ = ["Owner", "Store", "TaskRow"]
+__all__ = ["SCHEMA_VERSION", "Owner", "Stage", "Store", "TaskRow"]
 
-_SCHEMA = """
+#: The schema this code reads and writes (``PRAGMA user_version``).
+SCHEMA_VERSION = 3
+
+#: Where a non-terminal task is, finer than its status (None: queued, nothing done).
+#: ``preparing``: task dir, workspace, gateway, setup; nothing of the agent ran (a
+#: launcher that dies here leaves a task the next one runs again, from scratch).
+#: ``attached``: the agent's sandbox runs held by its launcher (not adoptable).
+#: ``launched``: the sandbox runs detached; everything re-adoption checks is recorded.
+Stage = str
+
+_SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS tasks (
     id TEXT PRIMARY KEY,
     status TEXT NOT NULL,
@@ -64,8 +83,56 @@ CREATE TABLE IF NOT EXISTS tasks (
     caller_uid INTEGER
 );
 """
-#: Columns added after the first schema: (name, SQL type), added to older databases.
-_ADDED = (("phase", "TEXT"), ("changed", "INTEGER"), ("caller_uid", "INTEGER"))
+#: Columns added to the first schema before versioning; a version-0 database may lack them.
+_ADDED_V1 = (("phase", "TEXT"), ("changed", "INTEGER"), ("caller_uid", "INTEGER"))
+
+
+def _to_v1(db: sqlite3.Connection) -> None:
+    db.execute(_SCHEMA_V1)  # one statement: executescript would COMMIT the migration
+    have = {r[1] for r in db.execute("PRAGMA table_info(tasks)")}
+    for name, kind in _ADDED_V1:
+        if name not in have:
+            db.execute(f"ALTER TABLE tasks ADD COLUMN {name} {kind}")
+
+
+def _to_v2(db: sqlite3.Connection) -> None:
+    for col in ("stage TEXT", "runtime TEXT", "labels TEXT", "sandbox_log TEXT",
+                "deadline_at REAL", "outcome TEXT"):  # fmt: skip
+        db.execute(f"ALTER TABLE tasks ADD COLUMN {col}")
+    # A running task of a version-1 launcher ran attached, under its watchdog.
+    db.execute("UPDATE tasks SET stage = 'attached' WHERE status IN ('running', 'collecting')")
+
+
+def _to_v3(db: sqlite3.Connection) -> None:
+    db.execute("ALTER TABLE tasks ADD COLUMN adoptions INTEGER NOT NULL DEFAULT 0")
+    db.execute("CREATE INDEX IF NOT EXISTS tasks_created ON tasks (created_at)")
+
+
+#: ``_MIGRATIONS[v]`` takes a database from version ``v`` to ``v + 1``.
+_MIGRATIONS = (_to_v1, _to_v2, _to_v3)
+assert len(_MIGRATIONS) == SCHEMA_VERSION
+
+
+def migrate(db: sqlite3.Connection, *, path: Path, upto: int = SCHEMA_VERSION) -> int:
+    """Bring the open database to version ``upto``, in one transaction; return the version
+    it had. :class:`ConfigError` for a database newer than this code."""
+    db.execute("BEGIN IMMEDIATE")  # one migrator at a time; others wait, then see it done
+    try:
+        old = int(db.execute("PRAGMA user_version").fetchone()[0])
+        if old > SCHEMA_VERSION:
+            raise ConfigError(
+                f"the task store {path} is schema version {old}; this agentbox reads up to "
+                f"{SCHEMA_VERSION}: run the newer agentbox that wrote it"
+            )
+        for version in range(old, upto):
+            _MIGRATIONS[version](db)
+        if upto > old:
+            db.execute(f"PRAGMA user_version = {int(upto)}")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return old
 
 
 @dataclass(frozen=True)
@@ -130,6 +197,18 @@ class TaskRow:
     """Whether collection found changes (None: not collected); False: no branch."""
     caller_uid: int | None = None
     """The uid that submitted the task (None: recorded before uids were; root's to see)."""
+    stage: Stage | None = None
+    """Finer than ``status`` while it runs (see :data:`Stage`)."""
+    runtime: str | None = None
+    labels: dict[str, str] | None = None
+    """The labels its sandbox was launched with (re-adoption checks them)."""
+    sandbox_log: str | None = None
+    deadline_at: float | None = None
+    """Unix time at which its sandbox's deadline passes."""
+    outcome: str | None = None
+    """How the agent ended (JSON), recorded before collection (re-collected from it)."""
+    adoptions: int = 0
+    """How many launchers re-adopted it after the one running it died."""
 
     def info(self, tokens: TokenUsage | None = None) -> TaskInfo:
         """The public view of this row (``tokens`` overrides the stored totals)."""
@@ -194,7 +273,26 @@ def _row(r: sqlite3.Row) -> TaskRow:
         phase=r["phase"] or "",
         changed=None if r["changed"] is None else bool(r["changed"]),
         caller_uid=r["caller_uid"],
+        stage=r["stage"],
+        runtime=r["runtime"],
+        labels=_labels(r["labels"]),
+        sandbox_log=r["sandbox_log"],
+        deadline_at=r["deadline_at"],
+        outcome=r["outcome"],
+        adoptions=r["adoptions"] or 0,
     )
+
+
+def _labels(raw: str | None) -> dict[str, str] | None:
+    try:
+        got = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    if not isinstance(got, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in got.items()
+    ):
+        return None
+    return got
 
 
 class Store:
@@ -205,11 +303,7 @@ class Store:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._conn() as db:
             db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(_SCHEMA)
-            have = {r[1] for r in db.execute("PRAGMA table_info(tasks)")}
-            for name, kind in _ADDED:
-                if name not in have:
-                    db.execute(f"ALTER TABLE tasks ADD COLUMN {name} {kind}")
+            migrate(db, path=path)
         with contextlib.suppress(OSError):
             path.chmod(0o600)
 
@@ -248,7 +342,9 @@ class Store:
         """Every task, newest first; with ``caller_uid``, only the tasks that uid submitted."""
         with self._conn() as db:
             if caller_uid is None:
-                rows = db.execute("SELECT * FROM tasks ORDER BY created_at DESC").fetchall()
+                rows = db.execute(
+                    "SELECT * FROM tasks ORDER BY created_at DESC, rowid DESC"
+                ).fetchall()
             else:
                 rows = db.execute(
                     "SELECT * FROM tasks WHERE caller_uid = ? ORDER BY created_at DESC",
@@ -260,6 +356,8 @@ class Store:
         """Set ``fields``; with ``expect``, only if the status is one of them. True if done."""
         if "tokens" in fields and isinstance(fields["tokens"], TokenUsage):
             fields["tokens"] = fields["tokens"].model_dump_json()
+        if isinstance(fields.get("labels"), dict):
+            fields["labels"] = json.dumps(fields["labels"], sort_keys=True)
         sets = ", ".join(f"{k} = ?" for k in fields)
         sql = f"UPDATE tasks SET {sets} WHERE id = ?"  # noqa: S608
         args: list[Any] = [*fields.values(), task_id]

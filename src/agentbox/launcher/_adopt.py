@@ -1,0 +1,259 @@
+"""Live restore: what a launcher does with the tasks of a launcher that died.
+
+:meth:`agentbox.launcher.Launcher.reconcile` claims each non-terminal task whose
+owner is gone (one claimer wins) and then, by where the task was:
+
+* **queued or preparing** (nothing of the agent ran): :func:`requeue`. Whatever the
+  dead launcher had started for it (its gateway, a setup sandbox, the partial task
+  dir) is removed and the task waits again, in submission order, for this launcher;
+* **running detached** (stage ``launched``): re-adopted when :func:`adopt_refusal`
+  finds every recorded target to be the one recorded: the sandbox by name *and*
+  labels (task id, data dir, labels version) under this data dir, the log path this
+  task's, and the gateway, if it still runs, the same pid, start time and command
+  line (a pid reused by another process is refused and never signalled). Then
+  :func:`adopt` follows it to the end from the start of its log and collects and
+  publishes as if nothing had happened; the transcript says who took over;
+* **collecting** with its outcome recorded: collected again (collection and
+  publishing are idempotent);
+* anything else (an attached sandbox, a refused target): settled as before: its
+  sandbox reaped, what the agent wrote collected, the task marked, and the reason
+  logged in its transcript.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import psutil
+
+from agentbox._log import get_logger
+from agentbox.backends import get_backend, owned_sandboxes, sweep_stale_files
+from agentbox.config import Settings
+from agentbox.env import release_task_env
+from agentbox.errors import AgentboxError, PathRefused, SandboxGone
+from agentbox.launcher._finish import (
+    TaskLog,
+    collect_and_finish,
+    finish_orphan,
+    recorded_outcome,
+    settle,
+)
+from agentbox.launcher._follow import Ended, follow_sandbox
+from agentbox.launcher._names import (
+    DATA_LABEL,
+    SANDBOX_LABEL,
+    data_label,
+    kill_gateway,
+    list_task_gateways,
+    sandbox_name,
+)
+from agentbox.launcher._retention import remove_tree
+from agentbox.launcher._store import Owner, Store, TaskRow
+from agentbox.launcher._watchdog import reap_sandbox, stop_watchdog
+from agentbox.paths import TaskPaths
+
+__all__ = [
+    "adopt",
+    "adopt_refusal",
+    "gateway_refusal",
+    "remove_orphans",
+    "requeue",
+    "settle_orphan",
+    "stop_gateway",
+]
+
+log = get_logger("launcher.adopt")
+
+
+def gateway_refusal(gw: Owner | None, paths: TaskPaths) -> str | None:
+    """None if ``gw`` runs and is this task's gateway; else why it is not (gone, or a
+    pid now another process's: same pid, another start time or command line)."""
+    if gw is None:
+        return "no gateway was recorded"
+    try:
+        proc = psutil.Process(gw.pid)
+        start, cmd, state = proc.create_time(), proc.cmdline(), proc.status()
+    except psutil.Error:
+        return f"its gateway (pid {gw.pid}) is gone"
+    if state == psutil.STATUS_ZOMBIE:
+        return f"its gateway (pid {gw.pid}) is gone"
+    if abs(start - gw.start) > 0.01:
+        return f"pid {gw.pid} is another process now (started {start:.2f}, not {gw.start:.2f})"
+    i = cmd.index("--listen") if "--listen" in cmd else -1
+    listen = cmd[i + 1] if 0 <= i < len(cmd) - 1 else ""
+    if not any(a.endswith("gateway") for a in cmd[:4]) or listen != f"unix:{paths.gateway_socket}":
+        return f"pid {gw.pid} is not this task's gateway (its command line differs)"
+    return None
+
+
+def _gateway_gone(why: str | None) -> bool:
+    return why is not None and why.endswith("is gone")
+
+
+def adopt_refusal(settings: Settings, row: TaskRow) -> str | None:
+    """None when the running task ``row`` may be re-adopted; else why not."""
+    paths = TaskPaths(settings.data_dir, row.id)
+    if row.stage != "launched" or not row.backend or not row.sandbox:
+        return "its sandbox ran attached to the launcher that died"
+    if row.sandbox != sandbox_name(row.id):
+        return f"the recorded sandbox {row.sandbox!r} is not this task's"
+    labels = row.labels or {}
+    if labels.get(SANDBOX_LABEL) != row.id or labels.get(DATA_LABEL) != data_label(settings):
+        return "the recorded sandbox labels name another task or data dir"
+    if row.sandbox_log != str(paths.log_dir / "sandbox.log"):
+        return "the recorded sandbox log is not this task's"
+    try:
+        backend = get_backend(row.backend, settings)
+        if not backend.detaches(row.runtime or "runc"):
+            return f"the {row.backend} backend cannot re-attach to a sandbox"
+        if not backend.adoptable(row.sandbox, labels=labels):
+            return f"no sandbox {row.sandbox} with the recorded labels under this data dir"
+    except AgentboxError as exc:
+        return f"its sandbox cannot be checked: {exc}"
+    why = gateway_refusal(row.gateway, paths)
+    if why is not None and not _gateway_gone(why):
+        return why  # a forged or reused pid: nothing of this task is trusted
+    return None
+
+
+def stop_gateway(gw: Owner | None, paths: TaskPaths, *, grace: float = 3.0) -> None:
+    """Stop an adopted task's gateway (TERM, so it writes its usage; KILL after ``grace``),
+    only if it is still this task's very gateway."""
+    if gw is None or gateway_refusal(gw, paths) is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(gw.pid, signal.SIGTERM)
+    end = time.monotonic() + grace
+    while time.monotonic() < end and gateway_refusal(gw, paths) is None:
+        time.sleep(0.05)
+    kill_gateway(gw)
+
+
+def adopt(settings: Settings, store: Store, row: TaskRow, cancel: threading.Event) -> None:
+    """Follow a re-adopted task's sandbox to its end, then collect and publish it."""
+    paths = TaskPaths(settings.data_dir, row.id)
+    tlog = TaskLog(paths, store)
+    store.update(row.id, adoptions=row.adoptions + 1)
+    tlog(f"re-adopted by launcher pid {os.getpid()}: following sandbox {row.sandbox}")
+    if (why := gateway_refusal(row.gateway, paths)) is not None:
+        tlog(f"{why}: the agent can no longer reach the model")
+    assert row.backend is not None and row.sandbox is not None  # adopt_refusal checked
+    outcome: Ended
+    try:
+        outcome = follow_sandbox(
+            get_backend(row.backend, settings),
+            row.backend,
+            store,
+            paths,
+            name=row.sandbox,
+            cancel=cancel,
+            deadline=row.deadline,
+            deadline_at=row.deadline_at or 0.0,
+            tlog=tlog,
+            adopted=True,
+        )
+    except SandboxGone as exc:
+        outcome = ("failed", f"its sandbox vanished while re-adopted: {exc}", None)
+    except AgentboxError as exc:
+        tlog(f"error: {exc}")
+        outcome = ("failed", str(exc)[:4000], None)
+    finally:
+        stop_gateway(row.gateway, paths)
+        release_task_env(paths.root)
+    settle(settings, store, paths, outcome, tlog, agent_ran=True)
+
+
+def requeue(settings: Settings, store: Store, row: TaskRow) -> bool:
+    """Undo what a dead launcher began for a task that never reached its agent, and mark
+    it queued again (True); False when its partial dir cannot be removed (settle it)."""
+    paths = TaskPaths(settings.data_dir, row.id)
+    for task_id, gw in list_task_gateways(settings):
+        if task_id == row.id:
+            kill_gateway(gw)
+    if row.gateway is not None:
+        kill_gateway(row.gateway)
+    if row.sandbox and row.backend:
+        reap_sandbox(row.backend, row.sandbox, settings.data_dir)
+    release_task_env(paths.root)
+    try:
+        remove_tree(paths.root.parent, row.id)
+    except (OSError, PathRefused) as exc:
+        log.error("cannot discard a partial task dir", task_id=row.id, error=str(exc))
+        return False
+    log.warning("task of a dead launcher queued again", task_id=row.id)
+    return store.update(
+        row.id,
+        expect={"queued"},
+        started_at=None,
+        phase="queued again: its launcher died before the agent started",
+        stage=None,
+        sandbox=None,
+        gateway_pid=None,
+        gateway_start=None,
+        watchdog_pid=None,
+    )
+
+
+def settle_orphan(settings: Settings, store: Store, row: TaskRow, why: str | None) -> None:
+    """Remove what is left of a claimed task, collect what the agent wrote, mark it."""
+    log.warning("settling task whose launcher died", task_id=row.id, status=row.status,
+                not_adopted=why)  # fmt: skip
+    if row.watchdog_pid:
+        stop_watchdog(row.watchdog_pid)
+    if row.sandbox and row.backend:
+        # Reap, not only kill: the backend saves what the agent wrote where it is
+        # collected (a microVM's /data disk, qemu or firecracker, read in userspace
+        # in a jail; a podman workspace disk copied back and unmounted), then removes
+        # the sandbox. Usually the task's watchdog did it when the launcher died.
+        reap_sandbox(row.backend, row.sandbox, settings.data_dir)
+    if row.gateway is not None:
+        kill_gateway(row.gateway)
+    if row.status == "queued":
+        store.finish(row.id, "failed", error="the launcher stopped before the task ran")
+        return
+    paths = TaskPaths(settings.data_dir, row.id)
+    outcome = recorded_outcome(row.outcome) if row.status == "collecting" else None
+    if outcome is not None and paths.root.is_dir():
+        # Caught collecting: the agent's end was recorded; collect (again) with it.
+        tlog = TaskLog(paths, store)
+        tlog(f"collected again by launcher pid {os.getpid()}: its launcher died collecting")
+        (status, error, code), ran = outcome
+        collect_and_finish(settings, store, store.get(row.id), paths,
+                           status=status, error=error, exit_code=code, tlog=tlog,
+                           agent_ran=ran)  # fmt: skip
+        return
+    if why is not None and paths.log_dir.is_dir():
+        TaskLog(paths, store)(f"not re-adopted: {why}")
+    finish_orphan(settings, store, store.get(row.id))
+
+
+def remove_orphans(settings: Settings, store: Store) -> None:
+    live = {
+        r.sandbox
+        for r in store.all()
+        if r.sandbox and not r.info().terminal and r.owner is not None and r.owner.alive()
+    }
+    # Every backend lists the sandboxes this data dir owns; each one no live task
+    # holds is reaped by its own backend's verb (killed, what it wrote saved, removed;
+    # a microVM whose owner is alive, an exec/shell, is left be by its backend).
+    for backend, name in owned_sandboxes(settings):
+        if name not in live:
+            log.warning("removing orphan sandbox", sandbox=name, backend=backend)
+            reap_sandbox(backend, name, settings.data_dir)
+    # Older versions wrote sandbox environments (one-time tokens) to /tmp and left
+    # them there when killed; the current one keeps them in memory only.
+    for stale in sweep_stale_files():
+        log.warning("removed a stale environment dir of an older version", path=str(stale))
+    live_ids = {
+        r.id
+        for r in store.all()
+        if not r.info().terminal and r.owner is not None and r.owner.alive()
+    }
+    for task_id, gw in list_task_gateways(settings):
+        if task_id not in live_ids:
+            log.warning("removing orphan gateway", task_id=task_id, pid=gw.pid)
+            kill_gateway(gw)

@@ -1,0 +1,151 @@
+"""Following a task's sandbox to its end: the same code for the launcher that started it
+and for a launcher that re-adopted it after the first one died.
+
+A detached sandbox (:meth:`~agentbox.backends.base.Backend.launch`) writes its
+output to ``logs/sandbox.log`` through the runtime; :func:`follow_sandbox`
+streams that log from its start into ``agent.jsonl``/``agent.stderr`` (capped,
+as an attached run's are), waits for the end, turns a cancel into a kill on the
+way, and says how the task ended. The agent's files are rewritten from the
+start on each follow, so a re-adopting launcher's copy is whole and in order,
+never a duplicate of what the dead one had copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from agentbox._log import get_logger
+from agentbox.backends.base import Backend
+from agentbox.errors import AgentboxError
+from agentbox.launcher._store import Store
+from agentbox.launcher._watchdog import kill_sandbox
+from agentbox.paths import TaskPaths
+
+__all__ = ["MAX_LOG_BYTES", "Ended", "follow_sandbox", "monitor", "sink"]
+
+log = get_logger("launcher.task")
+
+#: Each of the agent's log files (stdout, stderr) is capped.
+MAX_LOG_BYTES = 64 << 20
+
+#: How a task's agent ended: (status, error, exit code).
+Ended = tuple[str, str | None, int | None]
+
+
+def sink(fh: BinaryIO, limit: int = MAX_LOG_BYTES) -> Callable[[bytes], None]:
+    """A callback writing the agent's output to ``fh``, up to ``limit`` bytes.
+
+    The agent controls what it prints; past the cap the rest is dropped (once
+    noted in the file) so a task cannot fill the host's disk through its log.
+    """
+    written = 0
+
+    def write(chunk: bytes) -> None:
+        nonlocal written
+        if written >= limit:
+            return
+        room = limit - written
+        fh.write(chunk[:room])
+        written += min(len(chunk), room)
+        if written >= limit:
+            fh.write(b"\n[agentbox: output past this point dropped: log cap reached]\n")
+        fh.flush()
+
+    return write
+
+
+def monitor(
+    store: Store,
+    task_id: str,
+    cancel: threading.Event,
+    done: threading.Event,
+    backend: str,
+    sandbox: str,
+    data_dir: Path,
+) -> None:
+    """Turn a cancel (this process's event, or another process's flag) into a kill."""
+    while not done.wait(0.5):
+        flagged = cancel.is_set()
+        if not flagged:
+            with contextlib.suppress(AgentboxError):
+                flagged = store.get(task_id).cancel_requested
+        if flagged:
+            kill_sandbox(backend, sandbox, data_dir)
+            return
+
+
+def ended(
+    store: Store,
+    task_id: str,
+    cancel: threading.Event,
+    *,
+    exit_code: int,
+    timed_out: bool,
+    deadline: float,
+    past_deadline: bool,
+) -> Ended:
+    """The task's status from how its sandbox ended (the same rules, attached or detached)."""
+    if cancel.is_set() or store.get(task_id).cancel_requested:
+        return "cancelled", "cancelled while running; partial result collected", exit_code
+    if timed_out or past_deadline:
+        return "timed_out", f"killed at its deadline ({deadline:g}s)", exit_code
+    if exit_code == 0:
+        return "done", None, exit_code
+    return "failed", f"the agent exited with code {exit_code}", exit_code
+
+
+def follow_sandbox(
+    backend: Backend,
+    backend_name: str,
+    store: Store,
+    paths: TaskPaths,
+    *,
+    name: str,
+    cancel: threading.Event,
+    deadline: float,
+    deadline_at: float,
+    tlog: Callable[[str], None],
+    adopted: bool = False,
+) -> Ended:
+    """Follow the detached sandbox ``name`` of this task to its end; how it ended.
+
+    Raises what :meth:`~agentbox.backends.base.Backend.follow` raises
+    (:class:`~agentbox.errors.SandboxGone` when there is no such sandbox).
+    ``adopted``: the timing is the runtime's word only (``timed_out``): a launcher that
+    comes back long after the agent ended must not call it late.
+    """
+    done = threading.Event()
+    watcher = threading.Thread(
+        target=monitor,
+        args=(store, paths.task_id, cancel, done, backend_name, name, paths.data_dir),
+        name=f"agentbox-monitor-{paths.task_id}",
+        daemon=True,
+    )
+    watcher.start()
+    try:
+        # "wb": the follow replays the log from its start; what a dead launcher had
+        # copied is rewritten, never appended to twice.
+        with (
+            (paths.log_dir / "agent.jsonl").open("wb") as out,
+            (paths.log_dir / "agent.stderr").open("wb") as err,
+        ):
+            exited = backend.follow(
+                name, log=paths.log_dir / "sandbox.log", on_stdout=sink(out), on_stderr=sink(err)
+            )
+    finally:
+        done.set()
+    tlog(f"agent exited with code {exited.exit_code}")
+    return ended(
+        store,
+        paths.task_id,
+        cancel,
+        exit_code=exited.exit_code,
+        timed_out=exited.timed_out,
+        deadline=deadline,
+        past_deadline=not adopted and time.time() >= deadline_at,
+    )

@@ -1,0 +1,386 @@
+"""Live restore on the FakeBackend (issue 19): a launcher that dies loses no task.
+
+The real launcher code runs (store, workers, workspace copy, shadow-git collection,
+publishing into a real git repo); only the sandbox is the in-process
+:class:`~agentbox.backends.fake.FakeBackend`, whose detached sandboxes a second
+launcher can re-adopt, and the gateway a stand-in process whose command line is a
+gateway's (so the launcher's pid + start time + command line check runs for real).
+
+A launcher "dies" the way the existing reconcile test makes one die: its worker is
+frozen (it never acts again) and the task's recorded owner becomes a process that
+is gone; then a second :class:`Launcher` on the same data dir reconciles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentbox.backends.fake import FakeBackend, FakeSandbox, FakeScript
+from agentbox.config import Settings
+from agentbox.gateway import GatewayHandle
+from agentbox.gateway._usage import Usage, write_usage
+from agentbox.launcher import Launcher, TaskRequest, _runner
+from agentbox.launcher._store import SCHEMA_VERSION, Store
+from git_helpers import git
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the launcher chowns the workspace to the sandbox uid (root)"
+)
+
+
+class _Gateway(GatewayHandle):
+    """A stand-in gateway: a real process in its own group whose command line names a
+    gateway listening on the task's socket, a real socket, and the usage file."""
+
+    def __init__(self, *, socket_path: Path, usage_file: Path, model: str, budget: int) -> None:
+        argv = [sys.executable, "-c", "import time; time.sleep(600)", "agentbox.gateway",
+                "--listen", f"unix:{socket_path}"]  # fmt: skip
+        proc = subprocess.Popen(argv, start_new_session=True)
+        super().__init__(proc, socket_path=socket_path, usage_file=usage_file, log_file=None)
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(str(socket_path))
+        write_usage(usage_file, Usage(model=model, budget=budget))
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        self.listener.close()
+        return super().stop(grace=min(grace, 1.0))
+
+
+GATEWAYS: list[_Gateway] = []
+
+
+def _spawn_gateway(**kw: Any) -> GatewayHandle:
+    gw = _Gateway(socket_path=kw["socket_path"], usage_file=kw["usage_file"],
+                  model=kw["model"], budget=kw["budget"])  # fmt: skip
+    GATEWAYS.append(gw)
+    return gw
+
+
+class _Frozen(BaseException):
+    """Raised in a frozen (\"dead\") launcher's worker when the test ends: it acts no more."""
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeBackend]]:
+    FakeBackend.reset()
+    GATEWAYS.clear()
+    monkeypatch.setattr(_runner, "spawn_gateway", _spawn_gateway)
+    with FakeBackend.installed_as("podman"):
+        yield FakeBackend
+    for gw in GATEWAYS:
+        gw.stop()
+    assert FakeBackend.live_names() == [], "a fake sandbox survived its task"
+    FakeBackend.reset()
+
+
+@pytest.fixture
+def repo(settings: Settings) -> Path:
+    path = settings.repos_root / "proj"
+    path.mkdir()
+    git(path, "init", "-q", "-b", "main")
+    (path / "README.md").write_text("hello\n")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init")
+    return path
+
+
+@pytest.fixture
+def freezer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], threading.Event]]:
+    """``freeze(where, task_id)``: the first launcher's worker stops for good at ``where``
+    (``"follow"``: its sandbox runs detached; ``"prepare"``: while preparing) for that
+    task; returns an event set once it got there. Released (``_Frozen``) at the end."""
+    release = threading.Event()
+    frozen: dict[tuple[str, str], threading.Event] = {}
+    real_follow, real_prepare = _runner.follow_sandbox, _runner.prepare
+
+    def freeze_here(where: str, task_id: str) -> None:
+        reached = frozen.pop((where, task_id), None)
+        if reached is not None:
+            reached.set()
+            release.wait(120)
+            raise _Frozen
+
+    def follow(*a: Any, **kw: Any) -> Any:
+        freeze_here("follow", a[3].task_id)
+        return real_follow(*a, **kw)
+
+    def prepare(repo: Path, workspace: Path, *a: Any, **kw: Any) -> Any:
+        freeze_here("prepare", workspace.parent.name)
+        return real_prepare(repo, workspace, *a, **kw)
+
+    monkeypatch.setattr(_runner, "follow_sandbox", follow)
+    monkeypatch.setattr(_runner, "prepare", prepare)
+
+    def freeze(where: str, task_id: str) -> threading.Event:
+        ev = threading.Event()
+        frozen[(where, task_id)] = ev
+        return ev
+
+    yield freeze
+    release.set()
+
+
+def _until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.02)
+
+
+def _dead_owner(store: Store, *task_ids: str) -> None:
+    """The crash: the owner recorded for these tasks is now a process that is gone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for tid in task_ids:
+        store.update(tid, owner_pid=dead.pid, owner_start=1.0)
+
+
+def _new_id(n: int) -> str:
+    return f"t-live{n:02d}-{os.getpid()}"
+
+
+def _submit(la: Launcher, repo: Path, task_id: str, **kw: Any) -> str:
+    return la.submit(TaskRequest(repo=str(repo), task="do it", task_id=task_id, **kw)).id
+
+
+def _transcript(settings: Settings, tid: str) -> str:
+    return (settings.data_dir / "tasks" / tid / "logs" / "launcher.log").read_text()
+
+
+def _launches(name: str) -> int:
+    return sum(1 for verb, n in FakeBackend.events if verb == "launch" and n == name)
+
+
+def test_a_running_task_is_readopted_and_finishes_done(
+    settings: Settings, fake: type[FakeBackend], repo: Path, freezer: Any
+) -> None:
+    """Its sandbox goes on while no launcher follows it; the next launcher follows it
+    from the start of its log, collects, publishes: done, the agent ran once."""
+    go = threading.Event()
+
+    def agent(box: FakeSandbox, argv: Sequence[str]) -> None:
+        box._write("before.txt", b"b\n")
+        go.wait(60)  # the agent is still working when its launcher dies
+        box._write("after.txt", b"a\n")
+
+    tid = _new_id(1)
+    name = f"agentbox-task-{tid}"
+    la1 = Launcher(settings, max_tasks=1)
+    with FakeBackend.scripted(FakeScript(stdout=b'{"type":"result","result":"ok"}\n',
+                                         action=agent)):  # fmt: skip
+        reached = freezer("follow", tid)
+        _submit(la1, repo, tid)
+        assert reached.wait(30)
+        row = la1.store.get(tid)
+        assert row.stage == "launched" and row.labels and row.labels["io.agentbox.task"] == tid
+        assert row.watchdog_pid is None  # detached: no per-task watchdog
+        la1.close(wait=False)
+        _dead_owner(la1.store, tid)
+        with Launcher(settings) as la2:
+            assert tid in la2.reconcile()
+            go.set()
+            info = la2.wait(tid, timeout=30)
+    assert info.status == "done", info.error
+    row = la2.store.get(tid)
+    assert row.adoptions == 1 and row.owner is not None and row.owner.pid == os.getpid()
+    branch = la2.result(tid).branch
+    assert git(repo, "show", f"{branch}:after.txt").strip() == "a"
+    assert git(repo, "show", f"{branch}:before.txt").strip() == "b"
+    assert _launches(name) == 1, FakeBackend.events  # never ran twice
+    assert "re-adopted by launcher pid" in _transcript(settings, tid)
+    out = (settings.data_dir / "tasks" / tid / "logs" / "agent.jsonl").read_bytes()
+    assert out.count(b'"type":"result"') == 1  # the output whole, once
+    assert not GATEWAYS[0].alive()  # the adopted gateway was stopped by the new launcher
+
+
+def test_queued_and_preparing_tasks_run_under_the_next_launcher_in_order(
+    settings: Settings, fake: type[FakeBackend], repo: Path, freezer: Any
+) -> None:
+    """Nothing of the agent ran: the partial task dir goes, and the tasks run again,
+    each once, in submission order; none fails because its launcher changed."""
+    first, second, third = _new_id(2), _new_id(3), _new_id(4)
+    la1 = Launcher(settings, max_tasks=1)
+    with FakeBackend.scripted(FakeScript(files={"x.txt": b"x\n"})):
+        reached = freezer("prepare", first)
+        for tid in (first, second, third):
+            _submit(la1, repo, tid)
+        assert reached.wait(30)
+        assert (settings.data_dir / "tasks" / first).is_dir()
+        assert la1.store.get(first).stage == "preparing"
+        assert la1.store.get(second).status == "queued"
+        la1.close(wait=False)
+        _dead_owner(la1.store, first, second, third)
+        with Launcher(settings, max_tasks=1) as la2:
+            assert set(la2.reconcile()) == {first, second, third}
+            infos = [la2.wait(t, timeout=60) for t in (first, second, third)]
+    assert [i.status for i in infos] == ["done"] * 3, [i.error for i in infos]
+    starts = [i.started_at or 0.0 for i in infos]
+    assert starts == sorted(starts)  # submission order
+    for tid in (first, second, third):
+        assert _launches(f"agentbox-task-{tid}") == 1
+
+
+def test_a_reused_gateway_pid_is_refused_and_never_signalled(
+    settings: Settings, fake: type[FakeBackend], repo: Path, freezer: Any
+) -> None:
+    """The recorded gateway pid now names an unrelated live process: the task is not
+    re-adopted (settled as before, saying why) and that process is left alone."""
+    tid = _new_id(5)
+    la1 = Launcher(settings, max_tasks=1)
+    unrelated = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        with FakeBackend.scripted(FakeScript(delay=60, files={"p.txt": b"p\n"})):
+            reached = freezer("follow", tid)
+            _submit(la1, repo, tid)
+            assert reached.wait(30)
+            la1.close(wait=False)
+            # A pid reused: the record names a live process that is not the gateway
+            # (its start time and command line differ).
+            la1.store.update(tid, gateway_pid=unrelated.pid,
+                             gateway_start=la1.store.get(tid).gateway.start)  # type: ignore[union-attr]  # fmt: skip
+            _dead_owner(la1.store, tid)
+            with Launcher(settings) as la2:
+                la2.reconcile()
+                info = la2.wait(tid, timeout=30)
+        assert info.status == "failed" and "interrupted" in (info.error or ""), info
+        assert unrelated.poll() is None, "an unrelated process was signalled"
+        assert "not re-adopted: pid" in _transcript(settings, tid)
+        assert la2.store.get(tid).adoptions == 0
+        assert la2.result(tid).branch  # the partial result is still collected
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+def test_a_sandbox_of_another_data_dir_is_not_adopted(
+    settings: Settings, fake: type[FakeBackend], repo: Path, freezer: Any
+) -> None:
+    """Right name, right task label, but the recorded labels name another data dir: the
+    backend's adoptable() refuses and the task is settled, not followed."""
+    tid = _new_id(6)
+    la1 = Launcher(settings, max_tasks=1)
+    with FakeBackend.scripted(FakeScript(delay=60)):
+        reached = freezer("follow", tid)
+        _submit(la1, repo, tid)
+        assert reached.wait(30)
+        la1.close(wait=False)
+        labels = dict(la1.store.get(tid).labels or {})
+        la1.store.update(tid, labels={**labels, "io.agentbox.data": "0" * 16})
+        _dead_owner(la1.store, tid)
+        with Launcher(settings) as la2:
+            la2.reconcile()
+            info = la2.wait(tid, timeout=30)
+    assert info.status == "failed", info
+    assert "not re-adopted: the recorded sandbox labels" in _transcript(settings, tid)
+    assert ("follow", f"agentbox-task-{tid}") not in FakeBackend.events
+
+
+#: The store's schema before versioning (version 1: main before live restore), verbatim.
+V1_SCHEMA = """
+CREATE TABLE tasks (
+    id TEXT PRIMARY KEY, status TEXT NOT NULL, repo TEXT NOT NULL, task TEXT NOT NULL,
+    model TEXT NOT NULL, budget INTEGER NOT NULL, deadline REAL NOT NULL,
+    include_uncommitted INTEGER NOT NULL DEFAULT 0, publish INTEGER NOT NULL DEFAULT 1,
+    boxfile TEXT, created_at REAL NOT NULL, started_at REAL, finished_at REAL,
+    exit_code INTEGER, tokens TEXT, branch TEXT, commit_id TEXT, error TEXT, sandbox TEXT,
+    backend TEXT, owner_pid INTEGER, owner_start REAL, gateway_pid INTEGER,
+    gateway_start REAL, watchdog_pid INTEGER, cancel_requested INTEGER NOT NULL DEFAULT 0,
+    phase TEXT, changed INTEGER, caller_uid INTEGER
+);
+"""
+#: What version 2 added (the live-restore columns), as a version-2 launcher wrote it.
+V2_ALTER = [
+    "ALTER TABLE tasks ADD COLUMN stage TEXT",
+    "ALTER TABLE tasks ADD COLUMN runtime TEXT",
+    "ALTER TABLE tasks ADD COLUMN labels TEXT",
+    "ALTER TABLE tasks ADD COLUMN sandbox_log TEXT",
+    "ALTER TABLE tasks ADD COLUMN deadline_at REAL",
+    "ALTER TABLE tasks ADD COLUMN outcome TEXT",
+    "PRAGMA user_version = 2",
+]
+
+
+def test_an_old_schema_is_migrated_and_its_running_task_adopted(
+    settings: Settings, fake: type[FakeBackend], repo: Path, freezer: Any
+) -> None:
+    """A version-2 store (made with that version's SQL) holding a running detached task:
+    the next version migrates it in place and re-adopts the task."""
+    tid = _new_id(7)
+    la1 = Launcher(settings, max_tasks=1)
+    with FakeBackend.scripted(FakeScript(delay=0.5, files={"m.txt": b"m\n"})):
+        reached = freezer("follow", tid)
+        _submit(la1, repo, tid)
+        assert reached.wait(30)
+        la1.close(wait=False)
+        _dead_owner(la1.store, tid)
+        # Rewrite the store as a version-2 launcher left it: its SQL, its columns.
+        db_path = settings.data_dir / "state.db"
+        old = _row_dict(db_path, tid)
+        db_path.unlink()
+        for side in ("-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                Path(f"{db_path}{side}").unlink()
+        db = sqlite3.connect(db_path, isolation_level=None)
+        db.execute(V1_SCHEMA)
+        for sql in V2_ALTER:
+            db.execute(sql)
+        cols = [c for c in old if c != "adoptions"]
+        db.execute(f"INSERT INTO tasks ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                   [old[c] for c in cols])  # fmt: skip
+        db.close()
+        with Launcher(settings) as la2:
+            version = sqlite3.connect(db_path).execute("PRAGMA user_version").fetchone()[0]
+            assert version == SCHEMA_VERSION
+            assert tid in la2.reconcile()
+            info = la2.wait(tid, timeout=30)
+    assert info.status == "done", info.error
+    assert la2.store.get(tid).adoptions == 1
+    assert git(repo, "show", f"{la2.result(tid).branch}:m.txt").strip() == "m"
+
+
+def _row_dict(db_path: Path, tid: str) -> dict[str, Any]:
+    db = sqlite3.connect(db_path)
+    db.row_factory = sqlite3.Row
+    try:
+        r = db.execute("SELECT * FROM tasks WHERE id = ?", (tid,)).fetchone()
+        return {k: r[k] for k in r.keys()}  # noqa: SIM118
+    finally:
+        db.close()
+
+
+def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    db_path = tmp_path / "state.db"
+    db = sqlite3.connect(db_path, isolation_level=None)
+    db.execute(V1_SCHEMA)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    from agentbox.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="schema version"):
+        Store(db_path)
+
+
+def test_a_version_0_store_gains_every_column(tmp_path: Path) -> None:
+    """A store from before the ad hoc columns (no phase/changed/caller_uid, no version)."""
+    db_path = tmp_path / "state.db"
+    db = sqlite3.connect(db_path, isolation_level=None)
+    db.execute(V1_SCHEMA.replace(",\n    phase TEXT, changed INTEGER, caller_uid INTEGER", ""))
+    db.execute("INSERT INTO tasks (id, status, repo, task, model, budget, deadline, created_at,"
+               " sandbox, backend) VALUES ('t-old', 'running', '/r', 't', 'm', 1, 60, 1.0,"
+               " 'agentbox-task-t-old', 'podman')")  # fmt: skip
+    db.close()
+    row = Store(db_path).get("t-old")
+    assert row.stage == "attached"  # an old launcher's task ran attached: not adoptable
+    assert row.caller_uid is None and row.adoptions == 0
