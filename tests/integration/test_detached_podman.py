@@ -130,6 +130,21 @@ signal.pause()  # the launcher lives on until it is killed
 """
 
 
+_FOLLOWER = """
+import json, sys
+from pathlib import Path
+from agentbox.backends.podman import PodmanBackend
+from agentbox.config import Settings
+a = json.loads(sys.argv[1])
+settings = Settings(data_dir=Path(a["data_dir"]), repos_root=Path(a["repos_root"]),
+                    mount_roots=tuple(Path(p) for p in a["mount_roots"]))
+def out(b):
+    sys.stdout.buffer.write(b)
+    sys.stdout.flush()
+PodmanBackend(settings).follow(a["name"], log=Path(a["log"]), on_stdout=out, on_stderr=None)
+"""
+
+
 def test_a_sandbox_outlives_its_launcher_and_its_unit_and_is_followed_elsewhere(
     sandbox_settings: Settings,
     default_image: str,
@@ -190,7 +205,17 @@ def test_a_sandbox_outlives_its_launcher_and_its_unit_and_is_followed_elsewhere(
         time.sleep(0.1)
     assert len(progress.read_text().split()) >= 3
 
-    backend = PodmanBackend(sandbox_settings)  # a new launcher, in another process
+    # A first new launcher starts following, and is SIGKILLed mid-follow.
+    follower = subprocess.Popen(
+        [sys.executable, "-c", _FOLLOWER, json.dumps(args)], stdout=subprocess.PIPE
+    )
+    assert follower.stdout is not None
+    assert follower.stdout.readline().startswith(b"tick 1")
+    follower.kill()
+    follower.wait(10)
+    follower.stdout.close()
+
+    backend = PodmanBackend(sandbox_settings)  # the next launcher, in another process
     assert backend.adoptable(name, labels={LABEL: "1"})
     ended, out, err = _follow(backend, name, log)
     assert ended == Exited(5, False)
