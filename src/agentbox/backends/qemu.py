@@ -47,6 +47,7 @@ from agentbox.microvm._channel import Channel
 from agentbox.microvm._diskexport import export_disk
 from agentbox.microvm._disks import (
     MAX_MOUNTS,
+    cached_mount_disk,
     ensure_root_disk,
     make_data_disk,
     make_mount_disk,
@@ -55,7 +56,7 @@ from agentbox.microvm._disks import (
 from agentbox.microvm._export import write_tar
 from agentbox.microvm._guest import GuestSession, host_kernel
 from agentbox.microvm._initramfs import ensure_initramfs
-from agentbox.microvm._kernel import ensure_kernel
+from agentbox.microvm._kernel import OVERLAY_MODULES, ensure_kernel, ensure_modules
 from agentbox.microvm._snapshot import ensure_snapshot, wait_incoming
 from agentbox.microvm._vm import Vm, VmConfig
 from agentbox.microvm.kvm import probe_kvm
@@ -67,7 +68,9 @@ log = get_logger("backends.qemu")
 
 BOOT_TIMEOUT = 180.0
 #: Guest tmpfs mounts under which a mount target may be made at start.
-_GUEST_TMPFS = (PurePosixPath("/tmp"), PurePosixPath(HOME_IN_SANDBOX))
+_GUEST_TMPFS = (PurePosixPath("/tmp"), PurePosixPath(HOME_IN_SANDBOX), PurePosixPath("/run"))
+#: Extra host sockets of a gateway dir the guest serves (the egress proxy's), at most.
+_MAX_SOCKETS = 4
 #: Where /init binds the guest agent; a mount must neither hide it nor land in it.
 _AGENT_DIR = PurePosixPath("/opt/agentbox")
 _BASE_ENV = {
@@ -154,18 +157,17 @@ class QemuBackend:
             self._check_mounts(spec)
 
     def _check_mounts(self, spec: SandboxSpec) -> None:
-        """Each declared mount: a host directory, shown read-only at a target the guest
-        can mount on (a directory in the image's read-only root, or under a tmpfs)."""
+        """Each mount: a host directory at a target the guest can mount on (a directory
+        in the image's read-only root, or under a tmpfs). A read-only mount is shown
+        read-only; a writable one (a frozen environment's directory, which may lie in
+        the workspace) copy-on-write: its disk read-only under an overlay in the guest
+        whose writes are capped by the disk limit and dropped with the VM."""
         if len(spec.mounts) > MAX_MOUNTS:
             raise UnsupportedError(
                 f"{len(spec.mounts)} declared mounts; a microVM takes at most {MAX_MOUNTS}",
                 fix="merge the mounted directories under fewer roots",
             )
         for m in spec.mounts:
-            if not m.read_only:
-                raise UnsupportedError(
-                    f"mount {m.target}: microVM mounts are read-only", fix="declare it read-only"
-                )
             if not m.source.is_dir():
                 raise SandboxError(f"mount source {m.source} is not a directory", sandbox=spec.name)
         targets = [PurePosixPath(m.target) for m in spec.mounts]
@@ -182,7 +184,10 @@ class QemuBackend:
                     f"mount target {t} would shadow or sit inside the guest agent ({_AGENT_DIR})",
                     fix="mount it somewhere else, e.g. under /opt/<name> or /home/agent",
                 )
-            if PurePosixPath(WORKSPACE_IN_SANDBOX) in t.parents:
+            in_workspace = PurePosixPath(WORKSPACE_IN_SANDBOX) in t.parents
+            if in_workspace and not spec.mounts[i].read_only:
+                continue  # copy-on-write: the guest makes its mount point on /data
+            if in_workspace:
                 raise UnsupportedError(
                     f"mount target {t} lies in the workspace, a disk of its own in a microVM",
                     fix="mount it outside /workspace, e.g. under /home/agent",
@@ -228,7 +233,10 @@ class QemuBackend:
     def base_config(self, spec: SandboxSpec, run_dir: Path, data_disk: Path | None) -> VmConfig:
         """The VM config for ``spec`` (shared by cold boots, templates and restores)."""
         kernel = ensure_kernel(self.settings)
-        initramfs = ensure_initramfs(self.settings, kernel)
+        # overlay: copy-on-write mounts (frozen environments) in every guest, so one
+        # snapshot template serves tasks with and without them.
+        overlay = ensure_modules(self.settings, kernel, OVERLAY_MODULES)
+        initramfs = ensure_initramfs(self.settings, kernel, extra_modules=overlay)
         rootfs, key = self._root(spec)
         root_disk = ensure_root_disk(self.settings, rootfs, key)
         uid = vmm_uid(self.settings, spec.isolation)
@@ -280,6 +288,9 @@ class QemuBackend:
             )  # fmt: skip
             mounts = tuple(
                 make_mount_disk(m.source, vm_dir / f"m{i}.img", index=i, uid=spec.uid)
+                if m.read_only
+                # Copy-on-write sources never change (frozen environments): cached.
+                else cached_mount_disk(self.settings, m.source, index=i, uid=spec.uid)
                 for i, m in enumerate(spec.mounts)
             )
             cfg = dataclasses.replace(
@@ -561,10 +572,14 @@ class QemuSandbox(BaseSandbox):
         if self.spec.gateway_dir is not None:
             gw = self.spec.gateway_dir / GATEWAY_SOCKET_NAME
         res = self.spec.resources
+        labelled = [(mount_label(i), m) for i, m in enumerate(self.spec.mounts)]
         session.hello(
             uid=self.spec.uid, mount_data=True, gateway=gw, timeout=BOOT_TIMEOUT,
             pids=res.pids, nofile=res.nofile,
-            mounts=[(mount_label(i), m.target) for i, m in enumerate(self.spec.mounts)],
+            mounts=[(label, m.target) for label, m in labelled if m.read_only],
+            cow=[(label, m.target) for label, m in labelled if not m.read_only],
+            cow_size=res.disk_limit(self.backend.settings).size,
+            sockets=_extra_sockets(self.spec.gateway_dir),
         )  # fmt: skip
         self.boot_seconds = time.monotonic() - t0
         # The deadline is the workload's: it starts once the guest is ready.
@@ -649,7 +664,14 @@ class QemuSandbox(BaseSandbox):
             return
         if self.alive():
             self._session().sync()
-            _replace_workspace(ws, lambda dest: self.copy_out(WORKSPACE_IN_SANDBOX, dest))
+            # Links kept whatever they point to, as a bind-mounted workspace shows them
+            # (a venv setup made links /usr/bin/python3); never followed on the host.
+            _replace_workspace(
+                ws,
+                lambda dest: self._session().get_tar(
+                    WORKSPACE_IN_SANDBOX, lambda tf: write_tar(tf, dest, links="any")
+                ),
+            )
         else:
             self.vm.terminate()
             uid = vmm_uid(self.backend.settings, "strict")
@@ -699,6 +721,22 @@ class QemuSandbox(BaseSandbox):
         left += [f"{what} {p}" for what, p in (("run dir", self.vm.cfg.run_dir),
                                                ("VM dir", self.vm_dir)) if p.exists()]  # fmt: skip
         return left
+
+
+def _extra_sockets(gateway_dir: Path | None) -> dict[str, Path]:
+    """The unix sockets in ``gateway_dir`` besides the gateway's (the egress proxy's
+    ``egress.sock``): the guest serves each at ``/run/agentbox/gw/<name>``, as the
+    container layout mounts the dir there."""
+    if gateway_dir is None:
+        return {}
+    found: dict[str, Path] = {}
+    for p in sorted(gateway_dir.iterdir()):
+        if p.name == GATEWAY_SOCKET_NAME or not p.name.endswith(".sock"):
+            continue
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(p.lstat().st_mode) and len(found) < _MAX_SOCKETS:
+                found[p.name] = p
+    return found
 
 
 def _tar_chunks(src: Path, arcname: str) -> Iterator[bytes]:

@@ -27,7 +27,9 @@ channel, so the host never holds more than the window per stream.
 
 The session: the guest says ``ready`` (kernel release, boot id), the host
 sends ``hello`` (per-run token, clock, RNG seed, whether to mount ``/data``,
-the declared read-only mounts as ``[{label, target}]``),
+the declared read-only mounts as ``[{label, target}]``, the copy-on-write
+mounts as ``cow: [{label, target}]`` with their layer's cap ``cow_size``, and the
+extra host sockets as ``sockets: [name]``),
 and from then on asks ``check`` (a nonce, answered with HMAC(token, nonce),
 the kernel release and boot id) before every command.
 """
@@ -107,6 +109,11 @@ PORT_NAME = "agentbox.0"
 GATEWAY_PORT = 8080
 MOUNT_LABEL_PREFIX = "agentbox-m"
 WORKSPACE = "/workspace"
+#: Where the extra host sockets appear (the container layout's gateway dir).
+SOCKET_DIR = "/run/agentbox/gw"
+#: The copy-on-write mounts' lower disks and their tmpfs layer (root's, 0700).
+COW_DIR = "/run/agentbox/cow"
+MS_RDONLY, MS_NOSUID, MS_NODEV = 0x1, 0x2, 0x4
 SIGKILL, SIGPIPE, SIGXFSZ = 9, 13, 25
 #: Largest signal number a host may ask the agent to send.
 SIGRTMAX = 64
@@ -353,6 +360,7 @@ class Agent:
         self.next_gw = 1
         self.lock = _thread.allocate_lock()
         self.gateway_started = False
+        self.cow_targets: list[str] = []
 
     # -- io
     def send(self, data: bytes) -> None:
@@ -440,8 +448,10 @@ class Agent:
         if msg.get("mount_data"):
             self.mount_data()
         self.mount_readonly(msg.get("mounts") or [])
+        self.mount_cow(msg.get("cow") or [], msg.get("cow_size"))
         if msg.get("gateway"):
             self.start_gateway()
+        self.start_sockets(msg.get("sockets") or [])
         self.ctrl({"op": "hello_ok", **_kernel_facts()})
 
     def mount_data(self) -> None:
@@ -497,6 +507,61 @@ class Agent:
             os.makedirs(target, 0o755, exist_ok=True)
             # MS_RDONLY | MS_NOSUID | MS_NODEV; noload: never replay a journal.
             _mount(dev, target, "ext4", 0x1 | 0x2 | 0x4, "noload")
+
+    def mount_cow(self, mounts: list, size: object) -> None:  # type: ignore[type-arg]
+        # Copy-on-write mounts (a frozen environment): each disk read-only as the
+        # lower layer of an overlay at its target; the upper layers live on one
+        # tmpfs of at most ``size`` bytes, so what the workload writes there is
+        # bounded (ENOSPC past it) and dropped with the VM; the disk never changes.
+        if not mounts:
+            return
+        if type(size) is not int or size <= 0:
+            raise ProtocolError(f"bad cow size {size!r}")
+        os.makedirs(COW_DIR, 0o700, exist_ok=True)
+        _mount("tmpfs", COW_DIR, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0700")
+        for m in mounts:
+            label, target = str(m["label"]), str(m["target"])
+            if not label.startswith(MOUNT_LABEL_PREFIX) or not target.startswith("/"):
+                raise ProtocolError(f"bad cow mount {label!r} on {target!r}")
+            dev = _find_label(label)
+            if dev is None:
+                raise OSError(f"no disk labelled {label}")
+            with open(dev, "rb") as f:
+                fcntl.ioctl(f, 0x1261)  # BLKFLSBUF (see mount_readonly)
+            if _find_label(label) != dev:
+                raise OSError(f"{dev} lost its label {label} after the flush")
+            lower, upper, work = (f"{COW_DIR}/{label}.{x}" for x in ("lower", "upper", "work"))
+            for d in (lower, upper, work):
+                os.mkdir(d, 0o755)
+            _mount(dev, lower, "ext4", MS_RDONLY | MS_NOSUID | MS_NODEV, "noload")
+            # The overlay's root takes the upper dir's owner and mode: the lower root's.
+            st = os.stat(lower)
+            os.chown(upper, st.st_uid, st.st_gid)
+            os.chmod(upper, st.st_mode & 0o777)
+            self._make_dirs(target)
+            opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
+            _mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, opts)
+            self.cow_targets.append(target)
+
+    def _make_dirs(self, target: str) -> None:
+        # Each component a directory, never a link: /workspace is the repo's (the
+        # host made the mount point; a repo's link there must not lead the mount).
+        import stat as _stat
+
+        path = ""
+        for part in target.strip("/").split("/"):
+            if part in ("", ".", ".."):
+                raise ProtocolError(f"bad mount target {target!r}")
+            path += "/" + part
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                os.mkdir(path, 0o755)
+                if path.startswith((WORKSPACE + "/", "/home/agent/")):
+                    os.lchown(path, self.uid, self.uid)
+                continue
+            if not _stat.S_ISDIR(mode):
+                raise OSError(f"mount target {target}: {path} is not a directory")
 
     def op_check(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
         assert self.token is not None
@@ -668,8 +733,17 @@ class Agent:
         try:
             if not os.path.lexists(src):
                 raise FileNotFoundError(src)
+            arc = os.path.basename(src.rstrip("/")) or "."
+            # A copy-on-write mount (a frozen environment) is not the workspace's:
+            # its files never travel back with it.
+            top = src.rstrip("/") + "/"
+            skip = {arc + "/" + t[len(top) :] for t in self.cow_targets if t.startswith(top)}
+
+            def keep(ti: tarfile.TarInfo) -> tarfile.TarInfo | None:
+                return None if ti.name in skip else ti
+
             with tarfile.open(fileobj=Sink(), mode="w|", format=tarfile.PAX_FORMAT) as tf:  # type: ignore[call-overload]
-                tf.add(src, arcname=os.path.basename(src.rstrip("/")) or ".", recursive=True)
+                tf.add(src, arcname=arc, recursive=True, filter=keep)
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
         self.send(encode_frame(FILE, stream, b""))
@@ -688,7 +762,26 @@ class Agent:
         srv.listen(64)
         _thread.start_new_thread(self._accept, (srv,))
 
-    def _accept(self, srv: socket.socket) -> None:
+    def start_sockets(self, names: list) -> None:  # type: ignore[type-arg]
+        # Extra host sockets of the gateway dir (the egress proxy's ``egress.sock``):
+        # each a unix socket at SOCKET_DIR/<name>, the sandbox uid's only, whose
+        # connections ride the channel as gateway streams opened ``to`` that name.
+        import socket
+
+        for name in names:
+            ok = isinstance(name, str) and 6 <= len(name) <= 32 and name.endswith(".sock")
+            if not ok or not set(name) <= set("abcdefghijklmnopqrstuvwxyz0123456789-."):
+                raise ProtocolError(f"bad socket name {name!r:.40}")
+            os.makedirs(SOCKET_DIR, 0o755, exist_ok=True)
+            path = f"{SOCKET_DIR}/{name}"
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            srv.bind(path)
+            os.chown(path, self.uid, self.uid)
+            os.chmod(path, 0o600)
+            srv.listen(64)
+            _thread.start_new_thread(self._accept, (srv, name))
+
+    def _accept(self, srv: socket.socket, to: str | None = None) -> None:
         from _queue import SimpleQueue
 
         while True:
@@ -699,7 +792,7 @@ class Agent:
             q: SimpleQueue[bytes | None] = SimpleQueue()
             self.gw[sid] = q
             credit = self.gw_credit[sid] = _Credit(GW_WINDOW)
-            self.ctrl({"op": "gw_open"}, sid)
+            self.ctrl({"op": "gw_open"} if to is None else {"op": "gw_open", "to": to}, sid)
             down = _thread.allocate_lock()
             down.acquire()
             _thread.start_new_thread(self._gw_down, (conn, sid, q, down))

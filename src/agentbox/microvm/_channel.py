@@ -68,7 +68,7 @@ class Channel:
         *,
         name: str,
         on_broken: Callable[[str], None] | None = None,
-        on_gateway_open: Callable[[int], None] | None = None,
+        on_gateway_open: Callable[[int, str | None], None] | None = None,
     ) -> None:
         self.name = name
         self._sock = sock
@@ -216,12 +216,15 @@ class Channel:
 
     def _dispatch(self, ftype: int, stream: int, payload: bytes) -> None:
         if ftype == CTRL:
-            op = decode_ctrl(payload)["op"]  # parsed to check it, then dropped
+            msg = decode_ctrl(payload)  # parsed to check it, then dropped (but a gw_open's "to")
+            op = msg["op"]
             if stream % 2 == 1:
                 if op != "gw_open" or stream <= self._last_gw or self._on_gateway_open is None:
                     raise GuestError(f"control message {op[:40]!r} on gateway stream {stream}")
                 self._last_gw = stream
-                self._on_gateway_open(stream)
+                to = msg.get("to")
+                # Which host socket (None: the gateway's); the session checks the name.
+                self._on_gateway_open(stream, to if isinstance(to, str) else None)
                 return
             cost = len(payload) + MSG_OVERHEAD
             with self._lock:

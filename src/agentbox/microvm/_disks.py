@@ -8,6 +8,11 @@ guest, which saw the placeholder's size at boot, sees the same size on every
 fresh disk; a write past the filesystem's size fails in the guest with ENOSPC.
 The podman backend builds its workspace disk with the same function, unpadded.
 
+A copy-on-write mount (a frozen environment's directory, issue 12) is built the
+same way but cached (:func:`cached_mount_disk`): keyed by its index, the sandbox
+uid and the source tree's listing (every entry's path, type, mode, size and
+mtime), so every later task with the same frozen environment reuses one disk.
+
 A declared (read-only) mount becomes its own disk, labelled ``agentbox-m<i>``:
 a filtered copy of the source directory (regular files, directories and
 symlinks only; no device, FIFO or socket; setuid/setgid bits dropped; all owned
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
 import stat
@@ -32,8 +38,8 @@ from agentbox.errors import CommandError, ImageError, SandboxError
 from agentbox.microvm._initramfs import ROOT_LABEL
 
 __all__ = [
-    "DATA_DISK_BYTES", "DATA_LABEL", "MAX_MOUNTS", "MOUNT_DISK_BYTES", "ensure_root_disk",
-    "make_data_disk", "make_mount_disk", "mount_label", "prune_cache",
+    "DATA_DISK_BYTES", "DATA_LABEL", "MAX_MOUNTS", "MOUNT_DISK_BYTES", "cached_mount_disk",
+    "ensure_root_disk", "make_data_disk", "make_mount_disk", "mount_label", "prune_cache",
 ]  # fmt: skip
 
 DATA_LABEL = "agentbox-data"
@@ -52,6 +58,8 @@ MOUNT_DISK_BYTES = 64 * 1024**3
 MAX_MOUNTS = 8
 #: Root disks kept in the cache (one per recently used image).
 KEEP_ROOT_DISKS = 3
+#: Copy-on-write (frozen environment) disks kept in the cache.
+KEEP_COW_DISKS = 8
 #: Bumped when the disk layout (mount points, mkfs options) changes: old disks are not reused.
 LAYOUT = "v2"
 
@@ -200,6 +208,47 @@ def make_mount_disk(source: Path | None, out: Path, *, index: int, uid: int) -> 
         os.truncate(out, MOUNT_DISK_BYTES)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _tree_listing(source: Path) -> str:
+    """A digest of ``source``'s listing: each entry's path, type and mode, size, mtime."""
+    h = hashlib.sha256()
+    for top, dirs, files in os.walk(source, followlinks=False):
+        dirs.sort()
+        for name in sorted(files) + dirs:
+            p = Path(top, name)
+            with contextlib.suppress(OSError):
+                st = p.lstat()
+                rel = p.relative_to(source)
+                h.update(f"{rel}\0{st.st_mode}:{st.st_size}:{st.st_mtime_ns}\n".encode(
+                    errors="surrogateescape"))  # fmt: skip
+    return h.hexdigest()
+
+
+def cached_mount_disk(settings: Settings, source: Path, *, index: int, uid: int) -> Path:
+    """:func:`make_mount_disk` of ``source`` from the cache (built on first use).
+
+    For sources that never change once made (a frozen environment): the key is the
+    layout, ``index`` (the disk's label), ``uid`` and the tree's listing, so a source
+    that did change is a miss, never a stale disk. Kept: the
+    :data:`KEEP_COW_DISKS` most recently used.
+    """
+    out_dir = settings.cache_dir / "microvm" / "disks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(f"{LAYOUT}\0{index}\0{uid}\0{_tree_listing(source)}".encode()).hexdigest()
+    out = out_dir / f"cow-{key[:32]}.img"
+    if out.is_file():
+        prune_cache(out_dir, "cow-*.img", KEEP_COW_DISKS, used=out)
+        return out
+    tmp = out_dir / f".cow-{key[:32]}.tmp{os.getpid()}"
+    try:
+        make_mount_disk(source, tmp, index=index, uid=uid)
+        tmp.chmod(0o444)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    prune_cache(out_dir, "cow-*.img", KEEP_COW_DISKS, used=out)
     return out
 
 

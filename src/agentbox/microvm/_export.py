@@ -4,7 +4,10 @@ The archive is hostile input: member names are checked by
 :func:`agentbox.safepath.check_name` (no ``..``, no absolute paths, no
 control characters), links are recreated as links (only those whose target stays inside the
 copy) and never followed,
-hard links, devices, FIFOs and sockets are skipped, and modes are normalised
+hard links, devices, FIFOs and sockets are skipped (with ``links="any"``, a
+workspace sync, every link is recreated whatever its target, as a bind-mounted
+workspace shows it: a venv's ``bin/python -> /usr/bin/python3``; still never
+followed), and modes are normalised
 (setuid/setgid dropped) by :class:`agentbox.safepath.SafeWriter`. Nothing is
 ever extracted with ``tarfile``'s own ``extract``.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import posixpath
 import tarfile
 from pathlib import Path
+from typing import Literal
 
 from agentbox._log import get_logger
 from agentbox.errors import PathRefused
@@ -38,8 +42,13 @@ def _inside(parts: list[str], target: str) -> bool:
     return joined != ".." and not joined.startswith("../")
 
 
-def write_tar(tf: tarfile.TarFile, dest: Path) -> list[tuple[str, str]]:
+def write_tar(
+    tf: tarfile.TarFile, dest: Path, *, links: Literal["inside", "any"] = "inside"
+) -> list[tuple[str, str]]:
     """Write ``tf``'s members (in stream order) under ``dest``; return what was skipped.
+
+    ``links="inside"`` keeps only links whose target stays inside the copy;
+    ``"any"`` keeps every link (stored, never resolved).
 
     The archive's first path component is the copied entry's own name and
     becomes ``dest`` itself. ``dest`` must not exist yet; its parent must.
@@ -73,7 +82,7 @@ def write_tar(tf: tarfile.TarFile, dest: Path) -> list[tuple[str, str]]:
                     f = tf.extractfile(m)
                     w.write_file(rel, f if f is not None else b"", m.mode)
                 elif m.issym():
-                    if _inside(parts[1:], m.linkname):
+                    if links == "any" or _inside(parts[1:], m.linkname):
                         w.symlink(rel, m.linkname)
                     else:
                         skipped.append((m.name, "link pointing out of the copy"))

@@ -196,6 +196,8 @@ class GuestSession:
         self.host = host
         self.token = secrets.token_hex(32)
         self.gateway_socket: Path | None = None
+        #: Extra host sockets the guest may open streams to, by name (the egress proxy's).
+        self.sockets: dict[str, Path] = {}
         self.last_check: dict[str, Any] = {}
         self._gw_open = 0
         self._gw_lock = threading.Lock()
@@ -219,18 +221,29 @@ class GuestSession:
         pids: int | None = None,
         nofile: int | None = None,
         mounts: Sequence[tuple[str, str]] = (),
+        cow: Sequence[tuple[str, str]] = (),
+        cow_size: int = 0,
+        sockets: Mapping[str, Path] | None = None,
     ) -> None:
         """Greet the agent: token, clock, RNG seed, limits, mount /data, start the relay.
 
         ``mounts`` are (disk label, target) pairs the agent mounts read-only
-        (``ro,nosuid,nodev``) before it answers, so before any command runs.
+        (``ro,nosuid,nodev``) before it answers, so before any command runs;
+        ``cow`` are pairs it mounts copy-on-write (the disk read-only under an
+        overlay whose writable layers share a tmpfs of ``cow_size`` bytes).
+        ``sockets`` maps names to host unix sockets: the guest serves each at
+        ``/run/agentbox/gw/<name>`` and a connection there reaches that socket
+        (as the gateway's port reaches ``gateway``).
         """
         self.gateway_socket = gateway
+        self.sockets = dict(sockets or {})
         self.channel.send_ctrl({
             "op": "hello", "token": self.token, "uid": uid, "time": time.time(),
             "seed": secrets.token_hex(64), "mount_data": mount_data,
             "gateway": gateway is not None, "pids": pids, "nofile": nofile,
             "mounts": [{"label": label, "target": target} for label, target in mounts],
+            "cow": [{"label": label, "target": target} for label, target in cow],
+            "cow_size": cow_size, "sockets": sorted(self.sockets),
         })  # fmt: skip
         self._verify(self.channel.wait(0, {"hello_ok"}, timeout), nonce=None)
         self.channel.release_stream0()
@@ -394,9 +407,10 @@ class GuestSession:
             )
 
     # -- gateway streams (called by the channel's reader for each guest connection)
-    def on_gateway_open(self, sid: int) -> None:
-        """Open one connection to the gateway socket for the guest's stream ``sid``."""
-        gw = self.gateway_socket
+    def on_gateway_open(self, sid: int, to: str | None = None) -> None:
+        """Open one connection to the gateway socket (or to extra socket ``to``, one the
+        hello named; any other name gets its stream ended) for the guest's stream ``sid``."""
+        gw = self.gateway_socket if to is None else self.sockets.get(to)
         conn: socket.socket | None = None
         with self._gw_lock:
             if self._gw_open >= MAX_GATEWAY_STREAMS:

@@ -24,7 +24,7 @@ from agentbox._log import get_logger
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, ImageError
 
-__all__ = ["Kernel", "decompress_bzimage", "ensure_kernel"]
+__all__ = ["OVERLAY_MODULES", "Kernel", "decompress_bzimage", "ensure_kernel", "ensure_modules"]
 
 log = get_logger("microvm.kernel")
 
@@ -142,3 +142,40 @@ def _fetch(root: Path) -> Kernel:
 #: Modules the initramfs loads, in dependency order (6.1 cloud builds them as modules).
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console")
 _WANTED = frozenset(MODULES)
+#: Loaded after the base modules by the qemu backend: a frozen environment's disk is the
+#: read-only lower layer of an overlay in the guest (issue 12).
+OVERLAY_MODULES = ("overlay",)
+
+
+def ensure_modules(settings: Settings, kernel: Kernel, names: tuple[str, ...]) -> list[Path]:
+    """The ``.ko`` files ``names`` of ``kernel``, fetched from its package on first use.
+
+    :func:`ensure_kernel` keeps only :data:`MODULES`; others come from the same Debian
+    package (``linux-image-<release>``) and are added next to them, once.
+    """
+    del settings  # the kernel's own dir holds them
+    want = [kernel.modules / f"{m}.ko" for m in names]
+    if all(p.is_file() for p in want):
+        return want
+    root = kernel.vmlinux.parent.parent
+    with (root / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all(p.is_file() for p in want):
+            return want
+        package = f"linux-image-{kernel.release}"
+        log.info("fetching guest modules", package=package, modules=list(names))
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            t = Path(tmp)
+            _proc.run(["apt-get", "download", package], cwd=t, timeout=600)
+            debs = list(t.glob("*.deb"))
+            if len(debs) != 1:
+                raise ImageError(f"apt-get download {package} left {len(debs)} .deb files")
+            _proc.run(["dpkg-deb", "-x", debs[0], t / "x"], timeout=300)
+            found = {ko.stem: ko for ko in (t / "x/lib/modules").rglob("*.ko")}
+            for m, dest in zip(names, want, strict=True):
+                if m not in found:
+                    raise ImageError(f"{package} has no {m}.ko")
+                tmp_dest = dest.with_suffix(".ko.tmp")
+                shutil.copyfile(found[m], tmp_dest)
+                tmp_dest.replace(dest)
+    return want

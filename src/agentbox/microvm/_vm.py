@@ -176,6 +176,11 @@ class Vm:
             os.chown(c.data_disk, c.uid, c.gid)
             c.data_disk.chmod(0o600)
         for disk in c.mount_disks:  # the VMM's uid (strict: not ours) must read them
+            if disk.parent != c.run_dir.parent:
+                # A shared cached disk (a frozen environment's, see cached_mount_disk):
+                # root's and world-readable like the root disk; never written.
+                disk.chmod(0o444)
+                continue
             os.chown(disk, c.uid, c.gid)
             disk.chmod(0o400)
         argv = qemu_argv(c, in_jail=c.jail)
