@@ -335,3 +335,40 @@ def test_a_result_bundle_that_is_not_the_claimed_commit_is_refused(
     assert isinstance(res, BatchResult) and not res.branch
     assert "not published" in res.error
     assert _branches(repos[0]) == []
+
+
+def test_cancelling_a_batch_skips_the_queued_and_cancels_the_running(
+    node: NodeService, repos: list[Path], tmp_path: Path
+) -> None:
+    """``agentbox batch cancel`` only writes the flag; the running driver sees it."""
+    ex = LocalExecutor(node)
+    events: list[BatchEvent] = []
+
+    def cancel_once_running(ev: BatchEvent) -> None:
+        events.append(ev)
+        if ev.event == "placed" and sum(e.event == "placed" for e in events) == 2:
+            st = BatchState(tmp_path / "b" / "b6" / "batch.db")
+            st.request_cancel()
+            st.close()
+
+    with FakeBackend.scripted(_writes("out.txt", b"x\n", delay=60)):
+        got = {
+            r.key: r
+            for r in run_batch(
+                _tasks(repos, 4),
+                executor=ex,
+                state_dir=tmp_path / "b",
+                batch_id="b6",
+                max_in_flight=2,
+                on_event=cancel_once_running,
+            )
+        }
+    ex.close()
+    assert {k: r.status for k, r in got.items()} == {
+        "t0": "cancelled",
+        "t1": "cancelled",
+        "t2": "cancelled",
+        "t3": "cancelled",
+    }
+    assert "before it ran" in got["t2"].error and "before it ran" in got["t3"].error
+    assert len(node.launcher.list()) == 2  # the two queued ones never reached the node

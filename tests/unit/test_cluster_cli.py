@@ -1,0 +1,79 @@
+"""``agentbox batch status|cancel`` read and write a batch's state file (no Ray needed),
+and the live display's tally counts what the driver's events say."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from agentbox.cli import app
+from agentbox.cli._batch import Tally
+from agentbox.cluster import BatchEvent, BatchState
+
+
+def _state(root: Path) -> None:
+    st = BatchState(root / "b7" / "batch.db")
+    try:
+        st.init("b7", budget=1000, options={})
+        st.add_task("t0", 0, {"repo": "/r", "task": "a"}, "/r", "0" * 40)
+        st.add_task("t1", 1, {"repo": "/r", "task": "b"}, "/r", "0" * 40)
+        assert st.place("t0", "b7-t0", 600, 1000)
+        assert not st.place("t1", "b7-t1", 600, 1000)  # over the batch budget: not placed
+    finally:
+        st.close()
+
+
+def test_status_shows_every_task_and_the_committed_tokens(tmp_path: Path) -> None:
+    _state(tmp_path)
+    res = CliRunner().invoke(app, ["batch", "status", "b7", "--state-dir", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["committed_tokens"] == 600 and doc["budget"] == 1000
+    assert [(t["key"], t["state"]) for t in doc["tasks"]] == [("t0", "placed"), ("t1", "queued")]
+
+
+def test_cancel_sets_the_flag_the_driver_polls(tmp_path: Path) -> None:
+    _state(tmp_path)
+    res = CliRunner().invoke(app, ["batch", "cancel", "b7", "--state-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    st = BatchState(tmp_path / "b7" / "batch.db")
+    try:
+        assert st.cancel_requested()
+    finally:
+        st.close()
+
+
+def test_an_unknown_batch_is_an_error_naming_it(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["batch", "status", "nope", "--state-dir", str(tmp_path)])
+    assert res.exit_code != 0 and "no batch nope" in str(res.exception)
+
+
+def test_the_tally_follows_placements_losses_and_ends() -> None:
+    t = Tally()
+    ev = [
+        BatchEvent(event="batch", batch="b", detail="3 tasks"),
+        BatchEvent(event="placed", batch="b", key="a", attempt_id="b-a"),
+        BatchEvent(
+            event="placed", batch="b", key="a", attempt_id="b-a", node="n1", detail="running"
+        ),
+        BatchEvent(event="placed", batch="b", key="c", attempt_id="b-c", node="n2"),
+        BatchEvent(event="lost", batch="b", key="c", attempt_id="b-c", node="n2"),
+        BatchEvent(
+            event="finished",
+            batch="b",
+            key="a",
+            attempt_id="b-a",
+            node="n1",
+            status="done",
+            tokens=42,
+        ),
+        BatchEvent(event="skipped", batch="b", key="d", attempt_id=""),
+    ]
+    for e in ev:
+        t.add(e)
+    assert t.nodes["n1"]["done"] == 1 and t.nodes["n1"]["running"] == 0
+    assert t.nodes["n1"]["tokens"] == 42
+    assert t.nodes["n2"]["lost"] == 1 and t.nodes["n2"]["running"] == 0
+    assert t.queued == 1  # 3, minus two placed, plus the lost one back, minus the skipped
