@@ -43,7 +43,7 @@ NAMESPACE = "agentbox"
 SLOT = "agentbox_slot"
 
 
-class NodeNotReady(RuntimeError):
+class _NodeNotReady(RuntimeError):
     """A slot was found on a node that has no agentbox node actor (yet, or any more)."""
 
 
@@ -85,7 +85,7 @@ def _place(attempt: dict[str, Any], bundle: list[Any]) -> dict[str, Any]:
     try:
         actor = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
     except ValueError as exc:
-        raise NodeNotReady(f"no agentbox node actor on Ray node {node_id[:12]}") from exc
+        raise _NodeNotReady(f"no agentbox node actor on Ray node {node_id[:12]}") from exc
     out: Any = ray.get(actor.run.remote(attempt, bundle[0]))
     return dict(out)
 
@@ -165,7 +165,7 @@ class RayExecutor:
     def is_lost(self, exc: BaseException) -> bool:
         if isinstance(exc, RayTaskError):
             cause = exc.cause
-            return isinstance(cause, RayError | NodeNotReady) or "NodeNotReady" in str(exc)
+            return isinstance(cause, RayError | _NodeNotReady) or "_NodeNotReady" in str(exc)
         return isinstance(exc, RayError)
 
     def actors(self) -> list[Any]:
