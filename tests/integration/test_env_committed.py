@@ -87,9 +87,12 @@ def test_submit_uses_the_committed_boxfile_bounded_by_the_host(settings: Setting
         outside = _repo(settings, '[network]\nallow = ["evil.example"]\n', "outside")
         with pytest.raises(PolicyRefused, match="outside this host's egress cap"):
             launcher.submit(TaskRequest(repo=str(outside), task="t"))
-        qemu = _repo(settings, 'backend = "qemu"\n[setup]\nrun = ["true"]\n', "qemu")
-        with pytest.raises(UnsupportedError, match="podman backend only"):
-            launcher.submit(TaskRequest(repo=str(qemu), task="t"))
+        # docker and firecracker take no environment: refused at submit, naming the fix.
+        for name in ("docker", "firecracker"):
+            other = _repo(settings, f'backend = "{name}"\n[setup]\nrun = ["true"]\n', name)
+            with pytest.raises(UnsupportedError, match=f"not {name}") as exc:
+                launcher.submit(TaskRequest(repo=str(other), task="t"))
+            assert exc.value.fix and "podman" in exc.value.fix
         assert launcher.list() == []  # refused requests create nothing
     finally:
         launcher.close()
@@ -117,3 +120,35 @@ def test_a_failed_setup_fails_the_task_and_starts_no_agent(settings: Settings) -
     assert (logs / "setup.log").is_file()
     assert not (logs / "agent.jsonl").exists()  # no agent started
     assert not res.branch and not info.branch
+
+
+@pytest.mark.podman
+def test_a_setup_that_changes_the_repos_files_fails_the_task(settings: Settings) -> None:
+    """Decided in env/_tracked.py: setup may only add files. One that edits or removes a
+    file of the repo fails the task, naming them in the setup report and the task error;
+    nothing is frozen and no agent starts."""
+    from agentbox.env import EnvStore
+    from agentbox.image import build_default
+
+    build_default(Settings())
+    steps = ["mkdir .venv && echo ok > .venv/f", "echo edited >> README", "rm .gitignore",
+             "echo new > untracked.txt"]  # fmt: skip
+    repo = _repo(settings, "[setup]\nrun = " + repr(steps).replace("'", '"') + "\n")
+    (repo / ".gitignore").write_text(".venv/\n")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "ignore")
+    launcher = Launcher(settings)
+    try:
+        info = launcher.submit(TaskRequest(repo=str(repo), task="never runs", deadline=120))
+        info = launcher.wait(info.id, timeout=300)
+        res = launcher.result(info.id)
+    finally:
+        launcher.close()
+    assert info.status == "failed"
+    assert info.error is not None and "setup changed 2 file(s) of the repo" in info.error
+    assert ".gitignore" in info.error and "README" in info.error
+    setup = res.report["setup"]
+    assert setup["cache"] == "failed" and setup["exit_code"] == 0
+    assert setup["tracked_changed"] == [".gitignore", "README"]
+    assert EnvStore(settings).get(setup["key"]) is None  # nothing frozen
+    assert not (settings.data_dir / "tasks" / info.id / "logs" / "agent.jsonl").exists()

@@ -43,7 +43,7 @@ def test_release_task_env_ends_a_recorded_proxy_and_unmounts_the_overlay() -> No
         overlay.mount(ws, [".venv"], os.getuid())
         assert os.path.ismount(root / "env" / "merged")
         assert egress.proxy.alive()
-        assert (root / "egress-ca.pem").stat().st_mode & 0o777 == 0o444
+        assert (root / "egress-ca" / "ca.pem").stat().st_mode & 0o777 == 0o444
         # The launcher "dies" here: nothing of it calls stop() or release().
         release_task_env(root)
         for _ in range(50):

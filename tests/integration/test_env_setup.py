@@ -287,3 +287,35 @@ def test_keep_paths_under_home_are_frozen_and_mounted_back(
     assert code == 0 and f"{nonce}\n" in out and "agent" in out and "not-kept" not in out, out
     tree = EnvStore(second.settings).tree(plan.report.key)
     assert (tree / ".agentbox-keep/.cache/tool/bin/data").read_text() == f"{nonce}\n"
+
+
+def test_writes_into_the_environment_are_bounded_by_the_disk_limit(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    """The agent's layer over a frozen environment lives on an image of the task's disk
+    limit (256 MiB here): a write past it fails inside with ENOSPC, the host is unharmed
+    (the layer's image holds at most the limit) and everything goes with the task."""
+    nonce = secrets.token_hex(4)
+    box = _box(default_image, [f"mkdir .venv && echo {nonce} > .venv/f"])
+    t = tasks({"README": "x\n"})
+    plan = t.prepare(box)
+    assert plan.report.cache == "miss", plan.report.output_tail
+    layer = t.root / "env" / "layer"
+    free = shutil.disk_usage(t.settings.data_dir).free
+    code, out = t.run(
+        box,
+        "dd if=/dev/zero of=.venv/big bs=1M count=400 2>&1; echo DD-EXIT=$?; "
+        "rm .venv/big; cat .venv/f; echo small > .venv/ok && echo STILL-WRITABLE",
+    )
+    assert code == 0, out
+    assert "No space left on device" in out and "DD-EXIT=1" in out, out
+    assert nonce in out and "STILL-WRITABLE" in out
+    assert os.path.ismount(layer)
+    image = t.root / "env" / "layer.img"
+    assert image.stat().st_blocks * 512 <= 256 * 1024**2 + (8 << 20)
+    # The host's disk lost at most the limit (and other writers' noise), not 400 MiB.
+    assert free - shutil.disk_usage(t.settings.data_dir).free < 300 * 1024**2
+    assert plan.overlay is not None
+    plan.overlay.release()
+    assert not os.path.ismount(layer) and not (t.root / "env").exists()
+    assert (EnvStore(t.settings).tree(plan.report.key) / ".venv" / "f").read_text() == f"{nonce}\n"

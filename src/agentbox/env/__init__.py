@@ -20,20 +20,18 @@ Public API::
 from __future__ import annotations
 
 from agentbox.env._committed import COMMITTED_BOXFILE, check_env_policy, committed_boxfile
-from agentbox.env._key import env_key
-from agentbox.env._model import EnvInfo, SetupReport
-from agentbox.env._mount import EnvMount
-from agentbox.env._phase import (
+from agentbox.env._egress import (
     CA_IN_SANDBOX,
     EGRESS_PORT,
     EGRESS_SOCKET_NAME,
     Egress,
-    EnvPlan,
     egress_argv,
-    image_id,
-    prepare_env,
     start_egress,
 )
+from agentbox.env._key import env_key
+from agentbox.env._model import EnvInfo, SetupReport
+from agentbox.env._mount import EnvMount
+from agentbox.env._phase import EnvPlan, image_id, prepare_env
 from agentbox.env._report import release_task_env, report_fields, save_setup_report
 from agentbox.env._store import EnvStore
 

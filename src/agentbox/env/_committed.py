@@ -62,22 +62,33 @@ def committed_boxfile(
     return loads_boxfile(text, path=where, settings=settings)
 
 
+#: Backends whose sandboxes take a frozen environment and a phase's egress socket:
+#: podman (a host overlay bind-mounted) and qemu (a copy-on-write disk, the socket served
+#: by the guest agent). docker keys images in its own store and firecracker's guest
+#: mounts are read-only disks: refused at submit, not half-way through a task.
+_ENV_BACKENDS = frozenset({"podman", "qemu"})
+
+
 def check_env_policy(box: Boxfile, settings: Settings) -> None:
     """Refuse, before anything is created, a Boxfile whose ``[setup]`` or ``[network]``
     this host cannot honour: ``[network] allow`` hosts outside the host's
-    ``egress_allow_cap`` (:class:`~agentbox.errors.PolicyRefused`), ``[setup]`` on a
-    backend other than podman (:class:`~agentbox.errors.UnsupportedError`)."""
+    ``egress_allow_cap`` (:class:`~agentbox.errors.PolicyRefused`), ``[setup]`` or
+    ``[network] allow`` on a backend without environments (docker, firecracker:
+    :class:`~agentbox.errors.UnsupportedError`)."""
     from agentbox.egress import EgressPolicy
     from agentbox.errors import UnsupportedError
 
     if box.egress_allow:
         EgressPolicy.for_phase(settings, allow=box.egress_allow)
-    if box.setup is not None and box.backend != "podman":
+    supported = ", ".join(sorted(_ENV_BACKENDS))
+    if box.setup is not None and box.backend not in _ENV_BACKENDS:
         raise UnsupportedError(
-            f"[setup] runs on the podman backend only for now, not {box.backend}",
-            fix='use backend = "podman" for a Boxfile with [setup]',
+            f"[setup] runs on the {supported} backends, not {box.backend}",
+            fix=f"use one of backend = {' or '.join(repr(b) for b in sorted(_ENV_BACKENDS))} "
+            "for a Boxfile with [setup]",
         )
-    if box.egress_allow and box.backend != "podman":
+    if box.egress_allow and box.backend not in _ENV_BACKENDS:
         raise UnsupportedError(
-            f"[network] allow works on the podman backend only for now, not {box.backend}"
+            f"[network] allow works on the {supported} backends, not {box.backend}",
+            fix="remove [network] allow, or use one of those backends",
         )

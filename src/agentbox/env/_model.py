@@ -51,5 +51,8 @@ class SetupReport(BaseModel):
     dropped: list[str] = Field(default_factory=list)
     """Files setup wrote outside the directories it created: not part of the
     environment, removed before the agent ran (at most 50 named)."""
+    tracked_changed: list[str] = Field(default_factory=list)
+    """Files the workspace held before setup that setup changed or removed (at most 50
+    named): such a setup fails the task (see :mod:`agentbox.env._tracked`)."""
     egress: dict[str, Any] | None = None
     """The setup proxy's :class:`~agentbox.egress.EgressSummary` (None: no proxy ran)."""

@@ -10,6 +10,13 @@ dropped with the task. The workspace itself holds only an empty mount-point
 directory for each: the workspace disk image, result collection and the
 diff never see the environment's files.
 
+The task's layer is bounded by the task's disk limit (``[resources] disk``,
+``inodes``), by the same mechanism as the podman workspace
+(:mod:`agentbox.backends._podman_disk`): ``upper``/``work`` live on a sparse
+ext4 image of that size, loop-mounted ``nosuid,nodev`` in the task's directory
+for the task's life, so a write past it fails inside the sandbox with ENOSPC and
+the host's disk is never filled through the environment.
+
 (podman's own ``:O`` overlay volumes fail in a user-namespaced container:
 the kernel refuses the overlay mount from inside it, so the overlay is the
 host's and the container gets a plain bind mount of it.)
@@ -27,6 +34,7 @@ from pathlib import Path
 from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX, BindMount
+from agentbox.boxfile import DiskLimit
 from agentbox.errors import AgentboxError, PathRefused
 from agentbox.safepath import check_name, openat2
 
@@ -77,18 +85,40 @@ class EnvMount:
         self.lower = lower
         self.where = where
         self.merged = where / "merged"
+        #: The task's layer (``upper``, ``work``): a loop-mounted image when bounded.
+        self.layer = where / "layer"
         self._mounted = False
 
     def mount(
-        self, workspace: Path, roots: list[str], uid: int, *, keep: list[str] | None = None
+        self,
+        workspace: Path,
+        roots: list[str],
+        uid: int,
+        *,
+        keep: list[str] | None = None,
+        limit: DiskLimit | None = None,
     ) -> tuple[BindMount, ...]:
         """Mount the overlay and return the sandbox's bind mounts, one per root, and one
         per ``keep`` path (frozen under ``.agentbox-keep``, mounted at ``$HOME/<path>``).
 
-        A root whose place in the workspace is taken by a file is skipped (logged).
+        With ``limit`` the task's layer is an ext4 image of that size (see the module
+        docstring). A root whose place in the workspace is taken by a file is skipped
+        (logged).
         """
         self.where.mkdir(mode=0o711)
-        upper, work = self.where / "upper", self.where / "work"
+        self.layer.mkdir(mode=0o700)
+        if limit is not None:
+            from agentbox.microvm._disks import make_data_disk
+
+            image = self.where / "layer.img"
+            make_data_disk(None, image, size=limit.size, inodes=limit.inodes, pad=False)
+            image.chmod(0o600)
+            opts = "loop,nosuid,nodev,noatime"
+            _proc.run(["mount", "-t", "ext4", "-o", opts, image, self.layer], timeout=60)
+            self._mounted = True
+            with contextlib.suppress(OSError):  # mkfs made it
+                (self.layer / "lost+found").rmdir()
+        upper, work = self.layer / "upper", self.layer / "work"
         for d in (upper, work, self.merged):
             d.mkdir(mode=0o755)
         opts = f"lowerdir={self.lower},upperdir={upper},workdir={work},nosuid,nodev"
@@ -112,16 +142,19 @@ class EnvMount:
         return tuple(mounts)
 
     def release(self) -> None:
-        """Unmount the overlay (lazily if still busy) and delete the task's layer; idempotent."""
-        if self._mounted or os.path.ismount(self.merged):
+        """Unmount the overlay and the layer's image (lazily if still busy) and delete the
+        task's layer; idempotent."""
+        for point in (self.merged, self.layer):
+            if not os.path.ismount(point):
+                continue
             try:
-                _proc.run(["umount", self.merged], timeout=60)
+                _proc.run(["umount", point], timeout=60)
             except AgentboxError as exc:
-                log.warning("environment overlay busy; lazy unmount", error=str(exc)[:300])
+                log.warning("environment mount busy; lazy unmount", error=str(exc)[:300])
                 with contextlib.suppress(AgentboxError):
-                    _proc.run(["umount", "--lazy", self.merged], timeout=60)
-            self._mounted = False
-        if os.path.ismount(self.merged):
+                    _proc.run(["umount", "--lazy", point], timeout=60)
+        self._mounted = False
+        if os.path.ismount(self.merged) or os.path.ismount(self.layer):
             log.error("environment overlay still mounted; its layer is kept", path=str(self.merged))
             return
         try:

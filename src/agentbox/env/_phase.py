@@ -30,53 +30,34 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from agentbox._log import get_logger
-from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, HOME_IN_SANDBOX, Backend, BindMount
-from agentbox.boxfile import Boxfile, Setup
-from agentbox.config import Settings
-from agentbox.egress import (
-    EgressPolicy,
-    ProxyHandle,
-    host_ca_bundle,
-    proxy_env,
-    spawn_proxy,
-    summarize,
+from agentbox.backends.base import (
+    HOME_IN_SANDBOX,
+    WORKSPACE_IN_SANDBOX,
+    Backend,
+    BindMount,
 )
+from agentbox.boxfile import Boxfile, DiskLimit, Setup
+from agentbox.config import Settings
+from agentbox.egress import EgressPolicy, summarize
+from agentbox.env._egress import Egress, egress_argv, start_egress
 from agentbox.env._key import env_key
 from agentbox.env._model import EnvInfo, SetupReport
-from agentbox.env._mount import KEEP_DIR, EnvMount
-from agentbox.env._report import record_proxy
+from agentbox.env._mount import KEEP_DIR, EnvMount, make_mountpoint
 from agentbox.env._store import EnvStore
-from agentbox.errors import PathRefused, UnsupportedError
+from agentbox.env._tracked import MAX_NAMED, changes, fingerprint
+from agentbox.errors import PathRefused
 from agentbox.safepath import Kind, Tree, check_name, openat2
 from agentbox.sandbox import spec_from_boxfile
 
-__all__ = [
-    "CA_IN_SANDBOX",
-    "EGRESS_PORT",
-    "EGRESS_SOCKET_NAME",
-    "Egress",
-    "EnvPlan",
-    "egress_argv",
-    "image_id",
-    "prepare_env",
-    "start_egress",
-]
+__all__ = ["EnvPlan", "image_id", "prepare_env"]
 
 log = get_logger("env.setup")
 
-#: Loopback port inside a sandbox that reaches the task's egress proxy.
-EGRESS_PORT = 3128
-#: The proxy's socket, in the directory mounted at ``/run/agentbox/gw``.
-EGRESS_SOCKET_NAME = "egress.sock"
-#: Where the host's CA bundle is mounted (read-only) in a phase with egress.
-CA_IN_SANDBOX = "/run/agentbox/ca.pem"
-#: The in-image relay shim (the same program that carries the gateway).
-_RELAY = "/opt/agentbox/relay.py"
 #: The setup log is capped; the report carries its last characters.
 MAX_SETUP_LOG = 16 << 20
 TAIL_CHARS = 4000
@@ -92,59 +73,6 @@ def image_id(image: str) -> str:
     from agentbox.backends._podman_args import image_facts
 
     return image_facts(image).id
-
-
-def egress_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` behind the relay to the egress proxy (``127.0.0.1:EGRESS_PORT`` inside)."""
-    return [
-        "python3", "-I", "-S", _RELAY,
-        "--port", str(EGRESS_PORT),
-        "--socket", f"{GATEWAY_DIR_IN_SANDBOX}/{EGRESS_SOCKET_NAME}",
-        "--", *argv,
-    ]  # fmt: skip
-
-
-@dataclass
-class Egress:
-    """A running proxy for one phase and what the sandbox needs to use it."""
-
-    proxy: ProxyHandle
-    env: dict[str, str]
-    mount: BindMount
-
-
-def start_egress(
-    settings: Settings,
-    policy: EgressPolicy,
-    socket_dir: Path,
-    log_path: Path,
-    run_as: tuple[int, int] | None,
-) -> Egress:
-    """Start a proxy on ``socket_dir/egress.sock`` (given to the sandbox uid).
-
-    The host's CA bundle is copied next to ``socket_dir`` (``egress-ca.pem``, 0444, the
-    sandbox uid's: runsc's gofer can read it, and a host bundle replaced while the task
-    runs changes nothing) and that copy is mounted read-only.
-    """
-    sock = socket_dir / EGRESS_SOCKET_NAME
-    ca_copy = socket_dir.parent / "egress-ca.pem"
-    host_uid = settings.sandbox_host_uid
-    if not ca_copy.exists():
-        data = host_ca_bundle(settings).read_bytes()
-        fd = os.open(ca_copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chown(ca_copy, host_uid, host_uid, follow_symlinks=False)
-    proxy = spawn_proxy(sock, policy, log_path, run_as, stderr_file=log_path.with_suffix(".stderr"))
-    try:
-        # Recorded so a restarted launcher ends it if this one dies (release_task_env).
-        record_proxy(socket_dir.parent, proxy.pid)
-        os.chown(sock, host_uid, host_uid, follow_symlinks=False)
-    except BaseException:
-        proxy.stop(grace=1.0)
-        raise
-    mount = BindMount(source=ca_copy, target=CA_IN_SANDBOX, read_only=True)
-    return Egress(proxy=proxy, env=proxy_env(EGRESS_PORT, CA_IN_SANDBOX), mount=mount)
 
 
 @dataclass
@@ -164,6 +92,45 @@ class EnvPlan:
         """Unmount the task's overlay; idempotent."""
         if self.overlay is not None:
             self.overlay.release()
+
+
+def _env_mounts(
+    backend: Backend,
+    store: EnvStore,
+    info: EnvInfo,
+    task_root: Path,
+    workspace: Path,
+    uid: int,
+    limit: DiskLimit,
+) -> tuple[tuple[BindMount, ...], EnvMount | None]:
+    """The sandbox's mounts of frozen environment ``info`` (and the host overlay, if any).
+
+    A container gets bind mounts of a kernel overlay on the host (:class:`EnvMount`).
+    A microVM gets each frozen directory as a *writable* mount, which its backend
+    makes copy-on-write: a read-only disk of the frozen tree (cached) under an overlay
+    in the guest, writes in a layer of the task's own, capped by its disk limit.
+    """
+    if backend.kind != "microvm":
+        overlay = EnvMount(store.tree(info.key), task_root / "env")
+        try:
+            return overlay.mount(workspace, info.roots, uid, keep=info.keep, limit=limit), overlay
+        except BaseException:
+            overlay.release()
+            raise
+    tree = store.tree(info.key)
+    mounts = [
+        BindMount(tree / KEEP_DIR / rel, f"{HOME_IN_SANDBOX}/{rel}", read_only=False)
+        for rel in info.keep
+        if (tree / KEEP_DIR / rel).is_dir()
+    ]
+    for rel in info.roots:
+        if rel == KEEP_DIR:
+            continue
+        if not make_mountpoint(workspace, rel, uid):
+            log.warning("environment dir not mounted: a file is in its place", root=rel)
+            continue
+        mounts.append(BindMount(tree / rel, f"{WORKSPACE_IN_SANDBOX}/{rel}", read_only=False))
+    return tuple(mounts), None
 
 
 def _tail(path: Path) -> str:
@@ -308,25 +275,17 @@ def prepare_env(
     setup = box.setup
     if setup is None:
         raise ValueError("prepare_env needs a Boxfile with [setup]")
-    if box.backend != "podman":
-        raise UnsupportedError(
-            f"[setup] runs on the podman backend only for now, not {box.backend}",
-            fix='use backend = "podman" for a Boxfile with [setup]',
-        )
     spec0 = spec_from_boxfile(box, settings, name=f"agentbox-setup-{task_id}")
     img = image_id(spec0.image)
     key, inputs = env_key(img, setup, workspace)
     store = EnvStore(settings)
     uid = settings.sandbox_host_uid
+    # The agent's writes into the environment count against the task's disk limit.
+    limit = spec0.resources.disk_limit(settings)
     info = store.get(key)
     if info is not None:
         tlog(f"environment {key[:12]} is frozen: setup skipped (cache hit)")
-        overlay = EnvMount(store.tree(key), task_root / "env")
-        try:
-            mounts = overlay.mount(workspace, info.roots, uid, keep=info.keep)
-        except BaseException:
-            overlay.release()
-            raise
+        mounts, overlay = _env_mounts(backend, store, info, task_root, workspace, uid, limit)
         store.touch(key)
         report = SetupReport(
             cache="hit", key=key, ran=False, roots=_shown(info), files=info.files, size=info.size
@@ -335,6 +294,7 @@ def prepare_env(
 
     tlog(f"running setup ({len(setup.run)} command(s), deadline {setup.deadline:g}s)")
     before = _snapshot(workspace)
+    tracked = fingerprint(workspace)
     if setup.keep and os.fsencode(KEEP_DIR) in before:
         raise PathRefused(f"the repo has a {KEEP_DIR} of its own: [setup] keep cannot be used")
     egress: Egress | None = None
@@ -394,6 +354,19 @@ def prepare_env(
     if res.exit_code != 0 or res.timed_out or cancelled():
         tlog(f"setup failed (exit {res.exit_code}{', deadline' if res.timed_out else ''})")
         return EnvPlan(report=report)
+    changed = changes(workspace, tracked)
+    if changed:
+        # Decided in env/_tracked.py: a setup that edits the repo's files fails the task.
+        report.tracked_changed = changed[:MAX_NAMED]
+        shown = ", ".join(changed[:5]) + (
+            f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        )
+        report.output_tail = (
+            tail + f"\n[agentbox] setup changed {len(changed)} file(s) of the repo "
+            f"(a setup may only add files): {shown}\n"
+        )[-TAIL_CHARS:]
+        tlog(f"setup changed files of the repo: {shown}")
+        return EnvPlan(report=report)
     tlog(f"setup done in {duration:.1f}s; freezing what it made")
     roots, loose = _produced(workspace, before)
     if len(roots) > MAX_ROOTS:
@@ -423,12 +396,7 @@ def prepare_env(
     except BaseException:
         store.discard(stage)
         raise
-    overlay = EnvMount(store.tree(key), task_root / "env")
-    try:
-        mounts = overlay.mount(workspace, info.roots, uid, keep=info.keep)
-    except BaseException:
-        overlay.release()
-        raise
+    mounts, overlay = _env_mounts(backend, store, info, task_root, workspace, uid, limit)
     store.touch(key)
     report.cache = "miss"
     report.roots, report.files, report.size = _shown(info), info.files, info.size
