@@ -7,21 +7,32 @@ process itself used (from /proc), which holds on a machine shared with other
 work; ``--gateway-cpu N`` pins it as well. The client is a minimal keep-alive
 HTTP/1.1 client on asyncio (httpx's own per-request cost would hide the gateway's).
 
-Reports p50/p99 of full-stream latency at 1 and 64 concurrent streaming clients,
-the difference (what the gateway adds), and requests/s for small non-streamed
-calls; plus the host's load average before and after (the box is shared).
+Reports p50/p99 of full-stream latency at 1, 4 and 64 concurrent streaming
+clients, the difference (what the gateway adds), and requests/s for small
+non-streamed calls; plus the host's load average before and after (the box is
+shared).
 
-    .venv/bin/python bench/gateway.py [--requests 400] [--gateway-cpu 0]
+Realistic neighbours (issue 15): ``--busy 20`` (the default) first starts 20 other
+gateway processes, each with its in-process replay model and one client streaming
+from it without pause (50 events/s per stream, as a model streams), so the
+measured gateway shares the host with 20 busy tasks' gateways. ``--compare-src
+DIR`` runs a second measured gateway from another source tree (e.g. ``git archive``
+of an older commit) in the same run, interleaved round by round, for a
+before/after in one table. Everything started is stopped in a ``finally``.
+
+    .venv/bin/python bench/gateway.py [--requests 400] [--busy 20] [--compare-src DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -37,6 +48,17 @@ chunk_size: 16
 turns:
   - text: "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over it again."
     usage: {input_tokens: 12, output_tokens: 20}
+"""
+
+
+BUSY_SCRIPT = """
+name: busy
+main: all
+chunk_size: 8
+turns:
+  - text: "%s"
+    chunk_delay: %s
+    usage: {input_tokens: 12, output_tokens: 200}
 """
 
 
@@ -145,6 +167,54 @@ async def rate(port: int, token: str, clients: int, total: int) -> float:
     return per * clients / dt
 
 
+async def stream_forever(ports: list[int], token: str) -> None:
+    """One client per port, each streaming one request after another (the busy neighbours)."""
+
+    async def one(port: int) -> None:
+        req = request_bytes(port, token, stream=True)
+        c = await Conn.open(port)
+        while True:
+            await c.call(req)
+
+    await asyncio.gather(*[one(p) for p in ports])
+
+
+def gateway_argv(
+    port: int, token_file: Path, upstream: str, usage: Path, *, lean: bool = True
+) -> list[str]:
+    """A gateway as the launcher starts one (``python -m agentbox.gateway``), on TCP.
+
+    ``lean=False`` for a source tree older than ``--builtin-models``."""
+    return [sys.executable, "-m", "agentbox.gateway", "--listen", f"tcp:127.0.0.1:{port}",
+            "--token-file", str(token_file), "--model", "replay-demo",
+            *(["--builtin-models"] if lean else []),
+            "--budget", str(10**13), "--upstream", upstream, "--max-concurrency", "256",
+            "--usage-file", str(usage)]  # fmt: skip
+
+
+def start_busy(
+    n: int, rate: float, tmp: Path, token_file: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """n gateways with in-process replay models, and one process streaming from all of them
+    (each stream ``rate`` SSE events per second)."""
+    script = tmp / "busy.yaml"
+    script.write_text(BUSY_SCRIPT % ("streaming tokens at a model's pace " * 12, 1 / rate))
+    ports = []
+    for i in range(n):
+        port = free_port()
+        procs.append(subprocess.Popen(
+            gateway_argv(port, token_file, f"replay:{script}", tmp / f"busy-{i}.json"),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))  # fmt: skip
+        ports.append(port)
+    for port, proc in zip(ports, procs[-n:], strict=True):
+        wait_port(port, proc)
+    procs.append(subprocess.Popen(
+        [sys.executable, __file__, "--busy-clients", ",".join(map(str, ports)),
+         "--token-file", str(token_file)],
+    ))  # fmt: skip
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (from /proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -163,26 +233,50 @@ def main() -> None:
     ap.add_argument("--gateway-cpu", type=int, default=-1, help="pin the gateway (-1: no pin)")
     ap.add_argument("--upstream-cpu", type=int, default=-1, help="pin the replay model")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--busy", type=int, default=20, help="other busy gateways on the host")
+    ap.add_argument("--busy-rate", type=float, default=50.0, help="SSE events/s per busy stream")
+    ap.add_argument("--compare-src", type=Path, help="also measure a gateway from this src dir")
+    ap.add_argument("--clients", default="1,4,64", help="concurrent streams per series")
+    ap.add_argument("--busy-clients", help=argparse.SUPPRESS)
+    ap.add_argument("--token-file", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.busy_clients:
+        token = args.token_file.read_text()
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(stream_forever([int(p) for p in args.busy_clients.split(",")], token))
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
     tmp = Path(tempfile.mkdtemp(prefix="agentbox-bench-"))
     script = tmp / "bench.yaml"
     script.write_text(SCRIPT)
     token = secrets.token_urlsafe(24)
     (tmp / "token").write_text(token)
-    up_port, gw_port = free_port(), free_port()
-    py = [sys.executable, "-m", "agentbox"]
-    up = subprocess.Popen(
-        [*py, "model", "serve", "--script", str(script), "--listen", f"tcp:127.0.0.1:{up_port}"]
-    )
-    gw = subprocess.Popen(
-        [*py, "gateway", "--listen", f"tcp:127.0.0.1:{gw_port}", "--token-file",
-         str(tmp / "token"), "--model", "replay-demo", "--budget", str(10**13),
-         "--upstream", f"http://127.0.0.1:{up_port}", "--max-concurrency", "256",
-         "--usage-file", str(tmp / "usage.json")]
-    )  # fmt: skip
+    up_port, gw_port, old_port = free_port(), free_port(), free_port()
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "agentbox", "model", "serve", "--script", str(script),
+             "--listen", f"tcp:127.0.0.1:{up_port}"]
+        )  # fmt: skip
+        procs.append(up)
+        upstream = f"http://127.0.0.1:{up_port}"
+        gw = subprocess.Popen(gateway_argv(gw_port, tmp / "token", upstream, tmp / "usage.json"))
+        procs.append(gw)
+        old = None
+        if args.compare_src is not None:
+            env = {**os.environ, "PYTHONPATH": str(args.compare_src.resolve())}
+            old = subprocess.Popen(
+                gateway_argv(old_port, tmp / "token", upstream, tmp / "old.json", lean=False),
+                env=env,
+            )
+            procs.append(old)
         wait_port(up_port, up)
         wait_port(gw_port, gw)
+        if old is not None:
+            wait_port(old_port, old)
+        if args.busy:
+            start_busy(args.busy, args.busy_rate, tmp, tmp / "token", procs)
+            time.sleep(2)  # the neighbours are streaming
         ncpu = os.cpu_count() or 1
         if args.gateway_cpu >= 0:
             os.sched_setaffinity(gw.pid, {args.gateway_cpu % ncpu})
@@ -190,29 +284,34 @@ def main() -> None:
             os.sched_setaffinity(up.pid, {args.upstream_cpu % ncpu})
         load0 = os.getloadavg()
         rows = []
-        for clients in (1, 64):
-            per = max(10, args.requests // clients)
+        for clients in (int(c) for c in args.clients.split(",")):
+            per = max(40, args.requests // clients)
             d: list[float] = []
             g: list[float] = []
+            o: list[float] = []
             # Interleave direct and gateway rounds so load changes hit both alike.
             rounds = 5
             for _ in range(rounds):
                 d += asyncio.run(latencies(up_port, token, clients, max(1, per // rounds)))
                 g += asyncio.run(latencies(gw_port, token, clients, max(1, per // rounds)))
-            rows.append(
-                {
-                    "clients": clients,
-                    "n": len(d),
-                    "direct_p50_ms": pct(d, 50),
-                    "gateway_p50_ms": pct(g, 50),
-                    "added_p50_ms": pct(g, 50) - pct(d, 50),
-                    "direct_p99_ms": pct(d, 99),
-                    "gateway_p99_ms": pct(g, 99),
-                    "added_p99_ms": pct(g, 99) - pct(d, 99),
-                    "direct_mean_ms": statistics.mean(d) * 1000,
-                    "gateway_mean_ms": statistics.mean(g) * 1000,
-                }
-            )
+                if old is not None:
+                    o += asyncio.run(latencies(old_port, token, clients, max(1, per // rounds)))
+            row = {
+                "clients": clients,
+                "n": len(d),
+                "direct_p50_ms": pct(d, 50),
+                "gateway_p50_ms": pct(g, 50),
+                "added_p50_ms": pct(g, 50) - pct(d, 50),
+                "direct_p99_ms": pct(d, 99),
+                "gateway_p99_ms": pct(g, 99),
+                "added_p99_ms": pct(g, 99) - pct(d, 99),
+                "direct_mean_ms": statistics.mean(d) * 1000,
+                "gateway_mean_ms": statistics.mean(g) * 1000,
+            }
+            if o:
+                row |= {"compare_added_p50_ms": pct(o, 50) - pct(d, 50),
+                        "compare_added_p99_ms": pct(o, 99) - pct(d, 99)}  # fmt: skip
+            rows.append(row)
         rds, rgs = [], []
         gw_cpu = up_cpu_direct = 0.0
         n_rate = (args.rate_requests // 3 // 16) * 16
@@ -230,13 +329,14 @@ def main() -> None:
         up_core_rps = 3 * n_rate / up_cpu_direct if up_cpu_direct else float("nan")
         load1 = os.getloadavg()
     finally:
-        for p in (gw, up):
+        for p in procs:
             p.terminate()
-        for p in (gw, up):
+        for p in procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
     result = {
         "latency": rows,
@@ -254,16 +354,24 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"host: {os.cpu_count()} CPUs, load average before {load0[0]:.2f}, after {load1[0]:.2f}")
-    print("streaming latency (full stream, ms)")
-    print(f"{'clients':>7} {'n':>5} {'direct p50':>10} {'gw p50':>8} {'added p50':>9} "
-          f"{'direct p99':>10} {'gw p99':>8} {'added p99':>9}")  # fmt: skip
+    print(f"host: {os.cpu_count()} CPUs, load average before {load0[0]:.2f}, after {load1[0]:.2f}; "
+          f"{args.busy} busy gateways streaming {args.busy_rate:g} events/s each")  # fmt: skip
+    print("\nstreaming latency (full stream, ms)\n")
+    cmp = args.compare_src is not None
+    extra = " compare added p50 | compare added p99 |" if cmp else ""
+    head = "| clients | n | direct p50 | gw p50 | added p50 | direct p99 | gw p99 | added p99 |"
+    print(head + extra)
+    print("|---:" * (8 + 2 * cmp) + "|")
     for r in rows:
-        print(
-            f"{r['clients']:>7} {r['n']:>5} {r['direct_p50_ms']:>10.2f} "
-            f"{r['gateway_p50_ms']:>8.2f} {r['added_p50_ms']:>9.2f} {r['direct_p99_ms']:>10.2f} "
-            f"{r['gateway_p99_ms']:>8.2f} {r['added_p99_ms']:>9.2f}"
+        line = (
+            f"| {r['clients']} | {r['n']} | {r['direct_p50_ms']:.2f} | {r['gateway_p50_ms']:.2f} "
+            f"| {r['added_p50_ms']:.2f} | {r['direct_p99_ms']:.2f} | {r['gateway_p99_ms']:.2f} "
+            f"| {r['added_p99_ms']:.2f} |"
         )
+        if cmp:
+            line += f" {r['compare_added_p50_ms']:.2f} | {r['compare_added_p99_ms']:.2f} |"
+        print(line)
+    print()
     print("non-streamed small calls, 16 keep-alive clients (best of 3 rounds)")
     print(f"  direct {rd:8.0f} req/s   gateway {rg:8.0f} req/s   ratio {rg / rd:.2f}")
     print(

@@ -13,15 +13,29 @@ Rows:
   idle memory   RSS and PSS of one idle VMM (snapshot-restored and cold)
 
 Targets (from the issue): cold <= 1.1x bare; snapshot <= 0.2x cold.
+
+``--density 2,4,8`` (issue 15) measures instead how many idle sandboxes fit: for
+each count k, k snapshot-restored VMs, then k cold-booted ones, all idle at once;
+per VM the RSS and PSS of its host processes (the VMM and its jail), the drop of
+MemAvailable, and the CPU an idle VMM burns (TCG emulates the guest's timer
+ticks). Restored VMs map their memory from the one snapshot file, so their
+untouched pages are shared (PSS below RSS); cold ones own all they touched. The
+table ends with an extrapolation to a 24 GiB host, and which of memory or CPU
+runs out first. Every VM is destroyed in a ``finally``, then the backend's orphan
+sweep runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -32,10 +46,95 @@ from agentbox.config import Settings
 from agentbox.microvm import boot_to_marker, ensure_root_disk
 
 
+def mem_available() -> int:
+    """MemAvailable in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def idle_vms(backend: QemuBackend, res: Resources, k: int, label: str) -> dict[str, float]:
+    """Start k sandboxes, all idle at once; their memory and CPU per VM."""
+    boxes: list[Any] = []
+    mem0 = mem_available()
+    try:
+        t0 = time.monotonic()
+        for i in range(k):
+            spec = SandboxSpec(name=f"bench-density-{label}-{k}-{i}", image="default",
+                               resources=res)  # fmt: skip
+            boxes.append(backend.create(spec))
+            assert boxes[-1].exec(["true"]).exit_code == 0
+        started = time.monotonic() - t0
+        time.sleep(3)
+        pids = [pid for b in boxes for pid in b.host_pids()]
+        c0, w0 = cpu_seconds(pids), time.monotonic()
+        time.sleep(5)
+        cpu = (cpu_seconds(pids) - c0) / (time.monotonic() - w0)
+        rss = pss = 0.0
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                m = psutil.Process(pid).memory_full_info()
+                rss, pss = rss + m.rss, pss + m.pss
+        drop = mem0 - mem_available()
+        return {"k": k, "rss": rss / k / 2**20, "pss": pss / k / 2**20,
+                "drop": drop / k / 2**20, "cpu": cpu / k, "start": started}  # fmt: skip
+    finally:
+        for b in boxes:
+            with contextlib.suppress(Exception):
+                b.destroy()
+
+
+def density(settings: Settings, root: tuple[Path, str], res: Resources, counts: list[int]) -> int:
+    warm = QemuBackend(settings, rootfs=root)
+    cold = QemuBackend(settings, rootfs=root, cold=True)
+    rows: list[tuple[str, dict[str, float]]] = []
+    try:
+        with warm.create(SandboxSpec(name="bench-density-warmup", image="default",
+                                     resources=res)) as sb:  # fmt: skip
+            sb.exec(["true"])  # the snapshot is made outside the measurement
+        for k in counts:
+            for label, backend in (("restored", warm), ("cold", cold)):
+                rows.append((label, idle_vms(backend, res, k, label)))
+    finally:
+        for backend in (warm, cold):
+            with contextlib.suppress(Exception):
+                left = backend.cleanup_orphans()
+                if left:
+                    print(f"orphans removed: {left}", file=sys.stderr)
+    host = 24 * 2**30 / 2**20
+    ncpu = os.cpu_count() or 1
+    print(f"idle microVMs, accel={warm.accel()}, guest memory {res.memory // 2**20} MiB, "
+          f"{ncpu} CPUs, MemTotal-based extrapolation to 24 GiB\n")  # fmt: skip
+    print(
+        "| VMs | kind | RSS MiB/VM | PSS MiB/VM | MemAvailable drop MiB/VM | idle CPU/VM "
+        "| start s (all) | fit in 24 GiB (PSS) | fit by CPU |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, r in rows:
+        by_mem = int(host / max(r["pss"], r["drop"], 1))
+        by_cpu = int(ncpu / r["cpu"]) if r["cpu"] > 0 else 10**6
+        print(f"| {int(r['k'])} | {label} | {r['rss']:.0f} | {r['pss']:.0f} | {r['drop']:.0f} "
+              f"| {r['cpu'] * 100:.1f} % | {r['start']:.1f} | {by_mem} | {by_cpu} |")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--memory", default="1GiB")
+    ap.add_argument("--density", help="comma-separated VM counts: idle density instead")
     args = ap.parse_args()
 
     from agentbox.image import build_default
@@ -45,9 +144,16 @@ def main() -> int:
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="agentbox-bench-"))
-    settings = Settings(data_dir=tmp)
-    root = (info.rootfs, info.hash)
+    try:
+        return measure(args, Settings(data_dir=tmp), (info.rootfs, info.hash))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, settings: Settings, root: tuple[Path, str]) -> int:
     res = Resources(memory=args.memory, cpus=1)
+    if args.density:
+        return density(settings, root, res, [int(k) for k in args.density.split(",")])
     root_disk = ensure_root_disk(settings, *root)
     warm = QemuBackend(settings, rootfs=root)
     cold = QemuBackend(settings, rootfs=root, cold=True)
@@ -102,9 +208,6 @@ def main() -> int:
         print(f"idle VMM memory ({label}): RSS {rss:.0f} MiB, PSS {pss:.0f} MiB")
     print(f"targets: cold <= 1.10x bare -> {'met' if c / b <= 1.1 else 'NOT met'}; "
           f"snapshot <= 0.20x cold -> {'met' if s / c <= 0.2 else 'NOT met'}")  # fmt: skip
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

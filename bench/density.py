@@ -1,0 +1,330 @@
+"""Density: what N idle tasks cost the host, ours against the agent's, by process.
+
+Starts N tasks with the real Claude Code through a real :class:`Launcher` on
+podman. The model is a replay script whose first turn is a ``Bash`` tool call
+``tail -f /dev/null`` (Claude Code refuses a standalone ``sleep``): each agent then
+sits idle, as a real agent waiting on a long tool would. Once all N agents are in
+that ``tail``, every process that belongs to a task is read from
+``/proc/PID/smaps_rollup`` (PSS and RSS) and put in a category:
+
+- the agent's: ``claude`` and the tools it runs (the ``bash``/``tail`` below it);
+- ours: the gateway, the per-task watchdog, the ``podman run`` client if one stays
+  attached, conmon, the relay inside the sandbox, the container's init, an egress
+  proxy if any.
+
+A sandbox's processes are found by its container id in ``/proc/PID/cgroup``;
+gateways by their ``--listen`` socket under this run's data dir; watchdogs by
+their ``--data-dir``. Also reported: the drop of ``MemAvailable`` per task (the
+whole host; other work on the machine shows in it), the time from the first
+submit until all N agents are idle, and the tasks started per second.
+
+Everything started is cancelled and removed in a ``finally`` (Ctrl-C and SIGTERM
+included), then swept: any container with this data dir's label, any gateway or
+watchdog of this data dir.
+
+Usage (as root, after scripts/setup.sh and ``agentbox image build``)::
+
+    .venv/bin/python bench/density.py [--n 5,10,20,40] [--timeout 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import FrameType
+
+from agentbox.config import Settings
+from agentbox.launcher import Launcher, TaskRequest
+from agentbox.launcher._names import list_task_gateways, list_task_sandboxes, sandbox_name
+
+ROOT = Path(__file__).resolve().parents[1]
+IDLE = """\
+name: idle
+turns:
+  - text: "Waiting on a long job."
+    tool_use:
+      - name: Bash
+        input: {command: "tail -f /dev/null", description: "Follow the job log", timeout: 600000}
+  - text: "Done."
+"""
+INITS = ("tini", "catatonit", "podman-init", "init")
+OURS = ("gateway", "watchdog", "podman client", "conmon", "relay", "init", "egress")
+AGENT = ("claude", "agent tools")
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def make_repo(path: Path) -> Path:
+    shutil.copytree(ROOT / "demo" / "sample-repo", path)
+    git(path, "init", "-q", "-b", "main")
+    git(path, "add", "-A")
+    git(path, "-c", "user.name=b", "-c", "user.email=b@l", "commit", "-q", "-m", "s")
+    return path
+
+
+def mem_available() -> int:
+    """MemAvailable in KiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1])
+    raise RuntimeError("no MemAvailable")
+
+
+def smaps(pid: int) -> tuple[int, int] | None:
+    """(PSS, RSS) of ``pid`` in KiB, or None if it is gone."""
+    pss = rss = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                pss = int(line.split()[1])
+            elif line.startswith("Rss:"):
+                rss = int(line.split()[1])
+    except OSError:
+        return None
+    return pss, rss
+
+
+def procs() -> dict[int, tuple[str, list[str], str, int]]:
+    """Every process: pid → (comm, cmdline, cgroup file text, parent pid)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            comm = (d / "comm").read_text().strip()
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            cg = (d / "cgroup").read_text()
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(d.name)] = (comm, [a.decode(errors="replace") for a in cmd if a], cg, ppid)
+    return out
+
+
+def container_ids(names: list[str]) -> dict[str, str]:
+    """Container name → full id, for the named containers that exist."""
+    res = subprocess.run(
+        ["podman", "ps", "-a", "--no-trunc", "--format", "{{.ID}} {{.Names}}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    wanted = set(names)
+    ids = {}
+    for line in res.stdout.splitlines():
+        cid, _, name = line.partition(" ")
+        if name in wanted:
+            ids[name] = cid
+    return ids
+
+
+def classify(settings: Settings, task_ids: list[str]) -> dict[str, list[int]]:
+    """Category → pids of every process that belongs to one of the tasks."""
+    names = {sandbox_name(t): t for t in task_ids}
+    ids = container_ids(list(names))
+    table = procs()
+    cats: dict[str, list[int]] = defaultdict(list)
+    gw_pids = {o.pid for tid, o in list_task_gateways(settings) if tid in task_ids}
+    data = str(settings.data_dir)
+    in_box: dict[int, str] = {}
+    for pid, (comm, cmd, cg, _) in table.items():
+        line = " ".join(cmd)
+        if pid in gw_pids:
+            cats["gateway"].append(pid)
+        elif comm == "conmon" and any(cid in line for cid in ids.values()):
+            cats["conmon"].append(pid)
+        elif comm == "podman" and any(n in line for n in names):
+            cats["podman client"].append(pid)
+        elif "_watchdog.py" in line and data in line:
+            cats["watchdog"].append(pid)
+        elif "agentbox.egress" in line and data in line:
+            cats["egress"].append(pid)
+        elif any(cid in cg for cid in ids.values()) and "conmon" not in cg:
+            in_box[pid] = comm
+    claude = {p for p, c in in_box.items() if c == "claude"}
+    for pid in in_box:
+        cmd = table[pid][1]
+        if pid in claude:
+            cats["claude"].append(pid)
+        elif table[pid][0] in INITS:
+            cats["init"].append(pid)  # its argv names the relay: it runs it
+        elif any("relay.py" in a for a in cmd) or table[pid][0] == "agentbox-relay":
+            cats["relay"].append(pid)
+        elif _under(pid, claude, table):
+            cats["agent tools"].append(pid)
+        else:
+            cats["init"].append(pid)  # tini/catatonit and anything else of ours in the box
+    return cats
+
+
+def _under(pid: int, roots: set[int], table: dict[int, tuple[str, list[str], str, int]]) -> bool:
+    seen = 0
+    while pid in table and seen < 64:
+        pid = table[pid][3]
+        if pid in roots:
+            return True
+        seen += 1
+    return False
+
+
+def idle_count(settings: Settings, task_ids: list[str]) -> int:
+    """How many of the tasks' agents are in their ``tail`` tool call."""
+    names = [sandbox_name(t) for t in task_ids]
+    ids = container_ids(names)
+    n = 0
+    table = procs()
+    for cid in ids.values():
+        if any(c == "tail" and cid in cg for c, _, cg, _ in table.values()):
+            n += 1
+    return n
+
+
+def sweep(settings: Settings) -> list[str]:
+    """Remove whatever of this data dir is left: containers, gateways, watchdogs."""
+    left = []
+    for name in list_task_sandboxes(settings):
+        subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True, timeout=120)
+        left.append(name)
+    data = str(settings.data_dir)
+    for pid, (_, cmd, _, _) in procs().items():
+        line = " ".join(cmd)
+        if data in line and ("_watchdog.py" in line or "gateway" in line) and pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            left.append(f"pid {pid}")
+    return left
+
+
+def run_round(base: Path, n: int, timeout: float) -> dict[str, object]:
+    """Start n idle tasks, measure, tear everything down."""
+    data = base / f"data-{n}"
+    repos = base / "repos"
+    data.mkdir()
+    settings = Settings(data_dir=data, repos_root=repos, models_file=base / "models.toml")
+    tids: list[str] = []
+    mem0 = mem_available()
+    launcher = Launcher(settings, max_tasks=n)
+    try:
+        t0 = time.monotonic()
+        for i in range(n):
+            repo = make_repo(repos / f"r{n}-{i}")
+            info = launcher.submit(
+                TaskRequest(repo=str(repo), task="Wait for the job.", model="idle",
+                            deadline=max(timeout * 2, 900.0), publish=False)
+            )  # fmt: skip
+            tids.append(info.id)
+        t_submitted = time.monotonic() - t0
+        t_running = None
+        deadline = time.monotonic() + timeout
+        while True:
+            infos = [launcher.get(t) for t in tids]
+            bad = [i for i in infos if i.status not in ("queued", "preparing", "running")]
+            if bad:
+                raise RuntimeError(f"task ended early: {bad[0].id} {bad[0].status} {bad[0].error}")
+            if t_running is None and all(i.status == "running" for i in infos):
+                t_running = time.monotonic() - t0
+            if idle_count(settings, tids) == n:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not all {n} agents idle within {timeout:g} s")
+            time.sleep(0.5)
+        t_idle = time.monotonic() - t0
+        time.sleep(3)  # let start-up garbage settle
+        cats = classify(settings, tids)
+        mem1 = mem_available()
+        usage: dict[str, tuple[int, int, int]] = {}
+        for cat, pids in cats.items():
+            got = [m for m in map(smaps, pids) if m is not None]
+            usage[cat] = (len(got), sum(p for p, _ in got), sum(r for _, r in got))
+        return {
+            "n": n,
+            "usage": usage,
+            "mem_drop_kib": mem0 - mem1,
+            "t_submitted": t_submitted,
+            "t_running": t_running,
+            "t_idle": t_idle,
+        }
+    finally:
+        for tid in tids:
+            with contextlib.suppress(Exception):
+                launcher.cancel(tid)
+        with contextlib.suppress(Exception):
+            launcher.shutdown(grace=20)
+        with contextlib.suppress(Exception):
+            launcher.close(wait=True)
+        left = sweep(settings)
+        if left:
+            print(f"swept after N={n}: {left}", file=sys.stderr)
+
+
+def report(rows: list[dict[str, object]]) -> None:
+    for r in rows:
+        n = int(r["n"])  # type: ignore[call-overload]
+        usage: dict[str, tuple[int, int, int]] = r["usage"]  # type: ignore[assignment]
+        print(f"\n### N = {n} idle tasks (real Claude Code, podman)\n")
+        print("| process | count | PSS MiB/task | RSS MiB/task |")
+        print("|---|---:|---:|---:|")
+        tot: dict[str, list[float]] = {"ours": [0, 0], "agent": [0, 0]}
+        for cat in (*OURS, *AGENT):
+            if cat not in usage:
+                continue
+            cnt, pss, rss = usage[cat]
+            side = "ours" if cat in OURS else "agent"
+            tot[side][0] += pss / 1024 / n
+            tot[side][1] += rss / 1024 / n
+            print(f"| {cat} ({side}) | {cnt} | {pss / 1024 / n:.1f} | {rss / 1024 / n:.1f} |")
+        for side in ("ours", "agent"):
+            print(f"| **all {side}** | | **{tot[side][0]:.1f}** | **{tot[side][1]:.1f}** |")
+        drop = int(r["mem_drop_kib"]) / 1024 / n  # type: ignore[call-overload]
+        t_idle = float(r["t_idle"])  # type: ignore[arg-type]
+        print(f"\nMemAvailable drop per task: {drop:.1f} MiB · submitted in "
+              f"{float(r['t_submitted']):.1f} s · all running {float(r['t_running'] or 0):.1f} s"  # type: ignore[arg-type]
+              f" · all agents idle {t_idle:.1f} s · {n / t_idle:.2f} tasks started/s")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", default="5,10,20,40", help="comma-separated task counts")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for N agents to idle")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("run as root (the launcher drives podman as root)", file=sys.stderr)
+        return 2
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    base = Path(tempfile.mkdtemp(prefix="agentbox-density-", dir="/var/tmp"))
+    base.chmod(0o711)
+    rows = []
+    try:
+        script = base / "idle.yaml"
+        script.write_text(IDLE)
+        (base / "models.toml").write_text(
+            f'[models.idle]\nkind = "replay"\nupstream = "{script}"\n'
+        )
+        (base / "repos").mkdir()
+        for n in (int(x) for x in args.n.split(",")):
+            try:
+                rows.append(run_round(base, n, args.timeout))
+            except (RuntimeError, TimeoutError) as exc:
+                print(f"N={n}: {exc}", file=sys.stderr)
+                break
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    report(rows)
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
