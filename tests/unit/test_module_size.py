@@ -26,7 +26,6 @@ EXEMPT = {
 PENDING = {
     "guest/agent.py",
     "backends/qemu.py",
-    "launcher/_server.py",
     "microvm/_guest.py",
 }
 

@@ -35,6 +35,7 @@ app = typer.Typer(
 COMMAND_MODULES: tuple[str, ...] = (
     "_mcp",
     "_tasks",
+    "_launcher",
     "_run",
     "_wait",
     "_diff",

@@ -37,20 +37,17 @@ command does not stall other clients.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
-import grp
 import os
 import signal
 import socket
 import stat
-import struct
 import sys
+import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import anyio.to_thread
 import uvicorn
@@ -59,7 +56,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentbox._log import get_logger
 from agentbox.errors import (
@@ -70,7 +66,15 @@ from agentbox.errors import (
     TaskError,
     TaskNotFound,
 )
-from agentbox.launcher._core import Launcher
+from agentbox.launcher._core import Launcher, StopMode
+from agentbox.launcher._peer import (
+    PEER_KEY,
+    Peer,
+    PeerCheckedProtocol,
+    group_gid,
+    may_connect,
+    peer_of,
+)
 from agentbox.launcher._workspace import ensure_private_dir
 from agentbox.launcher.api import ModelList, TaskList, TaskRequest
 from agentbox.paths import validate_task_id
@@ -78,6 +82,7 @@ from agentbox.paths import validate_task_id
 __all__ = [
     "LINK_NAME",
     "SOCKET_NAME",
+    "STOP_SIGNALS",
     "Peer",
     "PeerCheckedProtocol",
     "bind_socket",
@@ -99,15 +104,6 @@ LINK_NAME = "launcher.sock"
 LOCK_NAME = "launcher.lock"
 #: Request bodies are small; anything bigger is refused before parsing.
 MAX_BODY = 256 * 1024
-SOCKET_GROUP = "agentbox"
-#: The ASGI state key under which each connection's checked :class:`Peer` travels.
-PEER_KEY = "agentbox_peer"
-
-# Linux's SO_PEERGROUPS (4.13+); Python 3.11 does not name it.
-_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-# CPython's getsockopt() takes at most 1024 bytes: 256 groups. A peer with more is
-# refused (ERANGE), never guessed at.
-_GROUPS_BUF = 1024
 
 
 def socket_path(data_dir: Path) -> Path:
@@ -116,100 +112,7 @@ def socket_path(data_dir: Path) -> Path:
     return data_dir / RUN_DIR / SOCKET_NAME
 
 
-def _group_gid() -> int | None:
-    try:
-        return grp.getgrnam(SOCKET_GROUP).gr_gid
-    except KeyError:
-        return None
-
-
-# -- the peer ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Who is at the other end of a unix connection, as the kernel recorded it at connect()."""
-
-    pid: int
-    uid: int
-    gid: int
-    groups: tuple[int, ...]
-
-
-def peer_of(sock: Any) -> Peer:
-    """The peer of a connected unix socket (``SO_PEERCRED`` + ``SO_PEERGROUPS``).
-
-    Raises :class:`OSError` when the kernel cannot say (ERANGE: more than 256 groups).
-    """
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
-    pid, uid, gid = struct.unpack("iII", raw)
-    graw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _GROUPS_BUF)
-    groups = struct.unpack(f"{len(graw) // 4}I", graw[: len(graw) // 4 * 4])
-    return Peer(pid=pid, uid=uid, gid=gid, groups=tuple(groups))
-
-
-def may_connect(peer: Peer, group: int | None) -> bool:
-    """Root, the launcher's own uid, or a member of ``group`` (primary or supplementary)."""
-    if peer.uid in (0, os.geteuid()):
-        return True
-    return group is not None and (peer.gid == group or group in peer.groups)
-
-
-class PeerCheckedProtocol(asyncio.Protocol):
-    """uvicorn's h11 protocol behind a peer check (``uvicorn.Config(http=PeerCheckedProtocol)``).
-
-    uvicorn builds one per connection with its usual keyword arguments; the check
-    runs in :meth:`connection_made`, which asyncio calls before it starts reading,
-    so a refused peer is aborted before a byte of its request is read and no HTTP
-    parser is ever built for it. An allowed peer's :class:`Peer` is added to the
-    ASGI ``state`` of each of its requests.
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        self._kwargs = kwargs
-        self._inner: H11Protocol | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)  # a stream transport: uvicorn's own cast
-        sock = transport.get_extra_info("socket")
-        try:
-            peer: Peer | None = peer_of(sock)
-        except (OSError, struct.error) as exc:
-            peer = None
-            log.warning("connection refused: peer unknown", error=str(exc))
-        if peer is None or not may_connect(peer, _group_gid()):
-            if peer is not None:
-                log.warning(
-                    "connection refused: not root and not in group agentbox",
-                    pid=peer.pid,
-                    uid=peer.uid,
-                    gid=peer.gid,
-                )
-            transport.abort()
-            return
-        state = {**self._kwargs.get("app_state", {}), PEER_KEY: peer}
-        self._inner = H11Protocol(**{**self._kwargs, "app_state": state})
-        self._inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        if self._inner is not None:
-            self._inner.data_received(data)
-
-    def eof_received(self) -> None:
-        if self._inner is not None:
-            self._inner.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._inner is not None:
-            self._inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.resume_writing()
+_group_gid = group_gid
 
 
 # -- the app -----------------------------------------------------------------------------
@@ -444,7 +347,13 @@ def serve(
     path: Path | None = None,
     on_listening: Callable[[Path], None] | None = None,
 ) -> None:
-    """Lock, reconcile, then serve ``launcher`` on its unix socket until SIGINT/SIGTERM.
+    """Lock, reconcile, then serve ``launcher`` on its unix socket until told to stop.
+
+    How it stops is said by the signal (:data:`STOP_SIGNALS`, what ``agentbox launcher
+    stop`` sends): SIGTERM or SIGINT leave running detached tasks to the next launcher
+    (which re-adopts them) and queued ones queued; SIGUSR1 drains (no new task; it
+    serves until every queued and running task ended); SIGUSR2 cancels and collects
+    every task. A crash (SIGKILL) is a ``leave`` too.
 
     :class:`~agentbox.errors.RefusedError` if another launcher serves this data dir.
     ``on_listening(path)`` runs once the socket is bound and listening (never before:
@@ -461,6 +370,7 @@ def serve(
         raise
     sock_id: tuple[int, int] | None = None
     link_id: tuple[int, int] | None = None
+    mode: list[StopMode] = ["leave"]
     try:
         if link is not None and link.is_socket() and not link.is_symlink():
             _clear_stale(link)  # an older version's socket: refused while it answers
@@ -482,6 +392,7 @@ def serve(
         # uvicorn re-raises SIGTERM once it has shut down; make that an exit that
         # runs the clean-up below instead of the default kill.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        _stop_on_signals(launcher, server, mode)
         with contextlib.suppress(KeyboardInterrupt):
             server.run(sockets=[listener])
     finally:
@@ -489,9 +400,36 @@ def serve(
         if link is not None:
             _remove_if_ours(link, link_id)
         _remove_if_ours(path, sock_id)
-        # Running tasks are cancelled and collected; a crash instead leaves them
-        # to the next launcher's reconcile.
+        # Left (re-adopted by the next launcher), drained or cancelled: as told.
         try:
-            launcher.shutdown()
+            launcher.stop(mode[0])
         finally:
             lock.release()
+
+
+#: The signal ``agentbox launcher stop`` sends for each way of stopping.
+STOP_SIGNALS: dict[StopMode, signal.Signals] = {
+    "leave": signal.SIGTERM,
+    "drain": signal.SIGUSR1,
+    "cancel": signal.SIGUSR2,
+}
+
+
+def _stop_on_signals(launcher: Launcher, server: uvicorn.Server, mode: list[StopMode]) -> None:
+    """SIGUSR1: drain, then exit; SIGUSR2: exit, cancelling every task (``mode[0]`` says)."""
+
+    def drain_then_exit() -> None:
+        launcher.stop("drain")
+        server.should_exit = True
+
+    def handler(signum: int, _frame: object) -> None:
+        mode[0] = "drain" if signum == signal.SIGUSR1 else "cancel"
+        launcher.draining = True  # from now on, submit is refused
+        log.warning("launcher stopping", mode=mode[0])
+        if mode[0] == "drain":
+            threading.Thread(target=drain_then_exit, name="agentbox-drain", daemon=True).start()
+        else:
+            server.should_exit = True
+
+    signal.signal(signal.SIGUSR1, handler)
+    signal.signal(signal.SIGUSR2, handler)

@@ -12,6 +12,14 @@ answers back onto :mod:`agentbox.errors`::
 Synchronous on purpose (one small request at a time); async callers wrap it
 with ``anyio.to_thread.run_sync``.
 
+A launcher that restarts (a crash, an upgrade, ``systemctl restart``) is back
+within seconds, and its tasks go on: the client rides through it. It holds no
+connection between calls (a restarted launcher has a new socket), and a call
+that cannot connect (no socket yet, nobody listening) is retried with a bounded
+backoff for up to ``reconnect`` seconds; a read (GET) whose connection the
+launcher dropped mid-answer is retried too. A POST that reached the launcher is
+never sent twice.
+
 The client never says who it is: the launcher reads the connecting process's
 uid and groups from the kernel. Only root, the launcher's uid and members of the
 group ``agentbox`` are answered (anyone else cannot reach the socket, or is
@@ -52,12 +60,18 @@ _ERRORS: dict[str, type[errors.AgentboxError]] = {
 class LauncherClient:
     """Talks to ``agentbox launcher serve`` over its unix socket."""
 
-    def __init__(self, socket_path: Path | str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self, socket_path: Path | str, *, timeout: float = 30.0, reconnect: float = 30.0
+    ) -> None:
         self.socket_path = Path(socket_path)
+        self.reconnect = reconnect
         self._http = httpx.Client(
             transport=httpx.HTTPTransport(uds=str(self.socket_path)),
             base_url="http://launcher",
             timeout=timeout,
+            # No connection kept between calls: one to a launcher that has since
+            # restarted would be dead (a unix connect costs microseconds).
+            limits=httpx.Limits(max_keepalive_connections=0),
         )
 
     def close(self) -> None:
@@ -126,9 +140,28 @@ class LauncherClient:
 
     # -- plumbing ----------------------------------------------------------
 
+    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
+        """Send, retrying what a launcher restart causes (see the module docstring)."""
+        end = time.monotonic() + self.reconnect
+        delay, dropped_retries = 0.05, 3
+        while True:
+            try:
+                return self._http.request(method, path, json=body)
+            except httpx.ConnectError as exc:
+                if _eacces(exc) or time.monotonic() + delay > end:
+                    raise
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                # Dropped mid-answer: a read is retried (a few times: a peer the launcher
+                # refuses is dropped the same way, and must hear so soon).
+                dropped_retries -= 1
+                if method != "GET" or dropped_retries < 0 or _eacces(exc):
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
     def _call(self, method: str, path: str, *, body: dict[str, Any] | None = None) -> Any:
         try:
-            resp = self._http.request(method, path, json=body)
+            resp = self._request(method, path, body)
         except httpx.TransportError as exc:
             hint = ""
             # EACCES on connect, or a connection the launcher dropped before answering
@@ -151,6 +184,18 @@ class LauncherClient:
         if resp.is_success:
             return data
         raise _error_from(resp.status_code, data)
+
+
+def _eacces(exc: BaseException) -> bool:
+    """True when EACCES is somewhere in ``exc``'s chain (the socket's mode refused us)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, PermissionError):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def _denied(exc: BaseException) -> bool:

@@ -2,9 +2,11 @@
 
 Start-up order matters for the privilege split. While still root, the server
 (1) reads its bearer token (the file is 0600 in the data dir), (2) opens the
-launcher's socket with ``O_PATH`` so it can later connect through
-``/proc/self/fd/N`` without being able to traverse the data dir, and only then
-(3) drops to an ordinary uid with no capabilities. Nothing from a client is
+launcher's socket *directory* (``run/``) with ``O_PATH`` so it can later connect
+through ``/proc/self/fd/N/launcher.sock`` without being able to traverse the data
+dir, and only then (3) drops to an ordinary uid with no capabilities. The
+directory, not the socket: a restarted launcher binds a new socket there, and the
+server reaches it without being restarted (issue 19). Nothing from a client is
 read before the drop. The launcher records that uid as the caller of every task
 the server submits (it reads it from the kernel, ``SO_PEERCRED``), and answers
 this server about those tasks only.
@@ -86,16 +88,19 @@ def prepare(
     if os.geteuid() == 0:
         identity = resolve_identity(user, settings.repos_root, sock)
         try:
-            # Kept open for the life of the process: the only way back to the socket
-            # once the data dir (0700 root) is out of reach.
-            fd = os.open(sock, os.O_PATH | os.O_CLOEXEC)
+            # The socket's directory, kept open for the life of the process: the only
+            # way back to the socket once the data dir (0700 root) is out of reach, and
+            # still the way to a restarted launcher's new socket (same directory).
+            real = Path(os.path.realpath(sock))
+            st = real.stat()
+            fd = os.open(real.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise UnsupportedError(
                 f"the launcher is not running (no socket at {sock}: {exc.strerror})",
                 fix="start it first: agentbox launcher serve (or run agentbox serve)",
             ) from exc
-        sock_path = Path(f"/proc/self/fd/{fd}")
-        _check_socket_access(os.fstat(fd), identity, sock)
+        sock_path = Path(f"/proc/self/fd/{fd}") / real.name
+        _check_socket_access(st, identity, sock)
         confine_filesystem(
             identity.uid, {identity.gid, *identity.groups}, writable=[settings.repos_root]
         )
