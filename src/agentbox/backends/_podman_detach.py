@@ -107,7 +107,14 @@ class PodmanDetached:
         return True
 
     def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
-        """``podman run -d``: see the module docstring. Returns once the sandbox runs."""
+        """``podman run -d``: see the module docstring. Returns once the sandbox runs.
+
+        The log is conmon's ``k8s-file``; at :data:`MAX_LOG_BYTES` conmon starts it
+        over, so it keeps the *last* part of the output (a follower that keeps up
+        loses nothing). ``<log>.exit`` and ``<log>.lock`` beside it are the
+        follower's. A name that exists already is refused (``SandboxError``) and
+        nothing of that sandbox is touched.
+        """
         if not argv:
             raise ConfigError("launch needs a command")
         if not log.is_absolute() or not log.parent.is_dir():
