@@ -434,3 +434,37 @@ def test_an_orphan_sweep_never_settles_the_disk_of_a_running_detached_sandbox(
     assert _follow(backend, name, log)[0] == Exited(0, False)
     assert (ws / "late.txt").read_text() == "late\n"
     _assert_clean(sandbox_settings, name, ws, log)
+
+
+def test_a_launched_sandbox_has_the_posture_of_any_other(
+    sandbox_settings: Settings,
+    default_image: str,
+    make_workspace: Callable[[], Path],
+    cleanup: list[str],
+) -> None:
+    """Same hardening as run/create: the posture checks (inside probes and the host's
+    view) pass on a detached sandbox."""
+    from agentbox.backends.podman import PodmanSandbox
+
+    ws = make_workspace()
+    name = f"det-posture-{os.getpid()}"
+    cleanup.append(name)
+    log = sandbox_settings.data_dir / "posture.log"
+    backend = PodmanBackend(sandbox_settings)
+    spec = _spec(sandbox_settings, default_image, ws, name)
+    backend.launch(spec, ["sleep", "600"], log=log)
+    posture = PodmanSandbox(backend, spec, name).posture()
+    assert posture.ok, [c for c in posture.checks if not c.ok]
+    backend.kill(name)
+    assert _follow(backend, name, log)[0] == Exited(137, False)
+    _assert_clean(sandbox_settings, name, ws, log)
+    # Positive control: a deliberately weakened detached sandbox is seen as such.
+    weak = PodmanBackend(sandbox_settings, unsafe_extra_args=("--cap-add", "SYS_ADMIN"))
+    weak_name = f"{name}-weak"
+    cleanup.append(weak_name)
+    weak_spec = _spec(sandbox_settings, default_image, None, weak_name)
+    weak.launch(weak_spec, ["sleep", "600"], log=log)
+    posture = PodmanSandbox(weak, weak_spec, weak_name).posture()
+    assert not posture.ok
+    weak.kill(weak_name)
+    weak.follow(weak_name, log=log, on_stdout=None, on_stderr=None)
