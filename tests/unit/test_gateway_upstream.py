@@ -269,3 +269,51 @@ def test_body_read_timeout() -> None:
         await resp.aclose()
 
     run(stalls, body)
+
+
+def test_chunks_that_arrive_together_are_passed_on_together() -> None:
+    """SSE events the upstream wrote in one go leave as one piece (one ``send`` downstream,
+    not one per event), and a later chunk is not waited for before passing them on."""
+    events = [b"event: e\ndata: %d\n\n" % i for i in range(5)]
+    burst = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+    later = b"event: e\ndata: last\n\n"
+    go_on = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + burst)
+        await w.drain()
+        await go_on.wait()  # the client must have had the burst before this comes
+        w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(later), later))
+        await w.drain()
+        w.close()
+
+    async def body(pool: PlainPool) -> None:
+        resp = await pool.request("/v1/messages", [], b"{}")
+        pieces = []
+        async for piece in resp.aiter_bytes():
+            pieces.append(piece)
+            go_on.set()
+        await resp.aclose()
+        assert pieces == [b"".join(events), later]
+
+    run(handler, body)
+
+
+def test_no_private_asyncio_api() -> None:
+    """The plain pool frames with h11 on public StreamReader calls (issue 14: it peeked at
+    ``StreamReader._buffer``, a CPython internal)."""
+    import ast
+    import inspect
+
+    from agentbox.gateway import _plain, _upstream
+
+    for module in (_plain, _upstream):
+        tree = ast.parse(inspect.getsource(module))
+        used = [
+            node
+            for node in ast.walk(tree)
+            if (isinstance(node, ast.Attribute) and node.attr == "_buffer")
+            or (isinstance(node, ast.Constant) and node.value == "_buffer")
+        ]
+        assert used == [], module.__name__
