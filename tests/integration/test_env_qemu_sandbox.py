@@ -195,3 +195,19 @@ def test_a_second_sandbox_reuses_the_cached_disk(
         assert code == 0, err
         assert out == "frozen data\n64000\n"
     assert os.path.exists(first)
+
+
+def test_deep_data_dir_and_long_names_still_connect(
+    backend: QemuBackend, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A VM dir deeper than a unix socket path may be (107 bytes): the host still
+    reaches the agent and QMP (it failed with "QEMU's agent socket never appeared" for
+    the setup sandbox of a task with a long id)."""
+    deep = tmp_path_factory.mktemp("d") / ("deep-" * 12)
+    settings = Settings(data_dir=deep / "data", cache_dir=backend.settings.cache_dir)
+    long_backend = QemuBackend(settings, rootfs=backend._rootfs)
+    spec = SandboxSpec(name="agentbox-setup-" + "x" * 40, image="default", resources=RES)
+    with long_backend.create(spec) as sb:
+        assert len(str(sb.vm.agent_socket)) > 107 and len(str(sb.vm.qmp_socket)) > 107
+        code, out, _ = _sh(sb, "echo reached")
+        assert code == 0 and out == "reached\n"

@@ -36,6 +36,7 @@ from agentbox.backends.base import ExecResult, OutputCallback
 from agentbox.errors import GuestError
 from agentbox.guest.wire import FILE, GW, GW_WINDOW, MAX_PAYLOAD, STDERR, STDIN, STDOUT, proof
 from agentbox.microvm._channel import Channel, GuestTimeout
+from agentbox.microvm._sockpath import connectable
 
 __all__ = ["GuestSession", "KernelFacts", "host_kernel"]
 
@@ -81,7 +82,8 @@ def _connect_unix(conn: socket.socket, path: Path, timeout: float) -> None:
     conn.settimeout(timeout)
     while True:
         try:
-            conn.connect(str(path))
+            with connectable(path) as where:
+                conn.connect(where)
             break
         except BlockingIOError:
             if time.monotonic() >= deadline:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.errors import SandboxError
+from agentbox.microvm._sockpath import connectable
 
 __all__ = ["run_qmp", "wait_loaded", "wait_migration"]
 
@@ -23,7 +24,8 @@ async def _session(path: Path, commands: list[tuple[str, dict[str, Any] | None]]
     from qemu.qmp import QMPClient
 
     client = QMPClient("agentbox")
-    await client.connect(str(path))
+    with connectable(path) as where:
+        await client.connect(where)
     try:
         out: list[Any] = []
         for name, args in commands:

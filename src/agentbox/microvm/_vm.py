@@ -27,6 +27,7 @@ from agentbox._log import get_logger
 from agentbox.errors import GuestError, SandboxError
 from agentbox.microvm._jail import VMM_PIDS_MAX, Cgroup, JailSpec, jail_argv, spawn
 from agentbox.microvm._kernel import Kernel
+from agentbox.microvm._sockpath import connectable
 
 __all__ = ["SANDBOX_FLAGS", "Vm", "VmConfig", "host_tsc_khz", "qemu_argv"]
 
@@ -232,7 +233,8 @@ class Vm:
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s.connect(str(self.agent_socket))
+                with connectable(self.agent_socket) as where:
+                    s.connect(where)
                 return s
             except OSError:
                 s.close()
