@@ -144,11 +144,13 @@ class BatchState:
                 (key, seq, json.dumps(spec), repo, base, time.time()),
             )
 
-    def tasks(self) -> list[TaskRow]:
-        """Every task, in the order of the tasks file."""
+    def tasks(self, *, key: str | None = None) -> list[TaskRow]:
+        """Every task, in the order of the tasks file (only ``key``'s, when given)."""
         rows = self._db.execute(
             "SELECT key, seq, spec, repo, base, state, attempt, attempt_id, node, status,"
-            " commit_id, branch, tokens, reserved, lost_charge, lost, error FROM tasks ORDER BY seq"
+            " commit_id, branch, tokens, reserved, lost_charge, lost, error FROM tasks"
+            " WHERE ?1 IS NULL OR key = ?1 ORDER BY seq",
+            (key,),
         ).fetchall()
         return [
             TaskRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9],
@@ -157,9 +159,9 @@ class BatchState:
         ]  # fmt: skip
 
     def task(self, key: str) -> TaskRow:
-        for row in self.tasks():
-            if row.key == key:
-                return row
+        """One task; TaskError when the batch has no such key."""
+        for row in self.tasks(key=key):
+            return row
         raise TaskError("no such task in the batch", task_id=key)
 
     def committed(self) -> int:
