@@ -7,12 +7,15 @@ and data dir (``AGENTBOX_DATA_DIR``), no API key (the tutorials use the replay
 model, the offline default), the real podman and the real Claude Code. The
 commands come from the markdown itself, not from a copy.
 
-``AGENTBOX_TUTORIAL_CHECKOUT=DIR`` runs the pages in another checkout (where its
-``scripts/setup.sh`` is the one run); CI leaves it unset.
+``TUTORIALS_CHECKOUT=DIR`` runs the pages in another checkout (where its
+``scripts/setup.sh`` is the one run); CI leaves it unset. The pages run
+``scripts/setup.sh``: the test skips when that would re-install the shared venv
+(pyproject.toml changed since the last setup), which scripts/test.sh never leaves.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import pwd
@@ -49,6 +52,22 @@ def _missing(text: str) -> list[str]:
         elif req not in ("root", "podman", "claude"):
             out.append(f"{req} (unknown requirement: the test cannot check it)")
     return out
+
+
+def _venv_stale(checkout: Path) -> str | None:
+    """Why setup.sh (run by the pages) would re-install the venv, or None."""
+    stamp = checkout / ".venv" / ".agentbox-installed"
+    want = hashlib.sha256((checkout / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    try:
+        have = stamp.read_text().strip()
+    except OSError:
+        have = ""
+    if have != want:
+        return (
+            f"scripts/setup.sh would re-install {checkout / '.venv'} (pyproject.toml changed "
+            "since the last setup): run scripts/setup.sh first"
+        )
+    return None
 
 
 def _user_exists(name: str) -> bool:
@@ -92,14 +111,21 @@ def test_the_tutorial_runs_verbatim(path: Path) -> None:
             f"a user {TUTORIAL_USER!r} exists on this host: {path.name} would write into its "
             f"home (userdel -r {TUTORIAL_USER} if an earlier run left it)"
         )
-    checkout = Path(os.environ.get("AGENTBOX_TUTORIAL_CHECKOUT") or ROOT)
+    checkout = Path(os.environ.get("TUTORIALS_CHECKOUT") or ROOT)
+    stale = _venv_stale(checkout)
+    if stale:
+        pytest.skip(stale)
     base = Path(tempfile.mkdtemp(prefix="agentbox-tutorial-"))
     base.chmod(0o755)  # the MCP server runs as another user and reaches the data dir
     (base / "home").mkdir(mode=0o700)
     (base / "steps").mkdir()
     marker = f"AGENTBOX_TUTORIAL_RUN={uuid.uuid4().hex}"
     env = {
-        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        # The caller's PATH (the python3 that made the venv) without the venv: a reader's
+        # shell finds `agentbox` only once the page activates it.
+        "PATH": ":".join(
+            p for p in os.environ["PATH"].split(":") if p and Path(p) != checkout / ".venv/bin"
+        ),
         "HOME": str(base / "home"),
         "AGENTBOX_DATA_DIR": str(base / "data"),
         "USER": "root",

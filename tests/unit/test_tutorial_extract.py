@@ -8,6 +8,7 @@ mutated is caught, statically and when run by a real shell.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,14 @@ after
     assert len(run.ran) == 2  # type: ignore[attr-defined]
     assert "ready" in run.transcript  # type: ignore[attr-defined]
     assert flag.exists()  # stopped (TERM) when the tutorial ended
+
+
+def test_the_readme_commands_exist_and_parse() -> None:
+    """README's two commands are scripts that exist; its agentbox lines parse."""
+    text = (ROOT / "README.md").read_text()
+    for script in ("scripts/demo.sh", "scripts/test.sh"):
+        assert script in text
+        assert os.access(ROOT / script, os.X_OK), script
+    calls = [c for b in parse_tutorial(text) for line in b.body for c in agentbox_invocations(line)]
+    assert calls, "README shows no agentbox command"
+    assert [(c, cli_error(c)) for c in calls if cli_error(c)] == []
