@@ -26,7 +26,6 @@ EXEMPT = {
 PENDING = {
     "guest/agent.py",
     "backends/qemu.py",
-    "microvm/_guest.py",
 }
 
 

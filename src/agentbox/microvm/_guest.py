@@ -1,4 +1,5 @@
-"""A session with one guest agent: hello, the kernel check, exec, files, gateway streams.
+"""A session with one guest agent: hello, the kernel check, exec, files (gateway streams:
+:mod:`agentbox.microvm._gwstreams`).
 
 Before **every** command the host sends a fresh nonce and requires, within a
 timeout: the HMAC of the nonce under this run's token (so the answer comes from
@@ -22,11 +23,8 @@ import hmac
 import os
 import queue
 import secrets
-import socket
 import tarfile
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -34,22 +32,17 @@ from typing import IO, Any
 from agentbox._log import get_logger
 from agentbox.backends.base import ExecResult, OutputCallback
 from agentbox.errors import GuestError
-from agentbox.guest.wire import FILE, GW, GW_WINDOW, MAX_PAYLOAD, STDERR, STDIN, STDOUT, proof
+from agentbox.guest.wire import FILE, MAX_PAYLOAD, STDERR, STDIN, STDOUT, proof
 from agentbox.microvm._channel import Channel, GuestTimeout
-from agentbox.microvm._sockpath import connectable
+from agentbox.microvm._gwstreams import MAX_GATEWAY_HELD, MAX_GATEWAY_STREAMS, GatewayStreams
 
-__all__ = ["GuestSession", "KernelFacts", "host_kernel"]
+__all__ = ["MAX_GATEWAY_HELD", "MAX_GATEWAY_STREAMS", "GuestSession", "KernelFacts", "host_kernel"]
 
 log = get_logger("microvm.guest")
 
 #: Output kept in memory per stream when no callback is given; the rest is dropped.
 MAX_CAPTURE = 64 * 1024**2
 CHECK_TIMEOUT = 30.0
-#: Gateway connections a guest may hold open at once; more are refused (EOF at once),
-#: so a guest cannot make the host open sockets and threads without bound.
-MAX_GATEWAY_STREAMS = 64
-#: Bytes of guest-to-gateway data the host may hold for one VM, all streams (16 MiB).
-MAX_GATEWAY_HELD = MAX_GATEWAY_STREAMS * GW_WINDOW
 #: Data frames of a ``get`` stream queued for its consumer (at most 4 MiB); when
 #: full, the channel's reader waits, which stops the guest's sends.
 FILE_FRAMES = 16
@@ -70,26 +63,6 @@ def host_kernel() -> KernelFacts:
     """The host's own kernel release and boot id."""
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     return KernelFacts(os.uname().release, boot_id)
-
-
-def _connect_unix(conn: socket.socket, path: Path, timeout: float) -> None:
-    """Connect ``conn`` to ``path`` within ``timeout``.
-
-    A unix socket whose accept backlog is full refuses a non-blocking connect at
-    once (EAGAIN) instead of waiting: a burst of guest connections retries here.
-    """
-    deadline = time.monotonic() + timeout
-    conn.settimeout(timeout)
-    while True:
-        try:
-            with connectable(path) as where:
-                conn.connect(where)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.02)
-    conn.settimeout(None)
 
 
 class _Pipe:
@@ -134,62 +107,7 @@ class _StreamReader:
         return out
 
 
-class _Upstream:
-    """One gateway stream's guest-to-gateway bytes, at most :data:`GW_WINDOW` held.
-
-    The channel's reader puts (never blocks); the stream's writer thread gets,
-    sends to the gateway and grants the guest the drained bytes back as credit.
-    """
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.chunks: deque[bytes] = deque()
-        self.received = 0  # bytes the guest sent on the stream
-        self.allowed = GW_WINDOW  # bytes it may have sent: the window plus credit granted
-        self.eof = False
-        self.dead = False  # the gateway side failed: drop what comes
-
-    def put(self, payload: bytes) -> None:
-        with self.cond:
-            if not payload:
-                self.eof = True
-            else:
-                self.received += len(payload)
-                if self.received > self.allowed:
-                    raise GuestError(
-                        f"guest sent {self.received - self.allowed} bytes past its gateway "
-                        f"stream's credit (window {GW_WINDOW})"
-                    )
-                if not self.dead:
-                    self.chunks.append(payload)
-            self.cond.notify()
-
-    def get(self) -> bytes | None:
-        with self.cond:
-            while not self.chunks and not self.eof:
-                self.cond.wait()
-            return self.chunks.popleft() if self.chunks else None
-
-    def empty(self) -> bool:
-        with self.cond:
-            return not self.chunks
-
-    def grant(self, n: int) -> None:
-        with self.cond:
-            self.allowed += n
-
-    def fail(self) -> None:
-        with self.cond:
-            self.dead = True
-            self.chunks.clear()
-
-    @property
-    def held(self) -> int:
-        with self.cond:
-            return sum(len(c) for c in self.chunks)
-
-
-class GuestSession:
+class GuestSession(GatewayStreams):
     """The host's side of the protocol with one guest agent."""
 
     def __init__(self, channel: Channel, *, name: str, host: KernelFacts) -> None:
@@ -197,16 +115,8 @@ class GuestSession:
         self.name = name
         self.host = host
         self.token = secrets.token_hex(32)
-        self.gateway_socket: Path | None = None
-        #: Extra host sockets the guest may open streams to, by name (the egress proxy's).
-        self.sockets: dict[str, Path] = {}
         self.last_check: dict[str, Any] = {}
-        self._gw_open = 0
-        self._gw_lock = threading.Lock()
-        self._upstreams: dict[int, _Upstream] = {}
-        self._gw_conns: set[socket.socket] = set()
-        # A dead channel ends every gateway connection: the host keeps nothing for it.
-        channel.on_close(self._close_gateway_streams)
+        self._init_streams()
 
     # -- session
     def wait_ready(self, timeout: float) -> dict[str, Any]:
@@ -407,92 +317,3 @@ class GuestSession:
             raise GuestError(
                 f"copy out of {src} failed: {str(msg['error'])[:300]}", sandbox=self.name
             )
-
-    # -- gateway streams (called by the channel's reader for each guest connection)
-    def on_gateway_open(self, sid: int, to: str | None = None) -> None:
-        """Open one connection to the gateway socket (or to extra socket ``to``, one the
-        hello named; any other name gets its stream ended) for the guest's stream ``sid``."""
-        gw = self.gateway_socket if to is None else self.sockets.get(to)
-        conn: socket.socket | None = None
-        with self._gw_lock:
-            if self._gw_open >= MAX_GATEWAY_STREAMS:
-                gw = None
-                log.warning("guest exceeds the gateway stream limit", sandbox=self.name)
-            elif gw is not None:
-                self._gw_open += 1
-        if gw is not None:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                _connect_unix(conn, gw, timeout=5.0)
-            except OSError as exc:
-                log.warning("gateway connect failed", sandbox=self.name, error=str(exc))
-                conn.close()
-                conn = None
-                with self._gw_lock:
-                    self._gw_open -= 1
-        if conn is None:
-            with contextlib.suppress(GuestError):
-                self.channel.send(GW, sid, b"")
-            return
-        up = _Upstream()
-
-        def handler(ftype: int, payload: bytes) -> None:
-            if ftype == GW:
-                up.put(payload)
-
-        with self._gw_lock:
-            self._upstreams[sid] = up
-            self._gw_conns.add(conn)
-        self.channel.accept_stream(sid, handler)
-        threading.Thread(target=self._gw_to_socket, args=(conn, up, sid), daemon=True).start()
-        threading.Thread(target=self._gw_to_guest, args=(conn, sid), daemon=True).start()
-
-    @property
-    def gateway_held(self) -> int:
-        """Guest-to-gateway bytes the host holds now, all streams (at most MAX_GATEWAY_HELD)."""
-        with self._gw_lock:
-            ups = list(self._upstreams.values())
-        return sum(up.held for up in ups)
-
-    def _gw_to_socket(self, conn: socket.socket, up: _Upstream, sid: int) -> None:
-        # Credit goes back to the guest only for bytes the gateway took: when it stops
-        # reading (uvicorn does, behind a pipelined request), the guest stops sending.
-        drained = 0
-        try:
-            while (chunk := up.get()) is not None:
-                conn.sendall(chunk)
-                drained += len(chunk)
-                if drained >= GW_WINDOW // 4 or up.empty():
-                    up.grant(drained)  # before the guest can act on it
-                    self.channel.send_ctrl({"op": "gw_credit", "n": drained}, sid)
-                    drained = 0
-            conn.shutdown(socket.SHUT_WR)
-        except (OSError, GuestError):
-            up.fail()
-
-    def _gw_to_guest(self, conn: socket.socket, sid: int) -> None:
-        try:
-            while chunk := conn.recv(1 << 16):
-                self.channel.send(GW, sid, chunk)
-        except (OSError, GuestError):
-            pass
-        with contextlib.suppress(GuestError):
-            self.channel.send(GW, sid, b"")
-        with self._gw_lock:
-            self._gw_open -= 1
-            up = self._upstreams.pop(sid, None)
-            self._gw_conns.discard(conn)
-        conn.close()
-        self.channel.close_stream(sid)
-        if up is not None:
-            up.fail()
-
-    def _close_gateway_streams(self) -> None:
-        with self._gw_lock:
-            conns, ups = list(self._gw_conns), list(self._upstreams.values())
-        for up in ups:
-            up.fail()
-            up.put(b"")  # wakes its writer
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
