@@ -2,8 +2,14 @@
 
 The gateway runs as ``python -m agentbox.gateway …`` in its own session, so a
 crash of the launcher's event loop cannot take it down mid-stream and ``stop()``
-can signal the whole group. The token travels in a file (0600), never on argv:
-``/proc/<pid>/cmdline`` is readable by every local user.
+can signal the whole group. It outlives the launcher (a detached task is
+re-adopted by the next one; the gateway stops by itself at ``--exit-at``), also
+a ``systemctl restart`` of the launcher's unit: when the launcher runs in a
+systemd service's cgroup, the gateway is moved out of it, in the two hierarchies
+systemd kills a unit by (``name=systemd`` and the unified one), into
+:data:`GATEWAY_CGROUP` at their root (:func:`leave_unit_cgroup`). The token
+travels in a file (0600), never on argv: ``/proc/<pid>/cmdline`` is readable by
+every local user.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from agentbox.errors import GatewayError
 from agentbox.gateway.registry import load_registry
 
 __all__ = [
+    "GATEWAY_CGROUP",
     "GATEWAY_UID_OFFSET",
     "GatewayHandle",
     "gateway_identity",
+    "leave_unit_cgroup",
     "spawn_gateway",
     "wait_for_socket",
 ]
@@ -46,6 +54,55 @@ _PASS_ENV = (
 #: The gateway's uid is ``subid_base + 65536 + this``: past the 65536 ids podman maps
 #: for sandboxes and the strict VMM's uid (``+ 1``), so it owns nothing anyone else uses.
 GATEWAY_UID_OFFSET = 65536 + 2
+
+
+#: The cgroup, at the root of the hierarchies systemd tracks units by, that gateways
+#: started from a systemd service move to (shared, never removed: empty is harmless).
+GATEWAY_CGROUP = "agentbox-gateways"
+
+
+def _unit_hierarchies() -> dict[str, Path]:
+    """The mount points of the hierarchies systemd tracks a unit by: ``name=systemd``
+    (cgroup v1) and the unified one (``0``), as this process sees them."""
+    found: dict[str, Path] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            pre, _, post = line.partition(" - ")
+            fields, tail = pre.split(), post.split()
+            if len(fields) < 5 or len(tail) < 3:
+                continue
+            if tail[0] == "cgroup2":
+                found.setdefault("0", Path(fields[4]))
+            elif tail[0] == "cgroup" and "name=systemd" in tail[2].split(","):
+                found.setdefault("name=systemd", Path(fields[4]))
+    return found
+
+
+def leave_unit_cgroup(pid: int) -> list[str]:
+    """Move ``pid`` out of this process's systemd service cgroup (``*.service``) into
+    :data:`GATEWAY_CGROUP`, in each hierarchy systemd kills a unit by; return those moved.
+
+    Nothing moves where this process is not in a service's cgroup (a shell, a test,
+    a container): only a unit's own cgroup is left, never another controller's.
+    """
+    mounts = _unit_hierarchies()
+    moved = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            num, ctrls, path = ([*line.split(":", 2), "", ""])[:3]
+            key = "0" if num == "0" and not ctrls else ctrls
+            if key not in mounts or not path.rstrip("/").endswith(".service"):
+                continue
+            target = mounts[key] / GATEWAY_CGROUP
+            try:
+                target.mkdir(exist_ok=True)
+                (target / "cgroup.procs").write_text(str(pid))
+            except OSError as exc:
+                log.warning("gateway left in the launcher's unit cgroup", pid=pid,
+                            hierarchy=key, error=str(exc))  # fmt: skip
+                continue
+            moved.append(key)
+    return moved
 
 
 def gateway_identity(settings: Settings) -> tuple[int, int] | None:
@@ -240,6 +297,8 @@ def spawn_gateway(
         if not isinstance(out, int):
             out.close()
     handle = GatewayHandle(proc, socket_path=socket_path, usage_file=usage_file, log_file=log_file)
+    if exit_at is not None:
+        leave_unit_cgroup(proc.pid)  # it outlives the launcher: a unit restart too
     try:
         _wait_ready(ready_r, timeout)
         wait_for_socket(socket_path, timeout=timeout, proc=proc)

@@ -35,6 +35,7 @@ from agentbox.backends import get_backend, owned_sandboxes, sweep_stale_files
 from agentbox.config import Settings
 from agentbox.env import release_task_env
 from agentbox.errors import AgentboxError, PathRefused, SandboxGone
+from agentbox.gateway import read_usage
 from agentbox.launcher._finish import (
     TaskLog,
     collect_and_finish,
@@ -60,6 +61,7 @@ __all__ = [
     "adopt",
     "adopt_refusal",
     "gateway_refusal",
+    "never_started",
     "remove_orphans",
     "requeue",
     "settle_orphan",
@@ -110,7 +112,8 @@ def adopt_refusal(settings: Settings, row: TaskRow) -> str | None:
         backend = get_backend(row.backend, settings)
         if not backend.detaches(row.runtime or "runc"):
             return f"the {row.backend} backend cannot re-attach to a sandbox"
-        if not backend.adoptable(row.sandbox, labels=labels):
+        ended = _exit_record(paths)  # a follower that died after the end recorded it
+        if not ended and not backend.adoptable(row.sandbox, labels=labels):
             return f"no sandbox {row.sandbox} with the recorded labels under this data dir"
     except AgentboxError as exc:
         return f"its sandbox cannot be checked: {exc}"
@@ -118,6 +121,38 @@ def adopt_refusal(settings: Settings, row: TaskRow) -> str | None:
     if why is not None and not _gateway_gone(why):
         return why  # a forged or reused pid: nothing of this task is trusted
     return None
+
+
+def _exit_record(paths: TaskPaths) -> bool:
+    """Whether a follower recorded the sandbox's end beside its log (it may be removed)."""
+    log_path = paths.log_dir / "sandbox.log"
+    return log_path.with_name(log_path.name + ".exit").is_file()
+
+
+def never_started(settings: Settings, row: TaskRow) -> bool:
+    """A task recorded ``launched`` whose agent never ran: its launcher died during the
+    launch, before the sandbox started. No sandbox of ours by its name, no output, no
+    end recorded, and its gateway served no request: it may run again from scratch
+    (:func:`requeue`)."""
+    paths = TaskPaths(settings.data_dir, row.id)
+    if row.stage != "launched" or not row.backend or not row.sandbox or _exit_record(paths):
+        return False
+    try:
+        if get_backend(row.backend, settings).adoptable(row.sandbox, labels={}):
+            return False  # it exists: whatever it did, it is not run again
+    except AgentboxError:
+        return False
+    try:
+        if (paths.log_dir / "sandbox.log").stat().st_size > 0:
+            return False
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    try:
+        return read_usage(paths.usage_file).requests == 0
+    except AgentboxError:
+        return True  # no usage file: the gateway never even wrote its zeros
 
 
 def stop_gateway(gw: Owner | None, paths: TaskPaths, *, grace: float = 3.0) -> None:
@@ -168,8 +203,9 @@ def adopt(settings: Settings, store: Store, row: TaskRow, cancel: threading.Even
 
 
 def requeue(settings: Settings, store: Store, row: TaskRow) -> bool:
-    """Undo what a dead launcher began for a task that never reached its agent, and mark
-    it queued again (True); False when its partial dir cannot be removed (settle it)."""
+    """Undo what a dead launcher began for a task that never reached its agent (queued,
+    preparing, or :func:`never_started`), and mark it queued again (True); False when
+    its partial dir cannot be removed (settle it)."""
     paths = TaskPaths(settings.data_dir, row.id)
     for task_id, gw in list_task_gateways(settings):
         if task_id == row.id:
@@ -187,7 +223,8 @@ def requeue(settings: Settings, store: Store, row: TaskRow) -> bool:
     log.warning("task of a dead launcher queued again", task_id=row.id)
     return store.update(
         row.id,
-        expect={"queued"},
+        expect={"queued", "running"},
+        status="queued",
         started_at=None,
         phase="queued again: its launcher died before the agent started",
         stage=None,

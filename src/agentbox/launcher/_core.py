@@ -35,7 +35,14 @@ from agentbox.env import check_env_policy, committed_boxfile
 from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskError, TaskNotFound
 from agentbox.gateway import load_registry, read_usage
 from agentbox.launcher import _runner
-from agentbox.launcher._adopt import adopt, adopt_refusal, remove_orphans, requeue, settle_orphan
+from agentbox.launcher._adopt import (
+    adopt,
+    adopt_refusal,
+    never_started,
+    remove_orphans,
+    requeue,
+    settle_orphan,
+)
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._validate import git_readonly, validate
 from agentbox.launcher._watchdog import kill_sandbox
@@ -277,16 +284,11 @@ class Launcher:
         return sorted(out, key=lambda m: (not m.default, m.name))
 
     def reconcile(self) -> builtins.list[str]:
-        """Take over the tasks whose launcher died; remove orphan sandboxes. Returns their ids.
+        """Take over the tasks whose launcher died (oldest first, each claimed: one
+        reconciler wins), remove orphan sandboxes; return the ids taken over.
 
-        Oldest first, each claimed (one of several reconcilers wins): a queued task
-        (or one still preparing: nothing of the agent ran) is queued again and runs
-        here, in submission order; a running detached task whose sandbox and gateway
-        are the recorded ones is re-adopted (followed, collected, published as if
-        nothing had happened); one caught collecting is collected again. Anything
-        else has its sandbox, gateway and watchdog removed, then whatever the agent
-        wrote collected and the task marked (``failed``, or ``timed_out`` past its
-        deadline); its transcript says why it could not be re-adopted.
+        Queued again (nothing of the agent ran), re-adopted, collected again, or
+        settled: see :mod:`agentbox.launcher._adopt`.
         """
         settled, requeued, adopted = [], [], []
         for row in sorted(self.store.all(), key=lambda r: r.created_at):
@@ -302,6 +304,9 @@ class Launcher:
                 why = adopt_refusal(self.settings, row)
                 if why is None:
                     adopted.append(self.store.get(row.id))
+                    continue
+                if never_started(self.settings, row) and requeue(self.settings, self.store, row):
+                    requeued.append(row.id)  # died while launching: the agent never ran
                     continue
                 settle_orphan(self.settings, self.store, row, why)
                 continue
