@@ -27,14 +27,11 @@ needs done is one of its verbs:
 ``adoptable(name)``    whether a sandbox is ours to follow (labels, data dir)
 =====================  ===========================================================
 
-Detached sandboxes (live restore, issue 19): :meth:`Backend.launch` starts the
-task's sandbox so that no process of ours stays attached and its deadline holds
-without us; its output goes to a log file the caller names. Any process, the
-launching one or a launcher started after it died, then calls
-:meth:`Backend.follow` to stream that output from its start and wait for the end;
-:meth:`Backend.adoptable` tells a restarted launcher whether a sandbox it finds is
-the one it recorded. Backends whose :meth:`Backend.detaches` is False raise
-:class:`~agentbox.errors.UnsupportedError` from the three; callers use ``run``.
+Detached sandboxes (live restore): ``launch`` starts one with nothing of ours
+attached, its deadline held without us, its output in a log the caller names;
+any process (a launcher started after the first died) follows it (``follow``) from the
+log's start to its end. Where ``detaches`` is False the three raise
+:class:`~agentbox.errors.UnsupportedError`; callers use ``run``.
 
 Names live in one place, the registry in :mod:`agentbox.backends`
 (:data:`~agentbox.backends.BACKENDS`). :class:`BaseSandbox` is the small concrete
