@@ -67,18 +67,21 @@ def register(app: typer.Typer) -> None:
         backend: str | None = typer.Option(
             None, "--backend", help="podman, docker, qemu, firecracker (overrides the Boxfile)."
         ),
+        runtime: str | None = typer.Option(
+            None, "--runtime", help="OCI runtime: runc, crun or runsc (overrides the Boxfile)."
+        ),
         detach: bool = typer.Option(False, "--detach", "-d", help=_DETACH_HELP),
     ) -> None:
         """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
         text = _task_text(task, task_file)
         settings = load_settings()
-        if detach and (boxfile is not None or backend is not None):
+        if detach and (boxfile is not None or backend is not None or runtime is not None):
             raise PolicyRefused(
                 "--detach submits to the launcher service, which takes the sandbox from the "
-                "repo's committed .agentbox/Boxfile.toml only; run --boxfile/--backend in the "
-                "foreground (or commit the Boxfile)"
+                "repo's committed .agentbox/Boxfile.toml only; run --boxfile/--backend/--runtime "
+                "in the foreground (or commit the Boxfile)"
             )
-        box = None if detach else _boxfile(settings, boxfile, backend)
+        box = None if detach else _boxfile(settings, boxfile, backend, runtime)
         if task_id is not None:
             validate_task_id(task_id)
         req = _request(
@@ -134,7 +137,9 @@ def register(app: typer.Typer) -> None:
         _foreground(req, None, as_json=as_json)
 
 
-def _boxfile(settings: Settings, path: Path | None, backend: str | None) -> Boxfile | None:
+def _boxfile(
+    settings: Settings, path: Path | None, backend: str | None, runtime: str | None = None
+) -> Boxfile | None:
     box = load_boxfile(path, settings) if path is not None else None
     if box is not None and box.image_build is not None:
         # [image] containerfile = …: built here (cached), never by the launcher.
@@ -145,6 +150,10 @@ def _boxfile(settings: Settings, path: Path | None, backend: str | None) -> Boxf
         base = box if box is not None else Boxfile.from_dict({}, settings=settings)
         Boxfile.from_dict({"backend": backend})  # the name checked like a Boxfile's
         box = base.model_copy(update={"backend": backend})
+    if runtime is not None:
+        base = box if box is not None else Boxfile.from_dict({}, settings=settings)
+        Boxfile.from_dict({"runtime": runtime})  # checked like a Boxfile's
+        box = base.model_copy(update={"runtime": runtime})
     return box
 
 

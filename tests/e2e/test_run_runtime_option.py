@@ -1,0 +1,81 @@
+"""``agentbox run --runtime`` (issue 13 section 5): the OCI runtime chosen on the command
+line, as ``exec`` and ``shell`` take it, without writing a Boxfile.
+
+The real CLI in its own process, the real Claude Code with the replay model, podman
+with gVisor. What shows the runtime reached the sandbox: the launcher lets gVisor's
+gofer uid (and only for runsc) through to the task's workspace, and the task is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from agentbox import _host
+from agentbox.config import Settings
+from git_helpers import git
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.claude,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _can_stat(uid: int, path: Path) -> bool:
+    argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "stat", str(path)]
+    return subprocess.run(argv, capture_output=True, check=False).returncode == 0
+
+
+def test_run_takes_the_runtime_from_the_command_line() -> None:
+    fac = _host.podman_runtime("runsc")
+    if not fac.ok:
+        pytest.skip(f"runsc: {fac.detail}")
+    base = Path(tempfile.mkdtemp(prefix="agentbox-e2e-runtime-", dir="/var/tmp"))
+    base.chmod(0o711)
+    try:
+        repo = base / "repos" / "proj"
+        shutil.copytree(ROOT / "demo" / "sample-repo", repo)
+        git(repo, "init", "-q", "-b", "main")
+        git(repo, "add", "-A")
+        git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": os.environ.get("HOME", "/root"),
+            "AGENTBOX_DATA_DIR": str(base / "data"),
+            "AGENTBOX_REPOS_ROOT": str(base / "repos"),
+        }
+        if "PYTHONPATH" in os.environ:
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        argv = [sys.executable, "-m", "agentbox", "run", "--repo", str(repo), "--json"]
+        argv += ["--runtime", "runsc", "Add a slugify helper with a test, and run the tests."]
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+        try:
+            doc = json.loads(r.stdout)
+        except ValueError:
+            raise AssertionError(f"rc {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}") from None
+        task = doc["task"]
+        assert task["status"] == "done", (task["error"], r.stderr[-2000:])
+        assert "def slugify" in git(repo, "show", f"{task['branch']}:textutil.py")
+        # Only a runsc task lets gVisor's gofer (the mapped root uid) reach the workspace.
+        workspace = base / "data" / "tasks" / task["id"] / "workspace"
+        assert _can_stat(Settings().subid_base, workspace)
+
+        # Refused up front, in the Boxfile's words, before anything starts.
+        bad = subprocess.run(
+            [*argv[:-3], "--runtime", "kata", "x"], env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert bad.returncode != 0 and "runsc" in bad.stderr + bad.stdout, bad
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
