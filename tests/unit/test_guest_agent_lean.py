@@ -176,7 +176,7 @@ def test_spawn_failure_is_an_oserror_with_the_errno(tmp_path: Path) -> None:
 
 
 def test_precompiled_agent_is_what_the_guest_imports(tmp_path: Path) -> None:
-    from agentbox.microvm._initramfs import _agent_bytecode
+    from agentbox.microvm._initramfs import AGENT_PARTS, _agent_bytecode
 
     name, pyc = _agent_bytecode(AGENT.read_bytes())
     assert name == f"agent.{sys.implementation.cache_tag}.pyc"
@@ -190,6 +190,11 @@ def test_precompiled_agent_is_what_the_guest_imports(tmp_path: Path) -> None:
     assert wire_name == f"wire.{sys.implementation.cache_tag}.pyc"
     (tmp_path / "__pycache__" / wire_name).write_bytes(wire_pyc)
     (tmp_path / "wire.py").write_text("this is not python either\n")
+    # And so do the agent's other parts.
+    for part in AGENT_PARTS:
+        part_name, part_pyc = _agent_bytecode(part.read_bytes(), part.stem)
+        (tmp_path / "__pycache__" / part_name).write_bytes(part_pyc)
+        (tmp_path / part.name).write_text("not python\n")
     code = "import sys; sys.path.insert(0, sys.argv[1]); import agent; print(agent.VSOCK_PORT)"
     out = subprocess.run(
         [sys.executable, "-I", "-S", "-c", code, str(tmp_path)],

@@ -43,6 +43,9 @@ _APPLETS = (
 DATA_LABEL = wire_module.DATA_LABEL
 #: The guest agent's source, shipped next to its wire.py (the host never imports it).
 AGENT_SOURCE = Path(wire_module.__file__).with_name("agent.py")
+#: The agent's sibling modules, shipped (and compiled) next to it.
+AGENT_PARTS = tuple(AGENT_SOURCE.with_name(f"{n}.py") for n in
+                    ("_agent_sys", "_agent_mounts", "_agent_streams"))  # fmt: skip
 #: How /init starts the agent: the precompiled module from the read-only bind.
 _AGENT_CMD = (
     "/usr/bin/python3 -I -S -c "
@@ -170,7 +173,7 @@ def ensure_initramfs(
         raise ImageError("busybox not found (fix: apt-get install busybox-static)")
     # Every VM start asks; re-reading and hashing ~3 MB each time costs a cold boot
     # ~10 ms. Remembered per process while no input file changes (size, mtime).
-    inputs = [Path(busybox), AGENT_SOURCE, Path(wire_module.__file__)]
+    inputs = [Path(busybox), AGENT_SOURCE, Path(wire_module.__file__), *AGENT_PARTS]
     inputs += extra_modules
     inputs += [kernel.modules / f"{m}.ko" for m in MODULES]
     memo_key = (kernel.release, str(settings.cache_dir), *(_stamp(p) for p in inputs))
@@ -203,6 +206,7 @@ def _build_initramfs(
         "bin/busybox": (0o100755, bb),
         "agentbox/agent.py": (0o100644, agent),
         "agentbox/wire.py": (0o100644, wire),
+        **{f"agentbox/{p.name}": (0o100644, p.read_bytes()) for p in AGENT_PARTS},
     }
     for applet in _APPLETS:
         files[f"bin/{applet}"] = (0o120777, b"busybox")
@@ -229,6 +233,9 @@ def _build_initramfs(
             files[f"agentbox/__pycache__/{pyc_name}"] = (0o100644, pyc)
             pyc_name, pyc = _agent_bytecode(wire, "wire")
             files[f"agentbox/__pycache__/{pyc_name}"] = (0o100644, pyc)
+            for part in AGENT_PARTS:
+                pyc_name, pyc = _agent_bytecode(part.read_bytes(), part.stem)
+                files[f"agentbox/__pycache__/{pyc_name}"] = (0o100644, pyc)
             tmp = out.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(build_cpio(files, dirs))
             tmp.chmod(0o644)
