@@ -42,7 +42,12 @@ stamp=.venv/.agentbox-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "creating .venv and installing agentbox[dev,ray]"
-  python3 -m venv .venv
+  # A venv made by another interpreter (a pyenv python, then Debian's) is rebuilt from
+  # scratch: upgrading it in place leaves a pyvenv.cfg that no longer matches its stdlib.
+  clear=
+  home=$(python3 -c 'import sys; print(sys.base_prefix)')/bin
+  if [ -f .venv/pyvenv.cfg ] && ! grep -qxF "home = $home" .venv/pyvenv.cfg; then clear=--clear; fi
+  python3 -m venv $clear .venv
   .venv/bin/pip install -q -U pip >/dev/null
   .venv/bin/pip install -q -e '.[dev,ray]'  # ray: the cluster tests (agentbox[ray])
   echo "$want" > "$stamp"
