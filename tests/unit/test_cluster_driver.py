@@ -154,6 +154,8 @@ def test_every_task_lands_once_and_a_rerun_resumes_without_work(
         == git(repos[0], "rev-parse", "main").strip()
     )
     assert {e.event for e in events} >= {"batch", "placed", "finished", "published", "end"}
+    phases = {"placement", "unbundle", "queued", "task", "bundle", "return", "publish", "total"}
+    assert all(phases <= set(r.timings) for r in got), got[0].timings
     created = [n for v, n in FakeBackend.events if v == "create"]
     tips = {b: git(repos[0], "rev-parse", b) for b in _branches(repos[0])}
 

@@ -99,7 +99,7 @@ class _Run:
         self.batch_id: str = opts["batch_id"]
         self.budget: int | None = opts["budget"]
         self.bundles: dict[str, object] = {}
-        self.placed_at: dict[str, float] = {}
+        self.placed_at: dict[str, tuple[float, float]] = {}
 
     def event(self, kind: str, row: TaskRow | None = None, **kw: Any) -> None:
         fields: dict[str, Any] = {"event": kind, "batch": self.batch_id}
@@ -173,7 +173,11 @@ class _Run:
         t = self.opts["timings"].setdefault(row.attempt_id, {})
         t.update(out.timings)
         if row.attempt_id in self.placed_at:
-            t["total"] = time.monotonic() - self.placed_at[row.attempt_id]
+            placed_mono, placed_wall = self.placed_at[row.attempt_id]
+            t["total"] = time.monotonic() - placed_mono
+            if "received_at" in t and "done_at" in t:
+                t["placement"] = t["received_at"] - placed_wall
+                t["return"] = time.time() - t["done_at"]
         self.state.update(
             row.key,
             state="collected",
@@ -287,7 +291,7 @@ def _drive(run: _Run, max_in_flight: int | None) -> Iterator[BatchResult]:
 
     def launch(row: TaskRow, attempt_id: str, node: str | None) -> None:
         _, handle = run.base_bundle(row)
-        run.placed_at[attempt_id] = time.monotonic()
+        run.placed_at[attempt_id] = (time.monotonic(), time.time())
         flying[ex.place(run.attempt(row, attempt_id), handle, node=node)] = row.key
         run.event("placed", state.task(row.key))
 

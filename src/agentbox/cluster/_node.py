@@ -101,7 +101,7 @@ class NodeService:
         aid = attempt.attempt_id
         with self._lock:
             gate = self._starting.setdefault(aid, threading.Lock())
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = {"received_at": time.time()}
         with gate:  # two calls with one id: the second waits for the first to submit
             try:
                 self.launcher.get(aid)
@@ -148,6 +148,10 @@ class NodeService:
         elif res.commit:
             error = error or "the result was collected but not published on the node"
         timings["bundle"] = time.monotonic() - t0
+        if info.started_at is not None:  # the launcher's own queue, then the task itself
+            timings["queued"] = max(0.0, info.started_at - info.created_at)
+            timings["task"] = max(0.0, (info.finished_at or time.time()) - info.started_at)
+        timings["done_at"] = time.time()
         transcript = ""
         with contextlib.suppress(AgentboxError, OSError, ValueError):
             transcript = self.launcher.transcript(aid, since=-200, limit=200).model_dump_json()

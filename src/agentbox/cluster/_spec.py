@@ -81,7 +81,9 @@ class NodeOutcome(_Strict):
     """The tail of the transcript (JSON of a TranscriptPage)."""
     error: str = Field(default="", max_length=4000)
     timings: dict[str, float] = Field(default_factory=dict)
-    """Seconds per phase on the node: ``unbundle``, ``run``, ``bundle``."""
+    """Seconds per phase on the node: ``unbundle``, ``queued`` (in the launcher's queue),
+    ``task`` (started to finished), ``run`` (submitted to finished), ``bundle``; and the
+    unix times the node got the attempt (``received_at``) and sent its outcome (``done_at``)."""
 
 
 class BatchResult(_Strict):
@@ -101,8 +103,11 @@ class BatchResult(_Strict):
     resumed: bool = False
     """Finished in an earlier run of the same batch (not re-run, not re-fetched)."""
     timings: dict[str, float] = Field(default_factory=dict)
-    """Seconds per phase of the attempt: on the node (``unbundle``, ``run``, ``bundle``),
-    placement to outcome (``total``), fetching and publishing on the driver (``publish``)."""
+    """Seconds per phase of the attempt: on the node (see :attr:`NodeOutcome.timings`);
+    placed to the node's receipt (``placement``: Ray's scheduling, the wait for a free
+    slot, the bundle's transfer), the outcome's way back (``return``), placed to outcome
+    (``total``), fetching and publishing on the driver (``publish``). ``placement`` and
+    ``return`` compare two hosts' clocks: exact on one host, skewed across hosts."""
 
 
 class BatchEvent(_Strict):
