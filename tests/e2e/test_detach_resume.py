@@ -4,15 +4,18 @@ Claude Code on podman (issue 13 §2), each command its own process as a user run
 * ``run --detach`` starts the launcher service on demand, prints ``{"id": …}`` and exits;
   ``wait`` exits 0 once the task is done; ``diff`` (piped: git's text) and ``--stat``;
   ``apply`` refuses a dirty tree (keeping the user's edit), then fast-forwards ``main``.
-* ``resume`` continues that task: the replay model's answers branch on what it
-  received (the task text names the previous-task file; the file, read with Bash,
-  holds the first task's last message), so the final message proves the agent saw the
-  previous task; the new branch stacks on the first one.
+* ``resume`` continues that task: the replay model's answers depend on what it
+  received. Claude Code resumed the first task's session (``--resume``), so the first
+  request already carries its two assistant messages and is answered by turn 2; the
+  task text names the previous-task file; the file, read with Bash, holds the first
+  task's last message. Only then is the final message ``SAW-PREVIOUS``. The new branch
+  stacks on the first one.
 * ``wait`` rides through a launcher killed and restarted under it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -46,6 +49,10 @@ name: second
 main: tools
 side_reply: "Follow up"
 turns:
+  # Turns 0 and 1 answer only a fresh session: a resumed one carries the first task's two
+  # assistant messages, so its first request is answered by turn 2.
+  - text: "NOT-RESUMED"
+  - text: "NOT-RESUMED"
   - branches:
       - match: "previous-task\\\\.md"
         text: "Reading what the previous task did."
@@ -62,7 +69,7 @@ turns:
               file_path: "{{cwd}}/farewell.py"
               content: "def farewell(name):\\n    return 'bye ' + name\\n"
       - text: "NO-PREVIOUS-TRANSCRIPT"
-  - text: "SAW-PREVIOUS: farewell() added next to greet()."
+  - text: "SAW-PREVIOUS: resumed the session; farewell() added next to greet()."
 """
 
 SLEEPER = """\
@@ -71,7 +78,10 @@ turns:
   - text: "Sleeping."
     tool_use:
       - name: Bash
-        input: {command: "sleep 20; echo woke", description: "sleep", timeout: 60000}
+        input:
+          command: "python3 -c 'import time; time.sleep(20)'; echo woke"
+          description: nap
+          timeout: 60000
   - text: "Woke up."
 """
 
@@ -199,6 +209,8 @@ def test_detach_wait_diff_apply_then_resume(world: World) -> None:
     assert "Bash" in watched.stderr  # the events, one line each, while it ran
     show = _json(world.cli("show", second, "--json"))
     assert show["result"]["report"]["final_message"].startswith("SAW-PREVIOUS")
+    # Claude Code resumed the first task's own session (its --resume, offline).
+    assert _session_of(world, second) == _session_of(world, first) != ""
     # The new branch stacks on the first: its parent is the first task's commit, and
     # the previous-task file (in the agent's own .git) is not part of the result.
     assert git(repo, "rev-parse", f"agentbox/{second}~1") == git(
@@ -206,6 +218,16 @@ def test_detach_wait_diff_apply_then_resume(world: World) -> None:
     )
     names = git(repo, "diff", "--name-only", f"agentbox/{first}", f"agentbox/{second}")
     assert names.split() == ["farewell.py"], names
+
+
+def _session_of(world: World, task_id: str) -> str:
+    log = world.base / "data" / "tasks" / task_id / "logs" / "agent.jsonl"
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            ev = json.loads(line)
+            if isinstance(ev, dict) and ev.get("type") == "system":
+                return str(ev.get("session_id", ""))
+    return ""
 
 
 def test_resume_refuses_a_task_of_another_repo_or_unfinished(world: World) -> None:
@@ -223,7 +245,9 @@ def test_wait_rides_through_a_launcher_restart(world: World) -> None:
         env=world.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        time.sleep(3)
+        assert waiter.stderr is not None
+        said = waiter.stderr.readline()  # it has read the task from the launcher once
+        assert f"waiting for {tid}" in said, said
         _stop(world.service(), signal.SIGKILL)  # the launcher dies under the waiter …
         time.sleep(3)
         assert waiter.poll() is None, waiter.communicate()
@@ -238,6 +262,7 @@ def test_wait_rides_through_a_launcher_restart(world: World) -> None:
             waiter.kill()
             waiter.wait()
     assert "launcher restarting" in err, err
+    assert "started the launcher service" not in err, err  # the restart was ours, not its
     assert waiter.returncode in (0, 1, 5, 6), (waiter.returncode, out, err)
     assert tid in out
     _stop(Owner.of(serve.pid))

@@ -4,8 +4,10 @@ Claude Code, with the official ``mcp`` SDK as the client (issue 13 §2).
 The first task runs without waiting and its result is never asked for, so its branch
 is not in the repo yet: ``continue_from`` must fetch it first (the launcher refuses a
 continuation whose commit the repo lacks). The follow-up's replay model answers on
-what it received: the task text must name the previous-task file and the file (read
-with Bash) must hold the first task's last message; its branch stacks on the first.
+what it received: Claude Code must have resumed the first session (its first request
+carries two assistant messages), the task text must name the previous-task file and
+the file (read with Bash) must hold the first task's last message; its branch stacks
+on the first.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ name: second
 main: tools
 side_reply: "Follow up"
 turns:
+  # Turns 0 and 1 answer only a fresh session: a resumed one carries the first task's two
+  # assistant messages, so its first request is answered by turn 2.
+  - text: "NOT-RESUMED"
+  - text: "NOT-RESUMED"
   - branches:
       - match: "previous-task\\\\.md"
         text: "Reading what the previous task did."
@@ -56,7 +62,7 @@ turns:
               file_path: "{{cwd}}/farewell.py"
               content: "def farewell(name):\\n    return 'bye ' + name\\n"
       - text: "NO-PREVIOUS-TRANSCRIPT"
-  - text: "SAW-PREVIOUS: farewell() added next to greet()."
+  - text: "SAW-PREVIOUS: resumed the session; farewell() added next to greet()."
 """
 
 

@@ -10,11 +10,13 @@
   submitted there outlive this process (``run --detach``, ``resume --detach``).
 * :class:`Riding`: a client that rides through a launcher restart: while the
   socket is gone or refuses, it says so once ("launcher restarting…") and retries
-  with backoff, for up to ``window`` seconds.
+  with backoff, for up to ``window`` seconds; as root, after 10 s without an answer
+  it starts the launcher service itself (nothing may be restarting it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -48,6 +50,10 @@ SERVICE_LOG = "launcher.log"
 RESTART_WINDOW = 300.0
 #: Seconds an on-demand launcher has to start answering.
 START_TIMEOUT = 60.0
+#: Seconds without an answer after which root starts the launcher service itself.
+START_AFTER = 10.0
+#: The client's own silent reconnect, kept short: :class:`Riding` retries on and says so.
+RECONNECT = 1.0
 
 _T = TypeVar("_T")
 #: Told what a command does on its own (a launcher started, a restart waited out).
@@ -77,7 +83,7 @@ def ensure_service(settings: Settings, *, say: Say) -> LauncherClient:
     """
     path = service_socket(settings)
     if socket_accepts(path):
-        return LauncherClient(path, timeout=60.0)
+        return LauncherClient(path, timeout=60.0, reconnect=RECONNECT)
     logfile = settings.data_dir / SERVICE_LOG
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -120,7 +126,7 @@ def ensure_service(settings: Settings, *, say: Say) -> LauncherClient:
     )
     if proc.poll() is None:
         say(f"started the launcher service (pid {proc.pid}; log {logfile})")
-    return LauncherClient(path, timeout=60.0)
+    return LauncherClient(path, timeout=60.0, reconnect=RECONNECT)
 
 
 def _tail(path: Path, limit: int = 600) -> str:
@@ -145,11 +151,22 @@ class Riding:
     ``window`` seconds without an answer; then the last error is raised.
     """
 
-    def __init__(self, client: LauncherClient, *, say: Say, window: float = RESTART_WINDOW) -> None:
+    def __init__(
+        self,
+        client: LauncherClient,
+        *,
+        say: Say,
+        window: float = RESTART_WINDOW,
+        restart: Callable[[], object] | None = None,
+    ) -> None:
         self.client = client
         self.say = say
         self.window = window
+        self.restart = restart
+        """Called once after :data:`START_AFTER` seconds without an answer (root: start the
+        launcher service on demand, should nothing restart it)."""
         self._away_since: float | None = None
+        self._restarted = False
 
     def call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         delay = 0.2
@@ -165,11 +182,17 @@ class Riding:
                     self.say("launcher restarting… (waiting for it to answer again)")
                 if now - self._away_since > self.window:
                     raise
+                late = now - self._away_since > START_AFTER
+                if self.restart is not None and not self._restarted and late:
+                    self._restarted = True
+                    with contextlib.suppress(AgentboxError):
+                        self.restart()  # a launcher that wins the race is as good
                 time.sleep(delay)
                 delay = min(delay * 2, 3.0)
                 continue
             if self._away_since is not None:
                 self._away_since = None
+                self._restarted = False
                 self.say("launcher back")
             return result
 
@@ -180,9 +203,9 @@ class Tasks:
     The launcher service when one answers (riding through its restarts); else, as
     root, the state database in this process. A task read there that is not finished
     but whose launcher is gone (a ``run`` killed with SIGKILL, say) would never move
-    again: the launcher service is started then, on demand, and settles it (a
-    restarted launcher reconciles every task whose owner died), and the reads go
-    there from then on.
+    again: the launcher service is started then, on demand, and takes it over (a
+    starting launcher re-adopts every task whose owner died, or settles it), and the
+    reads go there from then on.
     """
 
     def __init__(self, settings: Settings, *, say: Say) -> None:
@@ -192,15 +215,25 @@ class Tasks:
         self.local: Any = None
         path = service_socket(settings)
         if socket_accepts(path):
-            self.riding = Riding(LauncherClient(path, timeout=60.0), say=say)
+            self.riding = self._riding(LauncherClient(path, timeout=60.0, reconnect=RECONNECT))
         elif os.geteuid() == 0:
             self.local = in_process(1, settings)
         else:
-            self.riding = Riding(ensure_service(settings, say=say), say=say)
+            self.riding = self._riding(ensure_service(settings, say=say))
+
+    def _riding(self, client: LauncherClient) -> Riding:
+        if os.geteuid() != 0:
+            return Riding(client, say=self.say)
+        # Root may start the launcher service itself when nothing restarts it.
+        return Riding(
+            client,
+            say=self.say,
+            restart=lambda: ensure_service(self.settings, say=self.say).close(),
+        )
 
     def _service(self) -> Riding:
         if self.riding is None:
-            self.riding = Riding(ensure_service(self.settings, say=self.say), say=self.say)
+            self.riding = self._riding(ensure_service(self.settings, say=self.say))
             if self.local is not None:
                 self.local.close(wait=False)
                 self.local = None
@@ -219,7 +252,7 @@ class Tasks:
         if self.local is not None:
             if not self.orphaned(task_id):
                 return self.local.get(task_id)
-            self.say(f"task {task_id}'s launcher is gone; the launcher service settles it")
+            self.say(f"task {task_id}'s launcher is gone; the launcher service takes it over")
         return self._service().call(self._service().client.get, task_id)
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:

@@ -37,13 +37,17 @@ _FILE = re.compile(r"^diff --git a/(.*) b/(.*)$")
 def diffstat(diff: str) -> list[tuple[str, int, int]]:
     """(path, lines added, lines removed) per file of a unified git diff."""
     out: list[tuple[str, int, int]] = []
+    header = False  # between "diff --git" and the first hunk: ---/+++ are names, not lines
     for line in diff.splitlines():
         m = _FILE.match(line)
         if m:
             out.append((m.group(2), 0, 0))
-        elif out and line.startswith("+") and not line.startswith("+++ "):
+            header = True
+        elif line.startswith("@@"):
+            header = False
+        elif out and not header and line.startswith("+"):
             out[-1] = (out[-1][0], out[-1][1] + 1, out[-1][2])
-        elif out and line.startswith("-") and not line.startswith("--- "):
+        elif out and not header and line.startswith("-"):
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
     return out
 

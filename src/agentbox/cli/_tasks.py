@@ -183,9 +183,9 @@ def _filter_tasks(
 
 
 def _settle_if_orphaned(launcher: Any, info: TaskInfo, *, quiet: bool) -> TaskInfo:
-    """A task whose launcher is gone is settled by the launcher service (started on
-    demand: a starting launcher reconciles every task whose owner died); the settled
-    state is returned. One whose launcher lives is returned as it is."""
+    """A task whose launcher is gone is handed to the launcher service (started on
+    demand: a starting launcher re-adopts every task whose owner died, or settles it);
+    the task as it is then is returned. One whose launcher lives is returned as it is."""
     row = launcher.store.get(info.id)
     if row.owner is not None and row.owner.alive():
         return info
@@ -195,13 +195,14 @@ def _settle_if_orphaned(launcher: Any, info: TaskInfo, *, quiet: bool) -> TaskIn
         if not quiet:
             err.print(safe(m))
 
-    say(f"task {info.id} is {info.status} but its launcher ({who}) is gone; settling it")
-    client = ensure_service(launcher.settings, say=say)
-    client.close()
-    settled: TaskInfo = launcher.get(info.id)
-    if not settled.terminal:
+    say(f"task {info.id} is {info.status} but its launcher ({who}) is gone; "
+        "the launcher service takes it over")  # fmt: skip
+    ensure_service(launcher.settings, say=say).close()
+    row = launcher.store.get(info.id)
+    if not row.info().terminal and (row.owner is None or not row.owner.alive()):
         say(
             f"task {info.id}: a launcher service was already running and did not take it "
             "over; restart it (agentbox launcher serve) to settle it"
         )
-    return settled
+    now: TaskInfo = launcher.get(info.id)
+    return now

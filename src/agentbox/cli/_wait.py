@@ -67,6 +67,9 @@ def register(app: typer.Typer) -> None:
         end = None if timeout is None else time.monotonic() + timeout
         try:
             infos = {i: tasks.get(i) for i in ids}
+            for v in infos.values():
+                if not v.terminal:
+                    say(f"waiting for {v.id} ({v.status})")
             while not all(info.terminal for info in infos.values()):
                 if end is not None and time.monotonic() >= end:
                     break

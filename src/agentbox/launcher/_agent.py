@@ -13,17 +13,35 @@ final argv, whoever built it):
   nothing on the host, and only the workspace writable. Nothing the agent does
   with Bash or Edit there can reach the host; what it wrote comes back only
   through result collection, as data.
+* ``--resume <session-id>`` (a continued task only, :mod:`agentbox.launcher._session`):
+  Claude Code's own resume of the previous task's session, whose state the launcher
+  copied into the workspace's ``.git`` (``CLAUDE_CONFIG_DIR`` points there in every
+  task, so the session outlives the sandbox's tmpfs ``$HOME``); a UUID, nothing else.
 * ``--`` then the task text, so a task beginning with ``-`` is never a flag.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
-from agentbox.backends.base import GATEWAY_PORT, HOME_IN_SANDBOX
+from agentbox.backends.base import GATEWAY_PORT, HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
 from agentbox.errors import PolicyRefused
 
-__all__ = ["AGENT_FLAGS", "agent_argv", "agent_env", "check_agent_argv", "check_env"]
+__all__ = [
+    "AGENT_FLAGS",
+    "CLAUDE_CONFIG_IN_WORKSPACE",
+    "agent_argv",
+    "agent_env",
+    "check_agent_argv",
+    "check_env",
+]
+
+#: Claude Code's config and session dir, relative to the workspace: in the agent's own
+#: ``.git``, never collected, and kept with the task (for ``agentbox resume``).
+CLAUDE_CONFIG_IN_WORKSPACE = ".git/agentbox/claude"
+#: A Claude Code session id (what ``--resume`` takes).
+SESSION_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 #: The flags the launcher passes; nothing else is accepted on the agent's argv.
 AGENT_FLAGS: tuple[str, ...] = (
@@ -40,6 +58,7 @@ LAUNCHER_ENV_NAMES = frozenset(
         "ANTHROPIC_BASE_URL",
         "ANTHROPIC_API_KEY",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
+        "CLAUDE_CONFIG_DIR",
         "DISABLE_AUTOUPDATER",
         "DISABLE_TELEMETRY",
         "DISABLE_ERROR_REPORTING",
@@ -49,15 +68,25 @@ LAUNCHER_ENV_NAMES = frozenset(
 )
 
 
-def agent_argv(task: str) -> list[str]:
-    """``claude -p <our flags> -- <task>``."""
+def agent_argv(task: str, *, resume: str | None = None) -> list[str]:
+    """``claude -p <our flags> [--resume <session-id>] -- <task>``."""
     if "\0" in task:
         raise PolicyRefused("the task text contains a NUL byte")
-    return ["claude", *AGENT_FLAGS, "--", task]
+    if resume is not None and not SESSION_ID.fullmatch(resume):
+        raise PolicyRefused(f"not a Claude Code session id: {resume!r:.60}")
+    extra = ["--resume", resume] if resume is not None else []
+    return ["claude", *AGENT_FLAGS, *extra, "--", task]
 
 
 def check_agent_argv(argv: Sequence[str]) -> None:
-    """Refuse any argv that is not exactly ``claude`` + our flags + ``--`` + one task text."""
+    """Refuse any argv that is not exactly ``claude`` + our flags (+ ``--resume <uuid>``)
+    + ``--`` + one task text."""
+    if (
+        len(argv) == len(AGENT_FLAGS) + 5
+        and argv[len(AGENT_FLAGS) + 1] == "--resume"
+        and SESSION_ID.fullmatch(argv[len(AGENT_FLAGS) + 2])
+    ):
+        argv = [*argv[: len(AGENT_FLAGS) + 1], *argv[len(AGENT_FLAGS) + 3 :]]
     expected = len(AGENT_FLAGS) + 3
     if (
         len(argv) != expected
@@ -77,6 +106,7 @@ def agent_env(token: str) -> dict[str, str]:
         "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{GATEWAY_PORT}",
         "ANTHROPIC_API_KEY": token,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CONFIG_DIR": f"{WORKSPACE_IN_SANDBOX}/{CLAUDE_CONFIG_IN_WORKSPACE}",
         "DISABLE_AUTOUPDATER": "1",
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",

@@ -34,7 +34,7 @@ from agentbox.config import Settings
 from agentbox.env import check_env_policy, committed_boxfile
 from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskError, TaskNotFound
 from agentbox.gateway import load_registry, read_usage
-from agentbox.launcher import _runner
+from agentbox.launcher import _runner, _session
 from agentbox.launcher._adopt import (
     adopt,
     adopt_refusal,
@@ -147,6 +147,12 @@ class Launcher:
         if box.mounts:
             box.check_mounts(self.settings)
         check_env_policy(box, self.settings)
+        cont = None
+        if request.continue_from is not None:  # resume: refused here, before anything is made
+            prev = self._row(request.continue_from, caller)
+            cont = _session.plan(
+                self.settings, prev, v.repo, include_uncommitted=v.include_uncommitted
+            )
         now = time.time()
         self.store.insert(
             id=v.task_id,
@@ -165,6 +171,8 @@ class Launcher:
             owner_start=self._owner.start,
             caller_uid=os.geteuid() if caller is None else caller,
         )
+        if cont is not None:
+            _session.record(self.settings, v.task_id, cont)
         log.info("task queued", task_id=v.task_id, repo=str(v.repo), model=v.model, caller=caller)
         self._enqueue(v.task_id)
         return self.get(v.task_id)

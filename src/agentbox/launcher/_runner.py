@@ -44,6 +44,7 @@ from agentbox.egress import EgressPolicy
 from agentbox.env import Egress, EnvPlan, egress_argv, start_egress
 from agentbox.errors import AgentboxError, PathRefused, PolicyRefused
 from agentbox.gateway import GatewayHandle, gateway_identity, spawn_gateway
+from agentbox.launcher import _session
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
 from agentbox.launcher._finish import (
     TaskLog,
@@ -218,11 +219,13 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
             paths.workspace,
             paths.shadow_git,
             paths.base_index,
+            commit=_session.base_commit(settings, task_id),  # HEAD, or a resumed task's result
             include_uncommitted=row.include_uncommitted,
             owner=(uid, uid),
             root=settings.repos_root,
         )
         save_base(paths, base)
+        _session.seed(settings, paths)  # a resumed task: the previous one, for the agent
         give_to_sandbox(paths.workspace, settings.sandbox_host_uid)
         check_owner(paths.workspace, settings.sandbox_host_uid)
     except BaseException as exc:
@@ -300,7 +303,9 @@ def _run_sandbox(
         spec = spec.replace(mounts=(*spec.mounts, *ours))
         our_env = frozenset(egress.env) if egress is not None else frozenset()
         _check_spec(spec, box, paths, settings, ours=ours, our_env=our_env)
-        argv = agent_argv(row.task)
+        argv = agent_argv(
+            _session.agent_task(paths, row.task), resume=_session.resume_session(paths)
+        )
         check_agent_argv(argv)
         check_owner(paths.workspace, settings.sandbox_host_uid)
         started = time.time()

@@ -1,6 +1,6 @@
 """Continuing a finished task (``agentbox resume``, MCP ``delegate(continue_from=…)``).
 
-A follow-up task is an ordinary task with two differences:
+A follow-up task is an ordinary task with three differences:
 
 * its workspace starts from the previous task's **result commit** (or, when that
   task changed nothing, from its base), so its branch ``agentbox/<new>`` stacks on
@@ -13,13 +13,20 @@ A follow-up task is an ordinary task with two differences:
   collection never reads, so the file never lands in the result), and the task
   text the agent gets starts with a paragraph naming that file.
 
-Claude Code's own ``--resume`` is not used: its session state lives in the
-sandbox's ``$HOME``, which does not outlive the sandbox, and the agent's argv is
-fixed by policy (:mod:`agentbox.launcher._agent`).
+* and Claude Code resumes the previous task's **session** (``--resume <id>``, its
+  own, offline): every task's Claude Code keeps its config and sessions in the
+  workspace's ``.git/agentbox/claude`` (``CLAUDE_CONFIG_DIR``, see
+  :mod:`agentbox.launcher._agent`), which outlives the sandbox with the task dir.
+  The previous session file is read beneath the previous workspace (no link
+  followed: the agent wrote that tree) and written into the new one; its id comes
+  from the previous agent's ``system/init`` event and must be a UUID. Without a
+  session to resume (a task that failed before its agent ran, a wrecked ``.git``)
+  the follow-up still runs, with the file above.
 
 The plan is recorded at submit in ``<data>/continue/<id>.json`` (0600: the task dir
-does not exist yet, and only the runner may make it), moved into the task dir
-when the workspace is made, and read from there for the agent's task text.
+does not exist yet, and only the runner may make it) and kept there (a requeued task
+is prepared again from it); when the workspace is made, a copy saying whether the
+session was carried goes into the task dir, read for the agent's argv and task text.
 """
 
 from __future__ import annotations
@@ -27,17 +34,26 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from agentbox._log import get_logger
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, PolicyRefused
+from agentbox.launcher._agent import CLAUDE_CONFIG_IN_WORKSPACE, SESSION_ID
 from agentbox.launcher._store import TaskRow
 from agentbox.launcher._validate import git_readonly
 from agentbox.paths import TaskPaths
 
-__all__ = ["PREVIOUS_FILE", "Continuation", "agent_task", "base_commit", "plan", "seed"]
+__all__ = [
+    "PREVIOUS_FILE",
+    "Continuation",
+    "agent_task",
+    "base_commit",
+    "plan",
+    "resume_session",
+    "seed",
+]
 
 log = get_logger("launcher.session")
 
@@ -45,6 +61,10 @@ log = get_logger("launcher.session")
 PREVIOUS_FILE = ".git/agentbox/previous-task.md"
 #: The most transcript text written for the agent.
 MAX_TRANSCRIPT_CHARS = 400_000
+#: The largest Claude Code session file carried over.
+MAX_SESSION_BYTES = 64 << 20
+#: The workspace as Claude Code names it under ``projects/`` (its cwd, ``/workspace``).
+PROJECT_DIR = "-workspace"
 _RECORD = "continue.json"
 
 
@@ -55,6 +75,8 @@ class Continuation:
     previous: str
     base_commit: str
     previous_status: str
+    session: str = ""
+    """The previous Claude Code session to resume ("" when there is none to resume)."""
 
 
 def plan(
@@ -80,7 +102,30 @@ def plan(
             f"task {prev.id}'s result commit {commit[:12]} is not in {repo}: publish it first "
             f"(agentbox publish {prev.id})"
         ) from None
-    return Continuation(previous=prev.id, base_commit=commit, previous_status=prev.status)
+    return Continuation(
+        previous=prev.id,
+        base_commit=commit,
+        previous_status=prev.status,
+        session=session_id_of(TaskPaths(settings.data_dir, prev.id)),
+    )
+
+
+def session_id_of(prev: TaskPaths) -> str:
+    """The previous agent's session id, from Claude Code's ``system/init`` event ("" if none)."""
+    try:
+        with (prev.log_dir / "agent.jsonl").open("rb") as fh:
+            head = fh.read(256 * 1024)
+    except OSError:
+        return ""
+    for line in head.splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        sid = ev.get("session_id") if isinstance(ev, dict) else None
+        if isinstance(sid, str) and SESSION_ID.fullmatch(sid):
+            return sid
+    return ""
 
 
 def _prev_base(settings: Settings, prev: TaskRow) -> str:
@@ -100,6 +145,10 @@ def record(settings: Settings, task_id: str, cont: Continuation) -> None:
     """Keep the plan until the task's workspace is made (called at submit)."""
     where = _pending(settings, task_id)
     where.parent.mkdir(mode=0o700, exist_ok=True)
+    _write(where, cont)
+
+
+def _write(where: Path, cont: Continuation) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(where, flags, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -109,8 +158,9 @@ def record(settings: Settings, task_id: str, cont: Continuation) -> None:
 def _load(path: Path) -> Continuation | None:
     try:
         doc = json.loads(path.read_text())
-        return Continuation(**{k: str(doc[k]) for k in ("previous", "base_commit",
-                                                        "previous_status")})  # fmt: skip
+        fields = {k: str(doc[k]) for k in ("previous", "base_commit", "previous_status")}
+        sid = doc.get("session", "")
+        return Continuation(**fields, session=sid if SESSION_ID.fullmatch(str(sid)) else "")
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -128,7 +178,6 @@ def seed(settings: Settings, paths: TaskPaths) -> None:
     cont = _load(pending)
     if cont is None:
         return
-    pending.replace(paths.root / _RECORD)
     try:
         text = _previous_text(settings, cont)
         target = paths.workspace / PREVIOUS_FILE
@@ -137,6 +186,32 @@ def seed(settings: Settings, paths: TaskPaths) -> None:
     except (OSError, AgentboxError) as exc:  # the task still runs, on the right base
         log.warning("previous task not written for the agent", task_id=paths.task_id,
                     error=str(exc))  # fmt: skip
+    carried = _carry_session(settings, cont, paths) if cont.session else False
+    _write(paths.root / _RECORD, replace(cont, session=cont.session if carried else ""))
+    # The pending record stays: a task requeued by a later launcher (its partial task dir
+    # discarded, issue 19) is prepared again from it.
+
+
+def _carry_session(settings: Settings, cont: Continuation, paths: TaskPaths) -> bool:
+    """Copy the previous Claude Code session file into the new workspace; False if absent.
+
+    Read beneath the previous workspace with no link followed (the agent wrote that
+    tree: a link there must not make us copy a host file into the sandbox), capped.
+    """
+    from agentbox.safepath import Tree
+
+    rel = f"{CLAUDE_CONFIG_IN_WORKSPACE}/projects/{PROJECT_DIR}/{cont.session}.jsonl"
+    try:
+        with Tree(TaskPaths(settings.data_dir, cont.previous).workspace) as tree:
+            data = tree.read(rel, limit=MAX_SESSION_BYTES)
+        target = paths.workspace / rel
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        target.write_bytes(data)
+    except (OSError, AgentboxError) as exc:
+        log.warning("no session to resume", task_id=paths.task_id, previous=cont.previous,
+                    error=str(exc))  # fmt: skip
+        return False
+    return True
 
 
 def _previous_text(settings: Settings, cont: Continuation) -> str:
@@ -174,6 +249,12 @@ def _task_of(settings: Settings, task_id: str) -> str:
         return Store(settings.data_dir / "state.db").get(task_id).task
     except AgentboxError:
         return "(unknown)"
+
+
+def resume_session(paths: TaskPaths) -> str | None:
+    """The Claude Code session a continued task resumes (None: none, or not a continuation)."""
+    cont = _load(paths.root / _RECORD)
+    return cont.session if cont is not None and cont.session else None
 
 
 def agent_task(paths: TaskPaths, task: str) -> str:

@@ -77,7 +77,7 @@ can be checked by reading a diff (a fix, a test, a refactor). Use `delegate` wit
 for a short task; for a long one, delegate without waiting and poll `status`, then `result`.
 `transcript` shows what the agent ran and what came back (each command with its output).
 To follow up on a finished task (fix what it missed, go on), `delegate` with
-continue_from=<its id>: the new task starts from its branch and is told what it did.
+continue_from=<its id>: the new task starts from its branch and resumes its session.
 """
 
 _T = TypeVar("_T")
@@ -180,9 +180,9 @@ class _Tools:
             Field(
                 max_length=64,
                 description="The id of a finished task of this repo to continue: the new task "
-                "starts from that task's branch (fetched into the repo first) and its agent is "
-                "given the previous task's request, transcript and last message. The new "
-                "branch stacks on the previous one.",
+                "starts from that task's branch (fetched into the repo first), its agent resumes "
+                "the previous agent's session and is given the previous request, transcript "
+                "and last message. The new branch stacks on the previous one.",
             ),
         ] = None,
     ) -> str:
