@@ -271,8 +271,8 @@ def test_nothing_is_imported_after_the_drop() -> None:
     code = textwrap.dedent(
         """
         import asyncio, sys
-        from agentbox.gateway._upstream import HttpxPool, UpstreamError
-        pool = HttpxPool(base_url="https://localhost:9", connect_timeout=5, read_timeout=5)
+        from agentbox.gateway._upstream import UpstreamError, make_pool
+        pool = make_pool("https://localhost:9", None, connect_timeout=5, read_timeout=5)
         pool.prepare()
         before = set(sys.modules)
         async def go():

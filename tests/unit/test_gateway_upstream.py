@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ssl
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
+from agentbox.errors import ConfigError
+from agentbox.gateway._plain import tls_context
 from agentbox.gateway._upstream import (
     PlainPool,
     UpstreamConnectError,
@@ -219,35 +224,117 @@ def test_partial_body_closes_the_connection() -> None:
     assert len(conns) == 2
 
 
-def test_httpx_pool_same_interface() -> None:
-    from agentbox.gateway._upstream import HttpxPool
+def _tls_files(tmp: Path, name: str) -> tuple[Path, Path, Path]:
+    """A fresh CA, and a server certificate it signed for ``name``: (ca.pem, cert, key)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
 
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str,
+             signer: ec.EllipticCurvePrivateKey, ca: bool) -> x509.Certificate:  # fmt: skip
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if ca:
+            b = b.add_extension(
+                x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                              content_commitment=False, key_encipherment=False,
+                              data_encipherment=False, key_agreement=False,
+                              encipher_only=False, decipher_only=False),
+                critical=True,
+            )  # fmt: skip
+        else:
+            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert("test CA", ca_key, "test CA", ca_key, True)
+    leaf = cert(name, key, "test CA", ca_key, False)
+    pem = serialization.Encoding.PEM
+    (tmp / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (tmp / "cert.pem").write_bytes(leaf.public_bytes(pem))
+    (tmp / "key.pem").write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return tmp / "ca.pem", tmp / "cert.pem", tmp / "key.pem"
+
+
+def _tls_run(tmp: Path, cert_name: str, client_ctx: Callable[[Path], ssl.SSLContext]) -> list[int]:
+    """Serve two chunked answers over TLS on 127.0.0.1 as ``cert_name``; a pool for
+    ``https://localhost`` (its context from ``client_ctx(ca.pem)``) asks twice."""
+    ca, cert, key = _tls_files(tmp, cert_name)
     chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    conns: list[int] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(1)
+        await _canned(chunked, chunked)(r, w)
 
     async def main() -> None:
-        server = await asyncio.start_server(_canned(chunked, chunked), "127.0.0.1", 0)
+        sctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        sctx.load_cert_chain(cert, key)
+        server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=sctx)
         port = server.sockets[0].getsockname()[1]
-        pool = HttpxPool(base_url=f"http://127.0.0.1:{port}", connect_timeout=2, read_timeout=2)
+        pool = PlainPool(host="localhost", port=port, uds=None, host_header="localhost",
+                         prefix="", connect_timeout=2, read_timeout=2,
+                         ssl_context=client_ctx(ca))  # fmt: skip
         try:
             for _ in range(2):
-                resp = await pool.request("/v1/messages", [("x-api-key", "k")], b"{}")
-                assert resp.status == 200 and resp.header("transfer-encoding") == "chunked"
-                assert b"".join([c async for c in resp.aiter_bytes()]) == b"abc"
-                await resp.aclose()
-            assert len(pool._all) == 1  # the one transport was reused
+                assert await _get(pool) == (200, b"abc")
         finally:
             await pool.aclose()
             server.close()
             await server.wait_closed()
-        down = HttpxPool(base_url="http://127.0.0.1:1", connect_timeout=2, read_timeout=2)
-        with pytest.raises(UpstreamConnectError):
-            await down.request("/", [], b"")
 
     asyncio.run(main())
-    assert not isinstance(
-        make_pool("https://api.example.invalid", None, connect_timeout=1, read_timeout=1),
-        PlainPool,
-    )
+    return conns
+
+
+def test_https_upstream_verified_and_kept_alive(tmp_path: Path) -> None:
+    """TLS with the CA trusted: both answers, over one connection."""
+
+    def trusting(ca: Path) -> ssl.SSLContext:
+        ctx = tls_context()
+        ctx.load_verify_locations(ca)
+        return ctx
+
+    assert _tls_run(tmp_path, "localhost", trusting) == [1]
+
+
+@pytest.mark.parametrize("case", ["untrusted CA", "wrong host name"])
+def test_https_upstream_refused_unless_verified(tmp_path: Path, case: str) -> None:
+    """The default context (certifi's CA bundle) refuses a certificate of an unknown CA,
+    and a trusted certificate for another name is refused too: UpstreamConnectError."""
+
+    def client(ca: Path) -> ssl.SSLContext:
+        ctx = tls_context()
+        if case == "wrong host name":
+            ctx.load_verify_locations(ca)
+        return ctx
+
+    name = "localhost" if case == "untrusted CA" else "upstream.example"
+    with pytest.raises(UpstreamConnectError, match="certificate"):
+        _tls_run(tmp_path, name, client)
+
+
+def test_make_pool_https_is_tls_on_the_same_client() -> None:
+    pool = make_pool("https://api.example.invalid/", None, connect_timeout=1, read_timeout=1)
+    assert isinstance(pool, PlainPool) and pool.tls and pool.port == 443
+    assert pool.host_header == "api.example.invalid"
+    plain = make_pool("http://127.0.0.1:8080/x/", None, connect_timeout=1, read_timeout=1)
+    assert isinstance(plain, PlainPool) and not plain.tls and plain.prefix == "/x"
+    with pytest.raises(ConfigError):
+        make_pool("ftp://example", None, connect_timeout=1, read_timeout=1)
 
 
 def test_body_read_timeout() -> None:

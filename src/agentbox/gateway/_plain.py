@@ -1,12 +1,16 @@
-"""A lean keep-alive HTTP/1.1 client for plain-HTTP upstreams, framed by h11.
+"""The gateway's upstream client: keep-alive HTTP/1.1 on asyncio streams, framed by h11.
 
-Plain-HTTP upstreams (the replay model on a private socket, llama.cpp or vLLM on
+Local upstreams (the replay model on a private socket, llama.cpp or vLLM on
 127.0.0.1) are where the gateway's own cost shows: httpx's transport costs ~0.7 ms
 of CPU per request there (httpcore's state machine under an anyio layer), more
-than the rest of the gateway. :class:`PlainPool` is asyncio streams plus h11, the
+than the rest of the gateway, and httpx, httpcore and anyio are ~6 MiB of memory
+in every task's gateway. :class:`PlainPool` is asyncio streams plus h11, the
 strict HTTP/1.1 framing httpx itself stands on (and uvicorn, already in the
 gateway process): h11 writes the request and parses the response; this module only
-moves bytes and decides when a connection may be reused.
+moves bytes and decides when a connection may be reused. ``https://`` upstreams
+(the Anthropic API) use the same client over the standard library's TLS with the
+context httpx would build (:func:`tls_context`: certificate and host name
+verified, the same CA bundle).
 
 Framing is h11's, with three checks of ours on top, where h11 is more lenient
 than a gateway should be:
@@ -27,6 +31,8 @@ side said ``Connection: close`` (h11's states say so).
 from __future__ import annotations
 
 import asyncio
+import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -39,7 +45,7 @@ from agentbox.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 if TYPE_CHECKING:
     from agentbox.gateway._upstream import UpstreamResponse
 
-__all__ = ["PlainPool"]
+__all__ = ["PlainPool", "tls_context"]
 
 _MAX_HEAD = 64 << 10
 _READ = 1 << 16
@@ -167,19 +173,34 @@ class PlainPool:
         prefix: str,
         connect_timeout: float,
         read_timeout: float,
+        tls: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.host, self.port, self.uds = host, port, uds
         self.prefix = prefix
         self.host_header = host_header
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.tls = tls or ssl_context is not None
+        """Connect over TLS, verifying the upstream's certificate and name."""
+        self._ssl = ssl_context
         self._idle: list[_Conn] = []
+
+    def _context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = tls_context()
+        return self._ssl
 
     async def _connect(self) -> _Conn:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 if self.uds is not None:
                     r, w = await asyncio.open_unix_connection(self.uds, limit=_MAX_HEAD)
+                elif self.tls:
+                    r, w = await asyncio.open_connection(
+                        self.host, self.port, limit=_MAX_HEAD,
+                        ssl=self._context(), server_hostname=self.host,
+                    )  # fmt: skip
                 else:
                     r, w = await asyncio.open_connection(self.host, self.port, limit=_MAX_HEAD)
         except TimeoutError:
@@ -289,11 +310,36 @@ class PlainPool:
         return _PlainResponse(event.status_code, headers, conn, self, _timeout=self.read_timeout)
 
     def prepare(self) -> None:
-        """Nothing to load: plain HTTP reads no files."""
+        """Build the verifying TLS context now (it reads the CA bundle from disk), and
+        import what the first connection would (name resolution runs in asyncio's
+        default executor): a gateway that dropped its privileges may not read its own
+        interpreter's files any more (a Python under ``/root``)."""
+        import concurrent.futures.thread  # noqa: F401
+        import encodings.idna  # noqa: F401  (a host name is encoded with it to resolve it)
+
+        if self.tls:
+            self._context()
 
     async def aclose(self) -> None:
         while self._idle:
             self._idle.pop().close()
+
+
+def tls_context() -> ssl.SSLContext:
+    """The verifying client context for ``https://`` upstreams: what httpx builds (the CA
+    bundle from ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` if set, else certifi's; hostname
+    checked; TLS 1.2 or later), offering HTTP/1.1 only by ALPN."""
+    if os.environ.get("SSL_CERT_FILE"):
+        ctx = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+    elif os.environ.get("SSL_CERT_DIR"):
+        ctx = ssl.create_default_context(capath=os.environ["SSL_CERT_DIR"])
+    else:
+        import certifi
+
+        ctx = ssl.create_default_context(cafile=certifi.where())
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
 
 
 class _Stale(Exception):

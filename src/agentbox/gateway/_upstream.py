@@ -1,29 +1,23 @@
-"""The gateway's upstream clients behind one small interface: :func:`make_pool`.
+"""The gateway's upstream client behind one small interface: :func:`make_pool`.
 
-- ``http://`` and unix-socket upstreams (the replay model, llama.cpp, vLLM on
-  127.0.0.1): :class:`~agentbox.gateway._plain.PlainPool`, keep-alive HTTP/1.1 on
-  asyncio streams framed by h11 (cheap per request, where the gateway's own CPU
-  shows);
-- ``https://`` upstreams (the Anthropic API): :class:`~agentbox.gateway._tls.HttpxPool`,
-  httpx's transport with a verifying TLS context, imported only then.
-
-Both give the same small response interface (:class:`UpstreamResponse`).
+Every upstream, ``http://``, ``https://`` or a unix socket, is reached through
+:class:`~agentbox.gateway._plain.PlainPool`: keep-alive HTTP/1.1 on asyncio
+streams framed by h11, over the standard library's verifying TLS for
+``https://``. (Until issue 15 ``https://`` went through httpx's transport: ~6 MiB
+more per task for the same HTTP/1.1.) :class:`Pool` and :class:`UpstreamResponse`
+are the interface the gateway uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from agentbox.errors import ConfigError, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from agentbox.gateway._plain import PlainPool
 
-if TYPE_CHECKING:
-    from agentbox.gateway._tls import HttpxPool
-
 __all__ = [
-    "HttpxPool",
     "PlainPool",
     "Pool",
     "UpstreamConnectError",
@@ -67,33 +61,23 @@ class Pool(Protocol):
 def make_pool(
     base_url: str, uds: str | None, *, connect_timeout: float, read_timeout: float
 ) -> Pool:
-    """The pool for an upstream: plain HTTP/1.1 for ``http://`` and unix sockets, else httpx."""
+    """The pool for an upstream: ``http(s)://host[:port][/prefix]``, or HTTP over the unix
+    socket ``uds`` (the URL's host then only names the ``Host`` header)."""
     try:
         url = urlsplit(base_url)
         host, port = url.hostname or "", url.port
     except ValueError as exc:
         raise ConfigError(f"upstream URL {base_url!r}: {exc}") from None
-    if uds is not None or url.scheme == "http":
-        host_header = host if port is None else f"{host}:{port}"
-        return PlainPool(
-            host=host,
-            port=port or 80,
-            uds=uds,
-            host_header=host_header,
-            prefix=url.path.rstrip("/"),
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-        )
-    from agentbox.gateway._tls import HttpxPool
-
-    return HttpxPool(base_url=base_url.rstrip("/"), connect_timeout=connect_timeout,
-                     read_timeout=read_timeout)  # fmt: skip
-
-
-def __getattr__(name: str) -> Any:
-    """:class:`HttpxPool`, imported on first use (it imports httpx)."""
-    if name == "HttpxPool":
-        from agentbox.gateway._tls import HttpxPool
-
-        return HttpxPool
-    raise AttributeError(name)
+    tls = uds is None and url.scheme == "https"
+    if uds is None and url.scheme not in ("http", "https"):
+        raise ConfigError(f"upstream URL {base_url!r}: use http:// or https://")
+    return PlainPool(
+        host=host,
+        port=port or (443 if tls else 80),
+        uds=uds,
+        host_header=host if port is None else f"{host}:{port}",
+        prefix=url.path.rstrip("/"),
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        tls=tls,
+    )
