@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from agentbox.cli import app
@@ -77,3 +78,17 @@ def test_the_tally_follows_placements_losses_and_ends() -> None:
     assert t.nodes["n1"]["tokens"] == 42
     assert t.nodes["n2"]["lost"] == 1 and t.nodes["n2"]["running"] == 0
     assert t.queued == 1  # 3, minus two placed, plus the lost one back, minus the skipped
+
+
+def test_the_cluster_facade_is_pinned() -> None:
+    import agentbox.cluster as cluster
+
+    assert sorted(cluster.__all__) == [
+        "Attempt", "BatchEvent", "BatchResult", "BatchState", "BatchTask", "Executor",
+        "LocalExecutor", "NodeOutcome", "NodeService", "RayExecutor", "batch_dir", "connect",
+        "new_batch_id", "node_problems", "read_tasks", "run_batch", "start_node",
+    ]  # fmt: skip
+    for name in cluster.__all__:
+        if name in ("RayExecutor", "connect", "start_node"):
+            pytest.importorskip("ray", reason="the agentbox[ray] extra is not installed")
+        assert getattr(cluster, name) is not None
