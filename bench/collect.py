@@ -1,6 +1,10 @@
 """Collection time on a 50,000-file repo with 100 changed files, against `git status`.
 
 Usage: .venv/bin/python bench/collect.py [--files 50000] [--changed 100] [--runs 7]
+       [--prepare-runs 3] [--where DIR]
+
+``--where`` puts the repo and the workspaces on another filesystem (an XFS or
+btrfs mount: the workspace files are then reflinks of the repo's).
 
 Builds the repo with `git fast-import` in a temp dir, prepares a workspace with
 agentbox.collect.prepare, changes files (80 edited, 10 added, 10 deleted), then
@@ -13,7 +17,13 @@ times, alternately in the same run:
 * git diff-files alone: the stat oracle collect() runs (for the breakdown);
 * agentbox fallback: collect() without git's stat oracle (we lstat every entry).
 
-Prints medians and the ratio to `git status` (target: collect <= 1.5x).
+Prints medians and the ratio to `git status` (target: collect <= 1.5x). Then
+the two other ends of a task, each against what a plain copy costs:
+
+* prepare() (the workspace, its own .git, the shadow dir, the stat-filled base
+  index) against `cp -a` of the repo's work tree and `.git`;
+* publish() (fetch of the result branch into the user's repo) against a plain
+  `git fetch` of the same commit from the shadow dir.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentbox.collect import _collect, collect, prepare
+from agentbox.collect import _collect, collect, prepare, publish
 
 ENV = {
     "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -81,12 +91,15 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=50_000)
     ap.add_argument("--changed", type=int, default=100)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--prepare-runs", type=int, default=3)
+    ap.add_argument("--where", type=Path, default=None, help="a directory on the fs to test")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="abx-collect-bench-") as tmp_s:
+    with tempfile.TemporaryDirectory(prefix="abx-collect-bench-", dir=args.where) as tmp_s:
         tmp = Path(tmp_s)
         t0 = time.perf_counter()
         make_repo(tmp / "repo", args.files)
         t_make = time.perf_counter() - t0
+        ends = prepare_and_publish(tmp, args.prepare_runs)
         t0 = time.perf_counter()
         base = prepare(tmp / "repo", tmp / "ws", tmp / "shadow.git", tmp / "base.index")
         t_prepare = time.perf_counter() - t0
@@ -136,6 +149,42 @@ def main() -> None:
     ratio = statistics.median(rows["collect"]) / base_t
     print(f"target collect <= 1.5x git status: {'met' if ratio <= 1.5 else 'NOT met'} "
           f"({ratio:.2f}x)")  # fmt: skip
+    print(f"\n{'the other ends':<28} {'median s':>9} {'min s':>8} {'vs baseline':>14}")
+    for (name, vals), (_bname, bvals) in zip(ends[1::2], ends[0::2], strict=True):
+        med = statistics.median(vals)
+        print(f"{name:<28} {med:>9.3f} {min(vals):>8.3f} {med / statistics.median(bvals):>13.2f}x")
+    for name, vals in ends[0::2]:
+        print(f"{'  baseline: ' + name:<28} {statistics.median(vals):>9.3f} {min(vals):>8.3f}")
+
+
+def prepare_and_publish(tmp: Path, runs: int) -> list[tuple[str, list[float]]]:
+    """prepare() vs `cp -a`, publish() vs `git fetch`, alternately, ``runs`` times each."""
+    repo = tmp / "repo"
+    cp_t, prep_t, fetch_t, pub_t = [], [], [], []
+    for i in range(runs):
+        d = tmp / f"ends{i}"
+        d.mkdir()
+        cp_t.append(timed(lambda d=d: subprocess.run(  # type: ignore[misc]
+            ["cp", "-a", str(repo), str(d / "copy")], check=True)))  # fmt: skip
+        base = None
+
+        def prep(d: Path = d) -> None:
+            nonlocal base
+            base = prepare(repo, d / "ws", d / "shadow.git", d / "base.index")
+
+        prep_t.append(timed(prep))
+        assert base is not None
+        (d / "ws" / "pkg00" / "added.py").write_text("X = 1\n")
+        got = collect(d / "ws", d / "shadow.git", d / "base.index", base,
+                      task_id=f"ends-{i}", message="bench")  # fmt: skip
+        fetch_t.append(timed(lambda d=d, c=got.commit: subprocess.run(  # type: ignore[misc]
+            ["git", "-C", str(d / "copy"), "fetch", "-q", str(d / "shadow.git"),
+             f"{c}:refs/heads/plain"], env=ENV, check=True)))  # fmt: skip
+        pub_t.append(timed(lambda d=d, c=got.commit, i=i: publish(  # type: ignore[misc]
+            d / "shadow.git", repo, task_id=f"ends-{i}", commit=c)))  # fmt: skip
+        subprocess.run(["rm", "-rf", str(d)], check=True)
+    return [("cp -a of the repo", cp_t), ("prepare()", prep_t),
+            ("git fetch of the result", fetch_t), ("publish()", pub_t)]  # fmt: skip
 
 
 if __name__ == "__main__":

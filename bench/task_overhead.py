@@ -14,7 +14,13 @@ Usage (as root, after scripts/setup.sh and ``agentbox image build``)::
     .venv/bin/python bench/task_overhead.py [--runs 3]
 
 Prints a table of median and min wall times and the ratio of each to the
-baseline measured in the same run.
+baseline measured in the same run, then the API task broken down by phase:
+before the sandbox starts (validation, gateway, workspace copy: ``prepare``
+shown on its own), sandbox start → the agent's first output, the agent (and the
+sandbox's stop), ``collect``, ``publish``, and the rest (report, status). The
+phases are timed in-process around the launcher's own calls (``prepare``,
+``collect``, ``publish``), from the task's ``started_at``, and by watching its
+log files for the first byte; nothing in the launcher is changed for it.
 """
 
 from __future__ import annotations
@@ -28,11 +34,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from agentbox.config import Settings
-from agentbox.launcher import Launcher, TaskRequest
+from agentbox.launcher import Launcher, TaskRequest, _finish, _runner
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_TURN = """\
@@ -107,38 +117,100 @@ def baseline(base: Path, script: Path, runs: int) -> list[float]:
         gw.wait(10)
 
 
-def agentbox_api(settings: Settings, runs: int) -> tuple[list[float], list[float], list[float]]:
-    """Launcher.submit → wait; also the time before the sandbox starts and after it stops."""
-    total, before, after = [], [], []
+PHASES = (
+    "before the sandbox starts",
+    "  of which prepare (workspace copy)",
+    "sandbox start -> first output",
+    "agent + sandbox stop",
+    "collect",
+    "publish",
+    "rest (report, status)",
+)
+
+
+@contextmanager
+def _timed_calls(marks: dict[str, float]) -> Iterator[None]:
+    """Record start/end wall times of the launcher's prepare, collect and publish calls."""
+    saved = (_runner.prepare, _finish.collect, _finish.publish)
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_call(*a: Any, **kw: Any) -> Any:
+            marks[f"{name}0"] = time.time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                marks[f"{name}1"] = time.time()
+
+        return timed_call
+
+    _runner.prepare = wrap("prepare", saved[0])  # type: ignore[assignment]
+    _finish.collect = wrap("collect", saved[1])  # type: ignore[assignment]
+    _finish.publish = wrap("publish", saved[2])  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _runner.prepare, _finish.collect, _finish.publish = saved  # type: ignore[assignment]
+
+
+def _first_output(
+    data_dir: Path, ids: list[str], marks: dict[str, float], stop: threading.Event
+) -> None:
+    """Note when the task's agent log (attached or detached) first holds a byte."""
+    while not stop.wait(0.005):
+        if not ids:
+            continue
+        d = data_dir / "tasks" / ids[0] / "logs"
+        for name in ("agent.jsonl", "sandbox.log"):
+            try:
+                if (d / name).stat().st_size > 0:
+                    marks["output"] = time.time()
+                    return
+            except OSError:
+                pass
+
+
+def agentbox_api(settings: Settings, runs: int) -> tuple[list[float], list[list[float]]]:
+    """Launcher.submit → wait; also each task's phases (see PHASES)."""
+    total: list[float] = []
+    phases: list[list[float]] = []
     with Launcher(settings, max_tasks=1) as launcher:
         for i in range(runs):
             repo = make_repo(settings.repos_root / f"api-{i}-{secrets.token_hex(3)}")
-            t0 = time.perf_counter()
-            info = launcher.submit(
-                TaskRequest(repo=str(repo), task="Check the repo.", model="one-turn",
-                            deadline=300.0)
-            )  # fmt: skip
-            info = launcher.wait(info.id, 600)
-            total.append(time.perf_counter() - t0)
+            marks: dict[str, float] = {}
+            ids: list[str] = []
+            stop = threading.Event()
+            watcher = threading.Thread(
+                target=_first_output, args=(settings.data_dir, ids, marks, stop)
+            )
+            with _timed_calls(marks):
+                t0 = time.time()
+                watcher.start()
+                try:
+                    info = launcher.submit(
+                        TaskRequest(repo=str(repo), task="Check the repo.", model="one-turn",
+                                    deadline=300.0)
+                    )  # fmt: skip
+                    ids.append(info.id)
+                    info = launcher.wait(info.id, 600)
+                finally:
+                    stop.set()
+                    watcher.join()
+                t_end = time.time()
+            total.append(t_end - t0)
             assert info.status == "done", info
-            assert info.started_at is not None and info.finished_at is not None
-            before.append(info.started_at - info.created_at)
-            log = settings.data_dir / "tasks" / info.id / "logs" / "launcher.log"
-            after.append(_collect_seconds(log))
-    return total, before, after
-
-
-def _collect_seconds(log: Path) -> float:
-    """Seconds from 'agent exited' to 'finished' in a task's launcher log (1 s resolution)."""
-    stamps = {}
-    for line in log.read_text().splitlines():
-        hhmmss, _, msg = line.partition(" ")
-        h, m, s = (int(x) for x in hhmmss.split(":"))
-        if msg.startswith("agent exited"):
-            stamps["exit"] = h * 3600 + m * 60 + s
-        if msg.startswith("finished"):
-            stamps["end"] = h * 3600 + m * 60 + s
-    return float(stamps.get("end", 0) - stamps.get("exit", 0))
+            assert info.started_at is not None
+            start = info.started_at
+            first = marks.get("output", start)
+            phases.append([
+                start - t0,
+                marks["prepare1"] - marks["prepare0"],
+                first - start,
+                marks["collect0"] - first,
+                marks["collect1"] - marks["collect0"],
+                marks.get("publish1", 0.0) - marks.get("publish0", 0.0),
+                t_end - max(marks["collect1"], marks.get("publish1", 0.0)),
+            ])  # fmt: skip
+    return total, phases
 
 
 def agentbox_cli(base: Path, runs: int) -> list[float]:
@@ -190,7 +262,7 @@ def main() -> int:
         agentbox_api(settings, 1)
 
         base_t = baseline(base / "b", script, args.runs)
-        api_t, before_t, after_t = agentbox_api(settings, args.runs)
+        api_t, phases = agentbox_api(settings, args.runs)
         cli_t = agentbox_cli(base, args.runs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -207,11 +279,12 @@ def main() -> int:
     for name, ts in rows:
         med = statistics.median(ts)
         print(f"| {name:<38} | {med:8.2f} | {min(ts):7.2f} | {med / ref:10.2f} |")
-    print(
-        f"\nof the API time: before the sandbox starts (validate, copy, gateway) "
-        f"{statistics.median(before_t):.2f} s; collection + publish ≈ "
-        f"{statistics.median(after_t):.0f} s (1 s log resolution)"
-    )
+    print(f"\nthe API task by phase (median of {args.runs}; baseline {ref:.2f} s)\n")
+    print(f"| {'phase':<36} | {'median s':>8} | {'x baseline':>10} |")
+    print(f"|{'-' * 38}|{'-' * 10}|{'-' * 12}|")
+    for k, name in enumerate(PHASES):
+        med = statistics.median(p[k] for p in phases)
+        print(f"| {name:<36} | {med:8.3f} | {med / ref:10.2f} |")
     return 0
 
 
