@@ -16,7 +16,8 @@ file through its gateway), published as ``agentbox/<id>`` into a driver-side rep
    attempts at once, so no attempt waits in a queue it cannot see. Phases:
    ``placement`` (placed on the driver to received on the node: Ray's scheduling
    and the base bundle's transfer; ~0 locally), ``unbundle`` (the node's repo from
-   the bundle), ``queued`` (in the node launcher's queue), ``task`` (the task
+   the bundle), ``queued`` (submitted to the node's launcher until its sandbox
+   started: the launcher's queue, the workspace copy, the gateway), ``task`` (the task
    itself), ``bundle`` (the result branch bundled), ``return`` (the outcome's way
    back), ``publish`` (fetched and published on the driver); ``overhead`` is the
    per-task sum of placement, unbundle, bundle, return and publish.

@@ -148,7 +148,7 @@ class NodeService:
         elif res.commit:
             error = error or "the result was collected but not published on the node"
         timings["bundle"] = time.monotonic() - t0
-        if info.started_at is not None:  # the launcher's own queue, then the task itself
+        if info.started_at is not None:  # queue + workspace + gateway, then the sandbox
             timings["queued"] = max(0.0, info.started_at - info.created_at)
             timings["task"] = max(0.0, (info.finished_at or time.time()) - info.started_at)
         timings["done_at"] = time.time()

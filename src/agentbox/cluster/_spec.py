@@ -81,9 +81,10 @@ class NodeOutcome(_Strict):
     """The tail of the transcript (JSON of a TranscriptPage)."""
     error: str = Field(default="", max_length=4000)
     timings: dict[str, float] = Field(default_factory=dict)
-    """Seconds per phase on the node: ``unbundle``, ``queued`` (in the launcher's queue),
-    ``task`` (started to finished), ``run`` (submitted to finished), ``bundle``; and the
-    unix times the node got the attempt (``received_at``) and sent its outcome (``done_at``)."""
+    """Seconds per phase on the node: ``unbundle``; ``queued`` (submitted until the sandbox
+    started: the launcher's queue, the workspace, the gateway); ``task`` (the sandbox started
+    until finished); ``run`` (submitted until finished); ``bundle``. And the unix times the
+    node got the attempt (``received_at``) and sent its outcome (``done_at``)."""
 
 
 class BatchResult(_Strict):
