@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from agentbox.launcher._retention import remove_task as remove_task
     from agentbox.launcher._server import serve as serve
     from agentbox.launcher._server import socket_path as socket_path
+    from agentbox.launcher._stop import stop_launcher as stop_launcher
     from agentbox.launcher._store import Store as Store
     from agentbox.launcher._watchdog import spawn_watchdog as spawn_watchdog
 
@@ -43,7 +44,8 @@ __all__ = [
     "TokenUsage",
 ]
 # Also importable from here, for the CLI (not the pinned library surface above): Removal,
-# Store, data_usage, parse_age, prune, remove_task, serve, socket_path, spawn_watchdog.
+# Store, data_usage, parse_age, prune, remove_task, serve, socket_path, spawn_watchdog,
+# stop_launcher.
 
 #: Names imported on first use (each pulls in the backends, the store or the server).
 _LAZY = {
@@ -56,6 +58,7 @@ _LAZY = {
     "serve": "agentbox.launcher._server",
     "socket_path": "agentbox.launcher._server",
     "Store": "agentbox.launcher._store",
+    "stop_launcher": "agentbox.launcher._stop",
     "spawn_watchdog": "agentbox.launcher._watchdog",
 }
 

@@ -1,0 +1,376 @@
+"""Live restore with the real parts (issue 19): a launcher killed at random moments loses
+no task, runs none twice and leaves nothing behind.
+
+``agentbox launcher serve`` runs as a real process; tasks are submitted through one
+:class:`LauncherClient` kept across every restart (it rides through them); the agent
+is the real Claude Code in a podman sandbox, its model the replay model. The
+launcher is killed with SIGKILL at random moments, each time one of:
+
+* ``pid``: the launcher process alone (as the OOM killer does);
+* ``group``: its whole process group (as a service manager's group kill does);
+* ``cgroup``: every process in the launcher's unit cgroup (``systemctl restart``
+  under ``KillMode=control-group``), emulated: the launcher runs in a cgroup named
+  ``….service`` in the two hierarchies systemd kills a unit by.
+
+and restarted at once. Sizes come from the environment so CI stays bounded:
+``AGENTBOX_CHAOS_TASKS`` (default 5), ``AGENTBOX_CHAOS_KILLS`` (default 6),
+``AGENTBOX_CHAOS_SEED`` (default: random, printed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agentbox import _host
+from agentbox.config import Settings
+from agentbox.gateway import read_usage
+from agentbox.gateway._process import _unit_hierarchies
+from agentbox.launcher import LauncherClient, TaskRequest
+from agentbox.launcher._names import data_label, list_task_gateways
+from agentbox.paths import TaskPaths
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.claude,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Read at import: the suite's autouse fixture scrubs AGENTBOX_* from the environment.
+CHAOS_TASKS = int(os.environ.get("AGENTBOX_CHAOS_TASKS", "5"))
+CHAOS_KILLS = int(os.environ.get("AGENTBOX_CHAOS_KILLS", "6"))
+CHAOS_SEED = os.environ.get("AGENTBOX_CHAOS_SEED", "")
+#: Which kills to cycle through (``pid,group,cgroup``).
+CHAOS_WAYS = os.environ.get("AGENTBOX_CHAOS_WAYS", "pid,group,cgroup").split(",")
+
+CHAOS_SCRIPT = """\
+name: chaos
+turns:
+  - text: "Writing, then some work."
+    tool_use:
+      - name: Write
+        input: {file_path: "{{cwd}}/chaos.txt", content: "made by the agent\\n"}
+  - tool_use:
+      - name: Bash
+        input: {command: "sleep 5", description: "Some work", timeout: 120000}
+  - text: "Done."
+"""
+
+SLOW_SCRIPT = """\
+name: slow
+turns:
+  - text: "Writing, then a long command."
+    tool_use:
+      - name: Write
+        input: {file_path: "{{cwd}}/partial.txt", content: "written before the deadline\\n"}
+  - tool_use:
+      - name: Bash
+        input:
+          command: "python3 -c 'import time; time.sleep(600)'"
+          description: "A long command"
+          timeout: 600000
+  - text: "Done."
+"""
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+class UnitCgroup:
+    """A ``….service`` cgroup in the hierarchies systemd tracks units by, as a unit's."""
+
+    def __init__(self, name: str) -> None:
+        mounts = _unit_hierarchies()
+        mine = Path("/proc/self/cgroup").read_text()
+        # Only where this process sits at a hierarchy's root (no unit of ours to disturb).
+        self.dirs = [
+            m / name
+            for key, m in mounts.items()
+            if (f":{key}:/\n" if key != "0" else "0::/\n") in mine
+        ]
+        for d in self.dirs:
+            d.mkdir(exist_ok=True)
+
+    def enter(self) -> None:
+        """Move the calling process in (run in the launcher's child before exec)."""
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text("0")
+
+    def pids(self) -> set[int]:
+        found: set[int] = set()
+        for d in self.dirs:
+            with contextlib.suppress(OSError):
+                found |= {int(p) for p in (d / "cgroup.procs").read_text().split()}
+        return found
+
+    def kill(self) -> None:
+        """What systemd does to a unit's cgroup: SIGKILL everything in it, until empty."""
+        end = time.monotonic() + 30
+        while pids := self.pids():
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            assert time.monotonic() < end, f"the unit cgroup would not empty: {pids}"
+            time.sleep(0.05)
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+class Served:
+    """``agentbox launcher serve`` as a child process in its own session (and unit cgroup)."""
+
+    def __init__(self, env: dict[str, str], sock: Path, unit: UnitCgroup | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agentbox", "launcher", "serve"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=unit.enter if unit is not None else None,
+        )  # fmt: skip
+        end = time.monotonic() + 90
+        while not sock.exists():
+            assert self.proc.poll() is None, "launcher exited"
+            assert time.monotonic() < end, "launcher did not listen"
+            time.sleep(0.1)
+
+    def kill(self, how: str, unit: UnitCgroup | None) -> None:
+        if how == "cgroup" and unit is not None:
+            unit.kill()
+        elif how == "group":
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        else:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@dataclass
+class World:
+    settings: Settings
+    env: dict[str, str]
+    repo: Path
+    sock: Path
+    since: str
+
+
+@pytest.fixture
+def world() -> Iterator[World]:
+    from agentbox.image import build_default
+
+    build_default(Settings())
+    base = Path(tempfile.mkdtemp(prefix="agentbox-live-", dir="/var/tmp"))
+    base.chmod(0o711)
+    (base / "chaos.yaml").write_text(CHAOS_SCRIPT)
+    (base / "slow.yaml").write_text(SLOW_SCRIPT)
+    (base / "models.toml").write_text(
+        '[models.replay-chaos]\nkind = "replay"\nupstream = "chaos.yaml"\n\n'
+        '[models.replay-slow]\nkind = "replay"\nupstream = "slow.yaml"\n'
+    )
+    (base / "data").mkdir()
+    (base / "repos").mkdir()
+    repo = base / "repos" / "proj"
+    shutil.copytree(ROOT / "demo" / "sample-repo", repo)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "s")
+    env = {
+        "PATH": os.environ["PATH"],
+        "AGENTBOX_DATA_DIR": str(base / "data"),
+        "AGENTBOX_REPOS_ROOT": str(base / "repos"),
+        "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
+    }
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    settings = Settings(
+        data_dir=base / "data", repos_root=base / "repos", models_file=base / "models.toml"
+    )
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))
+    try:
+        yield World(settings, env, repo, base / "data" / "launcher.sock", since)
+    finally:
+        _remove_leftovers(settings)
+        if not os.environ.get("E2E_KEEP_DIRS"):
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _our_containers(settings: Settings) -> list[str]:
+    out = subprocess.run(
+        ["podman", "ps", "-a", "--filter", f"label=io.agentbox.data={data_label(settings)}",
+         "--format", "{{.Names}}"], capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return out.split()
+
+
+def _remove_leftovers(settings: Settings) -> None:
+    from agentbox.launcher._watchdog import reap_sandbox
+
+    for name in _our_containers(settings):
+        reap_sandbox("podman", name, settings.data_dir)  # its workspace disk unmounted too
+    for _, gw in list_task_gateways(settings):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(gw.pid, signal.SIGKILL)
+
+
+def _created(since: str, prefix: str) -> list[str]:
+    """The containers created since ``since`` whose name starts with ``prefix``."""
+    out = subprocess.run(
+        ["podman", "events", "--stream=false", "--since", since, "--filter", "event=create",
+         "--format", "{{.Name}}"], capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    return [n for n in out.split() if n.startswith(prefix)]
+
+
+def _leftover_processes(settings: Settings, allowed: set[int]) -> list[str]:
+    """Gateways and watchdogs of this data dir still running (zombies aside)."""
+    needle = str(settings.data_dir)
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or ())
+        if p.info["pid"] in allowed or p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if needle in cmd and ("gateway" in cmd or "_watchdog" in cmd):
+            found.append(cmd)
+    return found
+
+
+def _chaos(world: World, *, tasks: int, kills: int, runtime: str, seed: int) -> None:
+    rng = random.Random(seed)
+    env = {**world.env, "AGENTBOX_RUNTIME": runtime}
+    unit = UnitCgroup(f"agentbox-chaos-{os.getpid()}.service")
+    ways = [w for w in CHAOS_WAYS if w != "cgroup" or unit.dirs]
+    served = Served(env, world.sock, unit)
+    table: list[tuple[int, str, float, int]] = []
+    prefix = f"agentbox-task-chaos{seed % 1000}-"
+    ids = [f"chaos{seed % 1000}-{i}" for i in range(tasks)]
+    try:
+        with LauncherClient(world.sock, reconnect=90.0) as client:
+            for tid in ids:
+                req = TaskRequest(repo=str(world.repo), task="write, work", model="replay-chaos",
+                                  deadline=600.0, task_id=tid)  # fmt: skip
+                client.submit(req)
+            for k in range(kills):
+                time.sleep(rng.uniform(0.3, 6.0))
+                how = ways[k % len(ways)]
+                running = sum(1 for t in ids if client.get(t).status == "running")
+                served.kill(how, unit)
+                table.append((k, how, round(time.monotonic(), 1), running))
+                served = Served(env, world.sock, unit)
+            print(f"chaos seed {seed}: {tasks} tasks, kills (n, way, t, running): {table}")
+            end = time.monotonic() + 300
+            infos = {}
+            for tid in ids:
+                try:
+                    infos[tid] = client.wait(tid, timeout=max(1.0, end - time.monotonic()))
+                except Exception:
+                    log = TaskPaths(world.settings.data_dir, tid).log_dir / "launcher.log"
+                    print(f"--- {tid}: {client.get(tid)}\n{log.read_text(errors='replace')}")
+                    raise
+            for tid, info in infos.items():
+                assert info.status == "done", (tid, info.status, info.error)
+                res = client.result(tid)
+                assert res.branch == f"agentbox/{tid}", res
+                assert _git(world.repo, "show", f"{res.branch}:chaos.txt") == "made by the agent\n"
+                # The whole transcript, once: Claude Code's init and result events once each.
+                out = (TaskPaths(world.settings.data_dir, tid).log_dir / "agent.jsonl").read_text()
+                assert out.count('"subtype":"init"') == 1, tid
+                assert read_usage(TaskPaths(world.settings.data_dir, tid).usage_file).requests >= 3
+        # No task ran twice: each task's sandbox was created exactly once.
+        created = _created(world.since, prefix)
+        assert sorted(created) == sorted(f"agentbox-task-{t}" for t in ids), created
+    finally:
+        served.stop()
+        unit.kill()
+        unit.remove()
+    # Nothing orphaned: no container, no gateway, no watchdog of this data dir.
+    assert _our_containers(world.settings) == []
+    assert _leftover_processes(world.settings, {os.getpid()}) == []
+
+
+def test_random_launcher_kills_lose_no_task_and_run_none_twice(world: World) -> None:
+    seed = int(CHAOS_SEED or random.randrange(1 << 30))
+    _chaos(
+        world,
+        tasks=CHAOS_TASKS,
+        kills=CHAOS_KILLS,
+        runtime="runc",
+        seed=seed,
+    )
+
+
+def test_a_launcher_kill_on_runsc_loses_no_task(world: World) -> None:
+    fac = _host.podman_runtime("runsc")
+    if not fac.ok:
+        pytest.skip(f"runsc: {fac.detail}")
+    _chaos(world, tasks=1, kills=1, runtime="runsc", seed=random.randrange(1 << 30))
+
+
+def test_a_deadline_that_passes_while_no_launcher_runs(world: World) -> None:
+    """The launcher dies; no launcher runs while the deadline passes: the runtime kills
+    the sandbox on time; the next launcher follows it to that end: timed_out, collected."""
+    served = Served(world.env, world.sock)
+    name = "agentbox-task-live-deadline"
+    try:
+        with LauncherClient(world.sock) as client:
+            info = client.submit(TaskRequest(repo=str(world.repo), task="write, then wait",
+                                             model="replay-slow", deadline=30.0,
+                                             task_id="live-deadline"))  # fmt: skip
+            paths = TaskPaths(world.settings.data_dir, info.id)
+            end = time.monotonic() + 180
+            while True:
+                with contextlib.suppress(Exception):
+                    if read_usage(paths.usage_file).requests >= 2:
+                        break
+                assert time.monotonic() < end, "the agent never got to its long command"
+                time.sleep(0.5)
+            started = client.get(info.id).started_at
+            assert started is not None
+        served.kill("pid", None)
+        # Nobody follows it now. The runtime (conmon) kills it at its deadline.
+        while time.time() < started + 30.0 + 20.0:
+            time.sleep(1.0)
+        running = subprocess.run(["podman", "inspect", "--format", "{{.State.Running}}", name],
+                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
+        assert running in ("false", ""), f"the sandbox outlived its deadline: {running!r}"
+        served = Served(world.env, world.sock)
+        with LauncherClient(world.sock) as client:
+            info = client.wait("live-deadline", timeout=120)
+            assert info.status == "timed_out", info
+            res = client.result("live-deadline")
+        assert _git(world.repo, "show", f"{res.branch}:partial.txt") == (
+            "written before the deadline\n"
+        )
+        log = (paths.log_dir / "launcher.log").read_text()
+        assert "re-adopted by launcher pid" in log, log
+    finally:
+        served.stop()
+    assert _our_containers(world.settings) == []
+    assert _leftover_processes(world.settings, {os.getpid()}) == []
