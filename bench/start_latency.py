@@ -207,8 +207,8 @@ def main() -> None:
     box = Boxfile(runtime=args.runtime)
     facts = image_facts(settings.image)
 
-    def spec() -> object:
-        s = spec_from_boxfile(box, settings, workspace=ws)
+    def spec(workspace: Path = ws) -> object:
+        s = spec_from_boxfile(box, settings, workspace=workspace)
         backend.check(s)
         MADE.append(("podman", s.name))
         return s
@@ -257,7 +257,12 @@ def main() -> None:
     warm = None
     oci_name = f"agentbox-bench-oci-{os.getpid()}"
     if args.compass:
-        warm = backend.create(spec())  # type: ignore[arg-type]
+        # Its own workspace: a live sandbox holds its workspace (a disk image may be
+        # mounted on it), and the other steps start sandboxes on theirs meanwhile.
+        ws_warm = root / "ws-warm"
+        ws_warm.mkdir()
+        os.chown(ws_warm, settings.sandbox_host_uid, settings.sandbox_host_uid)
+        warm = backend.create(spec(ws_warm))  # type: ignore[arg-type]
 
         def pool() -> None:
             assert warm is not None
