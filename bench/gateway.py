@@ -251,29 +251,39 @@ def main() -> None:
     script.write_text(SCRIPT)
     token = secrets.token_urlsafe(24)
     (tmp / "token").write_text(token)
-    up_port, gw_port, old_port = free_port(), free_port(), free_port()
+    gw_port, old_port = free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "agentbox", "model", "serve", "--script", str(script),
-             "--listen", f"tcp:127.0.0.1:{up_port}"]
-        )  # fmt: skip
-        procs.append(up)
-        upstream = f"http://127.0.0.1:{up_port}"
-        gw = subprocess.Popen(gateway_argv(gw_port, tmp / "token", upstream, tmp / "usage.json"))
+        # One replay model per measured path: each has its own connection cap (128), and
+        # 64 streams through each of three paths with pooled connections would pass it.
+        def replay() -> tuple[subprocess.Popen[bytes], int]:
+            port = free_port()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "agentbox", "model", "serve", "--script", str(script),
+                 "--listen", f"tcp:127.0.0.1:{port}"], stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            procs.append(proc)
+            return proc, port
+
+        up, up_port = replay()
+        gw_up, gw_up_port = replay()
+        gw = subprocess.Popen(gateway_argv(gw_port, tmp / "token",
+                              f"http://127.0.0.1:{gw_up_port}", tmp / "usage.json"))  # fmt: skip
         procs.append(gw)
+        waits = [(up_port, up), (gw_up_port, gw_up), (gw_port, gw)]
         old = None
         if args.compare_src is not None:
             env = {**os.environ, "PYTHONPATH": str(args.compare_src.resolve())}
+            old_up, old_up_port = replay()
             old = subprocess.Popen(
-                gateway_argv(old_port, tmp / "token", upstream, tmp / "old.json", lean=False),
+                gateway_argv(old_port, tmp / "token", f"http://127.0.0.1:{old_up_port}",
+                             tmp / "old.json", lean=False),
                 env=env,
-            )
+            )  # fmt: skip
             procs.append(old)
-        wait_port(up_port, up)
-        wait_port(gw_port, gw)
-        if old is not None:
-            wait_port(old_port, old)
+            waits += [(old_up_port, old_up), (old_port, old)]
+        for port, proc in waits:
+            wait_port(port, proc)
         if args.busy:
             start_busy(args.busy, args.busy_rate, tmp, tmp / "token", procs)
             time.sleep(2)  # the neighbours are streaming
