@@ -384,3 +384,40 @@ def test_a_version_0_store_gains_every_column(tmp_path: Path) -> None:
     row = Store(db_path).get("t-old")
     assert row.stage == "attached"  # an old launcher's task ran attached: not adoptable
     assert row.caller_uid is None and row.adoptions == 0
+
+
+def test_a_plain_stop_leaves_detached_tasks_running_and_queued_ones_queued(
+    settings: Settings, fake: type[FakeBackend], repo: Path
+) -> None:
+    """``launcher stop`` (no --drain/--cancel): the running task's sandbox goes on, the
+    queued one stays queued, and a new submit is refused; the next launcher runs both."""
+    from agentbox.errors import RefusedError
+
+    first, second = _new_id(8), _new_id(9)
+    go = threading.Event()
+
+    def agent(box: FakeSandbox, argv: Sequence[str]) -> None:
+        go.wait(60)
+        box._write("s.txt", b"s\n")
+
+    la1 = Launcher(settings, max_tasks=1)
+    with FakeBackend.scripted(FakeScript(action=agent)):
+        _submit(la1, repo, first)
+        _until(lambda: FakeBackend.live(f"agentbox-task-{first}") is not None)
+        _submit(la1, repo, second)
+        la1.stop("leave", grace=5)
+        with pytest.raises(RefusedError, match="draining"):
+            _submit(la1, repo, _new_id(10))
+        assert la1.store.get(first).status == "running"
+        assert la1.store.get(second).status == "queued"
+        assert FakeBackend.live(f"agentbox-task-{first}") is not None  # not cancelled
+        go.set()  # (in this process the stopped launcher's follower still sees it end)
+        assert la1.wait(first, timeout=30).status == "done"
+        time.sleep(1.0)
+        assert la1.store.get(second).status == "queued"  # never started by the stopped one
+        _dead_owner(la1.store, second)
+        with Launcher(settings, max_tasks=1) as la2:
+            assert la2.reconcile() == [second]
+            info = la2.wait(second, timeout=30)
+    assert info.status == "done", info.error
+    assert _launches(f"agentbox-task-{second}") == 1

@@ -110,6 +110,7 @@ class Launcher:
         self._lock = threading.Lock()
         self._owner = Owner.me()
         self._closed = False
+        self._run_queued = True  # on close: run what is queued (False: leave it queued)
         self.draining = False
         for w in self._workers:
             w.start()
@@ -332,6 +333,7 @@ class Launcher:
         cancelled and collected), ``drain`` (no new task; wait for every queued and
         running one), or ``cancel`` (every task cancelled and collected)."""
         self.draining = True
+        self._run_queued = mode == "drain"
         if mode == "drain":
             while self._busy():
                 time.sleep(0.2)
@@ -377,6 +379,7 @@ class Launcher:
             if self._closed:
                 return
             self._closed = True
+            self._run_queued = wait
         for _ in self._workers:
             self._queue.put(None)
         if wait:
@@ -406,7 +409,7 @@ class Launcher:
 
     def _worker(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self._closed and not self.draining:
+            if self._closed and not self._run_queued:
                 # Stopped without waiting: leave what was not started queued.
                 with self._lock:
                     self._cancel.pop(item[0], None)
