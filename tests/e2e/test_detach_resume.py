@@ -34,6 +34,7 @@ import pytest
 from agentbox.launcher._store import Owner
 from gateway_helpers import greet_script
 from git_helpers import git
+from task_cleanup import sweep
 
 pytestmark = [
     pytest.mark.podman,
@@ -154,7 +155,7 @@ def world() -> Iterator[World]:
     try:
         yield w
     finally:
-        _stop(w.service())
+        sweep(base, env)
         shutil.rmtree(base, ignore_errors=True)
 
 

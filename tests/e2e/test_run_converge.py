@@ -31,6 +31,7 @@ import pytest
 
 from agentbox.config import Settings
 from git_helpers import git
+from task_cleanup import sweep
 
 pytestmark = [
     pytest.mark.podman,
@@ -98,7 +99,7 @@ def world() -> Iterator[World]:
     try:
         yield World(base, env)
     finally:
-        _stop_service(base / "data")
+        sweep(base, env)
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -148,12 +148,8 @@ class Launcher:
         if box.mounts:
             box.check_mounts(self.settings)
         check_env_policy(box, self.settings)
-        cont = None
-        if request.continue_from is not None:  # resume: refused here, before anything is made
-            prev = self._row(request.continue_from, caller)
-            cont = _session.plan(
-                self.settings, prev, v.repo, include_uncommitted=v.include_uncommitted
-            )
+        prev = self._row(request.continue_from, caller) if request.continue_from else None
+        cont = _session.plan(self.settings, prev, v.repo, v.include_uncommitted)  # resume
         now = time.time()
         self.store.insert(
             id=v.task_id,
@@ -172,8 +168,7 @@ class Launcher:
             owner_start=self._owner.start,
             caller_uid=os.geteuid() if caller is None else caller,
         )
-        if cont is not None:
-            _session.record(self.settings, v.task_id, cont)
+        _session.record(self.settings, v.task_id, cont)
         log.info("task queued", task_id=v.task_id, repo=str(v.repo), model=v.model, caller=caller)
         self._enqueue(v.task_id)
         return self.get(v.task_id)

@@ -80,9 +80,12 @@ class Continuation:
 
 
 def plan(
-    settings: Settings, prev: TaskRow, repo: Path, *, include_uncommitted: bool
-) -> Continuation:
-    """Check that ``prev`` can be continued in ``repo``; refuse (nothing made) otherwise."""
+    settings: Settings, prev: TaskRow | None, repo: Path, include_uncommitted: bool
+) -> Continuation | None:
+    """Check that ``prev`` can be continued in ``repo``; refuse (nothing made) otherwise.
+    None for a task that continues nothing (``prev`` None)."""
+    if prev is None:
+        return None
     if prev.status not in ("done", "failed", "timed_out", "cancelled"):
         raise PolicyRefused(
             f"task {prev.id} is still {prev.status}: wait for it (agentbox wait {prev.id})"
@@ -141,8 +144,10 @@ def _pending(settings: Settings, task_id: str) -> Path:
     return settings.data_dir / "continue" / f"{task_id}.json"
 
 
-def record(settings: Settings, task_id: str, cont: Continuation) -> None:
-    """Keep the plan until the task's workspace is made (called at submit)."""
+def record(settings: Settings, task_id: str, cont: Continuation | None) -> None:
+    """Keep the plan until the task's workspace is made (called at submit; None: nothing)."""
+    if cont is None:
+        return
     where = _pending(settings, task_id)
     where.parent.mkdir(mode=0o700, exist_ok=True)
     _write(where, cont)
