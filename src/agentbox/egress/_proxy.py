@@ -38,9 +38,9 @@ from agentbox.egress._request import (
     HOP,
     REASONS,
     Attempt,
-    Closed,
-    Refuse,
     Resolver,
+    _Closed,
+    _Refuse,
     checked_host,
     safe,
     split_authority,
@@ -88,13 +88,13 @@ class EgressProxy:
         self._open += 1
         try:
             if self._open > self.limits.max_connections:
-                raise Refuse(503, "connections", "too many connections through the proxy")
+                raise _Refuse(503, "connections", "too many connections through the proxy")
             await self._serve(att, reader, writer)
-        except Refuse as ref:
+        except _Refuse as ref:
             att.status, att.rule, att.reason = ref.status, ref.rule, ref.reason
             att.address = ref.address or att.address
             await self._answer(writer, ref)
-        except Closed:
+        except _Closed:
             att.end = "empty"
         except asyncio.CancelledError:
             att.end = "stopped"
@@ -129,7 +129,7 @@ class EgressProxy:
                     await asyncio.wait_for(writer.wait_closed(), 5.0)
             writer.transport.abort()
 
-    async def _answer(self, writer: asyncio.StreamWriter, ref: Refuse) -> None:
+    async def _answer(self, writer: asyncio.StreamWriter, ref: _Refuse) -> None:
         body = f"agentbox egress proxy: {ref.reason}\n".encode()
         head = (
             f"HTTP/1.1 {ref.status} {REASONS.get(ref.status, 'Error')}\r\n"
@@ -150,24 +150,24 @@ class EgressProxy:
             except h11.RemoteProtocolError as exc:
                 status = 431 if exc.error_status_hint == 431 else 400
                 rule = "header-size" if status == 431 else "malformed"
-                raise Refuse(status, rule, f"bad request: {safe(str(exc))}") from None
+                raise _Refuse(status, rule, f"bad request: {safe(str(exc))}") from None
             if event is h11.NEED_DATA:
                 # h11 bounds only an incomplete head: a whole one that arrives at once is
                 # bounded here, by never reading more than the cap allows.
                 room = self.limits.max_header_bytes - got
                 if room <= 0:
-                    raise Refuse(431, "header-size", "request head too large")
+                    raise _Refuse(431, "header-size", "request head too large")
                 data = await reader.read(min(_CHUNK, room + 1))
                 if not data and not got:
-                    raise Closed  # a connect-and-close (a readiness probe): not an attempt
+                    raise _Closed  # a connect-and-close (a readiness probe): not an attempt
                 if not data:
-                    raise Refuse(400, "malformed", "connection closed inside the request head")
+                    raise _Refuse(400, "malformed", "connection closed inside the request head")
                 got += len(data)
                 conn.receive_data(data)
                 continue
             if isinstance(event, h11.Request):
                 return conn, event
-            raise Refuse(400, "malformed", "no request")
+            raise _Refuse(400, "malformed", "no request")
 
     async def _serve(
         self, att: Attempt, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -175,7 +175,7 @@ class EgressProxy:
         try:
             conn, req = await asyncio.wait_for(self._read_head(reader), self.limits.header_timeout)
         except TimeoutError:
-            raise Refuse(408, "header-timeout", "request head not received in time") from None
+            raise _Refuse(408, "header-timeout", "request head not received in time") from None
         att.method = safe(req.method.decode("ascii", "replace"), 16)
         target = req.target.decode("ascii", "replace")
         if req.method == b"CONNECT":
@@ -191,17 +191,17 @@ class EgressProxy:
                 (n, v) for n, v in req.headers if n in (b"content-length", b"transfer-encoding")
             ]
             if any(n == b"transfer-encoding" or v != b"0" for n, v in framing):
-                raise Refuse(400, "body", f"a {att.method} with a body is not relayed")
+                raise _Refuse(400, "body", f"a {att.method} with a body is not relayed")
             upstream = await self._open_upstream(att, host, port, tls=False)
             await self._forward(att, req, host, port, path, writer, upstream)
         else:
-            raise Refuse(
+            raise _Refuse(
                 405, "method", f"method {att.method} not allowed (CONNECT, GET and HEAD only)"
             )
 
     def _absolute(self, att: Attempt, target: str) -> tuple[str, int, str]:
         if not target.lower().startswith("http://"):
-            raise Refuse(
+            raise _Refuse(
                 400,
                 "malformed",
                 "use the absolute form http://host/path (and CONNECT for https)",
@@ -210,9 +210,9 @@ class EgressProxy:
             parts = urlsplit(target)
             port = parts.port or 80
         except ValueError:
-            raise Refuse(400, "malformed", f"bad URL {safe(target)!r}") from None
+            raise _Refuse(400, "malformed", f"bad URL {safe(target)!r}") from None
         if parts.username is not None or parts.password is not None or not parts.hostname:
-            raise Refuse(400, "malformed", "a URL with credentials or no host")
+            raise _Refuse(400, "malformed", "a URL with credentials or no host")
         att.host, att.port = safe(parts.hostname), port
         host = checked_host(parts.hostname)
         att.host = host
@@ -224,32 +224,32 @@ class EgressProxy:
         if not verdict.allowed:
             if verdict.rule == "port":
                 kind = "CONNECT" if tls else "plain HTTP"
-                raise Refuse(403, "port", f"port {port} is not allowed for {host} ({kind})")
-            raise Refuse(403, "not-allowed", f"{host} is not in this task's allow-list")
+                raise _Refuse(403, "port", f"port {port} is not allowed for {host} ({kind})")
+            raise _Refuse(403, "not-allowed", f"{host} is not in this task's allow-list")
         lim = self.limits
         if self.bytes_down >= lim.max_bytes_down or self.bytes_up >= lim.max_bytes_up:
-            raise Refuse(403, "byte-cap", "this task's egress byte cap is used up")
+            raise _Refuse(403, "byte-cap", "this task's egress byte cap is used up")
         att.rule, att.decision = verdict.rule, "allowed"
         timeout = self.limits.connect_timeout
         try:
             addrs = await asyncio.wait_for(self._resolve(host, port), timeout)
         except (OSError, TimeoutError, UnicodeError) as exc:
-            raise Refuse(502, "resolve", f"cannot resolve {host}: {safe(str(exc))}") from None
+            raise _Refuse(502, "resolve", f"cannot resolve {host}: {safe(str(exc))}") from None
         if not addrs:
-            raise Refuse(502, "resolve", f"{host} has no address")
+            raise _Refuse(502, "resolve", f"{host} has no address")
         parsed = []
         for a in addrs:
             try:
                 addr = ipaddress.ip_address(a.split("%", 1)[0])
             except ValueError:
-                raise Refuse(502, "resolve", f"{host}: resolver gave {safe(a)!r}") from None
+                raise _Refuse(502, "resolve", f"{host}: resolver gave {safe(a)!r}") from None
             if self.policy.address_checks:
                 why = check_address(
                     addr, trusted_name=verdict.trusted, trusted_ranges=self._networks
                 )
                 if why is not None:
                     att.decision = "denied"
-                    raise Refuse(
+                    raise _Refuse(
                         403,
                         f"address:{why}",
                         f"{host} resolves to {addr} ({why})",
@@ -274,7 +274,7 @@ class EgressProxy:
             return up
         att.address = str(parsed[-1])
         status = 504 if isinstance(last, TimeoutError) else 502
-        raise Refuse(status, "connect", f"cannot connect to {host}: {safe(repr(last))}")
+        raise _Refuse(status, "connect", f"cannot connect to {host}: {safe(repr(last))}")
 
     async def _connect(
         self,
@@ -287,7 +287,7 @@ class EgressProxy:
         try:
             while (event := conn.next_event()) is not h11.PAUSED:
                 if not isinstance(event, h11.EndOfMessage):
-                    raise Refuse(400, "body", "a CONNECT with a body")
+                    raise _Refuse(400, "body", "a CONNECT with a body")
             writer.write(conn.send(h11.Response(status_code=200, headers=[],
                                                 reason=b"Connection established")))  # fmt: skip
             att.status = 200
@@ -300,7 +300,7 @@ class EgressProxy:
                 await up.write(early)
             att.end = await self._relay(att, reader, up)
         except h11.ProtocolError as exc:
-            raise Refuse(400, "malformed", f"bad request: {safe(str(exc))}") from None
+            raise _Refuse(400, "malformed", f"bad request: {safe(str(exc))}") from None
         except (ConnectionError, OSError):
             att.end = "error"
         finally:
@@ -336,7 +336,7 @@ class EgressProxy:
             await up.write(out)
             att.end = await self._relay(att, None, up)
         except (h11.ProtocolError, OSError) as exc:
-            raise Refuse(502, "upstream", f"relaying to {host}: {safe(repr(exc))}") from None
+            raise _Refuse(502, "upstream", f"relaying to {host}: {safe(repr(exc))}") from None
         finally:
             up.close()
 

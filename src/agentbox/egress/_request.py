@@ -18,9 +18,9 @@ __all__ = [
     "HOP",
     "REASONS",
     "Attempt",
-    "Closed",
-    "Refuse",
     "Resolver",
+    "_Closed",
+    "_Refuse",
     "checked_host",
     "safe",
     "split_authority",
@@ -53,11 +53,11 @@ async def system_resolver(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-class Closed(Exception):
+class _Closed(Exception):
     """The client closed before sending a whole request head: nothing to answer or log."""
 
 
-class Refuse(Exception):
+class _Refuse(Exception):
     """An attempt the proxy answers with an error status (and logs as denied or failed)."""
 
     def __init__(self, status: int, rule: str, reason: str, *, address: str | None = None):
@@ -92,10 +92,10 @@ def safe(text: str, limit: int = 200) -> str:
 
 
 def split_authority(authority: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) → (host, port); Refuse 400 when malformed."""
+    """``host:port`` (``[v6]:port`` too) → (host, port); _Refuse 400 when malformed."""
     host, sep, port_s = authority.rpartition(":")
     if not sep or not port_s.isdigit() or not 0 < int(port_s) < 65536 or len(port_s) > 5:
-        raise Refuse(400, "malformed", f"CONNECT needs host:port, got {safe(authority)!r}")
+        raise _Refuse(400, "malformed", f"CONNECT needs host:port, got {safe(authority)!r}")
     return host, int(port_s)
 
 
@@ -105,9 +105,9 @@ def checked_host(raw: str) -> str:
     except ValueError:
         pass
     else:
-        raise Refuse(403, "ip-literal", f"{safe(raw)} is an IP address: name a host")
+        raise _Refuse(403, "ip-literal", f"{safe(raw)} is an IP address: name a host")
     try:
         return normalize_host(raw)
     except ValueError as exc:
         rule = "ip-literal" if "address" in str(exc) else "malformed"
-        raise Refuse(403 if rule == "ip-literal" else 400, rule, f"{safe(raw)!r}: {exc}") from None
+        raise _Refuse(403 if rule == "ip-literal" else 400, rule, f"{safe(raw)!r}: {exc}") from None
