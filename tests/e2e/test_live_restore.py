@@ -155,6 +155,14 @@ class Served:
 
     def kill(self, how: str, unit: UnitCgroup | None) -> None:
         if how == "cgroup" and unit is not None:
+            # What must outlive a unit restart may not be in the unit's cgroup: said here,
+            # by name, rather than as a task that hangs later (its monitor killed).
+            for pid in unit.pids():
+                with contextlib.suppress(psutil.Error):
+                    cmd = " ".join(psutil.Process(pid).cmdline())
+                    assert "conmon" not in cmd and "agentbox.gateway" not in cmd, (
+                        f"pid {pid} is in the launcher's unit cgroup, a restart kills it: {cmd}"
+                    )
             unit.kill()
         elif how == "group":
             with contextlib.suppress(ProcessLookupError):
