@@ -157,6 +157,9 @@ def session() -> Iterator[tuple[GuestSession, Gateway]]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -157,18 +157,18 @@ def test_a_control_message_on_a_stream_nobody_reads_breaks_the_channel(
     hostile: Hostile, tmp_path: Path, where: str
 ) -> None:
     hostile.greet()
-    if where == "stream 0 after hello":
-        hostile.ctrl({"op": "noise"}, 0)
-    elif where == "a host stream never opened":
-        hostile.ctrl({"op": "noise"}, 1000)
-    else:
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(str(tmp_path / "gw.sock"))
-        srv.listen(8)
-        hostile.session.gateway_socket = tmp_path / "gw.sock"
-        hostile.ctrl({"op": "gw_open"}, 7)
-        hostile.ctrl({"op": "noise" if where == "a gateway stream" else "gw_open"}, 7)
-    assert "protocol violation" in hostile.wait_broken()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        if where == "stream 0 after hello":
+            hostile.ctrl({"op": "noise"}, 0)
+        elif where == "a host stream never opened":
+            hostile.ctrl({"op": "noise"}, 1000)
+        else:
+            srv.bind(str(tmp_path / "gw.sock"))
+            srv.listen(8)
+            hostile.session.gateway_socket = tmp_path / "gw.sock"
+            hostile.ctrl({"op": "gw_open"}, 7)
+            hostile.ctrl({"op": "noise" if where == "a gateway stream" else "gw_open"}, 7)
+        assert "protocol violation" in hostile.wait_broken()
 
 
 def test_a_late_answer_on_a_closed_stream_is_dropped(hostile: Hostile) -> None:

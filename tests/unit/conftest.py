@@ -1,0 +1,46 @@
+"""Unit tests: a leaked file, socket or subprocess pipe fails the test that leaked it.
+
+``pyproject.toml`` still ignores ``ResourceWarning`` for the other suites (their
+real podman/QEMU fixtures are being cleaned up separately). Here it is an error,
+and so is the ``PytestUnraisableExceptionWarning`` that carries it when the leak
+is only noticed by the garbage collector (a ``__del__`` cannot raise).
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+
+_STRICT = (
+    pytest.mark.filterwarnings("error::ResourceWarning"),
+    pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"),
+)
+
+#: Modules whose leaks are known and not fixed yet, with why; this may only shrink.
+#: Their leftovers are collected (ignored) after each of their tests, so they
+#: cannot fail the next test instead.
+LEAKY = {
+    # The upstream pool's TLS test leaves a socket to the GC (a connection the
+    # asyncio server or the pool drops without close); the gateway is being reworked.
+    "tests/unit/test_gateway_upstream.py",
+}
+
+
+def _leaky(item: pytest.Item) -> bool:
+    return any(str(item.path).endswith(m) for m in LEAKY)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/tests/unit/" in str(item.path) and not _leaky(item):
+            for mark in _STRICT:
+                item.add_marker(mark)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if _leaky(item):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
