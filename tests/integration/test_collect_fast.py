@@ -74,9 +74,10 @@ def test_a_write_in_the_snapshots_second_is_collected(tmp_path: Path) -> None:
     assert not missed.changed, "the control should miss a same-second edit"
 
 
-@pytest.fixture
-def xfs(tmp_path: Path) -> Iterator[Path]:
-    """A small XFS (reflink on) on a loop device, mounted for the test; removed after."""
+@pytest.fixture(scope="module")
+def xfs_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A small XFS (reflink on) on a loop device, mounted for this module; removed after."""
+    tmp_path = tmp_path_factory.mktemp("xfs")
     if os.geteuid() != 0:
         pytest.skip("mounting a loop filesystem needs root")
     if shutil.which("mkfs.xfs") is None:
@@ -93,6 +94,17 @@ def xfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.fixture
+def xfs(xfs_mount: Path, tmp_path: Path) -> Iterator[Path]:
+    """A fresh directory on the module's XFS, emptied after the test."""
+    d = xfs_mount / tmp_path.name
+    d.mkdir()
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d)
 
 
 def _shared(path: Path) -> bool:
