@@ -33,6 +33,8 @@ pytestmark = [
     pytest.mark.podman,  # the image is built in podman's storage on every backend
     pytest.mark.claude,
     pytest.mark.slow,
+    # Two tasks per backend in one fixture; under TCG a pip install alone takes minutes.
+    pytest.mark.timeout(3600),
     pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
 ]
 
@@ -166,7 +168,7 @@ def runs(request: pytest.FixtureRequest) -> Iterator[tuple[str, Settings, dict[s
     (repo / ".agentbox" / "Boxfile.toml").write_text(
         f'image = "{IMAGE}"\n{BACKENDS[name]}\n[setup]\n'
         'run = ["python3 -m venv .venv", ".venv/bin/pip install -q -r requirements.txt"]\n'
-        'inputs = ["requirements.txt"]\nnetwork = "registries"\ndeadline = 1500\n'
+        'inputs = ["requirements.txt"]\nnetwork = "registries"\ndeadline = 2400\n'
     )
     git(repo, "init", "-q", "-b", "main")
     git(repo, "add", "-A")
@@ -178,10 +180,10 @@ def runs(request: pytest.FixtureRequest) -> Iterator[tuple[str, Settings, dict[s
         for task in ("cold", "warm"):
             req = TaskRequest(
                 repo=str(repo), task=f"env {task}: run the tests", model="replay-envb",
-                deadline=1500.0, task_id=f"envb-{name}-{task}-{NONCE}",
+                deadline=2400.0, task_id=f"envb-{name}-{task}-{NONCE}",
             )  # fmt: skip
             task_id = launcher.submit(req).id
-            info = launcher.wait(task_id, timeout=2400)
+            info = launcher.wait(task_id, timeout=3000)
             run = Run(info, launcher.result(task_id), repo, settings.data_dir / "tasks" / task_id)
             out[task] = run
             if key := (run.result.report.get("setup") or {}).get("key"):
