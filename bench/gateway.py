@@ -323,7 +323,7 @@ def main() -> None:
                         "compare_added_p99_ms": pct(o, 99) - pct(d, 99)}  # fmt: skip
             rows.append(row)
         rds, rgs = [], []
-        gw_cpu = up_cpu_direct = 0.0
+        gw_cpu = up_cpu_direct = old_cpu = 0.0
         n_rate = (args.rate_requests // 3 // 16) * 16
         for _ in range(3):
             c0 = cpu_seconds(up.pid)
@@ -332,11 +332,16 @@ def main() -> None:
             g0 = cpu_seconds(gw.pid)
             rgs.append(asyncio.run(rate(gw_port, token, 16, n_rate)))
             gw_cpu += cpu_seconds(gw.pid) - g0
+            if old is not None:
+                o0 = cpu_seconds(old.pid)
+                asyncio.run(rate(old_port, token, 16, n_rate))
+                old_cpu += cpu_seconds(old.pid) - o0
         rd, rg = max(rds), max(rgs)
         # CPU seconds the process itself used per request: what one whole core would do,
         # whatever else the shared machine was running.
         gw_core_rps = 3 * n_rate / gw_cpu if gw_cpu else float("nan")
         up_core_rps = 3 * n_rate / up_cpu_direct if up_cpu_direct else float("nan")
+        old_core_rps = 3 * n_rate / old_cpu if old_cpu else float("nan")
         load1 = os.getloadavg()
     finally:
         for p in procs:
@@ -356,6 +361,7 @@ def main() -> None:
             "ratio": rg / rd,
             "gateway_rps_per_cpu_second": gw_core_rps,
             "replay_rps_per_cpu_second": up_core_rps,
+            "compare_rps_per_cpu_second": old_core_rps,
         },
         "loadavg_before": load0,
         "loadavg_after": load1,
@@ -387,6 +393,7 @@ def main() -> None:
     print(
         f"  per CPU-second of the process: gateway {gw_core_rps:.0f} req, "
         f"replay model {up_core_rps:.0f} req"
+        + (f", compared gateway {old_core_rps:.0f} req" if cmp else "")
     )
 
 
