@@ -24,7 +24,7 @@ import typer
 
 from agentbox.cli._client import in_process
 from agentbox.cli._view import console, print_diff, print_flagged, safe
-from agentbox.collect._git import user_git
+from agentbox.collect import user_git
 from agentbox.errors import CommandError, PolicyRefused, RefusedError
 from agentbox.launcher.api import TaskInfo
 from agentbox.paths import validate_task_id

@@ -15,6 +15,7 @@ See docs/explanation/result-collection.md for the threat model and decisions.
 """
 
 from agentbox.collect._collect import branch_name, collect
+from agentbox.collect._git import user_git
 from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
 from agentbox.collect._prepare import prepare
 from agentbox.collect._publish import publish
@@ -32,4 +33,5 @@ __all__ = [
     "collect",
     "prepare",
     "publish",
+    "user_git",
 ]
