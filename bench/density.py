@@ -20,7 +20,7 @@ submit until all N agents are idle, and the tasks started per second.
 
 Everything started is cancelled and removed in a ``finally`` (Ctrl-C and SIGTERM
 included), then swept: any container with this data dir's label, any gateway or
-watchdog of this data dir.
+watchdog of this data dir, anything still mounted below the run's directory.
 
 Usage (as root, after scripts/setup.sh and ``agentbox image build``)::
 
@@ -204,6 +204,22 @@ def sweep(settings: Settings) -> list[str]:
     return left
 
 
+def unmount_under(base: Path) -> None:
+    """Unmount whatever is still mounted below ``base``, deepest first: a workspace disk
+    the backend could not settle (seen when a sandbox failed to start under load) would
+    otherwise keep the run's directory, and its loop device, alive."""
+    mounts = [
+        line.split()[1]
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+        if line.split()[1].startswith(f"{base}/")
+    ]
+    for m in sorted(mounts, key=len, reverse=True):
+        res = subprocess.run(["umount", m], capture_output=True, text=True, timeout=60)
+        if res.returncode != 0:
+            subprocess.run(["umount", "-l", m], capture_output=True, timeout=60)
+        print(f"unmounted leftover {m}", file=sys.stderr)
+
+
 def run_round(base: Path, n: int, timeout: float) -> dict[str, object]:
     """Start n idle tasks, measure, tear everything down."""
     data = base / f"data-{n}"
@@ -321,6 +337,7 @@ def main() -> int:
                 print(f"N={n}: {exc}", file=sys.stderr)
                 break
     finally:
+        unmount_under(base)
         shutil.rmtree(base, ignore_errors=True)
     report(rows)
     return 0 if rows else 1
