@@ -319,3 +319,19 @@ def test_writes_into_the_environment_are_bounded_by_the_disk_limit(
     plan.overlay.release()
     assert not os.path.ismount(layer) and not (t.root / "env").exists()
     assert (EnvStore(t.settings).tree(plan.report.key) / ".venv" / "f").read_text() == f"{nonce}\n"
+
+
+def test_the_default_image_makes_a_venv_with_pip(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    """The how-to's plain recipe works on the default image, no Containerfile: it has
+    ``python3-venv`` (venv + ensurepip + pip's bundled wheel), so ``python3 -m venv``
+    makes a venv with pip, offline; the frozen venv runs in the agent's sandbox."""
+    nonce = secrets.token_hex(4)
+    t = tasks({"README": "x\n"})
+    box = _box(default_image, [f"echo {nonce}", "python3 -m venv .venv", ".venv/bin/pip --version"])
+    plan = t.prepare(box)
+    assert plan.report.cache == "miss", plan.report.output_tail
+    assert "pip " in plan.report.output_tail and "ensurepip" not in plan.report.output_tail
+    code, out = t.run(box, ".venv/bin/python -c 'import sys; print(sys.prefix)'; .venv/bin/pip -V")
+    assert code == 0 and "/workspace/.venv" in out, out

@@ -61,6 +61,9 @@ PACKAGES: tuple[str, ...] = (
     "patch",
     "procps",
     "python3",
+    # venv + ensurepip + pip's bundled wheel: `python3 -m venv .venv` in a [setup] works
+    # on the default image, with no Containerfile (issue 12).
+    "python3-venv",
     "ripgrep",
     "sed",
     "tini",
