@@ -133,9 +133,14 @@ class UnitCgroup:
             time.sleep(0.05)
 
     def remove(self) -> None:
+        """Remove the unit cgroups, and the gateways' cgroup beside them once it is empty
+        (the launcher makes it on first use and leaves it: a test leaves nothing)."""
+        from agentbox.gateway._process import GATEWAY_CGROUP
+
         for d in self.dirs:
-            with contextlib.suppress(OSError):
-                d.rmdir()
+            for gone in (d, d.parent / GATEWAY_CGROUP):
+                with contextlib.suppress(OSError):
+                    gone.rmdir()
 
 
 class Served:
