@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -127,6 +128,9 @@ for h in a["unit_hierarchies"]:
     Path(f"/sys/fs/cgroup/{h}/{a['unit']}/cgroup.procs").write_text(str(os.getpid()))
 settings = Settings(data_dir=Path(a["data_dir"]), repos_root=Path(a["repos_root"]),
                     mount_roots=tuple(Path(p) for p in a["mount_roots"]))
+if a.get("no_second_line"):  # only what launch does before conmon exists
+    import agentbox.backends._podman_detach as d
+    d.place_conmon = lambda pid: []
 spec = SandboxSpec(name=a["name"], image=a["image"], workspace=Path(a["ws"]), deadline=120)
 PodmanBackend(settings).launch(spec, a["argv"], log=Path(a["log"]))
 print("launched", flush=True)
@@ -472,3 +476,95 @@ def test_a_launched_sandbox_has_the_posture_of_any_other(
     assert not posture.ok
     weak.kill(weak_name)
     weak.follow(weak_name, log=log, on_stdout=None, on_stderr=None)
+
+
+def _launch_in_unit(
+    settings: Settings, image: str, ws: Path, name: str, unit: str, argv: list[str], **kw: object
+) -> subprocess.Popen[bytes]:
+    """A launcher child in the emulated unit ``unit`` launches ``name``; returns the child."""
+    args = {
+        "data_dir": str(settings.data_dir),
+        "repos_root": str(settings.repos_root),
+        "mount_roots": [str(p) for p in settings.mount_roots],
+        "name": name,
+        "image": image,
+        "ws": str(ws),
+        "log": str(settings.data_dir / "sandbox.log"),
+        "argv": argv,
+        "unit": unit,
+        "unit_hierarchies": UNIT_HIERARCHIES,
+        **kw,
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, json.dumps(args)], stdout=subprocess.PIPE
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline() == b"launched\n", "the launcher child failed"
+    return child
+
+
+def test_conmon_is_born_outside_the_callers_unit(
+    sandbox_settings: Settings,
+    default_image: str,
+    make_workspace: Callable[[], Path],
+    unit_cgroup: str,
+    cleanup: list[str],
+) -> None:
+    """No window: with the after-the-fact move (place_conmon) disabled, conmon is still
+    in none of the unit's cgroups (a launcher killed right after ``podman run -d``
+    returned, before any move, leaves nothing for the next unit kill)."""
+    name = f"det-born-{os.getpid()}"
+    cleanup.append(name)
+    child = _launch_in_unit(
+        sandbox_settings,
+        default_image,
+        make_workspace(),
+        name,
+        unit_cgroup,
+        ["sleep", "30"],
+        no_second_line=True,
+    )
+    try:
+        info = detach.inspect(name)
+        assert info is not None
+        conmon = detach.conmon_of(info)
+        assert conmon is not None
+        for h in UNIT_HIERARCHIES:
+            procs = (Path("/sys/fs/cgroup") / h / unit_cgroup / "cgroup.procs").read_text()
+            assert str(conmon.pid) not in procs.split(), f"conmon was born in the unit's {h} cgroup"
+    finally:
+        child.kill()
+        child.wait(10)
+    PodmanBackend(sandbox_settings).reap(name)
+
+
+def test_follow_returns_when_conmon_dies(
+    sandbox_settings: Settings,
+    default_image: str,
+    make_workspace: Callable[[], Path],
+    cleanup: list[str],
+) -> None:
+    """conmon SIGKILLed under a running sandbox (podman still says it runs): follow does
+    not wait for ever; the orphaned sandbox is killed, reported, and nothing is left."""
+    ws = make_workspace()
+    name = f"det-noconmon-{os.getpid()}"
+    cleanup.append(name)
+    log = sandbox_settings.data_dir / "sandbox.log"
+    backend = PodmanBackend(sandbox_settings)
+    spec = _spec(sandbox_settings, default_image, ws, name, deadline=600)
+    backend.launch(spec, ["sh", "-c", "echo up; exec sleep 600"], log=log)
+    info = detach.inspect(name)
+    assert info is not None
+    conmon = detach.conmon_of(info)
+    assert conmon is not None
+    conmon.kill()
+    conmon.wait(10)
+    box: dict[str, object] = {}
+    t = threading.Thread(target=lambda: box.update(r=_follow(backend, name, log)), daemon=True)
+    t.start()
+    t.join(120)  # the harness's bound; the fix returns at once
+    assert not t.is_alive(), "follow hung on a sandbox whose conmon is dead"
+    ended, out, _ = box["r"]  # type: ignore[misc]
+    assert out == b"up\n"
+    assert ended.exit_code != 0 and not ended.timed_out
+    _assert_clean(sandbox_settings, name, ws, log)

@@ -9,21 +9,42 @@ unit. ``systemctl restart`` of the launcher's unit (``KillMode=control-group``)
 would then kill conmon: the container would run on unmonitored, with no exit
 code recorded and no ``--timeout``. ``podman run --cgroups`` offers nothing
 better (``split`` needs the systemd manager; ``no-conmon`` leaves it in all of
-ours), so :func:`place_conmon` moves it into ``libpod_parent/conmon`` of those
-hierarchies as well, right after the start. Where the caller sits at a
-hierarchy's root (no unit), nothing moves.
+ours), so conmon is **born** outside them: :func:`born_outside` wraps the
+``podman run -d`` argv in a tiny ``sh`` that writes its own pid into
+``libpod_parent/conmon/cgroup.procs`` of those two hierarchies and only
+then runs ``exec podman``: podman, and the conmon it forks, start there. That is
+race-free where a move after the start is not: a launcher killed between
+``podman run -d`` returning and a move would leave conmon in the unit, and the
+unit's next kill would kill it. (A move of the child by the parent between fork
+and exec needs ``preexec_fn``, unsafe in a threaded launcher; ``posix_spawn`` has
+no hook there.) :func:`place_conmon` stays as a second line, after the start and
+whenever a follower or an adopter looks at conmon. Where the caller sits at a
+hierarchy's root (no unit), nothing moves. The v1 *controller* hierarchies are
+left to podman (a ``cpuset`` cgroup made by us would have no cpus or mems).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 
 from agentbox._log import get_logger
 
-__all__ = ["cgroups_of", "place_conmon"]
+__all__ = ["born_outside", "cgroups_of", "place_conmon"]
 
 logger = get_logger("podman.cgroup")
+
+#: The hierarchies systemd tracks a unit by (keys of :func:`cgroups_of`).
+UNIT_KEYS = ("name=systemd", "0")
+
+#: ``sh -c`` script: enter each cgroup.procs file named before ``--``, then exec the rest.
+#: A file it cannot enter is said on stderr and skipped (place_conmon then moves conmon).
+_ENTER = (
+    'while [ "$#" -gt 0 ] && [ "$1" != -- ]; do '
+    '{ echo $$ > "$1"; } 2>/dev/null || echo "agentbox: could not enter $1" >&2; shift; '
+    'done; shift; exec "$@"'
+)
 
 
 def _cgroup_mounts() -> dict[str, Path]:
@@ -83,3 +104,31 @@ def place_conmon(pid: int) -> list[str]:
     if moved:
         logger.debug("conmon moved out of the caller's cgroups", pid=pid, hierarchies=moved)
     return moved
+
+
+def _conmon_homes() -> list[Path]:
+    """``cgroup.procs`` of ``libpod_parent/conmon`` in each unit hierarchy where this
+    process sits below the root (made if missing)."""
+    mine, mounts = cgroups_of("self"), _cgroup_mounts()
+    homes = []
+    for key in UNIT_KEYS:
+        path = mine.get(key)
+        if path in (None, "", "/") or key not in mounts:
+            continue
+        target = mounts[key] / "libpod_parent" / "conmon"
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            logger.warning("no cgroup to start conmon in", hierarchy=key, error=str(exc))
+            continue
+        homes.append(target / "cgroup.procs")
+    return homes
+
+
+def born_outside(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that it (and conmon, which podman forks) starts outside this
+    process's unit cgroups; ``argv`` itself where there is no unit to leave."""
+    homes = _conmon_homes()
+    if not homes:
+        return list(argv)
+    return ["sh", "-c", _ENTER, "sh", *(str(h) for h in homes), "--", *argv]

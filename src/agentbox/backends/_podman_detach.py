@@ -14,8 +14,10 @@ cgroups: under the cgroupfs manager on a v1/hybrid host, podman moves conmon out
 of its caller's cgroup in every v1 *controller* hierarchy (to
 ``/libpod_parent/conmon``), but leaves it in the caller's ``name=systemd`` and
 unified (``0::``) cgroups, the ones systemd tracks a unit by: a ``systemctl
-restart`` of the launcher's unit would kill it. :func:`place_conmon` moves it
-there too (``libpod_parent/conmon`` of those hierarchies), right after the start.
+restart`` of the launcher's unit would kill it. So ``podman run -d`` runs through
+:func:`born_outside`: podman and its conmon start in ``libpod_parent/conmon`` of
+those hierarchies, with no window in which a unit kill reaches conmon;
+:func:`place_conmon` moves a stray one there after the start and on every follow.
 
 :meth:`~PodmanDetached.follow`, from any process, reads the log from its start
 and watches conmon (no podman client held: one short ``podman inspect`` at the
@@ -53,7 +55,7 @@ from agentbox.backends._podman_args import (
     image_facts,
     run_args,
 )
-from agentbox.backends._podman_cgroup import place_conmon
+from agentbox.backends._podman_cgroup import born_outside, place_conmon
 from agentbox.backends._podman_disk import WorkspaceDisk, settle_orphan_disks
 from agentbox.backends._podman_log import LogReader, exit_marker, read_exit, write_exit
 from agentbox.backends._podman_util import conmon_cwd, env_file, force_remove, kill
@@ -157,7 +159,7 @@ class PodmanDetached:
                 args += entry_argv(spec, argv)
                 try:
                     ran = True
-                    _proc.run(args, timeout=120, cwd=conmon_cwd())
+                    res = _proc.run(born_outside(args), timeout=120, cwd=conmon_cwd())
                 except CommandError as exc:
                     if "already in use" in exc.stderr:  # a launch that raced ours: not ours
                         ran = False
@@ -165,6 +167,8 @@ class PodmanDetached:
                         forget_image(spec.image)
                         image_facts(spec.image, refresh=True)  # raises ImageError
                     raise SandboxError(f"could not start: {exc}", sandbox=spec.name) from exc
+                if "agentbox: could not enter" in res.stderr:
+                    logger.warning("conmon born in our cgroup", sandbox=spec.name, why=res.stderr)
             conmon = conmon_of(inspect(spec.name) or {})
             if conmon is not None:
                 place_conmon(conmon.pid)
