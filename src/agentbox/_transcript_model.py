@@ -20,6 +20,7 @@ __all__ = [
     "TestCommand",
     "Transcript",
     "TranscriptPage",
+    "TurnTokens",
 ]
 
 #: The most of ``agent.jsonl`` read (its head; a longer file is marked truncated).
@@ -59,6 +60,27 @@ class Event(BaseModel):
     """A tool result's full output length; more than ``len(text)`` when it was capped."""
     line: int | None = None
     """Its line in ``logs/agent.jsonl`` (where the full text is)."""
+    message_id: str | None = None
+    """The assistant message (model turn) a text or tool call came in."""
+    tokens: TokenUsage | None = None
+    """The turn's tokens as the gateway metered them, on the turn's first event only
+    (so summing events counts each turn once); None when the gateway has no record."""
+
+
+class TurnTokens(BaseModel):
+    """One model request as the gateway metered it (``requests.jsonl``, never model text)."""
+
+    message_id: str | None = None
+    """The upstream's message id: Claude Code's assistant ``message.id`` for an agent turn."""
+    time: float | None = None
+    tokens: TokenUsage = Field(default_factory=TokenUsage)
+    status: int = 0
+    """The upstream's HTTP status."""
+    stop_reason: str | None = None
+    complete: bool = True
+    """False: the stream broke and the worst case was charged."""
+    in_transcript: bool = False
+    """An agent event carries it (else a request Claude Code made on the side)."""
 
 
 class TestCommand(BaseModel):
@@ -80,6 +102,8 @@ class Transcript(BaseModel):
     """Model turns (distinct assistant messages)."""
     tokens: TokenUsage = Field(default_factory=TokenUsage)
     """As the gateway metered them (never from the model's own text)."""
+    turn_tokens: list[TurnTokens] = Field(default_factory=list)
+    """Every model request the gateway forwarded, in order, with what it cost."""
     refusals: dict[str, int] = Field(default_factory=dict)
     """Requests the gateway refused, by reason."""
     skipped_lines: int = 0

@@ -136,8 +136,9 @@ class _Parser:
             self.skipped += 1
             return
         mid = msg.get("id")
-        if isinstance(mid, str) and len(self.messages) < MAX_EVENTS:
-            self.messages.add(mid[:100])
+        turn: str | None = mid[:100] if isinstance(mid, str) and mid else None
+        if turn is not None and len(self.messages) < MAX_EVENTS:
+            self.messages.add(turn)
         content = msg.get("content")
         if not isinstance(content, list):
             return
@@ -147,7 +148,8 @@ class _Parser:
             btype = block.get("type")
             if btype == "text" and isinstance(block.get("text"), str):
                 if block["text"].strip():
-                    self.add(time=t, kind="text", text=cap(block["text"], MAX_INPUT_CHARS), line=n)
+                    self.add(time=t, kind="text", text=cap(block["text"], MAX_INPUT_CHARS), line=n,
+                             message_id=turn)  # fmt: skip
             elif btype == "tool_use":
                 name = _str(block.get("name"), 100) or "?"
                 tid = _str(block.get("id"), 100) or None
@@ -159,7 +161,8 @@ class _Parser:
                 if name == "Bash" and is_test_command(inp):
                     self.last_test = TestCommand(command=inp)
                     self.test_id = tid
-                self.add(time=t, kind="tool_call", tool=name, tool_id=tid, input=inp, line=n)
+                self.add(time=t, kind="tool_call", tool=name, tool_id=tid, input=inp, line=n,
+                         message_id=turn)  # fmt: skip
 
     def user(self, msg: object, t: float | None, n: int) -> None:
         content = msg.get("content") if isinstance(msg, dict) else None

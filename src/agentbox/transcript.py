@@ -14,7 +14,10 @@ most :data:`MAX_EVENTS` events, caps every text it keeps (a tool's output to
 ``max_output`` characters, its tail kept; the full text stays in
 ``agent.jsonl`` at the event's ``line``) and never raises on content. Nothing
 is taken from the model's text as a fact about tokens: token counts come from
-the gateway's usage file only. Every string may hold what the agent chose:
+the gateway's usage file and its request ledger (``requests.jsonl``: one
+record per model request, keyed by the upstream's message id, which is the
+assistant message id in Claude Code's stream: each turn's first event carries
+that turn's tokens). Every string may hold what the agent chose:
 print it through :func:`agentbox._text.visible` (the CLI does), frame it for a
 model (the MCP server does).
 """
@@ -37,6 +40,7 @@ from agentbox._transcript_model import (
     TestCommand,
     Transcript,
     TranscriptPage,
+    TurnTokens,
 )
 from agentbox._transcript_parse import cap, is_test_command, parse_agent_jsonl, read_lines
 from agentbox._wire import TokenUsage
@@ -49,6 +53,7 @@ __all__ = [
     "TestCommand",
     "Transcript",
     "TranscriptPage",
+    "TurnTokens",
     "event_text",
     "is_test_command",
     "page",
@@ -104,6 +109,28 @@ def _gateway(paths_root: Path) -> tuple[TokenUsage, dict[str, int], list[Event]]
     return tokens, refusals, events
 
 
+def _turn_tokens(task_root: Path, agent: list[Event]) -> list[TurnTokens]:
+    """The gateway's request records; each agent turn's first event gets its tokens."""
+    from agentbox.gateway import read_requests
+
+    turns: list[TurnTokens] = []
+    by_id: dict[str, TurnTokens] = {}
+    for r in read_requests(task_root / "usage.json"):
+        tokens = TokenUsage(input=r.input, output=r.output, cache_creation=r.cache_creation,
+                            cache_read=r.cache_read)  # fmt: skip
+        turn = TurnTokens(message_id=r.message_id, time=r.time, tokens=tokens, status=r.status,
+                          stop_reason=r.stop_reason, complete=r.complete)  # fmt: skip
+        turns.append(turn)
+        if r.message_id is not None:
+            by_id.setdefault(r.message_id, turn)
+    for e in agent:
+        joined = by_id.get(e.message_id) if e.message_id is not None else None
+        if joined is not None and not joined.in_transcript:
+            joined.in_transcript = True
+            e.tokens = joined.tokens
+    return turns
+
+
 def read_transcript(
     task_root: Path, *, created_at: float | None = None, max_output: int = DEFAULT_OUTPUT_CHARS
 ) -> Transcript:
@@ -113,6 +140,7 @@ def read_transcript(
     p, _ = parse_agent_jsonl(logs / "agent.jsonl", max_output=max_output)
     phases = _launcher_events(logs / "launcher.log", created_at)
     tokens, refusals, gw = _gateway(task_root)
+    turn_tokens = _turn_tokens(task_root, p.events)
     # Agent events without a time (init, result) take their neighbour's: stable order.
     agent = p.events
     start = next((e.time for e in phases if e.text.startswith("running ")), None)
@@ -141,6 +169,7 @@ def read_transcript(
         last_test_command=p.last_test,
         turns=len(p.messages),
         tokens=tokens,
+        turn_tokens=turn_tokens,
         refusals=refusals,
         skipped_lines=p.skipped,
         truncated=p.truncated or len(merged) > MAX_EVENTS,
@@ -187,6 +216,9 @@ def event_text(e: Event, *, tail_lines: int | None = 12) -> str:
     """One event as plain text lines (for a model to read: frame it, it is the agent's)."""
     when = time.strftime("%H:%M:%S", time.gmtime(e.time)) + "Z" if e.time is not None else "?"
     head = f"[{e.seq}] {when}"
+    if e.tokens is not None:
+        t = e.tokens
+        head += f" [{t.input + t.cache_creation + t.cache_read:,} in / {t.output:,} out tokens]"
     if e.kind == "tool_call":
         shown = f"$ {e.input}" if e.tool == "Bash" else (e.input or "")
         return f"{head} {e.tool} {shown}"

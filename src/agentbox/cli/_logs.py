@@ -49,6 +49,19 @@ def _one_line(text: str, n: int = 300) -> str:
 
 
 def event_lines(e: Event, *, full: bool) -> list[Text]:
+    """One event as printable lines; a turn's first event is preceded by its tokens."""
+    lines = _event_lines(e, full=full)
+    if e.tokens is not None:
+        t = e.tokens
+        said = (
+            f"{_clock(e.time)} {'turn':<8} tokens (metered by the gateway): in {t.input:,} · "
+            f"out {t.output:,} · cache {t.cache_read + t.cache_creation:,}"
+        )
+        lines.insert(0, Text(said, style="dim"))
+    return lines
+
+
+def _event_lines(e: Event, *, full: bool) -> list[Text]:
     """One event as printable lines (plain text: the agent's characters made visible)."""
     head = Text(f"{_clock(e.time)} ", style="dim")
     pad = " " * 9

@@ -16,6 +16,7 @@ What the launcher calls::
 
 from typing import TYPE_CHECKING, Any
 
+from agentbox.gateway._reqlog import read_requests as read_requests
 from agentbox.gateway._usage import Usage, read_usage
 from agentbox.gateway.registry import (
     DEFAULT_MODEL,

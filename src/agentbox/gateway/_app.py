@@ -36,6 +36,7 @@ from agentbox._log import get_logger
 from agentbox.gateway._budget import Ledger, Refusal
 from agentbox.gateway._forward import Forwarding, clamp, printable, serialise
 from agentbox.gateway._policy import PolicyViolation, check_request, filter_betas
+from agentbox.gateway._reqlog import RequestLog
 from agentbox.gateway._upstream import Pool, make_pool
 from agentbox.gateway._usage import write_bytes_atomic, write_usage
 from agentbox.gateway._wire import (
@@ -117,6 +118,7 @@ class Gateway(Forwarding):
             self._usage_dir_fd = os.open(
                 cfg.usage_file.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
             )
+            self._reqlog = RequestLog(self._usage_dir_fd, cfg.usage_file.parent)
         self.write_usage()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -145,6 +147,8 @@ class Gateway(Forwarding):
                 break
             await asyncio.sleep(0.01)
         self.write_usage()
+        if self._reqlog is not None:
+            self._reqlog.close()
 
     def write_usage(self) -> None:
         """Replace the usage file with the current totals now, on this thread."""
@@ -407,8 +411,7 @@ class Gateway(Forwarding):
         finally:
             # Whatever happened (client gone, cancelled at shutdown, a bug): if nothing
             # settled it, the worst case stays charged.
-            if not reservation.settled:
-                self.ledger.settle(reservation, None, complete=False)
+            self.settle(reservation, None, complete=False)
 
     @staticmethod
     def _validate(route: str, req: dict[str, Any]) -> str | None:

@@ -15,7 +15,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from agentbox.gateway._budget import Ledger, Reservation
-from agentbox.gateway._meter import StreamMeter, usage_from_message
+from agentbox.gateway._meter import StreamMeter, TokenCount, message_meta, usage_from_message
+from agentbox.gateway._reqlog import RequestLog
 from agentbox.gateway._upstream import Pool, UpstreamError, UpstreamResponse, UpstreamTimeout
 from agentbox.gateway._wire import Receive, Scope, Send, error_body, header, send_error, send_json
 
@@ -44,6 +45,29 @@ class Forwarding:
     cfg: GatewayConfig
     ledger: Ledger
     _upstream_auth: list[tuple[str, str]]
+    _reqlog: RequestLog | None = None
+
+    def settle(
+        self,
+        res: Reservation,
+        count: TokenCount | None,
+        *,
+        complete: bool,
+        status: int = 0,
+        meta: tuple[object, object, object] = (None, None, None),
+    ) -> None:
+        """Settle ``res`` and append what was charged to the request ledger.
+
+        ``status``: the upstream's HTTP status (0: no answer was read);
+        ``meta``: the message's id, model and stop_reason as the upstream sent them.
+        """
+        if res.settled:
+            return
+        count = count if count is not None else TokenCount()
+        self.ledger.settle(res, count, complete=complete)  # fills in the worst case charged
+        if self._reqlog is not None:
+            self._reqlog.append(message_id=meta[0], model=meta[1], counts=count, status=status,
+                                stop_reason=meta[2], complete=complete)  # fmt: skip
 
     def pool(self) -> Pool:
         """The upstream connection pool."""
@@ -155,17 +179,27 @@ class Forwarding:
                 self.ledger.usage.upstream_errors += 1
                 content = await self._read_capped(resp, _MAX_ERROR_BODY)
                 self.ledger.release(res)
+                if self._reqlog is not None:  # not billed: a record of the status only
+                    self._reqlog.append(
+                        message_id=None,
+                        model=None,
+                        counts=TokenCount(),
+                        status=resp.status,
+                        stop_reason=None,
+                        complete=True,
+                    )
                 await self._send_upstream_error(send, resp.status, content or b"", resp)
             elif (resp.header("content-type") or "").startswith("text/event-stream"):
                 await self._stream(resp, res, receive, send)
             else:
                 content = await self._read_capped(resp, _MAX_UPSTREAM_BODY)
                 if content is None:
-                    self.ledger.settle(res, None, complete=False)
+                    self.settle(res, None, complete=False, status=resp.status)
                     await send_error(send, 502, "upstream answer too large")
                     return
                 count = usage_from_message(content)
-                self.ledger.settle(res, count, complete=count is not None)
+                self.settle(res, count, complete=count is not None, status=resp.status,
+                            meta=message_meta(content))  # fmt: skip
                 await send_json(send, resp.status, content, self._reply_headers(resp))
         finally:
             await resp.aclose()
@@ -213,7 +247,8 @@ class Forwarding:
                 task.cancel()
             await asyncio.gather(pumping, watching, return_exceptions=True)
         complete = meter.finished and meter.delta_seen and meter.count.input is not None
-        self.ledger.settle(res, meter.count, complete=complete)
+        meta = (meter.message_id, meter.model, meter.stop_reason)
+        self.settle(res, meter.count, complete=complete, status=resp.status, meta=meta)
         if pumping in done:
             broke = pumping.exception() is not None or not meter.finished
             if broke and meter.error is None:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StreamMeter", "TokenCount", "usage_from_message"]
+__all__ = ["StreamMeter", "TokenCount", "message_meta", "usage_from_message"]
 
 _INTERESTING = (b"message_start", b"message_delta", b"message_stop", b"error")
 #: An SSE event bigger than this is not buffered for metering (deltas only; usage is tiny).
@@ -59,6 +59,17 @@ def usage_from_message(body: bytes) -> TokenCount | None:
     return count
 
 
+def message_meta(body: bytes) -> tuple[object, object, object]:
+    """A non-streamed response's ``id``, ``model`` and ``stop_reason`` (unchecked values)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None, None, None
+    if not isinstance(doc, dict):
+        return None, None, None
+    return doc.get("id"), doc.get("model"), doc.get("stop_reason")
+
+
 class StreamMeter:
     """Incremental SSE reader that collects usage from a Messages API stream."""
 
@@ -72,6 +83,11 @@ class StreamMeter:
         """A ``message_delta`` with usage was seen (output count is final for the message)."""
         self.error: str | None = None
         """The type of an ``error`` event in the stream, if one came."""
+        self.message_id: object = None
+        """``message_start``'s ``message.id`` as sent (unchecked: the ledger checks it)."""
+        self.model: object = None
+        self.stop_reason: object = None
+        """``message_delta``'s ``delta.stop_reason`` as sent."""
         self._buf = b""
         self._skipping = False
 
@@ -118,7 +134,11 @@ class StreamMeter:
             msg = doc.get("message")
             if isinstance(msg, dict):
                 self.count.update(msg.get("usage"))
+                self.message_id, self.model = msg.get("id"), msg.get("model")
         elif kind == "message_delta":
+            delta = doc.get("delta")
+            if isinstance(delta, dict) and "stop_reason" in delta:
+                self.stop_reason = delta["stop_reason"]
             if isinstance(doc.get("usage"), dict):
                 self.delta_seen = True
                 self.count.update(doc["usage"])
