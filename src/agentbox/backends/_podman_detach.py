@@ -208,7 +208,9 @@ class PodmanDetached:
             deadline = float("inf")
         started = _when(_state(info).get("StartedAt")) or time.time()
         conmon = conmon_of(info)
-        killed = False
+        if conmon is not None:
+            place_conmon(conmon.pid)  # a stray conmon (born in our unit) leaves it now
+        killed = orphaned = False
         with LogReader(log, on_stdout, on_stderr) as reader:
             while True:
                 reader.pump()
@@ -225,6 +227,11 @@ class PodmanDetached:
                     break
                 if _state(info).get("Running") is True:
                     conmon = conmon_of(info)
+                    if conmon is None:  # killed under a live sandbox: nobody would end it
+                        orphaned = True
+                        _end_orphan(name, info)
+                        info = inspect(name)
+                        break
                     time.sleep(max(poll, 1.0))
                     continue
                 break
@@ -234,7 +241,8 @@ class PodmanDetached:
                 return self._replay(name, log, None, None, replayed=True)
         state = _state(info)
         code = state.get("ExitCode")
-        exit_code = code if isinstance(code, int) else -1
+        # An orphan's exit code died with its conmon (podman's 0 is only its default).
+        exit_code = code if isinstance(code, int) and not orphaned else -1
         finished = _when(state.get("FinishedAt")) or time.time()
         # conmon's --timeout SIGKILLs the sandbox and leaves no exit status: podman then
         # reports -1. Past the deadline that is our kill, reported as run() reports one.
@@ -255,6 +263,9 @@ class PodmanDetached:
         info = inspect(name)
         if info is None or not self._ours(name, info):
             return False
+        conmon = conmon_of(info)
+        if conmon is not None:
+            place_conmon(conmon.pid)  # an adopter fixes a conmon left in the old unit
         have = _labels_of(info)
         return all(have.get(k) == v for k, v in labels.items())
 
@@ -309,6 +320,29 @@ class PodmanDetached:
                 conmon.wait(CONMON_EXIT_WAIT)
         for done in settle_orphan_disks(self.settings, name):
             log_event("workspace disk copied back", done)
+
+
+def _end_orphan(name: str, info: Mapping[str, Any]) -> None:
+    """The sandbox's conmon is gone but podman says it runs: if its process lives, it
+    runs unmonitored (no output recorded, no exit code, no ``--timeout``): kill it
+    now (its deadline at the latest) and wait (bounded) for its process to go."""
+    pid = _state(info).get("Pid")
+    proc = None
+    with contextlib.suppress(psutil.Error, TypeError, ValueError):
+        proc = psutil.Process(int(pid)) if isinstance(pid, int) and pid > 0 else None
+    if proc is not None and _running(proc):
+        logger.warning(
+            "sandbox orphaned: its conmon is gone, its process runs; killing it",
+            sandbox=name,
+            pid=proc.pid,
+        )
+        kill(name)
+        with contextlib.suppress(psutil.Error):
+            proc.wait(CONMON_EXIT_WAIT)
+    else:
+        logger.warning(
+            "sandbox ended with its conmon gone: its exit code is unknown (-1)", sandbox=name
+        )
 
 
 def log_event(what: str, name: str, **kw: object) -> None:

@@ -96,6 +96,9 @@ def ended(
         return "timed_out", f"killed at its deadline ({deadline:g}s)", exit_code
     if exit_code == 0:
         return "done", None, exit_code
+    if exit_code == -1:
+        why = "the agent's end is unknown: its sandbox's monitor died (see the launcher log)"
+        return "failed", f"{why}; partial result collected", exit_code
     return "failed", f"the agent exited with code {exit_code}", exit_code
 
 
