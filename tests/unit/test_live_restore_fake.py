@@ -421,3 +421,48 @@ def test_a_plain_stop_leaves_detached_tasks_running_and_queued_ones_queued(
             info = la2.wait(second, timeout=30)
     assert info.status == "done", info.error
     assert _launches(f"agentbox-task-{second}") == 1
+
+
+def test_a_foreground_run_leaves_other_tasks_to_the_launcher_service(
+    settings: Settings, fake: type[FakeBackend], repo: Path, freezer: Any
+) -> None:
+    """A foreground ``agentbox run`` reconciles without adopting (A5's finding): another
+    dead launcher's running task and queued task are neither followed nor run by it
+    (their sandbox and gateway are left running, their owner unclaimed), so its
+    ``close()`` does not wait for them; the launcher service then takes both over."""
+    running, queued = _new_id(11), _new_id(12)
+    go = threading.Event()
+
+    def agent(box: FakeSandbox, argv: Sequence[str]) -> None:
+        go.wait(60)
+        box._write("f.txt", b"f\n")
+
+    la1 = Launcher(settings, max_tasks=1)
+    with FakeBackend.scripted(FakeScript(action=agent)):
+        reached = freezer("follow", running)
+        _submit(la1, repo, running)
+        assert reached.wait(30)
+        _submit(la1, repo, queued)
+        la1.close(wait=False)
+        _dead_owner(la1.store, running, queued)
+        dead = la1.store.get(running).owner
+        fg = Launcher(settings)
+        try:
+            assert fg.reconcile(adopt=False) == []
+            assert FakeBackend.live(f"agentbox-task-{running}") is not None  # not reaped
+            assert GATEWAYS[0].alive()  # its gateway neither
+            closing = threading.Thread(target=fg.close, daemon=True)
+            closing.start()
+            closing.join(30)  # the harness's bound: close waits for nothing of theirs
+            assert not closing.is_alive(), "the foreground launcher waits for another's task"
+        finally:
+            go.set()
+            fg.close()
+        assert fg.store.get(running).owner == dead and fg.store.get(running).adoptions == 0
+        assert fg.store.get(queued).status == "queued" and fg.store.get(queued).owner == dead
+        with Launcher(settings, max_tasks=1) as service:
+            assert set(service.reconcile()) == {running, queued}
+            infos = [service.wait(t, timeout=30) for t in (running, queued)]
+    assert [i.status for i in infos] == ["done", "done"], [i.error for i in infos]
+    assert _launches(f"agentbox-task-{running}") == 1
+    assert _launches(f"agentbox-task-{queued}") == 1

@@ -196,7 +196,7 @@ def _foreground(req: TaskRequest, box: Boxfile | None, *, as_json: bool) -> None
     # and the task is settled by the next launcher (or `agentbox wait`/`show`).
     with exit_on_signals():
         try:
-            launcher.reconcile()
+            launcher.reconcile(adopt=False)  # others' tasks are the service's to adopt
             info = launcher.submit(req, boxfile=box)
             info = _follow(launcher, info, as_json=as_json)
         except KeyboardInterrupt:

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Collection
 
 import psutil
 
@@ -66,6 +67,7 @@ __all__ = [
     "requeue",
     "settle_orphan",
     "stop_gateway",
+    "take_over",
 ]
 
 log = get_logger("launcher.adopt")
@@ -268,12 +270,67 @@ def settle_orphan(settings: Settings, store: Store, row: TaskRow, why: str | Non
     finish_orphan(settings, store, store.get(row.id))
 
 
-def remove_orphans(settings: Settings, store: Store) -> None:
+def take_over(
+    settings: Settings, store: Store, me: Owner, *, adopt: bool = True
+) -> tuple[list[str], list[str], list[TaskRow]]:
+    """Claim and sort the tasks whose launcher died: (settled ids, ids to queue again,
+    rows to follow); then remove orphan sandboxes and gateways.
+
+    ``adopt=False`` (a foreground run): a task a launcher service would run again or
+    re-adopt (queued; running detached and adoptable, or never started) is not
+    claimed, and its sandbox and gateway are not orphans; only the rest is settled.
+    """
+    settled: list[str] = []
+    requeued: list[str] = []
+    adopted: list[TaskRow] = []
+    left: set[str] = set()
+    for row in sorted(store.all(), key=lambda r: r.created_at):
+        if row.info().terminal or row.owner is None or row.owner.alive() or row.owner == me:
+            continue
+        if not adopt and _for_a_service(settings, row):
+            left.add(row.id)
+            continue
+        if not store.claim(row.id, row.owner, me):
+            continue
+        settled.append(row.id)
+        if row.status == "queued" and requeue(settings, store, row):
+            requeued.append(row.id)
+            continue
+        if row.status == "running":
+            why = adopt_refusal(settings, row)
+            if why is None:
+                adopted.append(store.get(row.id))
+                continue
+            if never_started(settings, row) and requeue(settings, store, row):
+                requeued.append(row.id)  # died while launching: the agent never ran
+                continue
+            settle_orphan(settings, store, row, why)
+            continue
+        settle_orphan(settings, store, row, None)
+    if left:
+        log.info("tasks of a dead launcher left to the launcher service", tasks=sorted(left))
+    remove_orphans(settings, store, keep=left)
+    return settled, requeued, adopted
+
+
+def _for_a_service(settings: Settings, row: TaskRow) -> bool:
+    """Whether a launcher service would queue ``row`` again or re-adopt it."""
+    if row.status == "queued":
+        return True
+    if row.status != "running":
+        return False
+    return adopt_refusal(settings, row) is None or never_started(settings, row)
+
+
+def remove_orphans(settings: Settings, store: Store, *, keep: Collection[str] = ()) -> None:
+    """Reap every sandbox and gateway of this data dir that no live task holds and no
+    task in ``keep`` (left for another launcher) does."""
+    held = [r for r in store.all() if not r.info().terminal and r.id in keep]
     live = {
         r.sandbox
         for r in store.all()
         if r.sandbox and not r.info().terminal and r.owner is not None and r.owner.alive()
-    }
+    } | {r.sandbox for r in held if r.sandbox}
     # Every backend lists the sandboxes this data dir owns; each one no live task
     # holds is reaped by its own backend's verb (killed, what it wrote saved, removed;
     # a microVM whose owner is alive, an exec/shell, is left be by its backend).
@@ -289,7 +346,7 @@ def remove_orphans(settings: Settings, store: Store) -> None:
         r.id
         for r in store.all()
         if not r.info().terminal and r.owner is not None and r.owner.alive()
-    }
+    } | {r.id for r in held}
     for task_id, gw in list_task_gateways(settings):
         if task_id not in live_ids:
             log.warning("removing orphan gateway", task_id=task_id, pid=gw.pid)

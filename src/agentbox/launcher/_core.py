@@ -35,14 +35,7 @@ from agentbox.env import check_env_policy, committed_boxfile
 from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskError, TaskNotFound
 from agentbox.gateway import load_registry, read_usage
 from agentbox.launcher import _runner, _session
-from agentbox.launcher._adopt import (
-    adopt,
-    adopt_refusal,
-    never_started,
-    remove_orphans,
-    requeue,
-    settle_orphan,
-)
+from agentbox.launcher._adopt import adopt, settle_orphan, take_over
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._validate import git_readonly, validate
 from agentbox.launcher._watchdog import kill_sandbox
@@ -287,35 +280,16 @@ class Launcher:
         ]
         return sorted(out, key=lambda m: (not m.default, m.name))
 
-    def reconcile(self) -> builtins.list[str]:
+    def reconcile(self, *, adopt: bool = True) -> builtins.list[str]:
         """Take over the tasks whose launcher died (oldest first, each claimed: one
         reconciler wins), remove orphan sandboxes; return the ids taken over.
 
         Queued again (nothing of the agent ran), re-adopted, collected again, or
-        settled: see :mod:`agentbox.launcher._adopt`.
+        settled: see :mod:`agentbox.launcher._adopt`. ``adopt=False`` (a foreground
+        ``agentbox run``, which must not wait for anyone else's task): what a launcher
+        could run or re-adopt is left alone, sandbox and gateway too, for the service.
         """
-        settled, requeued, adopted = [], [], []
-        for row in sorted(self.store.all(), key=lambda r: r.created_at):
-            if row.info().terminal or row.owner is None or row.owner.alive():
-                continue
-            if row.owner == self._owner or not self.store.claim(row.id, row.owner, self._owner):
-                continue
-            settled.append(row.id)
-            if row.status == "queued" and requeue(self.settings, self.store, row):
-                requeued.append(row.id)
-                continue
-            if row.status == "running":
-                why = adopt_refusal(self.settings, row)
-                if why is None:
-                    adopted.append(self.store.get(row.id))
-                    continue
-                if never_started(self.settings, row) and requeue(self.settings, self.store, row):
-                    requeued.append(row.id)  # died while launching: the agent never ran
-                    continue
-                settle_orphan(self.settings, self.store, row, why)
-                continue
-            settle_orphan(self.settings, self.store, row, None)
-        remove_orphans(self.settings, self.store)
+        settled, requeued, adopted = take_over(self.settings, self.store, self._owner, adopt=adopt)
         for row in adopted:
             self._start_adopted(row)
         for task_id in requeued:
