@@ -228,3 +228,23 @@ def test_run_piped_prints_the_id_at_once_then_one_line_per_event(stack: Stack) -
     assert MARKER in r.stderr and "running claude" in r.stderr, r.stderr
     assert all(re.match(r"\d\d:\d\d:\d\d |\s", ln) for ln in lines[1:]), r.stderr
     assert re.search(r"tests\s+FAILED \(exit 1\): python3 -m unittest", r.stdout), r.stdout
+
+
+def test_per_turn_tokens_come_from_the_gateway_and_sum_to_its_totals(stack: Stack) -> None:
+    """Each agent turn carries the tokens the gateway metered for its message id (its
+    request ledger), and the ledger's records sum to the usage file's totals."""
+    doc = json.loads(_agentbox(stack, "logs", stack.task_id, "--json").stdout)
+    turns = doc["turn_tokens"]
+    assert turns and all(t["status"] == 200 and t["complete"] for t in turns), turns
+    for kind in ("input", "output", "cache_creation", "cache_read"):
+        assert sum(t["tokens"][kind] for t in turns) == doc["tokens"][kind], (kind, turns)
+    agent_ids = {e["message_id"] for e in doc["events"] if e["kind"] in ("text", "tool_call")}
+    by_id = {t["message_id"]: t for t in turns if t["in_transcript"]}
+    assert agent_ids and agent_ids == set(by_id), (agent_ids, turns)  # every turn joined
+    carried = [e for e in doc["events"] if e.get("tokens")]
+    assert len(carried) == len(agent_ids)  # once per turn, on its first event
+    for e in carried:
+        assert e["tokens"] == by_id[e["message_id"]]["tokens"]
+        assert e["tokens"]["output"] > 0
+    out = _agentbox(stack, "logs", stack.task_id).stdout
+    assert len(re.findall(r"turn\s+tokens \(metered by the gateway\): in ", out)) == len(carried)
