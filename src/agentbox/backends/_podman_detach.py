@@ -375,7 +375,10 @@ def inspect(name: str) -> dict[str, Any] | None:
         ["podman", "container", "inspect", "--format", "json", name], timeout=60, check=False
     )
     if res.returncode != 0:
-        if "no such" in res.stderr.lower():
+        # "container not known": caught while another process (a dead launcher's
+        # `podman rm`, which outlives it) removes it; gone all the same.
+        err = res.stderr.lower()
+        if "no such" in err or "container not known" in err:
             return None
         raise SandboxError(f"podman inspect failed: {res.stderr.strip()[-500:]}", sandbox=name)
     try:
