@@ -14,7 +14,9 @@ launcher is killed with SIGKILL at random moments, each time one of:
 
 and restarted at once. Sizes come from the environment so CI stays bounded:
 ``AGENTBOX_CHAOS_TASKS`` (default 5), ``AGENTBOX_CHAOS_KILLS`` (default 6),
-``AGENTBOX_CHAOS_SEED`` (default: random, printed).
+``AGENTBOX_CHAOS_SEED`` (default: random, printed). Every other kill waits until a
+task's agent runs (its sandbox launched), so each way of killing hits running tasks
+whatever the seed; the table printed says how many each kill caught.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from agentbox.gateway import read_usage
 from agentbox.gateway._process import _unit_hierarchies
 from agentbox.launcher import LauncherClient, TaskRequest
 from agentbox.launcher._names import data_label, list_task_gateways
+from agentbox.launcher._store import Store
 from agentbox.paths import TaskPaths
 
 pytestmark = [
@@ -275,6 +278,24 @@ def _leftover_processes(settings: Settings, allowed: set[int]) -> list[str]:
     return found
 
 
+def _agents_running(settings: Settings, ids: list[str]) -> int:
+    """How many of ``ids`` have a launched sandbox (their agent runs), from the store."""
+    store = Store(settings.data_dir / "state.db")
+    rows = [store.get(t) for t in ids]
+    return sum(1 for r in rows if r.status == "running" and r.stage == "launched")
+
+
+def _until_an_agent_runs(settings: Settings, ids: list[str]) -> None:
+    """Wait (bounded) until one of ``ids`` has its agent running (or every one ended)."""
+    end = time.monotonic() + 300
+    while _agents_running(settings, ids) == 0:
+        store = Store(settings.data_dir / "state.db")
+        if all(store.get(t).info().terminal for t in ids):
+            return
+        assert time.monotonic() < end, "no task's agent came to run"
+        time.sleep(0.1)
+
+
 def _chaos(world: World, *, tasks: int, kills: int, runtime: str, seed: int) -> None:
     rng = random.Random(seed)
     env = {**world.env, "AGENTBOX_RUNTIME": runtime}
@@ -290,14 +311,23 @@ def _chaos(world: World, *, tasks: int, kills: int, runtime: str, seed: int) -> 
                 req = TaskRequest(repo=str(world.repo), task="write, work", model="replay-chaos",
                                   deadline=600.0, task_id=tid)  # fmt: skip
                 client.submit(req)
+            t0 = time.monotonic()
             for k in range(kills):
                 time.sleep(rng.uniform(0.3, 6.0))
+                if k % 2 == 0:
+                    # Every other kill waits for an agent that runs: each way of killing
+                    # (pid, cgroup, group for 6 kills) hits live sandboxes, whatever the seed.
+                    _until_an_agent_runs(world.settings, ids)
                 how = ways[k % len(ways)]
                 running = sum(1 for t in ids if client.get(t).status == "running")
+                agents = _agents_running(world.settings, ids)
                 served.kill(how, unit)
-                table.append((k, how, round(time.monotonic(), 1), running))
+                table.append((k, how, round(time.monotonic() - t0, 1), running, agents))
                 served = Served(env, world.sock, unit)
-            print(f"chaos seed {seed}: {tasks} tasks, kills (n, way, t, running): {table}")
+            print(f"chaos seed {seed}: {tasks} tasks, kills (n, way, t, running, agents "
+                  f"launched): {table}")  # fmt: skip
+            if kills:
+                assert any(row[4] for row in table), f"no kill hit a running agent: {table}"
             end = time.monotonic() + 300
             infos = {}
             for tid in ids:
