@@ -16,7 +16,6 @@ cloned.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import os
 import stat
@@ -68,38 +67,24 @@ def _tree_entries(shadow: ShadowGit, tree: str) -> list[tuple[int, str, bytes]]:
 
 
 def write_workspace(
-    shadow: ShadowGit,
-    tree: str,
-    workspace: Path,
-    *,
-    fmt: str,
-    source: RepoDir | None = None,
-    init: tuple[str, str] | None = None,
+    shadow: ShadowGit, tree: str, workspace: Path, *, fmt: str, source: RepoDir | None = None
 ) -> Checkout:
-    """Write the base tree's exact bytes into ``workspace`` (clones from ``source`` if possible).
-
-    With ``init=(tree, base_commit)`` the workspace's own ``.git`` is made at
-    the same time (git processes in a thread while we write files).
-    """
+    """Write the base tree's exact bytes into ``workspace`` (clones from ``source`` if possible)."""
     entries = _tree_entries(shadow, tree)
     done = Checkout(modes={os.fsdecode(p): m for m, _oid, p in entries})
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        making = pool.submit(init_agent_git, shadow, workspace, *init, fmt) if init else None
-        with SafeWriter(workspace, max_file_size=1 << 62, max_total_size=1 << 62) as writer:
-            for mode, _oid, path in entries:
-                if mode == _SUBMODULE:  # an empty directory, as git checks out
-                    writer.mkdir(path)
-            blobs = [(m, oid, p) for m, oid, p in entries if m != _SUBMODULE]
-            if source is not None:
-                blobs = _clone_from(source, writer, blobs, fmt, done)
-            for (mode, _oid, path), data in zip(blobs, _cat_blobs(shadow, blobs), strict=True):
-                if mode == _LINK:
-                    writer.symlink(path, data)
-                else:
-                    writer.write_file(path, data, mode=0o755 if mode == 0o100755 else 0o644)
-                    done.written += 1
-        if making is not None:
-            making.result()
+    with SafeWriter(workspace, max_file_size=1 << 62, max_total_size=1 << 62) as writer:
+        for mode, _oid, path in entries:
+            if mode == _SUBMODULE:  # an empty directory, as git checks out
+                writer.mkdir(path)
+        blobs = [(m, oid, p) for m, oid, p in entries if m != _SUBMODULE]
+        if source is not None:
+            blobs = _clone_from(source, writer, blobs, fmt, done)
+        for (mode, _oid, path), data in zip(blobs, _cat_blobs(shadow, blobs), strict=True):
+            if mode == _LINK:
+                writer.symlink(path, data)
+            else:
+                writer.write_file(path, data, mode=0o755 if mode == 0o100755 else 0o644)
+                done.written += 1
     return done
 
 

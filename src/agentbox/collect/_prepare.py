@@ -33,7 +33,7 @@ from pathlib import Path
 from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.collect import _statcache
-from agentbox.collect._checkout import chown_tree, write_workspace
+from agentbox.collect._checkout import chown_tree, init_agent_git, write_workspace
 from agentbox.collect._git import (
     RepoDir,
     ShadowGit,
@@ -265,9 +265,10 @@ def _prepare(
             tree = shadow.run("rev-parse", f"{base_commit}^{{tree}}").stdout.strip()
             made.append(workspace)
             workspace.mkdir(mode=0o755)
-            # The workspace's own .git is made (git processes) while we write the files.
-            done = write_workspace(shadow, tree, workspace, fmt=fmt, source=repo,
-                                   init=(tree, base_commit))  # fmt: skip
+            # Not in parallel with the agent's .git: its fetch competes with the writes
+            # (30 MiB of blobs: 36 s against 25 s on a loaded 2-core machine).
+            done = write_workspace(shadow, tree, workspace, fmt=fmt, source=repo)
+            init_agent_git(shadow, workspace, tree, base_commit, fmt)
             modes = done.modes
             if owner is not None:
                 chown_tree(workspace, *owner)
