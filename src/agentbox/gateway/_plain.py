@@ -6,8 +6,12 @@ of CPU per request there (httpcore's state machine under an anyio layer), more
 than the rest of the gateway, and httpx, httpcore and anyio are ~6 MiB of memory
 in every task's gateway. :class:`PlainPool` is asyncio streams plus h11, the
 strict HTTP/1.1 framing httpx itself stands on (and uvicorn, already in the
-gateway process): h11 writes the request and parses the response; this module only
-moves bytes and decides when a connection may be reused. ``https://`` upstreams
+gateway process): h11 parses the response; this module writes the request (its
+head is ours: a fixed method and path and allow-listed headers, each checked to
+be one printable ASCII line), moves bytes and decides when a connection may be
+reused. h11 builds and checks a request event in ~50 µs, a tenth of a small
+request's whole cost in the gateway, so it is told only that a bodyless POST went
+out (one constant event: its state machine then frames the answer to a POST). ``https://`` upstreams
 (the Anthropic API) use the same client over the standard library's TLS with the
 context httpx would build (:func:`tls_context`: certificate and host name
 verified, the same CA bundle).
@@ -50,6 +54,15 @@ __all__ = ["PlainPool", "tls_context"]
 _MAX_HEAD = 64 << 10
 _READ = 1 << 16
 _IDLE_EXPIRY = 4.0  # below the 5 s keep-alive most servers use: no reuse of a closing socket
+#: What h11 is told was sent (the real head is written by hand): a POST, no body, keep-alive.
+_SENT = h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")])
+_END = h11.EndOfMessage()
+
+
+def _line_ok(text: str) -> bool:
+    """One header name, value or request target we may write: printable ASCII, no
+    CR/LF/NUL, no leading or trailing space (h11 refused the same)."""
+    return text.isascii() and text.isprintable() and text == text.strip(" ")
 
 
 @dataclass
@@ -247,15 +260,20 @@ class PlainPool:
     def _request_bytes(
         self, conn: _Conn, path: str, headers: list[tuple[str, str]], body: bytes
     ) -> bytes:
-        hdrs = [("host", self.host_header), *headers, ("content-length", str(len(body)))]
-        try:
-            req = h11.Request(method="POST", target=self.prefix + path, headers=hdrs)
-            out = conn.h11.send(req) or b""
-            out += (conn.h11.send(h11.Data(data=body)) or b"") if body else b""
-            return out + (conn.h11.send(h11.EndOfMessage()) or b"")
-        except h11.ProtocolError as exc:  # a header value h11 will not write (CR, LF, NUL)
+        target = self.prefix + path
+        lines = [f"POST {target} HTTP/1.1", f"host: {self.host_header}"]
+        ok = _line_ok(target) and " " not in target and _line_ok(self.host_header)
+        for name, value in headers:
+            ok = ok and _line_ok(name) and ":" not in name and " " not in name and _line_ok(value)
+            lines.append(f"{name}: {value}")
+        if not ok or not target:
             conn.close()
-            raise UpstreamError(f"request not writable as HTTP/1.1: {exc}") from None
+            raise UpstreamError("request not writable as HTTP/1.1: a header or the target "
+                                "is not one printable ASCII line")  # fmt: skip
+        lines.append(f"content-length: {len(body)}\r\n\r\n")
+        conn.h11.send(_SENT)
+        conn.h11.send(_END)
+        return "\r\n".join(lines).encode("ascii") + body
 
     async def _exchange(
         self, conn: _Conn, path: str, headers: list[tuple[str, str]], body: bytes
