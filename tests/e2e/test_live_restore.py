@@ -167,8 +167,10 @@ class Served:
             # by name, rather than as a task that hangs later (its monitor killed).
             for pid in unit.pids():
                 with contextlib.suppress(psutil.Error):
-                    cmd = " ".join(psutil.Process(pid).cmdline())
-                    assert "conmon" not in cmd and "agentbox.gateway" not in cmd, (
+                    proc = psutil.Process(pid)
+                    cmd = " ".join(proc.cmdline())
+                    # By name: podman's start-up shell names libpod_parent/conmon in its argv.
+                    assert proc.name() != "conmon" and "agentbox.gateway" not in cmd, (
                         f"pid {pid} is in the launcher's unit cgroup, a restart kills it: {cmd}"
                     )
             unit.kill()
