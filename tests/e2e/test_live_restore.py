@@ -168,9 +168,12 @@ class Served:
             for pid in unit.pids():
                 with contextlib.suppress(psutil.Error):
                     proc = psutil.Process(pid)
-                    cmd = " ".join(proc.cmdline())
-                    # By name: podman's start-up shell names libpod_parent/conmon in its argv.
-                    assert proc.name() != "conmon" and "agentbox.gateway" not in cmd, (
+                    argv = proc.cmdline()
+                    cmd = " ".join(argv)
+                    # A conmon by name (podman's start-up shell names libpod_parent/conmon
+                    # in its argv), a monitor (podman's `conmon --version` probe is none).
+                    monitor = proc.name() == "conmon" and "--version" not in argv
+                    assert not monitor and "agentbox.gateway" not in cmd, (
                         f"pid {pid} is in the launcher's unit cgroup, a restart kills it: {cmd}"
                     )
             unit.kill()
