@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -10,6 +11,26 @@ from typing import Any
 import structlog
 
 _configured = False
+
+
+class _StderrLogger:
+    """Writes each line to the *current* ``sys.stderr``, never a stream captured earlier.
+
+    ``PrintLoggerFactory(file=sys.stderr)`` binds the stream at configure time: a process
+    that configured logging while stderr was swapped (a test runner's capture, a CLI runner)
+    then writes to a closed file and raises from a log call. A log line must never fail
+    the work it describes: a closed or broken stderr drops the line.
+    """
+
+    def msg(self, message: str) -> None:
+        with contextlib.suppress(ValueError, OSError):  # a closed or broken stderr
+            print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg
+
+
+def _stderr_logger(*_args: Any) -> _StderrLogger:
+    return _StderrLogger()
 
 
 def configure(level: str | None = None, *, json: bool | None = None) -> None:
@@ -30,7 +51,7 @@ def configure(level: str | None = None, *, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
     _configured = True
