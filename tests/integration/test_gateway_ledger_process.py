@@ -48,13 +48,14 @@ def test_ledger_of_a_confined_gateway_sums_to_usage(tmp_path: Path, settings: Se
             max_retries=0,
             http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=str(sock))),
         )
-        first = client.messages.create(
-            model="x", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
-        )
-        with client.messages.stream(
-            model="x", max_tokens=30, messages=[{"role": "user", "content": "again"}]
-        ) as stream:
-            second = stream.get_final_message()
+        with client:  # its connection closed here, not left to the garbage collector
+            first = client.messages.create(
+                model="x", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
+            )
+            with client.messages.stream(
+                model="x", max_tokens=30, messages=[{"role": "user", "content": "again"}]
+            ) as stream:
+                second = stream.get_final_message()
         u = wait_usage(usage, lambda u: u.requests == 2 and u.reserved == 0)
     finally:
         handle.stop()
