@@ -303,7 +303,8 @@ def test_run_client_killed_leaves_no_sandbox(
     git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "s")
     box = world.base / "Boxfile.toml"
     box.write_text(f'backend = "{name}"\n' + (f'runtime = "{runtime}"\n' if runtime else ""))
-    task_id = f"sig-{sig.name.lower()}"
+    # One id per backend and signal: a sandbox left by a failed case never meets the next.
+    task_id = f"sig-{name}-{runtime or 'vm'}-{sig.name.lower()}"
     proc = _cli(
         ["run", "wait", "--repo", str(repo), "--model", "replay-slow", "--deadline", "600",
          "--boxfile", str(box), "--id", task_id, "--no-publish", "--json"],
@@ -327,6 +328,12 @@ def test_run_client_killed_leaves_no_sandbox(
         time.sleep(0.5)
     gateways = _task_gateways(world, task_id)
     try:
+        if sig == signal.SIGKILL and _detaches(world, name, runtime):
+            # Live restore (issue 19): a task's detached sandbox and its gateway outlive a
+            # launcher killed outright; the next launcher re-adopts it. Here: one does, and
+            # a cancel through it leaves nothing.
+            _killed_run_is_readopted(proc, world, name, task_id)
+            return
         _signal_and_check(proc, sig, name, world)
         _poll(
             lambda: not any(_alive(pid) for pid in gateways),
@@ -337,6 +344,41 @@ def test_run_client_killed_leaves_no_sandbox(
         for pid in gateways:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def _detaches(world: World, name: str, runtime: str | None) -> bool:
+    from agentbox.backends import get_backend
+
+    return get_backend(name, world.settings).detaches(runtime or "runc")
+
+
+def _killed_run_is_readopted(
+    proc: subprocess.Popen[bytes], world: World, name: str, task_id: str
+) -> None:
+    from agentbox.launcher import Launcher
+
+    owner = proc.pid
+    assert _sandboxes(name, world, owner), "the sandbox is not up"
+    os.kill(owner, signal.SIGKILL)
+    proc.wait(30)
+    time.sleep(2.0)
+    assert _sandboxes(name, world, owner), "a killed launcher's detached sandbox did not live on"
+    settings = Settings(
+        data_dir=world.settings.data_dir,
+        repos_root=world.base / "repos",
+        models_file=world.base / "models.toml",
+    )
+    launcher = Launcher(settings)
+    try:
+        assert task_id in launcher.reconcile(), "the next launcher did not take the task over"
+        launcher.cancel(task_id)
+        info = launcher.wait(task_id, timeout=GONE_WITHIN)
+        assert info.status == "cancelled", info
+    finally:
+        launcher.close()
+    log = (world.settings.data_dir / "tasks" / task_id / "logs" / "launcher.log").read_text()
+    assert "re-adopted by launcher pid" in log, log[-2000:]
+    _poll(lambda: not _sandboxes(name, world, owner), GONE_WITHIN, "the sandbox outlived its end")
 
 
 def _in_long_command(world: World, task_id: str) -> bool:
