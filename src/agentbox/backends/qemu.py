@@ -26,6 +26,7 @@ from typing import Literal
 
 from agentbox import _host, _proc
 from agentbox._log import get_logger
+from agentbox.backends._attached import AttachedOnly
 from agentbox.backends._microvm_posture import read_posture
 from agentbox.backends.base import (
     GATEWAY_SOCKET_NAME,
@@ -35,11 +36,9 @@ from agentbox.backends.base import (
     BackendKind,
     BaseSandbox,
     ExecResult,
-    Exited,
     OutputCallback,
     Posture,
     SandboxSpec,
-    refuse_detached,
 )
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, GuestError, ImageError, SandboxError, UnsupportedError
@@ -100,7 +99,7 @@ def _qemu_version(binary: str) -> str:
         return "unknown"
 
 
-class QemuBackend:
+class QemuBackend(AttachedOnly):  # detached sandboxes: not built here yet
     """Makes QEMU microVM sandboxes (``name = "qemu"``)."""
 
     name = "qemu"
@@ -381,33 +380,6 @@ class QemuBackend:
         """Settle VM dirs whose owning process is gone: kill the VMM, save ``/data``
         into the task workspace it was made from (see :func:`recover_sandbox`), remove."""
         return _settle(self.settings, None)
-
-    # Detached sandboxes (live restore) are not built for microVM yet: callers use run().
-
-    def detaches(self, runtime: str) -> bool:
-        """False: microVM sandboxes live as long as their caller (see ``run``)."""
-        del runtime
-        return False
-
-    def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
-        """Unsupported here (:meth:`detaches` is False)."""
-        raise refuse_detached(self.name, spec.runtime)
-
-    def follow(
-        self,
-        name: str,
-        *,
-        log: Path,
-        on_stdout: OutputCallback | None,
-        on_stderr: OutputCallback | None,
-        poll: float = 0.2,
-    ) -> Exited:
-        """Unsupported here (:meth:`detaches` is False)."""
-        raise refuse_detached(self.name)
-
-    def adoptable(self, name: str, *, labels: Mapping[str, str]) -> bool:
-        """Unsupported here (:meth:`detaches` is False)."""
-        raise refuse_detached(self.name)
 
 
 def recover_sandbox(settings: Settings, name: str) -> list[str]:

@@ -14,6 +14,7 @@ import psutil
 
 from agentbox import _proc
 from agentbox._log import get_logger
+from agentbox.backends._attached import AttachedOnly
 from agentbox.backends._podman_disk import settle_orphan_disks, workspace_disk
 from agentbox.backends._podman_util import Capture, check_env, owner_start
 from agentbox.backends._userns_limits import HOOK_SCRIPT, SANDBOX_CAPS
@@ -24,11 +25,9 @@ from agentbox.backends.base import (
     BackendKind,
     BindMount,
     ExecResult,
-    Exited,
     OutputCallback,
     SandboxSpec,
     data_dir_label,
-    refuse_detached,
 )
 from agentbox.backends.docker._binds import HostBinds, sweep
 from agentbox.backends.docker._client import GuardedClient, connect
@@ -69,7 +68,7 @@ def _check_dir(path: Path, what: str) -> None:
         raise PathRefused(f"{what} is not an existing absolute directory", path=path)
 
 
-class DockerBackend:
+class DockerBackend(AttachedOnly):  # detached sandboxes: not built here yet
     """Hardened Docker containers under runc or runsc (gVisor); docs/reference/docker-backend.md.
 
     Used by the launcher only (it holds ``docker.sock``, which is root-equivalent);
@@ -360,33 +359,6 @@ class DockerBackend:
             if name not in removed:
                 removed.append(name)
         return removed
-
-    # Detached sandboxes (live restore) are not built for docker yet: callers use run().
-
-    def detaches(self, runtime: str) -> bool:
-        """False: docker sandboxes live as long as their caller (see ``run``)."""
-        del runtime
-        return False
-
-    def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
-        """Unsupported here (:meth:`detaches` is False)."""
-        raise refuse_detached(self.name, spec.runtime)
-
-    def follow(
-        self,
-        name: str,
-        *,
-        log: Path,
-        on_stdout: OutputCallback | None,
-        on_stderr: OutputCallback | None,
-        poll: float = 0.2,
-    ) -> Exited:
-        """Unsupported here (:meth:`detaches` is False)."""
-        raise refuse_detached(self.name)
-
-    def adoptable(self, name: str, *, labels: Mapping[str, str]) -> bool:
-        """Unsupported here (:meth:`detaches` is False)."""
-        raise refuse_detached(self.name)
 
 
 def _names(c: Mapping[str, object]) -> list[str]:
