@@ -113,7 +113,7 @@ def freezer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], th
             raise _Frozen
 
     def follow(*a: Any, **kw: Any) -> Any:
-        freeze_here("follow", a[3].task_id)
+        freeze_here("follow", a[0].task_id)  # a[0]: the TaskContext
         return real_follow(*a, **kw)
 
     def prepare(repo: Path, workspace: Path, *a: Any, **kw: Any) -> Any:

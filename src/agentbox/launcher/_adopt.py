@@ -37,8 +37,8 @@ from agentbox.config import Settings
 from agentbox.env import release_task_env
 from agentbox.errors import AgentboxError, PathRefused, SandboxGone
 from agentbox.gateway import read_usage
+from agentbox.launcher._context import TaskContext
 from agentbox.launcher._finish import (
-    TaskLog,
     collect_and_finish,
     finish_orphan,
     recorded_outcome,
@@ -172,8 +172,8 @@ def stop_gateway(gw: Owner | None, paths: TaskPaths, *, grace: float = 3.0) -> N
 
 def adopt(settings: Settings, store: Store, row: TaskRow, cancel: threading.Event) -> None:
     """Follow a re-adopted task's sandbox to its end, then collect and publish it."""
-    paths = TaskPaths(settings.data_dir, row.id)
-    tlog = TaskLog(paths, store)
+    ctx = TaskContext.of(settings, store, row.id, cancel)
+    paths, tlog = ctx.paths, ctx.tlog
     store.update(row.id, adoptions=row.adoptions + 1)
     tlog(f"re-adopted by launcher pid {os.getpid()}: following sandbox {row.sandbox}")
     if (why := gateway_refusal(row.gateway, paths)) is not None:
@@ -182,15 +182,12 @@ def adopt(settings: Settings, store: Store, row: TaskRow, cancel: threading.Even
     outcome: Ended
     try:
         outcome = follow_sandbox(
+            ctx,
             get_backend(row.backend, settings),
             row.backend,
-            store,
-            paths,
             name=row.sandbox,
-            cancel=cancel,
             deadline=row.deadline,
             deadline_at=row.deadline_at or 0.0,
-            tlog=tlog,
             adopted=True,
         )
     except SandboxGone as exc:
@@ -201,7 +198,7 @@ def adopt(settings: Settings, store: Store, row: TaskRow, cancel: threading.Even
     finally:
         stop_gateway(row.gateway, paths)
         release_task_env(paths.root)
-    settle(settings, store, paths, outcome, tlog, agent_ran=True)
+    settle(ctx, outcome, agent_ran=True)
 
 
 def requeue(settings: Settings, store: Store, row: TaskRow) -> bool:
@@ -254,19 +251,17 @@ def settle_orphan(settings: Settings, store: Store, row: TaskRow, why: str | Non
     if row.status == "queued":
         store.finish(row.id, "failed", error="the launcher stopped before the task ran")
         return
-    paths = TaskPaths(settings.data_dir, row.id)
+    ctx = TaskContext.of(settings, store, row.id)
     outcome = recorded_outcome(row.outcome) if row.status == "collecting" else None
-    if outcome is not None and paths.root.is_dir():
+    if outcome is not None and ctx.paths.root.is_dir():
         # Caught collecting: the agent's end was recorded; collect (again) with it.
-        tlog = TaskLog(paths, store)
-        tlog(f"collected again by launcher pid {os.getpid()}: its launcher died collecting")
+        ctx.tlog(f"collected again by launcher pid {os.getpid()}: its launcher died collecting")
         (status, error, code), ran = outcome
-        collect_and_finish(settings, store, store.get(row.id), paths,
-                           status=status, error=error, exit_code=code, tlog=tlog,
+        collect_and_finish(ctx, store.get(row.id), status=status, error=error, exit_code=code,
                            agent_ran=ran)  # fmt: skip
         return
-    if why is not None and paths.log_dir.is_dir():
-        TaskLog(paths, store)(f"not re-adopted: {why}")
+    if why is not None and ctx.paths.log_dir.is_dir():
+        ctx.tlog(f"not re-adopted: {why}")
     finish_orphan(settings, store, store.get(row.id))
 
 

@@ -18,7 +18,6 @@ import contextlib
 import grp
 import json
 import os
-import sqlite3
 import stat
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from agentbox.env import release_task_env
 from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError, PathRefused, PublishRefused
 from agentbox.gateway import Usage, read_usage
+from agentbox.launcher._context import TaskContext, TaskLog
 from agentbox.launcher._store import Store, TaskRow
 from agentbox.launcher.api import NO_CHANGES, TokenUsage
 from agentbox.paths import TaskPaths, check_inside
@@ -40,6 +40,7 @@ from agentbox.transcript import summary as transcript_summary
 
 __all__ = [
     "SHARE_GROUP",
+    "TaskContext",
     "TaskLog",
     "budget_error",
     "collect_and_finish",
@@ -60,22 +61,6 @@ log = get_logger("launcher.task")
 MAX_MESSAGE_CHARS = 8000
 
 _BASE = TypeAdapter(Base)
-
-
-class TaskLog:
-    """Timestamped lines in ``logs/launcher.log`` (for ``agentbox logs``); each is also the
-    task's current ``phase`` in the store (for live progress)."""
-
-    def __init__(self, paths: TaskPaths, store: Store) -> None:
-        self.path = paths.log_dir / "launcher.log"
-        self.store = store
-        self.task_id = paths.task_id
-
-    def __call__(self, msg: str) -> None:
-        with contextlib.suppress(OSError), self.path.open("a") as fh:
-            fh.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
-        with contextlib.suppress(AgentboxError, sqlite3.Error):
-            self.store.update(self.task_id, phase=msg[:200])
 
 
 def _share_shadow(paths: TaskPaths) -> None:
@@ -184,15 +169,12 @@ def _tokens(paths: TaskPaths) -> tuple[TokenUsage, dict[str, Any]]:
 
 
 def collect_and_finish(
-    settings: Settings,
-    store: Store,
+    ctx: TaskContext,
     row: TaskRow,
-    paths: TaskPaths,
     *,
     status: str,
     error: str | None,
     exit_code: int | None,
-    tlog: TaskLog,
     agent_ran: bool = True,
 ) -> None:
     """Collect whatever the workspace holds, publish it, write the report, mark the task.
@@ -200,6 +182,7 @@ def collect_and_finish(
     ``agent_ran`` False (it failed before the agent started): an untouched workspace is
     not reported as "no changes" (``changed`` stays None) but by what failed.
     """
+    settings, store, paths, tlog = ctx.settings, ctx.store, ctx.paths, ctx.tlog
     store.update(row.id, expect={"running", "collecting"}, status="collecting")
     tokens, usage_extra = _tokens(paths)
     refusals = usage_extra.get("refusals") or {}
@@ -329,19 +312,14 @@ def _commit_message(row: TaskRow, status: str) -> str:
 
 
 def settle(
-    settings: Settings,
-    store: Store,
-    paths: TaskPaths,
-    outcome: tuple[str, str | None, int | None],
-    tlog: TaskLog,
-    *,
-    agent_ran: bool,
+    ctx: TaskContext, outcome: tuple[str, str | None, int | None], *, agent_ran: bool
 ) -> None:
     """From how the agent ended (status, error, exit code) to a finished task.
 
     The outcome is recorded first (``outcome``, ``exit_code``): a launcher that dies
     while collecting leaves it for the next one, which collects again with it.
     """
+    paths, store = ctx.paths, ctx.store
     status, error, exit_code = outcome
     with contextlib.suppress(AgentboxError):
         why = budget_error(read_usage(paths.usage_file))
@@ -359,14 +337,11 @@ def settle(
         outcome=json.dumps([status, error, exit_code, agent_ran]),
     )
     collect_and_finish(
-        settings,
-        store,
+        ctx,
         store.get(paths.task_id),
-        paths,
         status=status,
         error=error,
         exit_code=exit_code,
-        tlog=tlog,
         agent_ran=agent_ran,
     )
 
@@ -412,13 +387,12 @@ def budget_error(usage: Usage) -> str | None:
 
 def finish_orphan(settings: Settings, store: Store, row: TaskRow) -> None:
     """Collect and mark a task whose launcher died (its sandbox and gateway already removed)."""
-    paths = TaskPaths(settings.data_dir, row.id)
-    if not paths.root.is_dir():
+    ctx = TaskContext.of(settings, store, row.id)
+    if not ctx.paths.root.is_dir():
         store.finish(row.id, "failed", error="the launcher stopped before the task dir existed")
         return
-    tlog = TaskLog(paths, store)
-    tlog("a restarted launcher reconciles this task: its launcher died")
-    release_task_env(paths.root)
+    ctx.tlog("a restarted launcher reconciles this task: its launcher died")
+    release_task_env(ctx.paths.root)
     started = row.started_at or row.created_at
     if row.cancel_requested:
         status, error = "cancelled", "cancelled; its launcher died; partial result collected"
@@ -426,6 +400,4 @@ def finish_orphan(settings: Settings, store: Store, row: TaskRow) -> None:
         status, error = "timed_out", "deadline passed while its launcher was down"
     else:
         status, error = "failed", "interrupted: its launcher died; partial result collected"
-    collect_and_finish(
-        settings, store, row, paths, status=status, error=error, exit_code=None, tlog=tlog
-    )
+    collect_and_finish(ctx, row, status=status, error=error, exit_code=None)

@@ -12,19 +12,15 @@ never a duplicate of what the dead one had copied.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import BinaryIO
 
 from agentbox._log import get_logger
 from agentbox.backends.base import Backend
-from agentbox.errors import AgentboxError
-from agentbox.launcher._store import Store
+from agentbox.launcher._context import TaskContext
 from agentbox.launcher._watchdog import kill_sandbox
-from agentbox.paths import TaskPaths
 
 __all__ = ["MAX_LOG_BYTES", "Ended", "follow_sandbox", "monitor", "sink"]
 
@@ -59,30 +55,16 @@ def sink(fh: BinaryIO, limit: int = MAX_LOG_BYTES) -> Callable[[bytes], None]:
     return write
 
 
-def monitor(
-    store: Store,
-    task_id: str,
-    cancel: threading.Event,
-    done: threading.Event,
-    backend: str,
-    sandbox: str,
-    data_dir: Path,
-) -> None:
+def monitor(ctx: TaskContext, done: threading.Event, backend: str, sandbox: str) -> None:
     """Turn a cancel (this process's event, or another process's flag) into a kill."""
     while not done.wait(0.5):
-        flagged = cancel.is_set()
-        if not flagged:
-            with contextlib.suppress(AgentboxError):
-                flagged = store.get(task_id).cancel_requested
-        if flagged:
-            kill_sandbox(backend, sandbox, data_dir)
+        if ctx.cancelled():
+            kill_sandbox(backend, sandbox, ctx.paths.data_dir)
             return
 
 
 def ended(
-    store: Store,
-    task_id: str,
-    cancel: threading.Event,
+    ctx: TaskContext,
     *,
     exit_code: int,
     timed_out: bool,
@@ -90,7 +72,7 @@ def ended(
     past_deadline: bool,
 ) -> Ended:
     """The task's status from how its sandbox ended (the same rules, attached or detached)."""
-    if cancel.is_set() or store.get(task_id).cancel_requested:
+    if ctx.cancel.is_set() or ctx.store.get(ctx.task_id).cancel_requested:
         return "cancelled", "cancelled while running; partial result collected", exit_code
     if timed_out or past_deadline:
         return "timed_out", f"killed at its deadline ({deadline:g}s)", exit_code
@@ -103,16 +85,13 @@ def ended(
 
 
 def follow_sandbox(
+    ctx: TaskContext,
     backend: Backend,
     backend_name: str,
-    store: Store,
-    paths: TaskPaths,
     *,
     name: str,
-    cancel: threading.Event,
     deadline: float,
     deadline_at: float,
-    tlog: Callable[[str], None],
     adopted: bool = False,
 ) -> Ended:
     """Follow the detached sandbox ``name`` of this task to its end; how it ended.
@@ -122,10 +101,11 @@ def follow_sandbox(
     ``adopted``: the timing is the runtime's word only (``timed_out``): a launcher that
     comes back long after the agent ended must not call it late.
     """
+    paths = ctx.paths
     done = threading.Event()
     watcher = threading.Thread(
         target=monitor,
-        args=(store, paths.task_id, cancel, done, backend_name, name, paths.data_dir),
+        args=(ctx, done, backend_name, name),
         name=f"agentbox-monitor-{paths.task_id}",
         daemon=True,
     )
@@ -142,11 +122,9 @@ def follow_sandbox(
             )
     finally:
         done.set()
-    tlog(f"agent exited with code {exited.exit_code}")
+    ctx.tlog(f"agent exited with code {exited.exit_code}")
     return ended(
-        store,
-        paths.task_id,
-        cancel,
+        ctx,
         exit_code=exited.exit_code,
         timed_out=exited.timed_out,
         deadline=deadline,

@@ -46,8 +46,8 @@ from agentbox.errors import AgentboxError, PathRefused, PolicyRefused
 from agentbox.gateway import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.launcher import _session
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
+from agentbox.launcher._context import TaskContext, TaskLog
 from agentbox.launcher._finish import (
-    TaskLog,
     collect_and_finish,
     commit_subject,
     finish_orphan,
@@ -90,7 +90,6 @@ __all__ = [
 
 # Older names, kept for the callers that use them.
 _TaskLog = TaskLog
-_collect_and_finish = collect_and_finish
 _save_base = save_base
 _repo_at_use = repo_at_use
 
@@ -165,6 +164,25 @@ def _check_spec(
     check_env(spec.env, allowed)
 
 
+def _collect_and_finish(
+    settings: Settings,
+    store: Store,
+    row: TaskRow,
+    paths: TaskPaths,
+    *,
+    tlog: TaskLog,
+    status: str,
+    error: str | None,
+    exit_code: int | None,
+    agent_ran: bool = True,
+) -> None:
+    """The older signature of :func:`collect_and_finish`, kept for the callers that use it."""
+    ctx = TaskContext(settings, store, paths, tlog)
+    collect_and_finish(
+        ctx, row, status=status, error=error, exit_code=exit_code, agent_ran=agent_ran
+    )
+
+
 def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.Event) -> None:
     """Run one queued task to a terminal state (called on a worker thread)."""
     row = store.get(task_id)
@@ -173,11 +191,11 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     if row.cancel_requested or cancel.is_set():
         store.finish(task_id, "cancelled", error="cancelled before it started")
         return
-    paths = TaskPaths(settings.data_dir, task_id)
+    ctx = TaskContext.of(settings, store, task_id, cancel)
+    paths, tlog = ctx.paths, ctx.tlog
     # From here until the sandbox runs, a launcher that dies leaves a task to run again.
     store.update(task_id, expect={"queued"}, stage="preparing")
     _make_task_dir(paths)
-    tlog = TaskLog(paths, store)
     box = Boxfile.model_validate_json(row.boxfile or "{}")
     gofer_uid = get_backend(box.backend, settings).bind_source_uid(box.runtime)
     if gofer_uid is not None:
@@ -238,26 +256,21 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         return
     plan = None
     if box.setup is not None:
-        plan = setup_phase(settings, store, task_id, paths, box, cancel, tlog, gateway_future)
+        plan = setup_phase(ctx, box, gateway_future)
         if plan is None:
             return
-    _run_sandbox(
-        settings, store, store.get(task_id), paths, box, cancel, tlog, token, gateway_future, plan
-    )
+    _run_sandbox(ctx, store.get(task_id), box, token, gateway_future, plan)
 
 
 def _run_sandbox(
-    settings: Settings,
-    store: Store,
+    ctx: TaskContext,
     row: TaskRow,
-    paths: TaskPaths,
     box: Boxfile,
-    cancel: threading.Event,
-    tlog: TaskLog,
     token: str,
     gateway_future: concurrent.futures.Future[GatewayHandle],
     plan: EnvPlan | None = None,
 ) -> None:
+    settings, store, paths, tlog = ctx.settings, ctx.store, ctx.paths, ctx.tlog
     task_id = row.id
     gateway = None
     watchdog = None
@@ -314,7 +327,7 @@ def _run_sandbox(
         # re-adopts the task. Not with agent egress: its proxy is the launcher's child.
         if egress is None and backend.detaches(box.runtime):
             status, error, exit_code = _run_detached(
-                store, row, paths, box, backend, spec, run_argv, cancel, tlog, started
+                ctx, row, box, backend, spec, run_argv, started
             )
             agent_ran = True
         else:
@@ -339,7 +352,7 @@ def _run_sandbox(
                 raise _Cancelled
             monitor = threading.Thread(
                 target=_monitor,
-                args=(store, task_id, cancel, done, box.backend, spec.name, settings.data_dir),
+                args=(ctx, done, box.backend, spec.name),
                 name=f"agentbox-monitor-{task_id}",
                 daemon=True,
             )
@@ -354,9 +367,7 @@ def _run_sandbox(
             elapsed = time.time() - started
             tlog(f"agent exited with code {res.exit_code} after {elapsed:.1f}s")
             status, error, exit_code = ended(
-                store,
-                task_id,
-                cancel,
+                ctx,
                 exit_code=res.exit_code,
                 timed_out=res.timed_out,
                 deadline=row.deadline,
@@ -380,7 +391,7 @@ def _run_sandbox(
             egress.proxy.stop(grace=2.0)
         if plan is not None:
             plan.release()
-    settle(settings, store, paths, (status, error, exit_code), tlog, agent_ran=agent_ran)
+    settle(ctx, (status, error, exit_code), agent_ran=agent_ran)
 
 
 class _Cancelled(Exception):
@@ -388,23 +399,20 @@ class _Cancelled(Exception):
 
 
 def _run_detached(
-    store: Store,
+    ctx: TaskContext,
     row: TaskRow,
-    paths: TaskPaths,
     box: Boxfile,
     backend: Backend,
     spec: SandboxSpec,
     argv: list[str],
-    cancel: threading.Event,
-    tlog: TaskLog,
     started: float,
 ) -> Ended:
     """Launch the agent's sandbox detached and follow it to its end (no watchdog: the
     runtime holds the deadline, the gateway its own exit time)."""
-    log_path = paths.log_dir / "sandbox.log"
+    log_path = ctx.paths.log_dir / "sandbox.log"
     # Recorded before the launch: a launcher that dies right after it leaves a task
     # the next one re-adopts (what it checks: the name, these labels, the gateway).
-    if not store.update(
+    if not ctx.store.update(
         row.id,
         expect={"queued"},
         status="running",
@@ -417,16 +425,13 @@ def _run_detached(
         deadline_at=started + row.deadline,
     ):
         raise _Cancelled
-    tlog(f"running claude in sandbox {spec.name}, detached (deadline {row.deadline:g}s)")
+    ctx.tlog(f"running claude in sandbox {spec.name}, detached (deadline {row.deadline:g}s)")
     backend.launch(spec, argv, log=log_path)
     return follow_sandbox(
+        ctx,
         backend,
         box.backend,
-        store,
-        paths,
         name=spec.name,
-        cancel=cancel,
         deadline=row.deadline,
         deadline_at=started + row.deadline,
-        tlog=tlog,
     )

@@ -10,21 +10,18 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
-import threading
 
 from agentbox._log import get_logger
 from agentbox.backends import get_backend
 from agentbox.boxfile import Boxfile
 from agentbox.collect import Report
-from agentbox.config import Settings
 from agentbox.env import EnvPlan, prepare_env, save_setup_report
 from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError
 from agentbox.gateway import GatewayHandle, gateway_identity
-from agentbox.launcher._finish import TaskLog, load_base
+from agentbox.launcher._context import TaskContext
+from agentbox.launcher._finish import load_base
 from agentbox.launcher._names import sandbox_labels
-from agentbox.launcher._store import Store
-from agentbox.paths import TaskPaths
 
 __all__ = ["setup_phase"]
 
@@ -32,24 +29,11 @@ log = get_logger("launcher.task")
 
 
 def setup_phase(
-    settings: Settings,
-    store: Store,
-    task_id: str,
-    paths: TaskPaths,
-    box: Boxfile,
-    cancel: threading.Event,
-    tlog: TaskLog,
-    gateway_future: concurrent.futures.Future[GatewayHandle],
+    ctx: TaskContext, box: Boxfile, gateway_future: concurrent.futures.Future[GatewayHandle]
 ) -> EnvPlan | None:
     """Run (or reuse) the task's ``[setup]``; None when it failed and the task is finished."""
-
-    def cancelled() -> bool:
-        if cancel.is_set():
-            return True
-        with contextlib.suppress(AgentboxError):
-            return store.get(task_id).cancel_requested
-        return False
-
+    settings, store, paths, tlog = ctx.settings, ctx.store, ctx.paths, ctx.tlog
+    task_id, cancelled = ctx.task_id, ctx.cancelled
     error = None
     plan = None
     try:
