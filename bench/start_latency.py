@@ -47,8 +47,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentbox.backends._podman_args import entry_argv, image_facts, run_args
-from agentbox.backends._podman_util import env_file
+from agentbox.backends._oci_args import entry_argv, image_facts, run_args
+from agentbox.backends._oci_cli import env_file
 from agentbox.backends._seccomp import profile_path
 from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Boxfile

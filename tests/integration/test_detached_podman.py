@@ -32,9 +32,9 @@ import pytest
 
 from agentbox import _host
 from agentbox.backends import Exited
-from agentbox.backends import _podman_detach as detach
 from agentbox.backends.base import LABEL, OWNER_DATA_LABEL, SandboxSpec, data_dir_label
 from agentbox.backends.podman import PodmanBackend
+from agentbox.backends.podman import _detach as detach
 from agentbox.config import Settings
 from agentbox.errors import SandboxError, SandboxGone
 
@@ -129,7 +129,7 @@ for h in a["unit_hierarchies"]:
 settings = Settings(data_dir=Path(a["data_dir"]), repos_root=Path(a["repos_root"]),
                     mount_roots=tuple(Path(p) for p in a["mount_roots"]))
 if a.get("no_second_line"):  # only what launch does before conmon exists
-    import agentbox.backends._podman_detach as d
+    import agentbox.backends.podman._detach as d
     d.place_conmon = lambda pid: []
 spec = SandboxSpec(name=a["name"], image=a["image"], workspace=Path(a["ws"]), deadline=120)
 PodmanBackend(settings).launch(spec, a["argv"], log=Path(a["log"]))

@@ -78,10 +78,10 @@ def test_missing_image_refused_before_anything(sandbox_settings: Settings) -> No
 
 
 def test_default_image_missing_says_how_to_build_it(sandbox_settings: Settings) -> None:
-    from agentbox.backends import _podman_args
+    from agentbox.backends import _oci_args
 
     with pytest.raises(ImageError, match="agentbox image build"):
-        _podman_args.image_facts("localhost/agentbox-default:latest-missing")
+        _oci_args.image_facts("localhost/agentbox-default:latest-missing")
     s = sandbox_settings.model_copy(update={"image": "localhost/agentbox-default:nope"})
     spec = spec_from_boxfile(Boxfile(), s)
     with pytest.raises(ImageError):

@@ -1,7 +1,7 @@
 """A podman sandbox cannot write more to /workspace than its disk limit (issue 11 item 6).
 
 Each sandbox's workspace lives on its own sparse ext4 image, loop-mounted over
-the workspace for the sandbox's life (backends/_podman_disk.py). These tests
+the workspace for the sandbox's life (backends/_wsdisk.py). These tests
 run real podman (runc and runsc) and check, from the host:
 
 * writing past the limit (``fallocate``, ``dd``, a flood of files) fails inside
@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from agentbox import _host
-from agentbox.backends._podman_disk import WorkspaceDisk, settle_orphan_disks
+from agentbox.backends._wsdisk import WorkspaceDisk, settle_orphan_disks
 from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Boxfile, DiskLimit
 from agentbox.config import Settings

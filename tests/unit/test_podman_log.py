@@ -13,7 +13,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentbox.backends._podman_log import MAX_RECORD, LogReader, format_output, format_record
+from agentbox.backends._k8slog import MAX_RECORD, LogReader, format_output, format_record
 
 
 def _read(path: Path) -> tuple[bytes, bytes, int]:

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from agentbox.backends import get_backend
-from agentbox.backends._podman_args import (
+from agentbox.backends._oci_args import (
     ImageFacts,
     _searchable_by,
     check_spec,

@@ -87,6 +87,6 @@ def owned_sandboxes(settings: Settings) -> list[tuple[str, str]]:
 def sweep_stale_files() -> list[Path]:
     """Remove what older versions of the backends left on the host (environment dirs
     under ``/tmp`` a killed caller left); return what was removed."""
-    from agentbox.backends._podman_util import sweep_stale_env_dirs
+    from agentbox.backends._oci_cli import sweep_stale_env_dirs
 
     return sweep_stale_env_dirs()

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from agentbox.backends._podman_log import LogReader, format_output, read_exit, write_exit
+from agentbox.backends._k8slog import LogReader, format_output, read_exit, write_exit
 from agentbox.backends.base import (
     LABEL,
     OWNER_DATA_LABEL,

@@ -12,7 +12,7 @@ diff never see the environment's files.
 
 The task's layer is bounded by the task's disk limit (``[resources] disk``,
 ``inodes``), by the same mechanism as the podman workspace
-(:mod:`agentbox.backends._podman_disk`): ``upper``/``work`` live on a sparse
+(:mod:`agentbox.backends._wsdisk`): ``upper``/``work`` live on a sparse
 ext4 image of that size, loop-mounted ``nosuid,nodev`` in the task's directory
 for the task's life, so a write past it fails inside the sandbox with ENOSPC and
 the host's disk is never filled through the environment.

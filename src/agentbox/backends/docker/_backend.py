@@ -15,9 +15,9 @@ import psutil
 from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends._attached import AttachedOnly
-from agentbox.backends._podman_disk import settle_orphan_disks, workspace_disk
-from agentbox.backends._podman_util import Capture, check_env, owner_start
+from agentbox.backends._oci_cli import Capture, check_env, owner_start
 from agentbox.backends._userns_limits import HOOK_SCRIPT, SANDBOX_CAPS
+from agentbox.backends._wsdisk import settle_orphan_disks, workspace_disk
 from agentbox.backends.base import (
     GATEWAY_PORT,
     LABEL,

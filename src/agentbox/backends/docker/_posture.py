@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentbox.backends._podman_posture import (
+from agentbox.backends._oci_posture import (
     NAMESPACES,
     PROBE,
     _check,

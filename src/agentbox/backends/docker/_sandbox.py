@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from agentbox._log import get_logger
-from agentbox.backends._podman_util import MAX_COPY_OUT, Capture, cgroup_pids, check_env
+from agentbox.backends._oci_cli import MAX_COPY_OUT, Capture, cgroup_pids, check_env
 from agentbox.backends.base import BaseSandbox, ExecResult, OutputCallback, Posture, SandboxSpec
 from agentbox.backends.docker._binds import HostBinds
 from agentbox.backends.docker._config import exec_argv
@@ -45,7 +45,7 @@ class DockerSandbox(BaseSandbox):
         self._watchdog = threading.Timer(spec.deadline, self._expire)
         self._watchdog.daemon = True
         self.expired = False
-        #: The workspace disk's context (see _podman_disk.py): left after the container.
+        #: The workspace disk's context (see _wsdisk.py): left after the container.
         self._disk: contextlib.AbstractContextManager[object] | None = None
         #: The hardened bind points of its mounts (see _binds.py): released after it.
         self._binds: HostBinds | None = None

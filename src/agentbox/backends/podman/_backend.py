@@ -1,7 +1,7 @@
 """The podman backend: hardened OCI containers under runc, crun or runsc (gVisor).
 
 Every sandbox gets the seed's "Agent container" list (see
-:func:`agentbox.backends._podman_args.run_args` for the flags and why each is
+:func:`agentbox.backends._oci_args.run_args` for the flags and why each is
 there). Two ways to run:
 
 * :meth:`PodmanBackend.run`: one shot, the fastest path (``agentbox exec``, the
@@ -11,7 +11,7 @@ there). Two ways to run:
   tini) until commands are ``podman exec``'d into it.
 * :meth:`PodmanBackend.launch` / ``follow``: detached, ``podman run -d`` with
   conmon alone holding it, followed from any process (live restore; see
-  :mod:`agentbox.backends._podman_detach`).
+  :mod:`agentbox.backends.podman._detach`).
 
 Deadlines are enforced twice, both outside the caller's event loop: a watchdog
 thread kills the container at the deadline, and conmon's own ``--timeout``
@@ -41,7 +41,7 @@ import psutil
 
 from agentbox import _proc
 from agentbox._log import get_logger
-from agentbox.backends._podman_args import (
+from agentbox.backends._oci_args import (
     CONMON_GRACE,
     ImageFacts,
     check_spec,
@@ -50,17 +50,7 @@ from agentbox.backends._podman_args import (
     image_facts,
     run_args,
 )
-from agentbox.backends._podman_detach import (
-    DETACHED_LABEL,
-    PodmanDetached,
-    conmon_of,
-    inspect,
-    is_detached,
-)
-from agentbox.backends._podman_disk import settle_orphan_disks, workspace_disk
-from agentbox.backends._podman_posture import wait_relay
-from agentbox.backends._podman_sandbox import PodmanSandbox
-from agentbox.backends._podman_util import (
+from agentbox.backends._oci_cli import (
     Capture,
     conmon_cwd,
     env_file,
@@ -71,12 +61,14 @@ from agentbox.backends._podman_util import (
     stdin_fd,
     sweep_stale_env_dirs,
 )
+from agentbox.backends._oci_posture import wait_relay
 from agentbox.backends._userns_limits import (
     HOST_SANDBOXES,
     HOST_SYSCTLS,
     SANDBOX_CAPS,
     host_shortfall,
 )
+from agentbox.backends._wsdisk import settle_orphan_disks, workspace_disk
 from agentbox.backends.base import (
     LABEL,
     OWNER_DATA_LABEL,
@@ -86,6 +78,14 @@ from agentbox.backends.base import (
     SandboxSpec,
     data_dir_label,
 )
+from agentbox.backends.podman._detach import (
+    DETACHED_LABEL,
+    PodmanDetached,
+    conmon_of,
+    inspect,
+    is_detached,
+)
+from agentbox.backends.podman._sandbox import PodmanSandbox
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, CommandTimeout, ConfigError, SandboxError
 
@@ -329,7 +329,7 @@ class PodmanBackend(PodmanDetached):
 
         A detached sandbox is only killed: its follower (``follow``) then returns exit
         137, records the end, and removes it as after any other end."""
-        kill(name)  # the module-level helper of _podman_util
+        kill(name)  # the module-level helper of _oci_cli
         info = inspect(name)
         if info is not None and is_detached(info):
             return [name]
@@ -339,7 +339,7 @@ class PodmanBackend(PodmanDetached):
     def reap(self, name: str) -> list[str]:
         """Remove container ``name`` whose owner died, then settle its workspace disk:
         what the agent wrote is copied back into the workspace directory, where the
-        owner would have collected it, and the disk unmounted (see _podman_disk.py).
+        owner would have collected it, and the disk unmounted (see _wsdisk.py).
         A detached sandbox's disk is settled once its conmon, its recorded owner, is gone."""
         info = inspect(name)
         conmon = conmon_of(info) if info is not None else None

@@ -1,14 +1,14 @@
 """Detached podman sandboxes: nothing of ours attached, re-adoptable by a new launcher.
 
 :meth:`~PodmanDetached.launch` is ``podman run -d`` (no ``--rm``) with the same
-hardening as ``run`` (:func:`~agentbox.backends._podman_args.run_args`); the podman
+hardening as ``run`` (:func:`~agentbox.backends._oci_args.run_args`); the podman
 client exits as soon as the container runs and **conmon alone holds it** (about
 2 MiB, against the attached client's 35 MiB). conmon is a daemon of its own
 (parent 1, its own session and process group) and its ``--timeout`` kills the
 sandbox at its deadline whether or not any launcher lives. Its output goes to the
 caller's log in conmon's ``k8s-file`` format, capped at
 :data:`~agentbox.backends.base.MAX_LOG_BYTES` (at the cap conmon starts the file
-over: the *last* part is kept; see :mod:`agentbox.backends._podman_log`).
+over: the *last* part is kept; see :mod:`agentbox.backends._k8slog`).
 
 cgroups: under the cgroupfs manager on a v1/hybrid host, podman moves conmon out
 of its caller's cgroup in every v1 *controller* hierarchy (to
@@ -48,17 +48,16 @@ import psutil
 
 from agentbox import _proc
 from agentbox._log import get_logger
-from agentbox.backends._podman_args import (
+from agentbox.backends._k8slog import LogReader, exit_marker, read_exit, write_exit
+from agentbox.backends._oci_args import (
     check_spec,
     entry_argv,
     forget_image,
     image_facts,
     run_args,
 )
-from agentbox.backends._podman_cgroup import born_outside, place_conmon
-from agentbox.backends._podman_disk import WorkspaceDisk, settle_orphan_disks
-from agentbox.backends._podman_log import LogReader, exit_marker, read_exit, write_exit
-from agentbox.backends._podman_util import conmon_cwd, env_file, force_remove, kill
+from agentbox.backends._oci_cli import conmon_cwd, env_file, force_remove, kill
+from agentbox.backends._wsdisk import WorkspaceDisk, settle_orphan_disks
 from agentbox.backends.base import (
     LABEL,
     MAX_LOG_BYTES,
@@ -68,6 +67,7 @@ from agentbox.backends.base import (
     SandboxSpec,
     data_dir_label,
 )
+from agentbox.backends.podman._cgroup import born_outside, place_conmon
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxError, SandboxGone
 

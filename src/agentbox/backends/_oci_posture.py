@@ -41,7 +41,7 @@ from agentbox.config import Settings
 from agentbox.errors import CommandError, SandboxError
 
 if TYPE_CHECKING:
-    from agentbox.backends._podman_sandbox import PodmanSandbox
+    from agentbox.backends.podman._sandbox import PodmanSandbox
 
 __all__ = ["PROBE", "expected_mounts", "host_processes", "read_posture", "wait_relay"]
 

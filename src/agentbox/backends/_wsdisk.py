@@ -24,7 +24,7 @@ project quotas, so every sandbox with a workspace gets its own filesystem:
    trusted reader, skips and reports those as it did when the workspace was a
    plain bind mount; device nodes, which the sandbox cannot make, are skipped).
    Then the image is unmounted (the loop device is freed with it) and deleted.
-   (The copy is :mod:`agentbox.backends._podman_copyback`.)
+   (The copy is :mod:`agentbox.backends._wsdisk_copy`.)
 
 A write past the limit fails inside the sandbox with ENOSPC; the copy back
 holds at most what the image held, so collection afterwards sees the agent's
@@ -55,14 +55,14 @@ from pathlib import Path
 
 from agentbox import _proc
 from agentbox._log import get_logger
-from agentbox.backends._podman_copyback import (
+from agentbox.backends._oci_cli import owner_start
+from agentbox.backends._wsdisk_copy import (
     MAX_COPY_DEPTH,
     copy_back,
     load_snapshot,
     save_snapshot,
     snapshot,
 )
-from agentbox.backends._podman_util import owner_start
 from agentbox.backends.base import SandboxSpec
 from agentbox.boxfile import DiskLimit
 from agentbox.config import Settings

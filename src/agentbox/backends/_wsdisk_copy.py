@@ -1,5 +1,5 @@
 """Copying a workspace disk back into the directory under its mount (step 3 of
-:mod:`agentbox.backends._podman_disk`).
+:mod:`agentbox.backends._wsdisk`).
 
 The directory under the mount is made to hold what the disk holds, by directory
 fds, never following a link: entries whose inode and ctime on the disk are what

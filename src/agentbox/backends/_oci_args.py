@@ -225,7 +225,7 @@ def run_args(
 
     With ``detach`` and ``log`` (a detached sandbox, ``PodmanBackend.launch``),
     conmon writes the output to ``log`` in the ``k8s-file`` format, at most
-    ``log_max`` bytes (it then truncates and starts over: see _podman_log.py).
+    ``log_max`` bytes (it then truncates and starts over: see _k8slog.py).
     """
     res = spec.resources
     uid = spec.uid

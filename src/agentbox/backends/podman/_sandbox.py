@@ -14,8 +14,7 @@ from typing import IO, TYPE_CHECKING
 
 from agentbox import _proc
 from agentbox._log import get_logger
-from agentbox.backends._podman_posture import read_posture
-from agentbox.backends._podman_util import (
+from agentbox.backends._oci_cli import (
     MAX_COPY_OUT,
     Capture,
     cgroup_pids,
@@ -25,6 +24,7 @@ from agentbox.backends._podman_util import (
     podman_error,
     stdin_fd,
 )
+from agentbox.backends._oci_posture import read_posture
 from agentbox.backends.base import BaseSandbox, ExecResult, OutputCallback, Posture, SandboxSpec
 from agentbox.errors import AgentboxError, CommandError, CommandTimeout, ConfigError, SandboxError
 
@@ -47,7 +47,7 @@ class PodmanSandbox(BaseSandbox):
         self._watchdog = threading.Timer(spec.deadline, self._expire)
         self._watchdog.daemon = True
         self.expired = False
-        #: The workspace disk's context (see _podman_disk.py): left after the container.
+        #: The workspace disk's context (see _wsdisk.py): left after the container.
         self._disk: contextlib.AbstractContextManager[object] | None = None
 
     def _start_watchdog(self) -> None:

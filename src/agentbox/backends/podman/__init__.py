@@ -1,0 +1,32 @@
+"""The podman backend: hardened OCI containers under runc, crun or runsc (gVisor).
+
+The package holds what is podman's alone: the backend (``_backend``), its
+sandbox (``_sandbox``), detached sandboxes (``_detach``) and conmon's cgroup
+placement (``_cgroup``). What podman shares with the docker backend lives one
+level up: the hardening flags (``backends._oci_args``), the CLI helpers
+(``backends._oci_cli``), the posture reader (``backends._oci_posture``), the
+workspace disk (``backends._wsdisk``) and the ``k8s-file`` log reader
+(``backends._k8slog``).
+"""
+
+from agentbox.backends.podman._backend import (
+    HOST_SANDBOXES,
+    HOST_SYSCTLS,
+    SANDBOX_CAPS,
+    PodmanBackend,
+    PodmanSandbox,
+    conmon_cwd,
+    host_shortfall,
+    image_facts,
+)
+
+__all__ = [
+    "HOST_SANDBOXES",
+    "HOST_SYSCTLS",
+    "SANDBOX_CAPS",
+    "PodmanBackend",
+    "PodmanSandbox",
+    "conmon_cwd",
+    "host_shortfall",
+    "image_facts",
+]
