@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agentbox.backends._microvm_posture import thread_status
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.qemu import QemuBackend, QemuSandbox, vmm_uid
+from agentbox.backends.qemu._posture import thread_status
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 

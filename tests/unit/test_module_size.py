@@ -23,9 +23,7 @@ EXEMPT = {
 }
 
 #: Over the limit today, to be split (issue 14); owners were editing them in parallel.
-PENDING = {
-    "backends/qemu.py",
-}
+PENDING: set[str] = set()
 
 
 def _sizes() -> dict[str, int]:

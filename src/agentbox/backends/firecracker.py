@@ -42,9 +42,9 @@ import psutil
 
 from agentbox import _host
 from agentbox._log import get_logger
-from agentbox.backends._microvm_posture import read_posture
 from agentbox.backends.base import LABEL, Posture, SandboxSpec
 from agentbox.backends.qemu import QemuBackend, QemuSandbox, vmm_uid
+from agentbox.backends.qemu._posture import read_posture
 from agentbox.config import Settings
 from agentbox.errors import SandboxError, UnsupportedError
 from agentbox.guest.agent import VSOCK_PORT

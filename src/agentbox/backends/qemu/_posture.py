@@ -19,7 +19,7 @@ from agentbox.backends.base import Posture, PostureCheck
 from agentbox.errors import AgentboxError
 
 if TYPE_CHECKING:
-    from agentbox.backends.qemu import QemuSandbox
+    from agentbox.backends.qemu._sandbox import QemuSandbox
 
 __all__ = ["ThreadStatus", "read_posture", "thread_status", "vmm_checks"]
 

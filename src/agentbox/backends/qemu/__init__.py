@@ -1,0 +1,21 @@
+"""The qemu backend: every sandbox a QEMU microVM with its own kernel and a confined VMM.
+
+The package's public names; the implementation is split by job:
+
+* :mod:`._backend`: :class:`QemuBackend`: checks a spec, boots or restores a VM;
+* :mod:`._sandbox`: :class:`QemuSandbox`: a live VM reached through its guest agent;
+* :mod:`._posture`: the posture read off the running VMM and from inside the guest;
+* VM dirs, owner records and crash recovery are shared with the firecracker backend,
+  in :mod:`agentbox.backends._microvm`.
+
+See docs/reference/qemu-backend.md and docs/explanation/microvm-isolation.md.
+"""
+
+from __future__ import annotations
+
+from agentbox.backends._microvm import kill_sandbox, recover_sandbox, vmm_uid
+from agentbox.backends.qemu._backend import QemuBackend
+from agentbox.backends.qemu._sandbox import QemuSandbox
+from agentbox.microvm.kvm import probe_kvm
+
+__all__ = ["QemuBackend", "QemuSandbox", "kill_sandbox", "probe_kvm", "recover_sandbox", "vmm_uid"]
