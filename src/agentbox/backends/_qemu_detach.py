@@ -1,0 +1,444 @@
+"""Detached microVMs: the VM outlives its launcher and a new launcher re-adopts it.
+
+:meth:`~QemuDetached.launch` starts the VM's **monitor**
+(:mod:`agentbox.backends._qemu_monitor`, our conmon): a small process born in
+its own session and outside the launcher's unit cgroups (:func:`born_outside`),
+not a child of the launcher (``setsid -f``: its parent is init). The monitor
+boots the VM (the jailed QEMU is its child), holds the guest channel, runs the
+main command, enforces the deadline, writes the output to the caller's log
+(k8s-file, capped), saves ``/workspace``, destroys the VM and only then writes
+``<log>.exit``. So nothing of the launcher is attached to a running VM; the
+VM's jail, channel socket and disks stay in ``<data_dir>/microvm/<vm>``.
+
+The **record** ``<data_dir>/microvm-detached/<name>.json`` (0600 in a 0700 dir)
+names the sandbox, its labels, the data dir, the log, the deadline and the
+monitor's and the VMM's pid and start time, sealed with an HMAC under
+``<data_dir>/detach.key`` (the key podman's seals use). :meth:`~QemuDetached.adoptable`
+and :meth:`~QemuDetached.follow` trust a record only if its seal holds for this
+data dir and its monitor is that very process (pid, start time, command line):
+a record copied from another data dir, or a pid reused by another process, is
+refused. :meth:`~QemuDetached.follow` streams the log from its start while the
+monitor lives, kills the VM itself past the deadline (a second line behind the
+monitor's timer), and once the monitor is gone returns the end it recorded. A
+monitor that died midway (``kill -9``) leaves no record of the end: the VM is
+then settled as a dead owner's (killed, ``/data`` saved into the workspace it
+was made for) and the end is unknown (-1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import pickle
+import re
+import secrets
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.backends._k8slog import LogReader, exit_marker, read_exit, write_exit
+from agentbox.backends.base import (
+    OWNER_DATA_LABEL,
+    Exited,
+    OutputCallback,
+    SandboxSpec,
+    data_dir_label,
+)
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, ConfigError, SandboxError, SandboxGone
+
+__all__ = [
+    "MONITOR_MODULE",
+    "Identity",
+    "QemuDetached",
+    "born_outside",
+    "drop_record",
+    "read_record",
+    "write_record",
+]
+
+logger = get_logger("qemu.detach")
+
+MONITOR_MODULE = "agentbox.backends._qemu_monitor"
+#: Records of detached VMs, under the data dir.
+RECORD_DIR = "microvm-detached"
+#: The cgroup, at the root of the hierarchies systemd tracks units by, monitors start in.
+UNIT_FREE_CGROUP = "agentbox-vms"
+#: How long launch() waits for the VM to run (a first snapshot template takes long).
+LAUNCH_TIMEOUT = 900.0
+#: The follower kills the VM this long past its deadline if the monitor has not.
+DEADLINE_GRACE = 30.0
+_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
+_MAX_RECORD = 64 * 1024
+
+#: ``sh -c``: enter each cgroup.procs named before ``--``, send output to the log named
+#: first, then ``setsid -f`` the rest (a new session whose parent is init, not us).
+_ENTER = (
+    'out=$1; shift; while [ "$#" -gt 0 ] && [ "$1" != -- ]; do '
+    '{ echo $$ > "$1"; } 2>/dev/null || echo "agentbox: could not enter $1" >&2; shift; '
+    'done; shift; exec >>"$out" 2>&1; exec setsid -f "$@"'
+)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A process as recorded: its pid and its start time (seconds, psutil's)."""
+
+    pid: int
+    start: float
+
+    @classmethod
+    def of(cls, pid: int) -> Identity:
+        return cls(pid, psutil.Process(pid).create_time())
+
+    def process(self) -> psutil.Process | None:
+        """The live process, if ``pid`` still is that very process (not a reused pid)."""
+        try:
+            proc = psutil.Process(self.pid)
+            if abs(proc.create_time() - self.start) > 0.01:
+                return None
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+        except psutil.Error:
+            return None
+        return proc
+
+
+def _key(settings: Settings) -> bytes:
+    path = settings.data_dir / "detach.key"
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            return path.read_bytes()
+        key = secrets.token_bytes(32)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(key)
+        return key
+
+
+def _seal(settings: Settings, body: Mapping[str, Any]) -> str:
+    msg = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(_key(settings), msg, hashlib.sha256).hexdigest()
+
+
+def _record_path(settings: Settings, name: str) -> Path:
+    if not _NAME.fullmatch(name):
+        raise SandboxGone("not a sandbox name", sandbox=name[:80])
+    return settings.data_dir / RECORD_DIR / f"{name}.json"
+
+
+def write_record(
+    settings: Settings,
+    spec: SandboxSpec,
+    *,
+    log: Path,
+    monitor: Identity,
+    vm: tuple[str, Identity] | None,
+) -> None:
+    """Write (atomically, sealed) the record of detached sandbox ``spec.name``."""
+    path = _record_path(settings, spec.name)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    body: dict[str, Any] = {
+        "v": 1,
+        "name": spec.name,
+        "data": data_dir_label(settings.data_dir),
+        "labels": dict(spec.labels),
+        "log": str(log),
+        "deadline": spec.deadline,
+        "monitor": [monitor.pid, monitor.start],
+        "vm": [vm[0], vm[1].pid, vm[1].start] if vm is not None else None,
+        "started": time.time() if vm is not None else None,
+    }
+    body["seal"] = _seal(settings, body)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(body, fh)
+    tmp.replace(path)
+
+
+def read_record(settings: Settings, name: str) -> dict[str, Any] | None:
+    """The record of ``name`` if there is one and its seal holds for this data dir; else
+    None (no record, or one this data dir's key did not seal: another's, or forged)."""
+    path = _record_path(settings, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        logger.warning("unreadable detached record", sandbox=name, error=str(exc))
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        raw = fh.read(_MAX_RECORD + 1)
+    try:
+        rec = json.loads(raw) if len(raw) <= _MAX_RECORD else None
+    except ValueError:
+        rec = None
+    if not isinstance(rec, dict):
+        return None
+    seal = rec.pop("seal", "")
+    ok = (
+        isinstance(seal, str)
+        and hmac.compare_digest(seal, _seal(settings, rec))
+        and rec.get("name") == name
+        and rec.get("data") == data_dir_label(settings.data_dir)
+        and isinstance(rec.get("labels"), dict)
+        and _identity(rec.get("monitor")) is not None
+    )
+    if not ok:
+        logger.warning("detached record refused: not sealed for this data dir", sandbox=name)
+        return None
+    return rec
+
+
+def drop_record(settings: Settings, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _record_path(settings, name).unlink()
+
+
+def _identity(value: object) -> Identity | None:
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    pid, start = value
+    if type(pid) is not int or pid <= 0 or not isinstance(start, float | int):
+        return None
+    return Identity(pid, float(start))
+
+
+def _monitor_of(rec: Mapping[str, Any]) -> psutil.Process | None:
+    """The record's live monitor, checked to be that process and a monitor of ours."""
+    ident = _identity(rec.get("monitor"))
+    proc = ident.process() if ident is not None else None
+    if proc is None:
+        return None
+    with contextlib.suppress(psutil.Error):
+        if MONITOR_MODULE in proc.cmdline():
+            return proc
+    return None
+
+
+def _unit_homes() -> list[Path]:
+    """``cgroup.procs`` of :data:`UNIT_FREE_CGROUP` in each hierarchy systemd tracks a
+    unit by (``name=systemd``, unified) where this process sits below the root."""
+    mounts: dict[str, Path] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            pre, _, post = line.partition(" - ")
+            fields, tail = pre.split(), post.split()
+            if len(fields) < 5 or len(tail) < 3:
+                continue
+            if tail[0] == "cgroup2":
+                mounts.setdefault("0", Path(fields[4]))
+            elif tail[0] == "cgroup" and "name=systemd" in tail[2].split(","):
+                mounts.setdefault("name=systemd", Path(fields[4]))
+    homes = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            num, ctrls, path = ([*line.split(":", 2), "", ""])[:3]
+            key = "0" if num == "0" and not ctrls else ctrls
+            if key not in mounts or path in ("", "/"):
+                continue
+            target = mounts[key] / UNIT_FREE_CGROUP
+            with contextlib.suppress(OSError):
+                target.mkdir(exist_ok=True)
+                homes.append(target / "cgroup.procs")
+    return homes
+
+
+def born_outside(argv: Sequence[str], out: Path) -> list[str]:
+    """``argv`` run in a new session, its parent init, outside this process's unit
+    cgroups (entered *before* it starts: no window in which a unit kill reaches it),
+    its stdout and stderr appended to ``out``."""
+    homes = [str(h) for h in _unit_homes()]
+    return ["sh", "-c", _ENTER, "sh", str(out), *homes, "--", *argv]
+
+
+class QemuDetached:
+    """Mixed into :class:`~agentbox.backends.qemu.QemuBackend`: the detached verbs."""
+
+    settings: Settings
+    cold: bool
+    _accel: str
+    _rootfs: tuple[Path, str] | None
+
+    if TYPE_CHECKING:
+
+        def check(self, spec: SandboxSpec) -> None: ...
+
+    def detaches(self, runtime: str) -> bool:
+        """True: a monitor process of ours, not the caller, holds the VM."""
+        del runtime
+        return True
+
+    def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
+        """Start the VM's monitor detached (see the module docstring); return once the VM
+        runs the command. Output past :data:`~agentbox.backends.base.MAX_LOG_BYTES` is
+        dropped (the first part is kept, the cut noted). A name with a live record is
+        refused (``SandboxError``) and nothing of that sandbox is touched."""
+        if not argv:
+            raise ConfigError("launch needs a command")
+        if not log.is_absolute() or not log.parent.is_dir():
+            raise ConfigError(f"the sandbox log must be an absolute path in a directory: {log}")
+        self.check(spec)
+        spec = spec.replace(
+            labels={**spec.labels, OWNER_DATA_LABEL: data_dir_label(self.settings.data_dir)}
+        )
+        rec_path = _record_path(self.settings, spec.name)
+        old = read_record(self.settings, spec.name)
+        if old is not None and _monitor_of(old) is not None:
+            raise SandboxError("a sandbox of that name exists already", sandbox=spec.name)
+        drop_record(self.settings, spec.name)
+        for stale in (log, exit_marker(log)):
+            stale.unlink(missing_ok=True)
+        rec_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        out = rec_path.with_suffix(".log")
+        req = {
+            "settings": self.settings,
+            "backend": (self.cold, self._accel, self._rootfs),
+            "spec": spec,
+            "argv": list(argv),
+            "log": str(log),
+        }
+        args = born_outside([sys.executable, "-m", MONITOR_MODULE], out)
+        res = _proc.run(args, input=pickle.dumps(req), timeout=60)
+        if "agentbox: could not enter" in res.stderr:
+            logger.warning("monitor born in our cgroup", sandbox=spec.name, why=res.stderr)
+        self._wait_running(spec.name, out)
+        logger.info("launched", sandbox=spec.name)
+
+    def _wait_running(self, name: str, out: Path) -> None:
+        """Until the monitor records a running VM; raise with its log's tail if it ends
+        (or never shows) first, killing what it may have started."""
+        start = time.monotonic()
+        seen = False
+        while time.monotonic() < start + LAUNCH_TIMEOUT:
+            rec = read_record(self.settings, name)
+            if rec is not None and rec.get("vm") is not None:
+                return
+            if rec is not None and _monitor_of(rec) is None:
+                break  # it died booting
+            if rec is None and (seen or time.monotonic() > start + 60):
+                break  # it dropped its record (the VM failed), or never wrote one
+            seen = seen or rec is not None
+            time.sleep(0.05)
+        self.kill_detached(name)
+        drop_record(self.settings, name)
+        tail = ""
+        with contextlib.suppress(OSError):
+            tail = out.read_text(errors="replace")[-2000:]
+        raise SandboxError(f"the VM's monitor did not start it: {tail.strip()}", sandbox=name)
+
+    def follow(
+        self,
+        name: str,
+        *,
+        log: Path,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        poll: float = 0.2,
+    ) -> Exited:
+        """Stream ``log`` from its start until the monitor has ended the VM; then remove
+        what is left of it (its record and monitor log)."""
+        rec = read_record(self.settings, name)
+        if rec is not None and rec.get("log") != str(log):
+            raise SandboxGone("its record names another log", sandbox=name)
+        if rec is None:
+            # No record: a follower before us saw the end (or none of ours by that name).
+            ended = read_exit(log)
+            if ended is None or _record_path(self.settings, name).exists():
+                raise SandboxGone("not a detached sandbox of this data dir", sandbox=name)
+            with LogReader(log, on_stdout, on_stderr) as reader:
+                reader.pump()
+            return ended
+        monitor = _monitor_of(rec)
+        killed = False
+        with LogReader(log, on_stdout, on_stderr) as reader:
+            while monitor is not None and monitor.is_running():
+                reader.pump()
+                started = rec.get("started")
+                if started is None:  # still booting: the record gains the VM soon
+                    rec = read_record(self.settings, name) or rec
+                elif not killed and time.time() > float(started) + _deadline(rec) + DEADLINE_GRACE:
+                    logger.warning("deadline passed and the VM runs; killing it", sandbox=name)
+                    self.kill_detached(name)
+                    killed = True
+                with contextlib.suppress(psutil.Error):
+                    if monitor.status() == psutil.STATUS_ZOMBIE:
+                        break
+                time.sleep(poll)
+            with self._final(log):
+                ended = read_exit(log)
+                if ended is None:
+                    ended = self._settle_dead_monitor(name, rec, log, killed)
+                reader.pump()
+                drop_record(self.settings, name)
+                with contextlib.suppress(OSError):
+                    _record_path(self.settings, name).with_suffix(".log").unlink()
+        logger.info("followed to its end", sandbox=name, exit_code=ended.exit_code)
+        return ended
+
+    def adoptable(self, name: str, *, labels: Mapping[str, str]) -> bool:
+        """Whether ``name`` has a record sealed for this data dir whose monitor is that
+        very process (pid, start time, command line) and whose labels equal ``labels``."""
+        try:
+            rec = read_record(self.settings, name)
+        except SandboxGone:
+            return False
+        if rec is None or _monitor_of(rec) is None:
+            return False
+        have = rec["labels"]
+        return all(have.get(k) == v for k, v in labels.items())
+
+    # -- internals
+
+    def kill_detached(self, name: str) -> None:
+        """Kill the VM of ``name`` (its monitor then saves /data and ends)."""
+        from agentbox.backends.qemu import kill_sandbox
+
+        kill_sandbox(self.settings, name)
+
+    def _settle_dead_monitor(
+        self, name: str, rec: Mapping[str, Any], log: Path, killed: bool
+    ) -> Exited:
+        """The monitor died before recording the end: settle the VM as a dead owner's."""
+        from agentbox.backends.qemu import recover_sandbox
+
+        logger.warning("the VM's monitor died; settling the VM", sandbox=name)
+        with contextlib.suppress(AgentboxError):
+            recover_sandbox(self.settings, name)
+        started = rec.get("started")
+        late = started is not None and time.time() >= float(started) + _deadline(rec)
+        ended = Exited(137 if killed else -1, killed or late)
+        write_exit(log, ended)
+        return ended
+
+    @contextlib.contextmanager
+    def _final(self, log: Path) -> Iterator[None]:
+        """One follower at a time settles the end (a lock file beside the log)."""
+        lock = log.with_name(log.name + ".lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _deadline(rec: Mapping[str, Any]) -> float:
+    value = rec.get("deadline")
+    return float(value) if isinstance(value, int | float) else 3600.0
