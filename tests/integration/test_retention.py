@@ -255,3 +255,41 @@ def test_prune_removes_old_scratch_workspaces_only(settings: Settings, store: St
     assert res.returncode == 0, res.stderr
     assert "removed scratch/ws-old" in res.stdout
     assert not old.exists() and young.exists()
+
+
+def _plan(settings: Settings, task_id: str, *, age: float) -> Path:
+    """A continuation plan as ``resume``/``continue_from`` leaves it under ``continue/``."""
+    where = settings.data_dir / "continue" / f"{task_id}.json"
+    where.parent.mkdir(mode=0o700, exist_ok=True)
+    doc = {"previous": "t-prev", "base_commit": "0" * 40, "previous_status": "done"}
+    where.write_text(json.dumps(doc))
+    os.utime(where, (time.time() - age,) * 2)
+    return where
+
+
+def test_rm_and_prune_take_continuation_plans_with_their_tasks(
+    settings: Settings, store: Store
+) -> None:
+    _task(settings, store, "t-resumed")
+    removed = _plan(settings, "t-resumed", age=10 * DAY)
+    assert _cli(settings, "rm", "t-resumed").returncode == 0
+    assert not removed.exists()
+
+    _task(settings, store, "t-old-resumed")
+    old = _plan(settings, "t-old-resumed", age=10 * DAY)
+    stray = _plan(settings, "t-gone", age=10 * DAY)  # its task no longer exists
+    young = _plan(settings, "t-submitting", age=60)  # a submit in progress
+    _task(settings, store, "t-waiting", status="queued", age=30 * DAY)
+    waiting = _plan(settings, "t-waiting", age=30 * DAY)  # still needed to run it
+    outside = settings.data_dir.parent / "not-a-plan.json"
+    outside.write_text("{}")
+    (settings.data_dir / "continue" / "t-link.json").symlink_to(outside)
+
+    dry = _cli(settings, "prune", "--older-than", "7d", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "t-gone" in dry.stdout and stray.exists()
+    res = _cli(settings, "prune", "--older-than", "7d")
+    assert res.returncode == 0, res.stderr
+    assert not old.exists() and not stray.exists()
+    assert young.exists() and waiting.exists()
+    assert outside.read_text() == "{}"  # a planted link is not followed

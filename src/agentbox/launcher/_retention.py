@@ -42,6 +42,7 @@ from pathlib import Path
 from agentbox._log import get_logger
 from agentbox.config import Settings
 from agentbox.errors import PathRefused, PolicyRefused, TaskNotFound
+from agentbox.launcher import _session
 from agentbox.launcher._store import Store, TaskRow
 from agentbox.paths import TASK_ID_RE, TaskPaths, check_inside, validate_task_id
 
@@ -144,6 +145,7 @@ def remove_task(
     if not store.delete(task_id, expect=set(TERMINAL)):
         raise PolicyRefused(f"task {task_id} changed while it was being removed")
     out.bytes = remove_tree(root.parent, root.name)
+    _session.forget(settings, task_id)  # its continuation plan, if it was one
     log.info("task removed", task_id=task_id, bytes=out.bytes)
     return out
 
@@ -189,6 +191,12 @@ def prune(
                 continue  # a task being made right now has its row already; be safe anyway
             size = _tree_bytes(entry) if dry_run else remove_tree(tasks, name)
             done.append(Removal(name, bytes=size))
+    for name, mtime in _session.pending_ids(settings):
+        # A plan whose task is gone (removed by an older version, or its submit failed).
+        if TASK_ID_RE.fullmatch(name) and mtime <= cutoff and not store.exists(name):
+            if not dry_run:
+                _session.forget(settings, name)
+            done.append(Removal(name))
     done += _prune_scratch(
         settings, min(cutoff, (time.time() if now is None else now) - MAX_DEADLINE), dry_run
     )

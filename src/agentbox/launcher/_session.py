@@ -144,6 +144,26 @@ def _pending(settings: Settings, task_id: str) -> Path:
     return settings.data_dir / "continue" / f"{task_id}.json"
 
 
+def forget(settings: Settings, task_id: str) -> bool:
+    """Drop a removed task's pending plan (True if there was one; never follows a link)."""
+    with contextlib.suppress(FileNotFoundError):
+        _pending(settings, task_id).unlink()
+        return True
+    return False
+
+
+def pending_ids(settings: Settings) -> list[tuple[str, float]]:
+    """The task ids that have a pending plan, with the plan's mtime."""
+    out = []
+    with contextlib.suppress(OSError), os.scandir(settings.data_dir / "continue") as it:
+        for entry in it:
+            stem, dot, ext = entry.name.rpartition(".")
+            if dot and ext == "json" and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    out.append((stem, entry.stat(follow_symlinks=False).st_mtime))
+    return sorted(out)
+
+
 def record(settings: Settings, task_id: str, cont: Continuation | None) -> None:
     """Keep the plan until the task's workspace is made (called at submit; None: nothing)."""
     if cont is None:
