@@ -25,11 +25,14 @@ from agentbox.gateway.__main__ import OPTIONS
 from agentbox.gateway._cli import gateway
 
 #: Never imported by a gateway, whatever its upstream: each is MiBs per task
-#: (rich ~5, click+typer ~6, pydantic-settings ~5, httpx ~4) or a part of agentbox it
-#: does not serve with.
+#: (rich ~5, click+typer ~6, pydantic ~7 with our models, pydantic-settings ~5,
+#: httpx ~4) or a part of agentbox it does not serve with.
 HEAVY = (
     "rich",
     "typer",
+    "pydantic",
+    "pydantic_core",
+    "annotated_types",
     "pydantic_settings",
     "httpx",
     "httpcore",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.errors import ConfigError
-from agentbox.gateway.registry import MAX_REGISTRY_BYTES, load_registry
+from agentbox.gateway.registry import MAX_REGISTRY_BYTES, ModelEntry, _parse, load_registry
 
 GOOD = '[models.a]\nkind = "replay"\nupstream = "s.yaml"\n'
 
@@ -72,3 +72,54 @@ def test_bad_toml_and_bad_entries_name_the_file(tmp_path: Path) -> None:
     _refused(f)
     f.write_text('[models.a]\nkind = "nope"\nupstream = "x"\n')
     _refused(f, "[models.a]")
+
+
+_ENTRY = {"kind": "anthropic", "upstream": "https://x"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({}, "kind: is required; [models.x] upstream: is required"),
+        ({"kind": 5, "upstream": "https://x"},
+         "kind: must be one of 'anthropic', 'compatible' or 'replay', not 5"),
+        ({**_ENTRY, "surprise": 1, "kind": "bad"},
+         "kind: must be one of 'anthropic', 'compatible' or 'replay', not 'bad'; "
+         "[models.x] surprise: is not a key a model entry has (check its spelling)"),
+        ({**_ENTRY, "key_env": 5}, "key_env: must be a string, not 5"),
+        ({**_ENTRY, "unsupported_fields": "abc"}, "unsupported_fields: must be a tuple, not 'abc'"),
+        ({**_ENTRY, "unsupported_fields": [1, "a", 2]},
+         "unsupported_fields.0: must be a string, not 1; "
+         "[models.x] unsupported_fields.2: must be a string, not 2"),
+        ({**_ENTRY, "forward_beta": "maybe"}, "forward_beta: must be a bool, not 'maybe'"),
+        ({**_ENTRY, "image_tokens": -1},
+         "image_tokens: Input should be greater than or equal to 0"),
+        ({**_ENTRY, "image_tokens": 1.5}, "image_tokens: Input should be a valid integer, got a "
+         "number with a fractional part"),
+        ({**_ENTRY, "document_tokens": {}}, "document_tokens: must be a int, not {}"),
+        ({**_ENTRY, "cache_read_weight": "x"}, "cache_read_weight: must be a float, not 'x'"),
+        ({**_ENTRY, "cache_read_weight": float("nan")},
+         "cache_read_weight: Input should be greater than or equal to 0"),
+        ({**_ENTRY, "allowed_fields": ["mcp_servers", "container"]},
+         "allowed_fields: container, mcp_servers: would let the upstream reach the network"),
+        ({**_ENTRY, "allowed_betas": [3]}, "allowed_betas.0: must be a string, not 3"),
+    ],
+)  # fmt: skip
+def test_entry_errors_name_each_key(fields: dict[str, object], said: str) -> None:
+    """Hand-checked entries (the gateway loads no pydantic) say what pydantic's did."""
+    with pytest.raises(ConfigError) as info:
+        _parse({"models": {"x": fields}}, base=None, source="S")
+    assert str(info.value) == f"model registry S: [models.x] {said}"
+
+
+def test_entry_values_are_converted_as_before() -> None:
+    entry = _parse(
+        {"models": {"x": {**_ENTRY, "unsupported_fields": ["a"], "forward_beta": "yes",
+                          "image_tokens": 2.0, "cache_read_weight": 1}}},
+        base=None, source="S",
+    ).get("x")  # fmt: skip
+    assert entry.unsupported_fields == ("a",) and entry.forward_beta is True
+    assert entry.image_tokens == 2 and isinstance(entry.image_tokens, int)
+    assert entry.cache_read_weight == 1.0 and isinstance(entry.cache_read_weight, float)
+    with pytest.raises(ValueError, match="name: bad model name 'a b'"):
+        ModelEntry(name="a b", kind="replay", upstream="s")

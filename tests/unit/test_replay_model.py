@@ -156,3 +156,37 @@ def test_demo_script_is_valid() -> None:
     s = load_script(DEMO_SCRIPT)
     names = [t.name for turn in s.turns for b in turn.blocks() if (t := b.tool_use)]
     assert names == ["Write", "Write", "Edit", "Bash"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        ("turns: 3\n", "turns: must be a list, not 3"),
+        ("turns:\n  - {text: a, branches: [{text: b}]}\n",
+         "turns.0: a turn with branches has no content of its own"),
+        ("turns:\n  - {branches: []}\n", "turns.0: branches must not be empty"),
+        ("turns:\n  - content: [{text: a, tool_use: {name: x}}]\n",
+         "turns.0.content.0: a block has exactly one of text or tool_use"),
+        ("turns:\n  - {tool_use: [{name: ''}]}\n",
+         "turns.0.tool_use.0.name: String should have at least 1 character"),
+        ("turns:\n  - {tool_use: [{name: A, id: x}, {name: B, id: x}]}\n",
+         "tool_use id 'x' used twice"),
+        ("turns:\n  - {delay: 601}\n", "turns.0.delay: Input should be less than or equal to 600"),
+        ("turns:\n  - {errors: [{status: 300}]}\n",
+         "turns.0.errors.0.status: Input should be greater than or equal to 400"),
+        ("turns:\n  - {usage: {input_tokens: -1}}\n",
+         "turns.0.usage.input_tokens: Input should be greater than or equal to 0"),
+        ("turns:\n  - {text: a, surprise: 1}\n", "turns.0.surprise: is not a key here"),
+        ("turns: []\nmain: x\n", "main: must be one of 'tools' or 'all', not 'x'"),
+        ("turns: []\nchunk_size: 0\n", "chunk_size: Input should be greater than or equal to 1"),
+        ("name: x\n", "turns: is required"),
+    ],
+)  # fmt: skip
+def test_script_errors_name_the_key(tmp_path: Path, bad: str, said: str) -> None:
+    """Hand-checked scripts (the gateway loads no pydantic) name what is wrong, and where."""
+    p = tmp_path / "s.yaml"
+    p.write_text(bad)
+    with pytest.raises(ConfigError) as info:
+        load_script(p)
+    assert str(info.value).startswith(f"replay script {p} is not valid: ")
+    assert said in str(info.value)

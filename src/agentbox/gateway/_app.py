@@ -174,7 +174,7 @@ class Gateway(Forwarding):
             return
         self._writing = True
         self._dirty = False
-        data = self.ledger.usage.model_dump_json(indent=1).encode()
+        data = self.ledger.usage.to_json()
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(
             None,

@@ -12,16 +12,28 @@ import json
 import os
 import secrets
 import stat
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from pydantic import BaseModel, Field, ValidationError
+from typing import Any
 
 from agentbox.errors import GatewayError
+from agentbox.gateway._check import (
+    Checker,
+    Errors,
+    Invalid,
+    boolean,
+    fields,
+    integer,
+    mapping_of,
+    number,
+    text,
+)
 
 __all__ = ["Usage", "read_usage", "write_bytes_atomic", "write_usage"]
 
 
-class Usage(BaseModel):
+@dataclass
+class Usage:
     """Running totals of one task's gateway (all token counts as the upstream reported them)."""
 
     model: str = ""
@@ -38,7 +50,7 @@ class Usage(BaseModel):
     """Worst-case tokens held by requests in flight right now."""
     requests: int = 0
     """Requests answered (any status), count_tokens included."""
-    refusals: dict[str, int] = Field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
     """Requests the gateway refused itself, by reason (``auth``, ``budget_exhausted`` …)."""
     dropped_streams: int = 0
     """Streams the client hung up on (billed for the worst case unless usage was read)."""
@@ -54,10 +66,42 @@ class Usage(BaseModel):
         """Budget not yet charged nor reserved."""
         return self.budget - self.weighted_total - self.reserved
 
+    def to_json(self) -> bytes:
+        """The usage file's bytes (JSON, one key a line)."""
+        return json.dumps(asdict(self), indent=1, ensure_ascii=False).encode()
+
+    @classmethod
+    def from_json(cls, data: Any) -> Usage:
+        """Totals from a parsed usage file (unknown keys ignored); :class:`Invalid` if wrong."""
+        errors: Errors = []
+        values = fields(data, _FIELDS, errors, extra=None)
+        if errors:
+            raise Invalid(errors)
+        return cls(**values)
+
+
+#: ``(key, checker, default)`` of a usage file.
+_FIELDS: tuple[tuple[str, Checker, Any], ...] = (
+    ("model", text, ""),
+    ("input", integer, 0),
+    ("output", integer, 0),
+    ("cache_creation", integer, 0),
+    ("cache_read", integer, 0),
+    ("weighted_total", number, 0.0),
+    ("budget", integer, 0),
+    ("reserved", number, 0.0),
+    ("requests", integer, 0),
+    ("refusals", mapping_of(integer), dict),
+    ("dropped_streams", integer, 0),
+    ("upstream_errors", integer, 0),
+    ("clamped", integer, 0),
+    ("exhausted", boolean, False),
+)
+
 
 def write_usage(path: Path, usage: Usage, *, dir_fd: int | None = None) -> None:
     """Replace ``path`` with ``usage`` atomically (temp file in the same dir + ``os.replace``)."""
-    write_bytes_atomic(path, usage.model_dump_json(indent=1).encode(), dir_fd=dir_fd)
+    write_bytes_atomic(path, usage.to_json(), dir_fd=dir_fd)
 
 
 def write_bytes_atomic(path: Path, data: bytes, *, dir_fd: int | None = None) -> None:
@@ -125,6 +169,6 @@ def read_usage(path: Path) -> Usage:
     except OSError as exc:
         raise GatewayError(f"cannot read usage file {path}: {exc}") from exc
     try:
-        return Usage.model_validate(json.loads(raw))
-    except (ValueError, ValidationError, RecursionError) as exc:
+        return Usage.from_json(json.loads(raw))
+    except (ValueError, RecursionError) as exc:
         raise GatewayError(f"usage file {path} is not valid: {exc}") from exc

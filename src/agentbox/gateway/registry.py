@@ -32,13 +32,26 @@ from __future__ import annotations
 import os
 import stat
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
 from agentbox.errors import ConfigError
+from agentbox.gateway._check import (
+    Checker,
+    Errors,
+    Invalid,
+    boolean,
+    choice,
+    integer,
+    number,
+    optional,
+    text,
+    tuple_of,
+)
+from agentbox.gateway._check import fields as check_fields
 from agentbox.gateway._policy import (
     DEFAULT_BETAS,
     DEFAULT_BLOCK_TYPES,
@@ -96,10 +109,61 @@ KIND_UNSUPPORTED_FIELDS: Mapping[str, tuple[str, ...]] = {
 _REQUIRED_FIELDS = frozenset({"model", "messages", "max_tokens", "stream"})
 
 
-class ModelEntry(BaseModel):
-    """One model a client may choose by ``name``."""
+def _none_of(bad_of: Callable[[tuple[str, ...]], list[str]], why: str) -> Checker:
+    """An optional tuple of strings, none of which ``bad_of`` picks out (``why`` says why)."""
+    items = optional(tuple_of(text))
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    def check(value: Any, key: str, errors: Errors) -> Any:
+        n = len(errors)
+        out = items(value, key, errors)
+        if len(errors) == n and out is not None and (bad := bad_of(out)):
+            errors.append((key, f"{', '.join(bad)}: {why}"))
+        return out
+
+    return check
+
+
+def _name(value: Any, key: str, errors: Errors) -> Any:
+    n = len(errors)
+    text(value, key, errors)
+    if len(errors) == n and (
+        not value or len(value) > 128 or not all(c.isalnum() or c in "-_.:" for c in value)
+    ):
+        errors.append((key, f"bad model name {value!r}: use letters, digits and -_.:"))
+    return value
+
+
+#: ``(key, checker, default)`` of a model entry, in the order its errors are reported.
+_ENTRY: tuple[tuple[str, Checker, Any], ...] = (
+    ("name", _name, ...),
+    ("kind", choice("anthropic", "compatible", "replay"), ...),
+    ("upstream", text, ...),
+    ("upstream_model", text, ""),
+    ("key_env", optional(text), None),
+    ("unsupported_fields", optional(tuple_of(text)), None),
+    ("forward_beta", optional(boolean), None),
+    ("count_tokens", optional(boolean), None),
+    ("allowed_fields", _none_of(lambda v: sorted(set(v) & set(NETWORK_FIELDS)),
+                                "would let the upstream reach the network"), None),
+    ("allowed_block_types", _none_of(lambda v: sorted(set(v) & NETWORK_BLOCK_TYPES),
+                                     "server tool blocks reach the network"), None),
+    ("allowed_betas", _none_of(lambda v: [b for b in v if b.lower().startswith(
+        NETWORK_BETA_PREFIXES)], "these betas reach the network"), None),
+    ("image_tokens", lambda v, k, e: integer(v, k, e, ge=0), 5_000),
+    ("document_tokens", lambda v, k, e: integer(v, k, e, ge=0), 1_800_000),
+    ("cache_creation_weight", lambda v, k, e: number(v, k, e, ge=0), 1.25),
+    ("cache_read_weight", lambda v, k, e: number(v, k, e, ge=0), 0.1),
+    ("description", text, ""),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model a client may choose by ``name``.
+
+    Checked when made (:class:`~agentbox.gateway._check.Invalid`, a ``ValueError``,
+    naming each key that is wrong); list values become tuples, numbers their type.
+    """
 
     name: str
     kind: Kind
@@ -121,44 +185,30 @@ class ModelEntry(BaseModel):
     """Content block types admitted (others refused); None: the default list."""
     allowed_betas: tuple[str, ...] | None = None
     """``anthropic-beta`` values forwarded (others dropped); None: the default list."""
-    image_tokens: int = Field(default=5_000, ge=0)
+    image_tokens: int = 5_000
     """Worst-case input tokens of one image, for the budget's reservation."""
-    document_tokens: int = Field(default=1_800_000, ge=0)
+    document_tokens: int = 1_800_000
     """Worst-case input tokens of one base64 PDF document, for the reservation."""
-    cache_creation_weight: float = Field(default=1.25, ge=0)
-    cache_read_weight: float = Field(default=0.1, ge=0)
+    cache_creation_weight: float = 1.25
+    cache_read_weight: float = 0.1
     description: str = ""
 
-    @field_validator("allowed_fields")
-    @classmethod
-    def _no_network_fields(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        bad = sorted(set(v or ()) & set(NETWORK_FIELDS))
-        if bad:
-            raise ValueError(f"{', '.join(bad)}: would let the upstream reach the network")
-        return v
+    def __post_init__(self) -> None:
+        errors: Errors = []
+        values = check_fields(
+            {f.name: getattr(self, f.name) for f in dataclass_fields(self)}, _ENTRY, errors
+        )
+        if errors:
+            raise Invalid(errors)
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
 
-    @field_validator("allowed_block_types")
     @classmethod
-    def _no_network_blocks(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        bad = sorted(set(v or ()) & NETWORK_BLOCK_TYPES)
-        if bad:
-            raise ValueError(f"{', '.join(bad)}: server tool blocks reach the network")
-        return v
-
-    @field_validator("allowed_betas")
-    @classmethod
-    def _no_network_betas(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        bad = [b for b in v or () if b.lower().startswith(NETWORK_BETA_PREFIXES)]
-        if bad:
-            raise ValueError(f"{', '.join(bad)}: these betas reach the network")
-        return v
-
-    @field_validator("name")
-    @classmethod
-    def _name_ok(cls, v: str) -> str:
-        if not v or len(v) > 128 or not all(c.isalnum() or c in "-_.:" for c in v):
-            raise ValueError(f"bad model name {v!r}: use letters, digits and -_.:")
-        return v
+    def check(cls, raw: Mapping[str, Any]) -> tuple[ModelEntry | None, Errors]:
+        """An entry from a registry table (``name`` included), or what is wrong with it."""
+        errors: Errors = []
+        values = check_fields(raw, _ENTRY, errors, what="a model entry")
+        return (None if errors else cls(**values)), errors
 
     @property
     def stripped_fields(self) -> tuple[str, ...]:
@@ -282,27 +332,6 @@ _BUILTIN: dict[str, dict[str, Any]] = {
 }
 
 
-def _in_our_words(name: str, exc: ValidationError) -> str:
-    """A pydantic error as ``[models.<name>] <key>: <what is wrong>`` (no pydantic URL)."""
-    out = []
-    for e in exc.errors(include_url=False):
-        key = ".".join(str(p) for p in e["loc"]) or "(entry)"
-        kind, ctx, got = e["type"], e.get("ctx") or {}, e.get("input")
-        if kind == "literal_error":
-            what = f"must be one of {ctx.get('expected', '?')}, not {got!r:.60}"
-        elif kind == "extra_forbidden":
-            what = "is not a key a model entry has (check its spelling)"
-        elif kind == "missing":
-            what = "is required"
-        elif kind.endswith("_type") or kind.endswith("_parsing"):
-            want = kind.removesuffix("_type").removesuffix("_parsing").replace("_", " ")
-            what = f"must be a {want}, not {got!r:.60}"
-        else:
-            what = str(e["msg"]).removeprefix("Value error, ")
-        out.append(f"[models.{name}] {key}: {what}")
-    return "; ".join(out)
-
-
 def _parse(data: Mapping[str, Any], *, base: Path | None, source: str) -> Registry:
     models = data.get("models")
     if not isinstance(models, Mapping) or not models:
@@ -319,12 +348,12 @@ def _parse(data: Mapping[str, Any], *, base: Path | None, source: str) -> Regist
             raise ConfigError(f"model registry {source}: [models.{name}] must be a table")
         fields = dict(raw)
         fields["name"] = name
-        try:
-            entry = ModelEntry.model_validate(fields)
-        except ValidationError as exc:
-            raise ConfigError(f"model registry {source}: {_in_our_words(name, exc)}") from None
+        entry, errors = ModelEntry.check(fields)
+        if entry is None:
+            what = "; ".join(f"[models.{name}] {key}: {why}" for key, why in errors)
+            raise ConfigError(f"model registry {source}: {what}")
         if entry.kind == "replay" and base is not None and not Path(entry.upstream).is_absolute():
-            entry = entry.model_copy(update={"upstream": str(base / entry.upstream)})
+            entry = replace(entry, upstream=str(base / entry.upstream))
         if entry.kind == "replay":
             _check_script(
                 Path(entry.upstream), f"model registry {source}: [models.{name}] upstream"
