@@ -46,9 +46,10 @@ agent changed.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import json
 import os
-import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -248,13 +249,18 @@ def settle_orphan_disks(settings: Settings, name: str | None = None) -> list[str
     """Copy back and unmount workspace disks whose owner process is gone (only sandbox
     ``name``'s, if given); return their sandbox names.
 
-    Call it once the sandbox's container is gone. The directory under the mount is
-    reached through a non-recursive bind mount of its parent (which does not carry
-    the disk's mount).
+    Call it once the sandbox's container is gone. One settler at a time per data dir
+    (:func:`_settling`); the directory under the mount is reached through a detached
+    copy of its parent's mount, which dies with the settler (:func:`_settle_one`).
     """
     base = settings.data_dir / "disks"
     if not base.is_dir():
         return []
+    with _settling(base):
+        return _settle_records(base, name)
+
+
+def _settle_records(base: Path, name: str | None) -> list[str]:
     settled = []
     pattern = "*.json" if name is None else f"{name}.json"
     for rec_path in sorted(base.glob(pattern)):
@@ -274,7 +280,7 @@ def settle_orphan_disks(settings: Settings, name: str | None = None) -> list[str
         snap = load_snapshot(rec_path.with_suffix(".snap"))
         try:
             if _mounted_from(ws, image):
-                _settle_one(base, ws, snap)
+                _settle_one(ws, snap)
         except (OSError, AgentboxError) as exc:
             log.error("could not settle an orphan workspace disk", image=str(image), error=str(exc))
             continue
@@ -308,26 +314,68 @@ def _mounted_from(ws: Path, image: Path) -> bool:
     if not os.path.ismount(ws):
         return False
     res = _proc.run(["findmnt", "-n", "-o", "SOURCE", "--mountpoint", ws], check=False, timeout=30)
-    src = res.stdout.strip()
+    lines = res.stdout.split()
+    src = lines[-1] if lines else ""  # the topmost of mounts stacked there
     if not src.startswith("/dev/loop"):
         return False
     back = _proc.run(["losetup", "-n", "-O", "BACK-FILE", src], check=False, timeout=30)
     return back.stdout.strip().removesuffix(" (deleted)") == str(image)
 
 
-def _settle_one(base: Path, ws: Path, snap: dict[str, tuple[int, int]]) -> None:
-    peek = base / f".settle-{secrets.token_hex(4)}"
-    peek.mkdir(mode=0o700)
+def _settle_one(ws: Path, snap: dict[str, tuple[int, int]]) -> None:
+    """Copy the disk at ``ws`` back into the directory under it, then unmount it.
+
+    The directory under the mount is reached through a detached, non-recursive copy
+    of the mount holding ``ws.parent`` (``open_tree``): it is in no mount table, so a
+    settler killed in the middle leaves no mount behind (a bind mount did, one per
+    kill), and no mount made elsewhere propagates into a path the copy walks.
+    """
+    tree = _detached_tree(ws.parent)
     try:
-        _proc.run(["mount", "--bind", ws.parent, peek], timeout=60)
+        under = os.open(ws.name, _DIR_FLAGS, dir_fd=tree)
         try:
-            under = os.open(peek / ws.name, _DIR_FLAGS)
-            try:
-                copy_back(ws, under, snap)
-            finally:
-                os.close(under)
+            if os.fstat(under).st_dev == ws.stat().st_dev:
+                raise SandboxError(f"the directory under the disk at {ws} is the disk itself")
+            copy_back(ws, under, snap)
         finally:
-            _proc.run(["umount", peek], timeout=60)
-        _umount(ws)
+            os.close(under)
     finally:
-        peek.rmdir()
+        os.close(tree)
+    _umount(ws)
+
+
+_SYS_OPEN_TREE = 428  # the same number on every architecture (asm-generic, Linux 5.2)
+_OPEN_TREE_CLONE = 1
+_AT_FDCWD = -100
+
+
+def _detached_tree(path: Path) -> int:
+    """An fd on ``path`` in a detached copy of the mount holding it, without the
+    mounts below it; the copy is unmounted when its last fd closes (or its process dies)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = _OPEN_TREE_CLONE | os.O_CLOEXEC
+    fd = int(libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(path), flags))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise SandboxError(f"open_tree({path}) failed: {os.strerror(err)} (Linux 5.2 or later?)")
+    return fd
+
+
+@contextlib.contextmanager
+def _settling(base: Path) -> Iterator[None]:
+    """One settler at a time per data dir (a follower, an adopter, a reap and a start-up
+    sweep may each reach the same disk): an ``flock`` on ``disks/``, released by the
+    kernel if the holder dies. Mounts an older version's killed settler left
+    (``disks/.settle-*``) are removed under it."""
+    fd = os.open(base, _DIR_FLAGS)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for stale in base.glob(".settle-*"):
+            with contextlib.suppress(OSError, AgentboxError):
+                if os.path.ismount(stale):
+                    _proc.run(["umount", "--lazy", stale], timeout=60)
+                stale.rmdir()
+                log.warning("removed a stale settle mount", path=str(stale))
+        yield
+    finally:
+        os.close(fd)
