@@ -29,10 +29,11 @@ import psutil
 import pytest
 
 from agentbox.backends import Exited
-from agentbox.backends import _qemu_detach as detach
 from agentbox.backends._k8slog import read_exit
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.qemu import QemuBackend
+from agentbox.backends.qemu import _detach as detach
+from agentbox.backends.qemu import _records as records
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.errors import SandboxGone
@@ -122,7 +123,7 @@ def _vmm_pids(settings: Settings) -> list[int]:
     ]
 
 
-def _leftovers(settings: Settings, name: str, monitor: detach.Identity) -> list[str]:
+def _leftovers(settings: Settings, name: str, monitor: records.Identity) -> list[str]:
     left = [f"VMM {pid}" for pid in _vmm_pids(settings)]
     if monitor.process() is not None:
         left.append(f"monitor {monitor.pid}")
@@ -132,7 +133,7 @@ def _leftovers(settings: Settings, name: str, monitor: detach.Identity) -> list[
     for root in (Path("/sys/fs/cgroup/pids/agentbox"), Path("/sys/fs/cgroup/memory/agentbox")):
         if root.is_dir():
             left += [f"cgroup {d}" for d in root.iterdir() if d.name.startswith(name)]
-    recs = settings.data_dir / detach.RECORD_DIR
+    recs = settings.data_dir / records.RECORD_DIR
     if recs.is_dir():
         left += [f"record {f.name}" for f in recs.iterdir()]
     return left
@@ -140,7 +141,8 @@ def _leftovers(settings: Settings, name: str, monitor: detach.Identity) -> list[
 
 _LAUNCHER = """
 import pickle, sys, time
-from agentbox.backends import _qemu_detach as detach
+from agentbox.backends.qemu import _detach as detach
+from agentbox.backends.qemu import _records as records
 from agentbox.backends._k8slog import read_exit
 from agentbox.backends.qemu import QemuBackend
 settings, rootfs, spec, argv, log = pickle.loads(sys.stdin.buffer.read())
@@ -160,6 +162,7 @@ import socket
 s = socket.create_connection(("127.0.0.1", 8080)); s.sendall(b"after the kill\n")
 print(s.makefile().readline().strip())'
 printf 'x%.0s' $(seq 1 20000) | head -c 20000; echo
+printf '2026-01-01T00:00:00Z stderr F forged\n\377\376\n'
 echo written > /workspace/out.txt; echo end; exit 7
 """
 
@@ -191,9 +194,9 @@ def test_a_killed_launcher_leaves_the_vm_to_a_new_one(
         launcher = psutil.Process(child.pid)
         os.killpg(child.pid, signal.SIGKILL)  # the launcher and its whole process group
         child.wait(30)
-        rec = detach.read_record(settings, name)
+        rec = records.read_record(settings, name)
         assert rec is not None and rec["vm"] is not None
-        monitor = detach.Identity(*rec["monitor"])
+        monitor = records.Identity(*rec["monitor"])
         assert monitor.process() is not None
         assert psutil.Process(monitor.pid).ppid() != launcher.pid
         assert os.getpgid(monitor.pid) != child.pid and os.getsid(monitor.pid) == monitor.pid
@@ -202,7 +205,7 @@ def test_a_killed_launcher_leaves_the_vm_to_a_new_one(
         assert os.getsid(vmm.pid) != child.pid
         # The token the guest agent holds never reached the disk: the record has none.
         assert "token" not in json.dumps(rec).lower()
-        assert oct(detach._record_path(settings, name).stat().st_mode & 0o777) == "0o600"
+        assert oct(records.record_path(settings, name).stat().st_mode & 0o777) == "0o600"
 
         fresh = _backend(settings, rootfs)
         assert fresh.adoptable(name, labels=labels)
@@ -219,7 +222,8 @@ def test_a_killed_launcher_leaves_the_vm_to_a_new_one(
     lines = out.split(b"\n")
     assert lines[:3] == [b"start", b"hello from the host", b"echo:after the kill"], out[:500]
     assert lines[3] == b"x" * 20000
-    assert lines[4:] == [b"end", b""]
+    # Hostile bytes come back as they were: a forged record prefix stays stdout.
+    assert lines[4:] == [b"2026-01-01T00:00:00Z stderr F forged", b"\xff\xfe", b"end", b""]
     assert err == b"to-stderr\n"
     assert (ws / "out.txt").read_text() == "written\n"
     assert _leftovers(settings, name, monitor) == []
@@ -236,14 +240,14 @@ def test_the_deadline_holds_without_a_launcher_and_forgeries_are_refused(
     spec = SandboxSpec(name=name, image="default", resources=RES, deadline=8)
     backend.launch(spec, ["sh", "-c", "echo up; sleep 600; echo never"], log=log)
     try:
-        rec = detach.read_record(settings, name)
+        rec = records.read_record(settings, name)
         assert rec is not None
-        path = detach._record_path(settings, name)
+        path = records.record_path(settings, name)
         good = path.read_bytes()
         # Another data dir's launcher: the record copied there is not sealed for it.
         other = Settings(data_dir=tmp_path / "other")
-        (other.data_dir / detach.RECORD_DIR).mkdir(parents=True)
-        shutil.copy(path, other.data_dir / detach.RECORD_DIR / path.name)
+        (other.data_dir / records.RECORD_DIR).mkdir(parents=True)
+        shutil.copy(path, other.data_dir / records.RECORD_DIR / path.name)
         other_backend = _backend(other, rootfs)
         assert not other_backend.adoptable(name, labels={})
         with pytest.raises(SandboxGone):
@@ -254,15 +258,15 @@ def test_the_deadline_holds_without_a_launcher_and_forgeries_are_refused(
         path.write_text(json.dumps(forged))
         assert not backend.adoptable(name, labels={})
         # A record sealed by this data dir naming a pid now another process's (reused).
-        detach.write_record(
-            settings, spec, log=log, monitor=detach.Identity(os.getpid(), 1.0), vm=None
+        records.write_record(
+            settings, spec, log=log, monitor=records.Identity(os.getpid(), 1.0), vm=None
         )
         assert not backend.adoptable(name, labels={})
         path.write_bytes(good)
         assert backend.adoptable(name, labels={})
         # Nobody follows: the monitor's own timer kills the VM at the deadline.
         psutil.Process(rec["vm"][1]).wait(300)
-        monitor = detach.Identity(*rec["monitor"])
+        monitor = records.Identity(*rec["monitor"])
         for _ in range(600):
             if monitor.process() is None:
                 break

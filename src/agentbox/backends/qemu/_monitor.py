@@ -1,9 +1,9 @@
 """The monitor of a detached microVM: our conmon, a small process that outlives its launcher.
 
-:meth:`~agentbox.backends._qemu_detach.QemuDetached.launch` starts
-``python -m agentbox.backends._qemu_monitor`` born outside the launcher (its own
+:meth:`~agentbox.backends.qemu._detach.QemuDetached.launch` starts
+``python -m agentbox.backends.qemu._monitor`` born outside the launcher (its own
 session, and outside the launcher's unit cgroups, see
-:func:`~agentbox.backends._qemu_detach.born_outside`), hands it the request on
+:func:`~agentbox.backends.qemu._records.born_outside`), hands it the request on
 its stdin (a pipe: the spec's environment holds the gateway token and never
 touches the disk) and returns once the VM runs. The monitor then does what an
 attached ``run()`` does, with nobody attached:
@@ -12,7 +12,7 @@ attached ``run()`` does, with nobody attached:
    its jailed QEMU is the monitor's child, so it too is outside the launcher's
    process group and unit cgroups; the VM dir's ``owner`` names the monitor;
 2. records itself and the VMM (pid and start time, sealed; see
-   :mod:`~agentbox.backends._qemu_detach`) so a new launcher can verify both;
+   :mod:`~agentbox.backends.qemu._records`) so a new launcher can verify both;
 3. runs the main command and holds the guest channel all along: the guest
    agent never loses its host, the gateway streams keep flowing (one
    gateway-socket connection per stream, as in an attached run), and the VM's
@@ -101,8 +101,8 @@ class LogWriter:
 
 
 def _run(req: dict[str, Any]) -> int:
-    from agentbox.backends import _qemu_detach as detach
     from agentbox.backends.qemu import QemuBackend
+    from agentbox.backends.qemu import _records as detach
     from agentbox.errors import AgentboxError, GuestError
 
     settings = req["settings"]

@@ -1,7 +1,7 @@
 """Detached microVMs: the VM outlives its launcher and a new launcher re-adopts it.
 
 :meth:`~QemuDetached.launch` starts the VM's **monitor**
-(:mod:`agentbox.backends._qemu_monitor`, our conmon): a small process born in
+(:mod:`agentbox.backends.qemu._monitor`, our conmon): a small process born in
 its own session and outside the launcher's unit cgroups (:func:`born_outside`),
 not a child of the launcher (``setsid -f``: its parent is init). The monitor
 boots the VM (the jailed QEMU is its child), holds the guest channel, runs the
@@ -29,17 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import hmac
-import json
 import os
 import pickle
-import re
-import secrets
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,217 +49,25 @@ from agentbox.backends.base import (
     SandboxSpec,
     data_dir_label,
 )
+from agentbox.backends.qemu._records import (
+    MONITOR_MODULE,
+    born_outside,
+    drop_record,
+    monitor_of,
+    read_record,
+    record_path,
+)
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, ConfigError, SandboxError, SandboxGone
 
-__all__ = [
-    "MONITOR_MODULE",
-    "Identity",
-    "QemuDetached",
-    "born_outside",
-    "drop_record",
-    "read_record",
-    "write_record",
-]
+__all__ = ["DEADLINE_GRACE", "LAUNCH_TIMEOUT", "QemuDetached"]
 
 logger = get_logger("qemu.detach")
 
-MONITOR_MODULE = "agentbox.backends._qemu_monitor"
-#: Records of detached VMs, under the data dir.
-RECORD_DIR = "microvm-detached"
-#: The cgroup, at the root of the hierarchies systemd tracks units by, monitors start in.
-UNIT_FREE_CGROUP = "agentbox-vms"
 #: How long launch() waits for the VM to run (a first snapshot template takes long).
 LAUNCH_TIMEOUT = 900.0
 #: The follower kills the VM this long past its deadline if the monitor has not.
 DEADLINE_GRACE = 30.0
-_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
-_MAX_RECORD = 64 * 1024
-
-#: ``sh -c``: enter each cgroup.procs named before ``--``, send output to the log named
-#: first, then ``setsid -f`` the rest (a new session whose parent is init, not us).
-_ENTER = (
-    'out=$1; shift; while [ "$#" -gt 0 ] && [ "$1" != -- ]; do '
-    '{ echo $$ > "$1"; } 2>/dev/null || echo "agentbox: could not enter $1" >&2; shift; '
-    'done; shift; exec >>"$out" 2>&1; exec setsid -f "$@"'
-)
-
-
-@dataclass(frozen=True)
-class Identity:
-    """A process as recorded: its pid and its start time (seconds, psutil's)."""
-
-    pid: int
-    start: float
-
-    @classmethod
-    def of(cls, pid: int) -> Identity:
-        return cls(pid, psutil.Process(pid).create_time())
-
-    def process(self) -> psutil.Process | None:
-        """The live process, if ``pid`` still is that very process (not a reused pid)."""
-        try:
-            proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.start) > 0.01:
-                return None
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-        except psutil.Error:
-            return None
-        return proc
-
-
-def _key(settings: Settings) -> bytes:
-    path = settings.data_dir / "detach.key"
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            return path.read_bytes()
-        key = secrets.token_bytes(32)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(key)
-        return key
-
-
-def _seal(settings: Settings, body: Mapping[str, Any]) -> str:
-    msg = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(_key(settings), msg, hashlib.sha256).hexdigest()
-
-
-def _record_path(settings: Settings, name: str) -> Path:
-    if not _NAME.fullmatch(name):
-        raise SandboxGone("not a sandbox name", sandbox=name[:80])
-    return settings.data_dir / RECORD_DIR / f"{name}.json"
-
-
-def write_record(
-    settings: Settings,
-    spec: SandboxSpec,
-    *,
-    log: Path,
-    monitor: Identity,
-    vm: tuple[str, Identity] | None,
-) -> None:
-    """Write (atomically, sealed) the record of detached sandbox ``spec.name``."""
-    path = _record_path(settings, spec.name)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    body: dict[str, Any] = {
-        "v": 1,
-        "name": spec.name,
-        "data": data_dir_label(settings.data_dir),
-        "labels": dict(spec.labels),
-        "log": str(log),
-        "deadline": spec.deadline,
-        "monitor": [monitor.pid, monitor.start],
-        "vm": [vm[0], vm[1].pid, vm[1].start] if vm is not None else None,
-        "started": time.time() if vm is not None else None,
-    }
-    body["seal"] = _seal(settings, body)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(body, fh)
-    tmp.replace(path)
-
-
-def read_record(settings: Settings, name: str) -> dict[str, Any] | None:
-    """The record of ``name`` if there is one and its seal holds for this data dir; else
-    None (no record, or one this data dir's key did not seal: another's, or forged)."""
-    path = _record_path(settings, name)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        logger.warning("unreadable detached record", sandbox=name, error=str(exc))
-        return None
-    with os.fdopen(fd, "rb") as fh:
-        raw = fh.read(_MAX_RECORD + 1)
-    try:
-        rec = json.loads(raw) if len(raw) <= _MAX_RECORD else None
-    except ValueError:
-        rec = None
-    if not isinstance(rec, dict):
-        return None
-    seal = rec.pop("seal", "")
-    ok = (
-        isinstance(seal, str)
-        and hmac.compare_digest(seal, _seal(settings, rec))
-        and rec.get("name") == name
-        and rec.get("data") == data_dir_label(settings.data_dir)
-        and isinstance(rec.get("labels"), dict)
-        and _identity(rec.get("monitor")) is not None
-    )
-    if not ok:
-        logger.warning("detached record refused: not sealed for this data dir", sandbox=name)
-        return None
-    return rec
-
-
-def drop_record(settings: Settings, name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        _record_path(settings, name).unlink()
-
-
-def _identity(value: object) -> Identity | None:
-    if not isinstance(value, list) or len(value) != 2:
-        return None
-    pid, start = value
-    if type(pid) is not int or pid <= 0 or not isinstance(start, float | int):
-        return None
-    return Identity(pid, float(start))
-
-
-def _monitor_of(rec: Mapping[str, Any]) -> psutil.Process | None:
-    """The record's live monitor, checked to be that process and a monitor of ours."""
-    ident = _identity(rec.get("monitor"))
-    proc = ident.process() if ident is not None else None
-    if proc is None:
-        return None
-    with contextlib.suppress(psutil.Error):
-        if MONITOR_MODULE in proc.cmdline():
-            return proc
-    return None
-
-
-def _unit_homes() -> list[Path]:
-    """``cgroup.procs`` of :data:`UNIT_FREE_CGROUP` in each hierarchy systemd tracks a
-    unit by (``name=systemd``, unified) where this process sits below the root."""
-    mounts: dict[str, Path] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            pre, _, post = line.partition(" - ")
-            fields, tail = pre.split(), post.split()
-            if len(fields) < 5 or len(tail) < 3:
-                continue
-            if tail[0] == "cgroup2":
-                mounts.setdefault("0", Path(fields[4]))
-            elif tail[0] == "cgroup" and "name=systemd" in tail[2].split(","):
-                mounts.setdefault("name=systemd", Path(fields[4]))
-    homes = []
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            num, ctrls, path = ([*line.split(":", 2), "", ""])[:3]
-            key = "0" if num == "0" and not ctrls else ctrls
-            if key not in mounts or path in ("", "/"):
-                continue
-            target = mounts[key] / UNIT_FREE_CGROUP
-            with contextlib.suppress(OSError):
-                target.mkdir(exist_ok=True)
-                homes.append(target / "cgroup.procs")
-    return homes
-
-
-def born_outside(argv: Sequence[str], out: Path) -> list[str]:
-    """``argv`` run in a new session, its parent init, outside this process's unit
-    cgroups (entered *before* it starts: no window in which a unit kill reaches it),
-    its stdout and stderr appended to ``out``."""
-    homes = [str(h) for h in _unit_homes()]
-    return ["sh", "-c", _ENTER, "sh", str(out), *homes, "--", *argv]
 
 
 class QemuDetached:
@@ -298,9 +100,9 @@ class QemuDetached:
         spec = spec.replace(
             labels={**spec.labels, OWNER_DATA_LABEL: data_dir_label(self.settings.data_dir)}
         )
-        rec_path = _record_path(self.settings, spec.name)
+        rec_path = record_path(self.settings, spec.name)
         old = read_record(self.settings, spec.name)
-        if old is not None and _monitor_of(old) is not None:
+        if old is not None and monitor_of(old) is not None:
             raise SandboxError("a sandbox of that name exists already", sandbox=spec.name)
         drop_record(self.settings, spec.name)
         for stale in (log, exit_marker(log)):
@@ -330,7 +132,7 @@ class QemuDetached:
             rec = read_record(self.settings, name)
             if rec is not None and rec.get("vm") is not None:
                 return
-            if rec is not None and _monitor_of(rec) is None:
+            if rec is not None and monitor_of(rec) is None:
                 break  # it died booting
             if rec is None and (seen or time.monotonic() > start + 60):
                 break  # it dropped its record (the VM failed), or never wrote one
@@ -360,12 +162,12 @@ class QemuDetached:
         if rec is None:
             # No record: a follower before us saw the end (or none of ours by that name).
             ended = read_exit(log)
-            if ended is None or _record_path(self.settings, name).exists():
+            if ended is None or record_path(self.settings, name).exists():
                 raise SandboxGone("not a detached sandbox of this data dir", sandbox=name)
             with LogReader(log, on_stdout, on_stderr) as reader:
                 reader.pump()
             return ended
-        monitor = _monitor_of(rec)
+        monitor = monitor_of(rec)
         killed = False
         with LogReader(log, on_stdout, on_stderr) as reader:
             while monitor is not None and monitor.is_running():
@@ -388,7 +190,7 @@ class QemuDetached:
                 reader.pump()
                 drop_record(self.settings, name)
                 with contextlib.suppress(OSError):
-                    _record_path(self.settings, name).with_suffix(".log").unlink()
+                    record_path(self.settings, name).with_suffix(".log").unlink()
         logger.info("followed to its end", sandbox=name, exit_code=ended.exit_code)
         return ended
 
@@ -399,10 +201,30 @@ class QemuDetached:
             rec = read_record(self.settings, name)
         except SandboxGone:
             return False
-        if rec is None or _monitor_of(rec) is None:
+        if rec is None or monitor_of(rec) is None:
             return False
         have = rec["labels"]
         return all(have.get(k) == v for k, v in labels.items())
+
+    def end_detached(self, name: str, timeout: float = 120.0) -> bool:
+        """For a reap: if ``name`` runs detached, kill its VM and wait (bounded) for its
+        monitor to save ``/data`` and end, then drop its record. Whether it did."""
+        try:
+            rec = read_record(self.settings, name)
+        except SandboxGone:
+            return False
+        if rec is None:
+            return False
+        monitor = monitor_of(rec)
+        if monitor is not None:
+            logger.warning("reaping a detached VM", sandbox=name, monitor=monitor.pid)
+            self.kill_detached(name)
+            with contextlib.suppress(psutil.Error):
+                monitor.wait(timeout)
+        drop_record(self.settings, name)
+        with contextlib.suppress(OSError):
+            record_path(self.settings, name).with_suffix(".log").unlink()
+        return True
 
     # -- internals
 
