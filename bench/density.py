@@ -157,7 +157,10 @@ def classify(settings: Settings, task_ids: list[str]) -> dict[str, list[int]]:
             cats["claude"].append(pid)
         elif table[pid][0] in INITS:
             cats["init"].append(pid)  # its argv names the relay: it runs it
-        elif any("relay.py" in a for a in cmd) or table[pid][0] == "agentbox-relay":
+        elif any(a.endswith(("relay.py", "/agentbox/relay")) for a in cmd[:4]) or table[pid][0] in (
+            "agentbox-relay",
+            "relay",
+        ):
             cats["relay"].append(pid)
         elif _under(pid, claude, table):
             cats["agent tools"].append(pid)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from agentbox.errors import ImageError
+from agentbox.image._relay import RELAY_BINARY, RELAY_SOURCE, compile_relay
 from agentbox.image._rootfs import resolve_in, resolve_parent_in, walk
 
 __all__ = [
@@ -265,6 +266,8 @@ def install(
         dst.write_bytes(data)
         os.chown(dst, 0, 0)
         dst.chmod(0o755 if data.startswith(b"#!") else 0o644)
+    if RELAY_SOURCE in guest_names:
+        compile_relay(guest_source / RELAY_SOURCE, gdir / RELAY_BINARY)
 
     uid = sandbox_uid
     etc = resolve_in(root, "/etc")
@@ -371,6 +374,10 @@ def verify(
     for name in guest_names:
         if not resolve_in(root, f"{GUEST_DIR}/{name}").is_file():
             problems.append(f"guest program missing: {GUEST_DIR}/{name}")
+    if RELAY_SOURCE in guest_names:
+        relay = resolve_in(root, f"{GUEST_DIR}/{RELAY_BINARY}")
+        if not relay.is_file() or not os.access(relay, os.X_OK):
+            problems.append(f"guest program missing: {GUEST_DIR}/{RELAY_BINARY}")
     for mp in MOUNT_POINTS:
         if not resolve_in(root, mp).is_dir():
             problems.append(f"mount point missing: {mp}")

@@ -277,10 +277,10 @@ def guest_dir() -> Path:
 
 
 def guest_files(directory: Path | None = None) -> dict[str, str]:
-    """Every ``*.py`` in the guest dir, name → sha256 of its content."""
+    """Every ``*.py`` and ``*.c`` in the guest dir, name → sha256 of its content."""
     d = directory or guest_dir()
     out: dict[str, str] = {}
-    for p in sorted(d.glob("*.py")):
+    for p in sorted([*d.glob("*.py"), *d.glob("*.c")]):
         if p.is_file() and not p.is_symlink():
             out[p.name] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
