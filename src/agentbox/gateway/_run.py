@@ -15,6 +15,7 @@ from agentbox.errors import ConfigError
 from agentbox.gateway._app import Gateway, GatewayConfig
 from agentbox.gateway._confine import confine, drop_bounding_set, limit_resources
 from agentbox.gateway._conn import ConnLimits
+from agentbox.gateway._handshake import write_handshake
 from agentbox.gateway._replay import ReplayModel
 from agentbox.gateway._script import load_script
 from agentbox.gateway._serve import ServerGroup, bind, parse_listen, private_socket, serve
@@ -175,6 +176,8 @@ def run_gateway(
     left to stop it (live restore: a task's gateway outlives its launcher, not its deadline).
     """
     group, gateway, replay_dir = build_gateway(listen=listen, **kwargs)
+    if (usage := kwargs.get("usage_file")) is not None:
+        write_handshake(Path(usage).parent)  # before the drop: what an adopter checks
     if run_as is not None:
         # Load now what would otherwise be imported lazily: after the drop, the
         # interpreter's own files may not be readable (a Python under /root).

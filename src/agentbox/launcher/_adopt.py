@@ -10,7 +10,8 @@ owner is gone (one claimer wins) and then, by where the task was:
   finds every recorded target to be the one recorded: the sandbox by name *and*
   labels (task id, data dir, labels version) under this data dir, the log path this
   task's, and the gateway, if it still runs, the same pid, start time and command
-  line (a pid reused by another process is refused and never signalled). Then
+  line (a pid reused by another process is refused and never signalled), and a
+  handshake version it knows (``gateway.json``: a newer one is refused). Then
   :func:`adopt` follows it to the end from the start of its log and collects and
   publishes as if nothing had happened; the transcript says who took over;
 * **collecting** with its outcome recorded: collected again (collection and
@@ -37,6 +38,7 @@ from agentbox.config import Settings
 from agentbox.env import release_task_env
 from agentbox.errors import AgentboxError, PathRefused, SandboxGone
 from agentbox.gateway import read_usage
+from agentbox.gateway._handshake import HANDSHAKE_VERSION, read_handshake
 from agentbox.launcher._context import TaskContext
 from agentbox.launcher._finish import (
     collect_and_finish,
@@ -91,6 +93,27 @@ def gateway_refusal(gw: Owner | None, paths: TaskPaths) -> str | None:
     listen = cmd[i + 1] if 0 <= i < len(cmd) - 1 else ""
     if not any(a.endswith("gateway") for a in cmd[:4]) or listen != f"unix:{paths.gateway_socket}":
         return f"pid {gw.pid} is not this task's gateway (its command line differs)"
+    return handshake_refusal(gw, paths)
+
+
+def handshake_refusal(gw: Owner, paths: TaskPaths) -> str | None:
+    """None if the gateway's handshake (``gateway.json`` in its state dir, see
+    :mod:`agentbox.gateway._handshake`) is one this launcher speaks; a gateway from
+    before the handshake wrote none and is adopted on its pid, start and command line."""
+    state = paths.usage_file.with_name(paths.usage_file.name + ".d")
+    try:
+        hs = read_handshake(state if state.is_dir() else paths.usage_file.parent)
+    except ValueError as exc:
+        return f"its gateway's handshake is unreadable: {exc}"
+    if hs is None:
+        return None
+    if hs.pid != gw.pid:
+        return f"its gateway's handshake names pid {hs.pid}, not {gw.pid}"
+    if hs.version > HANDSHAKE_VERSION:
+        return (
+            f"its gateway speaks handshake version {hs.version}, newer than this "
+            f"launcher's {HANDSHAKE_VERSION}"
+        )
     return None
 
 
