@@ -45,6 +45,7 @@ from agentbox.launcher import LauncherClient, TaskRequest
 from agentbox.launcher._names import data_label, list_task_gateways
 from agentbox.launcher._store import Store
 from agentbox.paths import TaskPaths
+from mount_helpers import assert_no_mounts_under
 
 pytestmark = [
     pytest.mark.podman,
@@ -239,8 +240,11 @@ def world() -> Iterator[World]:
         yield World(settings, env, repo, base / "data" / "launcher.sock", since)
     finally:
         _remove_leftovers(settings)
-        if not os.environ.get("E2E_KEEP_DIRS"):
-            shutil.rmtree(base, ignore_errors=True)
+        try:
+            assert_no_mounts_under(base)  # no workspace disk, no settle mount
+        finally:
+            if not os.environ.get("E2E_KEEP_DIRS"):
+                shutil.rmtree(base, ignore_errors=True)
 
 
 def _our_containers(settings: Settings) -> list[str]:
@@ -421,4 +425,48 @@ def test_a_deadline_that_passes_while_no_launcher_runs(world: World) -> None:
     finally:
         served.stop()
     assert _our_containers(world.settings) == []
+    assert _leftover_processes(world.settings, {os.getpid()}) == []
+
+
+@pytest.mark.qemu
+def test_a_launcher_kill_on_qemu_loses_no_task(world: World) -> None:
+    """A microVM task outlives a SIGKILL of its launcher's whole process group: the VM's
+    monitor (outside that group) holds it and its gateway streams; the next launcher
+    checks the sealed record, re-adopts the task, follows it to its end, collects and
+    publishes it. Nothing of the VM is left."""
+    from agentbox.backends import get_backend
+    from agentbox.backends.qemu import _records as records
+
+    env = {**world.env, "AGENTBOX_BACKEND": "qemu"}
+    tid, name = "live-qemu", "agentbox-task-live-qemu"
+    served = Served(env, world.sock)
+    monitor = None
+    try:
+        with LauncherClient(world.sock, reconnect=90.0) as client:
+            req = TaskRequest(repo=str(world.repo), task="write, work", model="replay-chaos",
+                              deadline=1200.0, task_id=tid)  # fmt: skip
+            client.submit(req)
+            end = time.monotonic() + 600
+            while (rec := records.read_record(world.settings, name)) is None or not rec["vm"]:
+                assert client.get(tid).status in ("queued", "running"), client.get(tid)
+                assert time.monotonic() < end, "the VM never came to run"
+                time.sleep(0.5)
+            served.kill("group", None)
+            monitor = records.Identity(*rec["monitor"])
+            assert monitor.process() is not None, "the VM's monitor died with the launcher"
+            served = Served(env, world.sock)
+            info = client.wait(tid, timeout=1200)
+            assert info.status == "done", (info.status, info.error)
+            res = client.result(tid)
+        assert _git(world.repo, "show", f"{res.branch}:chaos.txt") == "made by the agent\n"
+        paths = TaskPaths(world.settings.data_dir, tid)
+        assert (paths.log_dir / "agent.jsonl").read_text().count('"subtype":"init"') == 1
+        log = (paths.log_dir / "launcher.log").read_text()
+        assert "re-adopted by launcher pid" in log, log[-2000:]
+    finally:
+        served.stop()
+        get_backend("qemu", world.settings).reap(name)
+    assert monitor is not None and monitor.process() is None
+    assert not list((world.settings.data_dir / "microvm").glob("*"))
+    assert not list((world.settings.data_dir / records.RECORD_DIR).glob("*.json"))
     assert _leftover_processes(world.settings, {os.getpid()}) == []

@@ -28,6 +28,7 @@ from agentbox.config import Settings
 from agentbox.gateway import read_usage, spawn_gateway
 from agentbox.launcher import LauncherClient, TaskRequest
 from agentbox.paths import TaskPaths
+from mount_helpers import assert_no_mounts_under
 
 pytestmark = [
     pytest.mark.podman,
@@ -143,8 +144,11 @@ def world() -> Iterator[tuple[Settings, dict[str, str], Path]]:
     try:
         yield settings, env, repo
     finally:
-        if not os.environ.get("E2E_KEEP_DIRS"):
-            shutil.rmtree(base, ignore_errors=True)
+        try:
+            assert_no_mounts_under(base)  # no workspace disk, no settle mount (issue 19)
+        finally:
+            if not os.environ.get("E2E_KEEP_DIRS"):
+                shutil.rmtree(base, ignore_errors=True)
 
 
 def test_launcher_killed_mid_task_is_reconciled(

@@ -37,6 +37,7 @@ from agentbox.backends.podman import PodmanBackend
 from agentbox.backends.podman import _detach as detach
 from agentbox.config import Settings
 from agentbox.errors import SandboxError, SandboxGone
+from mount_helpers import assert_no_mounts_under
 
 pytestmark = [
     pytest.mark.podman,
@@ -82,6 +83,13 @@ def _assert_clean(settings: Settings, name: str, ws: Path | None, log: Path) -> 
     while (left := _leftovers(settings, name, ws, log)) and time.monotonic() < end:
         time.sleep(0.2)
     assert not left, left
+
+
+@pytest.fixture(autouse=True)
+def _no_mount_left(sandbox_settings: Settings) -> Iterator[None]:
+    """After each test no mount remains under its data dir (workspace disk, settle)."""
+    yield
+    assert_no_mounts_under(sandbox_settings.data_dir)
 
 
 @pytest.fixture

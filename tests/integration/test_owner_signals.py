@@ -29,6 +29,7 @@ import pytest
 from agentbox import _host
 from agentbox.config import Settings
 from git_helpers import git
+from mount_helpers import assert_no_mounts_under
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes are made as root")
 
@@ -97,7 +98,10 @@ def world(default_image: str) -> Iterator[World]:
                     proc.wait(30)
         with contextlib.suppress(AssertionError):
             _poll(lambda: not _watchdogs(world), GONE_WITHIN, "")
-        shutil.rmtree(base, ignore_errors=True)
+        try:
+            assert_no_mounts_under(base)  # no workspace disk, no settle mount (issue 19)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 # -- finding the client's sandbox, from the host ------------------------------
