@@ -126,6 +126,27 @@ def test_environment_is_read_and_run_in_place(box: tuple[QemuSandbox, Path, Echo
     assert line[2] == "overlay" and {"nosuid", "nodev"} <= set(line[3].split(","))
 
 
+def test_the_layer_is_on_the_disk_not_in_guest_memory(
+    box: tuple[QemuSandbox, Path, Echo],
+) -> None:
+    """24 MiB written into the environment leave the guest's shared memory (tmpfs pages)
+    as they were: the layer is on the /data disk, not a tmpfs (which counted the guest's
+    memory twice); the layer's name in /workspace shows the workload nothing."""
+    sb = box[0]
+    script = (
+        "shmem() { awk '/^Shmem:/ {print $2}' /proc/meminfo; }; a=$(shmem); "
+        f"dd if=/dev/urandom of={ENV}/layer.bin bs=1M count=24 2>&1 && sync; b=$(shmem); "
+        f"rm {ENV}/layer.bin; echo grew=$((b - a)); "
+        "ls -A /workspace/.agentbox-env-layer | wc -l; "
+        "touch /workspace/.agentbox-env-layer/x 2>/dev/null || echo refused"
+    )
+    code, out, err = _sh(sb, script)
+    assert code == 0, err
+    grew = int(out.split("grew=")[1].split()[0])  # KiB
+    assert grew < 8 * 1024, out
+    assert out.rstrip().endswith(f"grew={grew}\n0\nrefused"), out
+
+
 def test_writes_go_to_the_tasks_layer_and_are_capped(
     box: tuple[QemuSandbox, Path, Echo], env: Path
 ) -> None:
@@ -143,6 +164,8 @@ def test_writes_go_to_the_tasks_layer_and_are_capped(
     # Past the disk limit (64 MiB): ENOSPC inside, nothing written on the host.
     code, _, err = _sh(sb, f"dd if=/dev/zero of={ENV}/big bs=1M count=200")
     assert code != 0 and "No space left on device" in err, err
+    # The layer shares the /data disk with the workspace: free it for the next tests.
+    assert _sh(sb, f"rm {ENV}/big && echo x > /workspace/room")[0] == 0
     code, out, _ = _sh(sb, "echo still alive")
     assert code == 0 and out == "still alive\n"
     assert _tree(env) == before
@@ -162,6 +185,29 @@ def test_workspace_copied_back_never_carries_the_environment(
     assert (ws / "NOTES.md").read_text() == "agent\n"
     assert (ws / "README").read_text() == "the repo\n"
     assert not (ws / ".venv").exists() or not any((ws / ".venv").iterdir())
+    assert not (ws / ".agentbox-env-layer").exists()
+
+
+def test_a_dead_vms_disk_read_back_never_carries_the_layer(
+    box: tuple[QemuSandbox, Path, Echo], tmp_path: Path
+) -> None:
+    """The host's read of a dead guest's /data disk (debugfs, no mount) prunes the
+    environment's layer like lost+found: the agent's writes into .venv stay out."""
+    import subprocess
+
+    from agentbox.backends.qemu import vmm_uid
+    from agentbox.microvm._diskexport import export_disk
+
+    sb = box[0]
+    assert _sh(sb, f"echo mine > {ENV}/layer-file && sync")[0] == 0
+    copy = tmp_path / "data.img"
+    # A sparse copy (the disk is padded to its device size): the live VM's stays untouched.
+    subprocess.run(["cp", "--sparse=always", sb.vm_dir / "data.img", copy], check=True)
+    out = tmp_path / "out"
+    export_disk(copy, out, uid=vmm_uid(sb.backend.settings, "strict"))
+    assert (out / "README").is_file()
+    assert not (out / ".agentbox-env-layer").exists()
+    assert not list(out.rglob("layer-file"))
 
 
 def test_extra_socket_reaches_the_host_and_only_it(

@@ -43,6 +43,10 @@ else:  # pragma: no cover - the guest's layout: top-level modules next to agent.
     )
 
 
+#: The copy-on-write mounts' writable layers, at the root of the /data disk.
+ENV_LAYER = ".agentbox-env-layer"
+
+
 class Mounts(Channel):
     """Mounting what the host attached, before any command runs."""
 
@@ -102,15 +106,23 @@ class Mounts(Channel):
 
     def mount_cow(self, mounts: list, size: object) -> None:  # type: ignore[type-arg]
         # Copy-on-write mounts (a frozen environment): each disk read-only as the
-        # lower layer of an overlay at its target; the upper layers live on one
-        # tmpfs of at most ``size`` bytes, so what the workload writes there is
-        # bounded (ENOSPC past it) and dropped with the VM; the disk never changes.
+        # lower layer of an overlay at its target. The upper layers live on the
+        # /data disk, in ENV_LAYER (root's, 0700), so what the workload writes
+        # there shares the task's disk limit with the workspace (ENOSPC past it)
+        # and costs no guest memory (a tmpfs layer counted it twice: in the guest's
+        # page cache and as the VM's RAM). ``size`` (the disk limit) is checked
+        # only: the disk is the bound. The disk under the overlay never changes.
         if not mounts:
             return
         if type(size) is not int or size <= 0:
             raise ProtocolError(f"bad cow size {size!r}")
+        if not os.path.ismount(WORKSPACE):
+            raise OSError("copy-on-write mounts need the /data disk mounted")
+        layer = WORKSPACE + "/" + ENV_LAYER
+        if os.path.lexists(layer):
+            raise OSError(f"the workspace holds {ENV_LAYER}: the environment's layer's name")
+        os.mkdir(layer, 0o700)
         os.makedirs(COW_DIR, 0o700, exist_ok=True)
-        _mount("tmpfs", COW_DIR, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0700")
         for m in mounts:
             label, target = str(m["label"]), str(m["target"])
             if not label.startswith(MOUNT_LABEL_PREFIX) or not target.startswith("/"):
@@ -122,7 +134,8 @@ class Mounts(Channel):
                 fcntl.ioctl(f, 0x1261)  # BLKFLSBUF (see mount_readonly)
             if _find_label(label) != dev:
                 raise OSError(f"{dev} lost its label {label} after the flush")
-            lower, upper, work = (f"{COW_DIR}/{label}.{x}" for x in ("lower", "upper", "work"))
+            lower = f"{COW_DIR}/{label}.lower"
+            upper, work = (f"{layer}/{label}.{x}" for x in ("upper", "work"))
             for d in (lower, upper, work):
                 os.mkdir(d, 0o755)
             _mount(dev, lower, "ext4", MS_RDONLY | MS_NOSUID | MS_NODEV, "noload")
@@ -134,6 +147,12 @@ class Mounts(Channel):
             opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
             _mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, opts)
             self.cow_targets.append(target)
+        # The overlays hold their layer dirs; an empty read-only tmpfs over the name
+        # leaves the workload nothing to read, rename or fill there, and the layer is
+        # skipped like a target when /workspace is copied out (the host's read of a
+        # dead VM's disk prunes it by name: agentbox.microvm._diskexport).
+        _mount("tmpfs", layer, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | 0x8, "size=4k,mode=0555")
+        self.cow_targets.append(layer)
 
     def _make_dirs(self, target: str) -> None:
         # Each component a directory, never a link: /workspace is the repo's (the

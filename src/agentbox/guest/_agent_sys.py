@@ -40,7 +40,7 @@ MOUNT_LABEL_PREFIX = "agentbox-m"
 WORKSPACE = "/workspace"
 #: Where the extra host sockets appear (the container layout's gateway dir).
 SOCKET_DIR = "/run/agentbox/gw"
-#: The copy-on-write mounts' lower disks and their tmpfs layer (root's, 0700).
+#: The copy-on-write mounts' lower disks' mount points (root's, 0700).
 COW_DIR = "/run/agentbox/cow"
 MS_RDONLY, MS_NOSUID, MS_NODEV = 0x1, 0x2, 0x4
 SIGKILL, SIGPIPE, SIGXFSZ = 9, 13, 25

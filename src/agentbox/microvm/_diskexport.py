@@ -61,7 +61,9 @@ def _copy_tree(src: Path, dest: Path) -> list[tuple[str, str]]:
         Tree(src) as tree,
         SafeWriter(dest, max_file_size=MAX_EXPORT_FILE, max_total_size=MAX_EXPORT_BYTES) as w,
     ):
-        for e in tree.walk(prune=lambda rel: rel == b"lost+found"):
+        # lost+found is mkfs's; the environment's layer is the guest agent's (never the
+        # workspace's: guest/_agent_mounts.py ENV_LAYER).
+        for e in tree.walk(prune=lambda rel: rel in (b"lost+found", b".agentbox-env-layer")):
             rel = e.path.decode(errors="surrogateescape")
             try:
                 if e.kind is Kind.DIR:
