@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.backends import backend_class
 from agentbox.config import Settings
 from agentbox.env import committed_boxfile
 from agentbox.errors import BoxfileError, PolicyRefused, UnsupportedError
@@ -87,12 +88,17 @@ def test_submit_uses_the_committed_boxfile_bounded_by_the_host(settings: Setting
         outside = _repo(settings, '[network]\nallow = ["evil.example"]\n', "outside")
         with pytest.raises(PolicyRefused, match="outside this host's egress cap"):
             launcher.submit(TaskRequest(repo=str(outside), task="t"))
-        # docker and firecracker take no environment: refused at submit, naming the fix.
+        # A backend whose environments_refused says why takes no environment: refused at
+        # submit with that reason, naming the backends that do.
         for name in ("docker", "firecracker"):
+            why = backend_class(name).environments_refused
+            if why is None:
+                continue
             other = _repo(settings, f'backend = "{name}"\n[setup]\nrun = ["true"]\n', name)
-            with pytest.raises(UnsupportedError, match=f"not {name}") as exc:
+            with pytest.raises(UnsupportedError, match=f"the {name} backend does not take") as exc:
                 launcher.submit(TaskRequest(repo=str(other), task="t"))
-            assert exc.value.fix and "podman" in exc.value.fix
+            assert why in str(exc.value)
+            assert exc.value.fix and "'podman'" in exc.value.fix and "'qemu'" in exc.value.fix
         assert launcher.list() == []  # refused requests create nothing
     finally:
         launcher.close()

@@ -284,6 +284,10 @@ class Backend(Protocol):
     runtimes: tuple[str, ...]
     #: Whether it restores sandboxes from a snapshot (built with ``cold=True``, it boots fresh).
     snapshots: bool
+    #: None if its sandboxes take an environment (issue 12: ``[setup]``'s phase with its
+    #: egress socket, a frozen environment mounted copy-on-write, ``[network] allow``);
+    #: else why not, which the refusal at submit quotes (``env.check_env_policy``).
+    environments_refused: str | None
 
     def shares_host_kernel(self, runtime: str) -> bool:
         """Whether a sandbox of this backend with ``runtime`` runs on the host's kernel."""

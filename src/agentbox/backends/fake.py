@@ -237,6 +237,7 @@ class FakeBackend(FakeDetached):
     kind: BackendKind = "process"
     runtimes: tuple[str, ...] = ()
     snapshots = False
+    environments_refused: str | None = "its sandboxes are scripted: no image, no mounts"
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
     _scripts: ClassVar[list[tuple[str | None, FakeScript]]] = []

@@ -242,6 +242,10 @@ class FirecrackerBackend(QemuBackend):
 
     name = "firecracker"
     snapshots = False  # every Firecracker sandbox boots cold
+    environments_refused: str | None = (
+        "its guest takes read-only disks only (no copy-on-write layer, no extra socket "
+        "relayed yet), and this kind of host (PVM, no nested KVM) cannot boot it to test one"
+    )
 
     def __init__(
         self,

@@ -62,33 +62,40 @@ def committed_boxfile(
     return loads_boxfile(text, path=where, settings=settings)
 
 
-#: Backends whose sandboxes take a frozen environment and a phase's egress socket:
-#: podman (a host overlay bind-mounted) and qemu (a copy-on-write disk, the socket served
-#: by the guest agent). docker keys images in its own store and firecracker's guest
-#: mounts are read-only disks: refused at submit, not half-way through a task.
-_ENV_BACKENDS = frozenset({"podman", "qemu"})
-
-
 def check_env_policy(box: Boxfile, settings: Settings) -> None:
     """Refuse, before anything is created, a Boxfile whose ``[setup]`` or ``[network]``
     this host cannot honour: ``[network] allow`` hosts outside the host's
     ``egress_allow_cap`` (:class:`~agentbox.errors.PolicyRefused`), ``[setup]`` or
-    ``[network] allow`` on a backend without environments (docker, firecracker:
-    :class:`~agentbox.errors.UnsupportedError`)."""
+    ``[network] allow`` on a backend whose sandboxes take no environment (its
+    ``environments_refused`` says why: :class:`~agentbox.errors.UnsupportedError`)."""
+    from agentbox.backends import backend_class
     from agentbox.egress import EgressPolicy
     from agentbox.errors import UnsupportedError
 
     if box.egress_allow:
         EgressPolicy.for_phase(settings, allow=box.egress_allow)
-    supported = ", ".join(sorted(_ENV_BACKENDS))
-    if box.setup is not None and box.backend not in _ENV_BACKENDS:
-        raise UnsupportedError(
-            f"[setup] runs on the {supported} backends, not {box.backend}",
-            fix=f"use one of backend = {' or '.join(repr(b) for b in sorted(_ENV_BACKENDS))} "
-            "for a Boxfile with [setup]",
-        )
-    if box.egress_allow and box.backend not in _ENV_BACKENDS:
-        raise UnsupportedError(
-            f"[network] allow works on the {supported} backends, not {box.backend}",
-            fix="remove [network] allow, or use one of those backends",
-        )
+    if box.setup is None and not box.egress_allow:
+        return
+    why = backend_class(box.backend).environments_refused
+    if why is None:
+        return
+    what = "[setup]" if box.setup is not None else "[network] allow"
+    raise UnsupportedError(
+        f"{what} needs an environment, which the {box.backend} backend does not take: {why}",
+        fix=f"use backend = one of {', '.join(map(repr, _taking()))}, or remove {what}",
+    )
+
+
+def _taking() -> list[str]:
+    """The registered backends whose sandboxes take an environment."""
+    from agentbox.backends import BACKENDS, backend_class
+    from agentbox.errors import UnsupportedError
+
+    names = []
+    for name in sorted(BACKENDS):
+        try:
+            if backend_class(name).environments_refused is None:
+                names.append(name)
+        except UnsupportedError:  # a backend module that does not import here
+            continue
+    return names

@@ -115,6 +115,7 @@ class PodmanBackend(PodmanDetached):
     kind: BackendKind = "container"
     runtimes: tuple[str, ...] = ("runc", "crun", "runsc")
     snapshots = False
+    environments_refused: str | None = None  # the environment: a host overlay bind-mounted
 
     def shares_host_kernel(self, runtime: str) -> bool:
         """runc and crun run on the host's kernel; runsc (gVisor) brings its own."""

@@ -82,6 +82,7 @@ class QemuBackend(AttachedOnly):  # detached sandboxes: not built here yet
     kind: BackendKind = "microvm"
     runtimes: tuple[str, ...] = ()
     snapshots = True
+    environments_refused: str | None = None  # the environment: a read-only disk under an overlay
 
     def shares_host_kernel(self, runtime: str) -> bool:
         """Never: the guest runs its own kernel whatever ``runtime`` says."""
