@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from agentbox.errors import ConfigError
 from agentbox.gateway._check import (
     Checker,
@@ -303,6 +301,9 @@ def load_script(path: Path) -> ReplayScript:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read replay script {path}: {exc}") from exc
+    # yaml only here: a gateway whose upstream is not a replay script never loads it.
+    import yaml
+
     try:
         raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
