@@ -12,6 +12,7 @@ the deadline, an exhausted budget, reconcile after a crash, both publish paths.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -71,14 +72,22 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeBackend]]:
     FakeBackend.reset()
 
 
-@pytest.fixture
-def repo(settings: Settings) -> Path:
-    path = settings.repos_root / "proj"
+@pytest.fixture(scope="module")
+def _repo_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real repo made with git once per module; each test gets a copy of it."""
+    path = tmp_path_factory.mktemp("template") / "proj"
     path.mkdir()
     git(path, "init", "-q", "-b", "main")
     (path / "README.md").write_text("hello\n")
     git(path, "add", "-A")
     git(path, "commit", "-q", "-m", "init")
+    return path
+
+
+@pytest.fixture
+def repo(settings: Settings, _repo_template: Path) -> Path:
+    path = settings.repos_root / "proj"
+    shutil.copytree(_repo_template, path, symlinks=True)
     return path
 
 
@@ -232,6 +241,41 @@ def test_publish_false_keeps_the_result_for_the_mcp_server_to_fetch(
     branch = launcher.result(tid).branch
     assert published.status == "done" and branch
     assert _branch_file(repo, branch, "kept.txt") == "k"
+
+
+def test_wait_wakes_when_the_task_ends_not_at_its_next_poll(
+    launcher: Launcher, repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task this launcher runs wakes its waiter as it ends: with an hour between two
+    looks at the store, ``wait`` still returns (a wait that only polled would time out)."""
+    import threading
+
+    from agentbox.launcher import _core
+
+    monkeypatch.setattr(_core, "WAIT_POLL", 3600.0)
+    waiting = threading.Event()
+    real = Launcher._wait_for_an_end
+
+    def wait_for_an_end(self: Launcher, seen: int, timeout: float) -> None:
+        waiting.set()  # the waiter looked once and saw the task running
+        real(self, seen, timeout)
+
+    monkeypatch.setattr(Launcher, "_wait_for_an_end", wait_for_an_end)
+    with FakeBackend.scripted(FakeScript(action=lambda box, argv: waiting.wait(60))):
+        tid = _submit(launcher, repo)
+        info = launcher.wait(tid, timeout=30)
+    assert info.status == "done", info.error
+    assert waiting.is_set()
+
+
+def test_a_drain_stop_returns_once_queued_and_running_tasks_ended(
+    settings: Settings, fake: type[FakeBackend], repo: Path
+) -> None:
+    la = Launcher(settings, max_tasks=1)
+    with FakeBackend.scripted(FakeScript(delay=0.2, files={"d.txt": b"d\n"})):
+        first, second = _submit(la, repo), _submit(la, repo)
+        la.stop("drain")
+    assert [la.get(t).status for t in (first, second)] == ["done", "done"]
 
 
 def test_reconcile_after_a_crash_collects_and_marks(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -85,14 +86,22 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeBackend]]:
     FakeBackend.reset()
 
 
-@pytest.fixture
-def repo(settings: Settings) -> Path:
-    path = settings.repos_root / "proj"
+@pytest.fixture(scope="module")
+def _repo_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real repo made with git once per module; each test gets a copy of it."""
+    path = tmp_path_factory.mktemp("template") / "proj"
     path.mkdir()
     git(path, "init", "-q", "-b", "main")
     (path / "README.md").write_text("hello\n")
     git(path, "add", "-A")
     git(path, "commit", "-q", "-m", "init")
+    return path
+
+
+@pytest.fixture
+def repo(settings: Settings, _repo_template: Path) -> Path:
+    path = settings.repos_root / "proj"
+    shutil.copytree(_repo_template, path, symlinks=True)
     return path
 
 
@@ -413,7 +422,9 @@ def test_a_plain_stop_leaves_detached_tasks_running_and_queued_ones_queued(
         assert FakeBackend.live(f"agentbox-task-{first}") is not None  # not cancelled
         go.set()  # (in this process the stopped launcher's follower still sees it end)
         assert la1.wait(first, timeout=30).status == "done"
-        time.sleep(1.0)
+        for worker in la1._workers:  # each took its last item (``second``, left) and exited
+            worker.join(30)
+            assert not worker.is_alive()
         assert la1.store.get(second).status == "queued"  # never started by the stopped one
         _dead_owner(la1.store, second)
         with Launcher(settings, max_tasks=1) as la2:

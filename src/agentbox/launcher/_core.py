@@ -62,6 +62,10 @@ DEFAULT_MAX_TASKS = 4
 #: ``cancel`` them (each collected as ``cancelled``).
 StopMode = Literal["leave", "drain", "cancel"]
 
+#: Seconds between two looks at the store while waiting for a task another process runs
+#: (one this launcher runs wakes the waiter when it ends).
+WAIT_POLL = 0.2
+
 
 def tokens_from_usage(paths: TaskPaths) -> TokenUsage | None:
     """The gateway's running totals for a task, or None when there are none yet."""
@@ -101,6 +105,10 @@ class Launcher:
         self._cancel: dict[str, threading.Event] = {}
         self._active: set[str] = set()
         self._lock = threading.Lock()
+        # Notified when a task this launcher ran ends (``wait`` wakes at once, not at its
+        # next poll); a task another process runs is still polled.
+        self._ended = threading.Condition(self._lock)
+        self._ends = 0
         self._owner = Owner.me()
         self._closed = False
         self._run_queued = True  # on close: run what is queued (False: leave it queued)
@@ -256,12 +264,15 @@ class Launcher:
         """Block until the task is terminal; TaskError past ``timeout`` seconds."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
+            with self._lock:
+                seen = self._ends
             info = self.get(task_id, caller=caller)
             if info.terminal:
                 return info
-            if end is not None and time.monotonic() >= end:
+            now = time.monotonic()
+            if end is not None and now >= end:
                 raise TaskError(f"still {info.status} after {timeout:g}s", task_id=task_id)
-            time.sleep(0.2)
+            self._wait_for_an_end(seen, WAIT_POLL if end is None else min(WAIT_POLL, end - now))
 
     def models(self) -> builtins.list[ModelInfo]:
         """The models a task may name; the default first."""
@@ -304,8 +315,12 @@ class Launcher:
         self.draining = True
         self._run_queued = mode == "drain"
         if mode == "drain":
-            while self._busy():
-                time.sleep(0.2)
+            while True:
+                with self._lock:
+                    if not self._cancel:
+                        break
+                    seen = self._ends
+                self._wait_for_an_end(seen, WAIT_POLL)
         elif mode == "cancel":
             self.shutdown(grace=grace)
             return
@@ -385,9 +400,10 @@ class Launcher:
                 continue
             self._work(*item)
 
-    def _busy(self) -> bool:
-        with self._lock:
-            return bool(self._cancel)
+    def _wait_for_an_end(self, seen: int, timeout: float) -> None:
+        """Sleep until a task of this launcher ends after ``seen`` ends, at most ``timeout``."""
+        with self._ended:
+            self._ended.wait_for(lambda: self._ends != seen, timeout)
 
     def _start_adopted(self, row: TaskRow) -> None:
         """Follow a re-adopted task on its own thread (it runs already: no queue slot)."""
@@ -417,6 +433,8 @@ class Launcher:
             with self._lock:
                 self._cancel.pop(task_id, None)
                 self._active.discard(task_id)
+                self._ends += 1
+                self._ended.notify_all()
 
     def _reconcile_one(self, row: TaskRow) -> None:
         # Claim the task first so two reconciling launchers do not both settle it.

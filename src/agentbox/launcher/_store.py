@@ -306,6 +306,18 @@ class Store:
             migrate(db, path=path)
         with contextlib.suppress(OSError):
             path.chmod(0o600)
+        # Held open (never used) for the store's life: whenever the last connection to a
+        # WAL database closes, SQLite checkpoints the log into the db and deletes it,
+        # syncing both and the dir; each short-lived connection below would be that last
+        # one (about 30 extra syncs per task). Commits stay synced as before.
+        self._keep: sqlite3.Connection | None = sqlite3.connect(path, check_same_thread=False)
+        self._keep.execute("PRAGMA schema_version").fetchone()  # opened for real: lazy before
+
+    def close(self) -> None:
+        """Let go of the held connection (the next use still works); idempotent."""
+        keep, self._keep = self._keep, None
+        if keep is not None:
+            keep.close()
 
     @contextlib.contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
