@@ -32,7 +32,6 @@ from agentbox.backends import Exited
 from agentbox.backends._k8slog import read_exit
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.qemu import QemuBackend
-from agentbox.backends.qemu import _detach as detach
 from agentbox.backends.qemu import _records as records
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
@@ -46,14 +45,8 @@ pytestmark = [
 RES = Resources(memory="512MiB", cpus=1)
 
 
-class _Detachable(detach.QemuDetached, QemuBackend):
-    """The qemu backend with the detached verbs (until they sit in QemuBackend itself)."""
-
-
 def _backend(settings: Settings, rootfs: tuple[Path, str]) -> QemuBackend:
-    if QemuBackend(settings).detaches(""):
-        return QemuBackend(settings, rootfs=rootfs)
-    return _Detachable(settings, rootfs=rootfs)  # type: ignore[return-value]
+    return QemuBackend(settings, rootfs=rootfs)
 
 
 @pytest.fixture(scope="module")
@@ -141,15 +134,9 @@ def _leftovers(settings: Settings, name: str, monitor: records.Identity) -> list
 
 _LAUNCHER = """
 import pickle, sys, time
-from agentbox.backends.qemu import _detach as detach
-from agentbox.backends.qemu import _records as records
-from agentbox.backends._k8slog import read_exit
 from agentbox.backends.qemu import QemuBackend
 settings, rootfs, spec, argv, log = pickle.loads(sys.stdin.buffer.read())
-class B(detach.QemuDetached, QemuBackend):
-    pass
 be = QemuBackend(settings, rootfs=rootfs)
-be = be if be.detaches("") else B(settings, rootfs=rootfs)
 be.launch(spec, argv, log=log)
 print("launched", flush=True)
 time.sleep(3600)

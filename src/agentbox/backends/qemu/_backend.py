@@ -42,6 +42,7 @@ from agentbox.backends.base import (
     OutputCallback,
     SandboxSpec,
 )
+from agentbox.backends.qemu._detach import QemuDetached
 from agentbox.backends.qemu._sandbox import QemuSandbox
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, GuestError, ImageError, SandboxError, UnsupportedError
@@ -75,7 +76,7 @@ def _qemu_version(binary: str) -> str:
         return "unknown"
 
 
-class QemuBackend(AttachedOnly):  # detached sandboxes: not built here yet
+class QemuBackend(QemuDetached, AttachedOnly):  # detached verbs: qemu/_detach.py
     """Makes QEMU microVM sandboxes (``name = "qemu"``)."""
 
     name = "qemu"
@@ -322,7 +323,8 @@ class QemuBackend(AttachedOnly):  # detached sandboxes: not built here yet
     def reap(self, name: str) -> list[str]:
         """Settle the VMs of sandbox ``name`` whose owner died (:func:`recover_sandbox`):
         kill the VMM, save ``/data`` into the recorded workspace, remove the VM dir."""
-        return recover_sandbox(self.settings, name)
+        ended = [name] if self.end_detached(name) else []  # a detached VM first
+        return [*ended, *recover_sandbox(self.settings, name)]
 
     def recover(self, name: str, into: Path) -> list[str]:
         """Save the ``/data`` disk of each dead VM of sandbox ``name`` into ``into`` (read in

@@ -206,6 +206,12 @@ class QemuDetached:
         have = rec["labels"]
         return all(have.get(k) == v for k, v in labels.items())
 
+    def reap(self, name: str) -> list[str]:
+        """A detached VM's monitor outlives its launcher: end it first (the VM killed,
+        ``/data`` saved by the monitor), then reap as for any microVM."""
+        ended = [name] if self.end_detached(name) else []
+        return [*ended, *super().reap(name)]  # type: ignore[misc]
+
     def end_detached(self, name: str, timeout: float = 120.0) -> bool:
         """For a reap: if ``name`` runs detached, kill its VM and wait (bounded) for its
         monitor to save ``/data`` and end, then drop its record. Whether it did."""
