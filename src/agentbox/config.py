@@ -133,6 +133,11 @@ class Settings(BaseSettings):
     """The uid/gid the agent runs as inside the sandbox."""
     subid_base: int = 100000
     """Host id that sandbox id 0 maps to; sandbox uid N is host uid ``subid_base + N``."""
+    pool_size: int = Field(default=0, ge=0, le=32)
+    """Warm podman sandboxes ``launcher serve`` keeps started for the next tasks (0: no
+    pool). Each idles at about 12 MiB; ``AGENTBOX_POOL_SIZE=2`` on a service host."""
+    pool_ttl: float = Field(default=300.0, ge=30.0, le=3600.0)
+    """Seconds a pooled sandbox waits unclaimed before it is replaced."""
     models_file: Path | None = None
     """The model registry (TOML); None means the built-in registry (the replay model)."""
     claude_code_version: str = CLAUDE_CODE_VERSION

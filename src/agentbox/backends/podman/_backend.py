@@ -78,6 +78,7 @@ from agentbox.backends.base import (
     SandboxSpec,
     data_dir_label,
 )
+from agentbox.backends.podman import _pool
 from agentbox.backends.podman._detach import (
     DETACHED_LABEL,
     PodmanDetached,
@@ -138,6 +139,16 @@ class PodmanBackend(PodmanDetached):
     def _labels(self, spec: SandboxSpec) -> SandboxSpec:
         labels = {LABEL: "1", **spec.labels, "io.agentbox.owner-start": owner_start()}
         return spec.replace(labels=labels)
+
+    def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
+        """A pooled sandbox of ``spec``'s shape if one waits (see ``_pool``), else
+        ``podman run -d`` (:meth:`PodmanDetached.launch`)."""
+        if not _pool.claim(self, spec, argv, log_path=log):
+            super().launch(spec, argv, log=log)
+
+    def _settle(self, name: str, conmon: psutil.Process | None) -> None:
+        _pool.release(self.settings, name)  # a pooled sandbox's slot binds first
+        super()._settle(name, conmon)
 
     def run(
         self,
@@ -350,6 +361,7 @@ class PodmanBackend(PodmanDetached):
         if conmon is not None:
             with contextlib.suppress(psutil.Error):
                 conmon.wait(15)
+        _pool.release(self.settings, name)
         for disk in settle_orphan_disks(self.settings, name):
             log.info("settled the workspace disk of a dead owner", sandbox=disk)
         return done

@@ -68,6 +68,7 @@ from agentbox.backends.base import (
     data_dir_label,
 )
 from agentbox.backends.podman._cgroup import born_outside, place_conmon
+from agentbox.backends.podman._pool_view import pool_log, pool_view
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxError, SandboxGone
 
@@ -211,7 +212,7 @@ class PodmanDetached:
         if conmon is not None:
             place_conmon(conmon.pid)  # a stray conmon (born in our unit) leaves it now
         killed = orphaned = False
-        with LogReader(log, on_stdout, on_stderr) as reader:
+        with LogReader(pool_log(info, log), on_stdout, on_stderr) as reader:
             while True:
                 reader.pump()
                 if time.time() >= started + deadline and not killed:
@@ -387,8 +388,7 @@ def inspect(name: str) -> dict[str, Any] | None:
         raise SandboxError(f"podman inspect gave no JSON: {exc}", sandbox=name) from exc
     if not isinstance(data, list) or not data or not isinstance(data[0], dict):
         return None
-    found: dict[str, Any] = data[0]
-    return found
+    return pool_view(data[0])  # a claimed pool sandbox: as its task sees it
 
 
 def is_detached(info: Mapping[str, Any]) -> bool:

@@ -1,0 +1,345 @@
+"""A warm pool of hardened podman sandboxes: started ahead, claimed by one task each.
+
+A pooled sandbox is started by :func:`fill` with the very flags of a fresh one
+(:func:`~agentbox.backends._oci_args.run_args`: uid 64000, no capabilities,
+read-only root, no network, the seccomp profile, the limits), detached under conmon
+like :meth:`~agentbox.backends.podman._detach.PodmanDetached.launch`, but before
+its task exists. Its slot, ``data_dir/pool/slots/<slot>/``, holds two empty
+directories bind-mounted as its ``/workspace`` and gateway directory with
+``rslave`` propagation (the pool dir is a shared mount of itself), and the log
+conmon writes. Its main process, under tini as always, is a stub that waits for a
+go-file (named by a random token) in its empty ``/workspace``.
+
+:func:`claim` (from ``launch``, for a spec of the pool's shape) takes a ready slot
+by an atomic rename (``ready`` -> ``claimed``: of two claimers one wins, in any
+processes), mounts the task's workspace disk as ``launch`` does, binds the task's
+gateway directory onto the slot's (``nosuid,nodev,noexec``), writes the claim
+record (the task's labels and seal, the claim time: see
+:mod:`~agentbox.backends.podman._pool_view`), renames the container to the task's
+sandbox name, writes the go-file (argv behind the relay, environment, workdir),
+and last binds the workspace onto the slot's (``nosuid,nodev``). The mount
+propagates into the sandbox and hides the go-file: then the stub ``chdir``\\ s into
+the new ``/workspace`` and ``exec``\\ s the task's command. From there the sandbox
+is a detached one: ``follow``, adoption, ``kill`` and ``reap`` work on it by name.
+
+Single use: a claimed sandbox ends with its task; its slot is released (binds
+unmounted, directory removed) when its follower settles it (:func:`release`).
+Deadline: the follower counts the task's deadline from the claim; conmon's own
+``--timeout`` (the launcher-independent backstop) counts from the pool start, so it
+is set to ``ttl + max deadline``: a claim takes only an entry younger than its ttl
+and a task whose deadline is at most the pool's, so the backstop fires at most
+``ttl`` after the task's deadline. Entries older than ``ttl`` are removed by
+:func:`sweep`; :func:`drain` removes every unclaimed one. Pool sandboxes carry the
+data dir's owner label: a next launcher's orphan sweep reaps those of a dead one.
+
+Only runc and crun (gVisor does not receive mount propagation), only specs with a
+workspace, and never with ``unsafe_extra_args`` (the escape suite's controls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.backends._oci_args import check_spec, entry_argv, run_args
+from agentbox.backends._oci_cli import conmon_cwd, env_file, force_remove
+from agentbox.backends._wsdisk import WorkspaceDisk
+from agentbox.backends.base import (
+    MAX_LOG_BYTES,
+    OWNER_DATA_LABEL,
+    WORKSPACE_IN_SANDBOX,
+    SandboxSpec,
+    data_dir_label,
+)
+from agentbox.backends.podman._cgroup import born_outside, place_conmon
+from agentbox.backends.podman._detach import (
+    DEADLINE_LABEL,
+    DETACHED_LABEL,
+    SEAL_LABEL,
+    conmon_of,
+    inspect,
+    seal,
+)
+from agentbox.backends.podman._pool_ends import drain, release, sweep
+from agentbox.backends.podman._pool_slots import (
+    SLOT_PREFIX,
+    alive,
+    bind,
+    discard,
+    locked,
+    pool_dir,
+    share,
+    slots,
+    unbind,
+    write,
+)
+from agentbox.backends.podman._pool_view import (
+    POOL_DIR_LABEL,
+    POOL_LABEL,
+    POOL_NAME_LABEL,
+)
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxError
+
+if TYPE_CHECKING:
+    from agentbox.backends.podman._backend import PodmanBackend
+
+__all__ = ["SLOT_PREFIX", "claim", "drain", "fill", "pool_dir", "pool_key", "release", "sweep"]
+
+log = get_logger("podman.pool")
+
+#: A claim leaves an entry this close to its expiry alone (it is about to be swept).
+EXPIRY_MARGIN = 15.0
+POOL_RUNTIMES = ("runc", "crun")
+
+# The stub: wait for the go-file, then for the workspace mount to hide it, then
+# chdir into the new /workspace and exec the task's command (argv, env on top of
+# the container's own, as --env-file puts it). Reads only a file the host wrote.
+_STUB = """\
+import json, os, sys, time
+p = os.path.join(sys.argv[1], sys.argv[2])
+while True:
+    try:
+        with open(p, 'rb') as f:
+            g = json.loads(f.read())
+        break
+    except (OSError, ValueError):
+        time.sleep(0.005)
+while os.path.lexists(p):
+    time.sleep(0.002)
+os.chdir(g['workdir'])
+env = dict(os.environ)
+env.update(g['env'])
+try:
+    os.execvpe(g['argv'][0], g['argv'], env)
+except OSError as e:
+    sys.stderr.write('agentbox: cannot run %s: %s\\n' % (g['argv'][0], e))
+    os._exit(127)
+"""
+
+
+def pool_key(spec: SandboxSpec, settings: Settings, image_id: str) -> str:
+    """The shape of a sandbox: what must be equal for a pooled one to serve ``spec``."""
+    shape = [
+        image_id,
+        spec.runtime,
+        spec.isolation,
+        repr(spec.resources),
+        spec.uid,
+        spec.workdir,
+        settings.subid_base,
+        spec.gateway_dir is not None,
+        [(str(m.source), m.target, m.read_only) for m in spec.mounts],
+    ]
+    return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
+
+
+def fill(backend: PodmanBackend, template: SandboxSpec, size: int, *, ttl: float) -> list[str]:
+    """Start pooled sandboxes of ``template``'s shape until ``size`` are ready; return
+    the names started. ``template.deadline`` is the longest deadline they serve."""
+    settings = backend.settings
+    if template.runtime not in POOL_RUNTIMES or backend.unsafe_extra_args:
+        raise ConfigError(f"no pool for runtime {template.runtime} or a weakened backend")
+    facts = check_spec(template, subid_base=settings.subid_base)
+    assert facts is not None
+    key = pool_key(template, settings, facts.id)
+    started: list[str] = []
+    with locked(settings) as root:
+        share(root)
+        ready = [r for _, r in slots(root) if r is not None and r.get("key") == key]
+        for _ in range(max(0, size - len(ready))):
+            started.append(_start_one(backend, template, root, key, ttl, facts))
+    return started
+
+
+def _start_one(
+    backend: PodmanBackend, template: SandboxSpec, root: Path, key: str, ttl: float, facts: Any
+) -> str:
+    settings = backend.settings
+    slot = SLOT_PREFIX + secrets.token_hex(6)
+    sdir = root / "slots" / slot
+    for d in (sdir, sdir / "ws", sdir / "gw"):
+        d.mkdir(mode=0o755)
+    go = f".agentbox-go-{secrets.token_hex(8)}"
+    spec = template.replace(
+        name=slot,
+        workspace=sdir / "ws",
+        gateway_dir=sdir / "gw" if template.gateway_dir is not None else None,
+        env={},
+        deadline=ttl + template.deadline,
+    )
+    spec = backend._labels(spec)
+    labels = {
+        **spec.labels,
+        OWNER_DATA_LABEL: data_dir_label(settings.data_dir),
+        DETACHED_LABEL: "1",
+        DEADLINE_LABEL: f"{spec.deadline:g}",
+        SEAL_LABEL: seal(settings, slot),
+        POOL_LABEL: key,
+        POOL_DIR_LABEL: str(root),
+        POOL_NAME_LABEL: slot,
+    }
+    spec = spec.replace(labels=labels)
+    created = time.time()
+    try:
+        with env_file({}) as envf:
+            args = run_args(
+                spec,
+                settings,
+                facts,
+                detach=True,
+                env_file=envf.path,
+                log=sdir / "ctr.log",
+                log_max=MAX_LOG_BYTES,
+            )
+            # The slot's mounts receive what the host mounts under them at claim.
+            for i, a in enumerate(args):
+                if a.startswith((f"{sdir / 'ws'}:", f"{sdir / 'gw'}:")):
+                    args[i] = a + ",rslave"
+            args += ["python3", "-I", "-S", "-c", _STUB, WORKSPACE_IN_SANDBOX, go]
+            res = _proc.run(born_outside(args), timeout=120, cwd=conmon_cwd())
+        cid = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+        conmon = conmon_of(inspect(slot) or {})
+        if conmon is None:
+            raise SandboxError("the pooled sandbox has no conmon", sandbox=slot)
+        place_conmon(conmon.pid)
+    except BaseException:
+        with contextlib.suppress(AgentboxError):
+            force_remove(slot)
+        shutil.rmtree(sdir, ignore_errors=True)
+        raise
+    ready = {
+        "key": key,
+        "id": cid,
+        "go": go,
+        "created": created,
+        "expires": created + ttl,
+        "max_deadline": template.deadline,
+        "conmon": conmon.pid,
+        "conmon_start": conmon.create_time(),
+    }
+    write(sdir / "ready", ready, mode=0o600)
+    log.info("pool sandbox ready", sandbox=slot, key=key)
+    return slot
+
+
+def claim(
+    backend: PodmanBackend, spec: SandboxSpec, argv: Sequence[str], *, log_path: Path
+) -> bool:
+    """Serve ``spec`` from the pool if a ready sandbox of its shape waits; True if it
+    now runs ``argv`` (as ``launch`` would), False to take the fresh path."""
+    settings = backend.settings
+    root = pool_dir(settings)
+    if (
+        settings.pool_size <= 0
+        or backend.unsafe_extra_args
+        or spec.runtime not in POOL_RUNTIMES
+        or spec.workspace is None
+        or not argv
+        or not (root / "slots").is_dir()
+    ):
+        return False
+    facts = check_spec(spec, subid_base=settings.subid_base)
+    assert facts is not None
+    key = pool_key(spec, settings, facts.id)
+    now = time.time()
+    for sdir, ready in slots(root):
+        if (
+            ready is None
+            or ready.get("key") != key
+            or float(ready.get("expires", 0)) < now + EXPIRY_MARGIN
+            or float(ready.get("max_deadline", 0)) < spec.deadline
+        ):
+            continue
+        try:
+            (sdir / "ready").rename(sdir / "claimed")  # the atomic claim: one wins
+        except OSError:
+            continue
+        if not alive(ready):
+            discard(sdir)
+            continue
+        _bind_task(backend, spec, argv, sdir, ready, log_path)
+        return True
+    return False
+
+
+def _bind_task(
+    backend: PodmanBackend,
+    spec: SandboxSpec,
+    argv: Sequence[str],
+    sdir: Path,
+    ready: dict[str, Any],
+    log_path: Path,
+) -> None:
+    settings = backend.settings
+    root, slot = sdir.parent.parent, sdir.name
+    spec = backend._labels(spec)
+    labels = {
+        **spec.labels,
+        OWNER_DATA_LABEL: data_dir_label(settings.data_dir),
+        DETACHED_LABEL: "1",
+        DEADLINE_LABEL: f"{spec.deadline:g}",
+        SEAL_LABEL: seal(settings, spec.name),
+    }
+    assert spec.workspace is not None
+    disk = WorkspaceDisk(
+        settings,
+        spec.name,
+        spec.workspace,
+        spec.resources.disk_limit(settings),
+        detached=True,
+    )
+    record = root / "claims" / f"{spec.name}.json"
+    renamed = False
+    try:
+        disk.mount()
+        if spec.gateway_dir is not None:
+            bind(spec.gateway_dir, sdir / "gw", "nosuid,nodev,noexec")
+        (root / "claims").mkdir(mode=0o700, exist_ok=True)
+        rec = {
+            "id": ready["id"],
+            "slot": slot,
+            "labels": labels,
+            "claimed_at": time.time(),
+            "log": str(sdir / "ctr.log"),
+            "task_log": str(log_path),
+        }
+        write(record, rec, mode=0o600)
+        try:
+            _proc.run(["podman", "rename", slot, spec.name], timeout=60)
+        except CommandError as exc:
+            raise SandboxError(
+                f"could not claim a pooled sandbox: {exc}", sandbox=spec.name
+            ) from exc
+        renamed = True
+        for stale in (log_path, log_path.with_name(log_path.name + ".exit")):
+            stale.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another filesystem: copied at release
+            os.link(sdir / "ctr.log", log_path)
+        go = {"argv": entry_argv(spec, argv), "env": dict(spec.env), "workdir": spec.workdir}
+        write(sdir / "ws" / ready["go"], go, mode=0o644)
+        bind(spec.workspace, sdir / "ws", "nosuid,nodev")  # the trigger: the stub execs
+        disk.hand_over(int(ready["conmon"]), f"{float(ready['conmon_start']):.0f}")
+    except BaseException:
+        with contextlib.suppress(AgentboxError):
+            force_remove(str(ready["id"]) or (spec.name if renamed else slot))
+        unbind(sdir)
+        with contextlib.suppress(AgentboxError, OSError):
+            disk.release()
+        record.unlink(missing_ok=True)
+        shutil.rmtree(sdir, ignore_errors=True)
+        raise
+    log.info("pool sandbox claimed", sandbox=spec.name, slot=slot)
+
+
+# -- internals

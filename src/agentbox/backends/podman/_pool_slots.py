@@ -1,0 +1,149 @@
+"""The pool's slots on disk: directories, records, the lock, and their mounts (the
+pool dir shared with itself, a slot's binds made and undone).
+
+``os.path.ismount`` misses a bind mount of the same filesystem (the pool dir over
+itself, a gateway dir): :func:`_is_mount` reads ``/proc/self/mountinfo``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agentbox import _proc
+from agentbox._log import get_logger
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError
+
+__all__ = [
+    "SLOT_PREFIX",
+    "alive",
+    "bind",
+    "discard",
+    "is_mount",
+    "locked",
+    "pool_dir",
+    "share",
+    "slots",
+    "unbind",
+    "write",
+]
+
+#: Pool sandboxes are named ``agentbox-pool-<hex>`` until claimed.
+SLOT_PREFIX = "agentbox-pool-"
+
+log = get_logger("podman.pool")
+
+
+def bind(source: Path, target: Path, opts: str) -> None:
+    _proc.run(["mount", "--bind", source, target], timeout=60)
+    _proc.run(["mount", "-o", f"remount,bind,{opts}", target], timeout=60)
+
+
+def unbind(sdir: Path) -> None:
+    for m in (sdir / "ws", sdir / "gw"):
+        for how in ([], ["--lazy"]):
+            if not is_mount(m):
+                break
+            with contextlib.suppress(AgentboxError):
+                _proc.run(["umount", *how, m], timeout=60)
+
+
+def discard(sdir: Path) -> None:
+    """Unmount a slot's binds, then remove it (never through a mount left over)."""
+    unbind(sdir)
+    if any(is_mount(m) for m in (sdir / "ws", sdir / "gw")):
+        log.error("a pool slot's mount would not go; slot kept", slot=sdir.name)
+        return
+    shutil.rmtree(sdir, ignore_errors=True)
+
+
+def is_mount(path: Path) -> bool:
+    """Whether ``path`` is a mount point (a bind of the same filesystem too, which
+    ``os.path.ismount`` misses)."""
+    target = str(path)
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            fields = line.split(" ", 5)
+            if len(fields) > 4 and unescape(fields[4]) == target:
+                return True
+    return False
+
+
+def unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    for esc, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(esc, ch)
+    return field
+
+
+def share(root: Path) -> None:
+    """Make the pool dir a shared mount of itself: what the host mounts in a slot then
+    reaches the sandbox's ``rslave`` bind of it."""
+    (root / "slots").mkdir(parents=True, exist_ok=True, mode=0o755)
+    root.chmod(0o755)
+    if not is_mount(root):
+        _proc.run(["mount", "--bind", root, root], timeout=60)
+    _proc.run(["mount", "--make-shared", root], timeout=60)
+
+
+def pool_dir(settings: Settings) -> Path:
+    """``data_dir/pool``: the slots and the claim records (a shared mount of itself)."""
+    return settings.data_dir / "pool"
+
+
+def slots(root: Path) -> Iterator[tuple[Path, dict[str, Any] | None]]:
+    base = root / "slots"
+    if not base.is_dir():
+        return
+    for sdir in sorted(base.iterdir()):
+        if not sdir.name.startswith(SLOT_PREFIX) or sdir.is_symlink() or not sdir.is_dir():
+            continue
+        try:
+            rec = json.loads((sdir / "ready").read_text())
+        except (OSError, ValueError):
+            rec = None
+        yield sdir, rec if isinstance(rec, dict) else None
+
+
+def alive(ready: dict[str, Any]) -> bool:
+    try:
+        proc = psutil.Process(int(ready.get("conmon", 0)))
+        return (
+            proc.name() == "conmon"
+            and abs(proc.create_time() - float(ready.get("conmon_start", 0))) < 0.01
+            and proc.status() != psutil.STATUS_ZOMBIE
+        )
+    except (psutil.Error, ValueError, TypeError):
+        return False
+
+
+def write(path: Path, data: dict[str, Any], *, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(data))
+    tmp.chmod(mode)
+    tmp.replace(path)
+
+
+@contextlib.contextmanager
+def locked(settings: Settings) -> Iterator[Path]:
+    """One filler or sweeper at a time per data dir (claims do not take it)."""
+    root = pool_dir(settings)
+    root.mkdir(parents=True, exist_ok=True, mode=0o755)
+    fd = os.open(settings.data_dir / "pool.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield root
+    finally:
+        os.close(fd)
