@@ -44,7 +44,12 @@ def test_no_readable_process_is_a_failure_never_a_pass() -> None:
 
 
 def test_gvisor_pid_namespace_is_explicitly_not_applicable() -> None:
-    got = {o.id: o for o in host_outcomes([os.getpid()], _view(runtime="runsc"))}
+    from agentbox.backends import get_backend
+    from agentbox.config import Settings
+
+    own = not get_backend("podman", Settings()).shares_host_kernel("runsc")  # the trait asked
+    view = _view(runtime="runsc", own_kernel=own)
+    got = {o.id: o for o in host_outcomes([os.getpid()], view)}
     assert got["host.ns_pid"].status == "n/a" and "Sentry" in got["host.ns_pid"].seen
     assert got["host.ns_net"].status == "fail"
 

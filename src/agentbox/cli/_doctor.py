@@ -203,15 +203,20 @@ def _image(settings: Settings) -> _host.Facility:
 
 def checks(settings: Settings) -> list[Check]:
     """Probe everything the doctor reports, in display order."""
+    from agentbox.backends import get_backend
+
     pod = _host.podman()
     out = [_row(pod, essential=True)]
-    for rt in ("runc", "crun", "runsc"):
+    # The OCI runtimes the podman backend drives, asked of it: its first (the default)
+    # is essential; one that brings its own kernel (gVisor) says so.
+    podman = get_backend("podman", settings)
+    for i, rt in enumerate(podman.runtimes):
         fac = _host.podman_runtime(rt)
-        if rt == "runsc" and fac.ok:
+        if fac.ok and not podman.shares_host_kernel(rt):
             fac = _host.Facility(
-                fac.name, True, f"{fac.detail} (gVisor; network off at the runsc level)"
+                fac.name, True, f"{fac.detail} (gVisor; network off at the {rt} level)"
             )
-        out.append(_row(fac, essential=rt == "runc", present=shutil.which(rt) is not None))
+        out.append(_row(fac, essential=i == 0, present=shutil.which(rt) is not None))
     out.append(_row(_cgroups()))
     out.append(_row(_userns()))
     out.append(_row(_kernel_quotas(), present=True))

@@ -188,10 +188,15 @@ class Fixture:
         uid: int,
         pids_max: int,
         runtime: str = "runc",
+        own_kernel: bool = False,
         workspace: str = "/workspace",
         extra_mounts: tuple[str, ...] = (),
     ) -> dict[str, object]:
-        """The JSON the in-sandbox probe reads on stdin (nonces, ports, expectations)."""
+        """The JSON the in-sandbox probe reads on stdin (nonces, ports, expectations).
+
+        ``own_kernel``: a container whose runtime brings its own kernel (gVisor), as its
+        backend says (``shares_host_kernel``); the probe asks that, never the runtime's name.
+        """
         allowed = [
             "/", "/proc", "/dev", "/sys", "/tmp", "/run", "/var/tmp", "/home/agent",
             "/dev/pts", "/dev/mqueue", "/dev/shm", "/sys/fs/cgroup",
@@ -212,6 +217,7 @@ class Fixture:
         return {
             "uid": uid,
             "runtime": runtime,
+            "own_kernel": own_kernel,
             "pids_max": pids_max,
             "workspace": workspace,
             "host_ports": self.ports,

@@ -24,7 +24,13 @@ def sandbox_pids(box: Sandbox) -> list[int]:
 
 
 class HostView:
-    """What the host expects of a sandbox's processes, per backend/runtime."""
+    """What the host expects of a sandbox's processes, per backend/runtime.
+
+    Asked by trait, never by name: ``vm`` (the backend's ``kind`` is ``microvm``) and
+    ``own_kernel`` (a container whose runtime brings its own kernel, its backend's
+    ``shares_host_kernel(runtime)`` False: gVisor's Sentry). ``runtime`` is for the
+    report only.
+    """
 
     def __init__(
         self,
@@ -35,10 +41,12 @@ class HostView:
         memory: int,
         vm: bool = False,
         isolation: str = "standard",
+        own_kernel: bool = False,
     ) -> None:
         self.vm = vm
         self.isolation = isolation
         self.runtime = runtime
+        self.own_kernel = own_kernel and not vm
         self.mapped_uid = mapped_uid
         self.pids_max = pids_max
         self.memory = memory
@@ -104,7 +112,7 @@ def host_outcomes(pids: list[int], view: HostView) -> list[Outcome]:
         elif view.vm:
             ok_uid = not bad and uids == [view.mapped_uid]
             seen_uid = f"VMM host uids {uids} (want only {view.mapped_uid}, not 0/yours)"
-        elif view.runtime == "runsc":
+        elif view.own_kernel:
             ok_uid = not bad
             seen_uid = f"host uids {uids} (want not 0/yours: gVisor's Sentry runs as nobody, "
             seen_uid += "its gofer as the mapped root)"
@@ -124,7 +132,7 @@ def host_outcomes(pids: list[int], view: HostView) -> list[Outcome]:
             add("host.ns_user", None, "the VMM has no user namespace of its own: it runs as a "
                 f"host uid with capabilities dropped ({seen}); see host.uid")  # fmt: skip
             continue
-        if view.runtime == "runsc" and kind in ("pid", "cgroup") and not own:
+        if view.own_kernel and kind in ("pid", "cgroup") and not own:
             # The workload's pid and cgroup namespaces are the Sentry's own (emulated); the
             # Sentry and gofer processes themselves run in the host's, like a VMM does.
             add(f"host.ns_{kind}", None, f"gVisor: the workload's {kind} namespace is the "

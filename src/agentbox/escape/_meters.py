@@ -108,7 +108,7 @@ def quota_outcomes(box: _Execs, view: HostView) -> list[Outcome]:
             status, seen = "error", f"no answer from the sandbox ({err}); {root}"
         else:
             status, seen = "pass", f"{took}; {root}"
-        if view.runtime == "runsc" and status == "pass":
+        if view.own_kernel and status == "pass":
             seen += "; gVisor: the Sentry's own counter"
         out.append(_outcome(spec, status, seen))
     return out

@@ -144,8 +144,11 @@ def run_real(
         memory=spec.resources.memory + (1024**3 if vm else 0),
         vm=vm,
         isolation=isolation,
+        own_kernel=not backend.shares_host_kernel(runtime),
     )
-    cfg = fx.probe_config(uid=spec.uid, pids_max=spec.resources.pids, runtime=runtime)
+    cfg = fx.probe_config(
+        uid=spec.uid, pids_max=spec.resources.pids, runtime=runtime, own_kernel=view.own_kernel
+    )
     cfg["disk"] = spec.resources.disk_limit(settings).model_dump()
     if not spec.mounts:
         cfg["ro_mount"] = None

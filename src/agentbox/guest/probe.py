@@ -280,8 +280,9 @@ def p_seccomp() -> Result:
 
 
 def gvisor() -> bool:
-    """Under runsc the host says so (runtime in the config); the kernel release agrees."""
-    return CFG.get("runtime") == "runsc"
+    """A container whose runtime brings its own kernel (gVisor): the host says so
+    (``own_kernel`` in the config, from its backend's traits); the kernel release agrees."""
+    return CFG.get("own_kernel") is True
 
 
 @probe("identity.uid")

@@ -145,8 +145,15 @@ def prune_base_images(keep: str) -> list[str]:
 
 
 def _build_runtime(settings: Settings) -> list[str]:
-    # crun refuses hybrid cgroup hosts; the build runs where agentbox's sandboxes run.
-    runtime = settings.runtime if settings.runtime in ("runc", "crun") else "runc"
+    """``podman build --runtime``: the one agentbox's sandboxes use when it runs on the
+    host's kernel (crun refuses hybrid cgroup hosts), else podman's first (its default):
+    a runtime with its own kernel (gVisor) does not build. Asked of the backend's traits."""
+    from agentbox.backends import get_backend
+
+    podman = get_backend("podman", settings)
+    runtime: str = settings.runtime
+    if runtime not in podman.runtimes or not podman.shares_host_kernel(runtime):
+        runtime = podman.runtimes[0]
     return ["--runtime", runtime] if shutil.which(runtime) else []
 
 
