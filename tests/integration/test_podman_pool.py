@@ -25,10 +25,16 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends import Exited
+from agentbox.backends._oci_posture import read_posture
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.podman import PodmanBackend
+from agentbox.backends.podman import PodmanBackend, PodmanSandbox
+from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
+from agentbox.backends.podman._pool_slots import is_mount
+from agentbox.backends.podman._pool_view import POOL_LABEL
 from agentbox.config import Settings
+from agentbox.launcher._adopt import remove_orphans
+from agentbox.launcher._store import Store
 from mount_helpers import assert_no_mounts_under
 
 pytestmark = [
@@ -79,6 +85,10 @@ def pooled(sandbox_settings: Settings) -> Iterator[tuple[PodmanBackend, Settings
     assert_no_mounts_under(settings.data_dir)
 
 
+def pool_mounted(settings: Settings) -> bool:
+    return is_mount(pool.pool_dir(settings))
+
+
 def pool_left(settings: Settings) -> list[str]:
     slots = pool.pool_dir(settings) / "slots"
     left = [p.name for p in slots.iterdir()] if slots.is_dir() else []
@@ -109,3 +119,167 @@ def test_task_through_the_pool(
     # single use: the pooled sandbox ran the task and is gone, its slot too
     assert not _containers(started[0])
     assert not pool_left(settings)
+
+
+def _end(backend: PodmanBackend, name: str, log: Path) -> None:
+    backend.kill(name)
+    backend.follow(name, log=log, on_stdout=None, on_stderr=None, poll=0.05)
+
+
+def test_posture_pooled_equals_fresh(
+    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace, tmp_path: Path
+) -> None:
+    """The posture reader's checks (inside and host) on a pooled sandbox: all pass, and
+    they are the same checks with the same outcome as on a fresh sandbox of the spec."""
+    backend, settings = pooled
+    gw = tmp_path / "gw"
+    gw.mkdir(mode=0o755)
+    template = _template(default_image, make_workspace(), gateway_dir=gw)
+    [slot] = pool.fill(backend, template, 1, ttl=120)
+    postures = {}
+    for kind in ("pooled", "fresh"):
+        spec = template.replace(
+            name=f"agentbox-pool-{kind}-{os.getpid()}", workspace=make_workspace()
+        )
+        log = tmp_path / f"{kind}.log"
+        backend.launch(spec, ["sleep", "300"], log=log)
+        try:
+            info = detach.inspect(spec.name)
+            assert info is not None
+            labels = info["Config"]["Labels"]
+            assert (POOL_LABEL in labels) == (kind == "pooled"), labels
+            box = PodmanSandbox(backend, spec, str(info["Id"]))
+            postures[kind] = read_posture(box, settings)
+        finally:
+            _end(backend, spec.name, log)
+    assert not _containers(slot)
+    for kind, posture in postures.items():
+        assert posture.ok, (kind, [c for c in posture.checks if not c.ok])
+    assert [(c.name, c.where, c.ok) for c in postures["pooled"].checks] == [
+        (c.name, c.where, c.ok) for c in postures["fresh"].checks
+    ]
+
+
+_SNOOP = r"""
+ls -A /tmp; echo --; ls -A "$HOME"; echo --; ls -A /workspace; echo --
+ps -eo comm= | sort; echo --; hostname
+echo secret > /tmp/left-behind; echo secret > "$HOME/left-behind"
+echo secret > /workspace/left-behind; (sleep 600 &) ; sleep 0.2
+"""
+
+
+def test_no_state_crosses_between_tasks(
+    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace, tmp_path: Path
+) -> None:
+    """Two tasks through a pool of two: each gets its own sandbox; the second sees none
+    of the first's files (/tmp, home, workspace), processes or host name."""
+    backend, settings = pooled
+    template = _template(default_image, make_workspace())
+    slots = pool.fill(backend, template, 2, ttl=120)
+    assert len(slots) == 2
+    seen = []
+    for i in range(2):
+        spec = template.replace(
+            name=f"agentbox-pool-seq{i}-{os.getpid()}", workspace=make_workspace()
+        )
+        ended, out, err = _run(backend, spec, ["sh", "-c", _SNOOP], tmp_path / f"t{i}.log")
+        assert ended == Exited(0, False), err
+        seen.append(out.decode().split("--\n"))
+    assert not pool_left(settings)  # both came from the pool, each used once
+    for tmp, home, ws, procs, _host in seen:
+        assert "left-behind" not in tmp + home + ws
+        assert "sleep" not in procs.split(), procs
+    assert seen[0][4] != seen[1][4]  # two sandboxes (the host name is the container id)
+
+
+_CLAIMER = """
+import json, sys, time
+from pathlib import Path
+from agentbox.backends.base import SandboxSpec
+from agentbox.backends.podman import PodmanBackend
+from agentbox.backends._oci_posture import read_posture
+from agentbox.backends.podman import PodmanSandbox
+from agentbox.backends.podman import _detach as detach
+from agentbox.backends.podman import _pool as pool
+from agentbox.backends.podman._pool_slots import is_mount
+from agentbox.backends.podman._pool_view import POOL_LABEL
+from agentbox.launcher._adopt import remove_orphans
+from agentbox.launcher._store import Store
+from agentbox.config import Settings
+a = json.loads(sys.argv[1])
+settings = Settings(data_dir=Path(a["data_dir"]), repos_root=Path(a["repos_root"]),
+                    mount_roots=tuple(Path(p) for p in a["mount_roots"]), pool_size=1)
+spec = SandboxSpec(name=a["name"], image=a["image"], workspace=Path(a["ws"]), deadline=120)
+backend = PodmanBackend(settings)
+while not Path(a["go"]).exists():
+    time.sleep(0.001)
+print(json.dumps(pool.claim(backend, spec, ["echo", a["name"]], log_path=Path(a["log"]))))
+"""
+
+
+def test_claim_race_one_wins(
+    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace, tmp_path: Path
+) -> None:
+    """Two processes claim at once from a pool of one: exactly one gets it (the other
+    would take the fresh path), and the winner's task runs."""
+    backend, settings = pooled
+    template = _template(default_image, make_workspace())
+    pool.fill(backend, template, 1, ttl=120)
+    go = tmp_path / "go"
+    procs = {}
+    for i in range(2):
+        name = f"agentbox-pool-race{i}-{os.getpid()}"
+        args = {
+            "data_dir": str(settings.data_dir),
+            "repos_root": str(settings.repos_root),
+            "mount_roots": [str(p) for p in settings.mount_roots],
+            "name": name,
+            "image": default_image,
+            "ws": str(make_workspace()),
+            "go": str(go),
+            "log": str(tmp_path / f"{name}.log"),
+        }
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", _CLAIMER, json.dumps(args)], stdout=subprocess.PIPE, text=True
+        )
+    go.touch()
+    won = {}
+    for name, p in procs.items():
+        out, _ = p.communicate(timeout=120)
+        won[name] = json.loads(out.strip().splitlines()[-1])
+    assert sorted(won.values()) == [False, True], won
+    [winner] = [n for n, w in won.items() if w]
+    out_chunks: list[bytes] = []
+    ended = backend.follow(
+        winner,
+        log=tmp_path / f"{winner}.log",
+        on_stdout=out_chunks.append,
+        on_stderr=None,
+        poll=0.05,
+    )
+    assert ended == Exited(0, False)
+    assert b"".join(out_chunks) == f"{winner}\n".encode()
+    assert not pool_left(settings)
+
+
+def test_refill_drain_and_orphan_sweep(
+    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace
+) -> None:
+    """fill tops the pool up to its size and no further; drain removes every unclaimed
+    sandbox and the pool mount; a dead launcher's pool is reaped by the next one's
+    orphan sweep (owned sandboxes no task holds), slots included."""
+    backend, settings = pooled
+    template = _template(default_image, make_workspace())
+    first = pool.fill(backend, template, 2, ttl=120)
+    assert len(first) == 2
+    assert pool.fill(backend, template, 2, ttl=120) == []  # full: nothing started
+    assert sorted(_containers(pool.SLOT_PREFIX)) == sorted(first)
+    assert sorted(pool.drain(settings)) == sorted(first)
+    assert not pool_left(settings)
+    assert not pool_mounted(settings)
+    # a launcher that died with a pool: the next one's reconcile reaps what no task holds
+    orphans = pool.fill(backend, template, 1, ttl=120)
+    store = Store(settings.data_dir / "state.db")
+    remove_orphans(settings, store)
+    assert not any(n in _containers(pool.SLOT_PREFIX) for n in orphans)
+    assert not (pool.pool_dir(settings) / "slots" / orphans[0]).exists()

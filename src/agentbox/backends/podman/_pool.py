@@ -273,6 +273,12 @@ def claim(
     return False
 
 
+def _stage(settings: Settings, slot: str, what: str) -> Path:
+    """Where a slot's bind is made before it moves in: the data dir (private), not the
+    pool dir (shared: a move out of a shared mount is refused)."""
+    return settings.data_dir / f".pool-stage-{slot}-{what}"
+
+
 def _bind_task(
     backend: PodmanBackend,
     spec: SandboxSpec,
@@ -304,7 +310,12 @@ def _bind_task(
     try:
         disk.mount()
         if spec.gateway_dir is not None:
-            bind(spec.gateway_dir, sdir / "gw", "nosuid,nodev,noexec")
+            bind(
+                spec.gateway_dir,
+                sdir / "gw",
+                "nosuid,nodev,noexec",
+                stage=_stage(settings, slot, "gw"),
+            )
         (root / "claims").mkdir(mode=0o700, exist_ok=True)
         rec = {
             "id": ready["id"],
@@ -328,7 +339,9 @@ def _bind_task(
             os.link(sdir / "ctr.log", log_path)
         go = {"argv": entry_argv(spec, argv), "env": dict(spec.env), "workdir": spec.workdir}
         write(sdir / "ws" / ready["go"], go, mode=0o644)
-        bind(spec.workspace, sdir / "ws", "nosuid,nodev")  # the trigger: the stub execs
+        bind(
+            spec.workspace, sdir / "ws", "nosuid,nodev", stage=_stage(settings, slot, "ws")
+        )  # the trigger
         disk.hand_over(int(ready["conmon"]), f"{float(ready['conmon_start']):.0f}")
     except BaseException:
         with contextlib.suppress(AgentboxError):

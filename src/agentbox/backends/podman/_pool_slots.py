@@ -44,9 +44,26 @@ SLOT_PREFIX = "agentbox-pool-"
 log = get_logger("podman.pool")
 
 
-def bind(source: Path, target: Path, opts: str) -> None:
-    _proc.run(["mount", "--bind", source, target], timeout=60)
-    _proc.run(["mount", "-o", f"remount,bind,{opts}", target], timeout=60)
+def bind(source: Path, target: Path, opts: str, *, stage: Path) -> None:
+    """Bind ``source`` on ``target`` with ``opts`` already set when it appears there.
+
+    A remount's flags do not propagate: the copy the sandbox receives keeps the flags
+    the mount had when it came. So the bind is made and remounted in ``stage`` (a
+    private place, empty dir made here), then moved onto ``target`` in one step.
+    """
+    stage.mkdir(mode=0o700)
+    try:
+        _proc.run(["mount", "--bind", source, stage], timeout=60)
+        try:
+            _proc.run(["mount", "-o", f"remount,bind,{opts}", stage], timeout=60)
+            _proc.run(["mount", "--move", stage, target], timeout=60)
+        except BaseException:
+            with contextlib.suppress(AgentboxError):
+                _proc.run(["umount", "--lazy", stage], timeout=60)
+            raise
+    finally:
+        with contextlib.suppress(OSError):
+            stage.rmdir()
 
 
 def unbind(sdir: Path) -> None:
