@@ -114,7 +114,7 @@ def test_kill_ends_a_launched_sandbox_with_137(tmp_path: Path) -> None:
     assert _follow(backend, "t1", tmp_path / "l")[0] == Exited(137, False)
 
 
-@pytest.mark.parametrize("name", ["qemu", "firecracker", "docker"])
+@pytest.mark.parametrize("name", ["firecracker", "docker"])
 def test_backends_that_cannot_detach_say_so(name: str, tmp_path: Path) -> None:
     backend = get_backend(name, Settings(data_dir=tmp_path))
     assert backend.detaches("runc") is False

@@ -42,6 +42,7 @@ import psutil
 
 from agentbox import _host
 from agentbox._log import get_logger
+from agentbox.backends._attached import AttachedOnly
 from agentbox.backends.base import LABEL, Posture, SandboxSpec
 from agentbox.backends.qemu import QemuBackend, QemuSandbox, vmm_uid
 from agentbox.backends.qemu._posture import read_posture
@@ -240,6 +241,11 @@ class FirecrackerVm(Vm):
 class FirecrackerBackend(QemuBackend):
     """Makes Firecracker microVM sandboxes (``name = "firecracker"``); always cold boots."""
 
+    # qemu's detached verbs are not Firecracker's: its sandboxes live as long as their caller.
+    detaches = AttachedOnly.detaches
+    launch = AttachedOnly.launch
+    follow = AttachedOnly.follow
+    adoptable = AttachedOnly.adoptable
     name = "firecracker"
     snapshots = False  # every Firecracker sandbox boots cold
     environments_refused: str | None = (
