@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
 from agentbox.config import Settings
 from agentbox.launcher._adopt import remove_orphans
+from agentbox.launcher._pool import pool_template, start_pool
 from agentbox.launcher._store import Store
 from mount_helpers import assert_no_mounts_under
 
@@ -204,6 +206,7 @@ from agentbox.backends.podman import _pool as pool
 from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
 from agentbox.launcher._adopt import remove_orphans
+from agentbox.launcher._pool import pool_template, start_pool
 from agentbox.launcher._store import Store
 from agentbox.config import Settings
 a = json.loads(sys.argv[1])
@@ -283,3 +286,46 @@ def test_refill_drain_and_orphan_sweep(
     remove_orphans(settings, store)
     assert not any(n in _containers(pool.SLOT_PREFIX) for n in orphans)
     assert not (pool.pool_dir(settings) / "slots" / orphans[0]).exists()
+
+
+def _wait_ready(settings: Settings, n: int, *, but: frozenset[str] = frozenset()) -> set[str]:
+    """Slots with a ready record (bounded wait for the keeper's thread, not a timing test)."""
+    end = time.monotonic() + 180
+    while time.monotonic() < end:
+        found = {p.parent.name for p in (pool.pool_dir(settings) / "slots").glob("*/ready")} - but
+        if len(found) >= n:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"the keeper made no {n} ready sandbox(es)")
+
+
+def test_keeper_refills_after_a_claim_and_drains_on_stop(
+    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace, tmp_path: Path
+) -> None:
+    """``launcher serve``'s keeper: fills the pool of a default task's shape, refills it
+    after a launch took the one ready sandbox, and its stop drains the pool."""
+    _, settings = pooled
+    settings = settings.model_copy(update={"image": default_image})
+    keeper = start_pool(settings)
+    assert keeper is not None
+    try:
+        (first,) = _wait_ready(settings, 1)
+        spec = pool_template(settings).replace(
+            name=f"agentbox-pool-keep-{os.getpid()}",
+            workspace=make_workspace(),
+            gateway_dir=None,
+            deadline=60,
+        )
+        # the keeper's shape has a gateway dir: a spec without one is not served by it
+        assert not pool.claim(keeper.backend, spec, ["true"], log_path=tmp_path / "x.log")
+        gw = tmp_path / "gw"
+        gw.mkdir(mode=0o755)
+        spec = spec.replace(gateway_dir=gw)
+        ended, out, _ = _run(keeper.backend, spec, ["echo", "pooled"], tmp_path / "t.log")
+        assert ended == Exited(0, False) and out == b"pooled\n"
+        assert first not in _containers(pool.SLOT_PREFIX)  # it served the task
+        (second,) = _wait_ready(settings, 1, but=frozenset({first}))
+    finally:
+        drained = keeper.stop()
+    assert second in drained
+    assert not pool_left(settings) and not pool_mounted(settings)

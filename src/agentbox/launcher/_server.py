@@ -75,6 +75,7 @@ from agentbox.launcher._peer import (
     may_connect,
     peer_of,
 )
+from agentbox.launcher._pool import PoolKeeper, start_pool
 from agentbox.launcher._workspace import ensure_private_dir
 from agentbox.launcher.api import ModelList, TaskList, TaskRequest
 from agentbox.paths import validate_task_id
@@ -369,6 +370,7 @@ def serve(
         launcher.close(wait=False)
         raise
     sock_id: tuple[int, int] | None = None
+    keeper: PoolKeeper | None = None
     link_id: tuple[int, int] | None = None
     mode: list[StopMode] = ["leave"]
     try:
@@ -377,6 +379,7 @@ def serve(
         settled = launcher.reconcile()
         if settled:
             log.warning("reconciled tasks of a previous launcher", tasks=settled)
+        keeper = start_pool(launcher.settings)  # after the orphan sweep: a warm pool
         _clear_stale(path)
         listener = bind_socket(path)
         st = os.lstat(path)
@@ -402,6 +405,8 @@ def serve(
         _remove_if_ours(path, sock_id)
         # Left (re-adopted by the next launcher), drained or cancelled: as told.
         try:
+            if keeper is not None:
+                keeper.stop()  # unclaimed pooled sandboxes removed; claimed ones are tasks
             launcher.stop(mode[0])
         finally:
             lock.release()

@@ -1,0 +1,100 @@
+"""The launcher's warm pool keeper: refills the podman pool in the background, drains it
+at the end (``launcher serve`` only: a one-shot ``agentbox run`` keeps no pool).
+
+The pool's shape is a default task's: the settings' image and runtime, a default
+Boxfile's resources, a workspace and a gateway dir, the default deadline. A task of
+another shape (a Boxfile with other resources, extra mounts, an environment layer, a
+longer deadline) takes the fresh path. See :mod:`agentbox.backends.podman._pool`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from agentbox._log import get_logger
+from agentbox.backends.base import SandboxSpec
+from agentbox.boxfile import Boxfile
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError
+from agentbox.launcher.api import DEFAULT_DEADLINE
+from agentbox.sandbox import spec_from_boxfile
+
+__all__ = ["PoolKeeper", "start_pool"]
+
+log = get_logger("launcher.pool")
+
+#: How often the keeper tops the pool up (a claim takes one; cheap when full).
+REFILL_EVERY = 1.0
+#: How often it sweeps expired or dead entries (asks podman about claimed slots).
+SWEEP_EVERY = 30.0
+#: After a failed refill (the image gone, podman down), wait this long.
+BACKOFF = 30.0
+
+
+def pool_template(settings: Settings) -> SandboxSpec:
+    """The spec of a default task, as the launcher builds it (paths are the slot's)."""
+    here = settings.data_dir
+    return spec_from_boxfile(
+        Boxfile(), settings, name="agentbox-pool-template", workspace=here, gateway_dir=here
+    ).replace(deadline=DEFAULT_DEADLINE)
+
+
+class PoolKeeper:
+    """A daemon thread that keeps ``settings.pool_size`` sandboxes ready; :meth:`stop` drains."""
+
+    def __init__(self, settings: Settings) -> None:
+        from agentbox.backends.podman import PodmanBackend
+
+        self.settings = settings
+        self.backend = PodmanBackend(settings)
+        self.template = pool_template(settings)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="agentbox-pool", daemon=True)
+
+    def start(self) -> PoolKeeper:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        from agentbox.backends.podman import _pool
+
+        next_sweep = 0.0
+        while not self._stop.is_set():
+            wait = REFILL_EVERY
+            try:
+                if time.monotonic() >= next_sweep:
+                    _pool.sweep(self.settings)
+                    next_sweep = time.monotonic() + SWEEP_EVERY
+                started = _pool.fill(
+                    self.backend, self.template, self.settings.pool_size, ttl=self.settings.pool_ttl
+                )
+                if started:
+                    log.info("pool refilled", started=started)
+            except (AgentboxError, OSError) as exc:
+                log.warning("pool refill failed; retrying later", error=str(exc))
+                wait = BACKOFF
+            self._stop.wait(wait)
+
+    def stop(self) -> list[str]:
+        """Stop refilling, then remove every unclaimed pooled sandbox; return them."""
+        from agentbox.backends.podman import _pool
+
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=180)
+        try:
+            return _pool.drain(self.settings)
+        except (AgentboxError, OSError) as exc:
+            log.warning("pool drain failed", error=str(exc))
+            return []
+
+
+def start_pool(settings: Settings) -> PoolKeeper | None:
+    """A running keeper when the settings ask for a pool the backend can keep; else None."""
+    if settings.pool_size <= 0 or settings.backend != "podman":
+        return None
+    if settings.runtime not in ("runc", "crun"):
+        log.warning("no pool: gVisor (runsc) does not receive mounts at claim")
+        return None
+    return PoolKeeper(settings).start()
