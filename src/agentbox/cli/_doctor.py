@@ -164,7 +164,7 @@ def _firecracker(settings: Settings) -> Check:
 
 def _docker(settings: Settings) -> list[Check]:
     """The docker backend's rows: daemon and version, runtimes, AppArmor, userns-remap."""
-    from agentbox.backends.docker._facility import doctor_rows
+    from agentbox.backends.docker import doctor_rows
 
     present = shutil.which("dockerd") is not None or Path("/var/run/docker.sock").exists()
     return [_row(fac, present=present) for fac in doctor_rows(settings)]

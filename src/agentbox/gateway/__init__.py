@@ -16,6 +16,8 @@ What the launcher calls::
 
 from typing import TYPE_CHECKING, Any
 
+from agentbox.gateway._handshake import HANDSHAKE_VERSION as HANDSHAKE_VERSION
+from agentbox.gateway._handshake import read_handshake as read_handshake
 from agentbox.gateway._reqlog import read_requests as read_requests
 from agentbox.gateway._usage import Usage, read_usage
 from agentbox.gateway.registry import (

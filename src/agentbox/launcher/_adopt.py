@@ -37,8 +37,7 @@ from agentbox.backends import get_backend, owned_sandboxes, sweep_stale_files
 from agentbox.config import Settings
 from agentbox.env import release_task_env
 from agentbox.errors import AgentboxError, PathRefused, SandboxGone
-from agentbox.gateway import read_usage
-from agentbox.gateway._handshake import HANDSHAKE_VERSION, read_handshake
+from agentbox.gateway import HANDSHAKE_VERSION, read_handshake, read_usage
 from agentbox.launcher._context import TaskContext
 from agentbox.launcher._finish import (
     collect_and_finish,

@@ -9,6 +9,15 @@ runs (:mod:`._image`). See docs/reference/docker-backend.md.
 from agentbox.backends.docker._backend import DockerBackend
 from agentbox.backends.docker._client import ALLOWED, LIFE, GuardedClient
 from agentbox.backends.docker._config import DaemonFacts
+from agentbox.backends.docker._facility import doctor_rows
 from agentbox.backends.docker._sandbox import DockerSandbox
 
-__all__ = ["ALLOWED", "LIFE", "DaemonFacts", "DockerBackend", "DockerSandbox", "GuardedClient"]
+__all__ = [
+    "ALLOWED",
+    "LIFE",
+    "DaemonFacts",
+    "DockerBackend",
+    "DockerSandbox",
+    "GuardedClient",
+    "doctor_rows",
+]
