@@ -13,9 +13,11 @@ It is the qemu backend with another VMM: the same PVH vmlinux, root and
 :class:`~agentbox.microvm._guest.GuestSession` (kernel + nonce check before
 every command, gateway streams multiplexed on the channel), safe export of
 results, posture read off the running VMM, crash recovery of orphan VMs. So
-:class:`FirecrackerBackend` extends :class:`~agentbox.backends.qemu.QemuBackend`
-and :class:`FirecrackerSandbox` extends
-:class:`~agentbox.backends.qemu.QemuSandbox`; what differs is
+:class:`FirecrackerBackend` and :class:`~agentbox.backends.qemu.QemuBackend` both
+extend :class:`~agentbox.backends._microvm._MicrovmBackend` (neither extends the
+other), and :class:`FirecrackerSandbox` extends
+:class:`~agentbox.backends.qemu.QemuSandbox`, which never asks which VMM runs
+its VM; what differs is
 :class:`FirecrackerVm`: the jailer instead of bwrap + setpriv, a config file
 instead of a command line, and the channel, which is virtio-vsock (the agent
 listens on guest port :data:`~agentbox.guest.agent.VSOCK_PORT`; the host
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
 import secrets
@@ -42,14 +43,13 @@ import psutil
 
 from agentbox import _host
 from agentbox._log import get_logger
-from agentbox.backends._attached import AttachedOnly
-from agentbox.backends.base import LABEL, Posture, SandboxSpec
-from agentbox.backends.qemu import QemuBackend, QemuSandbox, vmm_uid
-from agentbox.backends.qemu._posture import read_posture
+from agentbox.backends._microvm import _MicrovmBackend, vmm_uid
+from agentbox.backends.base import Posture, SandboxSpec
+from agentbox.backends.qemu import QemuSandbox
 from agentbox.config import Settings
 from agentbox.errors import SandboxError, UnsupportedError
 from agentbox.guest.agent import VSOCK_PORT
-from agentbox.microvm._disks import make_data_disk, make_mount_disk
+from agentbox.microvm._disks import make_mount_disk
 from agentbox.microvm._firecracker import (
     VSOCK_UDS,
     FcSpec,
@@ -238,14 +238,9 @@ class FirecrackerVm(Vm):
         raise UnsupportedError("Firecracker has no QMP", fix="use the qemu backend")
 
 
-class FirecrackerBackend(QemuBackend):
+class FirecrackerBackend(_MicrovmBackend):
     """Makes Firecracker microVM sandboxes (``name = "firecracker"``); always cold boots."""
 
-    # qemu's detached verbs are not Firecracker's: its sandboxes live as long as their caller.
-    detaches = AttachedOnly.detaches
-    launch = AttachedOnly.launch
-    follow = AttachedOnly.follow
-    adoptable = AttachedOnly.adoptable
     name = "firecracker"
     snapshots = False  # every Firecracker sandbox boots cold
     environments_refused: str | None = (
@@ -265,7 +260,11 @@ class FirecrackerBackend(QemuBackend):
         ``cold`` is accepted for the CLI's sake; every Firecracker sandbox boots cold.
         """
         del cold
-        super().__init__(settings, cold=True, accel="kvm", rootfs=rootfs)
+        super().__init__(settings, cold=True, rootfs=rootfs)
+
+    def accel(self) -> str:
+        """``kvm``: Firecracker has no emulation to fall back to."""
+        return "kvm"
 
     def check(self, spec: SandboxSpec) -> None:
         """Refuse, naming the fix, unless Firecracker (recent enough), its jailer and a
@@ -286,50 +285,36 @@ class FirecrackerBackend(QemuBackend):
             raise SandboxError(f"workspace {spec.workspace} is not a directory", sandbox=spec.name)
 
     def base_config(self, spec: SandboxSpec, run_dir: Path, data_disk: Path | None) -> VmConfig:
-        """The qemu backend's VM shape, with the vsock initramfs, KVM and the jail uid."""
+        """The shared microVM shape, with the vsock initramfs, KVM and the jail uid."""
         cfg = super().base_config(spec, run_dir, data_disk)
         vsock = ensure_vsock_modules(self.settings, cfg.kernel)
         initramfs = ensure_initramfs(self.settings, cfg.kernel, extra_modules=vsock)
         uid = fc_uid(self.settings, spec.isolation)
         return dataclasses.replace(cfg, initramfs=initramfs, accel="kvm", uid=uid, gid=uid)
 
-    def create(self, spec: SandboxSpec) -> FirecrackerSandbox:
-        """Boot a VM for ``spec`` and greet its agent; it idles until exec."""
-        self.check(spec)
+    def _vm_name(self, sandbox: str) -> str:
+        """A jailer id (see :func:`_vm_id`)."""
+        return _vm_id(sandbox)
+
+    def _mount_disks(self, spec: SandboxSpec, vm_dir: Path) -> tuple[Path, ...]:
+        """One ext4 image per declared mount, made in ``vm_dir`` (placed in the jail)."""
+        return tuple(
+            make_mount_disk(m.source, vm_dir / f"m{i}.img", index=i, uid=spec.uid)
+            for i, m in enumerate(spec.mounts)
+        )
+
+    def _vm(self, cfg: VmConfig, vm_dir: Path) -> FirecrackerVm:
+        """Firecracker under its jailer, its chroot in ``vm_dir``, not started yet."""
         fc, jailer = firecracker_binaries(self.settings)
-        name = _vm_id(spec.name)
-        vm_dir = self._vm_dir(name)
-        vm_dir.mkdir(mode=0o700)
-        # The same owner record as the qemu backend's: a restarted launcher settles
-        # orphans of either backend the same way (kill the cgroup, save /data, remove).
-        owner = {"pid": os.getpid(), LABEL: spec.name,
-                 "workspace": spec.workspace and str(spec.workspace)}  # fmt: skip
-        (vm_dir / "owner").write_text(json.dumps(owner))
-        vm: FirecrackerVm | None = None
-        try:
-            limit = spec.resources.disk_limit(self.settings)  # /data's ext4: the disk limit
-            data = make_data_disk(
-                spec.workspace, vm_dir / "data.img", uid=spec.uid,
-                size=limit.size, inodes=limit.inodes,
-            )  # fmt: skip
-            mounts = tuple(
-                make_mount_disk(m.source, vm_dir / f"m{i}.img", index=i, uid=spec.uid)
-                for i, m in enumerate(spec.mounts)
-            )
-            cfg = dataclasses.replace(
-                self.base_config(spec, vm_dir / "run", data), name=name, mount_disks=mounts
-            )
-            vm = FirecrackerVm(cfg, firecracker=fc, jailer=jailer, vm_dir=vm_dir)
-            vm.start()
-            sandbox = FirecrackerSandbox(self, spec, vm, vm_dir, restored=False)
-            sandbox._connect()
-            return sandbox
-        except BaseException:
-            if vm is not None:
-                log.warning("firecracker VM failed to start", sandbox=name, log=vm.log_tail(800))
-                vm.kill()
-            shutil.rmtree(vm_dir, ignore_errors=True)
-            raise
+        return FirecrackerVm(cfg, firecracker=fc, jailer=jailer, vm_dir=vm_dir)
+
+    def _start(self, vm: Vm) -> None:
+        """Fill the jail and start the jailer (a cold boot: Firecracker keeps no snapshot)."""
+        vm.start()
+
+    def _sandbox(self, spec: SandboxSpec, vm: Vm, vm_dir: Path) -> FirecrackerSandbox:
+        """A :class:`FirecrackerSandbox` (never restored)."""
+        return FirecrackerSandbox(self, spec, vm, vm_dir, restored=False)
 
 
 class FirecrackerSandbox(QemuSandbox):
@@ -339,7 +324,7 @@ class FirecrackerSandbox(QemuSandbox):
 
     def posture(self) -> Posture:
         """Host-side facts read off the live Firecracker process, and inside facts."""
-        p = read_posture(self)
+        p = super().posture()
         return Posture(p.backend, "kvm", p.checks)
 
     def jail_contents(self) -> dict[str, str]:

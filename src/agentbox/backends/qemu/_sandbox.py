@@ -41,7 +41,7 @@ from agentbox.microvm._snapshot import wait_incoming
 from agentbox.microvm._vm import Vm
 
 if TYPE_CHECKING:
-    from agentbox.backends.qemu._backend import QemuBackend
+    from agentbox.backends._microvm import _MicrovmBackend
 
 __all__ = ["BOOT_TIMEOUT", "CGROUP_SETTLE", "QemuSandbox"]
 
@@ -65,7 +65,7 @@ class QemuSandbox(BaseSandbox):
     """A live microVM sandbox; ``destroy`` is idempotent and verifies nothing is left."""
 
     def __init__(
-        self, backend: QemuBackend, spec: SandboxSpec, vm: Vm, vm_dir: Path, *, restored: bool
+        self, backend: _MicrovmBackend, spec: SandboxSpec, vm: Vm, vm_dir: Path, *, restored: bool
     ) -> None:
         self.backend = backend
         self.spec = spec
