@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -43,6 +44,8 @@ pytestmark = [
 ]
 
 RES = Resources(memory="512MiB", cpus=1)
+#: The hierarchies systemd kills a unit by, as mounted on a hybrid host.
+UNIT_HIERARCHIES = [h for h in ("systemd", "unified") if Path(f"/sys/fs/cgroup/{h}").is_dir()]
 
 
 def _backend(settings: Settings, rootfs: tuple[Path, str]) -> QemuBackend:
@@ -135,7 +138,10 @@ def _leftovers(settings: Settings, name: str, monitor: records.Identity) -> list
 _LAUNCHER = """
 import pickle, sys, time
 from agentbox.backends.qemu import QemuBackend
-settings, rootfs, spec, argv, log = pickle.loads(sys.stdin.buffer.read())
+settings, rootfs, spec, argv, log, units = pickle.loads(sys.stdin.buffer.read())
+for procs in units:  # the launcher runs in a (emulated) systemd unit's cgroup
+    with open(procs, "w") as fh:
+        fh.write("0")
 be = QemuBackend(settings, rootfs=rootfs)
 be.launch(spec, argv, log=log)
 print("launched", flush=True)
@@ -154,8 +160,36 @@ echo written > /workspace/out.txt; echo end; exit 7
 """
 
 
+@pytest.fixture
+def unit_cgroups() -> Iterator[list[Path]]:
+    """A systemd service's cgroup, emulated, in the hierarchies systemd kills a unit by."""
+    name = f"agentbox-test-qemu-{os.getpid()}.service"
+    dirs = [Path("/sys/fs/cgroup", h, name) for h in UNIT_HIERARCHIES]
+    for d in dirs:
+        d.mkdir()
+    yield dirs
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            for pid in (d / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        for _ in range(50):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+                break
+            time.sleep(0.1)
+
+
+def _kill_unit(dirs: list[Path]) -> None:
+    """``systemctl restart`` of the unit: every process in its cgroups is SIGKILLed."""
+    for d in dirs:
+        for pid in (d / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
 def test_a_killed_launcher_leaves_the_vm_to_a_new_one(
-    settings: Settings, gateway_dir: Path, rootfs: tuple[Path, str]
+    settings: Settings, gateway_dir: Path, rootfs: tuple[Path, str], unit_cgroups: list[Path]
 ) -> None:
     import pickle
 
@@ -175,14 +209,21 @@ def test_a_killed_launcher_leaves_the_vm_to_a_new_one(
     )
     try:
         assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(pickle.dumps((settings, rootfs, spec, ["sh", "-c", _SCRIPT], log)))
+        units = [d / "cgroup.procs" for d in unit_cgroups]
+        argv = ["sh", "-c", _SCRIPT]
+        child.stdin.write(pickle.dumps((settings, rootfs, spec, argv, log, units)))
         child.stdin.close()
         assert child.stdout.readline() == b"launched\n", "the launcher did not launch"
         launcher = psutil.Process(child.pid)
-        os.killpg(child.pid, signal.SIGKILL)  # the launcher and its whole process group
-        child.wait(30)
         rec = records.read_record(settings, name)
         assert rec is not None and rec["vm"] is not None
+        for d in unit_cgroups:  # neither the monitor nor QEMU is in the unit's cgroups
+            procs = (d / "cgroup.procs").read_text().split()
+            assert str(rec["monitor"][0]) not in procs and str(rec["vm"][1]) not in procs, d
+        _kill_unit(unit_cgroups)  # a unit restart, and the launcher's whole process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait(30)
         monitor = records.Identity(*rec["monitor"])
         assert monitor.process() is not None
         assert psutil.Process(monitor.pid).ppid() != launcher.pid
