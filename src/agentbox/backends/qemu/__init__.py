@@ -5,8 +5,12 @@ The package's public names; the implementation is split by job:
 * :mod:`._backend`: :class:`QemuBackend`: checks a spec, boots or restores a VM;
 * :mod:`._sandbox`: :class:`QemuSandbox`: a live VM reached through its guest agent;
 * :mod:`._posture`: the posture read off the running VMM and from inside the guest;
-* VM dirs, owner records and crash recovery are shared with the firecracker backend,
-  in :mod:`agentbox.backends._microvm`.
+* :mod:`._detach`, :mod:`._records`, :mod:`._monitor`: detached VMs, held by a
+  monitor process of ours that outlives its launcher.
+
+What it shares with the firecracker backend (the base class
+:class:`~agentbox.backends._microvm._MicrovmBackend`, VM dirs, owner records, crash
+recovery) lives below both, in :mod:`agentbox.backends._microvm`.
 
 See docs/reference/qemu-backend.md and docs/explanation/microvm-isolation.md.
 """
