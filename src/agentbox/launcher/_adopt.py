@@ -27,12 +27,12 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from collections.abc import Collection
 
 import psutil
 
 from agentbox._log import get_logger
+from agentbox._wait import wait_until
 from agentbox.backends import get_backend, owned_sandboxes, sweep_stale_files
 from agentbox.config import Settings
 from agentbox.env import release_task_env
@@ -186,9 +186,9 @@ def stop_gateway(gw: Owner | None, paths: TaskPaths, *, grace: float = 3.0) -> N
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(gw.pid, signal.SIGTERM)
-    end = time.monotonic() + grace
-    while time.monotonic() < end and gateway_refusal(gw, paths) is None:
-        time.sleep(0.05)
+    with contextlib.suppress(TimeoutError):  # past the grace: killed below
+        wait_until(lambda: gateway_refusal(gw, paths) is not None, timeout=grace,
+                   on_timeout=TimeoutError, interval=0.05)  # fmt: skip
     kill_gateway(gw)
 
 

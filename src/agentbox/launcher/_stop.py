@@ -6,10 +6,11 @@ pid and is ``flock``-ed for its life) and told how to stop by a signal
 from __future__ import annotations
 
 import fcntl
+import math
 import os
-import time
 from pathlib import Path
 
+from agentbox._wait import wait_until
 from agentbox.errors import RefusedError, TaskError
 from agentbox.launcher._core import StopMode
 from agentbox.launcher._server import LOCK_NAME, RUN_DIR, STOP_SIGNALS
@@ -52,9 +53,12 @@ def stop_launcher(data_dir: Path, mode: StopMode = "leave", *, timeout: float = 
     if pid is None or not _is_launcher(pid):
         raise RefusedError(f"no launcher serves {data_dir} (nothing holds {lock})")
     os.kill(pid, STOP_SIGNALS[mode])
-    end = None if timeout <= 0 else time.monotonic() + timeout
-    while serving_pid(lock) == pid:
-        if end is not None and time.monotonic() >= end:
-            raise TaskError(f"the launcher (pid {pid}) is still stopping after {timeout:g}s")
-        time.sleep(0.2)
+    wait_until(
+        lambda: serving_pid(lock) != pid,
+        timeout=timeout if timeout > 0 else math.inf,
+        on_timeout=lambda: TaskError(
+            f"the launcher (pid {pid}) is still stopping after {timeout:g}s"
+        ),
+        interval=0.2,
+    )
     return pid

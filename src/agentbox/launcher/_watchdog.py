@@ -224,6 +224,8 @@ def _wait_reaped(pid: int, start: int, timeout: float = 10.0) -> None:
     (``kill(pid, 0)``, psutil) still count it alive, so a reap could skip its
     sandbox's records. Past ``timeout`` we act anyway (the sandbox is killed by name).
     """
+    # A plain loop, not agentbox._wait.wait_until: this runs in the light stdlib-only
+    # process (python -I -S), which cannot import agentbox.
     end = time.monotonic() + timeout
     while start and process_start(pid) == start and time.monotonic() < end:
         time.sleep(0.05)

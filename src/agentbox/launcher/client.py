@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ import httpx
 from pydantic import ValidationError
 
 from agentbox import errors
+from agentbox._wait import wait_until
 from agentbox.launcher.api import ModelInfo, ModelList, TaskInfo, TaskList, TaskRequest, TaskResult
 from agentbox.paths import validate_task_id
 from agentbox.transcript import TranscriptPage
@@ -129,14 +131,20 @@ class LauncherClient:
 
     def wait(self, task_id: str, timeout: float | None = None, *, poll: float = 0.5) -> TaskInfo:
         """Poll until the task is terminal; :class:`~agentbox.errors.TaskError` past ``timeout``."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            info = self.get(task_id)
-            if info.terminal:
-                return info
-            if end is not None and time.monotonic() >= end:
-                raise errors.TaskError(f"still {info.status} after {timeout:g}s", task_id=task_id)
-            time.sleep(poll)
+        last: list[TaskInfo] = []
+
+        def ended() -> TaskInfo | None:
+            last[:] = [self.get(task_id)]
+            return last[0] if last[0].terminal else None
+
+        return wait_until(
+            ended,
+            timeout=math.inf if timeout is None else timeout,
+            on_timeout=lambda: errors.TaskError(
+                f"still {last[0].status} after {timeout:g}s", task_id=task_id
+            ),
+            interval=poll,
+        )
 
     # -- plumbing ----------------------------------------------------------
 
