@@ -13,6 +13,11 @@ step) so machine load and background cleanup hit all alike:
   chunk through on_stdout (spec built and checked once beforehand, as the CLI does);
 * backend run → return: the same call, to its return (container removed by --rm);
 * agentbox exec -- true: the CLI process, start → exit (includes Python and CLI imports).
+* detached launch → first output: PodmanBackend.launch + follow (the launcher's path,
+  ``podman run -d`` under conmon), call → first chunk through follow's on_stdout;
+* pool claim → first output: the same call with the product's warm pool on (a private
+  data dir, ``pool_size`` 1, refilled before each step, untimed): launch claims a
+  pre-started hardened sandbox, binds the workspace disk and the command at claim.
 * docker (unless --no-docker or no daemon): raw `docker run --rm` with the same flags the
   docker backend gives the Engine, Popen → first stdout byte; DockerBackend.run, call →
   first chunk and → return. Docker rows are also given as a ratio to raw `docker run`.
@@ -26,7 +31,7 @@ With --compass it also times the two ways past podman's own overhead:
   rootfs), so each start skips podman and conmon (runc only).
 
 Prints medians and each row's ratio to raw `podman run` (first output).
-Target: backend create → first output <= 1.2x raw; compass <= 0.5x.
+Target: backend create → first output <= 1.2x raw; pool claim and compass <= 0.5x.
 
 Whatever happens, every sandbox and raw container it started is removed by name
 (``finally``), so a failed step leaves nothing behind.
@@ -50,7 +55,7 @@ from typing import Any
 from agentbox.backends._oci_args import entry_argv, image_facts, run_args
 from agentbox.backends._oci_cli import env_file
 from agentbox.backends._seccomp import profile_path
-from agentbox.backends.podman import PodmanBackend
+from agentbox.backends.podman import PodmanBackend, _pool
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.sandbox import spec_from_boxfile
@@ -99,6 +104,8 @@ def prepare_bundle(
 
 
 DOCKER_RAW = "raw docker run --rm: first output"
+LAUNCH_ROW = "detached launch -> first output"
+POOL_ROW = "pool claim -> first output"
 #: (backend, name) of every sandbox and raw container started: removed in ``finally``.
 MADE: list[tuple[str, str]] = []
 
@@ -219,7 +226,44 @@ def main() -> None:
         "backend create -> first output": [],
         "backend run -> return": [],
         "agentbox exec -- true: start -> exit": [],
+        LAUNCH_ROW: [],
+        POOL_ROW: [],
     }
+    # The product's pool on a private data dir (drained in ``finally``).
+    psettings = Settings(data_dir=root / "data", pool_size=1)
+    pbackend = PodmanBackend(psettings)
+    (root / "logs").mkdir()
+
+    def launched(row: str, be: PodmanBackend, workspace: Path) -> None:
+        s = spec_from_boxfile(box, be.settings, workspace=workspace).replace(deadline=120)
+        MADE.append(("podman", s.name))
+        log = root / "logs" / f"{s.name}.log"
+        got: list[float] = []
+        t0 = time.perf_counter()
+
+        def cb(_chunk: bytes) -> None:
+            if not got:
+                got.append(time.perf_counter() - t0)
+
+        be.launch(s, ["echo", "x"], log=log)
+        be.follow(s.name, log=log, on_stdout=cb, on_stderr=None, poll=0.01)
+        rows[row].append(got[0])
+
+    ws_launch, ws_pool = root / "ws-launch", root / "ws-pool"
+    for d in (ws_launch, ws_pool):
+        d.mkdir()
+        os.chown(d, settings.sandbox_host_uid, settings.sandbox_host_uid)
+    template = spec_from_boxfile(box, psettings, workspace=ws_pool).replace(deadline=120)
+
+    def launch_fresh() -> None:
+        launched(LAUNCH_ROW, backend, ws_launch)
+
+    def launch_pooled() -> None:
+        _pool.fill(pbackend, template, 1, ttl=600)  # untimed: the refill
+        launched(POOL_ROW, pbackend, ws_pool)
+        # The row is the pool's only if the launch claimed (no fresh fallback).
+        assert not list((_pool.pool_dir(psettings) / "slots").glob("*/ready")), "not claimed"
+
     if args.compass:
         rows["warm pool (podman exec): first output"] = []
 
@@ -250,7 +294,7 @@ def main() -> None:
         subprocess.run([AGENTBOX, "exec", "--runtime", args.runtime, "--", "true"], check=True)
         rows["agentbox exec -- true: start -> exit"].append(time.perf_counter() - t0)
 
-    steps: list[Callable[[], None]] = [raw, ours, cli]
+    steps: list[Callable[[], None]] = [raw, ours, cli, launch_fresh, launch_pooled]
     docker = None if args.no_docker else docker_steps(settings, box, ws, rows)
     if docker is not None:
         steps += docker
@@ -300,6 +344,7 @@ def main() -> None:
         if warm is not None:
             warm.destroy()
         remove_made(settings)
+        _pool.drain(psettings)
         subprocess.run(["podman", "rm", "-f", oci_name], capture_output=True, check=False)
         # runc removes each container's cgroup, not the parent we named in the bundle.
         for d in Path("/sys/fs/cgroup").glob("*/agentbox-bench"):

@@ -117,6 +117,7 @@ def test_task_through_the_pool(
     assert out.decode().splitlines() == ["hello pool", "/workspace", "from the host", "64000"]
     assert err == b"err\n"
     assert (ws / "out.txt").read_text() == "written\n"
+    assert b"hello pool" in log.read_bytes()  # the task's own log holds the output
     assert not _containers(spec.name)
     # single use: the pooled sandbox ran the task and is gone, its slot too
     assert not _containers(started[0])

@@ -79,6 +79,7 @@ from agentbox.backends.podman._pool_slots import (
     locked,
     pool_dir,
     share,
+    slot_log,
     slots,
     unbind,
     write,
@@ -199,7 +200,7 @@ def _start_one(
                 facts,
                 detach=True,
                 env_file=envf.path,
-                log=sdir / "ctr.log",
+                log=slot_log(root, slot),
                 log_max=MAX_LOG_BYTES,
             )
             # The slot's mounts receive what the host mounts under them at claim.
@@ -268,9 +269,17 @@ def claim(
         if not alive(ready):
             discard(sdir)
             continue
-        _bind_task(backend, spec, argv, sdir, ready, log_path)
+        try:
+            _bind_task(backend, spec, argv, sdir, ready, log_path)
+        except _NotStarted as exc:  # nothing of the task ran: the fresh path instead
+            log.warning("pool claim failed; starting fresh", sandbox=spec.name, error=str(exc))
+            return False
         return True
     return False
+
+
+class _NotStarted(Exception):
+    """A claim failed before the task's command could start (all of it undone)."""
 
 
 def _stage(settings: Settings, slot: str, what: str) -> Path:
@@ -306,7 +315,7 @@ def _bind_task(
         detached=True,
     )
     record = root / "claims" / f"{spec.name}.json"
-    renamed = False
+    renamed = triggered = False
     try:
         disk.mount()
         if spec.gateway_dir is not None:
@@ -322,7 +331,7 @@ def _bind_task(
             "slot": slot,
             "labels": labels,
             "claimed_at": time.time(),
-            "log": str(sdir / "ctr.log"),
+            "log": str(slot_log(root, slot)),
             "task_log": str(log_path),
         }
         write(record, rec, mode=0o600)
@@ -336,22 +345,23 @@ def _bind_task(
         for stale in (log_path, log_path.with_name(log_path.name + ".exit")):
             stale.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # another filesystem: copied at release
-            os.link(sdir / "ctr.log", log_path)
+            os.link(slot_log(root, slot), log_path)
         go = {"argv": entry_argv(spec, argv), "env": dict(spec.env), "workdir": spec.workdir}
         write(sdir / "ws" / ready["go"], go, mode=0o644)
-        bind(
-            spec.workspace, sdir / "ws", "nosuid,nodev", stage=_stage(settings, slot, "ws")
-        )  # the trigger
+        triggered = True  # from here the task may run: never started again elsewhere
+        bind(spec.workspace, sdir / "ws", "nosuid,nodev", stage=_stage(settings, slot, "ws"))
         disk.hand_over(int(ready["conmon"]), f"{float(ready['conmon_start']):.0f}")
-    except BaseException:
+    except (AgentboxError, OSError) as exc:
         with contextlib.suppress(AgentboxError):
             force_remove(str(ready["id"]) or (spec.name if renamed else slot))
         unbind(sdir)
         with contextlib.suppress(AgentboxError, OSError):
             disk.release()
         record.unlink(missing_ok=True)
-        shutil.rmtree(sdir, ignore_errors=True)
-        raise
+        discard(sdir)
+        if triggered:
+            raise
+        raise _NotStarted(str(exc)) from exc
     log.info("pool sandbox claimed", sandbox=spec.name, slot=slot)
 
 

@@ -21,6 +21,7 @@ from agentbox.backends.podman._pool_slots import (
     is_mount,
     locked,
     pool_dir,
+    slot_log,
     slots,
 )
 from agentbox.backends.podman._pool_view import claim_record
@@ -40,7 +41,7 @@ def release(settings: Settings, name: str) -> bool:
         return False
     sdir = root / "slots" / slot
     if rec is not None:
-        _keep_log(sdir / "ctr.log", Path(str(rec.get("task_log", ""))))
+        _keep_log(slot_log(root, slot), Path(str(rec.get("task_log", ""))))
     found = sdir.is_dir()
     if found:
         discard(sdir)
@@ -97,14 +98,14 @@ def _claimed_in_use(root: Path, slot: str) -> bool:
     return inspect(slot) is not None
 
 
-def _keep_log(slot_log: Path, task_log: Path) -> None:
+def _keep_log(written: Path, task_log: Path) -> None:
     """The task's log is a hard link of the slot's; past conmon's cap (a new file) or
     on another filesystem it is not: copy the final one over it."""
-    if not task_log.is_absolute() or not slot_log.is_file():
+    if not task_log.is_absolute() or not written.is_file():
         return
     with contextlib.suppress(OSError):
-        if task_log.exists() and slot_log.samefile(task_log):
+        if task_log.exists() and written.samefile(task_log):
             return
         tmp = task_log.with_name(task_log.name + ".pool")
-        shutil.copyfile(slot_log, tmp, follow_symlinks=False)
+        shutil.copyfile(written, tmp, follow_symlinks=False)
         tmp.replace(task_log)

@@ -33,6 +33,7 @@ __all__ = [
     "locked",
     "pool_dir",
     "share",
+    "slot_log",
     "slots",
     "unbind",
     "write",
@@ -75,8 +76,19 @@ def unbind(sdir: Path) -> None:
                 _proc.run(["umount", *how, m], timeout=60)
 
 
+def slot_log(root: Path, slot: str) -> Path:
+    """The log conmon writes for ``slot``: in the data dir beside the pool dir (a mount
+    of its own), so that a task's log in the data dir can be a hard link of it."""
+    logs = root.parent / "pool-logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    return logs / f"{slot}.log"
+
+
 def discard(sdir: Path) -> None:
     """Unmount a slot's binds, then remove it (never through a mount left over)."""
+    log_file = slot_log(sdir.parent.parent, sdir.name)
+    for f in (log_file, log_file.with_name(log_file.name + ".tmp")):
+        f.unlink(missing_ok=True)
     unbind(sdir)
     if any(is_mount(m) for m in (sdir / "ws", sdir / "gw")):
         log.error("a pool slot's mount would not go; slot kept", slot=sdir.name)
