@@ -15,7 +15,8 @@ log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 APT_PKGS=(podman runc crun runsc bubblewrap uidmap mmdebstrap qemu-system-x86 qemu-utils
           busybox-static socat e2fsprogs cpio zstd kmod libcap2-bin git nodejs npm
           python3-venv sqlite3 procps iproute2 util-linux
-          xfsprogs)  # xfsprogs: the reflink-workspace test's XFS loop filesystem
+          xfsprogs   # xfsprogs: the reflink-workspace test's XFS loop filesystem
+          gcc libc6-dev)  # the image build compiles the in-sandbox relay (guest/relay.c), static
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
