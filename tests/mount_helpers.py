@@ -10,6 +10,7 @@ data dir holds no mount when it ends.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -50,16 +51,45 @@ def loops_under(root: Path) -> list[str]:
     return [line for line in res.stdout.splitlines() if base + "/" in line]
 
 
-def assert_no_mounts_under(root: Path) -> None:
+def assert_no_mounts_under(root: Path, *, clean: bool = True) -> None:
     """Fail if a mount (or a loop device of an image) under ``root`` remains.
 
-    The loop device goes with its filesystem's last user, which a container's mount
-    namespace may hold a moment past its end: a bounded wait for that, not a speed
-    assertion. A mount found is a leak at once (nothing unmounts it later).
+    With ``clean`` what is found is unmounted first (lazily), so that the caller's
+    ``rmtree`` of ``root`` neither fails nor reaches through a leaked mount. The loop
+    device goes with its filesystem's last user, which a container's mount namespace
+    may hold a moment past its end: a bounded wait for that, not a speed assertion.
+    A mount found is a leak at once (nothing unmounts it later).
     """
     left = mounts_under(root)
+    if clean:
+        for m in reversed(left):
+            target = m.split(" on ", 1)[1].rsplit(" (root ", 1)[0]
+            subprocess.run(["umount", "--lazy", target], capture_output=True, check=False)
     assert left == [], f"mounts left under {root}: {left}"
     end = time.monotonic() + 60
     while (loops := loops_under(root)) and time.monotonic() < end:
         time.sleep(0.2)
-    assert loops == [], f"loop devices left on images under {root}: {loops}"
+    assert loops == [], f"loop devices left on images under {root}: {loops} {_holders(loops)}"
+
+
+def _holders(loops: list[str]) -> list[str]:
+    """The processes whose mount namespace still mounts these loop devices."""
+    found = []
+    for line in loops:
+        dev = line.split()[0]
+        try:
+            rdev = os.stat(dev).st_rdev
+        except OSError:
+            continue
+        want = f" {os.major(rdev)}:{os.minor(rdev)} "
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if want in proc.joinpath("mountinfo").read_text():
+                    cmd = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ")
+                    ns = os.readlink(proc / "ns" / "mnt")
+                    found.append(f"{dev} held by pid {proc.name} ({ns}): {cmd[:200]!r}")
+            except OSError:
+                continue
+    return found

@@ -12,11 +12,16 @@ launcher is killed with SIGKILL at random moments, each time one of:
   under ``KillMode=control-group``), emulated: the launcher runs in a cgroup named
   ``….service`` in the two hierarchies systemd kills a unit by.
 
-and restarted at once. Sizes come from the environment so CI stays bounded:
-``AGENTBOX_CHAOS_TASKS`` (default 5), ``AGENTBOX_CHAOS_KILLS`` (default 6),
-``AGENTBOX_CHAOS_SEED`` (default: random, printed). Every other kill waits until a
-task's agent runs (its sandbox launched), so each way of killing hits running tasks
-whatever the seed; the table printed says how many each kill caught.
+and restarted at once. The kills come in phases, one per way: all ``pid`` kills, then
+all ``group`` kills, then the ``cgroup`` ones, a few tasks submitted at the start of
+each phase so that every phase has agents to hit. Kills are cheap (a short random gap;
+most do not wait for anything) but every fourth waits until one of its phase's agents
+runs (its sandbox launched), so each way hits running tasks whatever the seed; the
+table printed says how many each kill caught. Sizes come from the environment so CI
+stays bounded: ``AGENTBOX_CHAOS_WAYS`` (default ``pid:20,group:20,cgroup:4``: way and
+kills), ``AGENTBOX_CHAOS_KILLS`` (overrides every phase's count),
+``AGENTBOX_CHAOS_TASKS`` (tasks per phase, default 2), ``AGENTBOX_CHAOS_SEED``
+(default: random, printed).
 """
 
 from __future__ import annotations
@@ -57,11 +62,17 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 
 # Read at import: the suite's autouse fixture scrubs AGENTBOX_* from the environment.
-CHAOS_TASKS = int(os.environ.get("AGENTBOX_CHAOS_TASKS", "5"))
-CHAOS_KILLS = int(os.environ.get("AGENTBOX_CHAOS_KILLS", "6"))
+CHAOS_TASKS = int(os.environ.get("AGENTBOX_CHAOS_TASKS", "2"))
+CHAOS_KILLS = os.environ.get("AGENTBOX_CHAOS_KILLS", "")
 CHAOS_SEED = os.environ.get("AGENTBOX_CHAOS_SEED", "")
-#: Which kills to cycle through (``pid,group,cgroup``).
-CHAOS_WAYS = os.environ.get("AGENTBOX_CHAOS_WAYS", "pid,group,cgroup").split(",")
+#: The phases: each way of killing (``pid``, ``group``, ``cgroup``) and how many times.
+CHAOS_WAYS = [
+    (way, int(CHAOS_KILLS or n))
+    for way, _, n in (
+        w.partition(":")
+        for w in os.environ.get("AGENTBOX_CHAOS_WAYS", "pid:20,group:20,cgroup:4").split(",")
+    )
+]
 
 CHAOS_SCRIPT = """\
 name: chaos
@@ -305,38 +316,46 @@ def _until_an_agent_runs(settings: Settings, ids: list[str]) -> None:
         time.sleep(0.1)
 
 
-def _chaos(world: World, *, tasks: int, kills: int, runtime: str, seed: int) -> None:
+def _chaos(
+    world: World, *, tasks: int, phases: list[tuple[str, int]], runtime: str, seed: int
+) -> None:
     rng = random.Random(seed)
     env = {**world.env, "AGENTBOX_RUNTIME": runtime}
     unit = UnitCgroup(f"agentbox-chaos-{os.getpid()}.service")
-    ways = [w for w in CHAOS_WAYS if w != "cgroup" or unit.dirs]
+    phases = [(w, n) for w, n in phases if w != "cgroup" or unit.dirs]
     served = Served(env, world.sock, unit)
-    table: list[tuple[int, str, float, int]] = []
+    table: list[tuple[int, str, float, int, int]] = []
     prefix = f"agentbox-task-chaos{seed % 1000}-"
-    ids = [f"chaos{seed % 1000}-{i}" for i in range(tasks)]
+    ids: list[str] = []
+    t0 = time.monotonic()
     try:
         with LauncherClient(world.sock, reconnect=90.0) as client:
-            for tid in ids:
-                req = TaskRequest(repo=str(world.repo), task="write, work", model="replay-chaos",
-                                  deadline=600.0, task_id=tid)  # fmt: skip
-                client.submit(req)
-            t0 = time.monotonic()
-            for k in range(kills):
-                time.sleep(rng.uniform(0.3, 6.0))
-                if k % 2 == 0:
-                    # Every other kill waits for an agent that runs: each way of killing
-                    # (pid, cgroup, group for 6 kills) hits live sandboxes, whatever the seed.
-                    _until_an_agent_runs(world.settings, ids)
-                how = ways[k % len(ways)]
-                running = sum(1 for t in ids if client.get(t).status == "running")
-                agents = _agents_running(world.settings, ids)
-                served.kill(how, unit)
-                table.append((k, how, round(time.monotonic() - t0, 1), running, agents))
-                served = Served(env, world.sock, unit)
-            print(f"chaos seed {seed}: {tasks} tasks, kills (n, way, t, running, agents "
-                  f"launched): {table}")  # fmt: skip
-            if kills:
-                assert any(row[4] for row in table), f"no kill hit a running agent: {table}"
+            for p, (how, kills) in enumerate(phases):
+                batch = [f"chaos{seed % 1000}-{p}{i}" for i in range(tasks)]
+                for tid in batch:
+                    client.submit(TaskRequest(repo=str(world.repo), task="write, work",
+                                              model="replay-chaos", deadline=600.0,
+                                              task_id=tid))  # fmt: skip
+                ids += batch
+                for k in range(kills):
+                    time.sleep(rng.uniform(0.05, 1.0))
+                    if k % 4 == 0:
+                        # Every fourth kill waits for one of this phase's agents to run: each
+                        # way of killing hits live sandboxes, whatever the seed.
+                        _until_an_agent_runs(world.settings, batch)
+                    running = sum(1 for t in ids if client.get(t).status == "running")
+                    agents = _agents_running(world.settings, ids)
+                    served.kill(how, unit)
+                    table.append(
+                        (len(table), how, round(time.monotonic() - t0, 1), running, agents)
+                    )
+                    served = Served(env, world.sock, unit)
+                if kills:
+                    hit = [row for row in table if row[1] == how and row[4]]
+                    assert hit, f"no {how} kill hit a running agent: {table}"
+            print(f"chaos seed {seed}: {len(ids)} tasks, {len(table)} kills in "
+                  f"{time.monotonic() - t0:.0f} s (n, way, t, running, agents launched): "
+                  f"{table}")  # fmt: skip
             end = time.monotonic() + 300
             infos = {}
             for tid in ids:
@@ -346,7 +365,11 @@ def _chaos(world: World, *, tasks: int, kills: int, runtime: str, seed: int) -> 
                     log = TaskPaths(world.settings.data_dir, tid).log_dir / "launcher.log"
                     print(f"--- {tid}: {client.get(tid)}\n{log.read_text(errors='replace')}")
                     raise
+            print(f"chaos seed {seed}: every task ended {time.monotonic() - t0:.0f} s in")
             for tid, info in infos.items():
+                if info.status != "done":
+                    log = TaskPaths(world.settings.data_dir, tid).log_dir / "launcher.log"
+                    print(f"--- {tid}: {info}\n{log.read_text(errors='replace')}")
                 assert info.status == "done", (tid, info.status, info.error)
                 res = client.result(tid)
                 assert res.branch == f"agentbox/{tid}", res
@@ -369,20 +392,14 @@ def _chaos(world: World, *, tasks: int, kills: int, runtime: str, seed: int) -> 
 
 def test_random_launcher_kills_lose_no_task_and_run_none_twice(world: World) -> None:
     seed = int(CHAOS_SEED or random.randrange(1 << 30))
-    _chaos(
-        world,
-        tasks=CHAOS_TASKS,
-        kills=CHAOS_KILLS,
-        runtime="runc",
-        seed=seed,
-    )
+    _chaos(world, tasks=CHAOS_TASKS, phases=CHAOS_WAYS, runtime="runc", seed=seed)
 
 
 def test_a_launcher_kill_on_runsc_loses_no_task(world: World) -> None:
     fac = _host.podman_runtime("runsc")
     if not fac.ok:
         pytest.skip(f"runsc: {fac.detail}")
-    _chaos(world, tasks=1, kills=1, runtime="runsc", seed=random.randrange(1 << 30))
+    _chaos(world, tasks=1, phases=[("pid", 1)], runtime="runsc", seed=random.randrange(1 << 30))
 
 
 def test_a_deadline_that_passes_while_no_launcher_runs(world: World) -> None:
