@@ -13,19 +13,14 @@ QEMU runs under TCG here (~20x slower): one task and one cache hit, marked ``slo
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import shutil
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from agentbox.config import Settings
 from agentbox.env import EnvStore
-from agentbox.launcher import Launcher, TaskInfo, TaskRequest, TaskResult
+from env_helpers import BACKEND_HEADS, PY_TEST_FILE, EnvLab, EnvRun, pip_index, require_backend
 from git_helpers import git
 
 pytestmark = [
@@ -34,7 +29,6 @@ pytestmark = [
     pytest.mark.slow,
     # Two tasks per backend in one fixture; under TCG a pip install alone takes minutes.
     pytest.mark.timeout(3600),
-    pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
 ]
 
 NONCE = secrets.token_hex(4)
@@ -67,125 +61,33 @@ REGISTRY_CMD = (
     ">/dev/null 2>&1 && R=REACHED || R=UNREACHABLE; printf 'REGISTRY-%s\\n' $R"
 )
 
-TEST_FILE = """\
-import attrs
 
-
-@attrs.define
-class Point:
-    x: int
-    y: int
-
-
-def test_point():
-    assert Point(1, 2).x == 1
-
-
-def test_attrs_is_installed():
-    assert attrs.__version__
-"""
-
-#: What the Boxfile says besides [setup], per backend under test.
-BACKENDS = {
-    "qemu": 'backend = "qemu"\n[resources]\ncpus = 2\nmemory = "2GiB"\n',
-    "runsc": 'backend = "podman"\nruntime = "runsc"\n',
-}
-
-
-@dataclass
-class Run:
-    info: TaskInfo
-    result: TaskResult
-    repo: Path
-    task_dir: Path
-
-    def agent_log(self) -> str:
-        return (self.task_dir / "logs" / "agent.jsonl").read_text(errors="replace")
-
-
-def _pip_index() -> str:
-    from agentbox.egress import host_registries
-
-    pip = [(sch, h, p) for src, sch, h, p in host_registries() if src == "pip"]
-    if not pip:
-        pytest.skip("this host's pip names no http(s) index")
-    sch, h, p = pip[0]
-    return f"{sch}://{h}:{p}/simple/attrs/"
-
-
-def _facility(name: str) -> None:
-    if name == "qemu":
-        from agentbox import _host
-
-        if not _host.qemu(Settings().qemu_binary).ok:
-            pytest.skip("no usable qemu here")
-    elif shutil.which("runsc") is None:
-        pytest.skip("runsc (gVisor) is not installed")
-
-
-@pytest.fixture(scope="module", params=sorted(BACKENDS))
-def runs(request: pytest.FixtureRequest) -> Iterator[tuple[str, Settings, dict[str, Run]]]:
-    from agentbox.image import build_default
-
+@pytest.fixture(scope="module", params=["qemu", "runsc"])
+def runs(
+    request: pytest.FixtureRequest, env_lab: Callable[..., EnvLab]
+) -> tuple[str, Settings, dict[str, EnvRun]]:
     name: str = request.param
-    _facility(name)
-    build_default(Settings())
-    base = Path(tempfile.mkdtemp(prefix=f"agentbox-env-{name}-", dir="/var/tmp"))
-    base.chmod(0o711)
-    index = _pip_index()
+    require_backend(name)
+    index, _ = pip_index()
     command = json.dumps(REGISTRY_CMD.replace("__INDEX__", index))
-    (base / "script.yaml").write_text(SCRIPT.replace("__REGISTRY_CMD__", command))
-    (base / "models.toml").write_text(
-        f'[models.replay-envb]\nkind = "replay"\nupstream = "{base / "script.yaml"}"\n'
-    )
-    (base / "data").mkdir()
-    (base / "repos").mkdir()
-    settings = Settings(
-        data_dir=base / "data", repos_root=base / "repos", models_file=base / "models.toml"
-    )
-    repo = settings.repos_root / "proj"
-    repo.mkdir()
-    (repo / "requirements.txt").write_text(f"attrs\npytest\n# {name} {NONCE}\n")
-    (repo / "test_point.py").write_text(TEST_FILE)
-    (repo / ".gitignore").write_text(".venv/\n")
-    (repo / ".agentbox").mkdir()
-    (repo / ".agentbox" / "Boxfile.toml").write_text(
-        f"{BACKENDS[name]}\n[setup]\n"
+    lab = env_lab(f"envb-{name}", SCRIPT.replace("__REGISTRY_CMD__", command))
+    boxfile = (
+        f"{BACKEND_HEADS[name]}\n[setup]\n"
         # --no-compile: byte-compiling every installed file is most of pip's time under TCG.
         'run = ["python3 -m venv .venv",'
         ' ".venv/bin/pip install -q --no-compile -r requirements.txt"]\n'
         'inputs = ["requirements.txt"]\nnetwork = "registries"\ndeadline = 2400\n'
     )
-    git(repo, "init", "-q", "-b", "main")
-    git(repo, "add", "-A")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "a project")
-    launcher = Launcher(settings, max_tasks=1)
-    out: dict[str, Run] = {}
-    keys: set[str] = set()
-    try:
-        for task in ("cold", "warm"):
-            req = TaskRequest(
-                repo=str(repo), task=f"env {task}: run the tests", model="replay-envb",
-                deadline=2400.0, task_id=f"envb-{name}-{task}-{NONCE}",
-            )  # fmt: skip
-            task_id = launcher.submit(req).id
-            info = launcher.wait(task_id, timeout=3000)
-            run = Run(info, launcher.result(task_id), repo, settings.data_dir / "tasks" / task_id)
-            out[task] = run
-            if key := (run.result.report.get("setup") or {}).get("key"):
-                keys.add(key)
-        yield name, settings, out
-    finally:
-        launcher.close()
-        store = EnvStore(settings)
-        for key in keys:
-            store.remove(key, force=True)
-        if not os.environ.get("E2E_KEEP_DIRS"):
-            shutil.rmtree(base, ignore_errors=True)
+    repo = lab.repo("proj", {
+        "requirements.txt": f"attrs\npytest\n# {name} {NONCE}\n", "test_point.py": PY_TEST_FILE,
+        ".gitignore": ".venv/\n", ".agentbox/Boxfile.toml": boxfile,
+    })  # fmt: skip
+    out = {task: lab.run(f"envb-{name}-{task}", repo, 2400.0) for task in ("cold", "warm")}
+    return name, lab.settings, out
 
 
 def test_cold_task_sets_up_and_the_agent_runs_the_tests(
-    runs: tuple[str, Settings, dict[str, Run]],
+    runs: tuple[str, Settings, dict[str, EnvRun]],
 ) -> None:
     name, _, out = runs
     run = out["cold"]
@@ -203,7 +105,7 @@ def test_cold_task_sets_up_and_the_agent_runs_the_tests(
     assert run.result.report["diffstat"]["files_changed"] == 1
 
 
-def test_second_task_is_a_cache_hit(runs: tuple[str, Settings, dict[str, Run]]) -> None:
+def test_second_task_is_a_cache_hit(runs: tuple[str, Settings, dict[str, EnvRun]]) -> None:
     name, settings, out = runs
     cold, warm = out["cold"], out["warm"]
     assert warm.info.status == "done", (name, warm.info.error)

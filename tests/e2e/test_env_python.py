@@ -22,29 +22,19 @@ adding ``python3-venv`` (docs/how-to/give-the-agent-dependencies.md).
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from agentbox.boxfile import Boxfile, loads_boxfile
+from agentbox.boxfile import loads_boxfile
 from agentbox.config import Settings
 from agentbox.env import EnvStore
-from agentbox.launcher import Launcher, TaskInfo, TaskRequest, TaskResult
+from env_helpers import PY_TEST_FILE, EnvLab, EnvRun, pip_index
 from git_helpers import git
 
-pytestmark = [
-    pytest.mark.podman,
-    pytest.mark.claude,
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
-]
+pytestmark = [pytest.mark.podman, pytest.mark.claude, pytest.mark.slow]
 
 NONCE = secrets.token_hex(4)
 IMAGE = f"localhost/agentbox-test-pyvenv:{NONCE}"
@@ -89,45 +79,6 @@ network = "registries"
 deadline = 600
 """
 
-TEST_FILE = """\
-import attrs
-
-
-@attrs.define
-class Point:
-    x: int
-    y: int
-
-
-def test_point():
-    assert Point(1, 2).x == 1
-
-
-def test_attrs_is_installed():
-    assert attrs.__version__
-"""
-
-
-@dataclass
-class Run:
-    info: TaskInfo
-    result: TaskResult
-    repo: Path
-    task_dir: Path
-
-    def agent_log(self) -> str:
-        return (self.task_dir / "logs" / "agent.jsonl").read_text(errors="replace")
-
-
-def _pip_index() -> tuple[str, str]:
-    from agentbox.egress import host_registries
-
-    pip = [(sch, h, p) for src, sch, h, p in host_registries() if src == "pip"]
-    if not pip:
-        pytest.skip("this host's pip names no http(s) index")
-    sch, h, p = pip[0]
-    return f"{sch}://{h}:{p}/simple/attrs/", h
-
 
 def _addresses(host: str) -> tuple[str, ...]:
     """``host``'s addresses as /32 (/128) ranges: a Boxfile's name may resolve there (on this
@@ -138,113 +89,50 @@ def _addresses(host: str) -> tuple[str, ...]:
     return tuple(sorted({f"{i[4][0]}/{32 if i[0] == socket.AF_INET else 128}" for i in infos}))
 
 
-def _build_image(ctx: Path) -> None:
-    """The documented way: a Containerfile FROM agentbox-base adding Debian's python3-venv
-    (venv + ensurepip + pip), built and hardened by ``agentbox image build``."""
-    from agentbox.image import BASE_IMAGE, build_containerfile
-
-    ctx.mkdir(parents=True)
-    (ctx / "Containerfile").write_text(
-        f"FROM {BASE_IMAGE}\n"
-        "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y "
-        "--no-install-recommends python3-venv\n"
-    )
-    build_containerfile(Settings(), ctx / "Containerfile", tag=IMAGE)
+#: The documented way: a Containerfile FROM agentbox-base adding Debian's python3-venv
+#: (venv + ensurepip + pip), built and hardened by ``agentbox image build``.
+CONTAINERFILE = (
+    "FROM localhost/agentbox-base\n"
+    "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y "
+    "--no-install-recommends python3-venv\n"
+)
 
 
-def _commit(repo: Path, msg: str) -> None:
-    git(repo, "add", "-A")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", msg)
-
-
-def _make_repo(path: Path) -> Path:
-    path.mkdir()
-    (path / "requirements.txt").write_text("attrs\npytest\n")
-    (path / "test_point.py").write_text(TEST_FILE)
-    (path / ".gitignore").write_text(".venv/\n")
-    (path / ".agentbox").mkdir()
-    (path / ".agentbox" / "Boxfile.toml").write_text(BOXFILE)
-    git(path, "init", "-q", "-b", "main")
-    _commit(path, "a python project")
-    return path
+def _make_repo(lab: EnvLab, name: str, requirements: str = "attrs\npytest\n") -> Path:
+    return lab.repo(name, {
+        "requirements.txt": requirements, "test_point.py": PY_TEST_FILE,
+        ".gitignore": ".venv/\n", ".agentbox/Boxfile.toml": BOXFILE,
+    })  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def runs() -> Iterator[tuple[Settings, dict[str, Run]]]:
-    from agentbox.image import build_default
-
-    build_default(Settings())
-    index, index_host = _pip_index()
-    base = Path(tempfile.mkdtemp(prefix="agentbox-env-e2e-", dir="/var/tmp"))
-    base.chmod(0o711)
-    _build_image(base / "ctx")
+def runs(env_lab: Callable[..., EnvLab]) -> tuple[Settings, dict[str, EnvRun]]:
+    index, index_host = pip_index()
     command = json.dumps(REGISTRY_CMD.replace("__INDEX__", index))  # a JSON string is YAML
-    (base / "script.yaml").write_text(SCRIPT.replace("__REGISTRY_CMD__", command))
-    (base / "models.toml").write_text(
-        f'[models.replay-env]\nkind = "replay"\nupstream = "{base / "script.yaml"}"\n'
+    lab = env_lab(
+        "env", SCRIPT.replace("__REGISTRY_CMD__", command), max_tasks=2,
+        egress_allow_cap=(index_host,), egress_trusted_ranges=_addresses(index_host),
+    )  # fmt: skip
+    lab.image(CONTAINERFILE, IMAGE)
+    out: dict[str, EnvRun] = {}
+    repo = _make_repo(lab, "proj")
+    out["cold"] = lab.run("env-cold", repo)
+    warm = lab.submit("env-warm", repo, 600.0)
+    other = _make_repo(lab, "proj2", "attrs\npytest\n# pinned later\n")
+    changed = lab.submit("env-changed", other, 600.0)
+    out["warm"] = lab.finish(warm, repo, 900)
+    # The CLI's --boxfile: the committed one plus [network] allow for the agent phase.
+    netbox = loads_boxfile(
+        BOXFILE + f'\n[network]\nallow = ["{index_host}"]\n', path=Path("netallow.toml")
     )
-    (base / "data").mkdir()
-    (base / "repos").mkdir()
-    settings = Settings(
-        data_dir=base / "data",
-        repos_root=base / "repos",
-        models_file=base / "models.toml",
-        egress_allow_cap=(index_host,),
-        egress_trusted_ranges=_addresses(index_host),
-    )
-    launcher = Launcher(settings, max_tasks=2)
-    out: dict[str, Run] = {}
-    keys: set[str] = set()
-
-    def run(name: str, repo: Path, boxfile: Boxfile | None = None) -> str:
-        req = TaskRequest(
-            repo=str(repo), task=f"env {name}: run the tests", model="replay-env",
-            deadline=600.0, task_id=f"env-{name}-{NONCE}",
-        )  # fmt: skip
-        return launcher.submit(req, boxfile=boxfile).id
-
-    def finish(name: str, task_id: str, repo: Path) -> None:
-        info = launcher.wait(task_id, timeout=900)
-        out[name] = Run(info, launcher.result(task_id), repo, settings.data_dir / "tasks" / task_id)
-        setup = out[name].result.report.get("setup") or {}
-        if setup.get("key"):
-            keys.add(setup["key"])
-
-    try:
-        repo = _make_repo(settings.repos_root / "proj")
-        finish("cold", run("cold", repo), repo)
-        warm = run("warm", repo)
-        other = _make_repo(settings.repos_root / "proj2")
-        (other / "requirements.txt").write_text("attrs\npytest\n# pinned later\n")
-        _commit(other, "requirements changed")
-        changed = run("changed", other)
-        finish("warm", warm, repo)
-        # The CLI's --boxfile: the committed one plus [network] allow for the agent phase.
-        netbox = loads_boxfile(
-            BOXFILE + f'\n[network]\nallow = ["{index_host}"]\n', path=Path("netallow.toml")
-        )
-        netallow = run("netallow", repo, netbox)
-        finish("changed", changed, other)
-        finish("netallow", netallow, repo)
-        yield settings, out
-    finally:
-        launcher.close()
-        store = EnvStore(settings)
-        for key in keys:
-            store.remove(key, force=True)
-        from agentbox.errors import ImageError
-        from agentbox.image import remove
-
-        try:
-            remove(Settings(), IMAGE)
-        except ImageError:
-            subprocess.run(["podman", "rmi", "-f", IMAGE], check=False, capture_output=True)
-        if not os.environ.get("E2E_KEEP_DIRS"):
-            shutil.rmtree(base, ignore_errors=True)
+    netallow = lab.submit("env-netallow", repo, 600.0, boxfile=netbox)
+    out["changed"] = lab.finish(changed, other, 900)
+    out["netallow"] = lab.finish(netallow, repo, 900)
+    return lab.settings, out
 
 
 def test_cold_task_runs_setup_through_the_proxy_and_the_agent_runs_the_tests(
-    runs: tuple[Settings, dict[str, Run]],
+    runs: tuple[Settings, dict[str, EnvRun]],
 ) -> None:
     run = runs[1]["cold"]
     assert run.info.status == "done", (run.info.error, run.result.report.get("setup"))
@@ -269,7 +157,7 @@ def test_cold_task_runs_setup_through_the_proxy_and_the_agent_runs_the_tests(
 
 
 def test_second_task_is_a_cache_hit_with_no_setup_and_no_proxy(
-    runs: tuple[Settings, dict[str, Run]],
+    runs: tuple[Settings, dict[str, EnvRun]],
 ) -> None:
     cold, warm = runs[1]["cold"], runs[1]["warm"]
     assert warm.info.status == "done", warm.info.error
@@ -289,7 +177,7 @@ def test_second_task_is_a_cache_hit_with_no_setup_and_no_proxy(
     assert (store.tree(setup["key"]) / ".venv" / "bin" / "pytest").is_file()
 
 
-def test_changing_requirements_is_a_miss(runs: tuple[Settings, dict[str, Run]]) -> None:
+def test_changing_requirements_is_a_miss(runs: tuple[Settings, dict[str, EnvRun]]) -> None:
     cold, changed = runs[1]["cold"], runs[1]["changed"]
     assert changed.info.status == "done", changed.info.error
     setup = changed.result.report["setup"]
@@ -298,7 +186,7 @@ def test_changing_requirements_is_a_miss(runs: tuple[Settings, dict[str, Run]]) 
     assert "2 passed" in changed.agent_log()
 
 
-def test_report_json_carries_the_setup_part(runs: tuple[Settings, dict[str, Run]]) -> None:
+def test_report_json_carries_the_setup_part(runs: tuple[Settings, dict[str, EnvRun]]) -> None:
     run = runs[1]["cold"]
     data = json.loads((run.task_dir / "report.json").read_text())
     assert data["setup"]["cache"] == "miss"
@@ -306,7 +194,7 @@ def test_report_json_carries_the_setup_part(runs: tuple[Settings, dict[str, Run]
 
 
 def test_network_allow_gives_the_agent_phase_that_host_through_its_proxy(
-    runs: tuple[Settings, dict[str, Run]],
+    runs: tuple[Settings, dict[str, EnvRun]],
 ) -> None:
     run = runs[1]["netallow"]
     assert run.info.status == "done", run.info.error
