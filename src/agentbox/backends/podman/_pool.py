@@ -46,6 +46,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -317,14 +318,6 @@ def _bind_task(
     record = root / "claims" / f"{spec.name}.json"
     renamed = triggered = False
     try:
-        disk.mount()
-        if spec.gateway_dir is not None:
-            bind(
-                spec.gateway_dir,
-                sdir / "gw",
-                "nosuid,nodev,noexec",
-                stage=_stage(settings, slot, "gw"),
-            )
         (root / "claims").mkdir(mode=0o700, exist_ok=True)
         rec = {
             "id": ready["id"],
@@ -335,12 +328,21 @@ def _bind_task(
             "task_log": str(log_path),
         }
         write(record, rec, mode=0o600)
-        try:
-            _proc.run(["podman", "rename", slot, spec.name], timeout=60)
-        except CommandError as exc:
-            raise SandboxError(
-                f"could not claim a pooled sandbox: {exc}", sandbox=spec.name
-            ) from exc
+        # The rename (a podman client, the slowest step) runs while the disk is made.
+        with ThreadPoolExecutor(1, thread_name_prefix="agentbox-pool") as ex:
+            rename = ex.submit(_proc.run, ["podman", "rename", slot, spec.name], timeout=60)
+            try:
+                disk.mount()
+                if spec.gateway_dir is not None:
+                    stage = _stage(settings, slot, "gw")
+                    bind(spec.gateway_dir, sdir / "gw", "nosuid,nodev,noexec", stage=stage)
+            finally:
+                try:
+                    rename.result()
+                except CommandError as exc:
+                    raise SandboxError(
+                        f"could not claim a pooled sandbox: {exc}", sandbox=spec.name
+                    ) from exc
         renamed = True
         for stale in (log_path, log_path.with_name(log_path.name + ".exit")):
             stale.unlink(missing_ok=True)
