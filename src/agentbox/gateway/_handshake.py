@@ -36,14 +36,16 @@ class Handshake:
 
 
 def write_handshake(state_dir: Path) -> None:
-    """Write this process's handshake into ``state_dir`` (replacing an older one)."""
+    """Write this process's handshake into ``state_dir``, replacing an older one at once
+    (a reader never sees it half written)."""
     data = {"v": HANDSHAKE_VERSION, "pid": os.getpid(), "started": round(time.time(), 3)}
-    path = state_dir / HANDSHAKE_FILE
+    tmp = state_dir / f".{HANDSHAKE_FILE}.{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "w") as fh:
         fh.write(json.dumps(data))
+    tmp.replace(state_dir / HANDSHAKE_FILE)
 
 
 def read_handshake(state_dir: Path) -> Handshake | None:
