@@ -46,7 +46,8 @@ class _Gateway(GatewayHandle):
     gateway listening on the task's socket, a real socket, and the usage file."""
 
     def __init__(self, *, socket_path: Path, usage_file: Path, model: str, budget: int) -> None:
-        argv = [sys.executable, "-c", "import time; time.sleep(600)", "agentbox.gateway",
+        # -I -S: no site-packages, a third of a plain interpreter's start-up.
+        argv = [sys.executable, "-ISc", "import time; time.sleep(600)", "agentbox.gateway",
                 "--listen", f"unix:{socket_path}"]  # fmt: skip
         proc = subprocess.Popen(argv, start_new_session=True)
         super().__init__(proc, socket_path=socket_path, usage_file=usage_file, log_file=None)
