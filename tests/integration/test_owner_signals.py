@@ -139,7 +139,11 @@ def _vmm_alive(vm: str) -> bool:
 def _sandboxes(backend: str, world: World, owner: int) -> list[str]:
     if backend == "podman":
         return _containers(owner)
-    return _vms(world.settings.data_dir, owner)
+    # A launcher task's microVM runs detached: its monitor owns it (a sealed record).
+    from agentbox.backends.qemu import _records
+
+    recs = (world.settings.data_dir / _records.RECORD_DIR).glob("*.json")
+    return _vms(world.settings.data_dir, owner) + sorted(p.stem for p in recs)
 
 
 def _poll(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -356,25 +360,17 @@ def _detaches(world: World, name: str, runtime: str | None) -> bool:
     return get_backend(name, world.settings).detaches(runtime or "runc")
 
 
-def _held(name: str, world: World, owner: int) -> list[str]:
-    """The client's sandboxes; a detached microVM is its monitor's (its sealed record)."""
-    from agentbox.backends.qemu import _records
-
-    recs = (world.settings.data_dir / _records.RECORD_DIR).glob("*.json")
-    return _sandboxes(name, world, owner) + sorted(p.stem for p in recs)
-
-
 def _killed_run_is_readopted(
     proc: subprocess.Popen[bytes], world: World, name: str, task_id: str
 ) -> None:
     from agentbox.launcher import Launcher
 
     owner = proc.pid
-    assert _held(name, world, owner), "the sandbox is not up"
+    assert _sandboxes(name, world, owner), "the sandbox is not up"
     os.kill(owner, signal.SIGKILL)
     proc.wait(30)
     time.sleep(2.0)
-    assert _held(name, world, owner), "a killed launcher's detached sandbox did not live on"
+    assert _sandboxes(name, world, owner), "a killed launcher's detached sandbox did not live on"
     settings = Settings(
         data_dir=world.settings.data_dir,
         repos_root=world.base / "repos",
