@@ -308,3 +308,31 @@ def test_the_deadline_holds_without_a_launcher_and_forgeries_are_refused(
     assert out == b"up\n"
     assert _leftovers(settings, name, monitor) == []
     assert not _vmm_pids(settings)
+
+
+def test_reap_ends_a_detached_vm_and_saves_what_it_wrote(
+    settings: Settings, rootfs: tuple[Path, str]
+) -> None:
+    """An orphan sweep (its task gone) reaps a VM whose monitor lives: the VM is killed,
+    the monitor writes /data back into the workspace and ends; nothing is left."""
+    backend = _backend(settings, rootfs)
+    ws = _workspace(settings)
+    name = "agentbox-t3"
+    log = settings.data_dir / "t3.log"
+    spec = SandboxSpec(name=name, image="default", resources=RES, workspace=ws, deadline=600)
+    script = "echo kept > /workspace/kept.txt; sync; echo up; sleep 600"
+    backend.launch(spec, ["sh", "-c", script], log=log)
+    rec = records.read_record(settings, name)
+    assert rec is not None
+    monitor = records.Identity(*rec["monitor"])
+    try:
+        for _ in range(600):  # until the guest wrote its file (its output says so)
+            if b"up" in log.read_bytes():
+                break
+            time.sleep(0.2)
+        assert name in backend.reap(name)
+        assert monitor.process() is None
+        assert (ws / "kept.txt").read_text() == "kept\n"
+    finally:
+        backend.kill(name)
+    assert _leftovers(settings, name, monitor) == []
