@@ -132,6 +132,7 @@ def test_nodejs_from_debian_packages_is_hardened_and_runs(
         assert not (root / gone).exists(), gone
     assert (root / "usr/local/bin/claude").is_file()
     assert (root / "opt/agentbox/relay.py").is_file()
+    assert os.access(root / "opt/agentbox/relay", os.X_OK)  # the relay's C twin, built static
     assert (root / "usr/bin/node").exists()
     manifest = json.loads((root.parent / "manifest.json").read_text())
     assert manifest["kind"] == "containerfile" and manifest["name"] == name
@@ -147,13 +148,15 @@ def test_nodejs_from_debian_packages_is_hardened_and_runs(
         spec,
         ["sh", "-c", "node --version && node /opt/app/hello.js && id -u && echo $NODE_ENV"
          " && printf 'int main(void){return 0;}' > /tmp/a.c && cc /tmp/a.c -o /tmp/a && /tmp/a"
-         " && echo compiled && { command -v apt-get dpkg || echo no-package-manager; }"],
+         " && echo compiled && { command -v apt-get dpkg || echo no-package-manager; }"
+         " && { /opt/agentbox/relay --port 2>/dev/null; echo relay-$?; }"],
     )  # fmt: skip
     out = res.stdout.decode()
     assert res.exit_code == 0, out + res.stderr.decode()
     lines = out.split()
     assert lines[0].startswith("v") and lines[1] == "hello" and lines[3] == "64000"
-    assert lines[4:] == ["production", "compiled", "no-package-manager"]
+    # relay-2: the static relay runs in the user's image (its usage error, exit 2).
+    assert lines[4:] == ["production", "compiled", "no-package-manager", "relay-2"]
 
 
 @pytest.mark.qemu
