@@ -47,10 +47,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import json
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -280,7 +282,7 @@ def _settle_records(base: Path, name: str | None) -> list[str]:
         snap = load_snapshot(rec_path.with_suffix(".snap"))
         try:
             if _mounted_from(ws, image):
-                _settle_one(ws, snap)
+                _settle_one(base, ws, snap)
         except (OSError, AgentboxError) as exc:
             log.error("could not settle an orphan workspace disk", image=str(image), error=str(exc))
             continue
@@ -322,7 +324,7 @@ def _mounted_from(ws: Path, image: Path) -> bool:
     return back.stdout.strip().removesuffix(" (deleted)") == str(image)
 
 
-def _settle_one(ws: Path, snap: dict[str, tuple[int, int]]) -> None:
+def _settle_one(base: Path, ws: Path, snap: dict[str, tuple[int, int]]) -> None:
     """Copy the disk at ``ws`` back into the directory under it, then unmount it.
 
     The directory under the mount is reached through a detached, non-recursive copy
@@ -330,7 +332,7 @@ def _settle_one(ws: Path, snap: dict[str, tuple[int, int]]) -> None:
     settler killed in the middle leaves no mount behind (a bind mount did, one per
     kill), and no mount made elsewhere propagates into a path the copy walks.
     """
-    tree = _detached_tree(ws.parent)
+    tree = _detached_tree(ws.parent, base)
     try:
         under = os.open(ws.name, _DIR_FLAGS, dir_fd=tree)
         try:
@@ -349,15 +351,34 @@ _OPEN_TREE_CLONE = 1
 _AT_FDCWD = -100
 
 
-def _detached_tree(path: Path) -> int:
+def _detached_tree(path: Path, base: Path) -> int:
     """An fd on ``path`` in a detached copy of the mount holding it, without the
-    mounts below it; the copy is unmounted when its last fd closes (or its process dies)."""
+    mounts below it; the copy is unmounted when its last fd closes (or its process dies).
+
+    Where ``open_tree`` is missing (Linux before 5.2, or refused by a seccomp filter)
+    the same comes of a private bind mount under ``base`` that is opened and at once
+    detached (``umount --lazy``): only that moment leaves a mount to a killed settler
+    (which :func:`_settling` removes).
+    """
     libc = ctypes.CDLL(None, use_errno=True)
     flags = _OPEN_TREE_CLONE | os.O_CLOEXEC
     fd = int(libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(path), flags))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise SandboxError(f"open_tree({path}) failed: {os.strerror(err)} (Linux 5.2 or later?)")
+    if fd >= 0:
+        return fd
+    err = ctypes.get_errno()
+    if err not in (errno.ENOSYS, errno.EPERM):
+        raise SandboxError(f"open_tree({path}) failed: {os.strerror(err)}")
+    peek = base / f".settle-{os.getpid()}-{threading.get_ident()}"
+    peek.mkdir(mode=0o700)
+    try:
+        _proc.run(["mount", "--bind", path, peek], timeout=60)
+        try:
+            _proc.run(["mount", "--make-private", peek], timeout=60)
+            fd = os.open(peek, _DIR_FLAGS)
+        finally:
+            _proc.run(["umount", "--lazy", peek], timeout=60)
+    finally:
+        peek.rmdir()
     return fd
 
 
