@@ -62,7 +62,8 @@ class EnvLab:
     model: str
     launcher: Launcher
     keys: set[str] = field(default_factory=set)
-    images: list[str] = field(default_factory=list)
+    #: (tag, content hash) of the images it built; docker's copy is named by the hash.
+    images: list[tuple[str, str | None]] = field(default_factory=list)
 
     def repo(self, name: str, files: dict[str, str]) -> Path:
         """A git repo ``name`` holding ``files`` (relative path: text), committed."""
@@ -81,8 +82,8 @@ class EnvLab:
 
         ctx = Path(tempfile.mkdtemp(prefix="ctx-", dir=self.base))
         (ctx / "Containerfile").write_text(containerfile)
-        build_containerfile(Settings(), ctx / "Containerfile", tag=tag)
-        self.images.append(tag)
+        info = build_containerfile(Settings(), ctx / "Containerfile", tag=tag)
+        self.images.append((tag, info.hash))
         return tag
 
     def submit(self, name: str, repo: Path, deadline: float, **kw: object) -> str:
@@ -130,6 +131,12 @@ def require_backend(name: str) -> None:
             pytest.skip("no usable qemu here")
     elif name == "runsc" and shutil.which("runsc") is None:
         pytest.skip("runsc (gVisor) is not installed")
+    elif name == "docker":
+        from agentbox.backends.docker._facility import facility
+
+        found = facility(Settings())
+        if not found.ok:
+            pytest.skip(f"docker: {found.detail}")
 
 
 #: A Boxfile's head per sandbox kind under test (the scenario adds image and [setup]).
@@ -137,4 +144,5 @@ BACKEND_HEADS = {
     "runc": 'backend = "podman"\n',
     "runsc": 'backend = "podman"\nruntime = "runsc"\n',
     "qemu": 'backend = "qemu"\n[resources]\ncpus = 2\nmemory = "2GiB"\n',
+    "docker": 'backend = "docker"\n',
 }

@@ -63,10 +63,18 @@ def env_lab() -> Iterator[Callable[..., EnvLab]]:
             store = EnvStore(lab.settings)
             for key in lab.keys:
                 store.remove(key, force=True)
-            for tag in lab.images:
+            for tag, digest in lab.images:
                 try:
                     remove(Settings(), tag)
                 except ImageError:
                     subprocess.run(["podman", "rmi", "-f", tag], check=False, capture_output=True)
+                if digest and shutil.which("docker"):  # the docker backend's imported copy
+                    from agentbox.backends.docker._image import DOCKER_REPO
+
+                    subprocess.run(
+                        ["docker", "rmi", f"{DOCKER_REPO}:{digest}"],
+                        check=False,
+                        capture_output=True,
+                    )
             if not os.environ.get("E2E_KEEP_DIRS"):
                 shutil.rmtree(lab.base, ignore_errors=True)

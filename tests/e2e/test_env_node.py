@@ -1,4 +1,4 @@
-"""End to end (issue 12): a Node project on podman (runc and runsc) and on qemu.
+"""End to end (issue 12): a Node project on podman (runc and runsc), qemu and docker.
 
 The image is built as the how-to says: a Containerfile ``FROM localhost/agentbox-base``
 adding Debian's ``nodejs`` and ``npm`` (``agentbox image build --containerfile``; on qemu
@@ -6,8 +6,9 @@ its root becomes the VM's root disk). ``npm ci`` runs in ``[setup]`` through the
 proxy from the registry this host's npm uses; the real Claude Code (replay script) runs
 ``npm test`` in the agent phase with no network; ``node_modules`` never reaches the branch.
 
-One task per sandbox kind, all submitted at once; each repo's ``package.json`` names its
-kind, so each key differs and each setup really runs (a miss) in its own sandbox kind.
+One task per sandbox kind (podman runc and runsc, qemu, docker), all submitted at once;
+each repo's ``package.json`` names its kind, so each key differs and each setup really
+runs (a miss) in its own sandbox kind.
 QEMU runs under TCG here: slow.
 """
 
@@ -30,7 +31,7 @@ pytestmark = [
 ]
 
 NONCE = secrets.token_hex(4)
-KINDS = ("runc", "runsc", "qemu")
+KINDS = ("runc", "runsc", "qemu", "docker")
 #: Debian's Node.js and npm on the base image (docs/how-to/give-the-agent-dependencies.md).
 CONTAINERFILE = (
     "FROM localhost/agentbox-base\n"
@@ -90,13 +91,18 @@ def _package(kind: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(env_lab: Callable[..., EnvLab]) -> dict[str, EnvRun | str]:
-    """Each kind's finished task, or why it was skipped."""
-    lab = env_lab("env-node", SCRIPT, max_tasks=len(KINDS))
+def runs(request: pytest.FixtureRequest, env_lab: Callable[..., EnvLab]) -> dict[str, EnvRun | str]:
+    """Each selected kind's finished task (``-k runsc`` runs that one), or why it was skipped."""
+    selected = [
+        k for k in KINDS
+        if any(getattr(i, "callspec", None) and i.callspec.params.get("kind") == k
+               and i.module is request.module for i in request.session.items)
+    ]  # fmt: skip
+    lab = env_lab("env-node", SCRIPT, max_tasks=len(selected))
     image = lab.image(CONTAINERFILE, f"localhost/agentbox-test-node:{NONCE}")
     out: dict[str, EnvRun | str] = {}
     pending = {}
-    for kind in KINDS:
+    for kind in selected:
         try:
             require_backend(kind)
         except pytest.skip.Exception as exc:
@@ -118,7 +124,9 @@ def runs(env_lab: Callable[..., EnvLab]) -> dict[str, EnvRun | str]:
     return out
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=[pytest.mark.docker] if k == "docker" else []) for k in KINDS]
+)
 def test_npm_ci_in_setup_then_npm_test_by_the_agent(
     runs: dict[str, EnvRun | str], kind: str
 ) -> None:
