@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -129,6 +130,9 @@ class PodmanBackend(PodmanDetached):
     def __init__(self, settings: Settings, *, unsafe_extra_args: tuple[str, ...] = ()) -> None:
         self.settings = settings
         self.unsafe_extra_args = tuple(unsafe_extra_args)
+        #: What a pool claim knows of the sandbox it just started (``follow`` takes it
+        #: once instead of a first ``podman inspect``: the task's output comes sooner).
+        self.claimed: dict[str, dict[str, Any]] = {}
         if self.unsafe_extra_args:
             log.warning("podman backend weakened on purpose", extra=self.unsafe_extra_args)
 

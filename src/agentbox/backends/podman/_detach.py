@@ -197,7 +197,7 @@ class PodmanDetached:
         poll: float = 0.2,
     ) -> Exited:
         """Stream ``log`` from its start until the sandbox has exited, then remove it."""
-        info = inspect(name)
+        info = getattr(self, "claimed", {}).pop(name, None) or inspect(name)  # a pool claim's
         if info is None:
             return self._replay(name, log, on_stdout, on_stderr)
         if not self._ours(name, info):

@@ -47,6 +47,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +89,7 @@ from agentbox.backends.podman._pool_slots import (
 from agentbox.backends.podman._pool_view import (
     POOL_DIR_LABEL,
     POOL_LABEL,
+    POOL_LOG_KEY,
     POOL_NAME_LABEL,
 )
 from agentbox.config import Settings
@@ -364,6 +366,17 @@ def _bind_task(
         if triggered:
             raise
         raise _NotStarted(str(exc)) from exc
+    backend.claimed[spec.name] = {
+        "Id": ready["id"],
+        "Name": spec.name,
+        "Config": {"Labels": labels},
+        "State": {
+            "Running": True,
+            "ConmonPid": int(ready["conmon"]),
+            "StartedAt": datetime.fromtimestamp(float(rec["claimed_at"]), UTC).isoformat(),
+        },
+        POOL_LOG_KEY: str(slot_log(root, slot)),
+    }
     log.info("pool sandbox claimed", sandbox=spec.name, slot=slot)
 
 
