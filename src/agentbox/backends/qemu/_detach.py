@@ -31,7 +31,6 @@ import contextlib
 import fcntl
 import os
 import pickle
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -50,9 +49,9 @@ from agentbox.backends.base import (
     data_dir_label,
 )
 from agentbox.backends.qemu._records import (
-    MONITOR_MODULE,
     born_outside,
     drop_record,
+    monitor_argv,
     monitor_of,
     read_record,
     record_path,
@@ -116,7 +115,7 @@ class QemuDetached:
             "argv": list(argv),
             "log": str(log),
         }
-        args = born_outside([sys.executable, "-m", MONITOR_MODULE], out)
+        args = born_outside(monitor_argv(), out)
         res = _proc.run(args, input=pickle.dumps(req), timeout=60)
         if "agentbox: could not enter" in res.stderr:
             logger.warning("monitor born in our cgroup", sandbox=spec.name, why=res.stderr)

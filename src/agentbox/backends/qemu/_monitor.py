@@ -1,8 +1,8 @@
 """The monitor of a detached microVM: our conmon, a small process that outlives its launcher.
 
-:meth:`~agentbox.backends.qemu._detach.QemuDetached.launch` starts
-``python -m agentbox.backends.qemu._monitor`` born outside the launcher (its own
-session, and outside the launcher's unit cgroups, see
+:meth:`~agentbox.backends.qemu._detach.QemuDetached.launch` starts this module as
+``__main__`` (:func:`~agentbox.backends.qemu._records.monitor_argv`) born outside the
+launcher (its own session, and outside the launcher's unit cgroups, see
 :func:`~agentbox.backends.qemu._records.born_outside`), hands it the request on
 its stdin (a pipe: the spec's environment holds the gateway token and never
 touches the disk) and returns once the VM runs. The monitor then does what an
@@ -28,6 +28,10 @@ attached ``run()`` does, with nobody attached:
    writes the exit marker ``<log>.exit``: a follower that sees the marker and no
    monitor may collect at once.
 
+It lives as long as its VM, one per task, so it imports only what it runs with (issue
+15): ``rich`` is kept out (:data:`~agentbox.backends.qemu._records.MONITOR_BLOCKED`),
+and ``tests/unit/test_qemu_monitor_lean.py`` lists what it may not import.
+
 A monitor killed midway leaves no marker: the follower then settles the VM as a
 dead owner's (:func:`~agentbox.backends.qemu.recover_sandbox`).
 """
@@ -47,6 +51,9 @@ from typing import Any
 from agentbox._log import get_logger
 from agentbox.backends._k8slog import format_record, write_exit
 from agentbox.backends.base import MAX_LOG_BYTES, Exited, SandboxSpec
+from agentbox.backends.qemu import QemuBackend
+from agentbox.backends.qemu import _records as detach
+from agentbox.errors import AgentboxError, GuestError
 
 __all__ = ["RECORD_BYTES", "LogWriter", "main"]
 
@@ -101,10 +108,6 @@ class LogWriter:
 
 
 def _run(req: dict[str, Any]) -> int:
-    from agentbox.backends.qemu import QemuBackend
-    from agentbox.backends.qemu import _records as detach
-    from agentbox.errors import AgentboxError, GuestError
-
     settings = req["settings"]
     spec: SandboxSpec = req["spec"]
     argv: Sequence[str] = req["argv"]

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import secrets
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ __all__ = [
     "Identity",
     "born_outside",
     "drop_record",
+    "monitor_argv",
     "monitor_of",
     "read_record",
     "record_path",
@@ -53,6 +55,19 @@ __all__ = [
 logger = get_logger("qemu.detach")
 
 MONITOR_MODULE = "agentbox.backends.qemu._monitor"
+#: Modules a monitor process never imports (issue 15: it lives as long as its VM, one
+#: per task). ``rich`` (~5 MiB private) is looked for by structlog's console renderer;
+#: a monitor renders no tracebacks in colour. Blocked the documented way
+#: (``sys.modules[name] = None``) before any part of agentbox loads.
+MONITOR_BLOCKED = ("rich",)
+#: ``python -c``: block :data:`MONITOR_BLOCKED`, then run the module named in argv[1]
+#: as ``__main__`` (``-m`` would import the package, and structlog with it, first).
+_BOOT = (
+    "import runpy, sys\n"
+    "for name in {blocked!r}:\n"
+    "    sys.modules[name] = None\n"
+    "runpy.run_module(sys.argv[1], run_name='__main__', alter_sys=True)\n"
+)
 #: Records of detached VMs, under the data dir.
 RECORD_DIR = "microvm-detached"
 #: The cgroup, at the root of the hierarchies systemd tracks units by, monitors start in.
@@ -236,6 +251,13 @@ def _unit_homes() -> list[Path]:
                 target.mkdir(exist_ok=True)
                 homes.append(target / "cgroup.procs")
     return homes
+
+
+def monitor_argv() -> list[str]:
+    """The command of a monitor process: :data:`MONITOR_MODULE` run as ``__main__`` with
+    :data:`MONITOR_BLOCKED` kept out. The module's name is one word of the command line
+    (:func:`monitor_of` looks for it there)."""
+    return [sys.executable, "-c", _BOOT.format(blocked=MONITOR_BLOCKED), MONITOR_MODULE]
 
 
 def born_outside(argv: Sequence[str], out: Path) -> list[str]:
