@@ -142,7 +142,8 @@ class GuestSession(GatewayStreams):
         ``mounts`` are (disk label, target) pairs the agent mounts read-only
         (``ro,nosuid,nodev``) before it answers, so before any command runs;
         ``cow`` are pairs it mounts copy-on-write (the disk read-only under an
-        overlay whose writable layers share a tmpfs of ``cow_size`` bytes).
+        overlay whose writable layers live on the /data disk; ``cow_size``, the
+        disk limit, is checked only: the disk bounds them).
         ``sockets`` maps names to host unix sockets: the guest serves each at
         ``/run/agentbox/gw/<name>`` and a connection there reaches that socket
         (as the gateway's port reaches ``gateway``).
