@@ -286,14 +286,14 @@ def _created(since: str, prefix: str) -> list[str]:
 
 
 def _leftover_processes(settings: Settings, allowed: set[int]) -> list[str]:
-    """Gateways and watchdogs of this data dir still running (zombies aside)."""
+    """Gateways, watchdogs and conmons of this data dir still running (zombies aside)."""
     needle = str(settings.data_dir)
     found = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = " ".join(p.info["cmdline"] or ())
         if p.info["pid"] in allowed or p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        if needle in cmd and ("gateway" in cmd or "_watchdog" in cmd):
+        if needle in cmd and any(w in cmd for w in ("gateway", "_watchdog", "conmon")):
             found.append(cmd)
     return found
 
