@@ -11,11 +11,14 @@ the middle of its copy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,6 +95,75 @@ def test_a_settler_killed_mid_copy_leaves_no_mount_and_the_next_one_finishes(
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        for m in reversed(mounts_under(sandbox_settings.data_dir)):
+            subprocess.run(["umount", "--lazy", m.split(" on ")[1].split(" (root")[0]], check=False)
+        disk.image.unlink(missing_ok=True)
+        disk.record.unlink(missing_ok=True)
+
+
+# A settler that pauses after its copy until told to go on, then prints what it settled.
+PAUSED = """\
+import json, sys
+from pathlib import Path
+import agentbox.backends._wsdisk as w
+from agentbox.config import Settings
+real = w.copy_back
+def copy_then_wait(*a, **k):
+    real(*a, **k)
+    print("copied", flush=True)
+    sys.stdin.readline()
+w.copy_back = copy_then_wait
+print(json.dumps(w.settle_orphan_disks(Settings(data_dir=Path(sys.argv[1])))), flush=True)
+"""
+
+
+def _blocked_or_done(thread: threading.Thread) -> bool:
+    if not thread.is_alive():
+        return True
+    wchan = Path(f"/proc/self/task/{thread.native_id}/wchan")
+    with contextlib.suppress(OSError):
+        return "lock" in wchan.read_text()  # waiting on the settle lock (flock)
+    return False
+
+
+def test_two_settlers_at_once_settle_a_disk_once_without_error(
+    sandbox_settings: Settings, make_workspace: Callable[[], Path]
+) -> None:
+    """A follower and an adopter (or a start-up sweep) reach the same orphan disk at
+    once: one copies back and unmounts, the other finds it settled; neither fails
+    (two at once used to race: the second's unmount found nothing mounted and logged
+    'could not settle an orphan workspace disk')."""
+    ws = make_workspace()
+    disk = _orphan(sandbox_settings, ws, "settle-race-test")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSED, str(sandbox_settings.data_dir)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    got: list[list[str]] = []
+    other = threading.Thread(target=lambda: got.append(settle_orphan_disks(sandbox_settings)))
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "copied\n", "the settler never got to its copy"
+        other.start()
+        end = time.monotonic() + 60
+        while not _blocked_or_done(other):
+            assert time.monotonic() < end, "the second settler neither waited nor finished"
+            time.sleep(0.05)
+        out, err = proc.communicate("go\n", timeout=120)
+        other.join(120)
+        first = json.loads(out.strip().splitlines()[-1])
+        assert sorted(first + got[0]) == ["settle-race-test"], (first, got)
+        assert "could not settle" not in err, err
+        assert (ws / "late.txt").read_text() == "written on the disk\n"
+        assert not disk.record.exists() and not disk.image.exists()
+        assert_no_mounts_under(sandbox_settings.data_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if other.is_alive():
+            other.join(120)
         for m in reversed(mounts_under(sandbox_settings.data_dir)):
             subprocess.run(["umount", "--lazy", m.split(" on ")[1].split(" (root")[0]], check=False)
         disk.image.unlink(missing_ok=True)
