@@ -34,6 +34,9 @@ from agentbox.backends.podman import _pool as pool
 from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
 from agentbox.config import Settings
+from agentbox.escape._fixtures import Fixture
+from agentbox.escape._probeio import _parse_json, inside_outcomes, probe_source
+from agentbox.escape._runner import real_spec
 from agentbox.launcher._adopt import remove_orphans
 from agentbox.launcher._pool import pool_template, start_pool
 from agentbox.launcher._store import Store
@@ -206,6 +209,9 @@ from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
 from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
+from agentbox.escape._fixtures import Fixture
+from agentbox.escape._probeio import _parse_json, inside_outcomes, probe_source
+from agentbox.escape._runner import real_spec
 from agentbox.launcher._adopt import remove_orphans
 from agentbox.launcher._pool import pool_template, start_pool
 from agentbox.launcher._store import Store
@@ -330,3 +336,34 @@ def test_keeper_refills_after_a_claim_and_drains_on_stop(
         drained = keeper.stop()
     assert second in drained
     assert not pool_left(settings) and not pool_mounted(settings)
+
+
+def test_escape_probes_pooled_as_fresh(
+    pooled: tuple[PodmanBackend, Settings], default_image: str
+) -> None:
+    """The escape suite's inside probes as the sandbox's main command (the agent's own
+    path), on a pooled sandbox of the suite's spec (workspace, gateway dir, a read-only
+    declared mount, small limits): none fails, and each has the outcome it has on a
+    fresh sandbox run beside it (the control)."""
+    backend, settings = pooled
+    with Fixture(uid=settings.sandbox_host_uid) as fx:
+        spec = real_spec(fx, settings, default_image, "runc", "standard")
+        cfg = fx.probe_config(
+            uid=spec.uid, pids_max=spec.resources.pids, runtime="runc", own_kernel=False
+        )
+        cfg["disk"] = spec.resources.disk_limit(settings).model_dump()
+        env = {"ABX_PROBE_CONFIG": json.dumps(cfg)}
+        argv = ["python3", "-I", "-S", "-c", probe_source()]
+        [slot] = pool.fill(backend, spec, 1, ttl=120)
+        log = fx.root / "pooled.log"
+        ended, out, err = _run(backend, spec.replace(name=spec.name + "-p", env=env), argv, log)
+        assert not _containers(slot)  # the probes ran in the pooled sandbox
+        pooled_out = {o.id: o for o in inside_outcomes(_parse_json(out, f"pooled {ended} {err!r}"))}
+        fresh = backend.run(spec.replace(name=spec.name + "-f", env=env), argv)
+        fresh_out = {o.id: o for o in inside_outcomes(_parse_json(fresh.stdout, "fresh"))}
+    assert len(pooled_out) >= 10, pooled_out  # the suite's probes ran, not none
+    assert sorted(pooled_out) == sorted(fresh_out)
+    assert not [o for o in pooled_out.values() if o.status == "fail"], pooled_out
+    assert {i: o.status for i, o in pooled_out.items()} == {
+        i: o.status for i, o in fresh_out.items()
+    }

@@ -12,15 +12,16 @@ go-file (named by a random token) in its empty ``/workspace``.
 
 :func:`claim` (from ``launch``, for a spec of the pool's shape) takes a ready slot
 by an atomic rename (``ready`` -> ``claimed``: of two claimers one wins, in any
-processes), mounts the task's workspace disk as ``launch`` does, binds the task's
-gateway directory onto the slot's (``nosuid,nodev,noexec``), writes the claim
-record (the task's labels and seal, the claim time: see
+processes), writes the claim record (the task's labels and seal, the claim time: see
 :mod:`~agentbox.backends.podman._pool_view`), renames the container to the task's
-sandbox name, writes the go-file (argv behind the relay, environment, workdir),
-and last binds the workspace onto the slot's (``nosuid,nodev``). The mount
+sandbox name (a podman client, concurrently with what follows), mounts the task's
+workspace disk as ``launch`` does, binds the task's gateway directory onto the slot's
+(``nosuid,nodev,noexec``), writes the go-file (argv behind the relay, environment,
+workdir), and last binds the workspace onto the slot's (``nosuid,nodev``). The mount
 propagates into the sandbox and hides the go-file: then the stub ``chdir``\\ s into
-the new ``/workspace`` and ``exec``\\ s the task's command. From there the sandbox
-is a detached one: ``follow``, adoption, ``kill`` and ``reap`` work on it by name.
+the new ``/workspace`` and ``exec``\\ s the task's command. ``launch`` returns once
+the rename is done; from there the sandbox is a detached one: ``follow``, adoption,
+``kill`` and ``reap`` work on it by name.
 
 Single use: a claimed sandbox ends with its task; its slot is released (binds
 unmounted, directory removed) when its follower settles it (:func:`release`).
@@ -330,30 +331,35 @@ def _bind_task(
             "task_log": str(log_path),
         }
         write(record, rec, mode=0o600)
-        # The rename (a podman client, the slowest step) runs while the disk is made.
-        with ThreadPoolExecutor(1, thread_name_prefix="agentbox-pool") as ex:
-            rename = ex.submit(_proc.run, ["podman", "rename", slot, spec.name], timeout=60)
+        # The rename (a podman client, the slowest step) runs while the disk is made and
+        # the command starts: a name in use fails it, and the claim is undone (the disk
+        # check below refuses the usual case, a task launched twice, before any start).
+        ex = ThreadPoolExecutor(1, thread_name_prefix="agentbox-pool")
+        rename = ex.submit(_proc.run, ["podman", "rename", slot, spec.name], timeout=60)
+        try:
+            disk.mount()
+            if spec.gateway_dir is not None:
+                stage = _stage(settings, slot, "gw")
+                bind(spec.gateway_dir, sdir / "gw", "nosuid,nodev,noexec", stage=stage)
+            for stale in (log_path, log_path.with_name(log_path.name + ".exit")):
+                stale.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another filesystem: copied at release
+                os.link(slot_log(root, slot), log_path)
+            go = {"argv": entry_argv(spec, argv), "env": dict(spec.env), "workdir": spec.workdir}
+            write(sdir / "ws" / ready["go"], go, mode=0o644)
+            triggered = True  # from here the task may run: never started again elsewhere
+            stage = _stage(settings, slot, "ws")
+            bind(spec.workspace, sdir / "ws", "nosuid,nodev", stage=stage)
+        finally:
             try:
-                disk.mount()
-                if spec.gateway_dir is not None:
-                    stage = _stage(settings, slot, "gw")
-                    bind(spec.gateway_dir, sdir / "gw", "nosuid,nodev,noexec", stage=stage)
+                rename.result()
+                renamed = True
+            except CommandError as exc:
+                raise SandboxError(
+                    f"could not claim a pooled sandbox: {exc}", sandbox=spec.name
+                ) from exc
             finally:
-                try:
-                    rename.result()
-                except CommandError as exc:
-                    raise SandboxError(
-                        f"could not claim a pooled sandbox: {exc}", sandbox=spec.name
-                    ) from exc
-        renamed = True
-        for stale in (log_path, log_path.with_name(log_path.name + ".exit")):
-            stale.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # another filesystem: copied at release
-            os.link(slot_log(root, slot), log_path)
-        go = {"argv": entry_argv(spec, argv), "env": dict(spec.env), "workdir": spec.workdir}
-        write(sdir / "ws" / ready["go"], go, mode=0o644)
-        triggered = True  # from here the task may run: never started again elsewhere
-        bind(spec.workspace, sdir / "ws", "nosuid,nodev", stage=_stage(settings, slot, "ws"))
+                ex.shutdown()
         disk.hand_over(int(ready["conmon"]), f"{float(ready['conmon_start']):.0f}")
     except (AgentboxError, OSError) as exc:
         with contextlib.suppress(AgentboxError):
