@@ -8,7 +8,9 @@ about it; every timeout is also an :class:`AgentboxTimeout`::
 
     AgentboxError
     ├── ConfigError            bad settings, Boxfile, model registry: fix the input
-    │   └── BoxfileError       names the offending key (key, path)
+    │   ├── BoxfileError       names the offending key (key, path)
+    │   └── InvalidValue       plain data checked by hand (the gateway's registry entry, usage,
+    │                          replay script): (key, what) pairs (errors; also a ValueError)
     ├── RefusedError           a request that is well-formed but not allowed
     │   ├── PathRefused        a path outside its root, through a link, wrong owner (path)
     │   │   └── SizeRefused    a file, or the running total, over its size cap
@@ -68,6 +70,7 @@ __all__ = [
     "GuestError",
     "GuestTimeout",
     "ImageError",
+    "InvalidValue",
     "PathRefused",
     "PolicyRefused",
     "PolicyViolation",
@@ -98,6 +101,15 @@ class AgentboxTimeout(AgentboxError):
 
 class ConfigError(AgentboxError):
     """Settings, a Boxfile or a registry file is invalid."""
+
+
+class InvalidValue(ConfigError, ValueError):
+    """Plain data checked by hand is wrong; ``errors`` holds ``(key, what)`` pairs in the
+    order found (``str()``: ``key: what`` joined by ``; ``)."""
+
+    def __init__(self, errors: Sequence[tuple[str, str]]) -> None:
+        self.errors = list(errors)
+        super().__init__("; ".join(f"{k}: {w}" for k, w in self.errors))
 
 
 class BoxfileError(ConfigError):

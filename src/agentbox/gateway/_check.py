@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from agentbox.errors import InvalidValue
+
 __all__ = [
     "Checker",
     "Errors",
@@ -42,12 +44,8 @@ _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
-class Invalid(ValueError):
-    """What is wrong with a value, as ``key: what`` pairs (``str()``: joined by ``; ``)."""
-
-    def __init__(self, errors: Errors) -> None:
-        self.errors = list(errors)
-        super().__init__("; ".join(f"{k}: {w}" for k, w in self.errors))
+#: What is wrong with a value, as ``key: what`` pairs (rooted in the error tree).
+Invalid = InvalidValue
 
 
 def _not_a(kind: str, value: Any) -> str:
