@@ -1,4 +1,4 @@
-"""The detached-sandbox verbs of a backend that cannot detach (docker, qemu, firecracker).
+"""The verbs of a backend that cannot detach (docker, firecracker) or keeps no warm pool.
 
 One mixin instead of the same four refusing methods in each such backend: ``detaches``
 is False, and ``launch``/``follow``/``adoptable`` raise the contract's
@@ -43,3 +43,24 @@ class AttachedOnly:
     def adoptable(self, name: str, *, labels: Mapping[str, str]) -> bool:
         """Unsupported here (:meth:`detaches` is False)."""
         raise refuse_detached(self.name)
+
+
+class NoPool:
+    """Mixed into a backend that keeps no warm pool: every ``launch`` starts afresh."""
+
+    name: str
+
+    def pool_refused(self, runtime: str) -> str | None:
+        """Why this backend keeps no pool (see the podman backend's for one that does)."""
+        del runtime
+        return f"the {self.name} backend keeps no warm pool"
+
+    def fill_pool(self, template: SandboxSpec, size: int, *, ttl: float) -> list[str]:
+        """Nothing to start (:meth:`pool_refused` says why)."""
+        del template, size, ttl
+        return []
+
+    def drain_pool(self, *, everything: bool = True) -> list[str]:
+        """Nothing to remove."""
+        del everything
+        return []

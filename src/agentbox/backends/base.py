@@ -25,6 +25,7 @@ needs done is one of its verbs:
 ``launch``             start a sandbox with nothing of ours attached (survives us)
 ``follow(name)``       stream its output from the start, wait, save, remove
 ``adoptable(name)``    whether a sandbox is ours to follow (labels, data dir)
+``fill/drain_pool``    a warm pool ``launch`` claims from (``pool_refused``: why none)
 =====================  ===========================================================
 
 Detached sandboxes (live restore): ``launch`` starts one with nothing of ours
@@ -58,15 +59,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Protocol, Self, runtime_checkable
 
+from agentbox.backends._sandbox_base import BaseSandbox
 from agentbox.boxfile import Resources
-from agentbox.errors import SandboxError, UnsupportedError
+from agentbox.errors import UnsupportedError
 
 __all__ = [
     "GATEWAY_DIR_IN_SANDBOX",
@@ -398,54 +399,15 @@ class Backend(Protocol):
         data dir and carries exactly ``labels`` (value-equal); anything else is refused."""
         ...
 
+    def pool_refused(self, runtime: str) -> str | None:
+        """None if this backend keeps a warm pool of ``runtime`` sandboxes that
+        :meth:`launch` claims from; else why not (the launcher logs it, keeps none)."""
+        ...
 
-class BaseSandbox:
-    """The small concrete base of a sandbox: the context manager and a verified destroy.
+    def fill_pool(self, template: SandboxSpec, size: int, *, ttl: float) -> list[str]:
+        """Start pooled sandboxes of ``template``'s shape until ``size`` wait; the names."""
+        ...
 
-    A subclass sets ``name`` and implements :meth:`_teardown` (remove everything
-    the sandbox holds on the host) and :meth:`leftovers` (what of it is still
-    there: processes, cgroups, containers, VM dirs, sockets). :meth:`destroy`
-    runs the teardown once, however often and from however many threads it is
-    called, then checks :meth:`leftovers` and raises if anything survived, like
-    Firecracker's ``Microvm.kill()``.
-    """
-
-    name: str
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._destroy_lock = threading.Lock()
-        self._destroyed = False
-
-    @property
-    def destroyed(self) -> bool:
-        return self._destroyed
-
-    def _teardown(self) -> None:
-        raise NotImplementedError
-
-    def leftovers(self) -> list[str]:
-        """What of this sandbox still exists on the host (empty once destroyed)."""
-        return []
-
-    def destroy(self) -> None:
-        """Remove the sandbox and everything it held; idempotent; verifies nothing survived."""
-        with self._destroy_lock:
-            if self._destroyed:
-                return
-            self._destroyed = True  # even if the teardown raises: never run it twice
-            self._teardown()
-            left = self.leftovers()
-        if left:
-            raise SandboxError(f"teardown left {', '.join(left)}", sandbox=self.name)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.destroy()
+    def drain_pool(self, *, everything: bool = True) -> list[str]:
+        """Remove unclaimed pooled sandboxes (all; else only expired or dead ones)."""
+        ...

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import ClassVar, Literal
 
+from agentbox.backends._attached import NoPool
 from agentbox.backends._fake_detach import FakeDetached
 from agentbox.backends.base import (
     WORKSPACE_IN_SANDBOX,
@@ -230,7 +231,7 @@ class FakeSandbox(BaseSandbox):
         target.write_bytes(data)
 
 
-class FakeBackend(FakeDetached):
+class FakeBackend(FakeDetached, NoPool):
     """The in-process backend (``name = "fake"``); see the module docstring."""
 
     name = "fake"

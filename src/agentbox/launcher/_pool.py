@@ -4,7 +4,9 @@ at the end (``launcher serve`` only: a one-shot ``agentbox run`` keeps no pool).
 The pool's shape is a default task's: the settings' image and runtime, a default
 Boxfile's resources, a workspace and a gateway dir, the default deadline. A task of
 another shape (a Boxfile with other resources, extra mounts, an environment layer, a
-longer deadline) takes the fresh path. See :mod:`agentbox.backends.podman._pool`.
+longer deadline) takes the fresh path. The backend keeps the pool
+(``Backend.fill_pool``/``drain_pool``; podman's is :mod:`agentbox.backends.podman._pool`)
+and says why it keeps none (``pool_refused``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import threading
 import time
 
 from agentbox._log import get_logger
-from agentbox.backends.base import SandboxSpec
+from agentbox.backends import get_backend
+from agentbox.backends.base import Backend, SandboxSpec
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError
@@ -43,11 +46,9 @@ def pool_template(settings: Settings) -> SandboxSpec:
 class PoolKeeper:
     """A daemon thread that keeps ``settings.pool_size`` sandboxes ready; :meth:`stop` drains."""
 
-    def __init__(self, settings: Settings) -> None:
-        from agentbox.backends.podman import PodmanBackend
-
+    def __init__(self, settings: Settings, backend: Backend) -> None:
         self.settings = settings
-        self.backend = PodmanBackend(settings)
+        self.backend = backend
         self.template = pool_template(settings)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="agentbox-pool", daemon=True)
@@ -57,17 +58,15 @@ class PoolKeeper:
         return self
 
     def _loop(self) -> None:
-        from agentbox.backends.podman import _pool
-
         next_sweep = 0.0
         while not self._stop.is_set():
             wait = REFILL_EVERY
             try:
                 if time.monotonic() >= next_sweep:
-                    _pool.sweep(self.settings)
+                    self.backend.drain_pool(everything=False)
                     next_sweep = time.monotonic() + SWEEP_EVERY
-                started = _pool.fill(
-                    self.backend, self.template, self.settings.pool_size, ttl=self.settings.pool_ttl
+                started = self.backend.fill_pool(
+                    self.template, self.settings.pool_size, ttl=self.settings.pool_ttl
                 )
                 if started:
                     log.info("pool refilled", started=started)
@@ -78,13 +77,11 @@ class PoolKeeper:
 
     def stop(self) -> list[str]:
         """Stop refilling, then remove every unclaimed pooled sandbox; return them."""
-        from agentbox.backends.podman import _pool
-
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=180)
         try:
-            return _pool.drain(self.settings)
+            return self.backend.drain_pool()
         except (AgentboxError, OSError) as exc:
             log.warning("pool drain failed", error=str(exc))
             return []
@@ -92,9 +89,11 @@ class PoolKeeper:
 
 def start_pool(settings: Settings) -> PoolKeeper | None:
     """A running keeper when the settings ask for a pool the backend can keep; else None."""
-    if settings.pool_size <= 0 or settings.backend != "podman":
+    if settings.pool_size <= 0:
         return None
-    if settings.runtime not in ("runc", "crun"):
-        log.warning("no pool: gVisor (runsc) does not receive mounts at claim")
+    backend = get_backend(settings.backend, settings)
+    refused = backend.pool_refused(settings.runtime)
+    if refused is not None:
+        log.warning("no warm pool", reason=refused)
         return None
-    return PoolKeeper(settings).start()
+    return PoolKeeper(settings, backend).start()

@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from agentbox._log import get_logger
-from agentbox.backends._attached import AttachedOnly
+from agentbox.backends._attached import AttachedOnly, NoPool
 from agentbox.backends._microvm._recover import (
     export_into,
     kill_sandbox,
@@ -73,7 +73,7 @@ _GUEST_TMPFS = (PurePosixPath("/tmp"), PurePosixPath(HOME_IN_SANDBOX), PurePosix
 _AGENT_DIR = PurePosixPath("/opt/agentbox")
 
 
-class _MicrovmBackend(AttachedOnly):
+class _MicrovmBackend(AttachedOnly, NoPool):
     """Makes microVM sandboxes; a subclass names its VMM and starts it."""
 
     name: str

@@ -14,7 +14,7 @@ import psutil
 
 from agentbox import _proc
 from agentbox._log import get_logger
-from agentbox.backends._attached import AttachedOnly
+from agentbox.backends._attached import AttachedOnly, NoPool
 from agentbox.backends._oci_cli import Capture, check_env, owner_start
 from agentbox.backends._userns_limits import HOOK_SCRIPT, SANDBOX_CAPS
 from agentbox.backends._wsdisk import settle_orphan_disks, workspace_disk
@@ -68,7 +68,7 @@ def _check_dir(path: Path, what: str) -> None:
         raise PathRefused(f"{what} is not an existing absolute directory", path=path)
 
 
-class DockerBackend(AttachedOnly):  # detached sandboxes: not built here yet
+class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here yet
     """Hardened Docker containers under runc or runsc (gVisor); docs/reference/docker-backend.md.
 
     Used by the launcher only (it holds ``docker.sock``, which is root-equivalent);

@@ -150,6 +150,20 @@ class PodmanBackend(PodmanDetached):
         if not _pool.claim(self, spec, argv, log_path=log):
             super().launch(spec, argv, log=log)
 
+    def pool_refused(self, runtime: str) -> str | None:
+        """None under runc/crun; gVisor's sandboxes do not receive mounts made at claim."""
+        if runtime in ("runc", "crun"):
+            return None
+        return f"no warm pool under {runtime}: its sandboxes do not receive mounts at claim"
+
+    def fill_pool(self, template: SandboxSpec, size: int, *, ttl: float) -> list[str]:
+        """Start pooled sandboxes of ``template``'s shape until ``size`` wait (``_pool``)."""
+        return _pool.fill(self, template, size, ttl=ttl)
+
+    def drain_pool(self, *, everything: bool = True) -> list[str]:
+        """Remove unclaimed pooled sandboxes (all, or only expired and dead ones)."""
+        return _pool.sweep(self.settings, everything=everything)
+
     def _settle(self, name: str, conmon: psutil.Process | None) -> None:
         _pool.release(self.settings, name)  # a pooled sandbox's slot binds first
         super()._settle(name, conmon)
