@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import socket
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,89 +25,27 @@ from typing import Any
 
 import pytest
 
+import fake_launcher
 from agentbox.backends.fake import FakeBackend, FakeSandbox, FakeScript
 from agentbox.config import Settings
-from agentbox.gateway import GatewayHandle
-from agentbox.gateway._usage import Usage, write_usage
 from agentbox.launcher import Launcher, TaskRequest, _runner
 from agentbox.launcher._store import SCHEMA_VERSION, Store
+from fake_launcher import GATEWAYS, Frozen
 from git_helpers import git
+
+#: The harness's fixtures (tests/fake_launcher.py), bound here so pytest finds them.
+fake, repo, _repo_template = fake_launcher.fake, fake_launcher.repo, fake_launcher._repo_template
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the launcher chowns the workspace to the sandbox uid (root)"
 )
 
 
-class _Gateway(GatewayHandle):
-    """A stand-in gateway: a real process in its own group whose command line names a
-    gateway listening on the task's socket, a real socket, and the usage file."""
-
-    def __init__(self, *, socket_path: Path, usage_file: Path, model: str, budget: int) -> None:
-        # -I -S: no site-packages, a third of a plain interpreter's start-up.
-        argv = [sys.executable, "-ISc", "import time; time.sleep(600)", "agentbox.gateway",
-                "--listen", f"unix:{socket_path}"]  # fmt: skip
-        proc = subprocess.Popen(argv, start_new_session=True)
-        super().__init__(proc, socket_path=socket_path, usage_file=usage_file, log_file=None)
-        self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(str(socket_path))
-        write_usage(usage_file, Usage(model=model, budget=budget))
-
-    def stop(self, grace: float = 5.0) -> int | None:
-        self.listener.close()
-        return super().stop(grace=min(grace, 1.0))
-
-
-GATEWAYS: list[_Gateway] = []
-
-
-def _spawn_gateway(**kw: Any) -> GatewayHandle:
-    gw = _Gateway(socket_path=kw["socket_path"], usage_file=kw["usage_file"],
-                  model=kw["model"], budget=kw["budget"])  # fmt: skip
-    GATEWAYS.append(gw)
-    return gw
-
-
-class _Frozen(BaseException):
-    """Raised in a frozen (\"dead\") launcher's worker when the test ends: it acts no more."""
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeBackend]]:
-    FakeBackend.reset()
-    GATEWAYS.clear()
-    monkeypatch.setattr(_runner, "spawn_gateway", _spawn_gateway)
-    with FakeBackend.installed_as("podman"):
-        yield FakeBackend
-    for gw in GATEWAYS:
-        gw.stop()
-    assert FakeBackend.live_names() == [], "a fake sandbox survived its task"
-    FakeBackend.reset()
-
-
-@pytest.fixture(scope="module")
-def _repo_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One real repo made with git once per module; each test gets a copy of it."""
-    path = tmp_path_factory.mktemp("template") / "proj"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main")
-    (path / "README.md").write_text("hello\n")
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "init")
-    return path
-
-
-@pytest.fixture
-def repo(settings: Settings, _repo_template: Path) -> Path:
-    path = settings.repos_root / "proj"
-    shutil.copytree(_repo_template, path, symlinks=True)
-    return path
-
-
 @pytest.fixture
 def freezer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], threading.Event]]:
     """``freeze(where, task_id)``: the first launcher's worker stops for good at ``where``
     (``"follow"``: its sandbox runs detached; ``"prepare"``: while preparing) for that
-    task; returns an event set once it got there. Released (``_Frozen``) at the end."""
+    task; returns an event set once it got there. Released (``Frozen``) at the end."""
     release = threading.Event()
     frozen: dict[tuple[str, str], threading.Event] = {}
     real_follow, real_prepare = _runner.follow_sandbox, _runner.prepare
@@ -120,7 +55,7 @@ def freezer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], th
         if reached is not None:
             reached.set()
             release.wait(120)
-            raise _Frozen
+            raise Frozen
 
     def follow(*a: Any, **kw: Any) -> Any:
         freeze_here("follow", a[0].task_id)  # a[0]: the TaskContext

@@ -18,9 +18,7 @@ its tasks' recorded owner becomes a process that is gone.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,84 +27,21 @@ from typing import Any
 
 import pytest
 
+import fake_launcher
 from agentbox.backends.fake import FakeBackend, FakeSandbox, FakeScript
 from agentbox.config import Settings
-from agentbox.gateway import GatewayHandle
-from agentbox.gateway._handshake import HANDSHAKE_VERSION, write_handshake
-from agentbox.gateway._usage import Usage, write_usage
-from agentbox.launcher import Launcher, TaskRequest, _finish, _runner
+from agentbox.gateway._handshake import HANDSHAKE_VERSION
+from agentbox.launcher import Launcher, TaskRequest, _finish
 from agentbox.launcher._store import Store
+from fake_launcher import GATEWAYS, HANDSHAKE, Frozen
 from git_helpers import git
+
+#: The harness's fixtures (tests/fake_launcher.py), bound here so pytest finds them.
+fake, repo, _repo_template = fake_launcher.fake, fake_launcher.repo, fake_launcher._repo_template
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the launcher chowns the workspace to the sandbox uid (root)"
 )
-
-#: The handshake version the next stand-in gateway writes (None: it writes none).
-HANDSHAKE: dict[str, int | None] = {"v": HANDSHAKE_VERSION}
-
-
-class _Gateway(GatewayHandle):
-    """A stand-in gateway: a real process in its own group whose command line names a
-    gateway on the task's socket, a real socket, the usage file and its handshake
-    (written for the stand-in's pid, as the real gateway writes its own)."""
-
-    def __init__(self, *, socket_path: Path, usage_file: Path, model: str, budget: int) -> None:
-        argv = [sys.executable, "-c", "import time; time.sleep(600)", "agentbox.gateway",
-                "--listen", f"unix:{socket_path}"]  # fmt: skip
-        proc = subprocess.Popen(argv, start_new_session=True)
-        super().__init__(proc, socket_path=socket_path, usage_file=usage_file, log_file=None)
-        self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(str(socket_path))
-        write_usage(usage_file, Usage(model=model, budget=budget))
-        if HANDSHAKE["v"] is not None:
-            write_handshake(usage_file.parent)
-            hs = usage_file.parent / "gateway.json"
-            text = hs.read_text().replace(f'"pid": {os.getpid()}', f'"pid": {proc.pid}')
-            hs.write_text(text.replace(f'"v": {HANDSHAKE_VERSION}', f'"v": {HANDSHAKE["v"]}'))
-
-    def stop(self, grace: float = 5.0) -> int | None:
-        self.listener.close()
-        return super().stop(grace=min(grace, 1.0))
-
-
-GATEWAYS: list[_Gateway] = []
-
-
-def _spawn_gateway(**kw: Any) -> GatewayHandle:
-    gw = _Gateway(socket_path=kw["socket_path"], usage_file=kw["usage_file"],
-                  model=kw["model"], budget=kw["budget"])  # fmt: skip
-    GATEWAYS.append(gw)
-    return gw
-
-
-class _Frozen(BaseException):
-    """Raised in a frozen ("dead") launcher's worker when the test ends: it acts no more."""
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeBackend]]:
-    FakeBackend.reset()
-    GATEWAYS.clear()
-    HANDSHAKE["v"] = HANDSHAKE_VERSION
-    monkeypatch.setattr(_runner, "spawn_gateway", _spawn_gateway)
-    with FakeBackend.installed_as("podman"):
-        yield FakeBackend
-    for gw in GATEWAYS:
-        gw.stop()
-    assert FakeBackend.live_names() == [], "a fake sandbox survived its task"
-    FakeBackend.reset()
-
-
-@pytest.fixture
-def repo(settings: Settings) -> Path:
-    path = settings.repos_root / "proj"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main")
-    (path / "README.md").write_text("hello\n")
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "init")
-    return path
 
 
 @pytest.fixture
@@ -115,7 +50,7 @@ def freezer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], th
     ``where`` for that task and the returned event is set. Points: ``launch`` (the
     launch recorded, the sandbox not made), ``launched`` (the sandbox started, not
     followed), ``publish`` (collecting, before publishing), ``published`` (collecting,
-    published, not marked done). Released (``_Frozen``) at the end."""
+    published, not marked done). Released (``Frozen``) at the end."""
     release = threading.Event()
     frozen: dict[tuple[str, str], threading.Event] = {}
     calls: dict[str, int] = {}
@@ -126,7 +61,7 @@ def freezer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], th
         if reached is not None:
             reached.set()
             release.wait(120)
-            raise _Frozen
+            raise Frozen
 
     def launch(self: FakeBackend, spec: Any, argv: Sequence[str], *, log: Path) -> None:
         tid = spec.name.removeprefix("agentbox-task-")
