@@ -57,6 +57,8 @@ def test_hooks_dir_is_written_once_read_only_and_names_every_cap(tmp_path: Path)
     assert script.stat().st_mode & 0o777 == 0o555
     assert cfg_path.stat().st_mode & 0o777 == 0o444
     assert set(args[2:]) == {f"{k}={v}" for k, v in SANDBOX_CAPS.items()}
+    # runc's 10 s default failed starts when 40 sandboxes started at once on 2 cores.
+    assert cfg["hook"]["timeout"] >= 60
 
 
 def _hook(tmp_path: Path, state: str, *args: str) -> subprocess.CompletedProcess[str]:

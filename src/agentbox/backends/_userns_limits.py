@@ -153,12 +153,18 @@ def host_shortfall(proc_sys: Path = Path("/proc/sys")) -> dict[str, tuple[int, i
     return short
 
 
+#: Seconds runc lets the hook run before it fails the container's start. The hook takes
+#: milliseconds, but 40 sandboxes starting at once on 2 cores starved it past runc's
+#: 10 s default (bench/density.py N=40: "hook ran past specified timeout of 10.0s").
+HOOK_TIMEOUT = 60
+
+
 def _hook_config(script: Path) -> dict[str, object]:
     args = ["sh", str(script)] + [f"{k}={v}" for k, v in sorted(SANDBOX_CAPS.items())]
     # "always": the hooks dir is ours, passed only on agentbox's own `podman run`s.
     return {
         "version": "1.0.0",
-        "hook": {"path": "/bin/sh", "args": args, "timeout": 10},
+        "hook": {"path": "/bin/sh", "args": args, "timeout": HOOK_TIMEOUT},
         "when": {"always": True},
         "stages": ["prestart"],
     }
@@ -170,7 +176,7 @@ def hooks_dir(cache_dir: Path) -> Path:
     The hook script (:data:`HOOK_SCRIPT`) is root-owned and read-only: runc runs it
     as root. A path another user could have written is refused.
     """
-    config_key = json.dumps(sorted(SANDBOX_CAPS.items())).encode()
+    config_key = json.dumps([sorted(SANDBOX_CAPS.items()), HOOK_TIMEOUT]).encode()
     digest = hashlib.sha256(HOOK_SCRIPT.encode() + config_key).hexdigest()[:16]
     root = cache_dir / "oci-hooks" / digest
     hooks = root / "hooks.d"
