@@ -12,7 +12,6 @@ the deadline, an exhausted budget, reconcile after a crash, both publish paths.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import fake_launcher
 from agentbox.backends.fake import FakeBackend, FakeSandbox, FakeScript
 from agentbox.config import Settings
 from agentbox.errors import SandboxError
@@ -72,23 +72,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeBackend]]:
     FakeBackend.reset()
 
 
-@pytest.fixture(scope="module")
-def _repo_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One real repo made with git once per module; each test gets a copy of it."""
-    path = tmp_path_factory.mktemp("template") / "proj"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main")
-    (path / "README.md").write_text("hello\n")
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "init")
-    return path
-
-
-@pytest.fixture
-def repo(settings: Settings, _repo_template: Path) -> Path:
-    path = settings.repos_root / "proj"
-    shutil.copytree(_repo_template, path, symlinks=True)
-    return path
+#: One real repo made with git once per module, a copy per test (tests/fake_launcher.py).
+repo, _repo_template = fake_launcher.repo, fake_launcher._repo_template
 
 
 @pytest.fixture
