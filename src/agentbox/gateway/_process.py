@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from agentbox._cgroups import unit_hierarchies
 from agentbox._log import get_logger
 from agentbox._service import ServiceHandle, wait_ready
 from agentbox._wait import socket_accepts, wait_until
@@ -61,21 +62,8 @@ GATEWAY_UID_OFFSET = 65536 + 2
 GATEWAY_CGROUP = "agentbox-gateways"
 
 
-def _unit_hierarchies() -> dict[str, Path]:
-    """The mount points of the hierarchies systemd tracks a unit by: ``name=systemd``
-    (cgroup v1) and the unified one (``0``), as this process sees them."""
-    found: dict[str, Path] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            pre, _, post = line.partition(" - ")
-            fields, tail = pre.split(), post.split()
-            if len(fields) < 5 or len(tail) < 3:
-                continue
-            if tail[0] == "cgroup2":
-                found.setdefault("0", Path(fields[4]))
-            elif tail[0] == "cgroup" and "name=systemd" in tail[2].split(","):
-                found.setdefault("name=systemd", Path(fields[4]))
-    return found
+#: The hierarchies systemd kills a unit by, as this process sees them.
+_unit_hierarchies = unit_hierarchies
 
 
 def leave_unit_cgroup(pid: int) -> list[str]:

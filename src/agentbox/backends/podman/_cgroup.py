@@ -25,18 +25,16 @@ left to podman (a ``cpuset`` cgroup made by us would have no cpus or mems).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from agentbox._cgroups import UNIT_KEYS, cgroups_of
+from agentbox._cgroups import cgroup_mounts as _cgroup_mounts
 from agentbox._log import get_logger
 
 __all__ = ["born_outside", "cgroups_of", "place_conmon"]
 
 logger = get_logger("podman.cgroup")
-
-#: The hierarchies systemd tracks a unit by (keys of :func:`cgroups_of`).
-UNIT_KEYS = ("name=systemd", "0")
 
 #: ``sh -c`` script: enter each cgroup.procs file named before ``--``, then exec the rest.
 #: A file it cannot enter is said on stderr and skipped (place_conmon then moves conmon).
@@ -45,38 +43,6 @@ _ENTER = (
     '{ echo $$ > "$1"; } 2>/dev/null || echo "agentbox: could not enter $1" >&2; shift; '
     'done; shift; exec "$@"'
 )
-
-
-def _cgroup_mounts() -> dict[str, Path]:
-    """Hierarchy key (``0`` for cgroup2, else its controllers or ``name=…``) → mount point."""
-    found: dict[str, Path] = {}
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return found
-    for line in lines:
-        pre, _, post = line.partition(" - ")
-        fields, tail = pre.split(), post.split()
-        if len(fields) < 5 or len(tail) < 3:
-            continue
-        if tail[0] == "cgroup2":
-            found.setdefault("0", Path(fields[4]))
-        elif tail[0] == "cgroup":
-            opts = [o for o in tail[2].split(",") if o not in ("rw", "ro", "relatime")]
-            for o in opts:
-                found.setdefault(o, Path(fields[4]))
-    return found
-
-
-def cgroups_of(pid: int | str) -> dict[str, str]:
-    """``/proc/<pid>/cgroup`` as hierarchy key → path (key: ``0`` or the first controller)."""
-    out: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-            num, ctrls, path = ([*line.split(":", 2), "", ""])[:3]
-            key = "0" if num == "0" and not ctrls else ctrls.split(",")[0]
-            out[key] = path
-    return out
 
 
 def place_conmon(pid: int) -> list[str]:

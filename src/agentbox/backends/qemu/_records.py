@@ -34,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from agentbox._cgroups import unit_hierarchies
 from agentbox._log import get_logger
 from agentbox.backends.base import SandboxSpec, data_dir_label
 from agentbox.config import Settings
@@ -228,17 +229,7 @@ def monitor_of(rec: Mapping[str, Any]) -> psutil.Process | None:
 def _unit_homes() -> list[Path]:
     """``cgroup.procs`` of :data:`UNIT_FREE_CGROUP` in each hierarchy systemd tracks a
     unit by (``name=systemd``, unified) where this process sits below the root."""
-    mounts: dict[str, Path] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            pre, _, post = line.partition(" - ")
-            fields, tail = pre.split(), post.split()
-            if len(fields) < 5 or len(tail) < 3:
-                continue
-            if tail[0] == "cgroup2":
-                mounts.setdefault("0", Path(fields[4]))
-            elif tail[0] == "cgroup" and "name=systemd" in tail[2].split(","):
-                mounts.setdefault("name=systemd", Path(fields[4]))
+    mounts = unit_hierarchies()
     homes = []
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/cgroup").read_text().splitlines():

@@ -1,0 +1,56 @@
+"""The host's cgroup hierarchies as this process sees them (stdlib only).
+
+One reading of ``/proc/self/mountinfo`` and ``/proc/<pid>/cgroup`` for the three
+places that move a process of ours out of the launcher's systemd unit before a unit
+stop can reach it: podman's conmon (``backends.podman._cgroup``), a detached microVM's
+monitor (``backends.qemu._records``) and the per-task gateway (``gateway._process``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+__all__ = ["UNIT_KEYS", "cgroup_mounts", "cgroups_of", "unit_hierarchies"]
+
+#: The hierarchies systemd tracks (and kills) a unit by: cgroup v1's ``name=systemd``
+#: and the unified one (``0``), as keys of :func:`cgroup_mounts` and :func:`cgroups_of`.
+UNIT_KEYS = ("name=systemd", "0")
+
+
+def cgroup_mounts() -> dict[str, Path]:
+    """Hierarchy key (``0`` for cgroup2, else each controller or ``name=…``) → mount point."""
+    found: dict[str, Path] = {}
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        pre, _, post = line.partition(" - ")
+        fields, tail = pre.split(), post.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        if tail[0] == "cgroup2":
+            found.setdefault("0", Path(fields[4]))
+        elif tail[0] == "cgroup":
+            for opt in tail[2].split(","):
+                if opt not in ("rw", "ro", "relatime"):
+                    found.setdefault(opt, Path(fields[4]))
+    return found
+
+
+def cgroups_of(pid: int | str) -> dict[str, str]:
+    """``/proc/<pid>/cgroup`` as hierarchy key → path (key: ``0`` or the first controller)."""
+    out: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            num, ctrls, path = ([*line.split(":", 2), "", ""])[:3]
+            key = "0" if num == "0" and not ctrls else ctrls.split(",")[0]
+            out[key] = path
+    return out
+
+
+def unit_hierarchies() -> dict[str, Path]:
+    """The mount points of the :data:`UNIT_KEYS` hierarchies this process sees."""
+    mounts = cgroup_mounts()
+    return {key: mounts[key] for key in UNIT_KEYS if key in mounts}
