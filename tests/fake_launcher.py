@@ -14,18 +14,20 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agentbox._wait import wait_until
 from agentbox.backends.fake import FakeBackend
 from agentbox.config import Settings
 from agentbox.gateway import GatewayHandle
 from agentbox.gateway._handshake import HANDSHAKE_VERSION, write_handshake
 from agentbox.gateway._usage import Usage, write_usage
-from agentbox.launcher import _runner
+from agentbox.launcher import Launcher, TaskRequest, _runner
+from agentbox.launcher._store import Store
 from git_helpers import git
 
 #: The handshake version the next stand-in gateway writes (None: it writes none, as a
@@ -104,3 +106,28 @@ def repo(settings: Settings, _repo_template: Path) -> Path:
     path = settings.repos_root / "proj"
     shutil.copytree(_repo_template, path, symlinks=True)
     return path
+
+
+def dead_owner(store: Store, *task_ids: str) -> None:
+    """The crash: the owner recorded for these tasks is now a process that is gone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for tid in task_ids:
+        store.update(tid, owner_pid=dead.pid, owner_start=1.0)
+
+
+def submit(la: Launcher, repo: Path, task_id: str, **kw: Any) -> str:
+    return la.submit(TaskRequest(repo=str(repo), task="do it", task_id=task_id, **kw)).id
+
+
+def transcript(settings: Settings, tid: str) -> str:
+    return (settings.data_dir / "tasks" / tid / "logs" / "launcher.log").read_text()
+
+
+def launches(name: str) -> int:
+    """How often the fake launched sandbox ``name``."""
+    return sum(1 for verb, n in FakeBackend.events if verb == "launch" and n == name)
+
+
+def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    wait_until(cond, timeout=timeout, on_timeout=lambda: AssertionError("condition not reached"))

@@ -18,9 +18,7 @@ its tasks' recorded owner becomes a process that is gone.
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,9 +29,13 @@ import fake_launcher
 from agentbox.backends.fake import FakeBackend, FakeSandbox, FakeScript
 from agentbox.config import Settings
 from agentbox.gateway._handshake import HANDSHAKE_VERSION
-from agentbox.launcher import Launcher, TaskRequest, _finish
-from agentbox.launcher._store import Store
+from agentbox.launcher import Launcher, _finish
 from fake_launcher import GATEWAYS, HANDSHAKE, Frozen
+from fake_launcher import dead_owner as _dead_owner
+from fake_launcher import launches as _launches
+from fake_launcher import submit as _submit
+from fake_launcher import transcript as _transcript
+from fake_launcher import until as _until
 from git_helpers import git
 
 #: The harness's fixtures (tests/fake_launcher.py), bound here so pytest finds them.
@@ -89,35 +91,8 @@ def freezer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], th
     release.set()
 
 
-def _dead_owner(store: Store, *task_ids: str) -> None:
-    """The crash: the owner recorded for these tasks is now a process that is gone."""
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    for tid in task_ids:
-        store.update(tid, owner_pid=dead.pid, owner_start=1.0)
-
-
 def _new_id(n: int) -> str:
     return f"t-paths{n:02d}-{os.getpid()}"
-
-
-def _submit(la: Launcher, repo: Path, task_id: str) -> str:
-    return la.submit(TaskRequest(repo=str(repo), task="do it", task_id=task_id)).id
-
-
-def _transcript(settings: Settings, tid: str) -> str:
-    return (settings.data_dir / "tasks" / tid / "logs" / "launcher.log").read_text()
-
-
-def _launches(name: str) -> int:
-    return sum(1 for verb, n in FakeBackend.events if verb == "launch" and n == name)
-
-
-def _until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("where", ["publish", "published"])
