@@ -37,7 +37,6 @@ import hmac
 import json
 import os
 import re
-import secrets
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
@@ -48,6 +47,7 @@ import psutil
 
 from agentbox import _proc
 from agentbox._log import get_logger
+from agentbox.backends._detached import check_launch, detach_key
 from agentbox.backends._k8slog import LogReader, exit_marker, read_exit, write_exit
 from agentbox.backends._oci_args import (
     check_spec,
@@ -70,7 +70,7 @@ from agentbox.backends.base import (
 from agentbox.backends.podman._cgroup import born_outside, place_conmon
 from agentbox.backends.podman._pool_view import pool_log, pool_view
 from agentbox.config import Settings
-from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxError, SandboxGone
+from agentbox.errors import AgentboxError, CommandError, SandboxError, SandboxGone
 
 __all__ = [
     "DEADLINE_LABEL",
@@ -118,10 +118,7 @@ class PodmanDetached:
         follower's. A name that exists already is refused (``SandboxError``) and
         nothing of that sandbox is touched.
         """
-        if not argv:
-            raise ConfigError("launch needs a command")
-        if not log.is_absolute() or not log.parent.is_dir():
-            raise ConfigError(f"the sandbox log must be an absolute path in a directory: {log}")
+        check_launch(argv, log)
         facts = check_spec(spec, subid_base=self.settings.subid_base)
         assert facts is not None
         spec = self._labels(spec)
@@ -353,21 +350,8 @@ def log_event(what: str, name: str, **kw: object) -> None:
 def seal(settings: Settings, name: str) -> str:
     """HMAC-SHA256 of ``name`` and the data dir under ``data_dir/detach.key`` (0600, made
     on first use): a container labelled by hand, or by another data dir, lacks it."""
-    path = settings.data_dir / "detach.key"
-    try:
-        key = path.read_bytes()
-    except FileNotFoundError:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            key = path.read_bytes()
-        else:
-            key = secrets.token_bytes(32)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(key)
     msg = f"{name}\0{data_dir_label(settings.data_dir)}".encode()
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
+    return hmac.new(detach_key(settings), msg, hashlib.sha256).hexdigest()[:32]
 
 
 def inspect(name: str) -> dict[str, Any] | None:

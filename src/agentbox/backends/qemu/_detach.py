@@ -40,6 +40,7 @@ import psutil
 
 from agentbox import _proc
 from agentbox._log import get_logger
+from agentbox.backends._detached import check_launch
 from agentbox.backends._k8slog import LogReader, exit_marker, read_exit, write_exit
 from agentbox.backends.base import (
     OWNER_DATA_LABEL,
@@ -57,7 +58,7 @@ from agentbox.backends.qemu._records import (
     record_path,
 )
 from agentbox.config import Settings
-from agentbox.errors import AgentboxError, ConfigError, SandboxError, SandboxGone
+from agentbox.errors import AgentboxError, SandboxError, SandboxGone
 
 __all__ = ["DEADLINE_GRACE", "LAUNCH_TIMEOUT", "QemuDetached"]
 
@@ -91,10 +92,7 @@ class QemuDetached:
         runs the command. Output past :data:`~agentbox.backends.base.MAX_LOG_BYTES` is
         dropped (the first part is kept, the cut noted). A name with a live record is
         refused (``SandboxError``) and nothing of that sandbox is touched."""
-        if not argv:
-            raise ConfigError("launch needs a command")
-        if not log.is_absolute() or not log.parent.is_dir():
-            raise ConfigError(f"the sandbox log must be an absolute path in a directory: {log}")
+        check_launch(argv, log)
         self.check(spec)
         spec = spec.replace(
             labels={**spec.labels, OWNER_DATA_LABEL: data_dir_label(self.settings.data_dir)}

@@ -36,6 +36,7 @@ import psutil
 
 from agentbox._cgroups import unit_hierarchies
 from agentbox._log import get_logger
+from agentbox.backends._detached import detach_key
 from agentbox.backends.base import SandboxSpec, data_dir_label
 from agentbox.config import Settings
 from agentbox.errors import SandboxGone
@@ -109,25 +110,9 @@ class Identity:
         return proc
 
 
-def _key(settings: Settings) -> bytes:
-    path = settings.data_dir / "detach.key"
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            return path.read_bytes()
-        key = secrets.token_bytes(32)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(key)
-        return key
-
-
 def _seal(settings: Settings, body: Mapping[str, Any]) -> str:
     msg = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(_key(settings), msg, hashlib.sha256).hexdigest()
+    return hmac.new(detach_key(settings), msg, hashlib.sha256).hexdigest()
 
 
 def record_path(settings: Settings, name: str) -> Path:
