@@ -43,9 +43,9 @@ import psutil
 import pytest
 
 from agentbox import _host
+from agentbox._cgroups import unit_hierarchies
 from agentbox.config import Settings
 from agentbox.gateway import read_usage
-from agentbox.gateway._process import _unit_hierarchies
 from agentbox.launcher import LauncherClient, TaskRequest
 from agentbox.launcher._names import data_label, list_task_gateways
 from agentbox.launcher._store import Store
@@ -114,7 +114,7 @@ class UnitCgroup:
     """A ``….service`` cgroup in the hierarchies systemd tracks units by, as a unit's."""
 
     def __init__(self, name: str) -> None:
-        mounts = _unit_hierarchies()
+        mounts = unit_hierarchies()
         mine = Path("/proc/self/cgroup").read_text()
         # Only where this process sits at a hierarchy's root (no unit of ours to disturb).
         self.dirs = [

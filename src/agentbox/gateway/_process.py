@@ -62,10 +62,6 @@ GATEWAY_UID_OFFSET = 65536 + 2
 GATEWAY_CGROUP = "agentbox-gateways"
 
 
-#: The hierarchies systemd kills a unit by, as this process sees them.
-_unit_hierarchies = unit_hierarchies
-
-
 def leave_unit_cgroup(pid: int) -> list[str]:
     """Move ``pid`` out of this process's systemd service cgroup (``*.service``) into
     :data:`GATEWAY_CGROUP`, in each hierarchy systemd kills a unit by; return those moved.
@@ -73,7 +69,7 @@ def leave_unit_cgroup(pid: int) -> list[str]:
     Nothing moves where this process is not in a service's cgroup (a shell, a test,
     a container): only a unit's own cgroup is left, never another controller's.
     """
-    mounts = _unit_hierarchies()
+    mounts = unit_hierarchies()
     moved = []
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/cgroup").read_text().splitlines():
