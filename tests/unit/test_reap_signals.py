@@ -19,6 +19,11 @@ import signal, sys, time
 from pathlib import Path
 from agentbox._reap import exit_on_signals
 held = Path(sys.argv[1])
+# Start from the dispositions a process started by an interactive shell has, whatever
+# this test's own parent ignores (a CI runner started in the background ignores INT).
+for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1"):
+    signal.signal(getattr(signal, name), signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if sys.argv[2] == "nohup":
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 with exit_on_signals():
