@@ -1,8 +1,10 @@
 """ "Nothing survived": what a destroyed sandbox may not leave on the host, checked.
 
 A :class:`SandboxTracker` wraps one backend in a test: every sandbox it makes
-(``create``) or runs (``run``) is remembered, with the host pids and cgroups it
-had while alive. :meth:`SandboxTracker.leftovers` then looks on the host, by
+(``create``), runs (``run``), launches detached (``launch``) or pools
+(``fill_pool``) is remembered, with the host pids and cgroups it had while
+alive; one made elsewhere (by a launcher, adopted by name) is registered with
+``track(name, box=None)``. :meth:`SandboxTracker.leftovers` then looks on the host, by
 the sandbox's name and by what was recorded, for
 
 * a **process**: a recorded pid still running (same start time), or any process
@@ -113,6 +115,28 @@ class SandboxTracker:
     def run(self, spec: SandboxSpec, argv: Sequence[str], **kw: Any) -> ExecResult:
         self.seen.setdefault(spec.name, _Seen(spec.name))
         return self.backend.run(spec, argv, **kw)
+
+    def launch(self, spec: SandboxSpec, argv: Sequence[str], *, log: Path) -> None:
+        """``backend.launch`` (detached), the sandbox remembered by name."""
+        self.seen.setdefault(spec.name, _Seen(spec.name))
+        self.backend.launch(spec, argv, log=log)
+
+    def fill_pool(self, template: SandboxSpec, size: int, *, ttl: float) -> list[str]:
+        """``backend.fill_pool``, every pooled sandbox remembered by name."""
+        names = self.backend.fill_pool(template, size, ttl=ttl)
+        for name in names:
+            self.track(name)
+        return names
+
+    def track(self, name: str, box: Sandbox | None = None) -> None:
+        """Remember a sandbox made elsewhere (by a launcher, detached, pooled, adopted
+        by name): its name is checked like the others'. Given ``box`` (live), its host
+        pids and cgroups are recorded too, and it is destroyed on :meth:`close`.
+        Calling it again for the same name records more pids."""
+        seen = self.seen.setdefault(name, _Seen(name))
+        if box is not None:
+            seen.box = box
+            self._record(seen, box)
 
     def _record(self, seen: _Seen, box: Sandbox) -> None:
         try:

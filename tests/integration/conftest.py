@@ -4,11 +4,8 @@
 content hash: seconds when nothing changed, a full build otherwise. Tests that
 use it must be marked ``podman``.
 
-``sandbox_factory`` makes the tracker every backend test makes its sandboxes
-through: after the test it asserts that nothing of them survived (process,
-cgroup, container, VM dir, socket, env fd; see ``tests/sandbox_leaks.py``), and
-on a failure :func:`pytest_runtest_makereport` saves their posture and logs
-under ``$AGENTBOX_TEST_ARTIFACTS`` (default ``/var/tmp/agentbox-test-artifacts``).
+``sandbox_factory`` and ``module_sandbox_factory`` (the leak guard every backend
+test makes its sandboxes through) live in ``tests/conftest.py``, so e2e sees them.
 
 The sandbox fixtures give each test settings whose data dir and mount root
 live under a 0711 scratch root, because runsc's gofer opens bind-mount
@@ -17,9 +14,7 @@ sources as the mapped container root (host uid ``subid_base``), not as root.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -28,9 +23,7 @@ from pathlib import Path
 import pytest
 
 from agentbox import _host
-from agentbox.backends.base import Backend
 from agentbox.config import Settings
-from sandbox_leaks import SandboxTracker, active_trackers
 
 #: OCI runtimes podman can use on this host (crun is refused on cgroups v1/hybrid).
 PODMAN_RUNTIMES = [rt for rt in ("runc", "crun", "runsc") if _host.podman_runtime(rt).ok]
@@ -96,44 +89,3 @@ def settings_factory(sandbox_root: Path) -> Callable[[], Settings]:
 def workspace_factory() -> Callable[[Settings], Path]:
     """Session-scoped :func:`new_workspace`."""
     return new_workspace
-
-
-#: Where a failed backend test's sandbox posture and logs are saved.
-ARTIFACTS = Path(os.environ.get("AGENTBOX_TEST_ARTIFACTS", "/var/tmp/agentbox-test-artifacts"))
-
-
-@pytest.fixture
-def sandbox_factory() -> Iterator[Callable[[Backend, Settings], SandboxTracker]]:
-    """Make a :class:`~sandbox_leaks.SandboxTracker` for a backend; after the test, assert
-    that no process, cgroup, container, VM dir, socket or env fd of its sandboxes remains."""
-    made: list[SandboxTracker] = []
-
-    def make(backend: Backend, settings: Settings) -> SandboxTracker:
-        tracker = SandboxTracker(backend, settings)
-        made.append(tracker)
-        return tracker
-
-    yield make
-    try:
-        for tracker in made:
-            tracker.assert_clean()
-    finally:
-        for tracker in made:
-            tracker.close()
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """On a failed test, save the posture, host pids and logs of its sandboxes."""
-    rep = yield
-    if rep.failed and call.when in ("setup", "call") and active_trackers():  # type: ignore[attr-defined]
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid)[-150:]
-        into = ARTIFACTS / f"{safe}-{call.when}"
-        saved: list[Path] = []
-        for tracker in active_trackers():
-            with contextlib.suppress(Exception):
-                saved += tracker.save_artifacts(into)
-        rep.sections.append(  # type: ignore[attr-defined]
-            ("agentbox sandbox artifacts", f"{len(saved)} file(s) saved in {into}")
-        )
-    return rep  # type: ignore[no-any-return]
