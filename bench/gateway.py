@@ -20,6 +20,16 @@ DIR`` runs a second measured gateway from another source tree (e.g. ``git archiv
 of an older commit) in the same run, interleaved round by round, for a
 before/after in one table. Everything started is stopped in a ``finally``.
 
+Where the time goes (issue 15): each row also reports, for the measured gateway
+during its own rounds, its CPU per request and its threads' run-queue wait per
+request (/proc/<pid>/task/*/schedstat: ns runnable but not on a CPU), and the
+machine's runnable count (/proc/stat procs_running, sampled every 20 ms). Control
+rows (``--control``) repeat the 4-stream series with the measured gateway alone at
+nice -20 or SCHED_FIFO, and with the whole measured path (client, replay models,
+gateway) at SCHED_FIFO: if the added latency falls to about the gateway's own CPU
+per request, the rest was waiting for a core. Bench-only: the product never raises
+a gateway above other tasks'.
+
     .venv/bin/python bench/gateway.py [--requests 400] [--busy 20] [--compare-src DIR]
 """
 
@@ -39,7 +49,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 SCRIPT = """
 name: bench
@@ -216,9 +228,97 @@ def start_busy(
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far (from /proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time all of a process's threads have used so far (schedstat: ns, not clock ticks)."""
+    return sum(v[0] for v in Sched(pid).snap().values()) / 1e9
+
+
+def add(a: tuple[int, int, int], b: tuple[int, int, int], sign: int = 1) -> tuple[int, int, int]:
+    return (a[0] + sign * b[0], a[1] + sign * b[1], a[2] + sign * b[2])
+
+
+class Sched:
+    """Scheduler accounting of one process, summed over its threads (/proc/<pid>/task/*/schedstat).
+
+    schedstat's fields: ns on a CPU, ns runnable but waiting for one (run-queue wait),
+    and timeslices. Per thread too, so the event loop's thread can be told from the
+    usage file's writer."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def snap(self) -> dict[str, tuple[int, int, int]]:
+        out: dict[str, tuple[int, int, int]] = {}
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            try:
+                f = (task / "schedstat").read_text().split()
+                comm = (task / "comm").read_text().strip()
+            except OSError:  # a thread that just ended
+                continue
+            key = "main" if task.name == str(self.pid) else f"thread:{comm}"
+            run, wait, slices = out.get(key, (0, 0, 0))
+            out[key] = (run + int(f[0]), wait + int(f[1]), slices + int(f[2]))
+        return out
+
+    @staticmethod
+    def delta(
+        a: dict[str, tuple[int, int, int]], b: dict[str, tuple[int, int, int]]
+    ) -> dict[str, tuple[int, int, int]]:
+        keys = set(a) | set(b)
+        z = (0, 0, 0)
+        return {k: add(b.get(k, z), a.get(k, z), -1) for k in keys}
+
+
+class LoadSampler:
+    """Samples the machine's runnable count (/proc/stat procs_running) every 20 ms while on."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[int] = []
+        self._on = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._on.wait(0.2)
+            if self._on.is_set():
+                for line in Path("/proc/stat").read_text().splitlines():
+                    if line.startswith("procs_running"):
+                        self.samples.append(int(line.split()[1]))
+                time.sleep(0.02)
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        self._on.set()
+        try:
+            yield
+        finally:
+            self._on.clear()
+
+    def take(self) -> list[int]:
+        out, self.samples = self.samples, []
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._on.set()
+        self._thread.join(5)
+
+
+def boost(pid: int, how: str) -> None:
+    """Raise (``nice``: -20; ``fifo``: SCHED_FIFO 1) or reset (``normal``) every thread of pid.
+
+    For the control row only: the product never runs its gateway above other tasks'."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        tid = int(task.name)
+        with contextlib.suppress(ProcessLookupError):
+            if how == "fifo":
+                os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
+            else:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, tid, -20 if how == "nice" else 0)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -237,6 +337,13 @@ def main() -> None:
     ap.add_argument("--busy-rate", type=float, default=50.0, help="SSE events/s per busy stream")
     ap.add_argument("--compare-src", type=Path, help="also measure a gateway from this src dir")
     ap.add_argument("--clients", default="1,4,64", help="concurrent streams per series")
+    ap.add_argument(
+        "--control",
+        default="nice,fifo,path",
+        help="control rows: the measured gateway at nice -20 or SCHED_FIFO, or (path) the "
+        "whole measured path at SCHED_FIFO ('' for none)",
+    )
+    ap.add_argument("--control-clients", type=int, default=4)
     ap.add_argument("--busy-clients", help=argparse.SUPPRESS)
     ap.add_argument("--token-file", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -293,21 +400,37 @@ def main() -> None:
         if args.upstream_cpu >= 0:
             os.sched_setaffinity(up.pid, {args.upstream_cpu % ncpu})
         load0 = os.getloadavg()
+        sampler = LoadSampler()
+        sched = Sched(gw.pid)
         rows = []
-        for clients in (int(c) for c in args.clients.split(",")):
+
+        def series(clients: int, control: str = "") -> dict[str, Any]:
             per = max(40, args.requests // clients)
             d: list[float] = []
             g: list[float] = []
             o: list[float] = []
+            sched_d: dict[str, tuple[int, int, int]] = {}
             # Interleave direct and gateway rounds so load changes hit both alike.
             rounds = 5
             for _ in range(rounds):
                 d += asyncio.run(latencies(up_port, token, clients, max(1, per // rounds)))
-                g += asyncio.run(latencies(gw_port, token, clients, max(1, per // rounds)))
+                s0 = sched.snap()
+                with sampler.measuring():
+                    g += asyncio.run(latencies(gw_port, token, clients, max(1, per // rounds)))
+                for k, v in Sched.delta(s0, sched.snap()).items():
+                    sched_d[k] = add(sched_d.get(k, (0, 0, 0)), v)
                 if old is not None:
                     o += asyncio.run(latencies(old_port, token, clients, max(1, per // rounds)))
+            # Each measured request is one warm-up-free call; the warm-up call per client
+            # per round also ran through the gateway.
+            n_gw = len(g) + clients * rounds
+            run_ns = sum(v[0] for v in sched_d.values())
+            wait_ns = sum(v[1] for v in sched_d.values())
+            _, main_wait, main_slices = sched_d.get("main", (0, 0, 0))
+            running = sampler.take()
             row = {
                 "clients": clients,
+                "control": control or "-",
                 "n": len(d),
                 "direct_p50_ms": pct(d, 50),
                 "gateway_p50_ms": pct(g, 50),
@@ -317,11 +440,41 @@ def main() -> None:
                 "added_p99_ms": pct(g, 99) - pct(d, 99),
                 "direct_mean_ms": statistics.mean(d) * 1000,
                 "gateway_mean_ms": statistics.mean(g) * 1000,
+                # The gateway process during its rounds: CPU it used and time its threads
+                # sat runnable waiting for a CPU, per request (all threads; main = the loop).
+                "gw_cpu_ms_per_req": run_ns / n_gw / 1e6,
+                "gw_wait_ms_per_req": wait_ns / n_gw / 1e6,
+                "gw_loop_wait_ms_per_req": main_wait / n_gw / 1e6,
+                "gw_loop_wait_ms_per_slice": main_wait / max(1, main_slices) / 1e6,
+                "gw_req_per_cpu_s": n_gw / (run_ns / 1e9) if run_ns else float("nan"),
+                "gw_threads": {k: [v[0] / 1e6, v[1] / 1e6, v[2]] for k, v in sched_d.items()},
+                "procs_running_mean": statistics.mean(running) if running else float("nan"),
+                "procs_running_max": max(running, default=0),
+                "loadavg_1m": os.getloadavg()[0],
             }
             if o:
                 row |= {"compare_added_p50_ms": pct(o, 50) - pct(d, 50),
                         "compare_added_p99_ms": pct(o, 99) - pct(d, 99)}  # fmt: skip
-            rows.append(row)
+            return row
+
+        for clients in (int(c) for c in args.clients.split(",")):
+            rows.append(series(clients))
+        for how in [c for c in args.control.split(",") if c]:
+            # The control: the same streams with the measured gateway (only) above its
+            # neighbours. If its added latency falls to about its own CPU per request, the
+            # rest was waiting for a core, not work of the gateway's.
+            # ``path``: FIFO for every process of the measured path (this client, both
+            # replay models, the gateway), so what is left of the added latency is the
+            # gateway's own work with no queueing in front of any hop.
+            boosted = [gw.pid] + ([os.getpid(), up.pid, gw_up.pid] if how == "path" else [])
+            for pid in boosted:
+                boost(pid, "fifo" if how == "path" else how)
+            try:
+                rows.append(series(args.control_clients, control=how))
+            finally:
+                for pid in boosted:
+                    boost(pid, "normal")
+        sampler.close()
         rds, rgs = [], []
         gw_cpu = up_cpu_direct = old_cpu = 0.0
         n_rate = (args.rate_requests // 3 // 16) * 16
@@ -375,18 +528,30 @@ def main() -> None:
     print("\nstreaming latency (full stream, ms)\n")
     cmp = args.compare_src is not None
     extra = " compare added p50 | compare added p99 |" if cmp else ""
-    head = "| clients | n | direct p50 | gw p50 | added p50 | direct p99 | gw p99 | added p99 |"
+    head = ("| clients | control | n | direct p50 | gw p50 | added p50 | direct p99 | gw p99 "
+            "| added p99 | gw CPU/req | gw run-queue wait/req (loop thread) | req/CPU-s "
+            "| runnable mean/max |")  # fmt: skip
     print(head + extra)
-    print("|---:" * (8 + 2 * cmp) + "|")
+    print("|---:" * (13 + 2 * cmp) + "|")
     for r in rows:
         line = (
-            f"| {r['clients']} | {r['n']} | {r['direct_p50_ms']:.2f} | {r['gateway_p50_ms']:.2f} "
-            f"| {r['added_p50_ms']:.2f} | {r['direct_p99_ms']:.2f} | {r['gateway_p99_ms']:.2f} "
-            f"| {r['added_p99_ms']:.2f} |"
+            f"| {r['clients']} | {r['control']} | {r['n']} | {r['direct_p50_ms']:.2f} "
+            f"| {r['gateway_p50_ms']:.2f} | {r['added_p50_ms']:.2f} | {r['direct_p99_ms']:.2f} "
+            f"| {r['gateway_p99_ms']:.2f} | {r['added_p99_ms']:.2f} "
+            f"| {r['gw_cpu_ms_per_req']:.2f} "
+            f"| {r['gw_wait_ms_per_req']:.2f} ({r['gw_loop_wait_ms_per_req']:.2f}) "
+            f"| {r['gw_req_per_cpu_s']:.0f} "
+            f"| {r['procs_running_mean']:.1f}/{r['procs_running_max']} |"
         )
         if cmp:
             line += f" {r['compare_added_p50_ms']:.2f} | {r['compare_added_p99_ms']:.2f} |"
         print(line)
+    print("\nper thread of the measured gateway (ms on CPU, ms waiting for a CPU, slices):")
+    for r in rows:
+        threads = ", ".join(
+            f"{k} {v[0]:.0f}/{v[1]:.0f}/{v[2]}" for k, v in sorted(r["gw_threads"].items())
+        )
+        print(f"  {r['clients']} streams {r['control']}: {threads}")
     print()
     print("non-streamed small calls, 16 keep-alive clients (best of 3 rounds)")
     print(f"  direct {rd:8.0f} req/s   gateway {rg:8.0f} req/s   ratio {rg / rd:.2f}")
