@@ -16,27 +16,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "agentbox"
 
 #: (importing package, imported private module) edges not yet moved behind a facade.
-PENDING = {
-    # Not allowed by design, only not moved yet: agentbox.microvm is the microVM
-    # backends' machinery (disks, kernel, initramfs, jail, channel, snapshots) and no
-    # other package's. It either moves under backends/_microvm, where the VM dirs,
-    # owner records and crash recovery went (issue 14 item 4, being done with the
-    # qemu/firecracker _MicrovmBackend split), or exports these names from its facade.
-    ("backends", "agentbox.microvm._channel"),
-    ("backends", "agentbox.microvm._diskexport"),
-    ("backends", "agentbox.microvm._disks"),
-    ("backends", "agentbox.microvm._export"),
-    ("backends", "agentbox.microvm._firecracker"),
-    ("backends", "agentbox.microvm._guest"),
-    ("backends", "agentbox.microvm._initramfs"),
-    ("backends", "agentbox.microvm._jail"),
-    ("backends", "agentbox.microvm._kernel"),
-    ("backends", "agentbox.microvm._snapshot"),
-    ("backends", "agentbox.microvm._vm"),
-    ("backends", "agentbox.microvm._vsock"),
-    # image/ is being edited concurrently: its facade gains these next.
-    ("cli", "agentbox.image._keys"),
-}
+#: Empty: the microVM backends import agentbox.microvm's facade, the CLI image's.
+PENDING: set[tuple[str, str]] = set()
 
 
 #: Packages still being written, whose edges are pending until they land: the egress

@@ -70,7 +70,7 @@ from agentbox.backends.base import SandboxSpec
 from agentbox.boxfile import DiskLimit
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
-from agentbox.microvm._disks import make_data_disk
+from agentbox.microvm import make_data_disk
 
 __all__ = ["MAX_COPY_DEPTH", "WorkspaceDisk", "disks_dir", "settle_orphan_disks", "workspace_disk"]
 

@@ -49,23 +49,25 @@ from agentbox.backends.qemu import QemuSandbox
 from agentbox.config import Settings
 from agentbox.errors import SandboxError, UnsupportedError
 from agentbox.guest.agent import VSOCK_PORT
-from agentbox.microvm._disks import make_mount_disk
-from agentbox.microvm._firecracker import (
+from agentbox.microvm import (
     VSOCK_UDS,
+    Cgroup,
     FcSpec,
+    Vm,
+    VmConfig,
     cgroup_dirs,
     check_versions,
     chroot_dir,
+    connect_vsock,
+    ensure_initramfs,
     ensure_vsock_modules,
     jail_entries,
     jailer_argv,
+    make_mount_disk,
     place_files,
+    spawn,
     version_output,
 )
-from agentbox.microvm._initramfs import ensure_initramfs
-from agentbox.microvm._jail import Cgroup, spawn
-from agentbox.microvm._vm import Vm, VmConfig
-from agentbox.microvm._vsock import connect_vsock
 from agentbox.microvm.kvm import probe_kvm
 
 __all__ = [

@@ -48,16 +48,19 @@ from agentbox.backends.base import (
 )
 from agentbox.config import Settings
 from agentbox.errors import GuestError, ImageError, SandboxError, UnsupportedError
-from agentbox.microvm._disks import (
+from agentbox.microvm import (
     MAX_MOUNTS,
+    OVERLAY_MODULES,
+    Vm,
+    VmConfig,
     cached_mount_disk,
+    ensure_initramfs,
+    ensure_kernel,
+    ensure_modules,
     ensure_root_disk,
     make_data_disk,
     make_mount_disk,
 )
-from agentbox.microvm._initramfs import ensure_initramfs
-from agentbox.microvm._kernel import OVERLAY_MODULES, ensure_kernel, ensure_modules
-from agentbox.microvm._vm import Vm, VmConfig
 from agentbox.paths import check_inside
 
 if TYPE_CHECKING:

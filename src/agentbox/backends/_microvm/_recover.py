@@ -23,7 +23,7 @@ from agentbox._log import get_logger
 from agentbox.backends.base import LABEL, SandboxSpec
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError
-from agentbox.microvm._diskexport import export_disk
+from agentbox.microvm import export_disk
 from agentbox.paths import check_inside
 
 __all__ = [
@@ -108,7 +108,7 @@ def _orphaned(owner: dict[str, object], name: str | None) -> bool:
 
 
 def _recover(settings: Settings, vm_dir: Path, owner: dict[str, object]) -> None:
-    from agentbox.microvm._jail import Cgroup
+    from agentbox.microvm import Cgroup
 
     with contextlib.suppress(AgentboxError):
         cg = Cgroup.__new__(Cgroup)

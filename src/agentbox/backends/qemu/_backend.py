@@ -24,8 +24,7 @@ from agentbox.backends.qemu._detach import QemuDetached
 from agentbox.backends.qemu._sandbox import QemuSandbox
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, UnsupportedError
-from agentbox.microvm._snapshot import ensure_snapshot
-from agentbox.microvm._vm import Vm, VmConfig
+from agentbox.microvm import Vm, VmConfig, ensure_snapshot
 from agentbox.microvm.kvm import probe_kvm
 
 __all__ = ["QemuBackend"]

@@ -32,13 +32,16 @@ from agentbox.backends.base import (
 )
 from agentbox.backends.qemu._posture import read_posture
 from agentbox.errors import AgentboxError, GuestError, SandboxError
-from agentbox.microvm._channel import Channel
-from agentbox.microvm._diskexport import export_disk
-from agentbox.microvm._disks import mount_label
-from agentbox.microvm._export import write_tar
-from agentbox.microvm._guest import GuestSession, host_kernel
-from agentbox.microvm._snapshot import wait_incoming
-from agentbox.microvm._vm import Vm
+from agentbox.microvm import (
+    Channel,
+    GuestSession,
+    Vm,
+    export_disk,
+    host_kernel,
+    mount_label,
+    wait_incoming,
+    write_tar,
+)
 
 if TYPE_CHECKING:
     from agentbox.backends._microvm import _MicrovmBackend
