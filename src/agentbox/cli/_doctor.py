@@ -178,7 +178,7 @@ def _binary(name: str, binary: str, package: str, *, what: str = "") -> _host.Fa
 
 
 def _apt_sources() -> _host.Facility:
-    from agentbox.image._keys import SUITE, host_apt_sources
+    from agentbox.image import SUITE, host_apt_sources
 
     try:
         src = host_apt_sources()

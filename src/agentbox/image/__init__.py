@@ -19,6 +19,7 @@ from agentbox.image._containerfile import (
     build_for_boxfile,
 )
 from agentbox.image._harden import verify
+from agentbox.image._keys import SUITE, host_apt_sources
 from agentbox.image._manage import list_images, manifest, remove, resolve
 from agentbox.image._types import HASH_LABEL, ImageInfo
 
@@ -26,10 +27,12 @@ __all__ = [
     "BASE_IMAGE",
     "CUSTOM_REPO",
     "HASH_LABEL",
+    "SUITE",
     "ImageInfo",
     "build_containerfile",
     "build_default",
     "build_for_boxfile",
+    "host_apt_sources",
     "images_dir",
     "list_images",
     "manifest",
