@@ -2,36 +2,31 @@
 
 Each area registers its commands from its own module (``_image.py``,
 ``_sandbox.py``, ``_gateway.py``, ``_tasks.py``, ``_mcp.py``, ``_escape.py``);
-this module only assembles them and maps errors to exit codes.
+this module only assembles them and maps errors to exit codes. A command's module is
+imported only when that command runs (:mod:`agentbox.cli._lazy`), so ``agentbox
+--help`` or ``agentbox launcher serve`` does not pay for the MCP SDK, the model
+registry or rich tables.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from typing import Any
 
 import typer
 import typer.core
-from rich.console import Console
-from rich.text import Text
 
-from agentbox._log import configure
 from agentbox._text import visible
+from agentbox.cli._lazy import LazyGroup, app_options
 from agentbox.errors import AgentboxError, RefusedError, UnsupportedError
 
 __all__ = ["app", "main"]
 
-app = typer.Typer(
-    name="agentbox",
-    help="Run coding agents in sandboxes that assume the worst.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
+app = typer.Typer(cls=LazyGroup, **app_options())
 
-#: Modules under agentbox.cli that each define ``register(app)``.
+#: Modules under agentbox.cli that each define ``register(app)``, in the order their
+#: commands are listed (each imported when one of its commands runs: see _lazy.COMMANDS).
 COMMAND_MODULES: tuple[str, ...] = (
     "_mcp",
     "_tasks",
@@ -49,8 +44,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "_env",
     "_batch",
 )
-
-err_console = Console(stderr=True)
 
 _display_type_rich = typer.core.TyperOption.display_type_rich
 
@@ -83,11 +76,9 @@ def _root(
     log_json: bool = typer.Option(False, "--log-json", envvar="AGENTBOX_LOG_JSON"),
 ) -> None:
     """agentbox: hardened sandboxes for AI coding agents."""
+    from agentbox._log import configure  # structlog: ~0.3 s, paid by commands, not --help
+
     configure(log_level, json=log_json)
-
-
-for _mod in COMMAND_MODULES:
-    importlib.import_module(f"agentbox.cli.{_mod}").register(app)
 
 
 def main() -> None:
@@ -109,8 +100,11 @@ def main() -> None:
         if as_json:
             _json_error(error_kind(exc), str(exc))
         else:
+            from rich.console import Console
+            from rich.text import Text
+
             # The message may hold untrusted text (paths, agent output): never markup.
-            err_console.print(
+            Console(stderr=True).print(
                 Text.assemble(("error: ", "red"), visible(str(exc))),
                 highlight=False,
                 soft_wrap=True,  # one line per error: no breaks (and padding) at 80 columns

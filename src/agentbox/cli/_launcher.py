@@ -1,4 +1,10 @@
-"""``agentbox launcher stop [--drain | --cancel]``: stop the launcher serving this data dir.
+"""``agentbox launcher serve`` and ``agentbox launcher stop [--drain | --cancel]``.
+
+``serve`` is the long-lived privileged daemon that service managers (and chaos kills)
+restart, so this module imports nothing at the top beyond typer: a restart pays for
+the launcher itself, not for the MCP server, httpx's client or rich tables (issue 15).
+
+``stop`` stops the launcher serving this data dir.
 
 The serving launcher is found by its lock (``<data_dir>/run/launcher.lock``, which
 names its pid and is ``flock``-ed for its life) and told how to stop by a signal
@@ -17,22 +23,33 @@ from __future__ import annotations
 from typing import Literal
 
 import typer
-from rich.console import Console
-
-from agentbox.config import load_settings
-from agentbox.errors import RefusedError
 
 __all__ = ["register"]
 
-_err = Console(stderr=True)
+
+def _say(message: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(message)
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``stop`` to the ``agentbox launcher`` group (made by the tasks module)."""
-    group = next((g.typer_instance for g in app.registered_groups if g.name == "launcher"), None)
-    if group is None:  # the tasks module did not register the group: make it
-        group = typer.Typer(help="The privileged launcher service.", no_args_is_help=True)
-        app.add_typer(group, name="launcher")
+    """Add the ``agentbox launcher`` group (``serve``, ``stop``) to ``app``."""
+    group = typer.Typer(help="The privileged launcher service.", no_args_is_help=True)
+    app.add_typer(group, name="launcher")
+
+    @group.command("serve")
+    def serve(
+        max_tasks: int = typer.Option(4, "--max-tasks", min=1, max=64),
+    ) -> None:
+        """Serve the launcher's API on <data_dir>/launcher.sock (used by the MCP server)."""
+        from agentbox.config import load_settings
+        from agentbox.launcher._core import Launcher
+        from agentbox.launcher._server import serve as _serve
+
+        launcher = Launcher(load_settings(), max_tasks=max_tasks)
+        # Announced only once bound: a refused start (another launcher) prints no address.
+        _serve(launcher, on_listening=lambda p: _say(f"launcher listening on {p}"))
 
     @group.command("stop")
     def stop(
@@ -47,13 +64,16 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Stop the launcher. Plain stop leaves running tasks to the next launcher."""
+        from agentbox.config import load_settings
+        from agentbox.errors import RefusedError
+
         if drain and cancel:
             raise RefusedError("--drain and --cancel exclude each other")
-        from agentbox.launcher import stop_launcher
+        from agentbox.launcher._stop import stop_launcher
 
         mode: Literal["leave", "drain", "cancel"] = (
             "drain" if drain else "cancel" if cancel else "leave"
         )
         settings = load_settings()
         pid = stop_launcher(settings.data_dir, mode, timeout=timeout)
-        _err.print(f"launcher (pid {pid}) stopped ({mode})")
+        _say(f"launcher (pid {pid}) stopped ({mode})")

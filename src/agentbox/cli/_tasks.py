@@ -1,9 +1,10 @@
-"""Task commands: ``tasks``, ``show``, ``cancel``, ``logs``, ``launcher serve``.
+"""Task commands: ``tasks``, ``show``, ``cancel``, ``logs``.
 
 They read and write the SQLite state every launcher on this host shares, so they
 work on tasks of any launcher (the CLI runs as root). ``run``/``resume`` are in
 :mod:`agentbox.cli._run`, ``wait``/``watch`` in :mod:`agentbox.cli._wait`,
-``diff``/``apply`` in :mod:`agentbox.cli._diff`; what they all print is in
+``diff``/``apply`` in :mod:`agentbox.cli._diff`, ``launcher serve``/``stop`` in
+:mod:`agentbox.cli._launcher`; what they all print is in
 :mod:`agentbox.cli._view`.
 
 A task whose launcher is gone (a ``run`` killed outright) is never shown as if it
@@ -145,21 +146,6 @@ def register(app: typer.Typer) -> None:
                         finished=lambda: bool(launcher.get(task_id).terminal))  # fmt: skip
         else:
             print_logs(console, root, created_at=info.created_at, full=full, as_json=as_json)
-
-    launcher_app = typer.Typer(help="The privileged launcher service.", no_args_is_help=True)
-
-    @launcher_app.command("serve")
-    def serve(
-        max_tasks: int = typer.Option(4, "--max-tasks", min=1, max=64),
-    ) -> None:
-        """Serve the launcher's API on <data_dir>/launcher.sock (used by the MCP server)."""
-        from agentbox.launcher import serve as _serve
-
-        launcher = in_process(max_tasks)
-        # Announced only once bound: a refused start (another launcher) prints no address.
-        _serve(launcher, on_listening=lambda p: err.print(f"launcher listening on {p}"))
-
-    app.add_typer(launcher_app, name="launcher")
 
 
 def _short_repo(repo: str, root: Path) -> str:

@@ -18,7 +18,6 @@ from agentbox.launcher.api import (
     TaskStatus,
     TokenUsage,
 )
-from agentbox.launcher.client import LauncherClient
 
 if TYPE_CHECKING:
     from agentbox.launcher._core import Launcher
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
     from agentbox.launcher._stop import stop_launcher as stop_launcher
     from agentbox.launcher._store import Store as Store
     from agentbox.launcher._watchdog import spawn_watchdog as spawn_watchdog
+    from agentbox.launcher.client import LauncherClient
 
 __all__ = [
     "Launcher",
@@ -50,6 +50,8 @@ __all__ = [
 #: Names imported on first use (each pulls in the backends, the store or the server).
 _LAZY = {
     "Launcher": "agentbox.launcher._core",
+    # httpx (~0.3 s): not for the daemon, which serves and never calls (issue 15)
+    "LauncherClient": "agentbox.launcher.client",
     "Removal": "agentbox.launcher._retention",
     "data_usage": "agentbox.launcher._retention",
     "parse_age": "agentbox.launcher._retention",
