@@ -8,8 +8,10 @@ alive; one made elsewhere (by a launcher, adopted by name) is registered with
 the sandbox's name and by what was recorded, for
 
 * a **process**: a recorded pid still running (same start time), or any process
-  whose command line names the sandbox (conmon's ``-n NAME``, QEMU's ``-name``);
-* a **cgroup**: a recorded cgroup directory still present;
+  whose command line names the sandbox (conmon's ``-n NAME``, QEMU's ``-name``)
+  or one of its microVMs (``NAME-<6 hex>``: the VM dir QEMU's arguments name);
+* a **cgroup**: a recorded cgroup directory still present, or a microVM's
+  (``agentbox/NAME-<6 hex>``, found by name: a detached VM's pids are not recorded);
 * a **container**: ``podman ps -a`` still lists the name (where podman exists);
 * a **VM dir**: a ``microvm/*/owner`` file under the data dir naming it;
 * a **socket**: a unix socket (``/proc/net/unix``) whose path names it;
@@ -42,6 +44,8 @@ from agentbox.config import Settings
 __all__ = ["ENV_MEMFD", "SandboxTracker", "active_trackers", "env_fds", "process_start"]
 
 ENV_MEMFD = "/memfd:agentbox-env"
+#: What a microVM's name adds to its sandbox's (``backends/_microvm``: ``token_hex(3)``).
+_VM_SUFFIX = "[0-9a-f]{6}"
 _ACTIVE: list[SandboxTracker] = []
 
 
@@ -159,6 +163,7 @@ class SandboxTracker:
                     left.append(f"{seen.name}: process {pid} still runs")
             left += [f"{seen.name}: cgroup {cg} remains" for cg in seen.cgroups if cg.exists()]
         left += self._processes_naming(names)
+        left += self._vm_cgroups(names)
         left += self._containers(names)
         left += self._vm_dirs(names)
         left += self._sockets(names)
@@ -196,8 +201,21 @@ class SandboxTracker:
                 continue
             text = [a.decode(errors="replace") for a in args]
             for name in names:
-                if any(re.search(rf"(^|[=/ ,]){re.escape(name)}($|[,/ ])", a) for a in text):
+                vm = rf"(^|[=/ ,]){re.escape(name)}(-{_VM_SUFFIX})?($|[,/ ])"
+                if any(re.search(vm, a) for a in text):
                     left.append(f"{name}: process {d.name} names it: {' '.join(text)[:160]}")
+        return left
+
+    @staticmethod
+    def _vm_cgroups(names: set[str]) -> list[str]:
+        """A microVM's cgroups (``<hierarchy>/agentbox/<sandbox>-<6 hex>``) still present."""
+        left = []
+        for parent in (*Path("/sys/fs/cgroup").glob("*/agentbox"), Path("/sys/fs/cgroup/agentbox")):
+            with contextlib.suppress(OSError):
+                for d in parent.iterdir():
+                    stem, _, suffix = d.name.rpartition("-")
+                    if d.is_dir() and stem in names and re.fullmatch(_VM_SUFFIX, suffix):
+                        left.append(f"{stem}: cgroup {d} remains")
         return left
 
     @staticmethod

@@ -7,6 +7,7 @@ fix every ``/data`` was an 8 GiB filesystem whatever the Boxfile said.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from agentbox.backends.base import SandboxSpec
 from agentbox.backends.qemu import QemuBackend
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.qemu
 
@@ -31,7 +33,11 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> QemuBackend:
     return QemuBackend(settings, rootfs=(info.rootfs, info.hash))
 
 
-def test_writing_past_the_limit_fails_in_the_guest(backend: QemuBackend, tmp_path: Path) -> None:
+def test_writing_past_the_limit_fails_in_the_guest(
+    backend: QemuBackend,
+    tmp_path: Path,
+    sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
+) -> None:
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "keep.txt").write_text("from the host\n")
@@ -48,7 +54,7 @@ def test_writing_past_the_limit_fails_in_the_guest(backend: QemuBackend, tmp_pat
         f'python3 -c "{flood}"; '
         "df -k /workspace | tail -1"
     )
-    res = backend.run(spec, ["sh", "-c", script])
+    res = sandbox_factory(backend, backend.settings).run(spec, ["sh", "-c", script])
     out, err = res.stdout.decode(), res.stderr.decode()
     assert "fallocate=1" in out and "No space left on device" in err, (out, err)
     files_line = next(ln for ln in out.splitlines() if ln.startswith("files"))

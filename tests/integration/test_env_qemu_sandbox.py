@@ -10,6 +10,9 @@ tests/e2e/test_env_backends.py).
 - A unix socket in the gateway dir besides the gateway's (the egress proxy's
   ``egress.sock``) is served in the guest at ``/run/agentbox/gw/<name>`` and reaches
   the host socket over the agent's channel; a name the host did not offer reaches nothing.
+
+Each sandbox is made through a :class:`~sandbox_leaks.SandboxTracker`: nothing of it
+may survive.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from agentbox.backends.base import BindMount, SandboxSpec
 from agentbox.backends.qemu import QemuBackend, QemuSandbox
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.qemu
 
@@ -91,7 +95,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def box(
-    backend: QemuBackend, env: Path, tmp_path_factory: pytest.TempPathFactory
+    backend: QemuBackend,
+    env: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    module_sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
 ) -> Iterator[tuple[QemuSandbox, Path, Echo]]:
     base = tmp_path_factory.mktemp("qemu-env-task")
     ws, gw = base / "workspace", base / "gw"
@@ -104,11 +111,14 @@ def box(
         name="env-qemu", image="default", resources=RES, workspace=ws, gateway_dir=gw,
         mounts=(BindMount(env, ENV, read_only=False),),
     )  # fmt: skip
-    sb = backend.create(spec)
-    yield sb, ws, echo
-    sb.destroy()
-    echo.close()
-    assert not sb.vm_dir.exists() and not sb.vm.alive()
+    try:
+        sb = module_sandbox_factory(backend, backend.settings).create(spec)
+        assert isinstance(sb, QemuSandbox)
+        yield sb, ws, echo
+        sb.destroy()
+        assert not sb.vm_dir.exists() and not sb.vm.alive()
+    finally:
+        echo.close()
 
 
 def _sh(sb: QemuSandbox, script: str) -> tuple[int, str, str]:
@@ -229,12 +239,16 @@ def test_extra_socket_reaches_the_host_and_only_it(
 
 
 def test_a_second_sandbox_reuses_the_cached_disk(
-    backend: QemuBackend, env: Path, box: tuple[QemuSandbox, Path, Echo]
+    backend: QemuBackend,
+    env: Path,
+    box: tuple[QemuSandbox, Path, Echo],
+    sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
 ) -> None:
     first = next(iter(box[0].vm.cfg.mount_disks))
     cow = BindMount(env, "/home/agent/.cache/tool", read_only=False)
-    spec = SandboxSpec(name="env-qemu-2", image="default", resources=RES, mounts=(cow,))
-    with backend.create(spec) as sb:
+    # Its name is no prefix of the first one's (the guard looks for sockets naming it).
+    spec = SandboxSpec(name="env-qemu-reuse", image="default", resources=RES, mounts=(cow,))
+    with sandbox_factory(backend, backend.settings).create(spec) as sb:
         assert next(iter(sb.vm.cfg.mount_disks)) == first
         code, out, err = _sh(sb, "cat /home/agent/.cache/tool/lib/data.txt; stat -c %u "
                                  "/home/agent/.cache")  # fmt: skip
@@ -244,7 +258,9 @@ def test_a_second_sandbox_reuses_the_cached_disk(
 
 
 def test_deep_data_dir_and_long_names_still_connect(
-    backend: QemuBackend, tmp_path_factory: pytest.TempPathFactory
+    backend: QemuBackend,
+    tmp_path_factory: pytest.TempPathFactory,
+    sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
 ) -> None:
     """A VM dir deeper than a unix socket path may be (107 bytes): the host still
     reaches the agent and QMP (it failed with "QEMU's agent socket never appeared" for
@@ -253,7 +269,7 @@ def test_deep_data_dir_and_long_names_still_connect(
     settings = Settings(data_dir=deep / "data", cache_dir=backend.settings.cache_dir)
     long_backend = QemuBackend(settings, rootfs=backend._rootfs)
     spec = SandboxSpec(name="agentbox-setup-" + "x" * 40, image="default", resources=RES)
-    with long_backend.create(spec) as sb:
+    with sandbox_factory(long_backend, settings).create(spec) as sb:
         assert len(str(sb.vm.agent_socket)) > 107 and len(str(sb.vm.qmp_socket)) > 107
         code, out, _ = _sh(sb, "echo reached")
         assert code == 0 and out == "reached\n"

@@ -4,7 +4,8 @@ On this host there is no Firecracker binary and KVM cannot boot a stock kernel,
 so the live tests (marked ``firecracker``) skip with the reason the backend's
 own probe gives. What does not need a live Firecracker runs for real: the
 firecracker initramfs (vsock modules added) boots Debian's cloud kernel under
-QEMU and loads every module.
+QEMU and loads every module. Every sandbox is made through a
+:class:`~sandbox_leaks.SandboxTracker`: nothing of it may survive.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import select
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ from agentbox.microvm._guest import KernelFacts
 from agentbox.microvm._initramfs import MARKER, ensure_initramfs
 from agentbox.microvm._kernel import ensure_kernel
 from agentbox.microvm._vm import Vm, VmConfig
+from sandbox_leaks import SandboxTracker
 
 RES = Resources(memory="1GiB", cpus=1)
 
@@ -49,7 +51,8 @@ RES = Resources(memory="1GiB", cpus=1)
 @pytest.mark.slow
 def test_the_vsock_initramfs_loads_every_module_in_the_real_kernel() -> None:
     """Booted under QEMU (TCG here): /init insmods the base and vsock modules, then the
-    probe marker; a module that fails to load reboots before the marker."""
+    probe marker; a module that fails to load reboots before the marker. A bare VM,
+    no backend's sandbox: ``vm.kill()`` waits for its QEMU to end."""
     settings = Settings()
     kernel = ensure_kernel(settings)
     vsock = ensure_vsock_modules(settings, kernel)
@@ -155,15 +158,19 @@ def fc_backend(fc_settings: Settings) -> FirecrackerBackend:
 
 
 @pytest.fixture(scope="module")
-def fc_sandbox(fc_backend: FirecrackerBackend) -> Iterator[FirecrackerSandbox]:
+def fc_sandbox(
+    fc_backend: FirecrackerBackend,
+    module_sandbox_factory: Callable[[FirecrackerBackend, Settings], SandboxTracker],
+) -> Iterator[FirecrackerSandbox]:
     ws = Path(tempfile.mkdtemp(prefix="fc-ws-", dir=fc_backend.settings.data_dir))
     (ws / "hello.txt").write_text("from the host\n")
     spec = SandboxSpec(name="fc-it", image="default", resources=RES, workspace=ws, deadline=600)
-    sb = fc_backend.create(spec)
     try:
+        sb = module_sandbox_factory(fc_backend, fc_backend.settings).create(spec)
+        assert isinstance(sb, FirecrackerSandbox)
         yield sb
-    finally:
         sb.destroy()
+    finally:
         shutil.rmtree(ws, ignore_errors=True)
 
 
@@ -210,11 +217,15 @@ def test_the_jail_holds_only_the_declared_files(fc_sandbox: FirecrackerSandbox) 
 
 @pytest.mark.firecracker
 @pytest.mark.slow
-def test_run_writes_the_workspace_back(fc_backend: FirecrackerBackend) -> None:
+def test_run_writes_the_workspace_back(
+    fc_backend: FirecrackerBackend,
+    sandbox_factory: Callable[[FirecrackerBackend, Settings], SandboxTracker],
+) -> None:
     ws = Path(tempfile.mkdtemp(prefix="fc-ws-", dir=fc_backend.settings.data_dir))
+    tracker = sandbox_factory(fc_backend, fc_backend.settings)
     try:
         spec = SandboxSpec(name="fc-run", image="default", resources=RES, workspace=ws)
-        res = fc_backend.run(spec, ["sh", "-c", "echo made > /workspace/out.txt"])
+        res = tracker.run(spec, ["sh", "-c", "echo made > /workspace/out.txt"])
         assert res.exit_code == 0, res.stderr
         assert (ws / "out.txt").read_text() == "made\n"
         assert not list((fc_backend.settings.data_dir / "microvm").glob("fc-run-*"))

@@ -29,14 +29,11 @@ PENDING = {
     "e2e/test_run_docker.py",
     "escape/test_vmm_posture.py",
     "integration/test_detached_qemu.py",
-    "integration/test_disk_limit_qemu.py",
     "integration/test_docker_backend.py",
     "integration/test_docker_contract.py",
     "integration/test_egress_escape.py",
     "integration/test_egress_podman.py",
-    "integration/test_env_qemu_sandbox.py",
     "integration/test_env_setup.py",
-    "integration/test_firecracker_vm.py",
     "integration/test_launcher_api.py",
     "integration/test_owner_signals.py",
     "integration/test_podman.py",
@@ -47,7 +44,6 @@ PENDING = {
     "integration/test_podman_pool.py",
     "integration/test_qemu_backend.py",
     "integration/test_qemu_firecracker.py",
-    "integration/test_qemu_mounts.py",
 }
 
 #: Modules that name a backend without making a sandbox of it (traits only).
