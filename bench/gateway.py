@@ -410,6 +410,7 @@ def main() -> None:
             g: list[float] = []
             o: list[float] = []
             sched_d: dict[str, tuple[int, int, int]] = {}
+            old_cpu_s = 0.0
             # Interleave direct and gateway rounds so load changes hit both alike.
             rounds = 5
             for _ in range(rounds):
@@ -420,7 +421,9 @@ def main() -> None:
                 for k, v in Sched.delta(s0, sched.snap()).items():
                     sched_d[k] = add(sched_d.get(k, (0, 0, 0)), v)
                 if old is not None:
+                    o0 = cpu_seconds(old.pid)
                     o += asyncio.run(latencies(old_port, token, clients, max(1, per // rounds)))
+                    old_cpu_s += cpu_seconds(old.pid) - o0
             # Each measured request is one warm-up-free call; the warm-up call per client
             # per round also ran through the gateway.
             n_gw = len(g) + clients * rounds
@@ -453,7 +456,8 @@ def main() -> None:
                 "loadavg_1m": os.getloadavg()[0],
             }
             if o:
-                row |= {"compare_added_p50_ms": pct(o, 50) - pct(d, 50),
+                row |= {"compare_req_per_cpu_s": (len(o) + clients * rounds) / old_cpu_s,
+                        "compare_added_p50_ms": pct(o, 50) - pct(d, 50),
                         "compare_added_p99_ms": pct(o, 99) - pct(d, 99)}  # fmt: skip
             return row
 
@@ -527,12 +531,12 @@ def main() -> None:
           f"{args.busy} busy gateways streaming {args.busy_rate:g} events/s each")  # fmt: skip
     print("\nstreaming latency (full stream, ms)\n")
     cmp = args.compare_src is not None
-    extra = " compare added p50 | compare added p99 |" if cmp else ""
+    extra = " compare added p50 | compare added p99 | compare req/CPU-s |" if cmp else ""
     head = ("| clients | control | n | direct p50 | gw p50 | added p50 | direct p99 | gw p99 "
             "| added p99 | gw CPU/req | gw run-queue wait/req (loop thread) | req/CPU-s "
             "| runnable mean/max |")  # fmt: skip
     print(head + extra)
-    print("|---:" * (13 + 2 * cmp) + "|")
+    print("|---:" * (13 + 3 * cmp) + "|")
     for r in rows:
         line = (
             f"| {r['clients']} | {r['control']} | {r['n']} | {r['direct_p50_ms']:.2f} "
@@ -544,7 +548,8 @@ def main() -> None:
             f"| {r['procs_running_mean']:.1f}/{r['procs_running_max']} |"
         )
         if cmp:
-            line += f" {r['compare_added_p50_ms']:.2f} | {r['compare_added_p99_ms']:.2f} |"
+            line += (f" {r['compare_added_p50_ms']:.2f} | {r['compare_added_p99_ms']:.2f} "
+                     f"| {r['compare_req_per_cpu_s']:.0f} |")  # fmt: skip
         print(line)
     print("\nper thread of the measured gateway (ms on CPU, ms waiting for a CPU, slices):")
     for r in rows:
