@@ -206,8 +206,10 @@ def _cat_batch(shadow: ShadowGit, oids: list[str]) -> Iterator[bytes]:
 def init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt: str) -> None:
     """Give the workspace a fresh ``.git`` of its own: one root commit of the base tree.
 
-    The commit and the ref are written into the shadow dir by us, the config
-    by us too: three git processes (init, fetch, read-tree) instead of eight.
+    The commit is written into the shadow dir by us, the config and the ref
+    ``main`` too; the objects go over as one pack that ``pack-objects`` (run in
+    the shadow dir) writes straight into the new ``.git``: three git processes
+    (init, pack-objects, read-tree) instead of a ``fetch``'s eight.
     """
     root = write_commit(BlobWriter(shadow.git_dir, fmt), tree, None,
                         f"agentbox: workspace base (from {base[:12]})\n")  # fmt: skip
@@ -224,10 +226,11 @@ def init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt
             text.replace("\tbare = true\n", "\tbare = false\n")
             + "[user]\n\tname = agentbox agent\n\temail = agent@agentbox.invalid\n"
         )
-        ws.run(
-            "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", "--update-head-ok",
-            str(shadow.git_dir), "refs/agentbox/workspace:refs/heads/main",
-        )  # fmt: skip
+        # Every object of the root commit (the shadow holds them all: the base
+        # commit's tree came with the fetch), as the pack a fetch would have stored.
+        shadow.run("pack-objects", "--revs", "--quiet", "--delta-base-offset",
+                   agent_git / "objects" / "pack" / "pack", input=f"{root}\n")  # fmt: skip
+        write_ref(agent_git, "refs/heads/main", root)
         ws.run("read-tree", "main", index=agent_git / "index")
 
 

@@ -42,6 +42,7 @@ from agentbox.safepath import (
 )
 
 __all__ = [
+    "NO_AUTO_MAINTENANCE",
     "SAFE_CONFIG",
     "RepoDir",
     "ShadowGit",
@@ -64,6 +65,11 @@ SAFE_CONFIG: tuple[str, ...] = (
     "-c",
     "core.symlinks=true",
 )
+
+#: ``-c`` options on every shadow-side command line, for cost not safety: a task's
+#: shadow dir and the workspace's ``.git`` are small and short-lived, so no command
+#: run there spawns ``git maintenance run --auto`` (or ``gc --auto``) after it.
+NO_AUTO_MAINTENANCE: tuple[str, ...] = ("-c", "maintenance.auto=false", "-c", "gc.auto=0")
 
 _DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -117,7 +123,8 @@ class ShadowGit:
 
     def argv(self, args: Sequence[str | os.PathLike[str]]) -> list[str]:
         """The full argv: git, the safe config, ``--git-dir=SHADOW``, then ``args``."""
-        return ["git", *SAFE_CONFIG, f"--git-dir={self.git_dir}", *(os.fspath(a) for a in args)]
+        return ["git", *SAFE_CONFIG, *NO_AUTO_MAINTENANCE, f"--git-dir={self.git_dir}",
+                *(os.fspath(a) for a in args)]  # fmt: skip
 
     def run(
         self,
