@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentbox import _proc
+from agentbox.backends._oci_sandbox import wait_relay_inside
 from agentbox.backends._userns_limits import SANDBOX_CAPS, SANDBOX_RLIMITS
 from agentbox.backends.base import (
     GATEWAY_DIR_IN_SANDBOX,
@@ -35,6 +36,7 @@ from agentbox.backends.base import (
     WORKSPACE_IN_SANDBOX,
     Posture,
     PostureCheck,
+    Sandbox,
     SandboxSpec,
 )
 from agentbox.config import Settings
@@ -43,7 +45,16 @@ from agentbox.errors import CommandError, SandboxError
 if TYPE_CHECKING:
     from agentbox.backends.podman._sandbox import PodmanSandbox
 
-__all__ = ["PROBE", "expected_mounts", "host_processes", "read_posture", "wait_relay"]
+__all__ = [
+    "PROBE",
+    "all_same",
+    "expected_mounts",
+    "host_processes",
+    "probe_inside",
+    "process_checks",
+    "read_posture",
+    "wait_relay",
+]
 
 #: Runs inside the sandbox (``python3 -I -S -c PROBE``); prints one JSON object.
 PROBE = r"""
@@ -157,7 +168,8 @@ def _inspect(name: str) -> dict[str, Any]:
     return data[0]
 
 
-def _inside(box: PodmanSandbox) -> dict[str, Any]:
+def probe_inside(box: Sandbox) -> dict[str, Any]:
+    """Run :data:`PROBE` in ``box`` as its uid; its output parsed as bounded JSON."""
     res = box.exec(["python3", "-I", "-S", "-c", PROBE], timeout=60)
     if res.exit_code != 0 or len(res.stdout) > 1_000_000:
         raise SandboxError(
@@ -242,9 +254,29 @@ def _ns(pid: int | str, kind: str) -> str:
         return "?"
 
 
-def _all_same(values: Iterable[str]) -> str:
+def all_same(values: Iterable[str]) -> str:
+    """The one value all of ``values`` hold, else them all (comma-separated), or "none"."""
     vals = sorted(set(values))
     return vals[0] if len(vals) == 1 else ",".join(vals) or "none"
+
+
+def process_checks(
+    pid: int, kinds: Iterable[str]
+) -> tuple[list[PostureCheck], list[tuple[int, int, dict[str, str]]]]:
+    """From ``/proc``: each of ``kinds`` namespaces of init ``pid`` is not ours, then
+    every thread of its cgroup is read (``NoNewPrivs`` 1, ``Seccomp`` 2); the threads too."""
+    checks = []
+    for kind in kinds:
+        theirs, ours = _ns(pid, kind), _ns("self", kind)
+        own = "?" not in (theirs, ours) and theirs != ours
+        checks.append(_check(f"{kind} namespace", "not the host's", theirs, own, where="host"))
+    threads = host_processes(pid)
+    nnp = all_same(st.get("NoNewPrivs", "?") for _, _, st in threads)
+    sec = all_same(st.get("Seccomp", "?") for _, _, st in threads)
+    checks.append(_check("threads read", ">0", len(threads), bool(threads), where="host"))
+    checks.append(_check("NoNewPrivs (every thread)", "1", nnp, where="host"))
+    checks.append(_check("Seccomp (every thread)", "2", sec, where="host"))
+    return checks, threads
 
 
 def _host_checks(spec: SandboxSpec, settings: Settings, info: dict[str, Any]) -> list[PostureCheck]:
@@ -279,17 +311,9 @@ def _host_checks(spec: SandboxSpec, settings: Settings, info: dict[str, Any]) ->
         return checks
     # runsc: the sentry stays in the host's pid namespace; gVisor's kernel has its own pids.
     kinds = ("user", "net", "ipc", "mnt") if spec.runtime == "runsc" else NAMESPACES
-    for kind in kinds:
-        theirs, ours = _ns(pid, kind), _ns("self", kind)
-        own = "?" not in (theirs, ours) and theirs != ours
-        checks.append(_check(f"{kind} namespace", "not the host's", theirs, own, where="host"))
-    threads = host_processes(pid)
-    uids = _all_same(st.get("Uid", "?") for _, _, st in threads)
-    nnp = _all_same(st.get("NoNewPrivs", "?") for _, _, st in threads)
-    sec = _all_same(st.get("Seccomp", "?") for _, _, st in threads)
-    checks.append(_check("threads read", ">0", len(threads), bool(threads), where="host"))
-    checks.append(_check("NoNewPrivs (every thread)", "1", nnp, where="host"))
-    checks.append(_check("Seccomp (every thread)", "2", sec, where="host"))
+    procs, threads = process_checks(pid, kinds)
+    checks += procs
+    uids = all_same(st.get("Uid", "?") for _, _, st in threads)
     if spec.runtime == "runsc":
         # The sentry runs as nobody in a userns of its own; the gofer as the mapped root.
         allowed = {65534, base}
@@ -302,8 +326,8 @@ def _host_checks(spec: SandboxSpec, settings: Settings, info: dict[str, Any]) ->
         host_uid = settings.subid_base + spec.uid
         want = "\t".join([str(host_uid)] * 4)
         checks.append(_check("host uid (every thread)", want, uids, where="host"))
-        caps = _all_same(st.get("CapEff", "?") for _, _, st in threads)
-        bnd = _all_same(st.get("CapBnd", "?") for _, _, st in threads)
+        caps = all_same(st.get("CapEff", "?") for _, _, st in threads)
+        bnd = all_same(st.get("CapBnd", "?") for _, _, st in threads)
         checks.append(_check("CapEff (every thread)", "0000000000000000", caps, where="host"))
         checks.append(_check("CapBnd (every thread)", "0000000000000000", bnd, where="host"))
         try:
@@ -316,24 +340,10 @@ def _host_checks(spec: SandboxSpec, settings: Settings, info: dict[str, Any]) ->
 
 def read_posture(box: PodmanSandbox, settings: Settings) -> Posture:
     """Inside and host checks of a running sandbox."""
-    inside = _inside(box)
+    inside = probe_inside(box)
     info = _inspect(box.name)
     checks = _inside_checks(box.spec, inside) + _host_checks(box.spec, settings, info)
     return Posture("podman", box.spec.runtime, tuple(checks))
-
-
-_RELAY_WAIT = r"""
-import socket, sys, time
-end = time.monotonic() + float(sys.argv[1])
-while True:
-    try:
-        socket.create_connection(("127.0.0.1", int(sys.argv[2])), timeout=1).close()
-        break
-    except OSError:
-        if time.monotonic() > end:
-            sys.exit(1)
-        time.sleep(0.02)
-"""
 
 
 def wait_relay(box: PodmanSandbox, timeout: float = 10.0) -> None:
@@ -344,9 +354,7 @@ def wait_relay(box: PodmanSandbox, timeout: float = 10.0) -> None:
     from inside.
     """
     if box.spec.runtime == "runsc":
-        res = box.exec(["python3", "-I", "-S", "-c", _RELAY_WAIT, str(timeout), str(GATEWAY_PORT)])
-        if res.exit_code != 0:
-            raise SandboxError("gateway relay did not start listening", sandbox=box.name)
+        wait_relay_inside(box, timeout)
         return
     info = _inspect(box.name)
     pid = int((info.get("State") or {}).get("Pid") or 0)

@@ -16,10 +16,10 @@ from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends._attached import AttachedOnly, NoPool
 from agentbox.backends._oci_cli import Capture, check_env, owner_start
+from agentbox.backends._oci_sandbox import start_on_disk, wait_relay_inside
 from agentbox.backends._userns_limits import HOOK_SCRIPT, SANDBOX_CAPS
-from agentbox.backends._wsdisk import settle_orphan_disks, workspace_disk
+from agentbox.backends._wsdisk import settle_orphan_disks
 from agentbox.backends.base import (
-    GATEWAY_PORT,
     LABEL,
     OWNER_DATA_LABEL,
     BackendKind,
@@ -48,19 +48,6 @@ log = get_logger("docker")
 
 DEFAULT_HOST = "unix:///var/run/docker.sock"
 RUNTIMES = ("runc", "runsc")
-
-_RELAY_WAIT = r"""
-import socket, sys, time
-end = time.monotonic() + float(sys.argv[1])
-while True:
-    try:
-        socket.create_connection(("127.0.0.1", int(sys.argv[2])), timeout=1).close()
-        break
-    except OSError:
-        if time.monotonic() > end:
-            sys.exit(1)
-        time.sleep(0.02)
-"""
 
 
 def _check_dir(path: Path, what: str) -> None:
@@ -177,21 +164,9 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
         self.check(spec)
         image_id = ensure_image(self.client, self.settings, spec.image)
         spec = self._labels(spec)
-        disk = workspace_disk(self.settings, spec)
-        disk.__enter__()  # left by DockerSandbox.destroy, after the container is gone
-        try:
-            box = self._start(spec, image_id)
-        except BaseException:
-            disk.__exit__(None, None, None)
-            raise
-        box._disk = disk
-        try:
-            if spec.gateway_dir is not None:
-                self._wait_relay(box)
-        except BaseException:
-            box.destroy()
-            raise
-        return box
+        return start_on_disk(
+            self.settings, spec, lambda s: self._start(s, image_id), wait_relay_inside
+        )
 
     def _bound(self, spec: SandboxSpec, binds: HostBinds) -> SandboxSpec:
         """``spec`` with every source replaced by its hardened bind point (see _binds.py)."""
@@ -251,11 +226,6 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
                       input=json.dumps({"pid": pid}), timeout=30)  # fmt: skip
         except AgentboxError as exc:
             raise SandboxError(f"cannot cap its user namespace: {exc}", sandbox=box.name) from exc
-
-    def _wait_relay(self, box: DockerSandbox, timeout: float = 10.0) -> None:
-        res = box.exec(["python3", "-I", "-S", "-c", _RELAY_WAIT, str(timeout), str(GATEWAY_PORT)])
-        if res.exit_code != 0:
-            raise SandboxError("gateway relay did not start listening", sandbox=box.name)
 
     def run(
         self,

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentbox.backends._oci_args import RELAY_PATH
+from agentbox.backends._oci_args import entry_argv
 from agentbox.backends._seccomp import profile_path
 from agentbox.backends._userns_limits import SANDBOX_RLIMITS
 from agentbox.backends.base import (
     GATEWAY_DIR_IN_SANDBOX,
-    GATEWAY_PORT,
-    GATEWAY_SOCKET_NAME,
     HOME_IN_SANDBOX,
     LABEL,
     WORKSPACE_IN_SANDBOX,
@@ -37,7 +35,6 @@ __all__ = [
     "container_body",
     "daemon_facts",
     "docker_runtime",
-    "entry_argv",
     "exec_argv",
     "main_argv",
     "nano_cpus",
@@ -116,18 +113,6 @@ def seccomp_json(settings: Settings, runtime: str) -> str:
     """agentbox's profile (the same file podman uses), as the Engine takes it: inline."""
     path = profile_path(settings.cache_dir, allow_clone3=runtime == "runsc")
     return json.dumps(json.loads(path.read_text()), separators=(",", ":"))
-
-
-def entry_argv(spec: SandboxSpec, argv: list[str]) -> list[str]:
-    """The container's command: ``argv``, behind the gateway relay when there is a gateway."""
-    if spec.gateway_dir is None:
-        return list(argv)
-    return [
-        "python3", "-I", "-S", RELAY_PATH,
-        "--port", str(GATEWAY_PORT),
-        "--socket", f"{GATEWAY_DIR_IN_SANDBOX}/{GATEWAY_SOCKET_NAME}",
-        "--", *argv,
-    ]  # fmt: skip
 
 
 def main_argv(spec: SandboxSpec) -> list[str]:

@@ -8,17 +8,16 @@ fields) and ``/proc`` of every thread of the container's cgroup.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentbox.backends._oci_posture import (
     NAMESPACES,
-    PROBE,
     _check,
     _inside_checks,
+    all_same,
     expected_mounts,
-    host_processes,
+    probe_inside,
+    process_checks,
 )
 from agentbox.backends.base import Posture, PostureCheck, SandboxSpec
 from agentbox.backends.docker._config import (
@@ -29,7 +28,6 @@ from agentbox.backends.docker._config import (
     seccomp_json,
 )
 from agentbox.config import Settings
-from agentbox.errors import SandboxError
 
 if TYPE_CHECKING:
     from agentbox.backends.docker._sandbox import DockerSandbox
@@ -38,20 +36,6 @@ __all__ = ["inspect_checks", "read_posture"]
 
 #: Checks of podman's that do not apply (none: the userns caps are set from the host).
 _NOT_HERE: set[str] = set()
-
-
-def _inside(box: DockerSandbox) -> dict[str, Any]:
-    res = box.exec(["python3", "-I", "-S", "-c", PROBE], timeout=60)
-    if res.exit_code != 0 or len(res.stdout) > 1_000_000:
-        tail = res.stderr.decode(errors="replace")[-400:]
-        raise SandboxError(f"posture probe failed (exit {res.exit_code}): {tail}", sandbox=box.name)
-    try:
-        data = json.loads(res.stdout)
-    except json.JSONDecodeError as exc:
-        raise SandboxError(f"posture probe printed no JSON: {exc}", sandbox=box.name) from exc
-    if not isinstance(data, dict):
-        raise SandboxError("posture probe printed no object", sandbox=box.name)
-    return data
 
 
 def inspect_checks(
@@ -101,41 +85,19 @@ def inspect_checks(
     return checks
 
 
-def _ns(pid: int | str, kind: str) -> str:
-    try:
-        return str(Path(f"/proc/{pid}/ns/{kind}").readlink())
-    except OSError:
-        return "?"
-
-
-def _all_same(values: list[str]) -> str:
-    vals = sorted(set(values))
-    return vals[0] if len(vals) == 1 else ",".join(vals) or "none"
-
-
 def _proc_checks(spec: SandboxSpec, facts: DaemonFacts, info: dict[str, Any]) -> list[PostureCheck]:
     pid = int((info.get("State") or {}).get("Pid") or 0)
     if pid <= 0:
         return [_check("container process", "running", "not running", where="host")]
     gvisor = spec.runtime == "runsc"
-    checks = []
     kinds: tuple[str, ...] = ("net", "ipc", "mnt") if gvisor else NAMESPACES
     if facts.remap_base is None:
         kinds = tuple(k for k in kinds if k != "user")
-    for kind in kinds:
-        theirs, ours = _ns(pid, kind), _ns("self", kind)
-        own = "?" not in (theirs, ours) and theirs != ours
-        checks.append(_check(f"{kind} namespace", "not the host's", theirs, own, where="host"))
-    threads = host_processes(pid)
-    checks.append(_check("threads read", ">0", len(threads), bool(threads), where="host"))
-    nnp = _all_same([st.get("NoNewPrivs", "?") for _, _, st in threads])
-    sec = _all_same([st.get("Seccomp", "?") for _, _, st in threads])
-    checks.append(_check("NoNewPrivs (every thread)", "1", nnp, where="host"))
-    checks.append(_check("Seccomp (every thread)", "2", sec, where="host"))
+    checks, threads = process_checks(pid, kinds)
     if not gvisor:
         want = "\t".join([str(facts.host_uid(spec.uid))] * 4)
-        uids = _all_same([st.get("Uid", "?") for _, _, st in threads])
-        caps = _all_same([st.get("CapEff", "?") for _, _, st in threads])
+        uids = all_same([st.get("Uid", "?") for _, _, st in threads])
+        caps = all_same([st.get("CapEff", "?") for _, _, st in threads])
         checks.append(_check("host uid (every thread)", want, uids, where="host"))
         checks.append(_check("CapEff (every thread)", "0000000000000000", caps, where="host"))
     return checks
@@ -143,7 +105,7 @@ def _proc_checks(spec: SandboxSpec, facts: DaemonFacts, info: dict[str, Any]) ->
 
 def read_posture(box: DockerSandbox, settings: Settings, facts: DaemonFacts) -> Posture:
     """Inside and host checks of a running docker sandbox."""
-    inside = [c for c in _inside_checks(box.spec, _inside(box)) if c.name not in _NOT_HERE]
+    inside = [c for c in _inside_checks(box.spec, probe_inside(box)) if c.name not in _NOT_HERE]
     info = box.inspect()
     want = f"seccomp={seccomp_json(settings, box.spec.runtime)}"
     checks = (

@@ -3,7 +3,9 @@
 The package holds what is podman's alone: the backend (``_backend``), its
 sandbox (``_sandbox``), detached sandboxes (``_detach``) and conmon's cgroup
 placement (``_cgroup``). What podman shares with the docker backend lives one
-level up: the hardening flags (``backends._oci_args``), the CLI helpers
+level up: the live container sandbox it extends (``backends._oci_sandbox``:
+exec, copy in and out, host pids, teardown; this package adds the ``podman``
+calls), the hardening flags (``backends._oci_args``), the CLI helpers
 (``backends._oci_cli``), the posture reader (``backends._oci_posture``), the
 workspace disk (``backends._wsdisk``) and the ``k8s-file`` log reader
 (``backends._k8slog``).

@@ -63,6 +63,7 @@ from agentbox.backends._oci_cli import (
     sweep_stale_env_dirs,
 )
 from agentbox.backends._oci_posture import wait_relay
+from agentbox.backends._oci_sandbox import start_on_disk
 from agentbox.backends._userns_limits import (
     HOST_SANDBOXES,
     HOST_SYSCTLS,
@@ -267,21 +268,7 @@ class PodmanBackend(PodmanDetached):
         facts = check_spec(spec, subid_base=self.settings.subid_base)
         assert facts is not None
         spec = self._labels(spec)
-        disk = workspace_disk(self.settings, spec)
-        disk.__enter__()  # left by PodmanSandbox.destroy, after the container is gone
-        try:
-            box = self._create(spec, facts)
-        except BaseException:
-            disk.__exit__(None, None, None)
-            raise
-        box._disk = disk
-        try:
-            if spec.gateway_dir is not None:
-                wait_relay(box)
-        except BaseException:
-            box.destroy()
-            raise
-        return box
+        return start_on_disk(self.settings, spec, lambda s: self._create(s, facts), wait_relay)
 
     def _create(self, spec: SandboxSpec, facts: ImageFacts) -> PodmanSandbox:
         with env_file(spec.env) as envf:
