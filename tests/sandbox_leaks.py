@@ -4,15 +4,17 @@ A :class:`SandboxTracker` wraps one backend in a test: every sandbox it makes
 (``create``), runs (``run``), launches detached (``launch``) or pools
 (``fill_pool``) is remembered, with the host pids and cgroups it had while
 alive; one made elsewhere (by a launcher, adopted by name) is registered with
-``track(name, box=None)``. :meth:`SandboxTracker.leftovers` then looks on the host, by
-the sandbox's name and by what was recorded, for
+``track(name, box=None)``; code that takes a backend gets ``proxy()``, whose
+sandbox-making calls go through the tracker. :meth:`SandboxTracker.leftovers`
+then looks on the host, by the sandbox's name and by what was recorded, for
 
 * a **process**: a recorded pid still running (same start time), or any process
   whose command line names the sandbox (conmon's ``-n NAME``, QEMU's ``-name``)
   or one of its microVMs (``NAME-<6 hex>``: the VM dir QEMU's arguments name);
 * a **cgroup**: a recorded cgroup directory still present, or a microVM's
   (``agentbox/NAME-<6 hex>``, found by name: a detached VM's pids are not recorded);
-* a **container**: ``podman ps -a`` still lists the name (where podman exists);
+* a **container**: ``podman ps -a`` (or ``docker ps -a`` for the docker backend)
+  still lists the name, or the backend's ``owned()`` does;
 * a **VM dir**: a ``microvm/*/owner`` file under the data dir naming it;
 * a **socket**: a unix socket (``/proc/net/unix``) whose path names it;
 * an **env fd**: a sealed environment memfd (``memfd:agentbox-env``) this process
@@ -142,6 +144,11 @@ class SandboxTracker:
             seen.box = box
             self._record(seen, box)
 
+    def proxy(self) -> Backend:
+        """The backend, with ``create``/``run``/``launch``/``fill_pool`` going through
+        this tracker: for code that takes a backend and makes sandboxes of its own."""
+        return _Tracking(self)  # type: ignore[return-value]
+
     def _record(self, seen: _Seen, box: Sandbox) -> None:
         try:
             pids = box.host_pids()
@@ -165,6 +172,8 @@ class SandboxTracker:
         left += self._processes_naming(names)
         left += self._vm_cgroups(names)
         left += self._containers(names)
+        left += self._docker_containers(names)
+        left += self._owned(names)
         left += self._vm_dirs(names)
         left += self._sockets(names)
         extra = env_fds() - self._env_fds
@@ -228,6 +237,22 @@ class SandboxTracker:
         )  # fmt: skip
         return [f"{n}: container remains" for n in res.stdout.split() if n in names]
 
+    def _docker_containers(self, names: set[str]) -> list[str]:
+        if not names or not type(self.backend).__module__.startswith("agentbox.backends.docker"):
+            return []
+        res = subprocess.run(
+            ["docker", "ps", "-a", "--format", "{{.Names}}"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        return [f"{n}: docker container remains" for n in res.stdout.split() if n in names]
+
+    def _owned(self, names: set[str]) -> list[str]:
+        try:
+            owned = self.backend.owned()
+        except Exception as exc:  # a backend that cannot list says so, as a survivor
+            return [f"backend.owned() failed: {exc}"]
+        return [f"{n}: still owned by the backend's data dir" for n in owned if n in names]
+
     def _vm_dirs(self, names: set[str]) -> list[str]:
         left = []
         base = self.settings.data_dir / "microvm"
@@ -275,6 +300,20 @@ class SandboxTracker:
                 shutil.copyfile(log, dest)
                 saved.append(dest)
         return saved
+
+
+class _Tracking:
+    """A backend whose sandbox-making calls go through a :class:`SandboxTracker`."""
+
+    def __init__(self, tracker: SandboxTracker) -> None:
+        self._tracker = tracker
+        self.create = tracker.create
+        self.run = tracker.run
+        self.launch = tracker.launch
+        self.fill_pool = tracker.fill_pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tracker.backend, name)
 
 
 def _logs(root: Path) -> Iterator[Path]:
