@@ -7,6 +7,9 @@
 * uid 64000 owns nothing on the host: under userns-remap it is host uid
   ``subid_base + 64000``, the one the workspaces are given to.
 * Orphans (owner gone) are removed by label; a live owner's sandbox is left alone.
+
+Every sandbox goes through ``sandbox_factory``: none may leave a container,
+process, cgroup or socket behind.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +29,26 @@ from agentbox.backends.docker import LIFE, DockerBackend
 from agentbox.backends.docker._client import endpoint_of
 from agentbox.config import Settings
 from agentbox.errors import SandboxError
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.docker
 
 
 @pytest.fixture
-def backend(settings_factory: Callable[[], Settings], default_image: str) -> DockerBackend:
+def backend(
+    settings_factory: Callable[[], Settings], default_image: str
+) -> Iterator[DockerBackend]:
     be = get_backend("docker", settings_factory())
     assert isinstance(be, DockerBackend)
-    return be
+    yield be
+    be.client.close()  # its pooled connection to docker.sock
+
+
+@pytest.fixture
+def boxes(
+    backend: DockerBackend, sandbox_factory: Callable[[DockerBackend, Settings], SandboxTracker]
+) -> SandboxTracker:
+    return sandbox_factory(backend, backend.settings)
 
 
 def _spec(be: DockerBackend, name: str, **kw: object) -> SandboxSpec:
@@ -58,7 +72,10 @@ def test_endpoint_names() -> None:
 
 @pytest.mark.parametrize("runtime", ["runc", "runsc"])
 def test_a_sandbox_life_uses_exactly_the_minimal_endpoints(
-    backend: DockerBackend, workspace_factory: Callable[[Settings], Path], runtime: str
+    backend: DockerBackend,
+    boxes: SandboxTracker,
+    workspace_factory: Callable[[Settings], Path],
+    runtime: str,
 ) -> None:
     backend.facts()  # set-up calls (info, version) before we start counting
     spec = _spec(backend, f"d1-life-{runtime}-{os.getpid()}", runtime=runtime,
@@ -67,7 +84,7 @@ def test_a_sandbox_life_uses_exactly_the_minimal_endpoints(
 
     ensure_image(backend.client, backend.settings, spec.image)
     start = len(backend.client.endpoints)
-    box = backend.create(spec)
+    box = boxes.create(spec)
     try:
         assert box.exec(["sh", "-c", "cat; echo out; echo err >&2"], stdin=b"in\n").exit_code == 0
         box.stop(timeout=1)
@@ -89,7 +106,10 @@ def test_a_call_outside_the_allow_list_never_reaches_the_socket(backend: DockerB
 
 
 def test_inspect_shows_the_seeds_container_list(
-    backend: DockerBackend, workspace_factory: Callable[[Settings], Path], tmp_path: Path
+    backend: DockerBackend,
+    boxes: SandboxTracker,
+    workspace_factory: Callable[[Settings], Path],
+    tmp_path: Path,
 ) -> None:
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -98,7 +118,7 @@ def test_inspect_shows_the_seeds_container_list(
     spec = _spec(backend, f"d1-inspect-{os.getpid()}",
                  workspace=workspace_factory(backend.settings),
                  mounts=(BindMount(ro, "/mnt/ro"),))  # fmt: skip
-    with backend.create(spec) as box:
+    with boxes.create(spec) as box:
         info = box.inspect()
         hc = info["HostConfig"]
         assert hc["NetworkMode"] == "none"
@@ -126,12 +146,12 @@ def test_inspect_shows_the_seeds_container_list(
 
 
 def test_uid_64000_owns_nothing_on_the_host(
-    backend: DockerBackend, workspace_factory: Callable[[Settings], Path]
+    backend: DockerBackend, boxes: SandboxTracker, workspace_factory: Callable[[Settings], Path]
 ) -> None:
     facts = backend.facts()
     ws = workspace_factory(backend.settings)
     spec = _spec(backend, f"d1-uid-{os.getpid()}", workspace=ws)
-    with backend.create(spec) as box:
+    with boxes.create(spec) as box:
         assert box.exec(["touch", "/workspace/made"]).exit_code == 0
         owner = (ws / "made").stat().st_uid
         pids = box.host_pids()
@@ -153,13 +173,16 @@ os._exit(0)  # the owner dies holding it: no destroy
 """
 
 
-def test_orphans_are_removed_and_live_ones_kept(backend: DockerBackend) -> None:
+def test_orphans_are_removed_and_live_ones_kept(
+    backend: DockerBackend, boxes: SandboxTracker
+) -> None:
     name = f"d1-orphan-{os.getpid()}"
+    boxes.track(name)  # made by the owner process below
     env = {**os.environ, "AGENTBOX_DATA_DIR": str(backend.settings.data_dir)}
     subprocess.run([sys.executable, "-c", _OWNER, name], check=True, env=env, timeout=300)
     live = _spec(backend, f"d1-live-{os.getpid()}")
     try:
-        with backend.create(live) as keep:
+        with boxes.create(live) as keep:
             removed = backend.cleanup_orphans()
             assert name in removed
             assert keep.name not in removed
@@ -170,14 +193,16 @@ def test_orphans_are_removed_and_live_ones_kept(backend: DockerBackend) -> None:
 
 
 def test_posture_catches_a_weakened_container(
-    settings_factory: Callable[[], Settings], default_image: str
+    settings_factory: Callable[[], Settings],
+    default_image: str,
+    sandbox_factory: Callable[[DockerBackend, Settings], SandboxTracker],
 ) -> None:
     """The control: the same backend with the Engine's default seccomp profile and a
     capability back must fail those posture rows (the checks can fail)."""
     be = DockerBackend(settings_factory(),
                        unsafe_host_config={"SecurityOpt": ["no-new-privileges"],
                                            "CapAdd": ["CHOWN"]})  # fmt: skip
-    with be.create(_spec(be, f"d1-weak-{os.getpid()}")) as box:
+    with sandbox_factory(be, be.settings).create(_spec(be, f"d1-weak-{os.getpid()}")) as box:
         posture = box.posture()
     bad = {c.name for c in posture.checks if not c.ok}
     assert {"seccomp profile (agentbox's)", "CapAdd"} <= bad, bad

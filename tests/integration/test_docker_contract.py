@@ -1,7 +1,10 @@
 """The backend contract suite on the docker backend, under runc and runsc (gVisor).
 
 The same test functions as tests/integration/test_backend_contract.py, with the
-``case`` fixture giving a :class:`~agentbox.backends.docker.DockerBackend`.
+``case`` fixture giving a :class:`~agentbox.backends.docker.DockerBackend`. Its
+sandboxes go through the shared ``sandboxes`` and ``live`` fixtures, i.e. the leak
+guard (``sandbox_factory``, a module ``SandboxTracker``): none may leave a container,
+process, cgroup or socket behind.
 """
 
 from __future__ import annotations

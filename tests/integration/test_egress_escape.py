@@ -2,13 +2,14 @@
 
 From inside, through a real (dropped) proxy: loopback, metadata and private targets,
 by name and by literal, must all be refused for their address; the same proxy with
-its address checks off must let ``localhost`` through (the control fires).
+its address checks off must let ``localhost`` through (the control fires). The
+sandbox goes through the leak guard (``sandbox_factory``).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,12 +19,17 @@ from agentbox.backends.podman import PodmanBackend
 from agentbox.config import Settings
 from agentbox.egress._escape import _verdict, egress_probe
 from agentbox.gateway import gateway_identity
+from sandbox_leaks import SandboxTracker
 
 INSIDE = "/run/agentbox/egress"
 
 
 @pytest.fixture
-def box(settings: Settings, tmp_path: Path) -> Iterator[tuple[Sandbox, Path]]:
+def box(
+    settings: Settings,
+    tmp_path: Path,
+    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
+) -> Iterator[tuple[Sandbox, Path]]:
     shared = tmp_path / "egress"
     shared.mkdir()
     shared.chmod(0o755)
@@ -35,7 +41,7 @@ def box(settings: Settings, tmp_path: Path) -> Iterator[tuple[Sandbox, Path]]:
         deadline=600,
         uid=settings.sandbox_uid,
     )
-    sandbox = PodmanBackend(settings).create(spec)
+    sandbox = sandbox_factory(PodmanBackend(settings), settings).create(spec)
     try:
         yield sandbox, shared
     finally:

@@ -6,7 +6,8 @@ and carries each connection to the proxy's unix socket, mounted read-only with
 the host's CA bundle beside it; the command gets :func:`proxy_env`. Checked in the
 same sandbox: the registry answers through the proxy (TLS verified against the host
 bundle), a host outside the allow-list is refused by the proxy (403), and without the
-proxy there is no way out at all.
+proxy there is no way out at all. The sandbox goes through the leak guard
+(``sandbox_factory``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import shutil
 import socket
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from agentbox.backends.podman import PodmanBackend
 from agentbox.config import Settings
 from agentbox.egress import EgressPolicy, host_ca_bundle, proxy_env, spawn_proxy, summarize
 from agentbox.gateway import gateway_identity
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.podman
 
@@ -61,7 +64,9 @@ def _fetch(box: object, url: str, env: dict[str, str], *, relay: bool) -> dict[s
 
 
 def test_sandbox_reaches_registry_only_through_the_proxy(
-    settings: Settings, tmp_path: Path
+    settings: Settings,
+    tmp_path: Path,
+    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
 ) -> None:
     policy = EgressPolicy.for_phase(settings, registries=True)
     host = _index_host(policy)
@@ -84,7 +89,7 @@ def test_sandbox_reaches_registry_only_through_the_proxy(
     with spawn_proxy(sock, policy, log_path, gateway_identity(settings)):
         # The sandbox's relay runs as the sandbox uid: let it (and only it) connect.
         os.chown(sock, settings.sandbox_host_uid, settings.sandbox_host_uid)
-        box = backend.create(spec)
+        box = sandbox_factory(backend, settings).create(spec)
         try:
             env = proxy_env(3128, f"{INSIDE}/ca.pem")
             got = _fetch(box, f"https://{host}/simple/", env, relay=True)

@@ -1,12 +1,14 @@
 """A killed or timed-out sandbox leaves nothing behind: no container, no conmon, no mount,
 no process. Checked from the host: podman's list, psutil over every process's command line,
-and /proc/self/mountinfo (the container's id names its storage and shm mounts)."""
+and /proc/self/mountinfo (the container's id names its storage and shm mounts); and, as
+for every backend test, by the leak guard (``sandbox_factory``: cgroups, sockets, env fds)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -17,10 +19,17 @@ from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.sandbox import spec_from_boxfile
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.podman
 
 RUNTIMES = [rt for rt in ("runc", "runsc") if _host.podman_runtime(rt).ok]
+Factory = Callable[[PodmanBackend, Settings], SandboxTracker]
+
+
+@pytest.fixture
+def boxes(sandbox_settings: Settings, sandbox_factory: Factory) -> SandboxTracker:
+    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
 
 
 def _leftovers(name: str, short_id: str) -> list[str]:
@@ -54,32 +63,30 @@ def _assert_gone(name: str, short_id: str) -> None:
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_run_past_its_deadline_leaves_nothing(
-    sandbox_settings: Settings, default_image: str, runtime: str
+    sandbox_settings: Settings, boxes: SandboxTracker, default_image: str, runtime: str
 ) -> None:
     spec = spec_from_boxfile(Boxfile(runtime=runtime, deadline=2), sandbox_settings)
     seen: list[bytes] = []
     # The container's hostname is its short id; print it, then outlive the deadline.
-    res = PodmanBackend(sandbox_settings).run(
-        spec, ["sh", "-c", "cat /etc/hostname; exec sleep 60"], on_stdout=seen.append
-    )
+    res = boxes.run(spec, ["sh", "-c", "cat /etc/hostname; exec sleep 60"], on_stdout=seen.append)
     assert res.timed_out
     _assert_gone(spec.name, b"".join(seen).decode().strip())
 
 
 def test_run_killed_from_inside_leaves_nothing(
-    sandbox_settings: Settings, default_image: str
+    sandbox_settings: Settings, boxes: SandboxTracker, default_image: str
 ) -> None:
     spec = spec_from_boxfile(Boxfile(), sandbox_settings)
-    res = PodmanBackend(sandbox_settings).run(spec, ["sh", "-c", "cat /etc/hostname; kill -9 $$"])
+    res = boxes.run(spec, ["sh", "-c", "cat /etc/hostname; kill -9 $$"])
     assert res.exit_code == 137 and not res.timed_out
     _assert_gone(spec.name, res.stdout.decode().strip())
 
 
 def test_sandbox_past_its_deadline_is_destroyed(
-    sandbox_settings: Settings, default_image: str
+    sandbox_settings: Settings, boxes: SandboxTracker, default_image: str
 ) -> None:
     spec = spec_from_boxfile(Boxfile(deadline=2), sandbox_settings)
-    box = PodmanBackend(sandbox_settings).create(spec)
+    box = boxes.create(spec)
     short_id = box.exec(["cat", "/etc/hostname"]).stdout.decode().strip()
     time.sleep(3)
     assert box.expired
@@ -89,10 +96,10 @@ def test_sandbox_past_its_deadline_is_destroyed(
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_killed_sandbox_is_destroyed_with_nothing_left(
-    sandbox_settings: Settings, default_image: str, runtime: str
+    sandbox_settings: Settings, boxes: SandboxTracker, default_image: str, runtime: str
 ) -> None:
     spec = spec_from_boxfile(Boxfile(runtime=runtime), sandbox_settings)
-    box = PodmanBackend(sandbox_settings).create(spec)
+    box = boxes.create(spec)
     short_id = box.exec(["cat", "/etc/hostname"]).stdout.decode().strip()
     live = _leftovers(spec.name, short_id)  # the check can see a live sandbox
     assert any(x.startswith("container") for x in live), live
@@ -103,7 +110,10 @@ def test_killed_sandbox_is_destroyed_with_nothing_left(
 
 
 def test_an_oom_kill_leaves_nothing_in_the_callers_cwd(
-    default_image: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    default_image: object,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sandbox_factory: Factory,
 ) -> None:
     """conmon drops an ``oom`` marker into its cwd after an OOM kill under ``--rm``;
     the backend runs podman in a private dir, so the caller's cwd stays clean."""
@@ -124,14 +134,17 @@ def test_an_oom_kill_leaves_nothing_in_the_callers_cwd(
         "import subprocess; "
         "r = subprocess.run(['python3', '-c', 'x = bytearray(1 << 28)']); print(r.returncode)"
     )
-    res = PodmanBackend(settings).run(spec, ["python3", "-c", code])
+    res = sandbox_factory(PodmanBackend(settings), settings).run(spec, ["python3", "-c", code])
     assert res.stdout.strip() == b"-9"  # the child was OOM-killed, its parent survived
     assert list(caller.iterdir()) == []
     assert list((settings.data_dir / "run").iterdir()) == []
 
 
 def test_an_oom_kill_in_a_long_lived_sandbox_leaves_the_cwd_clean(
-    default_image: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    default_image: object,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sandbox_factory: Factory,
 ) -> None:
     """The same for ``create`` + ``exec``: conmon runs from our private dir."""
     from agentbox.backends.base import SandboxSpec
@@ -146,7 +159,8 @@ def test_an_oom_kill_in_a_long_lived_sandbox_leaves_the_cwd_clean(
         resources=Resources(memory="64MiB", cpus=1),  # type: ignore[arg-type]
         deadline=60,
     )
-    with PodmanBackend(Settings(data_dir=tmp_path / "data")).create(spec) as box:
+    settings = Settings(data_dir=tmp_path / "data")
+    with sandbox_factory(PodmanBackend(settings), settings).create(spec) as box:
         res = box.exec(["python3", "-c", "x = bytearray(1 << 28)"])
     assert res.exit_code == 137  # OOM-killed
     assert list(caller.iterdir()) == []

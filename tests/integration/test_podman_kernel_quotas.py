@@ -9,7 +9,8 @@
 
 Real sandboxes through :class:`PodmanBackend`, the real probe program, and the
 host's own syscalls as root. The escape suite's controls (test_escape_suite.py)
-show the same probes firing on a container without these limits.
+show the same probes firing on a container without these limits. Every sandbox goes
+through the leak guard (``sandbox_factory``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,20 @@ from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.escape._quota import KINDS, try_once
 from agentbox.escape._runner import HostView, quota_outcomes, run_probe_program
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.podman
 
 RUNTIMES = ("runc", "runsc")
+
+
+@pytest.fixture
+def boxes(
+    sandbox_settings: Settings,
+    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
+) -> SandboxTracker:
+    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
+
 
 _FAMILIES = r"""
 import ctypes, errno, json, socket
@@ -69,22 +80,22 @@ def _spec(settings: Settings, image: str, workspace: Path, runtime: str) -> Sand
 @pytest.fixture
 def sandbox(
     sandbox_settings: Settings, default_image: str, make_workspace: Callable[[], Path],
-    request: pytest.FixtureRequest,
+    request: pytest.FixtureRequest, boxes: SandboxTracker,
 ) -> Iterator[Sandbox]:  # fmt: skip
     spec = _spec(sandbox_settings, default_image, make_workspace(), request.param)
-    with PodmanBackend(sandbox_settings).create(spec) as box:
+    with boxes.create(spec) as box:
         yield box
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_unneeded_address_families_are_refused(
     sandbox_settings: Settings, default_image: str, make_workspace: Callable[[], Path],
-    runtime: str,
+    runtime: str, boxes: SandboxTracker,
 ) -> None:  # fmt: skip
     # As the main command, the way the launcher runs the agent (under gVisor an exec'd
     # process does not get the OCI filter: the escape suite reports that as a fact).
     spec = _spec(sandbox_settings, default_image, make_workspace(), runtime)
-    res = PodmanBackend(sandbox_settings).run(spec, ["python3", "-I", "-S", "-c", _FAMILIES])
+    res = boxes.run(spec, ["python3", "-I", "-S", "-c", _FAMILIES])
     assert res.exit_code == 0, res.stderr[-500:]
     got = json.loads(res.stdout.decode().strip().splitlines()[-1])
     assert isinstance(got, dict)
