@@ -209,7 +209,9 @@ def init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt
     The commit is written into the shadow dir by us, the config and the ref
     ``main`` too; the objects go over as one pack that ``pack-objects`` (run in
     the shadow dir) writes straight into the new ``.git``: three git processes
-    (init, pack-objects, read-tree) instead of a ``fetch``'s eight.
+    (init, pack-objects) instead of a ``fetch``'s eight. Its index is not
+    written here: :func:`~agentbox.collect._prepare.prepare` copies the base
+    index it reads anyway (the same ``read-tree`` of the same tree).
     """
     root = write_commit(BlobWriter(shadow.git_dir, fmt), tree, None,
                         f"agentbox: workspace base (from {base[:12]})\n")  # fmt: skip
@@ -231,7 +233,6 @@ def init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt
         shadow.run("pack-objects", "--revs", "--quiet", "--delta-base-offset",
                    agent_git / "objects" / "pack" / "pack", input=f"{root}\n")  # fmt: skip
         write_ref(agent_git, "refs/heads/main", root)
-        ws.run("read-tree", "main", index=agent_git / "index")
 
 
 def chown_tree(root: Path, uid: int, gid: int) -> None:

@@ -279,6 +279,12 @@ def _prepare(
             newest = max((max(st.st_ctime_ns, st.st_mtime_ns) for st in every), default=0)
             _past(newest, fine=any(st.st_ctime_ns % 1_000_000_000 for st in every))
             shadow.run("read-tree", tree, index=tmp_index)
+            # The workspace's own index is that read-tree too (before its stat data
+            # is filled in, as a read-tree in the workspace's .git would have it).
+            agent_index = workspace / ".git" / "index"
+            shutil.copyfile(tmp_index, agent_index)
+            if owner is not None:
+                os.chown(agent_index, *owner, follow_symlinks=False)
             fill_stat(
                 tmp_index,
                 {
