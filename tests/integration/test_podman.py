@@ -2,7 +2,8 @@
 
 Contract behaviour (run, exec, copy, posture, gateway) is in
 test_backend_contract.py; cleanup after kills and deadlines in
-test_podman_cleanup.py.
+test_podman_cleanup.py. Every sandbox the backend makes here goes through the leak
+guard (``sandbox_factory``), refused ones included.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,10 +23,17 @@ from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import BoxfileError, ImageError, PathRefused, UnsupportedError
 from agentbox.sandbox import spec_from_boxfile
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.podman
 
 AGENTBOX = str(Path(sys.executable).parent / "agentbox")
+Factory = Callable[[PodmanBackend, Settings], SandboxTracker]
+
+
+@pytest.fixture
+def boxes(sandbox_settings: Settings, sandbox_factory: Factory) -> SandboxTracker:
+    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
 
 
 def _exists(name: str) -> bool:
@@ -65,15 +74,17 @@ def _owned_by(pid: int) -> list[str]:
 # --- refusals: nothing starts ---------------------------------------------------------------
 
 
-def test_missing_image_refused_before_anything(sandbox_settings: Settings) -> None:
-    be = PodmanBackend(sandbox_settings)
+def test_missing_image_refused_before_anything(
+    sandbox_settings: Settings, boxes: SandboxTracker
+) -> None:
+    be = boxes.backend
     spec = spec_from_boxfile(Boxfile(image="localhost/agentbox-no-such-image:1"), sandbox_settings)
     with pytest.raises(ImageError, match="not in podman's local storage"):
         be.check(spec)
     with pytest.raises(ImageError):
-        be.run(spec, ["true"])
+        boxes.run(spec, ["true"])
     with pytest.raises(ImageError):
-        be.create(spec)
+        boxes.create(spec)
     assert not _exists(spec.name)
 
 
@@ -89,18 +100,17 @@ def test_default_image_missing_says_how_to_build_it(sandbox_settings: Settings) 
 
 
 def test_unknown_and_unusable_runtimes_refused(
-    sandbox_settings: Settings, default_image: str
+    sandbox_settings: Settings, default_image: str, boxes: SandboxTracker
 ) -> None:
-    be = PodmanBackend(sandbox_settings)
     spec = spec_from_boxfile(Boxfile(), sandbox_settings)
     with pytest.raises(UnsupportedError, match="unknown OCI runtime"):
-        be.run(spec.replace(runtime="kata"), ["true"])
+        boxes.run(spec.replace(runtime="kata"), ["true"])
     with pytest.raises(BoxfileError) as ei:
         Boxfile.from_dict({"runtime": "kata"})
     assert ei.value.key == "runtime"
     if not _host.podman_runtime("crun").ok:
         with pytest.raises(UnsupportedError, match="cgroups"):
-            be.run(spec.replace(runtime="crun"), ["true"])
+            boxes.run(spec.replace(runtime="crun"), ["true"])
     assert not _exists(spec.name)
 
 
@@ -220,16 +230,16 @@ os._exit(0)  # the owner dies without destroying its sandbox
 
 
 def test_cleanup_orphans_removes_sandboxes_whose_owner_died(
-    sandbox_settings: Settings, default_image: str
+    sandbox_settings: Settings, default_image: str, boxes: SandboxTracker
 ) -> None:
     name = f"agentbox-orphan-{os.getpid()}"
+    boxes.track(name)  # made by the owner process below
     env = {"PATH": os.environ["PATH"], "AGENTBOX_DATA_DIR": str(sandbox_settings.data_dir)}
     subprocess.run([sys.executable, "-c", ORPHAN, name], check=True, env=env, timeout=120)
     assert _exists(name)
-    be = PodmanBackend(sandbox_settings)
-    mine = be.create(spec_from_boxfile(Boxfile(), sandbox_settings))  # a live owner: kept
+    mine = boxes.create(spec_from_boxfile(Boxfile(), sandbox_settings))  # a live owner: kept
     try:
-        removed = be.cleanup_orphans()
+        removed = boxes.backend.cleanup_orphans()
         assert name in removed
         assert mine.name not in removed
         assert not _exists(name)
@@ -243,7 +253,7 @@ def test_cleanup_orphans_removes_sandboxes_whose_owner_died(
 
 
 def test_posture_sees_a_deliberately_weakened_sandbox(
-    sandbox_settings: Settings, default_image: str
+    sandbox_settings: Settings, default_image: str, sandbox_factory: Factory
 ) -> None:
     """Positive control: the posture checks fire on a sandbox weakened through the
     escape suite's ``unsafe_extra_args`` (never reachable from a Boxfile)."""
@@ -251,7 +261,9 @@ def test_posture_sees_a_deliberately_weakened_sandbox(
         sandbox_settings,
         unsafe_extra_args=("--security-opt", "seccomp=unconfined", "--cap-add", "SYS_ADMIN"),
     )
-    with weak.create(spec_from_boxfile(Boxfile(), sandbox_settings)) as box:
+    with sandbox_factory(weak, sandbox_settings).create(
+        spec_from_boxfile(Boxfile(), sandbox_settings)
+    ) as box:
         posture = box.posture()
     failed = {(c.where, c.name) for c in posture.checks if not c.ok}
     assert not posture.ok
@@ -268,7 +280,7 @@ def test_posture_sees_a_deliberately_weakened_sandbox(
 
 
 def test_busy_sandboxes_do_not_share_one_process_budget(
-    sandbox_settings: Settings, default_image: str
+    sandbox_settings: Settings, default_image: str, boxes: SandboxTracker
 ) -> None:
     """Two sandboxes each using most of their pids limit both get it.
 
@@ -281,15 +293,14 @@ def test_busy_sandboxes_do_not_share_one_process_budget(
     pids = 64
     spec = spec_from_boxfile(Boxfile(), sandbox_settings)
     spec = spec.replace(resources=spec.resources.model_copy(update={"pids": pids}))
-    be = PodmanBackend(sandbox_settings)
     start = (
         "for i in $(seq 40); do sleep 300 & done 2>/dev/null;"
         " sleep 0.5; echo $(ls /proc | grep -c '^[0-9]')"
     )
     counts = []
-    a = be.create(spec.replace(name=spec.name + "-a"))
+    a = boxes.create(spec.replace(name=spec.name + "-a"))
     try:
-        b = be.create(spec.replace(name=spec.name + "-b"))
+        b = boxes.create(spec.replace(name=spec.name + "-b"))
         try:
             for box in (a, b):  # 40 each: 80 in all, more than one sandbox's limit of 64
                 res = box.exec(["sh", "-c", start], timeout=60)

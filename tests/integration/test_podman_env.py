@@ -5,7 +5,8 @@ sandbox, never appear in a file (where a SIGKILLed caller would leave it), and n
 be held by any process but ours and the podman client we started (not conmon, not
 the runtime, not the sandbox). Checked with real podman for ``run`` (foreground),
 ``run -d`` (:meth:`PodmanBackend.create`) and ``exec``; the interactive path is in
-test_podman_shell.py.
+test_podman_shell.py. Every sandbox goes through the leak guard (``sandbox_factory``),
+which also checks that no env memfd stays open in the test process.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -30,6 +32,7 @@ from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import ConfigError
 from agentbox.sandbox import spec_from_boxfile
+from sandbox_leaks import SandboxTracker
 
 TMP = Path(tempfile.gettempdir())
 #: Shell that prints the two values, then lingers so the host can look while it runs.
@@ -81,6 +84,14 @@ def _allowed_holders() -> set[int]:
     """Us and the podman clients we started directly."""
     me = psutil.Process()
     return {me.pid} | {c.pid for c in me.children() if c.name() == "podman"}
+
+
+@pytest.fixture
+def boxes(
+    sandbox_settings: Settings,
+    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
+) -> SandboxTracker:
+    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
 
 
 @pytest.fixture
@@ -136,7 +147,7 @@ pod = pytest.mark.podman
 
 @pod
 def test_run_gets_the_values_and_nothing_else_holds_them(
-    sandbox_settings: Settings, default_image: str, token: str
+    sandbox_settings: Settings, default_image: str, token: str, boxes: SandboxTracker
 ) -> None:
     before = _traces(sandbox_settings.data_dir)
     seen: dict[str, object] = {}
@@ -150,7 +161,7 @@ def test_run_gets_the_values_and_nothing_else_holds_them(
         seen["out"] = seen.get("out", b"") + chunk  # type: ignore[operator]
 
     spec = _spec(sandbox_settings, token)
-    res = PodmanBackend(sandbox_settings).run(spec, ["sh", "-c", SHOW], on_stdout=look)
+    res = boxes.run(spec, ["sh", "-c", SHOW], on_stdout=look)
     assert res.exit_code == 0, res.stderr
     assert seen["out"] == f"{token}|{ODD}\n".encode()
     assert seen["files"], "the run held no env memfd while the sandbox ran"
@@ -161,11 +172,11 @@ def test_run_gets_the_values_and_nothing_else_holds_them(
 
 @pod
 def test_create_and_exec_get_the_values_and_nothing_else_holds_them(
-    sandbox_settings: Settings, default_image: str, token: str
+    sandbox_settings: Settings, default_image: str, token: str, boxes: SandboxTracker
 ) -> None:
     before = _traces(sandbox_settings.data_dir)
     spec = _spec(sandbox_settings, token)
-    with PodmanBackend(sandbox_settings).create(spec) as box:
+    with boxes.create(spec) as box:
         # run -d: the values are the sandbox's own environment (pid 1's).
         res = box.exec(["sh", "-c", 'tr "\\0" "\\n" </proc/1/environ | grep ^AB_TOKEN='])
         assert res.stdout.decode().strip() == f"AB_TOKEN={token}"
@@ -242,10 +253,11 @@ PodmanBackend(s).run(spec, ["sh", "-c", "echo up; exec sleep 120"], on_stdout=up
 
 @pod
 def test_a_sigkilled_podman_caller_leaves_no_env_on_disk(
-    sandbox_settings: Settings, default_image: str, token: str
+    sandbox_settings: Settings, default_image: str, token: str, boxes: SandboxTracker
 ) -> None:
     before = _traces(sandbox_settings.data_dir)
     name = f"agentbox-envkill-{os.getpid()}"
+    boxes.track(name)  # made by the killed caller
     env = {"PATH": os.environ["PATH"], "AGENTBOX_DATA_DIR": str(sandbox_settings.data_dir)}
     proc = subprocess.run(
         [sys.executable, "-c", RUN_KILLED, name, token],
@@ -256,7 +268,7 @@ def test_a_sigkilled_podman_caller_leaves_no_env_on_disk(
         assert proc.stdout.strip() == "up"
         assert _traces(sandbox_settings.data_dir) == before
     finally:
-        removed = PodmanBackend(sandbox_settings).cleanup_orphans()
+        removed = boxes.backend.cleanup_orphans()
     assert name in removed
 
 
