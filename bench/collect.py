@@ -1,7 +1,7 @@
 """Collection time on a 50,000-file repo with 100 changed files, against `git status`.
 
 Usage: .venv/bin/python bench/collect.py [--files 50000] [--changed 100] [--runs 7]
-       [--prepare-runs 3] [--where DIR]
+       [--prepare-runs 3] [--where DIR] [--small-tasks 20] [--only-small]
 
 ``--where`` puts the repo and the workspaces on another filesystem (an XFS or
 btrfs mount: the workspace files are then reflinks of the repo's).
@@ -24,6 +24,11 @@ the two other ends of a task, each against what a plain copy costs:
   index) against `cp -a` of the repo's work tree and `.git`;
 * publish() (fetch of the result branch into the user's repo) against a plain
   `git fetch` of the same commit from the shadow dir.
+
+And the per-task fixed cost, where the repo is tiny and git's process start-ups are
+most of it (``--small-tasks N``, ``--only-small`` for this row alone): N tasks of a
+13-file repo, each prepare() + two changed files + collect() + publish(), medians
+per phase (the process count per task is tests/integration/test_collect_git_cost.py).
 """
 
 from __future__ import annotations
@@ -93,7 +98,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--prepare-runs", type=int, default=3)
     ap.add_argument("--where", type=Path, default=None, help="a directory on the fs to test")
+    ap.add_argument("--small-tasks", type=int, default=20, help="tiny-repo tasks to time")
+    ap.add_argument("--only-small", action="store_true", help="only the tiny-repo tasks")
     args = ap.parse_args()
+    if args.small_tasks:
+        with tempfile.TemporaryDirectory(prefix="abx-collect-bench-", dir=args.where) as tmp_s:
+            small_tasks(Path(tmp_s), args.small_tasks)
+    if args.only_small:
+        return
     with tempfile.TemporaryDirectory(prefix="abx-collect-bench-", dir=args.where) as tmp_s:
         tmp = Path(tmp_s)
         t0 = time.perf_counter()
@@ -185,6 +197,40 @@ def prepare_and_publish(tmp: Path, runs: int) -> list[tuple[str, list[float]]]:
         subprocess.run(["rm", "-rf", str(d)], check=True)
     return [("cp -a of the repo", cp_t), ("prepare()", prep_t),
             ("git fetch of the result", fetch_t), ("publish()", pub_t)]  # fmt: skip
+
+
+def small_tasks(tmp: Path, runs: int) -> None:
+    """Per-task fixed cost: prepare/collect/publish of a 13-file repo, ``runs`` times."""
+    repo = tmp / "small"
+    subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], env=ENV, check=True)
+    for i in range(12):
+        (repo / f"f{i}.txt").write_text(f"file {i}\n")
+    (repo / "README.md").write_text("hello\n")
+    subprocess.run(["git", "add", "-A"], cwd=repo, env=ENV, check=True)
+    subprocess.run(["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "i"],
+                   cwd=repo, env=ENV, check=True)  # fmt: skip
+    rows: dict[str, list[float]] = {"prepare()": [], "collect()": [], "publish()": [], "task": []}
+    for i in range(runs):
+        d = tmp / f"t{i}"
+        d.mkdir()
+        t0 = time.perf_counter()
+        base = prepare(repo, d / "ws", d / "shadow.git", d / "base.index")
+        t1 = time.perf_counter()
+        (d / "ws" / "README.md").write_text("changed\n")
+        (d / "ws" / "new.txt").write_text("new\n")
+        got = collect(d / "ws", d / "shadow.git", d / "base.index", base,
+                      task_id=f"small-{i}", message="bench")  # fmt: skip
+        t2 = time.perf_counter()
+        publish(d / "shadow.git", repo, task_id=f"small-{i}", commit=got.commit)
+        t3 = time.perf_counter()
+        for name, dt in zip(rows, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
+            rows[name].append(dt)
+        subprocess.run(["rm", "-rf", str(d)], check=True)
+    print(f"tiny repo (13 files), {runs} tasks, medians (load {os.getloadavg()[0]:.2f})")
+    for name, vals in rows.items():
+        print(f"  {name:<26} {statistics.median(vals) * 1000:>8.1f} ms  min "
+              f"{min(vals) * 1000:.1f} ms")  # fmt: skip
+    print()
 
 
 if __name__ == "__main__":
