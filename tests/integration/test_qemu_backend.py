@@ -1,7 +1,10 @@
 """The qemu backend against a real QEMU (TCG here) and the real default image.
 
 One restored sandbox is shared by the session (boots are seconds under TCG);
-tests that need their own VM (cold boot, deadline, a dead guest) make one.
+tests that need their own VM (cold boot, deadline, a dead guest) make one. Every
+sandbox is made through a :class:`~sandbox_leaks.SandboxTracker` (``sandbox_factory``
+for a test's own, ``module_sandbox_factory`` for the shared one): nothing of it may
+survive its end.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import os
 import socketserver
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.errors import GuestError
 from agentbox.microvm._guest import KernelFacts
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.qemu
 
@@ -46,6 +50,16 @@ def qemu_rootfs() -> tuple[Path, str]:
 @pytest.fixture(scope="session")
 def qemu_backend(qemu_settings: Settings, qemu_rootfs: tuple[Path, str]) -> QemuBackend:
     return QemuBackend(qemu_settings, rootfs=qemu_rootfs)
+
+
+@pytest.fixture
+def tracker(
+    sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
+    qemu_backend: QemuBackend,
+    qemu_settings: Settings,
+) -> SandboxTracker:
+    """The test's sandboxes of the shared backend, checked for leftovers after it."""
+    return sandbox_factory(qemu_backend, qemu_settings)
 
 
 class _Echo(socketserver.StreamRequestHandler):
@@ -79,13 +93,19 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ws
 
 
-@pytest.fixture(scope="session")
-def vm(qemu_backend: QemuBackend, workspace: Path, gateway_dir: Path) -> Iterator[QemuSandbox]:
+@pytest.fixture(scope="module")
+def vm(
+    qemu_backend: QemuBackend,
+    workspace: Path,
+    gateway_dir: Path,
+    module_sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
+) -> Iterator[QemuSandbox]:
     spec = SandboxSpec(
         name="qemu-session", image="default", resources=RES, workspace=workspace,
         gateway_dir=gateway_dir, env={"FROM_SPEC": "1"},
     )  # fmt: skip
-    sb = qemu_backend.create(spec)
+    sb = module_sandbox_factory(qemu_backend, qemu_backend.settings).create(spec)
+    assert isinstance(sb, QemuSandbox)
     yield sb
     sb.destroy()
     assert not sb.vm_dir.exists()
@@ -230,21 +250,46 @@ for i in sorted(out): print(out[i].decode().strip())
     assert res.stdout.decode().splitlines() == [f"echo:conn-{i}" for i in range(8)]
 
 
-def test_snapshot_clones_have_distinct_randomness(
-    qemu_backend: QemuBackend, vm: QemuSandbox
-) -> None:
+def test_snapshot_clones_have_distinct_randomness(tracker: SandboxTracker, vm: QemuSandbox) -> None:
     assert vm.restored
     spec = SandboxSpec(name="qemu-clone", image="default", resources=RES)
-    with qemu_backend.create(spec) as other:
+    with tracker.create(spec) as other:
         a = vm.exec(["sh", "-c", "head -c 16 /dev/urandom | od -An -tx1"]).stdout
         b = other.exec(["sh", "-c", "head -c 16 /dev/urandom | od -An -tx1"]).stdout
         assert a and b and a != b
         assert other.exec(["ls", "-A", "/workspace"]).stdout in (b"", b"lost+found\n")
 
 
+def test_the_leak_guard_sees_a_live_vm(tracker: SandboxTracker) -> None:
+    """The guard's positive control on qemu: while a microVM lives, the tracker finds its
+    VMM (by recorded pid, and by name as for a detached VM whose pids it never saw), its
+    cgroups (recorded, and by name) and its VM dir; once destroyed, nothing."""
+    spec = SandboxSpec(name="qemu-guarded", image="default", resources=RES)
+    box = tracker.create(spec)
+    try:
+        left = tracker.leftovers()
+        by_name = SandboxTracker(tracker.backend, tracker.settings)
+        by_name.track("qemu-guarded")  # no box: what is found is found by name alone
+        try:
+            named = by_name.leftovers()
+        finally:
+            by_name.close()
+    finally:
+        box.destroy()
+    text, named_text = "\n".join(left), "\n".join(named)
+    for what in ("still runs", "names it", "cgroup ", "VM dir "):
+        assert what in text, (what, text)
+    for what in ("names it", "cgroup ", "VM dir "):
+        assert what in named_text, (what, named_text)
+    assert tracker.leftovers() == []
+
+
 @pytest.mark.slow
 def test_cold_boot_and_one_shot_run_syncs_the_workspace(
-    qemu_settings: Settings, qemu_rootfs: tuple[Path, str], tmp_path: Path
+    qemu_settings: Settings,
+    qemu_rootfs: tuple[Path, str],
+    tmp_path: Path,
+    sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
 ) -> None:
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -252,28 +297,29 @@ def test_cold_boot_and_one_shot_run_syncs_the_workspace(
     (ws / "gone").write_text("g")
     backend = QemuBackend(qemu_settings, rootfs=qemu_rootfs, cold=True)
     spec = SandboxSpec(name="qemu-cold", image="default", resources=RES, workspace=ws)
-    res = backend.run(spec, ["sh", "-c", "rm gone; echo new > made; mkdir -p a/b; uname -r"])
+    cold = sandbox_factory(backend, qemu_settings)
+    res = cold.run(spec, ["sh", "-c", "rm gone; echo new > made; mkdir -p a/b; uname -r"])
     assert res.exit_code == 0 and res.stdout.startswith(b"6.1.")
     assert sorted(p.name for p in ws.iterdir()) == ["a", "keep", "made"]
     assert (ws / "made").read_text() == "new\n"
     assert not list((qemu_settings.data_dir / "microvm").glob("qemu-cold-*"))
 
 
-def test_deadline_kills_the_vm(qemu_backend: QemuBackend) -> None:
+def test_deadline_kills_the_vm(tracker: SandboxTracker) -> None:
     spec = SandboxSpec(name="qemu-deadline", image="default", resources=RES, deadline=20)
     t0 = time.monotonic()
-    res = qemu_backend.run(spec, ["sleep", "600"])
+    res = tracker.run(spec, ["sleep", "600"])
     assert res.timed_out and time.monotonic() - t0 < 120
 
 
 def test_a_dead_guests_partial_data_is_still_collected(
-    qemu_backend: QemuBackend, tmp_path: Path
+    tracker: SandboxTracker, tmp_path: Path
 ) -> None:
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "old").write_text("o")
     spec = SandboxSpec(name="qemu-dies", image="default", resources=RES, workspace=ws)
-    with qemu_backend.create(spec) as sb:
+    with tracker.create(spec) as sb:
         script = (
             "rm old; echo partial > p; ln -s /etc/shadow out; ln -s p in; mkfifo f;"
             " cp /bin/true s; chmod 4755 s; sync"
@@ -289,7 +335,7 @@ def test_a_dead_guests_partial_data_is_still_collected(
 
 
 def test_kill_by_name_ends_a_run_and_keeps_its_data(
-    qemu_backend: QemuBackend, tmp_path: Path
+    qemu_backend: QemuBackend, tracker: SandboxTracker, tmp_path: Path
 ) -> None:
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -303,7 +349,7 @@ def test_kill_by_name_ends_a_run_and_keeps_its_data(
 
     def run() -> None:
         script = "echo started > s; sync; echo go; sleep 600"
-        got.append(qemu_backend.run(spec, ["sh", "-c", script], on_stdout=on_out))
+        got.append(tracker.run(spec, ["sh", "-c", script], on_stdout=on_out))
 
     t = threading.Thread(target=run)
     t.start()
@@ -338,7 +384,7 @@ def test_copy_in_never_lands_through_a_link_the_workload_planted(
 
 @pytest.mark.parametrize("code", ["abc", 10**30])
 def test_a_bad_exit_code_is_handled_like_a_crash(
-    qemu_backend: QemuBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: object
+    tracker: SandboxTracker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: object
 ) -> None:
     # A guest agent that reports {"op": "exit", "code": <not an exit code>}: the
     # real guest's exit message is rewritten on its way in, as a compromised agent
@@ -357,7 +403,7 @@ def test_a_bad_exit_code_is_handled_like_a_crash(
     ws = tmp_path / "ws"
     ws.mkdir()
     spec = SandboxSpec(name="qemu-badexit", image="default", resources=RES, workspace=ws)
-    res = qemu_backend.run(spec, ["sh", "-c", "echo work > done; sync"])
+    res = tracker.run(spec, ["sh", "-c", "echo work > done; sync"])
     assert res.exit_code == 137
     assert b"protocol violation" in res.stderr
     assert (ws / "done").read_text() == "work\n"  # read off the killed guest's disk
@@ -407,7 +453,7 @@ t.join()
 
 
 @pytest.mark.slow
-def test_a_gateway_flood_stays_in_the_guest(qemu_backend: QemuBackend, tmp_path: Path) -> None:
+def test_a_gateway_flood_stays_in_the_guest(tracker: SandboxTracker, tmp_path: Path) -> None:
     import psutil
 
     from agentbox.guest.agent import GW_WINDOW
@@ -419,7 +465,7 @@ def test_a_gateway_flood_stays_in_the_guest(qemu_backend: QemuBackend, tmp_path:
         (tmp_path / "gateway.sock").symlink_to("gw.sock")
         spec = SandboxSpec(name="qemu-flood", image="default", resources=RES,
                            gateway_dir=tmp_path, env={"TOKEN": gw.token})  # fmt: skip
-        with qemu_backend.create(spec) as sb:
+        with tracker.create(spec) as sb:
             assert sb.session is not None
             session = sb.session
             me = psutil.Process()

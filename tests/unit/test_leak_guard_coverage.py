@@ -42,7 +42,6 @@ PENDING = {
     "integration/test_podman_env.py",
     "integration/test_podman_kernel_quotas.py",
     "integration/test_podman_pool.py",
-    "integration/test_qemu_backend.py",
     "integration/test_qemu_firecracker.py",
 }
 
