@@ -26,7 +26,7 @@ from pathlib import Path
 
 from agentbox import _proc
 from agentbox._log import get_logger
-from agentbox.collect._git import RepoDir, ShadowGit
+from agentbox.collect._git import RepoDir, ShadowGit, init_repo
 from agentbox.collect._objects import BlobWriter
 from agentbox.collect._tree import write_commit, write_ref
 from agentbox.errors import CollectError, CommandError
@@ -206,10 +206,11 @@ def _cat_batch(shadow: ShadowGit, oids: list[str]) -> Iterator[bytes]:
 def init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt: str) -> None:
     """Give the workspace a fresh ``.git`` of its own: one root commit of the base tree.
 
-    The commit is written into the shadow dir by us, the config and the ref
+    The commit is written into the shadow dir by us, the new ``.git`` (as
+    ``git init`` makes it, :func:`~agentbox.collect._git.init_repo`) and its ref
     ``main`` too; the objects go over as one pack that ``pack-objects`` (run in
-    the shadow dir) writes straight into the new ``.git``: three git processes
-    (init, pack-objects) instead of a ``fetch``'s eight. Its index is not
+    the shadow dir) writes straight into it: one git process instead of the
+    nine of ``init``, ``fetch`` and ``read-tree``. Its index is not
     written here: :func:`~agentbox.collect._prepare.prepare` copies the base
     index it reads anyway (the same ``read-tree`` of the same tree).
     """
@@ -217,22 +218,16 @@ def init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt
                         f"agentbox: workspace base (from {base[:12]})\n")  # fmt: skip
     write_ref(shadow.git_dir, "refs/agentbox/workspace", root)
     agent_git = workspace / ".git"
-    with ShadowGit(agent_git) as ws:
-        ws.run("init", "--quiet", "--template=", "--initial-branch=main", "--bare",
-               f"--object-format={fmt}")  # fmt: skip
-        config = agent_git / "config"
-        text = config.read_text()
-        if "\tbare = true\n" not in text:
-            raise CollectError(f"unexpected config from git init in {agent_git}")
-        config.write_text(
-            text.replace("\tbare = true\n", "\tbare = false\n")
-            + "[user]\n\tname = agentbox agent\n\temail = agent@agentbox.invalid\n"
-        )
-        # Every object of the root commit (the shadow holds them all: the base
-        # commit's tree came with the fetch), as the pack a fetch would have stored.
-        shadow.run("pack-objects", "--revs", "--quiet", "--delta-base-offset",
-                   agent_git / "objects" / "pack" / "pack", input=f"{root}\n")  # fmt: skip
-        write_ref(agent_git, "refs/heads/main", root)
+    user = "[user]\n\tname = agentbox agent\n\temail = agent@agentbox.invalid\n"
+    try:
+        init_repo(agent_git, fmt, head="main", bare=False, extra_config=user)
+    except FileExistsError as exc:  # the base tree itself has a .git entry
+        raise CollectError(f"the base tree has a .git entry: {agent_git} exists") from exc
+    # Every object of the root commit (the shadow holds them all: the base
+    # commit's tree came with the fetch), as the pack a fetch would have stored.
+    shadow.run("pack-objects", "--revs", "--quiet", "--delta-base-offset",
+               agent_git / "objects" / "pack" / "pack", input=f"{root}\n")  # fmt: skip
+    write_ref(agent_git, "refs/heads/main", root)
 
 
 def chown_tree(root: Path, uid: int, gid: int) -> None:

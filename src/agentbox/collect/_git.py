@@ -48,6 +48,7 @@ __all__ = [
     "ShadowGit",
     "as_owner",
     "clean_env",
+    "init_repo",
     "owner_tempdir",
     "repo_owner",
     "user_git",
@@ -72,6 +73,42 @@ SAFE_CONFIG: tuple[str, ...] = (
 NO_AUTO_MAINTENANCE: tuple[str, ...] = ("-c", "maintenance.auto=false", "-c", "gc.auto=0")
 
 _DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def init_repo(git_dir: Path, fmt: str, *, head: str = "master", bare: bool = True,
+              extra_config: str = "") -> None:  # fmt: skip
+    """Write what ``git init --quiet --template= [--bare] --object-format=FMT`` writes.
+
+    A git process fewer per repository we make (the shadow dir, the workspace's
+    ``.git``): ``HEAD`` on ``refs/heads/<head>``, the ``[core]`` config (format
+    version 1 and ``extensions.objectformat`` for sha256, ``filemode`` probed as
+    git probes it), empty ``objects/{info,pack}`` and ``refs/{heads,tags}``;
+    modes from the umask, as git's. ``extra_config`` is appended to the config.
+    ``git_dir`` must not exist yet (``FileExistsError``).
+    """
+    if fmt not in ("sha1", "sha256"):
+        raise ValueError(f"unknown object format {fmt!r}")
+    git_dir = Path(git_dir)
+    git_dir.parent.mkdir(parents=True, exist_ok=True)
+    git_dir.mkdir()
+    for sub in ("objects", "objects/info", "objects/pack", "refs", "refs/heads", "refs/tags"):
+        (git_dir / sub).mkdir()
+    (git_dir / "HEAD").write_text(f"ref: refs/heads/{head}\n")
+    config = git_dir / "config"
+    config.write_text("")
+    # git's probe: does the executable bit stick on this filesystem?
+    mode = config.stat().st_mode
+    config.chmod(mode ^ 0o100)
+    filemode = (config.stat().st_mode ^ mode) & 0o100 != 0
+    config.chmod(mode)
+    version = 1 if fmt == "sha256" else 0
+    text = (
+        f"[core]\n\trepositoryformatversion = {version}\n"
+        f"\tfilemode = {'true' if filemode else 'false'}\n\tbare = {'true' if bare else 'false'}\n"
+    )
+    if fmt == "sha256":
+        text += "[extensions]\n\tobjectformat = sha256\n"
+    config.write_text(text + extra_config)
 
 
 def clean_env(home: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -38,6 +38,7 @@ from agentbox.collect._git import (
     RepoDir,
     ShadowGit,
     as_owner,
+    init_repo,
     owner_tempdir,
     repo_owner,
     user_git,
@@ -256,7 +257,7 @@ def _prepare(
     try:
         with ShadowGit(shadow_git) as shadow:
             made.append(shadow_git)
-            shadow.run("init", "--quiet", "--bare", "--template=", f"--object-format={fmt}")
+            init_repo(shadow_git, fmt)
             _fetch_base(shadow, repo, sha)
             base_commit = (
                 _snapshot_uncommitted(shadow, repo, head, fmt) if include_uncommitted else sha
