@@ -105,7 +105,6 @@ LEAKY = {
     "escape/test_gateway_posture_probe.py",
     "escape/test_probe_program.py",
     "escape/test_verdicts.py",
-    "escape/test_vmm_posture.py",
     "integration/test_backend_contract.py",
     "integration/test_claude_wrapper.py",
     "integration/test_cli_widths.py",
@@ -115,7 +114,6 @@ LEAKY = {
     "integration/test_collect_flagged.py",
     "integration/test_collect_support.py",
     "integration/test_detached_podman.py",
-    "integration/test_detached_qemu.py",
     "integration/test_docker_backend.py",
     "integration/test_docker_contract.py",
     "integration/test_docker_smoke.py",
@@ -161,7 +159,6 @@ LEAKY = {
     # Its gateway-flood test: the gateway's upstream pool (gateway/_plain.py) drops a
     # connection unclosed when uvicorn cancels a streaming request at shutdown.
     "integration/test_qemu_backend.py",
-    "integration/test_qemu_firecracker.py",
     "integration/test_repo_open_once.py",
     "integration/test_retention.py",
     "integration/test_watchdog_reap.py",

@@ -1,7 +1,8 @@
 """The VMM's confinement, read off the running QEMU process; a fork bomb; a killed host.
 
 Everything is read from ``/proc`` of the live VMM (every thread), never from
-the configuration that was meant to produce it.
+the configuration that was meant to produce it. Every sandbox is made through a
+:class:`~sandbox_leaks.SandboxTracker`: nothing of it may survive its end.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -24,6 +25,7 @@ from agentbox.backends.qemu import QemuBackend, QemuSandbox, vmm_uid
 from agentbox.backends.qemu._posture import thread_status
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.qemu
 
@@ -41,12 +43,25 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> QemuBackend:
 
 
 @pytest.fixture(scope="module", params=["standard", "strict"])
-def sandbox(request: pytest.FixtureRequest, backend: QemuBackend) -> Iterator[QemuSandbox]:
+def sandbox(
+    request: pytest.FixtureRequest,
+    backend: QemuBackend,
+    module_sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
+) -> Iterator[QemuSandbox]:
     spec = SandboxSpec(name=f"posture-{request.param}", image="default", resources=RES,
                        isolation=request.param)  # fmt: skip
-    sb = backend.create(spec)
+    sb = module_sandbox_factory(backend, backend.settings).create(spec)
+    assert isinstance(sb, QemuSandbox)
     yield sb
     sb.destroy()
+
+
+@pytest.fixture
+def tracker(
+    backend: QemuBackend, sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker]
+) -> SandboxTracker:
+    """The test's own sandboxes, checked for leftovers after it."""
+    return sandbox_factory(backend, backend.settings)
 
 
 def test_every_vmm_thread_is_confined(sandbox: QemuSandbox) -> None:
@@ -115,9 +130,9 @@ def test_posture_report_is_all_ok(sandbox: QemuSandbox) -> None:
     assert posture.ok, [c for c in posture.checks if not c.ok]
 
 
-def test_fork_bomb_leaves_the_host_responsive(backend: QemuBackend) -> None:
+def test_fork_bomb_leaves_the_host_responsive(tracker: SandboxTracker) -> None:
     spec = SandboxSpec(name="forkbomb", image="default", resources=RES)
-    with backend.create(spec) as sb:
+    with tracker.create(spec) as sb:
         lat: list[float] = []
         stop = threading.Event()
 
@@ -141,8 +156,15 @@ def test_fork_bomb_leaves_the_host_responsive(backend: QemuBackend) -> None:
         assert lat and max(lat) < 3.0, max(lat)
 
 
-def test_killing_the_host_process_leaves_no_qemu(backend: QemuBackend, tmp_path: Path) -> None:
+def test_killing_the_host_process_leaves_no_qemu(
+    backend: QemuBackend,
+    tmp_path: Path,
+    sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
+) -> None:
     rootfs, key = backend._rootfs or (None, None)
+    # Made by the child below: the guard looks for it by name (its VMM, cgroups, VM dir).
+    orphan_settings = Settings(data_dir=tmp_path)
+    sandbox_factory(QemuBackend(orphan_settings), orphan_settings).track("orphan")
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
@@ -167,6 +189,8 @@ def test_killing_the_host_process_leaves_no_qemu(backend: QemuBackend, tmp_path:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     end = time.monotonic() + 15
     while psutil.pid_exists(qpid) and time.monotonic() < end:
         try:

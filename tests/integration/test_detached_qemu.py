@@ -9,6 +9,10 @@
 * its deadline holds with nobody following: the VM dies, a follower that comes
   later reports ``timed_out``; meanwhile a record from another data dir, a
   tampered record and a reused pid are refused.
+
+Each detached sandbox is also registered with the leak guard
+(:class:`~sandbox_leaks.SandboxTracker`, by name): after the test no process, cgroup,
+VM dir or socket naming it may remain.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -37,6 +41,7 @@ from agentbox.backends.qemu import _records as records
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.errors import SandboxGone
+from sandbox_leaks import SandboxTracker
 
 pytestmark = [
     pytest.mark.qemu,
@@ -188,14 +193,22 @@ def _kill_unit(dirs: list[Path]) -> None:
                 os.kill(int(pid), signal.SIGKILL)
 
 
+Factory = Callable[[QemuBackend, Settings], SandboxTracker]
+
+
 def test_a_killed_launcher_leaves_the_vm_to_a_new_one(
-    settings: Settings, gateway_dir: Path, rootfs: tuple[Path, str], unit_cgroups: list[Path]
+    settings: Settings,
+    gateway_dir: Path,
+    rootfs: tuple[Path, str],
+    unit_cgroups: list[Path],
+    sandbox_factory: Factory,
 ) -> None:
     import pickle
 
     ws = _workspace(settings)
     log = settings.data_dir / "tasks" / "t1" / "sandbox.log"
     name = "agentbox-t1"
+    sandbox_factory(_backend(settings, rootfs), settings).track(name)  # launched by the child
     labels = {"io.agentbox.task": "t1"}
     spec = SandboxSpec(
         name=name, image="default", resources=RES, workspace=ws, gateway_dir=gateway_dir,
@@ -245,6 +258,8 @@ def test_a_killed_launcher_leaves_the_vm_to_a_new_one(
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait(30)
+        if child.stdout is not None:
+            child.stdout.close()
     ended, out, err = _follow(fresh, name, log)
     assert ended == Exited(7, False), (out[-2000:], err[-2000:])
     lines = out.split(b"\n")
@@ -260,13 +275,14 @@ def test_a_killed_launcher_leaves_the_vm_to_a_new_one(
 
 
 def test_the_deadline_holds_without_a_launcher_and_forgeries_are_refused(
-    settings: Settings, rootfs: tuple[Path, str], tmp_path: Path
+    settings: Settings, rootfs: tuple[Path, str], tmp_path: Path, sandbox_factory: Factory
 ) -> None:
     backend = _backend(settings, rootfs)
     name = "agentbox-t2"
     log = settings.data_dir / "t2.log"
     spec = SandboxSpec(name=name, image="default", resources=RES, deadline=8)
-    backend.launch(spec, ["sh", "-c", "echo up; sleep 600; echo never"], log=log)
+    tracker = sandbox_factory(backend, settings)
+    tracker.launch(spec, ["sh", "-c", "echo up; sleep 600; echo never"], log=log)
     try:
         rec = records.read_record(settings, name)
         assert rec is not None
@@ -311,7 +327,7 @@ def test_the_deadline_holds_without_a_launcher_and_forgeries_are_refused(
 
 
 def test_reap_ends_a_detached_vm_and_saves_what_it_wrote(
-    settings: Settings, rootfs: tuple[Path, str]
+    settings: Settings, rootfs: tuple[Path, str], sandbox_factory: Factory
 ) -> None:
     """An orphan sweep (its task gone) reaps a VM whose monitor lives: the VM is killed,
     the monitor writes /data back into the workspace and ends; nothing is left."""
@@ -321,7 +337,7 @@ def test_reap_ends_a_detached_vm_and_saves_what_it_wrote(
     log = settings.data_dir / "t3.log"
     spec = SandboxSpec(name=name, image="default", resources=RES, workspace=ws, deadline=600)
     script = "echo kept > /workspace/kept.txt; sync; echo up; sleep 600"
-    backend.launch(spec, ["sh", "-c", script], log=log)
+    sandbox_factory(backend, settings).launch(spec, ["sh", "-c", script], log=log)
     rec = records.read_record(settings, name)
     assert rec is not None
     monitor = records.Identity(*rec["monitor"])
