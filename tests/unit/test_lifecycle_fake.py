@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from agentbox.gateway import GatewayHandle
 from agentbox.gateway._usage import Usage, write_usage
 from agentbox.launcher import Launcher, TaskRequest, _runner
 from agentbox.paths import TaskPaths
+from fake_launcher import until as _until
 from git_helpers import git
 
 pytestmark = pytest.mark.skipif(
@@ -52,22 +52,34 @@ class _Gateway(GatewayHandle):
         return super().stop(grace=min(grace, 1.0))
 
 
+#: Every stand-in gateway the current test spawned: stopped (its socket closed) at the
+#: end even when the launcher only killed its process, so no socket is left to the
+#: garbage collector (a ResourceWarning that failed whichever test it landed in).
+_GATEWAYS: list[_Gateway] = []
+
+
 def _spawn_gateway(**kw: Any) -> GatewayHandle:
-    return _Gateway(
+    gw = _Gateway(
         socket_path=kw["socket_path"],
         usage_file=kw["usage_file"],
         model=kw["model"],
         budget=kw["budget"],
     )
+    _GATEWAYS.append(gw)
+    return gw
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeBackend]]:
     """The fake as the default backend, the stand-in gateway; nothing live afterwards."""
     FakeBackend.reset()
+    _GATEWAYS.clear()
     monkeypatch.setattr(_runner, "spawn_gateway", _spawn_gateway)
     with FakeBackend.installed_as("podman"):
         yield FakeBackend
+    for gw in _GATEWAYS:
+        gw.stop()
+    _GATEWAYS.clear()
     assert FakeBackend.live_names() == [], "a fake sandbox survived its task"
     FakeBackend.reset()
 
@@ -336,11 +348,3 @@ def test_a_teardown_that_leaves_something_is_an_error(settings: Settings, tmp_pa
     with pytest.raises(SandboxError, match="teardown left"):
         leaky.destroy()
     FakeBackend.reset()
-
-
-def _until(cond: Any, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
