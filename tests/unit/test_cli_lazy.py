@@ -40,12 +40,13 @@ def _out(app: typer.Typer, args: list[str]) -> str:
 
 
 def test_the_table_is_what_the_modules_register() -> None:
+    # A command added, renamed or re-documented in its module goes in COMMANDS too.
     assert {mod for mod, _ in COMMANDS.values()} == set(cli.COMMAND_MODULES)
     eager = typer.main.get_group(_eager()).commands
     assert list(COMMANDS) == list(eager)  # names, and the order --help lists them in
     for name, cmd in eager.items():
         first = inspect.cleandoc(cmd.help or "").partition("\f")[0].split("\n\n")[0]
-        assert COMMANDS[name][1] == first, name
+        assert COMMANDS[name][1] == first, f"COMMANDS[{name!r}]: its help is now {first!r}"
         mod = importlib.import_module(f"agentbox.cli.{COMMANDS[name][0]}")
         alone = typer.Typer(**app_options())
         mod.register(alone)
