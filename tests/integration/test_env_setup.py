@@ -3,7 +3,8 @@
 Each test runs :func:`agentbox.env.prepare_env` as the launcher does, in a task dir
 of its own, then (where it matters) a sandbox with the plan's mounts as the agent's
 would get them. Commands carry a nonce so their keys are this run's own; every
-environment made is removed at the end.
+environment made is removed at the end. Every sandbox (the setup phase's and the
+agent's) goes through the leak guard (``sandbox_factory``, via ``SandboxTracker.proxy``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import pytest
 
 from agentbox import _host
 from agentbox.backends import get_backend
+from agentbox.backends.base import Backend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.env import EnvPlan, EnvStore, prepare_env
 from agentbox.gateway import gateway_identity
 from agentbox.sandbox import spec_from_boxfile
+from sandbox_leaks import SandboxTracker
 
 pytestmark = [
     pytest.mark.podman,
@@ -35,8 +38,9 @@ pytestmark = [
 class Task:
     """One task dir: ``root/workspace`` (the sandbox's) and ``root/logs``."""
 
-    def __init__(self, settings: Settings, files: dict[str, str]) -> None:
+    def __init__(self, settings: Settings, files: dict[str, str], boxes: SandboxTracker) -> None:
         self.settings = settings
+        self.backend = boxes.proxy()  # every sandbox made is checked for survivors
         self.root = Path(tempfile.mkdtemp(prefix="envtask-", dir=settings.data_dir))
         self.root.chmod(0o711)
         self.ws = self.root / "workspace"
@@ -57,7 +61,7 @@ class Task:
         self.plan = prepare_env(
             self.settings,
             box,
-            get_backend("podman", self.settings),
+            self.backend,
             task_id=f"t{secrets.token_hex(4)}",
             task_root=self.root,
             workspace=self.ws,
@@ -72,7 +76,7 @@ class Task:
         assert self.plan is not None
         spec = spec_from_boxfile(box, self.settings, workspace=self.ws)
         spec = spec.replace(mounts=(*spec.mounts, *self.plan.mounts), deadline=120)
-        res = get_backend("podman", self.settings).run(spec, ["/bin/sh", "-c", script])
+        res = self.backend.run(spec, ["/bin/sh", "-c", script])
         return res.exit_code, (res.stdout + res.stderr).decode(errors="replace")
 
     def close(self) -> None:
@@ -83,12 +87,15 @@ class Task:
 
 @pytest.fixture
 def tasks(
-    sandbox_settings: Settings, default_image: str
+    sandbox_settings: Settings,
+    default_image: str,
+    sandbox_factory: Callable[[Backend, Settings], SandboxTracker],
 ) -> Iterator[Callable[[dict[str, str]], Task]]:
     made: list[Task] = []
+    boxes = sandbox_factory(get_backend("podman", sandbox_settings), sandbox_settings)
 
     def make(files: dict[str, str]) -> Task:
-        t = Task(sandbox_settings, files)
+        t = Task(sandbox_settings, files, boxes)
         made.append(t)
         return t
 
