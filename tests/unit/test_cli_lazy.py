@@ -104,6 +104,7 @@ def test_root_help_imports_no_command_module() -> None:
     run = _imported("run", "--help")
     assert {"agentbox.cli._run", "pydantic", "agentbox.config"} <= run
     assert "agentbox.cli._mcp" not in run
+    assert "httpx" not in run  # a foreground run's launcher is in-process: no HTTP client
 
 
 #: What the launcher daemon never uses: the MCP server and SDK, the HTTP client,

@@ -23,15 +23,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-import httpx
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentbox._log import get_logger
 from agentbox._wait import socket_accepts, wait_until
 from agentbox.config import Settings, load_settings
 from agentbox.errors import AgentboxError, TaskError
-from agentbox.launcher.client import LauncherClient
+
+if TYPE_CHECKING:
+    from agentbox.launcher.client import LauncherClient
 
 __all__ = [
     "RESTART_WINDOW",
@@ -83,7 +83,7 @@ def ensure_service(settings: Settings, *, say: Say) -> LauncherClient:
     """
     path = service_socket(settings)
     if socket_accepts(path):
-        return LauncherClient(path, timeout=60.0, reconnect=RECONNECT)
+        return _client(path)
     logfile = settings.data_dir / SERVICE_LOG
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -126,7 +126,7 @@ def ensure_service(settings: Settings, *, say: Say) -> LauncherClient:
     )
     if proc.poll() is None:
         say(f"started the launcher service (pid {proc.pid}; log {logfile})")
-    return LauncherClient(path, timeout=60.0, reconnect=RECONNECT)
+    return _client(path)
 
 
 def _tail(path: Path, limit: int = 600) -> str:
@@ -140,7 +140,19 @@ def _tail(path: Path, limit: int = 600) -> str:
 
 def unreachable(exc: BaseException) -> bool:
     """Whether ``exc`` is the launcher being away (no socket, refused, dropped)."""
-    return isinstance(exc, TaskError) and isinstance(exc.__cause__, httpx.TransportError)
+    httpx = sys.modules.get("httpx")  # not imported: no client made the call
+    return (
+        httpx is not None
+        and isinstance(exc, TaskError)
+        and isinstance(exc.__cause__, httpx.TransportError)
+    )
+
+
+def _client(path: Path) -> LauncherClient:
+    """A client of the launcher service at ``path`` (httpx: imported here, on use)."""
+    from agentbox.launcher.client import LauncherClient
+
+    return LauncherClient(path, timeout=60.0, reconnect=RECONNECT)
 
 
 class Riding:
@@ -215,7 +227,7 @@ class Tasks:
         self.local: Any = None
         path = service_socket(settings)
         if socket_accepts(path):
-            self.riding = self._riding(LauncherClient(path, timeout=60.0, reconnect=RECONNECT))
+            self.riding = self._riding(_client(path))
         elif os.geteuid() == 0:
             self.local = in_process(1, settings)
         else:
