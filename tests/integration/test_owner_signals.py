@@ -7,6 +7,8 @@ terminal or the OOM killer would. A caught signal (TERM, HUP, INT) must destroy
 the sandbox before the client ends; SIGKILL cannot be caught, so the owner's
 watchdog must reap it without waiting for a launcher to start. Either way the
 container or VM must be gone within a bounded wait (polled; no speed asserted).
+Each client's sandbox, once up, is registered by name with the leak guard
+(:class:`~sandbox_leaks.SandboxTracker`): after the test nothing naming it may remain.
 """
 
 from __future__ import annotations
@@ -20,16 +22,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from agentbox import _host
+from agentbox.backends.base import LABEL, Backend
 from agentbox.config import Settings
 from git_helpers import git
 from mount_helpers import assert_no_mounts_under
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes are made as root")
 
@@ -66,11 +70,25 @@ class World:
     base: Path
     env: dict[str, str]
     settings: Settings
+    factory: Callable[[Backend, Settings], SandboxTracker]
     clients: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    trackers: dict[str, SandboxTracker] = field(default_factory=dict)
+
+    def track(self, backend: str, names: Iterable[str]) -> None:
+        """Register the client's sandboxes with the leak guard (checked after the test)."""
+        from agentbox.backends import get_backend
+
+        if backend not in self.trackers:
+            be = get_backend(backend, self.settings)
+            self.trackers[backend] = self.factory(be, self.settings)
+        for name in names:
+            self.trackers[backend].track(name)
 
 
 @pytest.fixture
-def world(default_image: str) -> Iterator[World]:
+def world(
+    default_image: str, sandbox_factory: Callable[[Backend, Settings], SandboxTracker]
+) -> Iterator[World]:
     base = Path(tempfile.mkdtemp(prefix="agentbox-sig-", dir="/var/tmp"))
     base.chmod(0o711)
     for sub in ("data", "repos"):
@@ -82,7 +100,7 @@ def world(default_image: str) -> Iterator[World]:
         "AGENTBOX_REPOS_ROOT": str(base / "repos"),
         "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
     }
-    world = World(base, env, Settings(data_dir=base / "data"))
+    world = World(base, env, Settings(data_dir=base / "data"), sandbox_factory)
     try:
         yield world
     finally:
@@ -96,6 +114,9 @@ def world(default_image: str) -> Iterator[World]:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(30)
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
         with contextlib.suppress(AssertionError):
             _poll(lambda: not _watchdogs(world), GONE_WITHIN, "")
         try:
@@ -124,6 +145,22 @@ def _vms(data_dir: Path, owner: int) -> list[str]:
             if json.loads((d / "owner").read_text()).get("pid") == owner:
                 found.append(d.name)
     return found
+
+
+def _sandbox_names(backend: str, world: World, owner: int) -> list[str]:
+    """The names of the client's sandboxes (a microVM's from its owner file)."""
+    if backend == "podman":
+        return _containers(owner)
+    names = []
+    for d in (world.settings.data_dir / "microvm").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            rec = json.loads((d / "owner").read_text())
+            if rec.get("pid") == owner and isinstance(rec.get(LABEL), str):
+                names.append(rec[LABEL])
+    from agentbox.backends.qemu import _records
+
+    recs = (world.settings.data_dir / _records.RECORD_DIR).glob("*.json")
+    return names + sorted(p.stem for p in recs)
 
 
 def _vmm_alive(vm: str) -> bool:
@@ -176,6 +213,7 @@ def _signal_and_check(
     owner = proc.pid
     up = _sandboxes(backend, world, owner)
     assert up, "the sandbox is not up"
+    world.track(backend, _sandbox_names(backend, world, owner))
     vms = up if backend == "qemu" else []
     try:
         os.kill(owner, sig)
@@ -335,6 +373,7 @@ def test_run_client_killed_leaves_no_sandbox(
         assert time.monotonic() < end, "the agent never got to its long command"
         time.sleep(0.5)
     gateways = _task_gateways(world, task_id)
+    world.track(name, [f"agentbox-task-{task_id}"])
     try:
         if sig == signal.SIGKILL and _detaches(world, name, runtime):
             # Live restore (issue 19): a task's detached sandbox and its gateway outlive a

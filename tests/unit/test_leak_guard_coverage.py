@@ -33,7 +33,6 @@ PENDING = {
     "integration/test_egress_podman.py",
     "integration/test_env_setup.py",
     "integration/test_launcher_api.py",
-    "integration/test_owner_signals.py",
     "integration/test_podman.py",
     "integration/test_podman_cleanup.py",
     "integration/test_podman_disk_limit.py",
