@@ -147,7 +147,6 @@ LEAKY = {
     "integration/test_mcp_launcher_restart.py",
     "integration/test_mcp_server.py",
     "integration/test_model_serve_ready.py",
-    "integration/test_owner_signals.py",
     "integration/test_podman.py",
     "integration/test_podman_cleanup.py",
     "integration/test_podman_disk_limit.py",
