@@ -97,7 +97,7 @@ def _repo_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     git(path, "init", "-q", "-b", "main")
     (path / "README.md").write_text("hello\n")
     git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "init")
+    git(path, "-c", "maintenance.auto=false", "commit", "-q", "-m", "init")
     return path
 
 
