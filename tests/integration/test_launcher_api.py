@@ -2,7 +2,7 @@
 
 Also: the workspace chown walk (never follows a link), the SQLite store shared
 between processes, and the watchdog process removing a real podman container
-at its deadline.
+at its deadline (that sandbox goes through the leak guard, ``sandbox_factory``).
 """
 
 from __future__ import annotations
@@ -13,17 +13,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from agentbox.backends.base import Backend
 from agentbox.config import Settings
 from agentbox.errors import PathRefused, RefusedError, TaskError, TaskIdRefused, TaskNotFound
 from agentbox.launcher import Launcher, LauncherClient, TaskRequest
 from agentbox.launcher._server import bind_socket, build_server, socket_path
 from agentbox.launcher._watchdog import spawn_watchdog
 from agentbox.launcher._workspace import check_owner, give_to_sandbox
+from sandbox_leaks import SandboxTracker
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown and podman need root")
 
@@ -191,14 +193,17 @@ def test_socket_mode(settings: Settings) -> None:
             assert client.list() == []
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.communicate(timeout=30)  # reaps it and closes its stderr pipe
     assert not path.exists()
 
 
 @pytest.mark.podman
 @needs_root
 def test_watchdog_removes_the_sandbox_at_its_deadline(
-    tmp_path: Path, default_image: str, sandbox_settings: Settings
+    tmp_path: Path,
+    default_image: str,
+    sandbox_settings: Settings,
+    sandbox_factory: Callable[[Backend, Settings], SandboxTracker],
 ) -> None:
     """The second line of the hard deadline: a separate process kills the sandbox by name."""
     from agentbox.backends import get_backend
@@ -208,7 +213,7 @@ def test_watchdog_removes_the_sandbox_at_its_deadline(
     name = f"agentbox-task-wd-{os.getpid()}"
     spec = spec_from_boxfile(Boxfile(), sandbox_settings, name=name)
     backend = get_backend("podman", sandbox_settings)
-    box = backend.create(spec)
+    box = sandbox_factory(backend, sandbox_settings).create(spec)  # the leak guard
     try:
         wd = spawn_watchdog(
             backend="podman", sandbox=name, data_dir=tmp_path, at=time.time() + 1.0,

@@ -10,6 +10,10 @@
 * refill, drain (what ``launcher stop`` does) and the orphan sweep of a dead
   launcher's pool (a next launcher's ``remove_orphans`` reaps it);
 * posture: the posture reader's checks on a pooled sandbox equal a fresh one's.
+
+Every pooled slot and task sandbox is registered with the leak guard
+(``sandbox_factory``): after the pool is drained, none may leave a process,
+container, cgroup, socket or env fd.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +45,7 @@ from agentbox.launcher._adopt import remove_orphans
 from agentbox.launcher._pool import pool_template, start_pool
 from agentbox.launcher._store import Store
 from mount_helpers import assert_no_mounts_under
+from sandbox_leaks import SandboxTracker
 
 pytestmark = [
     pytest.mark.podman,
@@ -64,10 +69,11 @@ def _containers(prefix: str) -> list[str]:
 
 
 def _run(
-    backend: PodmanBackend, spec: SandboxSpec, argv: list[str], log: Path
+    boxes: SandboxTracker, backend: PodmanBackend, spec: SandboxSpec, argv: list[str], log: Path
 ) -> tuple[Exited, bytes, bytes]:
     out: list[bytes] = []
     err: list[bytes] = []
+    boxes.track(spec.name)
     backend.launch(spec, argv, log=log)
     ended = backend.follow(
         spec.name, log=log, on_stdout=out.append, on_stderr=err.append, poll=0.05
@@ -75,8 +81,29 @@ def _run(
     return ended, b"".join(out), b"".join(err)
 
 
+def _fill(
+    boxes: SandboxTracker, backend: PodmanBackend, template: SandboxSpec, size: int
+) -> list[str]:
+    """``pool.fill``, each started slot registered with the leak guard."""
+    names = pool.fill(backend, template, size, ttl=120)
+    for name in names:
+        boxes.track(name)
+    return names
+
+
 @pytest.fixture
-def pooled(sandbox_settings: Settings) -> Iterator[tuple[PodmanBackend, Settings]]:
+def boxes(
+    sandbox_settings: Settings,
+    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
+) -> SandboxTracker:
+    """The leak guard, checked after ``pooled`` has drained the pool (it depends on this)."""
+    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
+
+
+@pytest.fixture
+def pooled(
+    sandbox_settings: Settings, boxes: SandboxTracker
+) -> Iterator[tuple[PodmanBackend, Settings]]:
     """A backend whose settings turn the pool on; everything of the pool drained after."""
     settings = _pooled(sandbox_settings)
     backend = PodmanBackend(settings)
@@ -101,12 +128,16 @@ def pool_left(settings: Settings) -> list[str]:
 
 
 def test_task_through_the_pool(
-    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace, tmp_path: Path
+    pooled: tuple[PodmanBackend, Settings],
+    default_image: str,
+    make_workspace,
+    tmp_path: Path,
+    boxes: SandboxTracker,
 ) -> None:
     backend, settings = pooled
     ws = make_workspace()
     (ws / "in.txt").write_text("from the host\n")
-    started = pool.fill(backend, _template(default_image, ws), 1, ttl=120)
+    started = _fill(boxes, backend, _template(default_image, ws), 1)
     assert len(started) == 1 and _containers(started[0]) == started
     spec = _template(default_image, ws).replace(
         name=f"agentbox-pooltest-{os.getpid()}", env={"GREETING": "hello pool"}
@@ -115,7 +146,7 @@ def test_task_through_the_pool(
     script = (
         'echo "$GREETING"; pwd; cat in.txt; id -u; echo written > out.txt; echo err >&2; exit 3'
     )
-    ended, out, err = _run(backend, spec, ["sh", "-c", script], log)
+    ended, out, err = _run(boxes, backend, spec, ["sh", "-c", script], log)
     assert ended == Exited(3, False)
     assert out.decode().splitlines() == ["hello pool", "/workspace", "from the host", "64000"]
     assert err == b"err\n"
@@ -133,7 +164,11 @@ def _end(backend: PodmanBackend, name: str, log: Path) -> None:
 
 
 def test_posture_pooled_equals_fresh(
-    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace, tmp_path: Path
+    pooled: tuple[PodmanBackend, Settings],
+    default_image: str,
+    make_workspace,
+    tmp_path: Path,
+    boxes: SandboxTracker,
 ) -> None:
     """The posture reader's checks (inside and host) on a pooled sandbox: all pass, and
     they are the same checks with the same outcome as on a fresh sandbox of the spec."""
@@ -141,13 +176,14 @@ def test_posture_pooled_equals_fresh(
     gw = tmp_path / "gw"
     gw.mkdir(mode=0o755)
     template = _template(default_image, make_workspace(), gateway_dir=gw)
-    [slot] = pool.fill(backend, template, 1, ttl=120)
+    [slot] = _fill(boxes, backend, template, 1)
     postures = {}
     for kind in ("pooled", "fresh"):
         spec = template.replace(
             name=f"agentbox-pool-{kind}-{os.getpid()}", workspace=make_workspace()
         )
         log = tmp_path / f"{kind}.log"
+        boxes.track(spec.name)
         backend.launch(spec, ["sleep", "300"], log=log)
         try:
             info = detach.inspect(spec.name)
@@ -175,20 +211,24 @@ echo secret > /workspace/left-behind; (sleep 600 &) ; sleep 0.2
 
 
 def test_no_state_crosses_between_tasks(
-    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace, tmp_path: Path
+    pooled: tuple[PodmanBackend, Settings],
+    default_image: str,
+    make_workspace,
+    tmp_path: Path,
+    boxes: SandboxTracker,
 ) -> None:
     """Two tasks through a pool of two: each gets its own sandbox; the second sees none
     of the first's files (/tmp, home, workspace), processes or host name."""
     backend, settings = pooled
     template = _template(default_image, make_workspace())
-    slots = pool.fill(backend, template, 2, ttl=120)
+    slots = _fill(boxes, backend, template, 2)
     assert len(slots) == 2
     seen = []
     for i in range(2):
         spec = template.replace(
             name=f"agentbox-pool-seq{i}-{os.getpid()}", workspace=make_workspace()
         )
-        ended, out, err = _run(backend, spec, ["sh", "-c", _SNOOP], tmp_path / f"t{i}.log")
+        ended, out, err = _run(boxes, backend, spec, ["sh", "-c", _SNOOP], tmp_path / f"t{i}.log")
         assert ended == Exited(0, False), err
         seen.append(out.decode().split("--\n"))
     assert not pool_left(settings)  # both came from the pool, each used once
@@ -228,17 +268,22 @@ print(json.dumps(pool.claim(backend, spec, ["echo", a["name"]], log_path=Path(a[
 
 
 def test_claim_race_one_wins(
-    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace, tmp_path: Path
+    pooled: tuple[PodmanBackend, Settings],
+    default_image: str,
+    make_workspace,
+    tmp_path: Path,
+    boxes: SandboxTracker,
 ) -> None:
     """Two processes claim at once from a pool of one: exactly one gets it (the other
     would take the fresh path), and the winner's task runs."""
     backend, settings = pooled
     template = _template(default_image, make_workspace())
-    pool.fill(backend, template, 1, ttl=120)
+    _fill(boxes, backend, template, 1)
     go = tmp_path / "go"
     procs = {}
     for i in range(2):
         name = f"agentbox-pool-race{i}-{os.getpid()}"
+        boxes.track(name)
         args = {
             "data_dir": str(settings.data_dir),
             "repos_root": str(settings.repos_root),
@@ -273,22 +318,25 @@ def test_claim_race_one_wins(
 
 
 def test_refill_drain_and_orphan_sweep(
-    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace
+    pooled: tuple[PodmanBackend, Settings],
+    default_image: str,
+    make_workspace,
+    boxes: SandboxTracker,
 ) -> None:
     """fill tops the pool up to its size and no further; drain removes every unclaimed
     sandbox and the pool mount; a dead launcher's pool is reaped by the next one's
     orphan sweep (owned sandboxes no task holds), slots included."""
     backend, settings = pooled
     template = _template(default_image, make_workspace())
-    first = pool.fill(backend, template, 2, ttl=120)
+    first = _fill(boxes, backend, template, 2)
     assert len(first) == 2
-    assert pool.fill(backend, template, 2, ttl=120) == []  # full: nothing started
+    assert _fill(boxes, backend, template, 2) == []  # full: nothing started
     assert sorted(_containers(pool.SLOT_PREFIX)) == sorted(first)
     assert sorted(pool.drain(settings)) == sorted(first)
     assert not pool_left(settings)
     assert not pool_mounted(settings)
     # a launcher that died with a pool: the next one's reconcile reaps what no task holds
-    orphans = pool.fill(backend, template, 1, ttl=120)
+    orphans = _fill(boxes, backend, template, 1)
     store = Store(settings.data_dir / "state.db")
     remove_orphans(settings, store)
     assert not any(n in _containers(pool.SLOT_PREFIX) for n in orphans)
@@ -307,7 +355,11 @@ def _wait_ready(settings: Settings, n: int, *, but: frozenset[str] = frozenset()
 
 
 def test_keeper_refills_after_a_claim_and_drains_on_stop(
-    pooled: tuple[PodmanBackend, Settings], default_image: str, make_workspace, tmp_path: Path
+    pooled: tuple[PodmanBackend, Settings],
+    default_image: str,
+    make_workspace,
+    tmp_path: Path,
+    boxes: SandboxTracker,
 ) -> None:
     """``launcher serve``'s keeper: fills the pool of a default task's shape, refills it
     after a launch took the one ready sandbox, and its stop drains the pool."""
@@ -317,6 +369,7 @@ def test_keeper_refills_after_a_claim_and_drains_on_stop(
     assert keeper is not None
     try:
         (first,) = _wait_ready(settings, 1)
+        boxes.track(first)
         spec = pool_template(settings).replace(
             name=f"agentbox-pool-keep-{os.getpid()}",
             workspace=make_workspace(),
@@ -328,10 +381,11 @@ def test_keeper_refills_after_a_claim_and_drains_on_stop(
         gw = tmp_path / "gw"
         gw.mkdir(mode=0o755)
         spec = spec.replace(gateway_dir=gw)
-        ended, out, _ = _run(keeper.backend, spec, ["echo", "pooled"], tmp_path / "t.log")
+        ended, out, _ = _run(boxes, keeper.backend, spec, ["echo", "pooled"], tmp_path / "t.log")
         assert ended == Exited(0, False) and out == b"pooled\n"
         assert first not in _containers(pool.SLOT_PREFIX)  # it served the task
         (second,) = _wait_ready(settings, 1, but=frozenset({first}))
+        boxes.track(second)
     finally:
         drained = keeper.stop()
     assert second in drained
@@ -339,7 +393,7 @@ def test_keeper_refills_after_a_claim_and_drains_on_stop(
 
 
 def test_escape_probes_pooled_as_fresh(
-    pooled: tuple[PodmanBackend, Settings], default_image: str
+    pooled: tuple[PodmanBackend, Settings], default_image: str, boxes: SandboxTracker
 ) -> None:
     """The escape suite's inside probes as the sandbox's main command (the agent's own
     path), on a pooled sandbox of the suite's spec (workspace, gateway dir, a read-only
@@ -354,11 +408,14 @@ def test_escape_probes_pooled_as_fresh(
         cfg["disk"] = spec.resources.disk_limit(settings).model_dump()
         env = {"ABX_PROBE_CONFIG": json.dumps(cfg)}
         argv = ["python3", "-I", "-S", "-c", probe_source()]
-        [slot] = pool.fill(backend, spec, 1, ttl=120)
+        [slot] = _fill(boxes, backend, spec, 1)
         log = fx.root / "pooled.log"
-        ended, out, err = _run(backend, spec.replace(name=spec.name + "-p", env=env), argv, log)
+        ended, out, err = _run(
+            boxes, backend, spec.replace(name=spec.name + "-p", env=env), argv, log
+        )
         assert not _containers(slot)  # the probes ran in the pooled sandbox
         pooled_out = {o.id: o for o in inside_outcomes(_parse_json(out, f"pooled {ended} {err!r}"))}
+        boxes.track(spec.name + "-f")
         fresh = backend.run(spec.replace(name=spec.name + "-f", env=env), argv)
         fresh_out = {o.id: o for o in inside_outcomes(_parse_json(fresh.stdout, "fresh"))}
     assert len(pooled_out) >= 10, pooled_out  # the suite's probes ran, not none
