@@ -22,6 +22,9 @@ stays bounded: ``AGENTBOX_CHAOS_WAYS`` (default ``pid:20,group:20,cgroup:4``: wa
 kills), ``AGENTBOX_CHAOS_KILLS`` (overrides every phase's count),
 ``AGENTBOX_CHAOS_TASKS`` (tasks per phase, default 2), ``AGENTBOX_CHAOS_SEED``
 (default: random, printed).
+
+Every task's sandbox is registered by name with the leak guard
+(:class:`~sandbox_leaks.SandboxTracker`): after the test nothing naming it may remain.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -44,6 +47,7 @@ import pytest
 
 from agentbox import _host
 from agentbox._cgroups import unit_hierarchies
+from agentbox.backends.base import Backend
 from agentbox.config import Settings
 from agentbox.gateway import read_usage
 from agentbox.launcher import LauncherClient, TaskRequest
@@ -51,6 +55,7 @@ from agentbox.launcher._names import data_label, list_task_gateways
 from agentbox.launcher._store import Store
 from agentbox.paths import TaskPaths
 from mount_helpers import assert_no_mounts_under
+from sandbox_leaks import SandboxTracker
 
 pytestmark = [
     pytest.mark.podman,
@@ -213,10 +218,22 @@ class World:
     repo: Path
     sock: Path
     since: str
+    factory: Callable[[Backend, Settings], SandboxTracker]
+    trackers: dict[str, SandboxTracker] = field(default_factory=dict)
+
+    def track(self, backend: str, task_ids: Iterable[str]) -> None:
+        """Register the tasks' sandboxes with the leak guard (checked after the test)."""
+        from agentbox.backends import get_backend
+
+        if backend not in self.trackers:
+            be = get_backend(backend, self.settings)
+            self.trackers[backend] = self.factory(be, self.settings)
+        for tid in task_ids:
+            self.trackers[backend].track(f"agentbox-task-{tid}")
 
 
 @pytest.fixture
-def world() -> Iterator[World]:
+def world(sandbox_factory: Callable[[Backend, Settings], SandboxTracker]) -> Iterator[World]:
     from agentbox.image import build_default
 
     build_default(Settings())
@@ -248,7 +265,7 @@ def world() -> Iterator[World]:
     )
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))
     try:
-        yield World(settings, env, repo, base / "data" / "launcher.sock", since)
+        yield World(settings, env, repo, base / "data" / "launcher.sock", since, sandbox_factory)
     finally:
         _remove_leftovers(settings)
         try:
@@ -332,6 +349,7 @@ def _chaos(
         with LauncherClient(world.sock, reconnect=90.0) as client:
             for p, (how, kills) in enumerate(phases):
                 batch = [f"chaos{seed % 1000}-{p}{i}" for i in range(tasks)]
+                world.track("podman", batch)
                 for tid in batch:
                     client.submit(TaskRequest(repo=str(world.repo), task="write, work",
                                               model="replay-chaos", deadline=600.0,
@@ -407,6 +425,7 @@ def test_a_deadline_that_passes_while_no_launcher_runs(world: World) -> None:
     the sandbox on time; the next launcher follows it to that end: timed_out, collected."""
     served = Served(world.env, world.sock)
     name = "agentbox-task-live-deadline"
+    world.track("podman", ["live-deadline"])
     try:
         with LauncherClient(world.sock) as client:
             info = client.submit(TaskRequest(repo=str(world.repo), task="write, then wait",
@@ -456,6 +475,7 @@ def test_a_launcher_kill_on_qemu_loses_no_task(world: World) -> None:
 
     env = {**world.env, "AGENTBOX_BACKEND": "qemu"}
     tid, name = "live-qemu", "agentbox-task-live-qemu"
+    world.track("qemu", [tid])
     served = Served(env, world.sock)
     monitor = None
     try:

@@ -25,7 +25,6 @@ _GUARDED = re.compile(r"\bsandbox_factory\b|\bSandboxTracker\(")
 #: mounts, containers by name, processes), to be converted to ``sandbox_factory``.
 PENDING = {
     "integration/test_detached_podman.py",  # its own _assert_clean per detached sandbox
-    "e2e/test_live_restore.py",
     "e2e/test_run_docker.py",
     "integration/test_docker_backend.py",
     "integration/test_docker_contract.py",
