@@ -300,6 +300,9 @@ class PlainPool:
             if conn.reused:
                 raise _Stale from None
             raise UpstreamError(f"upstream connection broke: {exc}") from None
+        except BaseException:  # cancelled (the client left, the gateway stops): not reusable
+            conn.close()
+            raise
         try:
             return self._parse(conn, raw)
         except UpstreamError:
