@@ -247,9 +247,14 @@ def _umount(path: Path) -> None:
         _proc.run(["umount", "--lazy", path], timeout=60)
 
 
-def settle_orphan_disks(settings: Settings, name: str | None = None) -> list[str]:
+def settle_orphan_disks(
+    settings: Settings, name: str | None = None, *, exited: bool = False
+) -> list[str]:
     """Copy back and unmount workspace disks whose owner process is gone (only sandbox
     ``name``'s, if given); return their sandbox names.
+
+    ``exited``: the caller knows sandbox ``name`` has exited (its follower saw the end
+    and its conmon gone), so its container need not be removed first.
 
     Call it once the sandbox's container is gone. One settler at a time per data dir
     (:func:`_settling`); the directory under the mount is reached through a detached
@@ -259,10 +264,10 @@ def settle_orphan_disks(settings: Settings, name: str | None = None) -> list[str
     if not base.is_dir():
         return []
     with _settling(base):
-        return _settle_records(base, name)
+        return _settle_records(base, name, exited=exited and name is not None)
 
 
-def _settle_records(base: Path, name: str | None) -> list[str]:
+def _settle_records(base: Path, name: str | None, *, exited: bool = False) -> list[str]:
     settled = []
     pattern = "*.json" if name is None else f"{name}.json"
     for rec_path in sorted(base.glob(pattern)):
@@ -273,7 +278,7 @@ def _settle_records(base: Path, name: str | None) -> list[str]:
             continue
         if _alive(pid, start):
             continue
-        if rec.get("detached") is True and _container_exists(rec_path.stem):
+        if rec.get("detached") is True and not exited and _container_exists(rec_path.stem):
             # Its container runs on without the process that mounted the disk (a launcher
             # that died between the mount and the hand-over): its follower, or a reap,
             # settles it once the container is removed.

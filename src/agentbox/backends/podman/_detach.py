@@ -36,10 +36,9 @@ import hashlib
 import hmac
 import json
 import os
-import re
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +56,7 @@ from agentbox.backends._oci_args import (
     run_args,
 )
 from agentbox.backends._oci_cli import conmon_cwd, env_file, force_remove, kill
+from agentbox.backends._wake import Wake
 from agentbox.backends._wsdisk import WorkspaceDisk, settle_orphan_disks
 from agentbox.backends.base import (
     LABEL,
@@ -68,6 +68,16 @@ from agentbox.backends.base import (
     data_dir_label,
 )
 from agentbox.backends.podman._cgroup import born_outside, place_conmon
+from agentbox.backends.podman._exitfile import (
+    CONMON_EXIT_WAIT,
+    _end_orphan,
+    _ended,
+    _running,
+    _state,
+    _when,
+    exit_file_of,
+    read_exit_file,
+)
 from agentbox.backends.podman._pool_view import pool_log, pool_view
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, SandboxError, SandboxGone
@@ -90,8 +100,6 @@ DETACHED_LABEL = "io.agentbox.detached"
 DEADLINE_LABEL = "io.agentbox.deadline"
 #: HMAC of the name and data dir under the data dir's key: made by us, for this data dir.
 SEAL_LABEL = "io.agentbox.seal"
-#: How long a follower waits for conmon to go after the container is removed.
-CONMON_EXIT_WAIT = 15.0
 
 
 class PodmanDetached:
@@ -209,7 +217,12 @@ class PodmanDetached:
         if conmon is not None:
             place_conmon(conmon.pid)  # a stray conmon (born in our unit) leaves it now
         killed = orphaned = False
-        with LogReader(pool_log(info, log), on_stdout, on_stderr) as reader:
+        exit_file = exit_file_of(conmon, info)
+        early: tuple[int, float] | None = None
+        with (
+            LogReader(pool_log(info, log), on_stdout, on_stderr) as reader,
+            Wake(conmon.pid if conmon else None, exit_file.parent if exit_file else None) as wake,
+        ):
             while True:
                 reader.pump()
                 if time.time() >= started + deadline and not killed:
@@ -217,7 +230,10 @@ class PodmanDetached:
                     kill(name)
                     killed = True
                 if conmon is not None and _running(conmon):
-                    time.sleep(poll)
+                    # The exit file is the end, before conmon's cleanup and exit.
+                    if (early := read_exit_file(exit_file)) is not None:
+                        break
+                    wake.wait(poll)  # conmon's exit or the exit file wakes it at once
                     continue
                 # conmon is gone: the sandbox exited (or conmon was killed: ask podman).
                 info = inspect(name)
@@ -233,6 +249,17 @@ class PodmanDetached:
                     time.sleep(max(poll, 1.0))
                     continue
                 break
+            if early is not None:
+                ended = _ended(early[0], early[1], started, deadline, killed=killed)
+                with self._final(log):
+                    write_exit(log, ended)  # a caller's stop steps may start (the gateway's)
+                    if conmon is not None:
+                        with contextlib.suppress(psutil.Error):
+                            conmon.wait(CONMON_EXIT_WAIT)  # its cleanup ends; output drained
+                    reader.pump()
+                    self._remove_and_settle(name, conmon)
+                log_event("followed to its end", name, exit_code=ended.exit_code, early=True)
+                return ended
             reader.pump()
             if info is None:
                 reader.close()
@@ -242,17 +269,12 @@ class PodmanDetached:
         # An orphan's exit code died with its conmon (podman's 0 is only its default).
         exit_code = code if isinstance(code, int) and not orphaned else -1
         finished = _when(state.get("FinishedAt")) or time.time()
-        # conmon's --timeout SIGKILLs the sandbox and leaves no exit status: podman then
-        # reports -1. Past the deadline that is our kill, reported as run() reports one.
-        timed_out = killed or (exit_code in (-1, 137, 255) and finished - started >= deadline)
-        if timed_out and exit_code == -1:
-            exit_code = 137
-        ended = Exited(exit_code, timed_out)
+        ended = _ended(exit_code, finished, started, deadline, killed=killed)
         with self._final(log):
             write_exit(log, ended)
             force_remove(name)
             self._settle(name, conmon)
-        log_event("followed to its end", name, exit_code=exit_code, timed_out=timed_out)
+        log_event("followed to its end", name, exit_code=ended.exit_code, timed_out=ended.timed_out)
         return ended
 
     def adoptable(self, name: str, *, labels: Mapping[str, str]) -> bool:
@@ -316,31 +338,32 @@ class PodmanDetached:
         if conmon is not None:
             with contextlib.suppress(psutil.Error):
                 conmon.wait(CONMON_EXIT_WAIT)
-        for done in settle_orphan_disks(self.settings, name):
+        # Called once the end was seen: with its conmon gone too, the sandbox has exited
+        # and its disk is settled whether or not its container is removed yet.
+        exited = conmon is not None and not _running(conmon)
+        for done in settle_orphan_disks(self.settings, name, exited=exited):
             log_event("workspace disk copied back", done)
 
+    def _remove_and_settle(self, name: str, conmon: psutil.Process | None) -> None:
+        """``podman rm`` on a thread while the disk is copied back once conmon is gone:
+        neither needs the other (the sandbox has exited; the copy never reads the
+        container). The first error of either is raised once both are done."""
+        failed: list[BaseException] = []
 
-def _end_orphan(name: str, info: Mapping[str, Any]) -> None:
-    """The sandbox's conmon is gone but podman says it runs: if its process lives, it
-    runs unmonitored (no output recorded, no exit code, no ``--timeout``): kill it
-    now (its deadline at the latest) and wait (bounded) for its process to go."""
-    pid = _state(info).get("Pid")
-    proc = None
-    with contextlib.suppress(psutil.Error, TypeError, ValueError):
-        proc = psutil.Process(int(pid)) if isinstance(pid, int) and pid > 0 else None
-    if proc is not None and _running(proc):
-        logger.warning(
-            "sandbox orphaned: its conmon is gone, its process runs; killing it",
-            sandbox=name,
-            pid=proc.pid,
-        )
-        kill(name)
-        with contextlib.suppress(psutil.Error):
-            proc.wait(CONMON_EXIT_WAIT)
-    else:
-        logger.warning(
-            "sandbox ended with its conmon gone: its exit code is unknown (-1)", sandbox=name
-        )
+        def remove() -> None:
+            try:
+                force_remove(name)
+            except BaseException as exc:  # handed to the caller below
+                failed.append(exc)
+
+        remover = threading.Thread(target=remove, name=f"agentbox-rm-{name}", daemon=True)
+        remover.start()
+        try:
+            self._settle(name, conmon)
+        finally:
+            remover.join()
+        if failed:
+            raise failed[0]
 
 
 def log_event(what: str, name: str, **kw: object) -> None:
@@ -380,11 +403,6 @@ def is_detached(info: Mapping[str, Any]) -> bool:
     return _labels_of(info).get(DETACHED_LABEL) == "1"
 
 
-def _state(info: Mapping[str, Any]) -> Mapping[str, Any]:
-    state = info.get("State")
-    return state if isinstance(state, dict) else {}
-
-
 def _labels_of(info: Mapping[str, Any]) -> dict[str, str]:
     config = info.get("Config")
     labels = config.get("Labels") if isinstance(config, dict) else None
@@ -395,20 +413,6 @@ def _labels_of(info: Mapping[str, Any]) -> dict[str, str]:
 
 def _name_of(info: Mapping[str, Any]) -> str:
     return str(info.get("Name", "")).lstrip("/")
-
-
-_FRACTION = re.compile(r"\.(\d{1,9})")
-
-
-def _when(stamp: object) -> float | None:
-    """Seconds since the epoch of podman's RFC 3339 time (nanoseconds cut to micro)."""
-    if not isinstance(stamp, str) or stamp.startswith("0001-"):
-        return None
-    text = _FRACTION.sub(lambda m: "." + m.group(1)[:6].ljust(6, "0"), stamp, count=1)
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def conmon_of(info: Mapping[str, Any]) -> psutil.Process | None:
@@ -423,10 +427,3 @@ def conmon_of(info: Mapping[str, Any]) -> psutil.Process | None:
     except psutil.Error:
         return None
     return proc
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
