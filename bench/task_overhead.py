@@ -26,6 +26,7 @@ log files for the first byte; nothing in the launcher is changed for it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import shutil
@@ -73,8 +74,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def baseline(base: Path, script: Path, runs: int) -> list[float]:
-    """``claude -p`` on the host against a gateway already listening on loopback."""
+def baseline(base: Path, script: Path, runs: int, *, bare: str | None = None) -> list[float]:
+    """``claude -p`` on the host against a gateway already listening on loopback.
+
+    ``bare``: the same ``claude -p`` in a bare ``podman run --rm`` of that image
+    instead (host network, the repo bind-mounted, none of our hardening, relay,
+    workspace disk or detach): what starting a container costs by itself.
+    """
     settings = Settings()
     port = free_port()
     token = secrets.token_urlsafe(32)
@@ -107,11 +113,25 @@ def baseline(base: Path, script: Path, runs: int) -> list[float]:
         times = []
         for i in range(runs):
             repo = make_repo(base / f"host-{i}-{secrets.token_hex(3)}")
+            argv = [str(settings.claude_binary), *FLAGS, "--", "Check the repo."]
+            if bare is not None:
+                repo.chmod(0o777)
+                for top, dirs, files in os.walk(repo):
+                    for n in (*dirs, *files):
+                        os.chmod(os.path.join(top, n), 0o777, follow_symlinks=False)
+                argv = [
+                    "podman", "--runtime", "runc", "run", "--rm", "--network", "host",
+                    "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096",
+                    "--tmpfs", "/home/agent:rw,mode=1777", "-v", f"{repo}:/workspace",
+                    "-w", "/workspace",
+                    *(a for k, v in env.items() if k not in ("PATH", "HOME")
+                      for a in ("-e", f"{k}={v}")),
+                    bare, "claude", *FLAGS, "--", "Check the repo.",
+                ]  # fmt: skip
             t0 = time.perf_counter()
-            subprocess.run(
-                [str(settings.claude_binary), *FLAGS, "--", "Check the repo."],
-                cwd=repo, env=env, check=True, capture_output=True, timeout=300,
-            )  # fmt: skip
+            res = subprocess.run(argv, cwd=repo, env=env, capture_output=True, timeout=300)
+            if res.returncode != 0:
+                raise SystemExit(f"{argv[0]} failed ({res.returncode}):\n{res.stdout[-2000:]!r}")
             times.append(time.perf_counter() - t0)
         return times
     finally:
@@ -123,7 +143,18 @@ PHASES = (
     "before the sandbox starts",
     "  of which prepare (workspace copy)",
     "sandbox start -> first output",
+    "  launch (podman run -d returns)",
+    "  launched -> first output (relay, claude)",
     "agent + sandbox stop",
+    "  first -> last output (the agent)",
+    "  last output -> container exit",
+    "  exit -> seen by the follower",
+    "  seen -> podman rm starts (inspect)",
+    "  podman rm",
+    "  conmon gone + disk copy-back",
+    "    of which copy-back + umount",
+    "  gateway stop",
+    "  rest of the stop (record outcome)",
     "collect",
     "publish",
     "rest (report, status)",
@@ -132,12 +163,16 @@ PHASES = (
 
 @contextmanager
 def _timed_calls(marks: dict[str, float]) -> Iterator[None]:
-    """Record start/end wall times of the launcher's prepare, collect and publish calls."""
-    saved = (_runner.prepare, _finish.collect, _finish.publish)
+    """Record start/end wall times of the launcher's and the backend's own calls (see
+    PHASES): each is wrapped in place for the bench's run and restored after."""
+    from agentbox.backends.podman import _backend, _detach
+    from agentbox.gateway import GatewayHandle
+
+    seen: dict[str, Any] = {}
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed_call(*a: Any, **kw: Any) -> Any:
-            marks[f"{name}0"] = time.time()
+            marks.setdefault(f"{name}0", time.time())
             try:
                 return fn(*a, **kw)
             finally:
@@ -145,13 +180,50 @@ def _timed_calls(marks: dict[str, float]) -> Iterator[None]:
 
         return timed_call
 
-    _runner.prepare = wrap("prepare", saved[0])  # type: ignore[assignment]
-    _finish.collect = wrap("collect", saved[1])  # type: ignore[assignment]
-    _finish.publish = wrap("publish", saved[2])  # type: ignore[assignment]
+    def inspect(name: str) -> Any:
+        t = time.time()
+        info = seen["inspect"](name)
+        marks["inspect_last"] = t  # the last one before podman rm: the end seen
+        state = (info or {}).get("State") or {}
+        fin = _detach._when(state.get("FinishedAt"))
+        if fin is not None:
+            marks["exited"] = fin
+        return info
+
+    def pool_log(info: Any, log: Path) -> Path:
+        path = seen["pool_log"](info, log)
+        marks["log_path"] = path  # type: ignore[assignment]
+        return path
+
+    def force_remove(name: str, *a: Any, **kw: Any) -> None:
+        with contextlib.suppress(OSError):
+            marks["last_output"] = Path(str(marks.get("log_path", ""))).stat().st_mtime
+        marks["seen"] = marks.get("inspect_last", time.time())
+        wrap("rm", seen["force_remove"])(name, *a, **kw)
+
+    targets: list[tuple[Any, str, Callable[..., Any]]] = [
+        (_runner, "prepare", lambda f: wrap("prepare", f)),
+        (_finish, "collect", lambda f: wrap("collect", f)),
+        (_finish, "publish", lambda f: wrap("publish", f)),
+        (_runner, "settle", lambda f: wrap("settle", f)),
+        (_runner, "follow_sandbox", lambda f: wrap("follow", f)),
+        (_backend.PodmanBackend, "launch", lambda f: wrap("launch", f)),
+        (_detach.PodmanDetached, "_settle", lambda f: wrap("disk", f)),
+        (_detach, "settle_orphan_disks", lambda f: wrap("copy", f)),
+        (GatewayHandle, "stop", lambda f: wrap("gwstop", f)),
+        (_detach, "inspect", lambda f: inspect),
+        (_detach, "pool_log", lambda f: pool_log),
+        (_detach, "force_remove", lambda f: force_remove),
+    ]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
+    for obj, attr, make in targets:
+        seen[attr] = getattr(obj, attr)
+        setattr(obj, attr, make(getattr(obj, attr)))
     try:
         yield
     finally:
-        _runner.prepare, _finish.collect, _finish.publish = saved  # type: ignore[assignment]
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
 
 
 def _first_output(
@@ -162,13 +234,46 @@ def _first_output(
         if not ids:
             continue
         d = data_dir / "tasks" / ids[0] / "logs"
-        for name in ("agent.jsonl", "sandbox.log"):
+        for path in (marks.get("log_path"), d / "agent.jsonl", d / "sandbox.log"):
             try:
-                if (d / name).stat().st_size > 0:
+                if path is not None and Path(str(path)).stat().st_size > 0:
                     marks["output"] = time.time()
                     return
             except OSError:
                 pass
+
+
+def _phases(t0: float, start: float, t_end: float, m: dict[str, float]) -> list[float]:
+    """One task's PHASES from its marks (0 for a mark the run did not make)."""
+    first = m.get("output", start)
+    last = m.get("last_output", first)
+    exited = m.get("exited", last)
+    seen = m.get("seen", exited)
+    publish1 = m.get("publish1", 0.0)
+
+    def span(a: str, b: str) -> float:
+        return m[b] - m[a] if a in m and b in m else 0.0
+
+    return [
+        start - t0,
+        span("prepare0", "prepare1"),
+        first - start,
+        span("launch0", "launch1"),
+        first - m.get("launch1", start),
+        m["collect0"] - first,
+        last - first,
+        exited - last,
+        seen - exited,
+        m.get("rm0", seen) - seen,
+        span("rm0", "rm1"),
+        span("disk0", "disk1"),
+        span("copy0", "copy1"),
+        span("gwstop0", "gwstop1"),
+        m["collect0"] - max(m.get("gwstop1", 0.0), m.get("follow1", 0.0)),
+        span("collect0", "collect1"),
+        span("publish0", "publish1"),
+        t_end - max(m["collect1"], publish1),
+    ]
 
 
 def agentbox_api(
@@ -204,17 +309,7 @@ def agentbox_api(
             total.append(t_end - t0)
             assert info.status == "done", info
             assert info.started_at is not None
-            start = info.started_at
-            first = marks.get("output", start)
-            phases.append([
-                start - t0,
-                marks["prepare1"] - marks["prepare0"],
-                first - start,
-                marks["collect0"] - first,
-                marks["collect1"] - marks["collect0"],
-                marks.get("publish1", 0.0) - marks.get("publish0", 0.0),
-                t_end - max(marks["collect1"], marks.get("publish1", 0.0)),
-            ])  # fmt: skip
+            phases.append(_phases(t0, info.started_at, t_end, marks))
     return total, phases
 
 
@@ -260,6 +355,9 @@ def agentbox_cli(base: Path, runs: int) -> list[float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--quick", action="store_true", help="the baselines and the API task only (no CLI, pool)"
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (the launcher drives podman as root)", file=sys.stderr)
@@ -278,21 +376,25 @@ def main() -> int:
             data_dir=base / "data", repos_root=base / "repos", models_file=base / "models.toml"
         )
         # One warm-up of each side (page cache, image layers), not counted.
-        for sub in ("warm", "b"):
+        for sub in ("warm", "b", "bare"):
             (base / sub).mkdir()
         baseline(base / "warm", script, 1)
         agentbox_api(settings, 1)
 
         base_t = baseline(base / "b", script, args.runs)
+        bare_t = baseline(base / "bare", script, args.runs, bare=settings.image)
         api_t, phases = agentbox_api(settings, args.runs)
-        cli_t = agentbox_cli(base, args.runs)
-        pool_t, pool_phases = agentbox_pooled(settings, args.runs)
+        cli_t, pool_t, pool_phases = [], [], []
+        if not args.quick:
+            cli_t = agentbox_cli(base, args.runs)
+            pool_t, pool_phases = agentbox_pooled(settings, args.runs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
     ref = statistics.median(base_t)
     rows = [
         ("claude -p on the host (baseline)", base_t),
+        ("claude -p in a bare podman run --rm", bare_t),
         ("agentbox Launcher API (submit→wait)", api_t),
         ("agentbox run (whole CLI command)", cli_t),
         ("agentbox Launcher API, warm pool", pool_t),
@@ -301,9 +403,13 @@ def main() -> int:
     print(f"| {'what':<38} | {'median s':>8} | {'min s':>7} | {'x baseline':>10} |")
     print(f"|{'-' * 40}|{'-' * 10}|{'-' * 9}|{'-' * 12}|")
     for name, ts in rows:
+        if not ts:
+            continue
         med = statistics.median(ts)
         print(f"| {name:<38} | {med:8.2f} | {min(ts):7.2f} | {med / ref:10.2f} |")
     for label, ph in (("fresh sandbox", phases), ("warm pool", pool_phases)):
+        if not ph:
+            continue
         print(f"\nthe API task by phase, {label} (median of {args.runs}; baseline {ref:.2f} s)\n")
         print(f"| {'phase':<36} | {'median s':>8} | {'x baseline':>10} |")
         print(f"|{'-' * 38}|{'-' * 10}|{'-' * 12}|")
