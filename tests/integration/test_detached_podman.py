@@ -12,6 +12,11 @@
 * hostile output comes back byte for byte (a 10 MB line, invalid UTF-8, forged
   k8s-file prefixes); at the log cap only the last part is kept;
 * one case on runsc.
+
+Every sandbox a test launches is named in its ``cleanup`` list, which registers it
+with the leak guard (``sandbox_factory``): after the test no process naming it,
+container, cgroup, socket or env fd may remain, on top of this module's own checks
+(log holders, disk files, mounts).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from agentbox.backends.podman import _detach as detach
 from agentbox.config import Settings
 from agentbox.errors import SandboxError, SandboxGone
 from mount_helpers import assert_no_mounts_under
+from sandbox_leaks import SandboxTracker
 
 pytestmark = [
     pytest.mark.podman,
@@ -92,12 +98,27 @@ def _no_mount_left(sandbox_settings: Settings) -> Iterator[None]:
     assert_no_mounts_under(sandbox_settings.data_dir)
 
 
+class _Tracked(list[str]):
+    """Names to reap, each registered with the leak guard as it is added."""
+
+    def __init__(self, tracker: SandboxTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def append(self, name: str) -> None:
+        self.tracker.track(name)
+        super().append(name)
+
+
 @pytest.fixture
-def cleanup(sandbox_settings: Settings) -> Iterator[list[str]]:
-    """Names to reap whatever the test's outcome."""
-    names: list[str] = []
-    yield names
+def cleanup(
+    sandbox_settings: Settings,
+    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
+) -> Iterator[list[str]]:
+    """Names to reap whatever the test's outcome; the guard checks them after the reap."""
     backend = PodmanBackend(sandbox_settings)
+    names = _Tracked(sandbox_factory(backend, sandbox_settings))
+    yield names
     for name in names:
         with contextlib.suppress(Exception):
             backend.reap(name)
@@ -543,6 +564,7 @@ def test_conmon_is_born_outside_the_callers_unit(
     finally:
         child.kill()
         child.wait(10)
+        child.stdout.close()  # type: ignore[union-attr]
     PodmanBackend(sandbox_settings).reap(name)
 
 
