@@ -107,6 +107,7 @@ class SandboxTracker:
         self.seen: dict[str, _Seen] = {}
         self._env_fds = env_fds()
         self._own_cgroups = _cgroups_of(os.getpid())
+        self._clean = False
         _ACTIVE.append(self)
 
     # -- making sandboxes
@@ -187,13 +188,18 @@ class SandboxTracker:
         while (left := self.leftovers()) and time.monotonic() < end:
             time.sleep(0.2)
         assert not left, "the sandbox left things behind:\n" + "\n".join(left)
+        self._clean = True
 
     def close(self) -> None:
-        """Destroy what is still live (after a failure) and stop being active."""
+        """Destroy what is still live (after a failure: a sandbox known only by name is
+        reaped by the backend, so a failed test leaves nothing for the next) and stop
+        being active."""
         for seen in self.seen.values():
-            if seen.box is not None:
-                with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):
+                if seen.box is not None:
                     seen.box.destroy()
+                elif not self._clean:
+                    self.backend.reap(seen.name)
         with contextlib.suppress(ValueError):
             _ACTIVE.remove(self)
 
