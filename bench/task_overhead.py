@@ -149,7 +149,7 @@ PHASES = (
     "  first -> last output (the agent)",
     "  last output -> container exit",
     "  exit -> seen by the follower",
-    "  seen -> podman rm starts (inspect)",
+    "  seen -> podman rm starts (conmon, inspect)",
     "  podman rm",
     "  conmon gone + disk copy-back",
     "    of which copy-back + umount",
@@ -195,10 +195,17 @@ def _timed_calls(marks: dict[str, float]) -> Iterator[None]:
         marks["log_path"] = path  # type: ignore[assignment]
         return path
 
+    def read_exit_file(path: Any) -> Any:
+        got = seen["read_exit_file"](path)
+        if got is not None:  # the end, from conmon's exit file (and its time)
+            marks.setdefault("seen", time.time())
+            marks.setdefault("exited", got[1])
+        return got
+
     def force_remove(name: str, *a: Any, **kw: Any) -> None:
         with contextlib.suppress(OSError):
             marks["last_output"] = Path(str(marks.get("log_path", ""))).stat().st_mtime
-        marks["seen"] = marks.get("inspect_last", time.time())
+        marks.setdefault("seen", marks.get("inspect_last", time.time()))
         wrap("rm", seen["force_remove"])(name, *a, **kw)
 
     targets: list[tuple[Any, str, Callable[..., Any]]] = [
@@ -214,6 +221,7 @@ def _timed_calls(marks: dict[str, float]) -> Iterator[None]:
         (_detach, "inspect", lambda f: inspect),
         (_detach, "pool_log", lambda f: pool_log),
         (_detach, "force_remove", lambda f: force_remove),
+        (_detach, "read_exit_file", lambda f: read_exit_file),
     ]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
     for obj, attr, make in targets:
