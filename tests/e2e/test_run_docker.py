@@ -1,13 +1,15 @@
 """End to end on the docker backend: the real Claude Code binary in a hardened Docker
 container (runc, and runsc/gVisor), through the task's gateway and the in-sandbox relay,
-driven by the built-in ``replay-demo`` script; the result is a branch."""
+driven by the built-in ``replay-demo`` script; the result is a branch. The task's
+sandbox is registered with the leak guard (``sandbox_factory``): no container,
+process, cgroup or socket of it may survive the task."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,9 @@ from agentbox.backends.docker import DockerBackend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.launcher import Launcher, TaskRequest
+from agentbox.launcher._names import sandbox_name
 from git_helpers import git
+from sandbox_leaks import SandboxTracker
 
 pytestmark = [
     pytest.mark.docker,
@@ -40,7 +44,11 @@ def base() -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("runtime", ["runc", "runsc"])
-def test_a_task_in_docker(base: Path, runtime: str) -> None:
+def test_a_task_in_docker(
+    base: Path,
+    runtime: str,
+    sandbox_factory: Callable[[DockerBackend, Settings], SandboxTracker],
+) -> None:
     from agentbox.image import build_default
 
     build_default(Settings())
@@ -55,6 +63,8 @@ def test_a_task_in_docker(base: Path, runtime: str) -> None:
     box = Boxfile.from_dict({"backend": "docker", "runtime": runtime})
     launcher = Launcher(settings, max_tasks=1)
     task_id = f"e2e-docker-{runtime}"
+    docker = DockerBackend(settings)
+    sandbox_factory(docker, settings).track(sandbox_name(task_id))  # the launcher makes it
     try:
         req = TaskRequest(
             repo=str(repo), task="add slugify and its test, then run the tests",
@@ -73,6 +83,6 @@ def test_a_task_in_docker(base: Path, runtime: str) -> None:
     assert "Ran 2 tests" in log  # the agent's tests ran inside the container
     assert info.tokens.input > 0 and info.tokens.output > 0
     # Nothing of the task survived it: no container of this data dir, no bind point.
-    assert DockerBackend(settings).owned() == []
+    assert docker.owned() == []
     binds = settings.data_dir / "docker-binds"
     assert not binds.exists() or not any(binds.iterdir())
