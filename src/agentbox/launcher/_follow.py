@@ -15,12 +15,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import BinaryIO
 
 from agentbox._log import get_logger
-from agentbox.backends._k8slog import exit_marker
-from agentbox.backends._wake import Wake
 from agentbox.backends.base import Backend
 from agentbox.launcher._context import TaskContext
 from agentbox.launcher._watchdog import kill_sandbox
@@ -87,22 +84,6 @@ def ended(
     return "failed", f"the agent exited with code {exit_code}", exit_code
 
 
-def on_exit_marker(sandbox_log: Path, done: threading.Event, then: Callable[[], object]) -> None:
-    """Call ``then`` once the follower has recorded the sandbox's end (the exit marker
-    beside ``sandbox_log``), woken by inotify, not a poll; return without calling it if ``done``
-    is set first. Errors of ``then`` are logged: its caller does the same again after."""
-    marker = exit_marker(sandbox_log)
-    with Wake(directory=sandbox_log.parent) as wake:
-        while not done.is_set():
-            if marker.exists():
-                try:
-                    then()
-                except Exception as exc:
-                    log.warning("an early stop step failed", error=str(exc))
-                return
-            wake.wait(0.5)
-
-
 def follow_sandbox(
     ctx: TaskContext,
     backend: Backend,
@@ -112,17 +93,13 @@ def follow_sandbox(
     deadline: float,
     deadline_at: float,
     adopted: bool = False,
-    on_exited: Callable[[], object] | None = None,
 ) -> Ended:
     """Follow the detached sandbox ``name`` of this task to its end; how it ended.
 
     Raises what :meth:`~agentbox.backends.base.Backend.follow` raises
     (:class:`~agentbox.errors.SandboxGone` when there is no such sandbox).
     ``adopted``: the timing is the runtime's word only (``timed_out``): a launcher that
-    comes back long after the agent ended must not call it late. ``on_exited``: called
-    (on a thread of its own) as soon as the backend has recorded the end, while it still
-    removes the sandbox and copies its disk back: the stop steps that need only the
-    agent gone (its gateway's) overlap those; done before this returns.
+    comes back long after the agent ended must not call it late.
     """
     paths = ctx.paths
     done = threading.Event()
@@ -133,16 +110,6 @@ def follow_sandbox(
         daemon=True,
     )
     watcher.start()
-    early = None
-    if on_exited is not None:
-        log_path = paths.log_dir / "sandbox.log"
-        early = threading.Thread(
-            target=on_exit_marker,
-            args=(log_path, done, on_exited),
-            name=f"agentbox-exited-{paths.task_id}",
-            daemon=True,
-        )
-        early.start()
     try:
         # "wb": the follow replays the log from its start; what a dead launcher had
         # copied is rewritten, never appended to twice.
@@ -155,8 +122,6 @@ def follow_sandbox(
             )
     finally:
         done.set()
-        if early is not None:
-            early.join()
     ctx.tlog(f"agent exited with code {exited.exit_code}")
     return ended(
         ctx,

@@ -31,7 +31,6 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from agentbox._acl import grant_search
@@ -327,12 +326,9 @@ def _run_sandbox(
         # Detached where the backend can (podman): the launcher may die and a new one
         # re-adopts the task. Not with agent egress: its proxy is the launcher's child.
         if egress is None and backend.detaches(box.runtime):
-            gw = gateway
             status, error, exit_code = _run_detached(
-                ctx, row, box, backend, spec, run_argv, started,
-                # The agent is gone: its gateway stops while the sandbox is removed.
-                on_exited=lambda: gw.stop(grace=3.0),
-            )  # fmt: skip
+                ctx, row, box, backend, spec, run_argv, started
+            )
             agent_ran = True
         else:
             watchdog = spawn_watchdog(
@@ -410,7 +406,6 @@ def _run_detached(
     spec: SandboxSpec,
     argv: list[str],
     started: float,
-    on_exited: Callable[[], object] | None = None,
 ) -> Ended:
     """Launch the agent's sandbox detached and follow it to its end (no watchdog: the
     runtime holds the deadline, the gateway its own exit time)."""
@@ -439,5 +434,4 @@ def _run_detached(
         name=spec.name,
         deadline=row.deadline,
         deadline_at=started + row.deadline,
-        on_exited=on_exited,
     )
