@@ -21,11 +21,14 @@ those hierarchies, with no window in which a unit kill reaches conmon;
 
 :meth:`~PodmanDetached.follow`, from any process, reads the log from its start
 and watches conmon (no podman client held: one short ``podman inspect`` at the
-start and one at the end); past the deadline it kills the sandbox itself too.
-When the sandbox has exited it records how (``<log>.exit``), removes the
-container, and settles the workspace disk (copied back, unmounted) once conmon
-is gone. :meth:`~PodmanDetached.adoptable` checks name, labels, the data dir and
-a seal only this data dir's key makes.
+start), woken by conmon's pidfd or its exit file (:mod:`._exitfile`), never a
+fixed poll; past the deadline it kills the sandbox itself too. The end is read
+from conmon's exit file the moment the container exits (a ``podman inspect``
+only when conmon died without one); the follower records how (``<log>.exit``),
+then, once conmon has finished podman's cleanup and gone, removes the container
+while it settles the workspace disk (copied back, unmounted) beside it.
+:meth:`~PodmanDetached.adoptable` checks name, labels, the data dir and a seal
+only this data dir's key makes.
 """
 
 from __future__ import annotations
