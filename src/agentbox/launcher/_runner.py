@@ -385,6 +385,7 @@ def _run_sandbox(
         done.set()
         if watchdog is not None:
             stop_watchdog(watchdog.pid)
+            watchdog.poll()  # reaped just now: the Popen learns it (else a ResourceWarning)
         if gateway is not None:
             gateway.stop(grace=3.0)
         if egress is not None:

@@ -135,11 +135,13 @@ def exec_stream(
 
     end = None if timeout is None else time.monotonic() + timeout
     reader = _Reader(raw, end, alive)
+    feeder: threading.Thread | None = None
     try:
         if stdin is not None:
             # From a thread: a command that writes before it reads would otherwise
             # deadlock against us (both socket buffers full).
-            threading.Thread(target=_feed, args=(raw, stdin), daemon=True).start()
+            feeder = threading.Thread(target=_feed, args=(raw, stdin), daemon=True)
+            feeder.start()
         while True:
             head = reader.exactly(8)
             if len(head) < 8:
@@ -157,7 +159,13 @@ def exec_stream(
         raise SandboxError(f"docker exec stream: {exc}", sandbox=container) from exc
     finally:
         with contextlib.suppress(Exception):
-            sock.close()
+            sock.close()  # the SDK's wrapper: it leaves the socket under it open
+        with contextlib.suppress(OSError):
+            raw.shutdown(socket.SHUT_RDWR)  # a feeder still sending fails now, and ends
+        if feeder is not None:
+            feeder.join(5)
+        if feeder is None or not feeder.is_alive():  # never close an fd a thread still uses
+            raw.close()
     try:
         info = client.api.exec_inspect(exec_id)
     except Exception:  # the container is gone (killed at its deadline)
