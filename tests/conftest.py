@@ -79,11 +79,6 @@ _TESTS = Path(__file__).resolve().parent
 #: listed is strict: a leak fails the test that made it. The garbage of a listed
 #: module is collected (ignored) after each of its tests, so it cannot fail the next.
 LEAKY = {
-    # docker exec_stream (backends/docker/_exec.py) closes the SDK's SocketIO, not the
-    # docker.sock socket under it: one unclosed socket per exec.
-    "e2e/test_run_docker.py",
-    "integration/test_docker_backend.py",
-    "integration/test_docker_contract.py",
     # Not yet run under -W error::ResourceWarning:
     "e2e/test_claude_gateway.py",
     "e2e/test_claude_mcp.py",
@@ -149,9 +144,6 @@ LEAKY = {
     "integration/test_model_serve_ready.py",
     "integration/test_podman_shell.py",
     "integration/test_publish_refs.py",
-    # Its gateway-flood test: the gateway's upstream pool (gateway/_plain.py) drops a
-    # connection unclosed when uvicorn cancels a streaming request at shutdown.
-    "integration/test_qemu_backend.py",
     "integration/test_repo_open_once.py",
     "integration/test_retention.py",
     "integration/test_watchdog_reap.py",

@@ -31,6 +31,7 @@ from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman._exitfile import exit_file_of
 from agentbox.config import Settings
 from mount_helpers import assert_no_mounts_under
+from sandbox_leaks import SandboxTracker
 
 pytestmark = [
     pytest.mark.podman,
@@ -39,16 +40,20 @@ pytestmark = [
 
 
 def test_the_end_is_recorded_from_the_exit_file_while_conmon_still_runs(
-    sandbox_settings: Settings, default_image: str, make_workspace: Callable[[], Path]
+    sandbox_settings: Settings,
+    default_image: str,
+    make_workspace: Callable[[], Path],
+    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
 ) -> None:
     ws = make_workspace()
     name = f"det-end-{os.getpid()}"
     log = sandbox_settings.data_dir / "sandbox.log"
     backend = PodmanBackend(sandbox_settings)
+    tracker = sandbox_factory(backend, sandbox_settings)  # nothing of it may survive the test
     spec = SandboxSpec(name=name, image=default_image, workspace=ws, deadline=600)
     stopped = None
     try:
-        backend.launch(spec, ["sh", "-c", "echo up; sleep 2; exit 3"], log=log)
+        tracker.launch(spec, ["sh", "-c", "echo up; sleep 2; exit 3"], log=log)
         info = detach.inspect(name)
         assert info is not None
         conmon = detach.conmon_of(info)
