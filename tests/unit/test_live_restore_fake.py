@@ -18,6 +18,7 @@ import os
 import sqlite3
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,9 @@ def test_a_reused_gateway_pid_is_refused_and_never_signalled(
     tid = _new_id(5)
     la1 = Launcher(settings, max_tasks=1)
     unrelated = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    # Start times are kept in 10 ms ticks: the gateway, spawned as soon as the task is
+    # submitted, must not start in the same tick, or the record would truly name it.
+    time.sleep(0.1)
     try:
         with FakeBackend.scripted(FakeScript(delay=60, files={"p.txt": b"p\n"})):
             reached = freezer("follow", tid)
