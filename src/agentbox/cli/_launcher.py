@@ -44,8 +44,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve the launcher's API on <data_dir>/launcher.sock (used by the MCP server)."""
         from agentbox.config import load_settings
-        from agentbox.launcher._core import Launcher
-        from agentbox.launcher._server import serve as _serve
+        from agentbox.launcher import Launcher
+        from agentbox.launcher import serve as _serve
 
         launcher = Launcher(load_settings(), max_tasks=max_tasks)
         # Announced only once bound: a refused start (another launcher) prints no address.
@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
 
         if drain and cancel:
             raise RefusedError("--drain and --cancel exclude each other")
-        from agentbox.launcher._stop import stop_launcher
+        from agentbox.launcher import stop_launcher
 
         mode: Literal["leave", "drain", "cancel"] = (
             "drain" if drain else "cancel" if cancel else "leave"
