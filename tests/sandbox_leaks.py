@@ -172,8 +172,10 @@ class SandboxTracker:
             left += [f"{seen.name}: cgroup {cg} remains" for cg in seen.cgroups if cg.exists()]
         left += self._processes_naming(names)
         left += self._vm_cgroups(names)
-        left += self._containers(names)
-        left += self._docker_containers(names)
+        if os.geteuid() == 0:
+            left += _engine_containers("podman", names, "container")
+        if type(self.backend).__module__.startswith("agentbox.backends.docker"):
+            left += _engine_containers("docker", names, "docker container")
         left += self._owned(names)
         left += self._vm_dirs(names)
         left += self._sockets(names)
@@ -232,25 +234,6 @@ class SandboxTracker:
                     if d.is_dir() and stem in names and re.fullmatch(_VM_SUFFIX, suffix):
                         left.append(f"{stem}: cgroup {d} remains")
         return left
-
-    @staticmethod
-    def _containers(names: set[str]) -> list[str]:
-        if not names or shutil.which("podman") is None or os.geteuid() != 0:
-            return []
-        res = subprocess.run(
-            ["podman", "ps", "-a", "--format", "{{.Names}}"],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-        return [f"{n}: container remains" for n in res.stdout.split() if n in names]
-
-    def _docker_containers(self, names: set[str]) -> list[str]:
-        if not names or not type(self.backend).__module__.startswith("agentbox.backends.docker"):
-            return []
-        res = subprocess.run(
-            ["docker", "ps", "-a", "--format", "{{.Names}}"],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-        return [f"{n}: docker container remains" for n in res.stdout.split() if n in names]
 
     def _owned(self, names: set[str]) -> list[str]:
         try:
@@ -327,3 +310,14 @@ def _logs(root: Path) -> Iterator[Path]:
         for p in root.rglob("*.log"):
             if p.is_file() and not p.is_symlink():
                 yield p
+
+
+def _engine_containers(cli: str, names: set[str], what: str) -> list[str]:
+    """The containers ``cli ps -a`` lists under one of ``names`` (none without the CLI)."""
+    if not names or shutil.which(cli) is None:
+        return []
+    res = subprocess.run(
+        [cli, "ps", "-a", "--format", "{{.Names}}"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return [f"{n}: {what} remains" for n in res.stdout.split() if n in names]

@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 
 from agentbox import _host
+from agentbox.backends.base import Backend
 from agentbox.config import Settings
+from sandbox_leaks import SandboxTracker
 
 #: OCI runtimes podman can use on this host (crun is refused on cgroups v1/hybrid).
 PODMAN_RUNTIMES = [rt for rt in ("runc", "crun", "runsc") if _host.podman_runtime(rt).ok]
@@ -65,6 +67,18 @@ def new_workspace(settings: Settings) -> Path:
     if os.geteuid() == 0:
         os.chown(ws, settings.sandbox_host_uid, settings.sandbox_host_uid)
     return ws
+
+
+@pytest.fixture
+def podman_boxes(
+    sandbox_settings: Settings,
+    sandbox_factory: Callable[[Backend, Settings], SandboxTracker],
+) -> SandboxTracker:
+    """A podman backend on :func:`sandbox_settings` behind the leak guard: nothing of a
+    sandbox it made may remain after the test."""
+    from agentbox.backends.podman import PodmanBackend
+
+    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
 
 
 @pytest.fixture

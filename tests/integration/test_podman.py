@@ -31,11 +31,6 @@ AGENTBOX = str(Path(sys.executable).parent / "agentbox")
 Factory = Callable[[PodmanBackend, Settings], SandboxTracker]
 
 
-@pytest.fixture
-def boxes(sandbox_settings: Settings, sandbox_factory: Factory) -> SandboxTracker:
-    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
-
-
 def _exists(name: str) -> bool:
     return subprocess.run(["podman", "container", "exists", name], check=False).returncode == 0
 
@@ -75,16 +70,16 @@ def _owned_by(pid: int) -> list[str]:
 
 
 def test_missing_image_refused_before_anything(
-    sandbox_settings: Settings, boxes: SandboxTracker
+    sandbox_settings: Settings, podman_boxes: SandboxTracker
 ) -> None:
-    be = boxes.backend
+    be = podman_boxes.backend
     spec = spec_from_boxfile(Boxfile(image="localhost/agentbox-no-such-image:1"), sandbox_settings)
     with pytest.raises(ImageError, match="not in podman's local storage"):
         be.check(spec)
     with pytest.raises(ImageError):
-        boxes.run(spec, ["true"])
+        podman_boxes.run(spec, ["true"])
     with pytest.raises(ImageError):
-        boxes.create(spec)
+        podman_boxes.create(spec)
     assert not _exists(spec.name)
 
 
@@ -100,17 +95,17 @@ def test_default_image_missing_says_how_to_build_it(sandbox_settings: Settings) 
 
 
 def test_unknown_and_unusable_runtimes_refused(
-    sandbox_settings: Settings, default_image: str, boxes: SandboxTracker
+    sandbox_settings: Settings, default_image: str, podman_boxes: SandboxTracker
 ) -> None:
     spec = spec_from_boxfile(Boxfile(), sandbox_settings)
     with pytest.raises(UnsupportedError, match="unknown OCI runtime"):
-        boxes.run(spec.replace(runtime="kata"), ["true"])
+        podman_boxes.run(spec.replace(runtime="kata"), ["true"])
     with pytest.raises(BoxfileError) as ei:
         Boxfile.from_dict({"runtime": "kata"})
     assert ei.value.key == "runtime"
     if not _host.podman_runtime("crun").ok:
         with pytest.raises(UnsupportedError, match="cgroups"):
-            boxes.run(spec.replace(runtime="crun"), ["true"])
+            podman_boxes.run(spec.replace(runtime="crun"), ["true"])
     assert not _exists(spec.name)
 
 
@@ -230,16 +225,16 @@ os._exit(0)  # the owner dies without destroying its sandbox
 
 
 def test_cleanup_orphans_removes_sandboxes_whose_owner_died(
-    sandbox_settings: Settings, default_image: str, boxes: SandboxTracker
+    sandbox_settings: Settings, default_image: str, podman_boxes: SandboxTracker
 ) -> None:
     name = f"agentbox-orphan-{os.getpid()}"
-    boxes.track(name)  # made by the owner process below
+    podman_boxes.track(name)  # made by the owner process below
     env = {"PATH": os.environ["PATH"], "AGENTBOX_DATA_DIR": str(sandbox_settings.data_dir)}
     subprocess.run([sys.executable, "-c", ORPHAN, name], check=True, env=env, timeout=120)
     assert _exists(name)
-    mine = boxes.create(spec_from_boxfile(Boxfile(), sandbox_settings))  # a live owner: kept
+    mine = podman_boxes.create(spec_from_boxfile(Boxfile(), sandbox_settings))  # a live owner: kept
     try:
-        removed = boxes.backend.cleanup_orphans()
+        removed = podman_boxes.backend.cleanup_orphans()
         assert name in removed
         assert mine.name not in removed
         assert not _exists(name)
@@ -280,7 +275,7 @@ def test_posture_sees_a_deliberately_weakened_sandbox(
 
 
 def test_busy_sandboxes_do_not_share_one_process_budget(
-    sandbox_settings: Settings, default_image: str, boxes: SandboxTracker
+    sandbox_settings: Settings, default_image: str, podman_boxes: SandboxTracker
 ) -> None:
     """Two sandboxes each using most of their pids limit both get it.
 
@@ -298,9 +293,9 @@ def test_busy_sandboxes_do_not_share_one_process_budget(
         " sleep 0.5; echo $(ls /proc | grep -c '^[0-9]')"
     )
     counts = []
-    a = boxes.create(spec.replace(name=spec.name + "-a"))
+    a = podman_boxes.create(spec.replace(name=spec.name + "-a"))
     try:
-        b = boxes.create(spec.replace(name=spec.name + "-b"))
+        b = podman_boxes.create(spec.replace(name=spec.name + "-b"))
         try:
             for box in (a, b):  # 40 each: 80 in all, more than one sandbox's limit of 64
                 res = box.exec(["sh", "-c", start], timeout=60)

@@ -27,11 +27,6 @@ RUNTIMES = [rt for rt in ("runc", "runsc") if _host.podman_runtime(rt).ok]
 Factory = Callable[[PodmanBackend, Settings], SandboxTracker]
 
 
-@pytest.fixture
-def boxes(sandbox_settings: Settings, sandbox_factory: Factory) -> SandboxTracker:
-    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
-
-
 def _leftovers(name: str, short_id: str) -> list[str]:
     found = []
     ps = subprocess.run(
@@ -63,30 +58,32 @@ def _assert_gone(name: str, short_id: str) -> None:
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_run_past_its_deadline_leaves_nothing(
-    sandbox_settings: Settings, boxes: SandboxTracker, default_image: str, runtime: str
+    sandbox_settings: Settings, podman_boxes: SandboxTracker, default_image: str, runtime: str
 ) -> None:
     spec = spec_from_boxfile(Boxfile(runtime=runtime, deadline=2), sandbox_settings)
     seen: list[bytes] = []
     # The container's hostname is its short id; print it, then outlive the deadline.
-    res = boxes.run(spec, ["sh", "-c", "cat /etc/hostname; exec sleep 60"], on_stdout=seen.append)
+    res = podman_boxes.run(
+        spec, ["sh", "-c", "cat /etc/hostname; exec sleep 60"], on_stdout=seen.append
+    )
     assert res.timed_out
     _assert_gone(spec.name, b"".join(seen).decode().strip())
 
 
 def test_run_killed_from_inside_leaves_nothing(
-    sandbox_settings: Settings, boxes: SandboxTracker, default_image: str
+    sandbox_settings: Settings, podman_boxes: SandboxTracker, default_image: str
 ) -> None:
     spec = spec_from_boxfile(Boxfile(), sandbox_settings)
-    res = boxes.run(spec, ["sh", "-c", "cat /etc/hostname; kill -9 $$"])
+    res = podman_boxes.run(spec, ["sh", "-c", "cat /etc/hostname; kill -9 $$"])
     assert res.exit_code == 137 and not res.timed_out
     _assert_gone(spec.name, res.stdout.decode().strip())
 
 
 def test_sandbox_past_its_deadline_is_destroyed(
-    sandbox_settings: Settings, boxes: SandboxTracker, default_image: str
+    sandbox_settings: Settings, podman_boxes: SandboxTracker, default_image: str
 ) -> None:
     spec = spec_from_boxfile(Boxfile(deadline=2), sandbox_settings)
-    box = boxes.create(spec)
+    box = podman_boxes.create(spec)
     short_id = box.exec(["cat", "/etc/hostname"]).stdout.decode().strip()
     time.sleep(3)
     assert box.expired
@@ -96,10 +93,10 @@ def test_sandbox_past_its_deadline_is_destroyed(
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_killed_sandbox_is_destroyed_with_nothing_left(
-    sandbox_settings: Settings, boxes: SandboxTracker, default_image: str, runtime: str
+    sandbox_settings: Settings, podman_boxes: SandboxTracker, default_image: str, runtime: str
 ) -> None:
     spec = spec_from_boxfile(Boxfile(runtime=runtime), sandbox_settings)
-    box = boxes.create(spec)
+    box = podman_boxes.create(spec)
     short_id = box.exec(["cat", "/etc/hostname"]).stdout.decode().strip()
     live = _leftovers(spec.name, short_id)  # the check can see a live sandbox
     assert any(x.startswith("container") for x in live), live

@@ -42,14 +42,6 @@ RUNTIMES = [rt for rt in ("runc", "runsc") if _host.podman_runtime(rt).ok]
 MiB = 1024**2
 
 
-@pytest.fixture
-def boxes(
-    sandbox_settings: Settings,
-    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
-) -> SandboxTracker:
-    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
-
-
 def _box(runtime: str = "runc", **resources: object) -> Boxfile:
     return Boxfile.from_dict({"runtime": runtime, "resources": resources})
 
@@ -84,7 +76,7 @@ def test_writing_past_the_limit_fails_inside_with_enospc(
     make_workspace: Callable[[], Path],
     default_image: str,
     runtime: str,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     ws = make_workspace()
     _seed(ws, sandbox_settings)
@@ -95,7 +87,7 @@ def test_writing_past_the_limit_fails_inside_with_enospc(
         "dd if=/dev/zero of=/workspace/dd bs=1M count=400 status=none; echo dd=$?; "
         "df -k /workspace | tail -1"
     )
-    res = boxes.run(spec, ["sh", "-c", script])
+    res = podman_boxes.run(spec, ["sh", "-c", script])
     out, err = res.stdout.decode(), res.stderr.decode()
     assert "fallocate=1" in out and "dd=1" in out, (out, err)
     assert err.count("No space left on device") >= 2, err
@@ -116,7 +108,7 @@ def test_a_flood_of_files_stops_at_the_inode_limit(
     sandbox_settings: Settings,
     make_workspace: Callable[[], Path],
     default_image: str,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     ws = make_workspace()
     spec = spec_from_boxfile(_box(disk="256MiB", inodes=2048), sandbox_settings, workspace=ws)
@@ -129,7 +121,7 @@ def test_a_flood_of_files_stops_at_the_inode_limit(
         "except OSError as e:\n"
         "    print('stopped', n, e.errno)\n"
     )
-    res = boxes.run(spec, ["python3", "-c", flood])
+    res = podman_boxes.run(spec, ["python3", "-c", flood])
     out = res.stdout.decode()
     assert out.startswith("stopped"), (out, res.stderr.decode())
     made, errno_ = int(out.split()[1]), int(out.split()[2])
@@ -143,7 +135,7 @@ def test_copy_back_keeps_links_holes_fifos_and_modes_as_the_agent_left_them(
     sandbox_settings: Settings,
     make_workspace: Callable[[], Path],
     default_image: str,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     ws = make_workspace()
     spec = spec_from_boxfile(_box(disk="256MiB"), sandbox_settings, workspace=ws)
@@ -152,7 +144,7 @@ def test_copy_back_keeps_links_holes_fifos_and_modes_as_the_agent_left_them(
         "ln -s e/f d/sym && ln -s /etc/shadow out && truncate -s 100G sparse && "
         "echo data > suid && chmod 4755 suid && mkfifo fifo && echo ok"
     )
-    res = boxes.run(spec, ["sh", "-c", script])
+    res = podman_boxes.run(spec, ["sh", "-c", script])
     assert res.stdout.decode().strip() == "ok", res.stderr.decode()
     assert (ws / "d/e/f").read_text() == "x\n"
     assert (ws / "d/hard").stat().st_ino == (ws / "d/e/f").stat().st_ino
@@ -172,11 +164,11 @@ def test_created_sandbox_keeps_its_disk_until_destroyed(
     sandbox_settings: Settings,
     make_workspace: Callable[[], Path],
     default_image: str,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     ws = make_workspace()
     spec = spec_from_boxfile(_box(disk="96MiB"), sandbox_settings, workspace=ws)
-    box = boxes.create(spec)
+    box = podman_boxes.create(spec)
     try:
         res = box.exec(["sh", "-c", "echo one > /workspace/a; fallocate -l 1G /workspace/b"])
         assert res.exit_code != 0 and b"No space left" in res.stderr
@@ -259,14 +251,14 @@ def test_reap_after_the_owner_was_killed_saves_the_work_and_unmounts(
     sandbox_settings: Settings,
     make_workspace: Callable[[], Path],
     default_image: str,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     import signal
     import sys
 
     ws = make_workspace()
     name = f"agentbox-reap-{os.getpid()}"
-    boxes.track(name)  # made by the owner process
+    podman_boxes.track(name)  # made by the owner process
     owner = subprocess.Popen(
         [sys.executable, "-c", _OWNER, str(sandbox_settings.data_dir), str(ws), name]
     )
@@ -300,14 +292,14 @@ def test_the_escape_suites_disk_probe_passes(
     make_workspace: Callable[[], Path],
     default_image: str,
     runtime: str,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     from agentbox.escape._runner import run_probe_program
 
     box = Boxfile.from_dict({"runtime": runtime, "resources": {"disk": "96MiB"}})
     spec = spec_from_boxfile(box, sandbox_settings, workspace=make_workspace())
     limit = spec.resources.disk_limit(sandbox_settings)
-    with boxes.create(spec) as sb:
+    with podman_boxes.create(spec) as sb:
         data = run_probe_program(
             sb, {"disk": limit.model_dump(), "workspace": "/workspace"}, ["--only", "limits.disk"]
         )
@@ -323,7 +315,7 @@ def test_a_workspace_larger_than_the_limit_is_refused_clearly(
     sandbox_settings: Settings,
     make_workspace: Callable[[], Path],
     default_image: str,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     from agentbox.errors import SandboxError
 
@@ -331,7 +323,7 @@ def test_a_workspace_larger_than_the_limit_is_refused_clearly(
     (ws / "big.bin").write_bytes(os.urandom(80 * MiB))
     spec = spec_from_boxfile(_box(disk="64MiB"), sandbox_settings, workspace=ws)
     with pytest.raises(SandboxError, match="does not fit in its disk limit"):
-        boxes.run(spec, ["true"])
+        podman_boxes.run(spec, ["true"])
     assert (ws / "big.bin").stat().st_size == 80 * MiB
     _assert_no_disk_left(sandbox_settings, ws)
 
@@ -341,16 +333,18 @@ def test_a_workspace_in_use_by_another_sandbox_is_refused(
     sandbox_settings: Settings,
     make_workspace: Callable[[], Path],
     default_image: str,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     from agentbox.errors import SandboxError
 
     ws = make_workspace()
-    first = boxes.create(spec_from_boxfile(_box(disk="64MiB"), sandbox_settings, workspace=ws))
+    first = podman_boxes.create(
+        spec_from_boxfile(_box(disk="64MiB"), sandbox_settings, workspace=ws)
+    )
     try:
         second = spec_from_boxfile(_box(disk="64MiB"), sandbox_settings, workspace=ws)
         with pytest.raises(SandboxError, match="mount point"):
-            boxes.run(second, ["true"])
+            podman_boxes.run(second, ["true"])
         assert os.path.ismount(ws)  # the first sandbox's disk is untouched
     finally:
         first.destroy()
@@ -362,7 +356,7 @@ def test_only_what_the_sandbox_changed_is_copied_back(
     sandbox_settings: Settings,
     make_workspace: Callable[[], Path],
     default_image: str,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     ws = make_workspace()
     uid = sandbox_settings.sandbox_host_uid
@@ -381,7 +375,7 @@ def test_only_what_the_sandbox_changed_is_copied_back(
         "cd /workspace && echo new > edit.txt && rm gone.txt && chmod 755 mode.sh && "
         "rm swap && mkdir swap && echo in > swap/f && echo added > added.txt && echo ok"
     )
-    res = boxes.run(spec, ["sh", "-c", script])
+    res = podman_boxes.run(spec, ["sh", "-c", script])
     assert res.stdout == b"ok\n", res.stderr
     # Untouched entries are the very same files: same inode, same ctime (collection's
     # stat cache still holds them); so is the untouched directory.

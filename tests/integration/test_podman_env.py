@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -87,14 +86,6 @@ def _allowed_holders() -> set[int]:
 
 
 @pytest.fixture
-def boxes(
-    sandbox_settings: Settings,
-    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
-) -> SandboxTracker:
-    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
-
-
-@pytest.fixture
 def token() -> str:
     return f"tok-{secrets.token_hex(16)}"
 
@@ -147,7 +138,7 @@ pod = pytest.mark.podman
 
 @pod
 def test_run_gets_the_values_and_nothing_else_holds_them(
-    sandbox_settings: Settings, default_image: str, token: str, boxes: SandboxTracker
+    sandbox_settings: Settings, default_image: str, token: str, podman_boxes: SandboxTracker
 ) -> None:
     before = _traces(sandbox_settings.data_dir)
     seen: dict[str, object] = {}
@@ -161,7 +152,7 @@ def test_run_gets_the_values_and_nothing_else_holds_them(
         seen["out"] = seen.get("out", b"") + chunk  # type: ignore[operator]
 
     spec = _spec(sandbox_settings, token)
-    res = boxes.run(spec, ["sh", "-c", SHOW], on_stdout=look)
+    res = podman_boxes.run(spec, ["sh", "-c", SHOW], on_stdout=look)
     assert res.exit_code == 0, res.stderr
     assert seen["out"] == f"{token}|{ODD}\n".encode()
     assert seen["files"], "the run held no env memfd while the sandbox ran"
@@ -172,11 +163,11 @@ def test_run_gets_the_values_and_nothing_else_holds_them(
 
 @pod
 def test_create_and_exec_get_the_values_and_nothing_else_holds_them(
-    sandbox_settings: Settings, default_image: str, token: str, boxes: SandboxTracker
+    sandbox_settings: Settings, default_image: str, token: str, podman_boxes: SandboxTracker
 ) -> None:
     before = _traces(sandbox_settings.data_dir)
     spec = _spec(sandbox_settings, token)
-    with boxes.create(spec) as box:
+    with podman_boxes.create(spec) as box:
         # run -d: the values are the sandbox's own environment (pid 1's).
         res = box.exec(["sh", "-c", 'tr "\\0" "\\n" </proc/1/environ | grep ^AB_TOKEN='])
         assert res.stdout.decode().strip() == f"AB_TOKEN={token}"
@@ -253,11 +244,11 @@ PodmanBackend(s).run(spec, ["sh", "-c", "echo up; exec sleep 120"], on_stdout=up
 
 @pod
 def test_a_sigkilled_podman_caller_leaves_no_env_on_disk(
-    sandbox_settings: Settings, default_image: str, token: str, boxes: SandboxTracker
+    sandbox_settings: Settings, default_image: str, token: str, podman_boxes: SandboxTracker
 ) -> None:
     before = _traces(sandbox_settings.data_dir)
     name = f"agentbox-envkill-{os.getpid()}"
-    boxes.track(name)  # made by the killed caller
+    podman_boxes.track(name)  # made by the killed caller
     env = {"PATH": os.environ["PATH"], "AGENTBOX_DATA_DIR": str(sandbox_settings.data_dir)}
     proc = subprocess.run(
         [sys.executable, "-c", RUN_KILLED, name, token],
@@ -268,7 +259,7 @@ def test_a_sigkilled_podman_caller_leaves_no_env_on_disk(
         assert proc.stdout.strip() == "up"
         assert _traces(sandbox_settings.data_dir) == before
     finally:
-        removed = boxes.backend.cleanup_orphans()
+        removed = podman_boxes.backend.cleanup_orphans()
     assert name in removed
 
 

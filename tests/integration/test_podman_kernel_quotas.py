@@ -24,7 +24,6 @@ import pytest
 
 from agentbox import _host
 from agentbox.backends.base import Sandbox, SandboxSpec
-from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.escape._quota import KINDS, try_once
@@ -34,14 +33,6 @@ from sandbox_leaks import SandboxTracker
 pytestmark = pytest.mark.podman
 
 RUNTIMES = ("runc", "runsc")
-
-
-@pytest.fixture
-def boxes(
-    sandbox_settings: Settings,
-    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
-) -> SandboxTracker:
-    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
 
 
 _FAMILIES = r"""
@@ -80,22 +71,22 @@ def _spec(settings: Settings, image: str, workspace: Path, runtime: str) -> Sand
 @pytest.fixture
 def sandbox(
     sandbox_settings: Settings, default_image: str, make_workspace: Callable[[], Path],
-    request: pytest.FixtureRequest, boxes: SandboxTracker,
+    request: pytest.FixtureRequest, podman_boxes: SandboxTracker,
 ) -> Iterator[Sandbox]:  # fmt: skip
     spec = _spec(sandbox_settings, default_image, make_workspace(), request.param)
-    with boxes.create(spec) as box:
+    with podman_boxes.create(spec) as box:
         yield box
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_unneeded_address_families_are_refused(
     sandbox_settings: Settings, default_image: str, make_workspace: Callable[[], Path],
-    runtime: str, boxes: SandboxTracker,
+    runtime: str, podman_boxes: SandboxTracker,
 ) -> None:  # fmt: skip
     # As the main command, the way the launcher runs the agent (under gVisor an exec'd
     # process does not get the OCI filter: the escape suite reports that as a fact).
     spec = _spec(sandbox_settings, default_image, make_workspace(), runtime)
-    res = boxes.run(spec, ["python3", "-I", "-S", "-c", _FAMILIES])
+    res = podman_boxes.run(spec, ["python3", "-I", "-S", "-c", _FAMILIES])
     assert res.exit_code == 0, res.stderr[-500:]
     got = json.loads(res.stdout.decode().strip().splitlines()[-1])
     assert isinstance(got, dict)

@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,11 +69,15 @@ def _containers(prefix: str) -> list[str]:
 
 
 def _run(
-    boxes: SandboxTracker, backend: PodmanBackend, spec: SandboxSpec, argv: list[str], log: Path
+    tracker: SandboxTracker,
+    backend: PodmanBackend,
+    spec: SandboxSpec,
+    argv: list[str],
+    log: Path,
 ) -> tuple[Exited, bytes, bytes]:
     out: list[bytes] = []
     err: list[bytes] = []
-    boxes.track(spec.name)
+    tracker.track(spec.name)
     backend.launch(spec, argv, log=log)
     ended = backend.follow(
         spec.name, log=log, on_stdout=out.append, on_stderr=err.append, poll=0.05
@@ -82,27 +86,18 @@ def _run(
 
 
 def _fill(
-    boxes: SandboxTracker, backend: PodmanBackend, template: SandboxSpec, size: int
+    tracker: SandboxTracker, backend: PodmanBackend, template: SandboxSpec, size: int
 ) -> list[str]:
     """``pool.fill``, each started slot registered with the leak guard."""
     names = pool.fill(backend, template, size, ttl=120)
     for name in names:
-        boxes.track(name)
+        tracker.track(name)
     return names
 
 
 @pytest.fixture
-def boxes(
-    sandbox_settings: Settings,
-    sandbox_factory: Callable[[PodmanBackend, Settings], SandboxTracker],
-) -> SandboxTracker:
-    """The leak guard, checked after ``pooled`` has drained the pool (it depends on this)."""
-    return sandbox_factory(PodmanBackend(sandbox_settings), sandbox_settings)
-
-
-@pytest.fixture
 def pooled(
-    sandbox_settings: Settings, boxes: SandboxTracker
+    sandbox_settings: Settings, podman_boxes: SandboxTracker
 ) -> Iterator[tuple[PodmanBackend, Settings]]:
     """A backend whose settings turn the pool on; everything of the pool drained after."""
     settings = _pooled(sandbox_settings)
@@ -132,12 +127,12 @@ def test_task_through_the_pool(
     default_image: str,
     make_workspace,
     tmp_path: Path,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     backend, settings = pooled
     ws = make_workspace()
     (ws / "in.txt").write_text("from the host\n")
-    started = _fill(boxes, backend, _template(default_image, ws), 1)
+    started = _fill(podman_boxes, backend, _template(default_image, ws), 1)
     assert len(started) == 1 and _containers(started[0]) == started
     spec = _template(default_image, ws).replace(
         name=f"agentbox-pooltest-{os.getpid()}", env={"GREETING": "hello pool"}
@@ -146,7 +141,7 @@ def test_task_through_the_pool(
     script = (
         'echo "$GREETING"; pwd; cat in.txt; id -u; echo written > out.txt; echo err >&2; exit 3'
     )
-    ended, out, err = _run(boxes, backend, spec, ["sh", "-c", script], log)
+    ended, out, err = _run(podman_boxes, backend, spec, ["sh", "-c", script], log)
     assert ended == Exited(3, False)
     assert out.decode().splitlines() == ["hello pool", "/workspace", "from the host", "64000"]
     assert err == b"err\n"
@@ -168,7 +163,7 @@ def test_posture_pooled_equals_fresh(
     default_image: str,
     make_workspace,
     tmp_path: Path,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     """The posture reader's checks (inside and host) on a pooled sandbox: all pass, and
     they are the same checks with the same outcome as on a fresh sandbox of the spec."""
@@ -176,14 +171,14 @@ def test_posture_pooled_equals_fresh(
     gw = tmp_path / "gw"
     gw.mkdir(mode=0o755)
     template = _template(default_image, make_workspace(), gateway_dir=gw)
-    [slot] = _fill(boxes, backend, template, 1)
+    [slot] = _fill(podman_boxes, backend, template, 1)
     postures = {}
     for kind in ("pooled", "fresh"):
         spec = template.replace(
             name=f"agentbox-pool-{kind}-{os.getpid()}", workspace=make_workspace()
         )
         log = tmp_path / f"{kind}.log"
-        boxes.track(spec.name)
+        podman_boxes.track(spec.name)
         backend.launch(spec, ["sleep", "300"], log=log)
         try:
             info = detach.inspect(spec.name)
@@ -215,20 +210,22 @@ def test_no_state_crosses_between_tasks(
     default_image: str,
     make_workspace,
     tmp_path: Path,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     """Two tasks through a pool of two: each gets its own sandbox; the second sees none
     of the first's files (/tmp, home, workspace), processes or host name."""
     backend, settings = pooled
     template = _template(default_image, make_workspace())
-    slots = _fill(boxes, backend, template, 2)
+    slots = _fill(podman_boxes, backend, template, 2)
     assert len(slots) == 2
     seen = []
     for i in range(2):
         spec = template.replace(
             name=f"agentbox-pool-seq{i}-{os.getpid()}", workspace=make_workspace()
         )
-        ended, out, err = _run(boxes, backend, spec, ["sh", "-c", _SNOOP], tmp_path / f"t{i}.log")
+        ended, out, err = _run(
+            podman_boxes, backend, spec, ["sh", "-c", _SNOOP], tmp_path / f"t{i}.log"
+        )
         assert ended == Exited(0, False), err
         seen.append(out.decode().split("--\n"))
     assert not pool_left(settings)  # both came from the pool, each used once
@@ -272,18 +269,18 @@ def test_claim_race_one_wins(
     default_image: str,
     make_workspace,
     tmp_path: Path,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     """Two processes claim at once from a pool of one: exactly one gets it (the other
     would take the fresh path), and the winner's task runs."""
     backend, settings = pooled
     template = _template(default_image, make_workspace())
-    _fill(boxes, backend, template, 1)
+    _fill(podman_boxes, backend, template, 1)
     go = tmp_path / "go"
     procs = {}
     for i in range(2):
         name = f"agentbox-pool-race{i}-{os.getpid()}"
-        boxes.track(name)
+        podman_boxes.track(name)
         args = {
             "data_dir": str(settings.data_dir),
             "repos_root": str(settings.repos_root),
@@ -321,22 +318,22 @@ def test_refill_drain_and_orphan_sweep(
     pooled: tuple[PodmanBackend, Settings],
     default_image: str,
     make_workspace,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     """fill tops the pool up to its size and no further; drain removes every unclaimed
     sandbox and the pool mount; a dead launcher's pool is reaped by the next one's
     orphan sweep (owned sandboxes no task holds), slots included."""
     backend, settings = pooled
     template = _template(default_image, make_workspace())
-    first = _fill(boxes, backend, template, 2)
+    first = _fill(podman_boxes, backend, template, 2)
     assert len(first) == 2
-    assert _fill(boxes, backend, template, 2) == []  # full: nothing started
+    assert _fill(podman_boxes, backend, template, 2) == []  # full: nothing started
     assert sorted(_containers(pool.SLOT_PREFIX)) == sorted(first)
     assert sorted(pool.drain(settings)) == sorted(first)
     assert not pool_left(settings)
     assert not pool_mounted(settings)
     # a launcher that died with a pool: the next one's reconcile reaps what no task holds
-    orphans = _fill(boxes, backend, template, 1)
+    orphans = _fill(podman_boxes, backend, template, 1)
     store = Store(settings.data_dir / "state.db")
     remove_orphans(settings, store)
     assert not any(n in _containers(pool.SLOT_PREFIX) for n in orphans)
@@ -359,7 +356,7 @@ def test_keeper_refills_after_a_claim_and_drains_on_stop(
     default_image: str,
     make_workspace,
     tmp_path: Path,
-    boxes: SandboxTracker,
+    podman_boxes: SandboxTracker,
 ) -> None:
     """``launcher serve``'s keeper: fills the pool of a default task's shape, refills it
     after a launch took the one ready sandbox, and its stop drains the pool."""
@@ -369,7 +366,7 @@ def test_keeper_refills_after_a_claim_and_drains_on_stop(
     assert keeper is not None
     try:
         (first,) = _wait_ready(settings, 1)
-        boxes.track(first)
+        podman_boxes.track(first)
         spec = pool_template(settings).replace(
             name=f"agentbox-pool-keep-{os.getpid()}",
             workspace=make_workspace(),
@@ -381,11 +378,13 @@ def test_keeper_refills_after_a_claim_and_drains_on_stop(
         gw = tmp_path / "gw"
         gw.mkdir(mode=0o755)
         spec = spec.replace(gateway_dir=gw)
-        ended, out, _ = _run(boxes, keeper.backend, spec, ["echo", "pooled"], tmp_path / "t.log")
+        ended, out, _ = _run(
+            podman_boxes, keeper.backend, spec, ["echo", "pooled"], tmp_path / "t.log"
+        )
         assert ended == Exited(0, False) and out == b"pooled\n"
         assert first not in _containers(pool.SLOT_PREFIX)  # it served the task
         (second,) = _wait_ready(settings, 1, but=frozenset({first}))
-        boxes.track(second)
+        podman_boxes.track(second)
     finally:
         drained = keeper.stop()
     assert second in drained
@@ -393,7 +392,7 @@ def test_keeper_refills_after_a_claim_and_drains_on_stop(
 
 
 def test_escape_probes_pooled_as_fresh(
-    pooled: tuple[PodmanBackend, Settings], default_image: str, boxes: SandboxTracker
+    pooled: tuple[PodmanBackend, Settings], default_image: str, podman_boxes: SandboxTracker
 ) -> None:
     """The escape suite's inside probes as the sandbox's main command (the agent's own
     path), on a pooled sandbox of the suite's spec (workspace, gateway dir, a read-only
@@ -408,14 +407,14 @@ def test_escape_probes_pooled_as_fresh(
         cfg["disk"] = spec.resources.disk_limit(settings).model_dump()
         env = {"ABX_PROBE_CONFIG": json.dumps(cfg)}
         argv = ["python3", "-I", "-S", "-c", probe_source()]
-        [slot] = _fill(boxes, backend, spec, 1)
+        [slot] = _fill(podman_boxes, backend, spec, 1)
         log = fx.root / "pooled.log"
         ended, out, err = _run(
-            boxes, backend, spec.replace(name=spec.name + "-p", env=env), argv, log
+            podman_boxes, backend, spec.replace(name=spec.name + "-p", env=env), argv, log
         )
         assert not _containers(slot)  # the probes ran in the pooled sandbox
         pooled_out = {o.id: o for o in inside_outcomes(_parse_json(out, f"pooled {ended} {err!r}"))}
-        boxes.track(spec.name + "-f")
+        podman_boxes.track(spec.name + "-f")
         fresh = backend.run(spec.replace(name=spec.name + "-f", env=env), argv)
         fresh_out = {o.id: o for o in inside_outcomes(_parse_json(fresh.stdout, "fresh"))}
     assert len(pooled_out) >= 10, pooled_out  # the suite's probes ran, not none
