@@ -88,6 +88,7 @@ from agentbox.backends.podman._detach import (
     inspect,
     is_detached,
 )
+from agentbox.backends.podman._exitfile import wait_exited
 from agentbox.backends.podman._sandbox import PodmanSandbox
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, CommandTimeout, ConfigError, SandboxError
@@ -364,8 +365,7 @@ class PodmanBackend(PodmanDetached):
         force_remove(name)
         done = [name]
         if conmon is not None:
-            with contextlib.suppress(psutil.Error):
-                conmon.wait(15)
+            wait_exited(conmon, 15)  # exited, not reaped: a late-reaping init costs seconds
         _pool.release(self.settings, name)
         for disk in settle_orphan_disks(self.settings, name):
             log.info("settled the workspace disk of a dead owner", sandbox=disk)

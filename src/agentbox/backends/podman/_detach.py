@@ -80,6 +80,7 @@ from agentbox.backends.podman._exitfile import (
     _when,
     exit_file_of,
     read_exit_file,
+    wait_exited,
 )
 from agentbox.backends.podman._pool_view import pool_log, pool_view
 from agentbox.config import Settings
@@ -257,8 +258,7 @@ class PodmanDetached:
                 with self._final(log):
                     write_exit(log, ended)  # a caller's stop steps may start (the gateway's)
                     if conmon is not None:
-                        with contextlib.suppress(psutil.Error):
-                            conmon.wait(CONMON_EXIT_WAIT)  # its cleanup ends; output drained
+                        wait_exited(conmon, CONMON_EXIT_WAIT)  # its cleanup ends; output drained
                     reader.pump()
                     self._remove_and_settle(name, conmon)
                 log_event("followed to its end", name, exit_code=ended.exit_code, early=True)
@@ -339,8 +339,7 @@ class PodmanDetached:
 
     def _settle(self, name: str, conmon: psutil.Process | None) -> None:
         if conmon is not None:
-            with contextlib.suppress(psutil.Error):
-                conmon.wait(CONMON_EXIT_WAIT)
+            wait_exited(conmon, CONMON_EXIT_WAIT)
         # Called once the end was seen: with its conmon gone too, the sandbox has exited
         # and its disk is settled whether or not its container is removed yet.
         exited = conmon is not None and not _running(conmon)

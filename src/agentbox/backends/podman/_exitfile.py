@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import stat
 from collections.abc import Mapping
 from datetime import datetime
@@ -31,7 +32,7 @@ from agentbox._log import get_logger
 from agentbox.backends._oci_cli import kill
 from agentbox.backends.base import Exited
 
-__all__ = ["CONMON_EXIT_WAIT", "exit_file_of", "read_exit_file"]
+__all__ = ["CONMON_EXIT_WAIT", "exit_file_of", "read_exit_file", "wait_exited"]
 
 logger = get_logger("podman.detach")
 
@@ -113,8 +114,7 @@ def _end_orphan(name: str, info: Mapping[str, Any]) -> None:
             pid=proc.pid,
         )
         kill(name)
-        with contextlib.suppress(psutil.Error):
-            proc.wait(CONMON_EXIT_WAIT)
+        wait_exited(proc, CONMON_EXIT_WAIT)
     else:
         logger.warning(
             "sandbox ended with its conmon gone: its exit code is unknown (-1)", sandbox=name
@@ -138,6 +138,30 @@ def _when(stamp: object) -> float | None:
         return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
+
+
+def wait_exited(proc: psutil.Process, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``proc`` to exit; True once it has.
+
+    Exited, not reaped: a conmon's parent is the host's init (it double-forks), and
+    an init that reaps orphans late (a sandbox host's own agent as PID 1 took 1.6 to
+    2.0 s here) kept ``psutil.Process.wait``, which waits for the pid to disappear,
+    blocked that long after conmon had finished podman's cleanup and exited. Its
+    pidfd is readable the moment it exits. Opened first, checked second: a pid
+    reused after the check cannot be waited on by mistake.
+    """
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except OSError:  # gone (reaped), or no pidfds: nothing left to wait for
+        return not _running(proc)
+    try:
+        if not _running(proc):  # a zombie already, or the pid is another process's now
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
+    finally:
+        os.close(fd)
 
 
 def _running(proc: psutil.Process) -> bool:
