@@ -41,6 +41,7 @@ import httpx
 from pydantic import ValidationError
 
 from agentbox import errors
+from agentbox._uds import unix_transport
 from agentbox._wait import wait_until
 from agentbox.launcher.api import ModelInfo, ModelList, TaskInfo, TaskList, TaskRequest, TaskResult
 from agentbox.paths import validate_task_id
@@ -68,12 +69,12 @@ class LauncherClient:
         self.socket_path = Path(socket_path)
         self.reconnect = reconnect
         self._http = httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(self.socket_path)),
+            # No connection kept between calls: one to a launcher that has since
+            # restarted would be dead (a unix connect costs microseconds). Our
+            # transport, not httpx's: each refused reconnect closes its socket.
+            transport=unix_transport(self.socket_path, keepalive=False),
             base_url="http://launcher",
             timeout=timeout,
-            # No connection kept between calls: one to a launcher that has since
-            # restarted would be dead (a unix connect costs microseconds).
-            limits=httpx.Limits(max_keepalive_connections=0),
         )
 
     def close(self) -> None:
