@@ -86,9 +86,6 @@ LEAKY = {
     "e2e/test_env_backends.py",
     "e2e/test_env_node.py",
     "e2e/test_env_python.py",
-    # The launcher client rides through restarts: each refused connect leaks its unix
-    # socket (httpcore 1.0.9's sync connect_unix_socket does not close it on failure).
-    "e2e/test_live_restore.py",
     "e2e/test_run_cli_tasks.py",
     "e2e/test_run_converge.py",
     "e2e/test_run_disk_limit.py",
