@@ -12,6 +12,7 @@ never a duplicate of what the dead one had copied.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from agentbox.backends.base import Backend
 from agentbox.launcher._context import TaskContext
 from agentbox.launcher._watchdog import kill_sandbox
 
-__all__ = ["MAX_LOG_BYTES", "Ended", "follow_sandbox", "monitor", "sink"]
+__all__ = ["KILL_AGAIN_AFTER", "MAX_LOG_BYTES", "Ended", "follow_sandbox", "monitor", "sink"]
 
 log = get_logger("launcher.task")
 
@@ -55,12 +56,36 @@ def sink(fh: BinaryIO, limit: int = MAX_LOG_BYTES) -> Callable[[bytes], None]:
     return write
 
 
+#: After a cancel's kill, how long the monitor waits for the sandbox to end before it
+#: kills again (the last repeats until it ends).
+KILL_AGAIN_AFTER = (1.0, 2.0, 4.0, 8.0)
+
+
 def monitor(ctx: TaskContext, done: threading.Event, backend: str, sandbox: str) -> None:
-    """Turn a cancel (this process's event, or another process's flag) into a kill."""
+    """Turn a cancel (this process's event, or another process's flag) into a kill, and
+    kill again until the sandbox has ended (``done``).
+
+    One kill is not enough: it can be sent while the sandbox is still being started
+    (no container yet: nothing to kill), or be refused or time out under load (the
+    runtime busy); a monitor that stopped after it left the sandbox, and the task,
+    running to its deadline. Killing an ended sandbox is a no-op, so repeating is safe.
+    """
     while not done.wait(0.5):
         if ctx.cancelled():
-            kill_sandbox(backend, sandbox, ctx.paths.data_dir)
+            break
+    else:
+        return  # the sandbox ended: no cancel to act on
+    for attempt in itertools.count():
+        kill_sandbox(backend, sandbox, ctx.paths.data_dir)
+        wait = KILL_AGAIN_AFTER[min(attempt, len(KILL_AGAIN_AFTER) - 1)]
+        if done.wait(wait):
             return
+        log.warning(
+            "the sandbox outlived its cancel's kill; killing it again",
+            task_id=ctx.task_id,
+            sandbox=sandbox,
+            attempt=attempt + 2,
+        )
 
 
 def ended(
