@@ -346,10 +346,13 @@ class PodmanBackend(PodmanDetached):
         remove it; absent is fine. The workspace is a host bind mount: nothing is lost.
 
         A detached sandbox is only killed: its follower (``follow``) then returns exit
-        137, records the end, and removes it as after any other end."""
+        137, records the end, and removes it as after any other end. No container: nothing
+        to remove (a ``podman rm`` now could remove one a launch is creating this moment)."""
         kill(name)  # the module-level helper of _oci_cli
         info = inspect(name)
-        if info is not None and is_detached(info):
+        if info is None:
+            return []
+        if is_detached(info):
             return [name]
         force_remove(name)
         return [name]
