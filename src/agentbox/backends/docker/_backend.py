@@ -298,10 +298,11 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
     def list_sandboxes(self, *labels: str) -> list[dict[str, Any]]:
         """Every container labelled as an agentbox sandbox (and ``labels``), running or not."""
         try:
-            got = self.client.api.containers(all=True, filters={"label": [f"{LABEL}=1", *labels]})
+            return self.client.containers([f"{LABEL}=1", *labels])
+        except SandboxError:
+            raise
         except Exception as exc:
-            raise SandboxError(f"docker ps: {exc}") from exc
-        return [c for c in got or [] if isinstance(c, dict)]
+            raise SandboxError(f"docker ps at {self.base_url}: {exc}") from exc
 
     def owned(self) -> list[str]:
         """Containers labelled with this data dir (the launcher labels every task's)."""
