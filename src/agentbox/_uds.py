@@ -99,8 +99,9 @@ class _Stream(httpcore.NetworkStream):
             # An idle kept-alive connection that is readable was closed by the peer.
             if self._sock.fileno() < 0:
                 return True
-            readable, _, _ = select.select([self._sock], [], [], 0)
-            return bool(readable)
+            poller = select.poll()  # not select(): no FD_SETSIZE limit
+            poller.register(self._sock, select.POLLIN)
+            return bool(poller.poll(0))
         return None
 
 
