@@ -56,9 +56,10 @@ def sink(fh: BinaryIO, limit: int = MAX_LOG_BYTES) -> Callable[[bytes], None]:
     return write
 
 
-#: After a cancel's kill, how long the monitor waits for the sandbox to end before it
-#: kills again (the last repeats until it ends).
-KILL_AGAIN_AFTER = (1.0, 2.0, 4.0, 8.0)
+#: After a cancel's kill, how long the monitor waits for the follow to end before it
+#: kills again (the last repeats until it ends). The follow also removes the sandbox and
+#: copies its disk back, so a repeat may find it already dead: a harmless no-op.
+KILL_AGAIN_AFTER = (2.0, 5.0, 10.0)
 
 
 def monitor(ctx: TaskContext, done: threading.Event, backend: str, sandbox: str) -> None:
@@ -80,8 +81,8 @@ def monitor(ctx: TaskContext, done: threading.Event, backend: str, sandbox: str)
         wait = KILL_AGAIN_AFTER[min(attempt, len(KILL_AGAIN_AFTER) - 1)]
         if done.wait(wait):
             return
-        log.warning(
-            "the sandbox outlived its cancel's kill; killing it again",
+        log.info(
+            "the sandbox's follow has not ended since the cancel's kill; killing it again",
             task_id=ctx.task_id,
             sandbox=sandbox,
             attempt=attempt + 2,
