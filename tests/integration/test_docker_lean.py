@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
 
 from agentbox.backends.base import LABEL, OWNER_DATA_LABEL, data_dir_label
+from agentbox.backends.docker import DockerBackend
+from agentbox.config import Settings
 
 # The reconcile call, in a fresh interpreter: what it found, and the SDK's modules it loaded.
 _PROBE = """
@@ -68,3 +72,50 @@ def test_a_left_docker_sandbox_is_found_without_the_sdk(tmp_path: Path) -> None:
         subprocess.run(["docker", "rmi", "-f", tag], check=True, capture_output=True)
     assert got["found"] == [["docker", name]]
     assert got["heavy"] == []
+
+
+def _answer_once(path: Path, answer: bytes) -> threading.Thread:
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+
+    def serve() -> None:
+        with srv:
+            conn, _ = srv.accept()
+            with conn:
+                buf = b""
+                while b"\r\n\r\n" not in buf:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        return
+                    buf += chunk
+                conn.sendall(answer)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize(
+    ("answer", "found"),
+    [
+        (b'[{"Names": ["/agentbox-task-a"]}, 7, {"Names": "x"}, {}]', ["agentbox-task-a"]),
+        (b'{"message": "not a list"}', []),
+        (b"[not json", []),
+    ],
+)
+def test_the_daemons_answer_is_parsed_defensively(
+    tmp_path: Path, answer: bytes, found: list[str]
+) -> None:
+    """A daemon's list is untrusted input: entries that are not containers are dropped,
+    an answer that is not a JSON list lists nothing; the call is allow-listed and recorded."""
+    sock = tmp_path / "docker.sock"
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    t = _answer_once(sock, head % len(answer) + answer)
+    backend = DockerBackend(Settings(data_dir=tmp_path / "data"), base_url=f"unix://{sock}")
+    try:
+        assert backend.owned() == found
+        assert backend.client.endpoints == ["GET /containers/json"]
+    finally:
+        backend.client.close()
+        t.join(10)
