@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from agentbox._log import get_logger
 from agentbox.errors import ConfigError
@@ -163,7 +166,8 @@ def run_gateway(
     exit_at: float | None = None,
     **kwargs: Any,
 ) -> None:
-    """Serve a gateway for one task until SIGTERM (arguments as :func:`build_gateway`).
+    """Serve a gateway for one task until SIGTERM (arguments as :func:`build_gateway`),
+    then end the process (no return once it served: :func:`_end_process`).
 
     ``run_as``: once the sockets are bound, empty the capability bounding set, drop
     to this uid/gid, set ``no_new_privs`` and load the seccomp filter
@@ -203,6 +207,24 @@ def run_gateway(
         if lst.path is not None:
             with contextlib.suppress(OSError):
                 lst.path.unlink()
+    _end_process()
+
+
+def _end_process() -> NoReturn:
+    """End the gateway process now that it has stopped: its usage file is final and its
+    sockets closed; the logs are flushed here.
+
+    The interpreter's own teardown (freeing every module's objects) took 0.2-0.3 s of
+    CPU after that, with nothing left to do, on the critical path of every task's end
+    (the launcher waits for its gateway to exit before the task is collected). The
+    exit handlers still run (``atexit``: the logging module's flush among them).
+    """
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def run_replay(
