@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import IO
 
@@ -28,11 +30,13 @@ from agentbox._service import ServiceHandle, wait_ready
 from agentbox._wait import socket_accepts, wait_until
 from agentbox.config import Settings
 from agentbox.errors import GatewayError
+from agentbox.gateway._listenfd import LISTEN_FD_ENV
 from agentbox.gateway.registry import load_registry
 
 __all__ = [
     "GATEWAY_CGROUP",
     "GATEWAY_UID_OFFSET",
+    "LISTEN_FD_ENV",
     "GatewayHandle",
     "gateway_identity",
     "leave_unit_cgroup",
@@ -140,7 +144,8 @@ def _wait_ready(fd: int, timeout: float) -> None:
 
 
 class GatewayHandle(ServiceHandle):
-    """A running gateway process: ``pid``, ``alive()``, ``stop()`` (idempotent).
+    """A running gateway process: ``pid``, ``alive()``, ``wait_ready()``, ``stop()``
+    (idempotent).
 
     ``stop(grace)`` gives in-flight requests ``grace`` seconds to finish and be written
     to the usage file.
@@ -153,10 +158,67 @@ class GatewayHandle(ServiceHandle):
         socket_path: Path,
         usage_file: Path,
         log_file: Path | None,
+        ready_fd: int | None = None,
+        timeout: float = 20.0,
     ) -> None:
         super().__init__(proc, socket_path=socket_path)
         self.usage_file = usage_file
         self.log_file = log_file
+        self._ready_fd = ready_fd
+        self._timeout = timeout
+        self._ready_lock = threading.Lock()
+
+    def wait_ready(self) -> None:
+        """Return once the gateway serves (privileges dropped); at once if it already said so.
+
+        Raises :class:`GatewayError` (its log's tail included) when it exits first or is
+        not ready within the spawn's ``timeout``; the gateway is then stopped.
+        """
+        with self._ready_lock:
+            fd, self._ready_fd = self._ready_fd, None
+            if fd is None:
+                return
+            try:
+                _wait_ready(fd, self._timeout)
+                wait_for_socket(self.socket_path, timeout=self._timeout, proc=self._proc)
+            except GatewayError as exc:
+                super().stop(grace=1.0)
+                tail = ""
+                if self.log_file is not None:
+                    with contextlib.suppress(OSError):
+                        lines = self.log_file.read_text(errors="replace").splitlines()[-20:]
+                        tail = "\n" + "\n".join(lines)
+                raise GatewayError(f"{exc}{tail}") from exc
+            finally:
+                os.close(fd)
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        with self._ready_lock:
+            fd, self._ready_fd = self._ready_fd, None
+        if fd is not None:  # never waited for: nothing will read its pipe now
+            os.close(fd)
+        return super().stop(grace)
+
+
+def _listen_unix(path: Path) -> socket.socket:
+    """A listening unix socket at ``path``, mode 0660, bound here for the gateway to serve.
+
+    Bound by the launcher, not the gateway: it exists (and can be handed to the
+    sandbox's uid) the moment the gateway is started, so the sandbox may start while
+    the gateway is still importing; a connection made meanwhile waits in the backlog
+    until the gateway serves. No umask change (the launcher has other threads): the
+    socket is bound with the process's umask (022: only root may connect) and then
+    narrowed to 0660.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(str(path))
+        path.chmod(0o660)  # just bound by us, in the task's gw/ (ours)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise GatewayError(f"cannot listen on {path}: {exc}") from exc
+    return sock
 
 
 def gateway_argv(
@@ -212,6 +274,7 @@ def spawn_gateway(
     run_as: tuple[int, int] | None = None,
     max_memory: int | None = None,
     exit_at: float | None = None,
+    wait: bool = True,
 ) -> GatewayHandle:
     """Start a gateway on ``socket_path`` for one task and wait until it answers.
 
@@ -232,6 +295,12 @@ def spawn_gateway(
     0: none, which only the escape suite's positive control asks for).
     ``exit_at``: the gateway stops by itself at this unix time (it outlives a launcher
     that dies; the launcher passes the task's deadline plus a grace).
+
+    The socket is bound here and handed to the gateway (:data:`LISTEN_FD_ENV`), so it
+    exists when this returns. ``wait=False`` returns as soon as the process started,
+    before it serves (a Python process: 0.5-1 s): the caller overlaps that with its
+    own work (the sandbox's start) and calls :meth:`GatewayHandle.wait_ready` before
+    relying on it; connections made meanwhile wait in the socket's backlog.
     """
     entry = load_registry(settings).get(model)
     if not token_file.is_file():
@@ -258,9 +327,11 @@ def spawn_gateway(
     )
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
+    listener = _listen_unix(socket_path)
+    env[LISTEN_FD_ENV] = str(listener.fileno())
     # The child says "ready" on this pipe once it serves (and has dropped privileges):
     # a socket that accepts is not enough, it is bound before the drop.
-    ready_r, ready_w = os.pipe()
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     argv += ["--ready-fd", str(ready_w)]
     out: IO[bytes] | int
     out = log_file.open("ab") if log_file is not None else subprocess.DEVNULL
@@ -274,25 +345,23 @@ def spawn_gateway(
             env=env,
             start_new_session=True,
             close_fds=True,
-            pass_fds=(ready_w,),
+            pass_fds=(ready_w, listener.fileno()),
         )
+    except BaseException:
+        os.close(ready_r)
+        with contextlib.suppress(FileNotFoundError):
+            socket_path.unlink()
+        raise
     finally:
+        # The gateway holds the listener now: when it exits, connections are refused.
+        listener.close()
         os.close(ready_w)
         if not isinstance(out, int):
             out.close()
-    handle = GatewayHandle(proc, socket_path=socket_path, usage_file=usage_file, log_file=log_file)
+    handle = GatewayHandle(proc, socket_path=socket_path, usage_file=usage_file,
+                           log_file=log_file, ready_fd=ready_r, timeout=timeout)  # fmt: skip
     if exit_at is not None:
         leave_unit_cgroup(proc.pid)  # it outlives the launcher: a unit restart too
-    try:
-        _wait_ready(ready_r, timeout)
-        wait_for_socket(socket_path, timeout=timeout, proc=proc)
-    except GatewayError as exc:
-        handle.stop(grace=1.0)
-        tail = ""
-        if log_file is not None:
-            with contextlib.suppress(OSError):
-                tail = "\n" + "\n".join(log_file.read_text(errors="replace").splitlines()[-20:])
-        raise GatewayError(f"{exc}{tail}") from exc
-    finally:
-        os.close(ready_r)
+    if wait:
+        handle.wait_ready()
     return handle

@@ -25,6 +25,7 @@ import uvicorn
 from agentbox._log import get_logger
 from agentbox.errors import ConfigError, PolicyRefused
 from agentbox.gateway._conn import ConnLimits, GuardedH11Protocol
+from agentbox.gateway._listenfd import inherited_listener
 
 __all__ = ["Listen", "ServerGroup", "bind", "parse_listen", "private_socket", "serve"]
 
@@ -69,9 +70,13 @@ def parse_listen(spec: str) -> Listen:
 
 
 def bind(listen: Listen) -> socket.socket:
-    """Create the listening socket (unix sockets mode 0660, created under a tight umask)."""
+    """Create the listening socket (unix sockets mode 0660, created under a tight umask),
+    or take the one the launcher bound at that path and passed down (:mod:`._listenfd`)."""
     if listen.kind == "unix":
         assert listen.path is not None
+        inherited = inherited_listener(listen.path)
+        if inherited is not None:  # bound (0660) by the launcher: spawn_gateway
+            return inherited
         with contextlib.suppress(FileNotFoundError):
             if listen.path.is_socket():
                 listen.path.unlink()

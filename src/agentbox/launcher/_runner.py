@@ -28,12 +28,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import secrets
 import threading
 import time
 from pathlib import Path
 
-from agentbox._acl import grant_search
 from agentbox._log import get_logger
 from agentbox.backends import get_backend
 from agentbox.backends.base import Backend, BindMount, SandboxSpec
@@ -42,7 +40,7 @@ from agentbox.collect import prepare
 from agentbox.config import Settings
 from agentbox.egress import EgressPolicy
 from agentbox.env import Egress, EnvPlan, egress_argv, start_egress
-from agentbox.errors import AgentboxError, PathRefused, PolicyRefused
+from agentbox.errors import AgentboxError, GatewayError, PathRefused, PolicyRefused
 from agentbox.gateway import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.launcher import _session
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
@@ -70,8 +68,14 @@ from agentbox.launcher._names import (
 )
 from agentbox.launcher._setup import setup_phase
 from agentbox.launcher._store import Owner, Store, TaskRow
-from agentbox.launcher._watchdog import spawn_watchdog, stop_watchdog
-from agentbox.launcher._workspace import check_owner, ensure_private_dir, give_to_sandbox
+from agentbox.launcher._watchdog import kill_sandbox, spawn_watchdog, stop_watchdog
+from agentbox.launcher._workspace import (
+    check_owner,
+    ensure_private_dir,
+    give_to_sandbox,
+    let_gofer_through,
+    write_token,
+)
 from agentbox.paths import TaskPaths
 from agentbox.sandbox import spec_from_boxfile
 
@@ -116,29 +120,6 @@ def _make_task_dir(paths: TaskPaths) -> None:
             "the task dir already exists: not one this task made", path=paths.root
         ) from exc
     paths.log_dir.mkdir(mode=0o700)
-
-
-def _let_gofer_through(paths: TaskPaths, gofer_uid: int, tlog: TaskLog) -> None:
-    """Let gVisor's gofer (host uid ``subid_base``) search the tasks dir and this task's.
-
-    It opens the workspace and gateway dir (bind-mount sources) as that uid, which is
-    neither owner nor group of these private dirs: a named-user ACL entry gives it
-    ``--x`` there and nobody else anything (``o+x`` would open them to every user).
-    """
-    for d in (paths.data_dir / "tasks", paths.root):
-        try:
-            grant_search(d, gofer_uid)
-        except OSError as exc:
-            # The backend's own check then names the dir and the fix.
-            tlog(f"cannot give runsc's gofer (uid {gofer_uid}) search on {d}: {exc}")
-
-
-def _write_token(path: Path) -> str:
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token)
-    return token
 
 
 def _check_spec(
@@ -199,10 +180,12 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     box = Boxfile.model_validate_json(row.boxfile or "{}")
     gofer_uid = get_backend(box.backend, settings).bind_source_uid(box.runtime)
     if gofer_uid is not None:
-        _let_gofer_through(paths, gofer_uid, tlog)
-    # The gateway starts (a Python process: about a second) while the workspace is
-    # copied; neither needs the other.
-    token = _write_token(paths.root / "token")
+        let_gofer_through(paths, gofer_uid, tlog)
+    # The gateway starts (a Python process: 0.5-1 s to serve) while the workspace is
+    # copied and the sandbox started; none needs the other until the agent's first
+    # request, which waits in the gateway socket's backlog (bound before the spawn
+    # returns). The gateway is known ready before the agent is followed.
+    token = write_token(paths.root / "token")
     ensure_private_dir(paths.gateway_dir, 0o755)
     tlog(f"starting the gateway (model {row.model}, budget {row.budget})")
     starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"gw-{task_id}")
@@ -222,6 +205,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         + row.deadline
         + GATEWAY_GRACE
         + (SETUP_ALLOWANCE if box.setup is not None else 0.0),
+        wait=False,
     )
     starter.shutdown(wait=False)
     tlog(f"preparing the workspace from {row.repo}")
@@ -327,7 +311,7 @@ def _run_sandbox(
         # re-adopts the task. Not with agent egress: its proxy is the launcher's child.
         if egress is None and backend.detaches(box.runtime):
             status, error, exit_code = _run_detached(
-                ctx, row, box, backend, spec, run_argv, started
+                ctx, row, box, backend, spec, run_argv, started, gateway
             )
             agent_ran = True
         else:
@@ -357,6 +341,7 @@ def _run_sandbox(
                 daemon=True,
             )
             monitor.start()
+            gateway.wait_ready()  # attached: nothing to overlap with its start
             tlog(f"running claude in sandbox {spec.name} (deadline {row.deadline:g}s)")
             with (
                 (paths.log_dir / "agent.jsonl").open("ab") as out,
@@ -407,9 +392,16 @@ def _run_detached(
     spec: SandboxSpec,
     argv: list[str],
     started: float,
+    gateway: GatewayHandle,
 ) -> Ended:
     """Launch the agent's sandbox detached and follow it to its end (no watchdog: the
-    runtime holds the deadline, the gateway its own exit time)."""
+    runtime holds the deadline, the gateway its own exit time).
+
+    The sandbox starts while the gateway may still be starting (both take most of a
+    second); the gateway must be ready before the agent is followed. One that never
+    gets ready fails the task: its sandbox is killed and followed to its end (its
+    output and workspace collected as after any kill).
+    """
     log_path = ctx.paths.log_dir / "sandbox.log"
     # Recorded before the launch: a launcher that dies right after it leaves a task
     # the next one re-adopts (what it checks: the name, these labels, the gateway).
@@ -428,7 +420,14 @@ def _run_detached(
         raise _Cancelled
     ctx.tlog(f"running claude in sandbox {spec.name}, detached (deadline {row.deadline:g}s)")
     backend.launch(spec, argv, log=log_path)
-    return follow_sandbox(
+    gateway_failed: GatewayError | None = None
+    try:
+        gateway.wait_ready()
+    except GatewayError as exc:
+        gateway_failed = exc
+        ctx.tlog(f"the gateway did not start: {exc}; killing the sandbox")
+        kill_sandbox(box.backend, spec.name, ctx.paths.data_dir)
+    outcome = follow_sandbox(
         ctx,
         backend,
         box.backend,
@@ -436,3 +435,6 @@ def _run_detached(
         deadline=row.deadline,
         deadline_at=started + row.deadline,
     )
+    if gateway_failed is not None:
+        return "failed", f"the task's gateway did not start: {gateway_failed}"[:4000], outcome[2]
+    return outcome

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
 from pathlib import Path
 
+from agentbox._acl import grant_search
 from agentbox.errors import PathRefused
+from agentbox.launcher._context import TaskLog
+from agentbox.paths import TaskPaths
 
-__all__ = ["check_owner", "give_to_sandbox"]
+__all__ = ["check_owner", "give_to_sandbox", "let_gofer_through", "write_token"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -101,3 +105,27 @@ def ensure_private_dir(path: Path, mode: int = 0o700) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise PathRefused("expected a directory, found something else (a link?)", path=path)
     path.chmod(mode)
+
+
+def let_gofer_through(paths: TaskPaths, gofer_uid: int, tlog: TaskLog) -> None:
+    """Let gVisor's gofer (host uid ``subid_base``) search the tasks dir and this task's.
+
+    It opens the workspace and gateway dir (bind-mount sources) as that uid, which is
+    neither owner nor group of these private dirs: a named-user ACL entry gives it
+    ``--x`` there and nobody else anything (``o+x`` would open them to every user).
+    """
+    for d in (paths.data_dir / "tasks", paths.root):
+        try:
+            grant_search(d, gofer_uid)
+        except OSError as exc:
+            # The backend's own check then names the dir and the fix.
+            tlog(f"cannot give runsc's gofer (uid {gofer_uid}) search on {d}: {exc}")
+
+
+def write_token(path: Path) -> str:
+    """A fresh one-time task token, written 0600 at ``path`` (made here, never followed)."""
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token)
+    return token
