@@ -100,8 +100,10 @@ def _check_repo(settings: Settings, repo: str, include_uncommitted: bool) -> Pat
     if not (real / ".git").exists():
         raise PathRefused("not a git repository (no .git at its top)", path=repo)
     try:
-        top = git_readonly(real, "rev-parse", "--show-toplevel").stdout.strip()
-        git_readonly(real, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+        # One process: the top level, then HEAD's commit (a repo without one fails).
+        top = git_readonly(
+            real, "rev-parse", "--show-toplevel", "--verify", "--quiet", "HEAD^{commit}"
+        ).stdout.partition("\n")[0]
     except CommandError as exc:
         raise PathRefused("not a git repository with a commit", path=repo) from exc
     if Path(top).resolve() != real:
