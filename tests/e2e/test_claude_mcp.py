@@ -69,6 +69,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    if proc.stderr is not None:
+        proc.stderr.close()
 
 
 @pytest.fixture(scope="module")
