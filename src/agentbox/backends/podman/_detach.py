@@ -70,6 +70,7 @@ from agentbox.backends.base import (
     SandboxSpec,
     data_dir_label,
 )
+from agentbox.backends.podman import _launched
 from agentbox.backends.podman._cgroup import born_outside, place_conmon
 from agentbox.backends.podman._exitfile import (
     CONMON_EXIT_WAIT,
@@ -111,6 +112,8 @@ class PodmanDetached:
 
     settings: Settings
     unsafe_extra_args: tuple[str, ...]
+    #: A launch's or pool claim's view of its sandbox, for follow's start (_launched.py).
+    claimed: dict[str, dict[str, Any]]
 
     if TYPE_CHECKING:
 
@@ -142,11 +145,12 @@ class PodmanDetached:
             SEAL_LABEL: seal(self.settings, spec.name),
         }
         spec = spec.replace(labels=labels)
-        if inspect(spec.name) is not None:
+        stale = [p for p in (log, exit_marker(log), log.with_name(log.name + ".tmp")) if p.exists()]
+        if stale and inspect(spec.name) is not None:  # else podman refuses a name in use
             # Never touch another sandbox's log, disk or container (a task launched twice).
             raise SandboxError("a sandbox of that name exists already", sandbox=spec.name)
-        for stale in (log, exit_marker(log), log.with_name(log.name + ".tmp")):
-            stale.unlink(missing_ok=True)
+        for path in stale:
+            path.unlink(missing_ok=True)
         disk = None
         ran = False  # from podman run on, a failure leaves a container of ours to remove
         if spec.workspace is not None:
@@ -167,10 +171,12 @@ class PodmanDetached:
                     unsafe_extra_args=self.unsafe_extra_args,
                 )
                 args += entry_argv(spec, argv)
+                args, pidfile = _launched.with_pidfile(args, spec.name)
                 try:
-                    ran = True
+                    ran, started = True, time.time()  # started: no later than podman's
                     res = _proc.run(born_outside(args), timeout=120, cwd=conmon_cwd())
                 except CommandError as exc:
+                    pidfile.unlink(missing_ok=True)
                     if "already in use" in exc.stderr:  # a launch that raced ours: not ours
                         ran = False
                     if "image not known" in exc.stderr:
@@ -179,7 +185,11 @@ class PodmanDetached:
                     raise SandboxError(f"could not start: {exc}", sandbox=spec.name) from exc
                 if "agentbox: could not enter" in res.stderr:
                     logger.warning("conmon born in our cgroup", sandbox=spec.name, why=res.stderr)
-            conmon = conmon_of(inspect(spec.name) or {})
+            conmon, view = _launched.conmon_and_view(res.stdout, pidfile, spec, started)
+            if view is not None:
+                self.claimed[spec.name] = view
+            else:  # not known for sure from podman's answer: ask it
+                conmon = conmon_of(inspect(spec.name) or {})
             if conmon is not None:
                 place_conmon(conmon.pid)
             if disk is not None:

@@ -73,6 +73,7 @@ from agentbox.backends.podman._detach import (
     inspect,
     seal,
 )
+from agentbox.backends.podman._launched import container_id, started_conmon, with_pidfile
 from agentbox.backends.podman._pool_ends import drain, release, sweep
 from agentbox.backends.podman._pool_slots import (
     SLOT_PREFIX,
@@ -212,9 +213,15 @@ def _start_one(
                 if a.startswith((f"{sdir / 'ws'}:", f"{sdir / 'gw'}:")):
                     args[i] = a + ",rslave"
             args += ["python3", "-I", "-S", "-c", _STUB, WORKSPACE_IN_SANDBOX, go]
-            res = _proc.run(born_outside(args), timeout=120, cwd=conmon_cwd())
-        cid = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
-        conmon = conmon_of(inspect(slot) or {})
+            args, pidfile = with_pidfile(args, slot)
+            try:
+                res = _proc.run(born_outside(args), timeout=120, cwd=conmon_cwd())
+            except BaseException:  # else started_conmon reads and removes it
+                pidfile.unlink(missing_ok=True)
+                raise
+        cid = container_id(res.stdout) or ""
+        # conmon from its pid file (no podman inspect); asked of podman if not sure.
+        conmon = started_conmon(pidfile, cid or None) or conmon_of(inspect(slot) or {})
         if conmon is None:
             raise SandboxError("the pooled sandbox has no conmon", sandbox=slot)
         place_conmon(conmon.pid)

@@ -1,0 +1,120 @@
+"""What ``podman run -d`` itself tells us, so no ``podman inspect`` runs before the output.
+
+Each ``podman`` command is a client start (the Go runtime, containers.conf, the
+libpod database and c/storage opened, a ``conmon --version``): 0.1 s on a quiet
+2-core host, 0.2-0.4 s on a busy one. ``launch`` used to run three more after its
+``podman run -d``'s own: one to refuse a name in use, one for conmon's pid, and the
+follower's first, for the labels and start time it had just given podman. Now:
+
+* conmon's pid comes from ``--conmon-pidfile`` (:func:`with_pidfile`): conmon, root,
+  writes it into our private directory (:func:`~agentbox.backends._oci_cli.conmon_cwd`)
+  before ``podman run -d`` returns. :func:`started_conmon` trusts it only as a
+  regular root-owned file holding a pid whose process is a ``conmon`` monitoring that
+  very container id (its ``-c`` argument); anything else falls back to ``inspect``;
+* the container id is ``podman run -d``'s own output (64 hex digits, checked);
+* :func:`launched_view` is what ``inspect`` would say of the sandbox just launched (its
+  name, id, labels, conmon and start), handed to ``follow`` as a pool claim's view is
+  (``PodmanBackend.claimed``), so the follower reads the log at once. A follower in
+  another process (a new launcher adopting the task) still asks podman.
+
+The start time in the view is taken *before* ``podman run -d``: the follower's
+deadline then counts from a moment no later than podman's own ``StartedAt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import stat
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agentbox._log import get_logger
+from agentbox.backends._oci_cli import conmon_cwd
+from agentbox.backends.base import SandboxSpec
+
+__all__ = ["conmon_and_view", "container_id", "launched_view", "started_conmon", "with_pidfile"]
+
+log = get_logger("podman.launch")
+
+_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def with_pidfile(args: list[str], name: str) -> tuple[list[str], Path]:
+    """``args`` (a ``podman … run …`` argv) with ``--conmon-pidfile`` after ``run``, and
+    that file: a fresh name in our private (0700, root) directory."""
+    path = conmon_cwd() / f".{name}.{secrets.token_hex(6)}.conmon-pid"
+    i = args.index("run") + 1
+    return [*args[:i], "--conmon-pidfile", str(path), *args[i:]], path
+
+
+def container_id(stdout: str) -> str | None:
+    """The full container id ``podman run -d`` printed (its last line), or None."""
+    lines = stdout.strip().splitlines()
+    cid = lines[-1].strip() if lines else ""
+    return cid if _ID.fullmatch(cid) else None
+
+
+def started_conmon(pidfile: Path, cid: str | None) -> psutil.Process | None:
+    """The conmon that monitors container ``cid``, from its pid file (then removed);
+    None when the file or the process is not what it must be (the caller asks podman)."""
+    try:
+        fd = os.open(pidfile, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 32:
+            return None
+        text = os.read(fd, 32).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            pidfile.unlink()
+    if cid is None or not text.isdigit():
+        return None
+    try:
+        proc = psutil.Process(int(text))
+        argv = proc.cmdline()
+        if proc.name() != "conmon" or "-c" not in argv or argv[argv.index("-c") + 1 :][:1] != [cid]:
+            return None
+    except (psutil.Error, ValueError):
+        return None
+    return proc
+
+
+def launched_view(
+    name: str, cid: str, conmon: psutil.Process, labels: Mapping[str, str], started: float
+) -> dict[str, Any]:
+    """What ``podman inspect`` says of a sandbox just launched, as ``follow`` reads it."""
+    return {
+        "Id": cid,
+        "Name": name,
+        "Config": {"Labels": dict(labels)},
+        "State": {
+            "Running": True,
+            "ConmonPid": conmon.pid,
+            "StartedAt": datetime.fromtimestamp(started, UTC).isoformat(),
+        },
+    }
+
+
+def conmon_and_view(
+    stdout: str, pidfile: Path, spec: SandboxSpec, started: float
+) -> tuple[psutil.Process | None, dict[str, Any] | None]:
+    """After ``podman run -d`` of ``spec`` (its ``stdout``): the sandbox's conmon and its
+    view for ``follow``; (None, None) when either is not known for sure (ask podman)."""
+    cid = container_id(stdout)
+    conmon = started_conmon(pidfile, cid)
+    if conmon is None or cid is None:
+        log.debug("conmon not known from podman run's answer", sandbox=spec.name)
+        return None, None
+    return conmon, launched_view(spec.name, cid, conmon, spec.labels, started)
