@@ -92,7 +92,6 @@ LEAKY = {
     "e2e/test_run_e2e.py",
     "e2e/test_run_pool.py",
     "e2e/test_run_qemu.py",
-    "e2e/test_run_restart.py",
     "e2e/test_run_runtime_option.py",
     "e2e/test_transcript_e2e.py",
     "e2e/test_tutorials.py",
