@@ -13,7 +13,8 @@ every launcher start lists the docker sandboxes (reconcile), docker used or not.
 So the SDK is imported on the first call that needs it, and listing containers
 on a ``unix://`` daemon (:meth:`GuardedClient.containers`) is one allow-listed,
 recorded ``GET /containers/json`` through the standard library's ``http.client``
-(already loaded by the launcher): no socket, no import.
+(already loaded by the launcher); where no socket exists, nothing is listed
+and nothing imported.
 """
 
 from __future__ import annotations
