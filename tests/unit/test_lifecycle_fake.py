@@ -11,9 +11,11 @@ the deadline, an exhausted budget, reconcile after a crash, both publish paths.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -158,7 +160,10 @@ def test_cancel_kills_the_sandbox_and_collects(launcher: Launcher, repo: Path) -
     with FakeBackend.scripted(FakeScript(delay=60, files={"partial.txt": b"p\n"})):
         tid = _submit(launcher, repo)
         name = f"agentbox-task-{tid}"
-        _until(lambda: FakeBackend.live(name) is not None)
+        # The agent wrote its file (a cancel before the fake's exec began, as under load,
+        # would kill a sandbox that never ran: nothing to collect).
+        partial = TaskPaths(launcher.settings.data_dir, tid).workspace / "partial.txt"
+        _until(lambda: FakeBackend.live(name) is not None and partial.exists())
         launcher.cancel(tid)
         info = launcher.wait(tid, timeout=30)
     assert info.status == "cancelled"
@@ -294,23 +299,46 @@ def test_reconcile_after_a_crash_collects_and_marks(
         try:
             tid = _submit(la, repo)
             name = f"agentbox-task-{tid}"
-            _until(lambda: (settings.data_dir / "tasks" / tid / "workspace").is_dir()
-                   and FakeBackend.live(name) is not None)  # fmt: skip
+            # The agent wrote its file before the crash (its exec began: under load the
+            # launch can return well before the fake's thread runs the agent).
+            wrote = settings.data_dir / "tasks" / tid / "workspace" / "before-crash.txt"
+            _until(lambda: wrote.exists() and FakeBackend.live(name) is not None)
             # The crash: the owner recorded for the task is now a process that is gone.
             dead = subprocess.Popen(["true"])
             dead.wait()
             la.store.update(tid, owner_pid=dead.pid, owner_start=1.0)
-            settled = Launcher(settings).reconcile()
+            with Launcher(settings) as next_one:
+                settled = next_one.reconcile()
             assert tid in settled
             assert ("reap", name) in FakeBackend.events
             assert FakeBackend.live(name) is None
             info = la.get(tid)
             assert info.status == "failed", info
-            result = Launcher(settings).result(tid)
+            result = next_one.result(tid)
             assert result.branch, result
             assert _branch_file(repo, result.branch, "before-crash.txt") == "c"
         finally:
             frozen.set()
+
+
+def test_a_reconcile_with_the_docker_daemon_down_leaks_no_socket(
+    settings: Settings, fake: type[FakeBackend], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reconcile lists the sandboxes of every backend, docker's too. With its daemon
+    down (a socket that refuses, as while dockerd restarts) the refused connect's socket
+    is closed, not left to the garbage collector: the docker SDK's connect dropped it,
+    one per reconcile, and each failed whichever test it was collected in."""
+    refusing = tmp_path / "docker.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(refusing))  # bound, never listening: every connect() is refused
+        monkeypatch.setenv("DOCKER_HOST", f"unix://{refusing}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            with Launcher(settings) as la:
+                assert la.reconcile() == []
+            gc.collect()  # the exception's cycles, and the socket they held
+    leaks = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert leaks == []
 
 
 def test_destroy_is_idempotent_and_verified(settings: Settings, tmp_path: Path) -> None:
