@@ -6,7 +6,8 @@ script served by the same gateway code; only the wrapping differs:
 * baseline: a gateway already listening on 127.0.0.1, then ``claude -p`` in a
   plain copy of the repo on the host (no sandbox, no collection);
 * agentbox (API): ``Launcher.submit`` → ``wait``: validation, workspace copy,
-  gateway spawn, hardened podman sandbox, collection, publish;
+  gateway spawn (it goes on starting while the sandbox starts: the time the launcher
+  then still waits for it is its own row), hardened podman sandbox, collection, publish;
 * agentbox (CLI): the whole ``agentbox run`` command, interpreter start included.
 
 Usage (as root, after scripts/setup.sh and ``agentbox image build``)::
@@ -145,6 +146,7 @@ PHASES = (
     "sandbox start -> first output",
     "  launch (podman run -d returns)",
     "  launched -> first output (relay, claude)",
+    "    of which the gateway's start, waited for",
     "agent + sandbox stop",
     "  first -> last output (the agent)",
     "  last output -> container exit",
@@ -218,11 +220,13 @@ def _timed_calls(marks: dict[str, float]) -> Iterator[None]:
         (_detach.PodmanDetached, "_settle", lambda f: wrap("disk", f)),
         (_detach, "settle_orphan_disks", lambda f: wrap("copy", f)),
         (GatewayHandle, "stop", lambda f: wrap("gwstop", f)),
+        (GatewayHandle, "wait_ready", lambda f: wrap("gwready", f)),
         (_detach, "inspect", lambda f: inspect),
         (_detach, "pool_log", lambda f: pool_log),
         (_detach, "force_remove", lambda f: force_remove),
         (_detach, "read_exit_file", lambda f: read_exit_file),
     ]
+    targets = [t for t in targets if hasattr(t[0], t[1])]  # an older tree lacks some
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
     for obj, attr, make in targets:
         seen[attr] = getattr(obj, attr)
@@ -268,6 +272,7 @@ def _phases(t0: float, start: float, t_end: float, m: dict[str, float]) -> list[
         first - start,
         span("launch0", "launch1"),
         first - m.get("launch1", start),
+        span("gwready0", "gwready1"),
         m["collect0"] - first,
         last - first,
         exited - last,
