@@ -261,8 +261,11 @@ class ServerGroup:
                     if self.started or any(t.done() for t in tasks):
                         break
                     await asyncio.sleep(0.005)
+                # The launcher may be gone (killed while we started): the task's sandbox
+                # may already run and still needs us, so a closed pipe is no reason to die.
                 if self.started:
-                    os.write(ready_fd, b"ready\n")
+                    with contextlib.suppress(OSError):
+                        os.write(ready_fd, b"ready\n")
                 os.close(ready_fd)
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             self.stop()
