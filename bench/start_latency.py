@@ -1,7 +1,10 @@
 """Sandbox start latency: agentbox's podman and docker backends against raw `run --rm`.
 
 Usage: .venv/bin/python bench/start_latency.py [--runs 15] [--runtime runc] [--compass]
-       [--no-docker]
+       [--no-docker] [--quick]
+
+``--quick``: no docker rows and no ``agentbox exec`` row (a CLI start is seconds under
+load; its own bench is the CLI's import time), for a before/after of the backend.
 
 Times, interleaved in the same run (shuffled each round, a short pause before each
 step) so machine load and background cleanup hit all alike:
@@ -207,6 +210,7 @@ def main() -> None:
     ap.add_argument("--compass", action="store_true")
     ap.add_argument("--settle", type=float, default=0.5, help="pause before each step (s)")
     ap.add_argument("--no-docker", action="store_true", help="skip the docker rows")
+    ap.add_argument("--quick", action="store_true", help="no docker rows, no CLI row")
     args = ap.parse_args()
 
     settings = Settings()
@@ -230,7 +234,7 @@ def main() -> None:
         "raw podman run --rm: exit": [],
         "backend create -> first output": [],
         "backend run -> return": [],
-        "agentbox exec -- true: start -> exit": [],
+        **({} if args.quick else {"agentbox exec -- true: start -> exit": []}),
         LAUNCH_ROW: [],
         LAUNCH_ROW.replace("first output", "output in its log"): [],
         POOL_ROW: [],
@@ -319,8 +323,10 @@ def main() -> None:
         subprocess.run([AGENTBOX, "exec", "--runtime", args.runtime, "--", "true"], check=True)
         rows["agentbox exec -- true: start -> exit"].append(time.perf_counter() - t0)
 
-    steps: list[Callable[[], None]] = [raw, ours, cli, launch_fresh, launch_pooled]
-    docker = None if args.no_docker else docker_steps(settings, box, ws, rows)
+    steps: list[Callable[[], None]] = [raw, ours, launch_fresh, launch_pooled]
+    if not args.quick:
+        steps.append(cli)
+    docker = None if args.no_docker or args.quick else docker_steps(settings, box, ws, rows)
     if docker is not None:
         steps += docker
     warm = None
