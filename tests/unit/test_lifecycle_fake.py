@@ -274,7 +274,13 @@ def test_a_drain_stop_returns_once_queued_and_running_tasks_ended(
     settings: Settings, fake: type[FakeBackend], repo: Path
 ) -> None:
     la = Launcher(settings, max_tasks=1)
-    with FakeBackend.scripted(FakeScript(delay=0.2, files={"d.txt": b"d\n"})):
+
+    def agent(box: FakeSandbox, argv: Sequence[str]) -> None:
+        # The first agent works until the drain has begun (the second task still queued
+        # behind it): no fixed delay to outlast, however slow the machine.
+        _until(lambda: la.draining)
+
+    with FakeBackend.scripted(FakeScript(action=agent, files={"d.txt": b"d\n"})):
         first, second = _submit(la, repo), _submit(la, repo)
         la.stop("drain")
     assert [la.get(t).status for t in (first, second)] == ["done", "done"]

@@ -244,8 +244,11 @@ def test_an_old_schema_is_migrated_and_its_running_task_adopted(
     """A version-2 store (made with that version's SQL) holding a running detached task:
     the next version migrates it in place and re-adopts the task."""
     tid = _new_id(7)
+    go = threading.Event()  # the agent works on until the next launcher has adopted it
     la1 = Launcher(settings, max_tasks=1)
-    with FakeBackend.scripted(FakeScript(delay=0.5, files={"m.txt": b"m\n"})):
+    script = FakeScript(action=lambda box, argv: go.wait(60), files={"m.txt": b"m\n"})
+    with FakeBackend.scripted(script), contextlib.ExitStack() as release:
+        release.callback(go.set)
         reached = freezer("follow", tid)
         _submit(la1, repo, tid)
         assert reached.wait(30)
@@ -270,6 +273,7 @@ def test_an_old_schema_is_migrated_and_its_running_task_adopted(
             version = sqlite3.connect(db_path).execute("PRAGMA user_version").fetchone()[0]
             assert version == SCHEMA_VERSION
             assert tid in la2.reconcile()
+            go.set()
             info = la2.wait(tid, timeout=30)
     assert info.status == "done", info.error
     assert la2.store.get(tid).adoptions == 1
