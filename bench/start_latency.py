@@ -116,6 +116,8 @@ LAUNCH_ROW = "detached launch -> first output"
 POOL_ROW = "pool claim -> first output"
 #: (backend, name) of every sandbox and raw container started: removed in ``finally``.
 MADE: list[tuple[str, str]] = []
+#: Steps whose sandbox produced no output (each printed after the table).
+FAILED: list[str] = []
 
 
 def docker_argv(name: str, settings: Settings, body: dict[str, Any]) -> list[str]:
@@ -271,10 +273,13 @@ def main() -> None:
         watcher.start()
         try:
             be.launch(s, ["echo", "x"], log=log)
-            be.follow(s.name, log=log, on_stdout=cb, on_stderr=None, poll=0.01)
+            ended = be.follow(s.name, log=log, on_stdout=cb, on_stderr=None, poll=0.01)
         finally:
             done.set()
             watcher.join()
+        if not got:  # counted and shown, never a silent gap in the row
+            FAILED.append(f"{row}: no output ({ended})")
+            return
         rows[row].append(got[0])
         rows[row.replace("first output", "output in its log")].append(seen[0])
 
@@ -390,10 +395,15 @@ def main() -> None:
     print(f"\nstart latency, runtime {args.runtime}, {args.runs} runs each (median)\n")
     print(f"{'measure':50} {'median s':>9} {'min s':>7} {'ratio':>7} {'/docker':>8}")
     for name, vals in rows.items():
+        if not vals:
+            print(f"{name:50} {'-':>9}  (every run failed: see FAILED below)")
+            continue
         med = statistics.median(vals)
         dr = f"{med / dbase:7.2f}x" if dbase and "docker" in name else ""
         print(f"{name:50} {med:9.3f} {min(vals):7.3f} {med / base:6.2f}x {dr:>8}")
     print("\nratio = median / median(raw podman run --rm: first output)")
+    for failure in FAILED:
+        print(f"FAILED: {failure}")
     if dbase:
         print("/docker = median / median(raw docker run --rm: first output)")
 
