@@ -52,6 +52,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends._oci_args import check_spec, entry_argv, run_args
@@ -111,16 +113,22 @@ POOL_RUNTIMES = ("runc", "crun")
 # The stub: wait for the go-file, then for the workspace mount to hide it, then
 # chdir into the new /workspace and exec the task's command (argv, env on top of
 # the container's own, as --env-file puts it). Reads only a file the host wrote.
+# The go-file is read through a descriptor of the slot's directory opened first
+# (``fill`` waits until the stub holds it): the claim writes the go-file, then binds
+# the workspace over that directory at once, and a stub that looked by path only
+# after the bind (descheduled on a busy host) never saw it and idled to the deadline.
 _STUB = """\
 import json, os, sys, time
+d = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
 p = os.path.join(sys.argv[1], sys.argv[2])
 while True:
     try:
-        with open(p, 'rb') as f:
+        with open(sys.argv[2], 'rb', opener=lambda n, f: os.open(n, f, dir_fd=d)) as f:
             g = json.loads(f.read())
         break
     except (OSError, ValueError):
         time.sleep(0.005)
+os.close(d)
 while os.path.lexists(p):
     time.sleep(0.002)
 os.chdir(g['workdir'])
@@ -225,6 +233,7 @@ def _start_one(
         if conmon is None:
             raise SandboxError("the pooled sandbox has no conmon", sandbox=slot)
         place_conmon(conmon.pid)
+        _wait_stub(conmon, slot)
     except BaseException:
         with contextlib.suppress(AgentboxError):
             force_remove(slot)
@@ -287,6 +296,24 @@ def claim(
             return False
         return True
     return False
+
+
+#: How long ``fill`` waits for a new pooled sandbox's stub to hold its directory.
+STUB_WAIT = 60.0
+
+
+def _wait_stub(conmon: psutil.Process, slot: str) -> None:
+    """Return once the stub (conmon's child tini's child) holds ``/workspace`` open: from
+    then a claim's go-file reaches it however late it looks (see ``_STUB``)."""
+    end = time.monotonic() + STUB_WAIT
+    while time.monotonic() < end:
+        with contextlib.suppress(psutil.Error, OSError):
+            for proc in conmon.children(recursive=True):
+                for fd in Path(f"/proc/{proc.pid}/fd").iterdir():
+                    if str(fd.readlink()) == WORKSPACE_IN_SANDBOX:
+                        return
+        time.sleep(0.01)
+    raise SandboxError("the pooled sandbox's stub never opened its workspace", sandbox=slot)
 
 
 class _NotStarted(Exception):
