@@ -186,7 +186,8 @@ def test_entry_argv_puts_the_relay_first_only_with_a_gateway(
     assert entry_argv(_spec(settings), ["true"]) == ["true"]
     spec = spec_from_boxfile(Boxfile(), settings, gateway_dir=tmp_path)
     argv = entry_argv(spec, ["claude", "-p", "hi"])
-    assert argv[:4] == ["python3", "-I", "-S", "/opt/agentbox/relay.py"]
+    # sh starts the relay's C twin where the image has it, else relay.py (its $0)
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[3] == "/opt/agentbox/relay.py"
     assert argv[-4:] == ["--", "claude", "-p", "hi"]
 
 
