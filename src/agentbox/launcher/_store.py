@@ -1,9 +1,10 @@
 """Task state in SQLite (stdlib ``sqlite3``, WAL mode) in the data dir.
 
 Several processes may use the same store at once (an ``agentbox run``, a
-``launcher serve``, ``agentbox tasks``), so every operation opens its own short
-connection with a busy timeout, and state changes are single UPDATE statements
-guarded by the status they expect (compare-and-set), never read-modify-write.
+``launcher serve``, ``agentbox tasks``), so every operation is one statement on a
+connection with a busy timeout (each thread keeps its own for its life), and state
+changes are single UPDATE statements guarded by the status they expect
+(compare-and-set), never read-modify-write.
 
 Each running task records its *owner* (pid and process start time): a
 restarted launcher reconciles only tasks whose owner is gone. Each task also
@@ -27,6 +28,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -303,11 +305,35 @@ def _labels(raw: str | None) -> dict[str, str] | None:
     return got
 
 
+class _Held:
+    """One thread's connection to the store, closed when the thread (or the store) goes."""
+
+    def __init__(self, path: Path) -> None:
+        # Not checked against the thread: the store's last reference, and so this
+        # close, may go in another thread; only the owning thread ever uses it.
+        self.db = sqlite3.connect(path, timeout=30.0, isolation_level=None,
+                                  check_same_thread=False)  # fmt: skip
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA busy_timeout=30000")
+        self.synced = True
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.db.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class Store:
     """The tasks table in ``data_dir/state.db``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # Each thread's own connection, kept for the thread's life: a connection opened
+        # per operation synced the directory at its first commit (SQLite makes a newly
+        # opened log's name durable), doubling the syncs of every state change.
+        self._local = threading.local()
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._conn() as db:
             db.execute("PRAGMA journal_mode=WAL")
@@ -322,22 +348,25 @@ class Store:
         self._keep.execute("PRAGMA schema_version").fetchone()  # opened for real: lazy before
 
     def close(self) -> None:
-        """Let go of the held connection (the next use still works); idempotent."""
+        """Let go of the held connection and this thread's (the next use still works);
+        idempotent. Another thread's connection goes when that thread ends."""
         keep, self._keep = self._keep, None
         if keep is not None:
             keep.close()
+        held = getattr(self._local, "held", None)
+        self._local.held = None
+        if held is not None:
+            held.close()
 
     @contextlib.contextmanager
     def _conn(self, *, synced: bool = True) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-        try:
-            db.row_factory = sqlite3.Row
-            db.execute("PRAGMA busy_timeout=30000")
-            if not synced:  # a note (see NOTES): committed, not waited for on disk
-                db.execute("PRAGMA synchronous=NORMAL")
-            yield db
-        finally:
-            db.close()
+        held: _Held | None = getattr(self._local, "held", None)
+        if held is None:
+            held = self._local.held = _Held(self.path)
+        if held.synced != synced:  # a note (see NOTES): committed, not waited for on disk
+            held.db.execute(f"PRAGMA synchronous={'FULL' if synced else 'NORMAL'}")
+            held.synced = synced
+        yield held.db
 
     def insert(self, **fields: Any) -> None:
         """Insert a new task; :class:`TaskIdRefused` if the id is taken."""
