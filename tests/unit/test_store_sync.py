@@ -24,39 +24,44 @@ _SCRIPT = """
 import sys
 from pathlib import Path
 from agentbox.launcher._store import Store
-s = Store(Path(sys.argv[1]))
-s.insert(id="t-1", status="queued", repo="/r", task="t", model="m", budget=1, deadline=1.0,
-         created_at=1.0)
-print("go", flush=True)
-for i in range(20):
-    if sys.argv[2] == "notes":
-        s.update("t-1", phase=f"step {i}")
-    else:
-        s.update("t-1", phase=f"step {i}", exit_code=i)
-print("end", flush=True)
+for kind in ("notes", "state"):
+    s = Store(Path(sys.argv[1]) / f"{kind}.db")
+    s.insert(id="t-1", status="queued", repo="/r", task="t", model="m", budget=1,
+             deadline=1.0, created_at=1.0)
+    print(f"go {kind}", flush=True)
+    for i in range(20):
+        if kind == "notes":
+            s.update("t-1", phase=f"step {i}")
+        else:
+            s.update("t-1", phase=f"step {i}", exit_code=i)
+    print(f"end {kind}", flush=True)
 """
 
 
-def _syncs(tmp_path: Path, kind: str) -> int:
-    """fsync/fdatasync calls made by 20 updates of ``kind`` (not the set-up, not the exit's
-    checkpoint)."""
+def _syncs(tmp_path: Path) -> dict[str, int]:
+    """fsync/fdatasync calls made by 20 updates of each kind (not the set-up, not the
+    exit's checkpoint), in one traced interpreter."""
     out = subprocess.run(
         ["strace", "-f", "-qq", "-e", "trace=fsync,fdatasync,write", "-e", "signal=none",
-         sys.executable, "-c", _SCRIPT, str(tmp_path / f"{kind}.db"), kind],
+         sys.executable, "-c", _SCRIPT, str(tmp_path)],
         capture_output=True, text=True, check=True, timeout=120,
     )  # fmt: skip
     trace = out.stderr.splitlines()
-    start = next(i for i, line in enumerate(trace) if 'write(1, "go' in line)
-    end = next(i for i, line in enumerate(trace) if 'write(1, "end' in line)
-    return sum(1 for line in trace[start:end] if "sync(" in line)
+    counts = {}
+    for kind in ("notes", "state"):
+        start = next(i for i, line in enumerate(trace) if f'write(1, "go {kind}' in line)
+        end = next(i for i, line in enumerate(trace) if f'write(1, "end {kind}' in line)
+        counts[kind] = sum(1 for line in trace[start:end] if "sync(" in line)
+    return counts
 
 
 @_STRACE
 def test_notes_are_not_synced_and_state_changes_are(tmp_path: Path) -> None:
-    assert _syncs(tmp_path, "notes") == 0
+    syncs = _syncs(tmp_path)
+    assert syncs["notes"] == 0
     # Each state change synced before it returns, once: the log, not the directory too
     # (a connection opened per operation made SQLite sync the dir at its first commit).
-    assert _syncs(tmp_path, "state") == 20
+    assert syncs["state"] == 20
 
 
 def _open_db_fds(db: Path) -> int:
