@@ -65,7 +65,7 @@ def _run_entry(tmp_path: Path, guest: Path) -> tuple[str, list[str]]:
         # the entry process itself (the first traced, the command in the end) has
         # exited, the server goes too.
         deadline = time.monotonic() + 60
-        while not _root_exited(trace):
+        while not _root_line(trace):
             assert proc.poll() is None and time.monotonic() < deadline, "the entry never ended"
             time.sleep(0.02)
     finally:
@@ -81,13 +81,11 @@ def _run_entry(tmp_path: Path, guest: Path) -> tuple[str, list[str]]:
 
 
 def _root_line(trace: Path) -> str:
+    """The line saying how the first traced process ended ("" while it runs); strace
+    pads pids to a width, so fields are split, not prefixes compared."""
     lines = trace.read_text().splitlines() if trace.exists() else []
     root = lines[0].split()[0] if lines else ""
-    return next((ln for ln in lines if ln.startswith(f"{root} +++")), "")
-
-
-def _root_exited(trace: Path) -> bool:
-    return bool(_root_line(trace))
+    return next((ln for ln in lines if ln.split()[:2] == [root, "+++"]), "")
 
 
 def test_with_the_c_relay_no_python_starts(tmp_path: Path) -> None:
