@@ -66,6 +66,8 @@ turns:
   - text: "The code already does what you ask; there is nothing to change."
 """
 
+DEADLINE_S = 45.0
+
 DEADLINE_SCRIPT = """\
 name: deadline
 turns:
@@ -209,7 +211,9 @@ upstream = "scripts/nochange.yaml"
         # 960k charged by the first turn: the ~40k left cannot hold the next call's input
         # estimate plus 2,048 output tokens, so it is refused, not clamped.
         "budget": ("replay-budget", {"budget": 1_000_000}),
-        "deadline": ("replay-deadline", {"deadline": 20.0}),
+        # Long enough for Claude Code to start and write partial.txt with seven tasks
+        # starting at once on a loaded 2-core host (20 s was not: init came at 20 s).
+        "deadline": ("replay-deadline", {"deadline": DEADLINE_S}),
         "attack": ("replay-attack", {}),
         "cancel": ("replay-deadline", {}),
         "nochange": ("replay-nochange", {}),
@@ -345,7 +349,7 @@ def test_a_task_that_hits_its_deadline(e2e: tuple[Settings, dict[str, Run]]) -> 
     run = e2e[1]["deadline"]
     assert run.info.status == "timed_out", run.info.error
     assert run.info.finished_at is not None and run.info.started_at is not None
-    assert run.info.finished_at - run.info.started_at < 20.0 + 60.0
+    assert run.info.finished_at - run.info.started_at < DEADLINE_S + 60.0
     assert "partial.txt" in _files(run)
     out = subprocess.run(
         ["podman", "ps", "-a", "--filter", f"name=agentbox-task-{run.info.id}", "-q"],
