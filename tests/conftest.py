@@ -82,7 +82,6 @@ _TESTS = Path(__file__).resolve().parent
 LEAKY = {
     # Not yet run under -W error::ResourceWarning:
     "e2e/test_claude_gateway.py",
-    "e2e/test_claude_mcp.py",
     "e2e/test_detach_resume.py",
     "e2e/test_env_backends.py",
     "e2e/test_env_node.py",
@@ -94,7 +93,6 @@ LEAKY = {
     "e2e/test_run_pool.py",
     "e2e/test_run_qemu.py",
     "e2e/test_run_runtime_option.py",
-    "e2e/test_transcript_e2e.py",
     "e2e/test_tutorials.py",
     "e2e/test_untrusted_output.py",
     "escape/test_disk_limit_probe.py",
@@ -107,7 +105,6 @@ LEAKY = {
     "integration/test_backend_contract.py",
     "integration/test_claude_wrapper.py",
     "integration/test_cli_widths.py",
-    "integration/test_cluster_ray.py",
     "integration/test_collect.py",
     "integration/test_collect_fast.py",
     "integration/test_collect_flagged.py",

@@ -138,6 +138,8 @@ def stack() -> Iterator[Stack]:
         except subprocess.TimeoutExpired:
             launcher.kill()
             launcher.wait()
+        if launcher.stderr is not None:
+            launcher.stderr.close()
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -329,6 +329,8 @@ def test_a_killed_driver_resumes_and_nothing_runs_twice(
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver dies mid-batch
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     assert any(e["event"] == "finished" for e in seen), seen
     got = list(
         run_batch(
