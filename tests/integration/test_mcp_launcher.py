@@ -27,14 +27,12 @@ import anyio
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
 
 from agentbox.launcher.api import NO_CHANGES
 from agentbox.mcp import process_posture, token_path
 from gateway_helpers import greet_script
 from git_helpers import git
-from net_helpers import free_port, wait_port
+from net_helpers import free_port, mcp_http_transport, wait_port
 
 pytestmark = [
     pytest.mark.podman,
@@ -116,13 +114,13 @@ def _wait_path(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with proc:  # closes its pipes
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def _make_stack(base: Path) -> Stack:
@@ -252,9 +250,8 @@ class Http:
     token: str
 
     def client(self) -> Client:
-        http = create_mcp_http_client(headers={"Authorization": f"Bearer {self.token}"})
         url = f"http://127.0.0.1:{self.port}/mcp"
-        return Client(streamable_http_client(url, http_client=http), read_timeout_seconds=600)
+        return Client(mcp_http_transport(url, self.token), read_timeout_seconds=600)
 
 
 @pytest.fixture
@@ -369,7 +366,7 @@ def test_serve_starts_both_and_stops_cleanly() -> None:
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        with proc:  # closes its pipes
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(base, ignore_errors=True)

@@ -25,12 +25,10 @@ import httpx
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
 
 from agentbox.mcp import process_posture, token_path
 from git_helpers import git
-from net_helpers import free_port
+from net_helpers import free_port, mcp_http_transport
 
 MCP_UID = 64123  # no passwd entry: an identity that owns nothing but the test repos
 
@@ -133,17 +131,16 @@ def http_server(world: World) -> Iterator[HttpServer]:
     try:
         yield srv
     finally:
-        srv.proc.terminate()
-        try:
-            srv.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            srv.proc.kill()
-            srv.proc.wait()
+        with srv.proc:  # closes its pipes
+            srv.proc.terminate()
+            try:
+                srv.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                srv.proc.kill()
 
 
 def _http_client(srv: HttpServer, token: str | None = None) -> Client:
-    http = create_mcp_http_client(headers={"Authorization": f"Bearer {token or srv.token}"})
-    return Client(streamable_http_client(srv.url, http_client=http))
+    return Client(mcp_http_transport(srv.url, token or srv.token))
 
 
 def _stdio_client(world: World) -> Client:
