@@ -400,6 +400,11 @@ def inspect(name: str) -> dict[str, Any] | None:
         err = res.stderr.lower()
         if "no such" in err or "container not known" in err:
             return None
+        if "layer not known" in err:
+            # A `podman rm` cut short (killed with a launcher's cgroup) leaves the record
+            # of a container whose storage is gone ("Removing"): finish it; gone as above.
+            force_remove(name)
+            return None
         raise SandboxError(f"podman inspect failed: {res.stderr.strip()[-500:]}", sandbox=name)
     try:
         data = json.loads(res.stdout)
