@@ -401,7 +401,7 @@ def inspect(name: str) -> dict[str, Any] | None:
         if "no such" in err or "container not known" in err:
             return None
         if "layer not known" in err:
-            # A `podman rm` cut short (killed with a launcher's cgroup) leaves the record
+            # A `podman rm` cut short (killed with its launcher) leaves the record
             # of a container whose storage is gone ("Removing"): finish it; gone as above.
             force_remove(name)
             return None
