@@ -404,8 +404,8 @@ def test_unix_socket_mode_and_listen_policy(tmp_path: Path) -> None:
     with running_gateway(tmp_path, unix=True) as gw:
         mode = stat.S_IMODE(Path(gw.uds).stat().st_mode)
         assert mode & 0o007 == 0 and mode <= 0o660
-        c = httpx.Client(transport=httpx.HTTPTransport(uds=gw.uds))
-        assert c.post("http://x/v1/messages", json=MSG, headers=gw.auth()).status_code == 200
+        with httpx.Client(transport=httpx.HTTPTransport(uds=gw.uds)) as c:
+            assert c.post("http://x/v1/messages", json=MSG, headers=gw.auth()).status_code == 200
     for bad in ("tcp:0.0.0.0:8080", "tcp:10.1.2.3:80", "tcp:[::]:80", "tcp:example.com:80"):
         with pytest.raises(PolicyRefused):
             parse_listen(bad)
