@@ -82,8 +82,6 @@ _TESTS = Path(__file__).resolve().parent
 LEAKY = {
     # Its tests did not run in the strict whole-suite run (skipped there): not yet seen strict.
     "integration/test_collect_support.py",
-    # Strict run: a launcher's text-mode stderr pipe in test_a_stale_socket_is_replaced.
-    "integration/test_launcher_auth.py",
     # Strict run: a child's pipe (FileIO) left open by the test's process handling.
     "integration/test_mcp_launcher_restart.py",
     "integration/test_watchdog_reap.py",
