@@ -79,19 +79,7 @@ _TESTS = Path(__file__).resolve().parent
 #: this may only shrink (``tests/unit/test_leak_guard_coverage.py``). A module not
 #: listed is strict: a leak fails the test that made it. The garbage of a listed
 #: module is collected (ignored) after each of its tests, so it cannot fail the next.
-LEAKY = {
-    # Its tests did not run in the strict whole-suite run (skipped there): not yet seen strict.
-    "integration/test_collect_support.py",
-    # Strict run: the test's asyncio client streams to the proxy are left to the GC
-    # (StreamWriter.__del__: "unclosed <StreamWriter ...>").
-    "integration/test_egress_proxy.py",
-    # Strict run: a launcher's text-mode stderr pipe in test_a_stale_socket_is_replaced.
-    "integration/test_launcher_auth.py",
-    # Strict run: a child's pipe (FileIO) left open by the test's process handling.
-    "integration/test_mcp_launcher_restart.py",
-    "integration/test_watchdog_reap.py",
-    "integration/test_wsdisk_settle.py",
-}
+LEAKY: set[str] = set()
 
 
 #: LEAKY modules that ran, and those of them that leaked this session.

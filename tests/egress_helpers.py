@@ -86,6 +86,7 @@ class Harness:
         self.policy = policy
         self.names = names
         self.resolved: list[str] = []
+        self._writers: list[asyncio.StreamWriter] = []  # every client stream ask() opened
 
     async def resolve(self, host: str, port: int) -> list[str]:
         self.resolved.append(host)
@@ -100,6 +101,10 @@ class Harness:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        for w in self._writers:  # a test may keep a reply's stream open: closed here
+            w.close()
+            with contextlib.suppress(OSError):
+                await w.wait_closed()
         self.server.close()
         await self.proxy.aclose()
         self.record.close()
@@ -108,6 +113,7 @@ class Harness:
     async def ask(self, request: bytes, *, eof: bool = False, wait: float = 10.0) -> Reply:
         """Send ``request``; read the answer's head (and a refusal's body)."""
         r, w = await asyncio.open_unix_connection(str(self.sock))
+        self._writers.append(w)
         w.write(request)
         if eof:
             w.write_eof()

@@ -315,7 +315,7 @@ def test_a_stale_socket_is_replaced(stack: Stack) -> None:
         wait_listening(stack, first)
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # no clean-up: the socket file stays
-        first.wait()
+        stop(first)  # reaps it and closes its pipe
     assert stack.real_socket().exists()
     second = stack.start()
     try:

@@ -58,7 +58,7 @@ def test_the_mcp_server_reaches_a_restarted_launcher() -> None:
                 before = await client.call_tool("list_tasks", {})
                 assert not before.is_error, _text(before)
                 os.kill(launcher.pid, signal.SIGKILL)
-                launcher.wait(30)
+                _stop(launcher)  # reaps it and closes its pipe
                 launcher = _serve(st.env)
                 after = await client.call_tool("list_tasks", {})
                 assert not after.is_error, _text(after)

@@ -151,8 +151,8 @@ def test_watchdog_reaps_the_sandbox_when_its_owner_is_killed(
         assert "its owner is gone" in log.read_text()
         assert _wait_for(lambda: process_start(wd_pid) == 0 or _zombie(wd_pid), 30)
     finally:
-        owner.kill()
-        owner.wait(10)
+        with owner:  # reaps it and closes its pipe
+            owner.kill()
         if wd_pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(wd_pid, signal.SIGKILL)

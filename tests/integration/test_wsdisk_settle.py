@@ -92,9 +92,9 @@ def test_a_settler_killed_mid_copy_leaves_no_mount_and_the_next_one_finishes(
         assert not disk.record.exists() and not disk.image.exists()
         assert_no_mounts_under(sandbox_settings.data_dir)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        with proc:  # reaps it and closes its pipe
+            if proc.poll() is None:
+                proc.kill()
         for m in reversed(mounts_under(sandbox_settings.data_dir)):
             subprocess.run(["umount", "--lazy", m.split(" on ")[1].split(" (root")[0]], check=False)
         disk.image.unlink(missing_ok=True)
@@ -159,9 +159,9 @@ def test_two_settlers_at_once_settle_a_disk_once_without_error(
         assert not disk.record.exists() and not disk.image.exists()
         assert_no_mounts_under(sandbox_settings.data_dir)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        with proc:  # reaps it and closes its pipes
+            if proc.poll() is None:
+                proc.kill()
         if other.is_alive():
             other.join(120)
         for m in reversed(mounts_under(sandbox_settings.data_dir)):

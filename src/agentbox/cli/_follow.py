@@ -87,8 +87,13 @@ def follow(
     live: bool,
     events: bool,
     poll: float = 0.5,
+    wait: Callable[[float], TaskInfo] | None = None,
 ) -> TaskInfo:
     """Poll ``get`` until the task is terminal, printing its events from ``tail``.
+
+    ``wait(seconds)``, when given, replaces a pause and the next ``get``: it returns
+    the task's info at its end or after ``seconds`` (an in-process launcher wakes on
+    the end), so the command ends when the task does, not at its next poll.
 
     ``live`` (a terminal): the spinner and the events above it; ``events`` without
     ``live``: the task id at once and one line per event; neither: silent. A
@@ -107,14 +112,13 @@ def follow(
                         break
             if info.terminal:
                 return info
-            time.sleep(poll)
-            info = get()
+            info = _next(get, wait, poll)
     spinner = Spinner("dots")
     lv = Live(progress_line(info, spinner), console=err, refresh_per_second=8)
     try:
         lv.start()
     except OSError:
-        return follow(get, tail, live=False, events=False, poll=poll)
+        return follow(get, tail, live=False, events=False, poll=poll, wait=wait)
     try:
         polls = 0
         while True:
@@ -125,14 +129,22 @@ def follow(
             lv.update(progress_line(info, spinner, tail.current))
             if info.terminal:
                 return info
-            time.sleep(0.25)
-            info = get()
+            info = _next(get, wait, 0.25)
     except OSError:
         # The terminal is gone (EIO after a hang-up): stop drawing, keep following.
         _stop_quietly(lv)
-        return follow(get, tail, live=False, events=False, poll=poll)
+        return follow(get, tail, live=False, events=False, poll=poll, wait=wait)
     finally:
         _stop_quietly(lv)
+
+
+def _next(
+    get: Callable[[], TaskInfo], wait: Callable[[float], TaskInfo] | None, pause: float
+) -> TaskInfo:
+    if wait is not None:
+        return wait(pause)
+    time.sleep(pause)
+    return get()
 
 
 def _stop_quietly(lv: Live) -> None:

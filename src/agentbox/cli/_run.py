@@ -224,12 +224,24 @@ def _follow(launcher: Any, info: TaskInfo, *, as_json: bool) -> TaskInfo:
         return follow(
             lambda: launcher.get(task_id), tail,
             live=not as_json and console.is_terminal, events=not as_json,
+            wait=lambda seconds: _wait_at_most(launcher, task_id, seconds),
         )  # fmt: skip
     except KeyboardInterrupt:
         quiet_print(err, "[magenta]cancelling; collecting the partial result…[/magenta]")
         launcher.cancel(task_id)
         done: TaskInfo = launcher.wait(task_id)
         return done
+
+
+def _wait_at_most(launcher: Any, task_id: str, seconds: float) -> TaskInfo:
+    """The task at its end (the launcher wakes on it) or after ``seconds``."""
+    from agentbox.errors import TaskError
+
+    try:
+        info: TaskInfo = launcher.wait(task_id, timeout=seconds)
+    except TaskError:  # still running
+        info = launcher.get(task_id)
+    return info
 
 
 #: The most task text read from a file or stdin (the launcher caps it lower still).

@@ -68,24 +68,31 @@ def exit_file_of(conmon: psutil.Process | None, info: Mapping[str, Any]) -> Path
     return exit_dir / cid
 
 
-def read_exit_file(path: Path | None) -> tuple[int, float] | None:
-    """(exit code, when) from conmon's exit file; None while there is none (or it is
-    not yet a whole number: conmon writes it once, so a later look sees it whole)."""
-    if path is None:
-        return None
+def read_owned_note(path: Path, *, uid: int, limit: int) -> tuple[str, os.stat_result] | None:
+    """The text (ascii, stripped) and stat of a small file podman's side wrote, only if
+    it is a regular file (no link followed, no FIFO waited on) owned by ``uid`` and at
+    most ``limit`` bytes; None otherwise or when it cannot be read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_size > 64:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_size > limit:
             return None
-        text = os.read(fd, 64).decode("ascii", "replace").strip()
+        return os.read(fd, limit).decode("ascii", "replace").strip(), st
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def read_exit_file(path: Path | None) -> tuple[int, float] | None:
+    """(exit code, when) from conmon's exit file; None while there is none (or it is
+    not yet a whole number: conmon writes it once, so a later look sees it whole)."""
+    if path is None or (note := read_owned_note(path, uid=0, limit=64)) is None:
+        return None
+    text, st = note
     if not re.fullmatch(r"-?\d{1,4}", text):
         return None
     return int(text), st.st_mtime

@@ -27,7 +27,6 @@ import contextlib
 import os
 import re
 import secrets
-import stat
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +37,7 @@ import psutil
 from agentbox._log import get_logger
 from agentbox.backends._oci_cli import conmon_cwd
 from agentbox.backends.base import SandboxSpec
+from agentbox.backends.podman._exitfile import read_owned_note
 
 __all__ = ["conmon_and_view", "container_id", "launched_view", "started_conmon", "with_pidfile"]
 
@@ -65,21 +65,11 @@ def started_conmon(pidfile: Path, cid: str | None) -> psutil.Process | None:
     """The conmon that monitors container ``cid``, from its pid file (then removed);
     None when the file or the process is not what it must be (the caller asks podman)."""
     try:
-        fd = os.open(pidfile, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 32:
-            return None
-        text = os.read(fd, 32).decode("ascii", "replace").strip()
-    except OSError:
-        return None
+        note = read_owned_note(pidfile, uid=os.geteuid(), limit=32)
     finally:
-        os.close(fd)
         with contextlib.suppress(OSError):
             pidfile.unlink()
-    if cid is None or not text.isdigit():
+    if note is None or cid is None or not (text := note[0]).isdigit():
         return None
     try:
         proc = psutil.Process(int(text))
