@@ -9,13 +9,31 @@ monitor (``backends.qemu._records``) and the per-task gateway (``gateway._proces
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["UNIT_KEYS", "cgroup_mounts", "cgroups_of", "unit_hierarchies"]
+__all__ = [
+    "ENTER_THEN_EXEC",
+    "UNIT_KEYS",
+    "cgroup_mounts",
+    "cgroups_of",
+    "enter_then_exec",
+    "unit_hierarchies",
+]
 
 #: The hierarchies systemd tracks (and kills) a unit by: cgroup v1's ``name=systemd``
 #: and the unified one (``0``), as keys of :func:`cgroup_mounts` and :func:`cgroups_of`.
 UNIT_KEYS = ("name=systemd", "0")
+
+#: ``sh -c`` script: enter each ``cgroup.procs`` file named before ``--`` with the
+#: shell's own pid, then ``exec`` the rest (the same pid: the command, and what it
+#: forks, start where the shell went). A file it cannot enter is said on stderr and
+#: skipped (the caller's move after the start is the second line).
+ENTER_THEN_EXEC = (
+    'while [ "$#" -gt 0 ] && [ "$1" != -- ]; do '
+    '{ echo $$ > "$1"; } 2>/dev/null || echo "agentbox: could not enter $1" >&2; shift; '
+    'done; shift; exec "$@"'
+)
 
 
 def cgroup_mounts() -> dict[str, Path]:
@@ -54,3 +72,12 @@ def unit_hierarchies() -> dict[str, Path]:
     """The mount points of the :data:`UNIT_KEYS` hierarchies this process sees."""
     mounts = cgroup_mounts()
     return {key: mounts[key] for key in UNIT_KEYS if key in mounts}
+
+
+def enter_then_exec(procs: Sequence[Path], argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that it is *born* in the cgroups whose ``cgroup.procs`` files
+    are ``procs`` (entered before the command starts: no window in which a kill of the
+    caller's unit reaches it); ``argv`` itself when ``procs`` is empty."""
+    if not procs:
+        return list(argv)
+    return ["sh", "-c", ENTER_THEN_EXEC, "sh", *(str(p) for p in procs), "--", *argv]

@@ -7,14 +7,19 @@ on its own: a real gateway process, spawned as the launcher spawns it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
+from agentbox._cgroups import UNIT_KEYS, cgroups_of, unit_hierarchies
 from agentbox.config import Settings
-from agentbox.gateway import read_usage, spawn_gateway
+from agentbox.gateway import _process, read_usage, spawn_gateway
+from agentbox.gateway._process import GATEWAY_CGROUP
 from gateway_helpers import CHAT_SCRIPT, write_script
 
 
@@ -52,3 +57,47 @@ def test_the_gateway_exits_at_its_exit_time_with_usage_written(
         assert not (tmp_path / "gw.sock").exists()
     finally:
         handle.stop(grace=1.0)
+
+
+def test_a_launcher_in_a_service_unit_starts_its_gateway_outside_the_unit(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Born outside, not moved after: with the move after the start disabled, the gateway
+    (it outlives the launcher, a unit restart too) still runs in ``GATEWAY_CGROUP``, so
+    no kill of the unit between its start and a move can reach it."""
+    mounts, mine = unit_hierarchies(), cgroups_of("self")
+    keys = [k for k in UNIT_KEYS if k in mounts and mine.get(k) == "/"]
+    if os.geteuid() != 0 or not keys:
+        pytest.skip("needs root at the root of the name=systemd or unified cgroup hierarchy")
+    unit = f"agentbox-test-{secrets.token_hex(4)}.service"
+    monkeypatch.setattr(_process, "leave_unit_cgroup", lambda pid: [])  # the second line off
+    token_file = tmp_path / "token"
+    token_file.write_text(secrets.token_urlsafe(24))
+    token_file.chmod(0o600)
+    for k in keys:
+        (mounts[k] / unit).mkdir()
+    try:
+        for k in keys:  # this process plays the launcher of a systemd service
+            (mounts[k] / unit / "cgroup.procs").write_text("0")
+        handle = spawn_gateway(
+            socket_path=tmp_path / "gw.sock",
+            token_file=token_file,
+            model="replay-demo",
+            budget=50_000,
+            usage_file=tmp_path / "usage.json",
+            settings=settings,
+            replay_script=write_script(tmp_path, CHAT_SCRIPT),
+            log_file=tmp_path / "gw.log",
+            exit_at=time.time() + 120,
+        )
+        try:
+            theirs = cgroups_of(handle.pid)
+            assert {k: theirs.get(k) for k in keys} == {k: f"/{GATEWAY_CGROUP}" for k in keys}
+            assert "agentbox.gateway" in psutil.Process(handle.pid).cmdline()
+        finally:
+            handle.stop(grace=1.0)
+    finally:
+        for k in keys:
+            (mounts[k] / "cgroup.procs").write_text("0")
+            with contextlib.suppress(OSError):
+                (mounts[k] / unit).rmdir()

@@ -7,7 +7,8 @@ re-adopted by the next one; the gateway stops by itself at ``--exit-at``), also
 a ``systemctl restart`` of the launcher's unit: when the launcher runs in a
 systemd service's cgroup, the gateway is moved out of it, in the two hierarchies
 systemd kills a unit by (``name=systemd`` and the unified one), into
-:data:`GATEWAY_CGROUP` at their root (:func:`leave_unit_cgroup`). The token
+:data:`GATEWAY_CGROUP` at their root: it is born there (a ``sh`` enters the cgroup,
+then ``exec``s the gateway), and :func:`leave_unit_cgroup` repeats the move. The token
 travels in a file (0600), never on argv: ``/proc/<pid>/cmdline`` is readable by
 every local user.
 """
@@ -24,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from agentbox._cgroups import unit_hierarchies
+from agentbox._cgroups import enter_then_exec, unit_hierarchies
 from agentbox._log import get_logger
 from agentbox._service import ServiceHandle, wait_ready
 from agentbox._wait import socket_accepts, wait_until
@@ -66,15 +67,15 @@ GATEWAY_UID_OFFSET = 65536 + 2
 GATEWAY_CGROUP = "agentbox-gateways"
 
 
-def leave_unit_cgroup(pid: int) -> list[str]:
-    """Move ``pid`` out of this process's systemd service cgroup (``*.service``) into
-    :data:`GATEWAY_CGROUP`, in each hierarchy systemd kills a unit by; return those moved.
+def _gateway_homes() -> list[tuple[str, Path]]:
+    """(hierarchy, its :data:`GATEWAY_CGROUP` dir) for each hierarchy systemd kills a unit
+    by where this process sits in a service's cgroup (``*.service``); the dirs made.
 
-    Nothing moves where this process is not in a service's cgroup (a shell, a test,
-    a container): only a unit's own cgroup is left, never another controller's.
+    Nothing where this process is not in a service's cgroup (a shell, a test, a
+    container): only a unit's own cgroup is left, never another controller's.
     """
     mounts = unit_hierarchies()
-    moved = []
+    homes = []
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             num, ctrls, path = ([*line.split(":", 2), "", ""])[:3]
@@ -84,12 +85,30 @@ def leave_unit_cgroup(pid: int) -> list[str]:
             target = mounts[key] / GATEWAY_CGROUP
             try:
                 target.mkdir(exist_ok=True)
-                (target / "cgroup.procs").write_text(str(pid))
             except OSError as exc:
-                log.warning("gateway left in the launcher's unit cgroup", pid=pid,
-                            hierarchy=key, error=str(exc))  # fmt: skip
+                log.warning("no cgroup to start the gateway in", hierarchy=key, error=str(exc))
                 continue
-            moved.append(key)
+            homes.append((key, target))
+    return homes
+
+
+def leave_unit_cgroup(pid: int) -> list[str]:
+    """Move ``pid`` out of this process's systemd service cgroup (``*.service``) into
+    :data:`GATEWAY_CGROUP`, in each hierarchy systemd kills a unit by; return those moved.
+
+    The second line: :func:`spawn_gateway` starts the gateway there already (born
+    outside, :func:`~agentbox._cgroups.enter_then_exec`); this repeats the move in case
+    the shell could not enter one.
+    """
+    moved = []
+    for key, target in _gateway_homes():
+        try:
+            (target / "cgroup.procs").write_text(str(pid))
+        except OSError as exc:
+            log.warning("gateway left in the launcher's unit cgroup", pid=pid,
+                        hierarchy=key, error=str(exc))  # fmt: skip
+            continue
+        moved.append(key)
     return moved
 
 
@@ -325,6 +344,10 @@ def spawn_gateway(
         max_memory=max_memory,
         exit_at=exit_at,
     )
+    if exit_at is not None:
+        # It outlives the launcher, a unit restart too: born outside the unit's cgroup,
+        # so no kill of the unit between its start and a move can reach it.
+        argv = enter_then_exec([home / "cgroup.procs" for _, home in _gateway_homes()], argv)
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
     listener = _listen_unix(socket_path)
@@ -361,7 +384,7 @@ def spawn_gateway(
     handle = GatewayHandle(proc, socket_path=socket_path, usage_file=usage_file,
                            log_file=log_file, ready_fd=ready_r, timeout=timeout)  # fmt: skip
     if exit_at is not None:
-        leave_unit_cgroup(proc.pid)  # it outlives the launcher: a unit restart too
+        leave_unit_cgroup(proc.pid)  # the second line (born there already, see above)
     if wait:
         handle.wait_ready()
     return handle

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from agentbox._cgroups import UNIT_KEYS, cgroups_of
+from agentbox._cgroups import ENTER_THEN_EXEC, UNIT_KEYS, cgroups_of, enter_then_exec
 from agentbox._cgroups import cgroup_mounts as _cgroup_mounts
 from agentbox._log import get_logger
 
@@ -36,13 +36,8 @@ __all__ = ["born_outside", "cgroups_of", "place_conmon"]
 
 logger = get_logger("podman.cgroup")
 
-#: ``sh -c`` script: enter each cgroup.procs file named before ``--``, then exec the rest.
-#: A file it cannot enter is said on stderr and skipped (place_conmon then moves conmon).
-_ENTER = (
-    'while [ "$#" -gt 0 ] && [ "$1" != -- ]; do '
-    '{ echo $$ > "$1"; } 2>/dev/null || echo "agentbox: could not enter $1" >&2; shift; '
-    'done; shift; exec "$@"'
-)
+#: The shell step of :func:`born_outside` (shared with the gateway's start).
+_ENTER = ENTER_THEN_EXEC
 
 
 def place_conmon(pid: int) -> list[str]:
@@ -94,7 +89,4 @@ def _conmon_homes() -> list[Path]:
 def born_outside(argv: Sequence[str]) -> list[str]:
     """``argv`` run so that it (and conmon, which podman forks) starts outside this
     process's unit cgroups; ``argv`` itself where there is no unit to leave."""
-    homes = _conmon_homes()
-    if not homes:
-        return list(argv)
-    return ["sh", "-c", _ENTER, "sh", *(str(h) for h in homes), "--", *argv]
+    return enter_then_exec(_conmon_homes(), argv)
