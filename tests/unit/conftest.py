@@ -1,9 +1,8 @@
 """Unit tests: a leaked file, socket or subprocess pipe fails the test that leaked it.
 
-``pyproject.toml`` still ignores ``ResourceWarning`` for the other suites (their
-real podman/QEMU fixtures are being cleaned up separately). Here it is an error,
-and so is the ``PytestUnraisableExceptionWarning`` that carries it when the leak
-is only noticed by the garbage collector (a ``__del__`` cannot raise).
+A ``ResourceWarning`` is an error here, and so is the
+``PytestUnraisableExceptionWarning`` that carries it when the leak is only noticed
+by the garbage collector (a ``__del__`` cannot raise).
 """
 
 from __future__ import annotations
@@ -21,11 +20,7 @@ _STRICT = (
 #: Modules whose leaks are known and not fixed yet, with why; this may only shrink.
 #: Their leftovers are collected (ignored) after each of their tests, so they
 #: cannot fail the next test instead.
-LEAKY = {
-    # The upstream pool's TLS test leaves a socket to the GC (a connection the
-    # asyncio server or the pool drops without close); the gateway is being reworked.
-    "tests/unit/test_gateway_upstream.py",
-}
+LEAKY: set[str] = set()
 
 
 def _leaky(item: pytest.Item) -> bool:

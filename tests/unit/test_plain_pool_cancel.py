@@ -15,7 +15,10 @@ from agentbox.gateway._plain import PlainPool
 async def _abandoned_request_closes() -> bytes:
     accepted: asyncio.Queue[asyncio.StreamReader] = asyncio.Queue()
 
+    writers: list[asyncio.StreamWriter] = []
+
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)  # closed at the end (a handler's return closes nothing)
         await accepted.put(reader)  # never answers
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
@@ -35,6 +38,10 @@ async def _abandoned_request_closes() -> bytes:
         return await asyncio.wait_for(upstream.read(), 10)
     finally:
         await pool.aclose()
+        for w in writers:
+            w.close()
+            with contextlib.suppress(OSError):
+                await w.wait_closed()
         server.close()
         await server.wait_closed()
 

@@ -342,8 +342,17 @@ class PlainPool:
             self._context()
 
     async def aclose(self) -> None:
-        while self._idle:
-            self._idle.pop().close()
+        """Close the idle connections and wait (1 s at most) until they are closed: a TLS
+        connection's socket closes only once its close_notify went out, and a loop
+        closed before that leaves the socket to the garbage collector."""
+        conns, self._idle = self._idle, []
+        for conn in conns:
+            conn.close()
+        for conn in conns:
+            try:
+                await asyncio.wait_for(conn.writer.wait_closed(), 1.0)
+            except (OSError, TimeoutError, ssl.SSLError):
+                conn.writer.transport.abort()
 
 
 def tls_context() -> ssl.SSLContext:
