@@ -1,6 +1,6 @@
 """``python -m agentbox``: the same CLI as the ``agentbox`` console script."""
 
-from agentbox.cli import main
+from agentbox.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

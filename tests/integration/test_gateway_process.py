@@ -56,9 +56,10 @@ def test_spawn_serve_stop(tmp_path: Path, settings: Settings) -> None:
             max_retries=0,
             http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=str(sock))),
         )
-        msg = client.messages.create(
-            model="ignored", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
-        )
+        with client:  # its connection closed here, not left to the garbage collector
+            msg = client.messages.create(
+                model="ignored", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
+            )
         assert msg.content[0].text == "Hello from the replay model."  # type: ignore[union-attr]
         assert msg.model == "replay-demo"
         u = wait_usage(usage, lambda u: u.output > 0)  # written just after the answer
@@ -152,9 +153,10 @@ def test_spawn_drops_privileges(tmp_path: Path, settings: Settings) -> None:
             max_retries=0,
             http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=str(sock))),
         )
-        msg = client.messages.create(
-            model="x", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
-        )
+        with client:
+            msg = client.messages.create(
+                model="x", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
+            )
         assert msg.usage.output_tokens == 7
         u = wait_usage(usage, lambda u: u.output > 0)
         assert u.output == 7

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import pytest
@@ -30,8 +32,22 @@ TOOL_SCRIPT = {
 TOOLS = [{"name": "Write", "description": "write", "input_schema": {"type": "object"}}]
 
 
-def _client(url: str, token: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(api_key=token, base_url=url, max_retries=0)
+#: The clients a test made, closed after it (their connections, not the collector's).
+_made: list[anthropic.Anthropic] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _made:
+        _made.pop().close()
+
+
+def _client(url: str, token: str | None = None, **kw: Any) -> anthropic.Anthropic:
+    kw.setdefault("max_retries", 0)
+    client = anthropic.Anthropic(api_key=token, base_url=url, **kw)
+    _made.append(client)
+    return client
 
 
 def test_sdk_plain_and_streamed_exact_usage(tmp_path: Path) -> None:
@@ -91,7 +107,7 @@ def test_sdk_streamed_tool_use_intact(tmp_path: Path) -> None:
 
 def test_sdk_count_tokens_and_token_as_bearer(tmp_path: Path) -> None:
     with running_gateway(tmp_path) as gw:
-        c = anthropic.Anthropic(auth_token=gw.token, base_url=gw.url, max_retries=0)
+        c = _client(gw.url, auth_token=gw.token)
         n = c.messages.count_tokens(model="x", messages=[{"role": "user", "content": "hello"}])
         assert n.input_tokens > 0
         u = gw.usage()
@@ -131,7 +147,7 @@ def test_sdk_sees_upstream_errors_in_anthropic_shape(tmp_path: Path) -> None:
 def test_sdk_retries_through_gateway(tmp_path: Path) -> None:
     script = {"main": "all", "turns": [{"text": "ok", "errors": [{"status": 529}]}]}
     with running_gateway(tmp_path, script=script) as gw:
-        c = anthropic.Anthropic(api_key=gw.token, base_url=gw.url, max_retries=2)
+        c = _client(gw.url, gw.token, max_retries=2)
         msg = c.messages.create(
             model="x", max_tokens=10, messages=[{"role": "user", "content": "q"}]
         )
