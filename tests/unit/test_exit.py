@@ -1,0 +1,49 @@
+"""``agentbox._exit``: the CLI and the gateway end with ``os._exit`` once done, but only
+after what a normal exit does that matters: threads joined, exit handlers run, the
+buffered output flushed, and the status a ``SystemExit`` carries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agentbox._exit import exit_code
+
+_PROGRAM = """
+import atexit, sys, threading, time
+from agentbox._exit import end_process
+
+atexit.register(lambda: sys.stdout.write("exit handler\\n"))
+def late():
+    time.sleep(0.3)
+    sys.stdout.write("thread\\n")
+threading.Thread(target=late).start()
+sys.stdout.write("buffered, not flushed\\n")
+end_process(7)
+"""
+
+
+def test_end_process_joins_threads_runs_exit_handlers_and_flushes() -> None:
+    res = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True)
+    assert res.returncode == 7, res.stderr
+    assert res.stdout == "buffered, not flushed\nthread\nexit handler\n"
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "said"),
+    [(None, 0, ""), (0, 0, ""), (3, 3, ""), (260, 4, ""), ("no task", 1, "no task\n")],
+)
+def test_exit_code_is_what_sys_exit_would_give(
+    code: object, status: int, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert exit_code(SystemExit(code)) == status
+    assert capsys.readouterr().err == said
+
+
+def test_the_command_exits_with_its_status() -> None:
+    ok = subprocess.run([sys.executable, "-m", "agentbox", "--version"], capture_output=True)
+    assert ok.returncode == 0 and ok.stdout.startswith(b"agentbox ")
+    bad = subprocess.run([sys.executable, "-m", "agentbox", "no-such-command"], capture_output=True)
+    assert bad.returncode == 2 and b"No such command" in bad.stderr
