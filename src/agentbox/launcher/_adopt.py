@@ -341,17 +341,23 @@ def _for_a_service(settings: Settings, row: TaskRow) -> bool:
 
 def remove_orphans(settings: Settings, store: Store, *, keep: Collection[str] = ()) -> None:
     """Reap every sandbox and gateway of this data dir that no live task holds and no
-    task in ``keep`` (left for another launcher) does."""
-    held = [r for r in store.all() if not r.info().terminal and r.id in keep]
-    live = {
-        r.sandbox
-        for r in store.all()
-        if r.sandbox and not r.info().terminal and r.owner is not None and r.owner.alive()
-    } | {r.sandbox for r in held if r.sandbox}
+    task in ``keep`` (left for another launcher) does.
+
+    What runs is listed *before* the store is read: a launcher records a task (and its
+    sandbox's name) before it starts the task's gateway and sandbox, so anything listed
+    is in the records read after it. Read the other way round, a sandbox another
+    launcher started between the two looked like an orphan and was killed.
+    """
     # Every backend lists the sandboxes this data dir owns; each one no live task
     # holds is reaped by its own backend's verb (killed, what it wrote saved, removed;
     # a microVM whose owner is alive, an exec/shell, is left be by its backend).
-    for backend, name in owned_sandboxes(settings):
+    sandboxes = owned_sandboxes(settings)
+    gateways = list_task_gateways(settings)
+    rows = [r for r in store.all() if not r.info().terminal]
+    held = [r for r in rows if r.id in keep]
+    alive = [r for r in rows if r.owner is not None and r.owner.alive()]
+    live = {r.sandbox for r in alive + held if r.sandbox}
+    for backend, name in sandboxes:
         if name not in live:
             log.warning("removing orphan sandbox", sandbox=name, backend=backend)
             reap_sandbox(backend, name, settings.data_dir)
@@ -359,12 +365,8 @@ def remove_orphans(settings: Settings, store: Store, *, keep: Collection[str] = 
     # them there when killed; the current one keeps them in memory only.
     for stale in sweep_stale_files():
         log.warning("removed a stale environment dir of an older version", path=str(stale))
-    live_ids = {
-        r.id
-        for r in store.all()
-        if not r.info().terminal and r.owner is not None and r.owner.alive()
-    } | {r.id for r in held}
-    for task_id, gw in list_task_gateways(settings):
+    live_ids = {r.id for r in alive + held}
+    for task_id, gw in gateways:
         if task_id not in live_ids:
             log.warning("removing orphan gateway", task_id=task_id, pid=gw.pid)
             kill_gateway(gw)
