@@ -21,7 +21,7 @@ import fake_launcher
 from agentbox.backends.fake import FakeBackend, FakeScript
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, SandboxError
-from agentbox.launcher import Launcher
+from agentbox.launcher import Launcher, _follow
 from fake_launcher import submit as _submit
 from fake_launcher import until as _until
 from git_helpers import git
@@ -35,8 +35,10 @@ fake, repo, _repo_template = fake_launcher.fake, fake_launcher.repo, fake_launch
 
 
 def test_a_cancel_whose_first_kills_are_refused_still_ends_the_task(
-    settings: Settings, fake: type[FakeBackend], repo: Path
+    settings: Settings, fake: type[FakeBackend], repo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The monitor's repeats come sooner here (2 s, 5 s, 10 s in use): same order, same logic.
+    monkeypatch.setattr(_follow, "KILL_AGAIN_AFTER", (0.2, 0.5, 1.0))
     refused: list[str] = []
     second_refusal = threading.Event()
 
