@@ -17,7 +17,7 @@ import pytest
 from agentbox.backends.base import BindMount, Sandbox, SandboxSpec
 from agentbox.backends.podman import PodmanBackend
 from agentbox.config import Settings
-from agentbox.egress._escape import _verdict, egress_probe
+from agentbox.escape._egress import _verdict, egress_probe
 from agentbox.gateway import gateway_identity
 from sandbox_leaks import SandboxTracker
 

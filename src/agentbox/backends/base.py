@@ -59,12 +59,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Protocol, Self, runtime_checkable
 
+from agentbox._exec import ExecResult, OutputCallback
 from agentbox.backends._sandbox_base import BaseSandbox
 from agentbox.boxfile import Resources
 from agentbox.errors import UnsupportedError
@@ -115,9 +116,6 @@ def data_dir_label(data_dir: Path) -> str:
     return hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
 
 
-OutputCallback = Callable[[bytes], None]
-
-
 def refuse_detached(backend: str, runtime: str | None = None) -> UnsupportedError:
     """The error a backend whose ``detaches()`` is False raises from launch/follow/adoptable."""
     what = f"{backend} ({runtime})" if runtime else backend
@@ -165,16 +163,6 @@ class SandboxSpec:
 
     def replace(self, **changes: object) -> SandboxSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """A finished command in a sandbox. Output is empty when it was streamed to callbacks."""
-
-    exit_code: int
-    stdout: bytes = b""
-    stderr: bytes = b""
-    timed_out: bool = False
 
 
 @dataclass(frozen=True)

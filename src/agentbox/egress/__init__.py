@@ -34,13 +34,11 @@ Public API::
   raises :class:`~agentbox.errors.EgressError` if it does not start;
 - :func:`summarize` ``(log_path) -> EgressSummary``;
 - :func:`host_ca_bundle` ``(settings) -> Path``; :func:`proxy_env` ``(port, ca_path)``;
-- :func:`escape_outcome`: the escape suite's ``host.egress_proxy_inner`` probe.
 """
 
 from __future__ import annotations
 
 from agentbox.egress._env import host_ca_bundle, proxy_env
-from agentbox.egress._escape import suite_outcome as escape_outcome
 from agentbox.egress._hostcfg import host_registries
 from agentbox.egress._policy import AllowRule, EgressLimits, EgressPolicy
 from agentbox.egress._process import ProxyHandle, spawn_proxy
@@ -53,7 +51,6 @@ __all__ = [
     "EgressSummary",
     "HostSummary",
     "ProxyHandle",
-    "escape_outcome",
     "host_ca_bundle",
     "host_registries",
     "proxy_env",

@@ -191,7 +191,7 @@ def run_weak_controls(
         # Own kernel: a runc container shares the host's kernel, so the comparison must say so.
         got["host.own_kernel"] = kernel_outcome(box, "control", shares_host_kernel=False)
         # The egress proxy with its address checks off: localhost must get through.
-        from agentbox.egress import escape_outcome
+        from agentbox.escape._egress import suite_outcome as escape_outcome
 
         got["host.egress_proxy_inner"] = escape_outcome(box, fx.gateway_dir, control=True)
         # The gateway as the launcher spawned it before issue 11: root, unconfined.

@@ -188,7 +188,7 @@ def run_real(
         outcomes.append(kernel_outcome(box, runtime, backend.shares_host_kernel(runtime)))
         outcomes += quota_outcomes(box, view)
         # The egress proxy, asked from inside for inner targets (its socket in the gateway dir).
-        from agentbox.egress import escape_outcome
+        from agentbox.escape._egress import suite_outcome as escape_outcome
 
         outcomes.append(escape_outcome(box, fx.gateway_dir, settings=settings, vm=vm))
         # The task's gateway, spawned as run_task spawns it (its posture, not the sandbox's).

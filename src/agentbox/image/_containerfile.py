@@ -38,6 +38,7 @@ from typing import Any
 
 from agentbox import _proc
 from agentbox._log import get_logger
+from agentbox._oci import HOST_KERNEL_RUNTIMES, PODMAN_RUNTIMES
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, ImageError
@@ -147,13 +148,11 @@ def prune_base_images(keep: str) -> list[str]:
 def _build_runtime(settings: Settings) -> list[str]:
     """``podman build --runtime``: the one agentbox's sandboxes use when it runs on the
     host's kernel (crun refuses hybrid cgroup hosts), else podman's first (its default):
-    a runtime with its own kernel (gVisor) does not build. Asked of the backend's traits."""
-    from agentbox.backends import get_backend
-
-    podman = get_backend("podman", settings)
+    a runtime with its own kernel (gVisor) does not build (the podman backend's traits,
+    :mod:`agentbox._oci`)."""
     runtime: str = settings.runtime
-    if runtime not in podman.runtimes or not podman.shares_host_kernel(runtime):
-        runtime = podman.runtimes[0]
+    if runtime not in PODMAN_RUNTIMES or runtime not in HOST_KERNEL_RUNTIMES:
+        runtime = PODMAN_RUNTIMES[0]
     return ["--runtime", runtime] if shutil.which(runtime) else []
 
 

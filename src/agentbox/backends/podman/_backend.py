@@ -42,6 +42,7 @@ import psutil
 
 from agentbox import _proc
 from agentbox._log import get_logger
+from agentbox._oci import HOST_KERNEL_RUNTIMES, PODMAN_RUNTIMES
 from agentbox.backends._oci_args import (
     CONMON_GRACE,
     ImageFacts,
@@ -117,13 +118,13 @@ class PodmanBackend(PodmanDetached):
 
     name = "podman"
     kind: BackendKind = "container"
-    runtimes: tuple[str, ...] = ("runc", "crun", "runsc")
+    runtimes: tuple[str, ...] = PODMAN_RUNTIMES
     snapshots = False
     environments_refused: str | None = None  # the environment: a host overlay bind-mounted
 
     def shares_host_kernel(self, runtime: str) -> bool:
         """runc and crun run on the host's kernel; runsc (gVisor) brings its own."""
-        return runtime in ("runc", "crun")
+        return runtime in HOST_KERNEL_RUNTIMES
 
     def bind_source_uid(self, runtime: str) -> int | None:
         """runsc's gofer opens bind-mount sources as the mapped container root."""

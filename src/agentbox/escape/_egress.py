@@ -1,5 +1,8 @@
 """The escape suite's egress probe: from inside a sandbox, ask the proxy for inner targets.
 
+Part of the suite (it builds the suite's :class:`Outcome`), over the egress package's
+facade: the proxy it tests never imports the suite that tests it.
+
 The host starts a real proxy (:func:`spawn_proxy`, dropped like a task's) whose
 allow-list names ``localhost`` and a cloud metadata name;
 its socket appears in the sandbox's mounted gateway directory for the length of
@@ -25,8 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agentbox.config import Settings
-from agentbox.egress._policy import AllowRule, EgressLimits, EgressPolicy
-from agentbox.egress._process import spawn_proxy
+from agentbox.egress import AllowRule, EgressLimits, EgressPolicy, spawn_proxy
 from agentbox.errors import AgentboxError
 
 if TYPE_CHECKING:
