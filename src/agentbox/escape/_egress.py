@@ -23,13 +23,13 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from agentbox.config import Settings
 from agentbox.egress import AllowRule, EgressLimits, EgressPolicy, spawn_proxy
 from agentbox.errors import AgentboxError
+from agentbox.escape._probeio import _Execs
 
 if TYPE_CHECKING:
     from agentbox.escape import Outcome
@@ -82,19 +82,6 @@ for method, target in cfg["targets"]:
     out.append(rec)
 print(json.dumps({"results": out}))
 """
-
-
-class _Execs(Protocol):
-    def exec(
-        self,
-        argv: Sequence[str],
-        *,
-        env: Any = None,
-        timeout: float | None = None,
-        stdin: bytes | None = None,
-        on_stdout: Any = None,
-        on_stderr: Any = None,
-    ) -> Any: ...
 
 
 def probe_policy(*, checked: bool = True) -> EgressPolicy:
