@@ -15,6 +15,7 @@ the previous task's transcript (:mod:`agentbox.launcher._session`).
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,9 +23,6 @@ import typer
 from pydantic import ValidationError
 
 from agentbox.boxfile import Boxfile, load_boxfile
-from agentbox.cli._client import ensure_service, in_process
-from agentbox.cli._follow import follow, quiet_print
-from agentbox.cli._view import console, dump, err, print_diff, report_text, safe
 from agentbox.config import Settings, load_settings
 from agentbox.errors import PolicyRefused
 from agentbox.launcher.api import TaskInfo, TaskRequest
@@ -121,6 +119,8 @@ def register(app: typer.Typer) -> None:
         """
         text = _task_text(task, task_file)
         settings = load_settings()
+        from agentbox.cli._client import in_process
+
         launcher = in_process(1, settings)
         try:
             prev = launcher.get(validate_task_id(previous))
@@ -168,6 +168,9 @@ def _request(**fields: Any) -> TaskRequest:
 
 def _detach(settings: Settings, req: TaskRequest, *, as_json: bool) -> None:
     """Submit to the launcher service; print the id (``{"id": …}`` with --json) and exit 0."""
+    from agentbox.cli._client import ensure_service
+    from agentbox.cli._view import dump, err, safe
+
     say = (lambda m: None) if as_json else (lambda m: err.print(safe(m)))
     client = ensure_service(settings, say=say)
     try:
@@ -188,22 +191,32 @@ def _detach(settings: Settings, req: TaskRequest, *, as_json: bool) -> None:
 
 
 def _foreground(req: TaskRequest, box: Boxfile | None, *, as_json: bool) -> None:
+    """Run the task in this process and follow it.
+
+    The task is submitted first: what only following and printing need (rich, the
+    report's views) is imported while its sandbox starts, and the orphan sweep
+    runs beside it (:func:`_sweep_beside`).
+    """
     from agentbox._reap import exit_on_signals
+    from agentbox.cli._client import in_process
 
     launcher = in_process()
     # TERM, HUP, … act like Ctrl-C (cancel, collect the partial result); a SIGKILL
     # is answered by the task's watchdog, which reaps the sandbox and the gateway,
     # and the task is settled by the next launcher (or `agentbox wait`/`show`).
     with exit_on_signals():
+        sweep = _sweep_beside(launcher)
         try:
-            launcher.reconcile(adopt=False)  # others' tasks are the service's to adopt
             info = launcher.submit(req, boxfile=box)
             info = _follow(launcher, info, as_json=as_json)
         except KeyboardInterrupt:
             launcher.shutdown()  # interrupted before _follow took over: cancel, collect
             raise
         finally:
+            sweep.join()
             launcher.close()
+    from agentbox.cli._view import dump, print_diff, report_text
+
     res = launcher.result(info.id)
     if as_json:
         dump({"task": info.model_dump(mode="json"), "result": res.model_dump(mode="json")})
@@ -213,9 +226,33 @@ def _foreground(req: TaskRequest, box: Boxfile | None, *, as_json: bool) -> None
     raise typer.Exit(0 if info.status == "done" else 1)
 
 
+def _sweep_beside(launcher: Any) -> threading.Thread:
+    """The orphan sweep of a foreground run (``reconcile(adopt=False)``: others' tasks
+    are the service's to adopt), on a thread beside the task instead of before it.
+
+    Safe while this launcher starts its task: the sweep lists what runs before it
+    reads the records, and a task is recorded before its gateway and sandbox start
+    (:func:`agentbox.launcher._adopt.remove_orphans`); a task of this launcher is
+    never an orphan. A sweep that fails is logged; the task goes on.
+    """
+    from agentbox._log import get_logger
+
+    def sweep() -> None:
+        try:
+            launcher.reconcile(adopt=False)
+        except Exception as exc:  # the sweep is housekeeping: never the task's failure
+            get_logger("cli").warning("orphan sweep failed", error=str(exc)[-500:])
+
+    thread = threading.Thread(target=sweep, name="agentbox-orphan-sweep")
+    thread.start()
+    return thread
+
+
 def _follow(launcher: Any, info: TaskInfo, *, as_json: bool) -> TaskInfo:
     """Follow the task; Ctrl-C (or any ending signal) cancels it and collects."""
+    from agentbox.cli._follow import follow, quiet_print
     from agentbox.cli._logs import EventTail
+    from agentbox.cli._view import console, err
     from agentbox.paths import TaskPaths
 
     task_id = info.id

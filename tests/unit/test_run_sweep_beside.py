@@ -1,0 +1,104 @@
+"""A foreground ``agentbox run`` starts its task first and sweeps orphans beside it.
+
+The sweep (``reconcile(adopt=False)``) lists podman, docker and qemu sandboxes and
+the gateways: 0.1-0.3 s of subprocesses that used to come before the task's own
+start. It now runs on a thread beside the task, is done before the command ends,
+and a sweep that fails is logged while the task goes on. The real launcher runs the
+task on the in-process FakeBackend; only the sandbox and the gateway are stand-ins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_lifecycle_fake
+import typer
+
+from agentbox.backends.fake import FakeBackend, FakeScript
+from agentbox.cli import _run
+from agentbox.config import Settings
+from agentbox.errors import SandboxError
+from agentbox.launcher import Launcher, TaskRequest
+from git_helpers import git
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the launcher chowns the workspace to the sandbox uid (root)"
+)
+
+fake = test_lifecycle_fake.fake
+
+
+@pytest.fixture
+def repo(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A committed repo; the CLI's settings (read from the environment) are ``settings``."""
+    monkeypatch.setenv("AGENTBOX_DATA_DIR", str(settings.data_dir))
+    monkeypatch.setenv("AGENTBOX_REPOS_ROOT", str(settings.repos_root))
+    path = settings.repos_root / "proj"
+    path.mkdir()
+    git(path, "init", "-q", "-b", "main")
+    (path / "README.md").write_text("hello\n")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init")
+    return path
+
+
+def _run_in_foreground(repo: Path) -> int:
+    req = TaskRequest(repo=str(repo), task="add a.txt")
+    with (
+        FakeBackend.scripted(FakeScript(files={"a.txt": b"a\n"})),
+        pytest.raises(typer.Exit) as ended,
+    ):
+        _run._foreground(req, None, as_json=True)
+    code: int = ended.value.exit_code
+    return code
+
+
+def test_the_task_is_submitted_before_the_orphan_sweep_runs(
+    fake: type[FakeBackend], repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    submitted = threading.Event()
+    swept: list[tuple[bool, bool]] = []
+    real_submit, real_reconcile = Launcher.submit, Launcher.reconcile
+
+    def submit(self: Launcher, *args: Any, **kw: Any) -> Any:
+        info = real_submit(self, *args, **kw)
+        submitted.set()
+        return info
+
+    def reconcile(self: Launcher, *, adopt: bool = True) -> list[str]:
+        # Before the change the sweep ran first, in the command's own thread: it waited
+        # here for a submit that could only come after it, and failed.
+        first = submitted.wait(20)
+        swept.append((adopt, first))
+        assert first, "the orphan sweep ran before the task was submitted"
+        return real_reconcile(self, adopt=adopt)
+
+    monkeypatch.setattr(Launcher, "submit", submit)
+    monkeypatch.setattr(Launcher, "reconcile", reconcile)
+    code = _run_in_foreground(repo)
+    out = json.loads(capsys.readouterr().out)
+    assert swept == [(False, True)]  # once, others' tasks left to the service, after submit
+    assert code == 0, out
+    assert out["task"]["status"] == "done"
+    assert out["result"]["changed"] is True and "a.txt" in out["result"]["diff"]
+    assert not [t for t in threading.enumerate() if t.name == "agentbox-orphan-sweep"]
+
+
+def test_a_failed_sweep_is_logged_and_the_task_goes_on(
+    fake: type[FakeBackend], repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    def reconcile(self: Launcher, *, adopt: bool = True) -> list[str]:
+        raise SandboxError("podman ps failed: cannot connect", sandbox="-")
+
+    monkeypatch.setattr(Launcher, "reconcile", reconcile)
+    code = _run_in_foreground(repo)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert code == 0 and out["task"]["status"] == "done"
+    assert "orphan sweep failed" in captured.err
+    assert "podman ps failed" in captured.err
