@@ -326,19 +326,25 @@ def agentbox_api(
     return total, phases
 
 
-def agentbox_pooled(settings: Settings, runs: int) -> tuple[list[float], list[list[float]]]:
-    """As :func:`agentbox_api`, with a warm pool of one topped up before each task (what
-    ``launcher serve``'s keeper does in the background) and drained at the end."""
+@contextmanager
+def warm_pool(
+    settings: Settings,
+) -> Iterator[Callable[[int], tuple[list[float], list[list[float]]]]]:
+    """:func:`agentbox_api` with a warm pool of one topped up before each task (what
+    ``launcher serve``'s keeper does in the background), drained at the end."""
     pooled = settings.model_copy(update={"pool_size": 1})
     backend = get_backend(pooled.backend, pooled)
     if backend.pool_refused(pooled.runtime) is not None:
         raise SystemExit(f"no warm pool: {backend.pool_refused(pooled.runtime)}")
     template = pool_template(pooled)
-    try:
-        agentbox_api(pooled, 1, lambda: backend.fill_pool(template, 1, ttl=pooled.pool_ttl))
+
+    def run(runs: int) -> tuple[list[float], list[list[float]]]:
         return agentbox_api(
             pooled, runs, lambda: backend.fill_pool(template, 1, ttl=pooled.pool_ttl)
         )
+
+    try:
+        yield run
     finally:
         backend.drain_pool()
 
@@ -388,19 +394,38 @@ def main() -> int:
         settings = Settings(
             data_dir=base / "data", repos_root=base / "repos", models_file=base / "models.toml"
         )
-        # One warm-up of each side (page cache, image layers), not counted.
-        for sub in ("warm", "b", "bare"):
-            (base / sub).mkdir()
-        baseline(base / "warm", script, 1)
-        agentbox_api(settings, 1)
-
-        base_t = baseline(base / "b", script, args.runs)
-        bare_t = baseline(base / "bare", script, args.runs, bare=settings.image)
-        api_t, phases = agentbox_api(settings, args.runs)
-        cli_t, pool_t, pool_phases = [], [], []
-        if not args.quick:
-            cli_t = agentbox_cli(base, args.runs)
-            pool_t, pool_phases = agentbox_pooled(settings, args.runs)
+        base_t: list[float] = []
+        bare_t: list[float] = []
+        api_t: list[float] = []
+        cli_t: list[float] = []
+        pool_t: list[float] = []
+        phases: list[list[float]] = []
+        pool_phases: list[list[float]] = []
+        with contextlib.ExitStack() as stack:
+            pooled = None if args.quick else stack.enter_context(warm_pool(settings))
+            # One warm-up of each side (page cache, image layers), not counted.
+            (base / "warm").mkdir()
+            baseline(base / "warm", script, 1)
+            agentbox_api(settings, 1)
+            if pooled is not None:
+                pooled(1)
+            # Rounds, each row once per round: this host's speed drifts by tens of
+            # percent over a minute (a VM with neighbours), and a row measured all at
+            # once would carry the drift into its ratio.
+            for i in range(args.runs):
+                for sub in (f"b{i}", f"bare{i}"):
+                    (base / sub).mkdir()
+                base_t += baseline(base / f"b{i}", script, 1)
+                bare_t += baseline(base / f"bare{i}", script, 1, bare=settings.image)
+                t, ph = agentbox_api(settings, 1)
+                api_t += t
+                phases += ph
+                if pooled is not None:
+                    cli_t += agentbox_cli(base, 1)
+                    t, ph = pooled(1)
+                    pool_t += t
+                    pool_phases += ph
+                print(f"round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -412,7 +437,10 @@ def main() -> int:
         ("agentbox run (whole CLI command)", cli_t),
         ("agentbox Launcher API, warm pool", pool_t),
     ]
-    print(f"\nwhole-task overhead, one-turn replay script, {args.runs} runs each (median / min)\n")
+    print(
+        f"\nwhole-task overhead, one-turn replay script, {args.runs} rounds of every row"
+        " (median / min)\n"
+    )
     print(f"| {'what':<38} | {'median s':>8} | {'min s':>7} | {'x baseline':>10} |")
     print(f"|{'-' * 40}|{'-' * 10}|{'-' * 9}|{'-' * 12}|")
     for name, ts in rows:
