@@ -184,9 +184,9 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
             body = container_body(self._bound(spec, binds), self.settings, self.facts(),
                                   image_id, unsafe_host_config=self.unsafe_host_config)  # fmt: skip
             made = self.client.api.create_container_from_config(body, name=spec.name)
-        except Exception as exc:
+        except BaseException as exc:
             binds.release()
-            if isinstance(exc, AgentboxError):
+            if not isinstance(exc, Exception) or isinstance(exc, AgentboxError):
                 raise
             if status_of(exc) == 404:
                 forget_images()
@@ -198,7 +198,7 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
             api.start(box.id)
         except Exception as exc:
             with contextlib.suppress(AgentboxError):
-                self.remove_container(box.id)
+                box._remove()  # the container, then its bind points (kill no longer does)
             raise SandboxError(f"docker could not start it: {exc}", sandbox=spec.name) from exc
         box._start_watchdog()
         if spec.runtime == "runc":
@@ -259,36 +259,45 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
             if status_of(exc) not in (404, 409):
                 raise SandboxError(f"docker kill: {exc}", sandbox=ident) from exc
 
-    def remove_container(self, ident: str) -> None:
-        """Kill and remove container ``ident``, then wait until it is gone; absent is fine."""
+    def remove_container(self, ident: str) -> bool:
+        """Kill and remove container ``ident``, then wait until it is gone; absent is fine
+        (False: there was no container to remove)."""
         api = self.client.api
         self.kill_container(ident)
         err: Exception | None = None
         for _ in range(5):
             try:
                 api.remove_container(ident, force=True)
-                return
+                return True
             except Exception as exc:
                 if status_of(exc) == 404:
-                    return
+                    return err is not None  # gone since a failed try: it was there
                 err = exc
                 with contextlib.suppress(Exception):
                     api.wait(ident, timeout=2, condition="removed")
         raise SandboxError(f"could not remove: {err}", sandbox=ident) from err
 
     def kill(self, name: str) -> list[str]:
-        """Kill container ``name``, remove it and its bind points; the workspace is a
-        host bind mount: nothing is lost."""
-        self.remove_container(name)
+        """Kill container ``name`` and remove it, then its bind points; absent is fine.
+        The workspace is a host bind mount: nothing is lost.
+
+        No container: nothing is released. Its bind points may be the ones a launch is
+        preparing this moment, before it creates the container (a cancel, repeated by
+        the launcher's monitor, can come then); the owner releases them when its
+        sandbox ends or fails to start, :meth:`reap` when the owner is dead."""
+        if not self.remove_container(name):
+            return []
         HostBinds(self.settings, name).release_all()
         return [name]
 
     def reap(self, name: str) -> list[str]:
-        """Remove container ``name`` whose owner died, then settle its workspace disk."""
-        done = self.kill(name)
+        """Remove container ``name`` whose owner died and its bind points (container or
+        not: no launch of a dead owner is in progress), then settle its workspace disk."""
+        self.remove_container(name)
+        HostBinds(self.settings, name).release_all()  # before the disk they may bind
         for disk in settle_orphan_disks(self.settings, name):
             log.info("settled the workspace disk of a dead owner", sandbox=disk)
-        return done
+        return [name]
 
     def recover(self, name: str, into: Path) -> list[str]:
         """The workspace is a host bind mount: only a workspace disk needs settling."""

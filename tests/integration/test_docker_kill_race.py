@@ -1,0 +1,146 @@
+"""A docker sandbox's bind points against a kill that races its launch, on a real Engine.
+
+A launch first prepares the hardened bind points of its mounts (``_binds.py``), then
+creates the container on them. A cancel's kill (repeated by the launcher's monitor)
+can come in between: with no container to remove, it must release nothing, or the
+launch goes on with its binds gone under it. ``reap`` (owner dead: no launch in
+progress) still releases them, container or not; a start that fails releases its own.
+
+Every sandbox goes through ``sandbox_factory``; the bind points are checked by hand
+(``HostBinds.leftovers``): the leak guard does not look at them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentbox.backends import get_backend
+from agentbox.backends.base import SandboxSpec
+from agentbox.backends.docker import DockerBackend
+from agentbox.backends.docker._binds import HostBinds
+from agentbox.config import Settings
+from agentbox.errors import SandboxError
+from sandbox_leaks import SandboxTracker
+
+pytestmark = pytest.mark.docker
+
+WAIT = 120.0  # a bound on every wait, so a broken launch fails the test, never hangs it
+
+
+@pytest.fixture
+def backend(
+    settings_factory: Callable[[], Settings], default_image: str
+) -> Iterator[DockerBackend]:
+    be = get_backend("docker", settings_factory())
+    assert isinstance(be, DockerBackend)
+    yield be
+    be.client.close()
+
+
+@pytest.fixture
+def boxes(
+    backend: DockerBackend, sandbox_factory: Callable[[DockerBackend, Settings], SandboxTracker]
+) -> SandboxTracker:
+    return sandbox_factory(backend, backend.settings)
+
+
+def _spec(be: DockerBackend, name: str, ws: Path) -> SandboxSpec:
+    return SandboxSpec(name=name, image=be.settings.image, workspace=ws)
+
+
+def test_a_kill_during_the_launch_leaves_its_binds(
+    backend: DockerBackend,
+    boxes: SandboxTracker,
+    workspace_factory: Callable[[Settings], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launch is held between its bind set-up and its container create while
+    another backend (as the launcher's ``kill_sandbox`` makes one) kills the name."""
+    ws = workspace_factory(backend.settings)
+    spec = _spec(backend, f"dk-race-{os.getpid()}", ws)
+    binds = HostBinds(backend.settings, spec.name)
+    api = backend.client.api
+    create = api.create_container_from_config
+    held, go = threading.Event(), threading.Event()
+
+    def paused_create(*args: Any, **kw: Any) -> Any:
+        held.set()
+        go.wait(WAIT)
+        return create(*args, **kw)
+
+    monkeypatch.setattr(api, "create_container_from_config", paused_create)
+    made: list[Any] = []
+
+    def launch() -> None:
+        try:
+            made.append(boxes.create(spec))
+        except BaseException as exc:
+            made.append(exc)
+
+    launcher = threading.Thread(target=launch, name="dk-race-launch")
+    launcher.start()
+    killer = get_backend("docker", Settings(data_dir=backend.settings.data_dir))
+    assert isinstance(killer, DockerBackend)
+    try:
+        assert held.wait(WAIT), "the launch never reached its container create"
+        assert binds.leftovers(), "the launch prepared no bind point"
+        found = killer.kill(spec.name)
+        assert binds.leftovers(), "the kill released the bind points under the launch"
+        assert found == []  # no container: nothing killed, nothing released
+    finally:
+        go.set()
+        launcher.join(WAIT)
+        killer.client.close()
+    assert not launcher.is_alive()
+    assert made and not isinstance(made[0], BaseException), made
+    with made[0] as box:
+        assert box.exec(["sh", "-c", "echo ran > /workspace/out"]).exit_code == 0
+    assert (ws / "out").read_text() == "ran\n"  # the workspace was bound, and written
+    assert binds.leftovers() == []  # the owner's destroy released them
+    boxes.assert_clean()
+
+
+def test_reap_without_a_container_releases_the_binds(
+    backend: DockerBackend, workspace_factory: Callable[[Settings], Path]
+) -> None:
+    """A dead owner's bind points, prepared as a launch does, no container made yet."""
+    name = f"dk-reap-{os.getpid()}"
+    binds = HostBinds(backend.settings, name)
+    try:
+        binds.add(workspace_factory(backend.settings), read_only=False)
+        assert binds.leftovers()
+        backend.reap(name)
+        assert binds.leftovers() == []
+    finally:
+        binds.release()
+
+
+def test_a_failed_start_releases_its_binds(
+    backend: DockerBackend,
+    boxes: SandboxTracker,
+    workspace_factory: Callable[[Settings], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The container is created, the Engine refuses to start it: the container and its
+    bind points go (a kill, which used to release them, may never come)."""
+    spec = _spec(backend, f"dk-nostart-{os.getpid()}", workspace_factory(backend.settings))
+    api = backend.client.api
+
+    def refused(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("start refused (the test's)")
+
+    monkeypatch.setattr(api, "start", refused)
+    binds = HostBinds(backend.settings, spec.name)
+    try:
+        with pytest.raises(SandboxError, match="could not start it"):
+            boxes.create(spec)
+        assert binds.leftovers() == []
+    finally:
+        binds.release_all()  # the leak the test is about: not left for the next
+    boxes.assert_clean()
