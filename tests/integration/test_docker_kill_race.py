@@ -144,3 +144,53 @@ def test_a_failed_start_releases_its_binds(
     finally:
         binds.release_all()  # the leak the test is about: not left for the next
     boxes.assert_clean()
+
+
+def test_a_setup_cancelled_before_its_container_is_still_killed(
+    backend: DockerBackend,
+    boxes: SandboxTracker,
+    workspace_factory: Callable[[Settings], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The setup phase's cancel watcher (``env/_phase.py``) on a real run: its first
+    kill lands before the container exists (the create is held until it returned),
+    so it finds nothing; it must kill again, not leave the run to its deadline."""
+    from agentbox.env._phase import _watch
+
+    name = f"dk-setup-{os.getpid()}"
+    spec = SandboxSpec(name=name, image=backend.settings.image,
+                       workspace=workspace_factory(backend.settings), deadline=20)  # fmt: skip
+    api = backend.client.api
+    create = api.create_container_from_config
+    killed_once = threading.Event()
+
+    def held_create(*args: Any, **kw: Any) -> Any:
+        killed_once.wait(WAIT)
+        return create(*args, **kw)
+
+    monkeypatch.setattr(api, "create_container_from_config", held_create)
+    killer = get_backend("docker", Settings(data_dir=backend.settings.data_dir))
+    assert isinstance(killer, DockerBackend)
+    found: list[list[str]] = []
+
+    def kill() -> None:
+        found.append(killer.kill(name))
+        killed_once.set()
+
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(lambda: True, done, kill))
+    watcher.start()
+    try:
+        res = boxes.run(spec, ["sleep", "600"])
+        assert not res.timed_out, "the run was left to its deadline after the cancel"
+        assert res.exit_code != 0
+    except SandboxError as exc:  # the kill came between its create and its start
+        assert "could not start it" in str(exc), exc
+    finally:
+        done.set()
+        watcher.join(WAIT)
+        killer.client.close()
+    assert found[0] == []  # the first kill: no container yet
+    assert [name] in found  # a later one found it and removed it
+    assert HostBinds(backend.settings, name).leftovers() == []
+    boxes.assert_clean()

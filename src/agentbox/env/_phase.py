@@ -241,13 +241,23 @@ def _shown(info: EnvInfo) -> list[str]:
     return [r for r in info.roots if r != KEEP_DIR] + [f"~/{k}" for k in info.keep]
 
 
+#: After a cancel the setup's sandbox is killed, and killed again this often until its
+#: run ends: a kill before its container exists finds nothing (as the launcher's monitor).
+KILL_AGAIN_EVERY = 2.0
+
+
 def _watch(
     cancelled: Callable[[], bool], done: threading.Event, kill: Callable[[], object]
 ) -> None:
     while not done.wait(0.5):
         if cancelled():
-            with contextlib.suppress(Exception):
-                kill()
+            break
+    else:
+        return
+    while True:
+        with contextlib.suppress(Exception):
+            kill()
+        if done.wait(KILL_AGAIN_EVERY):
             return
 
 
