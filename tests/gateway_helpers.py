@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from agentbox.config import Settings
+from agentbox.gateway import GatewayHandle, spawn_gateway
 from agentbox.gateway._app import Gateway
 from agentbox.gateway._replay import ReplayModel
 from agentbox.gateway._run import build_gateway
@@ -211,3 +213,32 @@ def running_gateway(
         servers.stop()
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
+
+
+def spawn_replay_gateway(
+    tmp_path: Path,
+    settings: Settings,
+    script: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> tuple[GatewayHandle, str]:
+    """A real gateway process (:func:`~agentbox.gateway.spawn_gateway`) serving ``script``
+    (default :data:`CHAT_SCRIPT`) as ``replay-demo``, and its token (written 0600 to
+    ``tmp_path/token``). Socket, usage file and log are in ``tmp_path`` (``gw.sock``,
+    ``usage.json``, ``gw.log``); any of :func:`spawn_gateway`'s arguments overrides."""
+    token = secrets.token_urlsafe(24)
+    token_file = overrides.pop("token_file", tmp_path / "token")
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    args: dict[str, Any] = {
+        "socket_path": tmp_path / "gw.sock",
+        "token_file": token_file,
+        "model": "replay-demo",
+        "budget": 50_000,
+        "usage_file": tmp_path / "usage.json",
+        "settings": settings,
+        "log_file": tmp_path / "gw.log",
+    }
+    args.update(overrides)
+    if "replay_script" not in args:
+        args["replay_script"] = write_script(tmp_path, script or CHAT_SCRIPT)
+    return spawn_gateway(**args), token

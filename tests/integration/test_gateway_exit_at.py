@@ -18,30 +18,17 @@ import pytest
 
 from agentbox._cgroups import UNIT_KEYS, cgroups_of, unit_hierarchies
 from agentbox.config import Settings
-from agentbox.gateway import _process, read_usage, spawn_gateway
+from agentbox.gateway import _process, read_usage
 from agentbox.gateway._process import GATEWAY_CGROUP
-from gateway_helpers import CHAT_SCRIPT, write_script
+from gateway_helpers import spawn_replay_gateway
 
 
 def test_the_gateway_exits_at_its_exit_time_with_usage_written(
     tmp_path: Path, settings: Settings
 ) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text(secrets.token_urlsafe(24))
-    token_file.chmod(0o600)
     usage = tmp_path / "usage.json"
     exit_at = time.time() + 4.0
-    handle = spawn_gateway(
-        socket_path=tmp_path / "gw.sock",
-        token_file=token_file,
-        model="replay-demo",
-        budget=50_000,
-        usage_file=usage,
-        settings=settings,
-        replay_script=write_script(tmp_path, CHAT_SCRIPT),
-        log_file=tmp_path / "gw.log",
-        exit_at=exit_at,
-    )
+    handle, _ = spawn_replay_gateway(tmp_path, settings, exit_at=exit_at)
     try:
         proc = psutil.Process(handle.pid)
         assert "--exit-at" in proc.cmdline()
@@ -71,25 +58,12 @@ def test_a_launcher_in_a_service_unit_starts_its_gateway_outside_the_unit(
         pytest.skip("needs root at the root of the name=systemd or unified cgroup hierarchy")
     unit = f"agentbox-test-{secrets.token_hex(4)}.service"
     monkeypatch.setattr(_process, "leave_unit_cgroup", lambda pid: [])  # the second line off
-    token_file = tmp_path / "token"
-    token_file.write_text(secrets.token_urlsafe(24))
-    token_file.chmod(0o600)
     for k in keys:
         (mounts[k] / unit).mkdir()
     try:
         for k in keys:  # this process plays the launcher of a systemd service
             (mounts[k] / unit / "cgroup.procs").write_text("0")
-        handle = spawn_gateway(
-            socket_path=tmp_path / "gw.sock",
-            token_file=token_file,
-            model="replay-demo",
-            budget=50_000,
-            usage_file=tmp_path / "usage.json",
-            settings=settings,
-            replay_script=write_script(tmp_path, CHAT_SCRIPT),
-            log_file=tmp_path / "gw.log",
-            exit_at=time.time() + 120,
-        )
+        handle, _ = spawn_replay_gateway(tmp_path, settings, exit_at=time.time() + 120)
         try:
             theirs = cgroups_of(handle.pid)
             assert {k: theirs.get(k) for k in keys} == {k: f"/{GATEWAY_CGROUP}" for k in keys}

@@ -5,7 +5,6 @@ not, keyed by the upstream's message id, summing to the usage file's totals."""
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,30 +14,18 @@ import httpx2
 import pytest
 
 from agentbox.config import Settings
-from agentbox.gateway import read_requests, spawn_gateway
-from gateway_helpers import CHAT_SCRIPT, wait_usage, write_script
+from agentbox.gateway import read_requests
+from gateway_helpers import spawn_replay_gateway, wait_usage
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="drops to another uid: needs root")
 
 
 def test_ledger_of_a_confined_gateway_sums_to_usage(tmp_path: Path, settings: Settings) -> None:
-    token = secrets.token_urlsafe(24)
-    token_file = tmp_path / "token"
-    token_file.write_text(token + "\n")
-    token_file.chmod(0o600)
     task = Path(tempfile.mkdtemp(prefix="agentbox-gw-ledger-", dir="/tmp"))
     usage = task / "usage.json"
     sock = tmp_path / "gw.sock"
-    handle = spawn_gateway(
-        socket_path=sock,
-        token_file=token_file,
-        model="replay-demo",
-        budget=50_000,
-        usage_file=usage,
-        settings=settings,
-        replay_script=write_script(tmp_path, CHAT_SCRIPT),
-        log_file=tmp_path / "gw.log",
-        run_as=(65534, 65534),
+    handle, token = spawn_replay_gateway(
+        tmp_path, settings, usage_file=usage, run_as=(65534, 65534)
     )
     try:
         assert usage.is_symlink()  # the confined layout: the ledger is in usage.json.d/

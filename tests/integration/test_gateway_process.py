@@ -18,7 +18,7 @@ import pytest
 from agentbox.config import Settings
 from agentbox.errors import ConfigError, GatewayError
 from agentbox.gateway import read_usage, spawn_gateway
-from gateway_helpers import CHAT_SCRIPT, wait_usage, write_script
+from gateway_helpers import spawn_replay_gateway, wait_usage
 
 
 def _token(tmp_path: Path) -> tuple[str, Path]:
@@ -30,20 +30,9 @@ def _token(tmp_path: Path) -> tuple[str, Path]:
 
 
 def test_spawn_serve_stop(tmp_path: Path, settings: Settings) -> None:
-    token, token_file = _token(tmp_path)
     sock = tmp_path / "gw.sock"
     usage = tmp_path / "usage.json"
-    script = write_script(tmp_path, CHAT_SCRIPT)
-    handle = spawn_gateway(
-        socket_path=sock,
-        token_file=token_file,
-        model="replay-demo",
-        budget=50_000,
-        usage_file=usage,
-        settings=settings,
-        replay_script=script,
-        log_file=tmp_path / "gw.log",
-    )
+    handle, token = spawn_replay_gateway(tmp_path, settings)
     try:
         assert handle.alive()
         assert stat.S_IMODE(sock.stat().st_mode) == 0o660
@@ -120,22 +109,13 @@ def test_cli_refuses_non_loopback_and_lists_models(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
 def test_spawn_drops_privileges(tmp_path: Path, settings: Settings) -> None:
-    token, token_file = _token(tmp_path)
     # The usage file's directory must be reachable and writable by the dropped identity.
     usage_dir = Path(tempfile.mkdtemp(prefix="agentbox-gw-usage-", dir="/tmp"))
     os.chown(usage_dir, 65534, 65534)
     usage = usage_dir / "usage.json"
     sock = tmp_path / "gw.sock"
-    handle = spawn_gateway(
-        socket_path=sock,
-        token_file=token_file,
-        model="replay-demo",
-        budget=50_000,
-        usage_file=usage,
-        settings=settings,
-        replay_script=write_script(tmp_path, CHAT_SCRIPT),
-        log_file=tmp_path / "gw.log",
-        run_as=(65534, 65534),
+    handle, token = spawn_replay_gateway(
+        tmp_path, settings, usage_file=usage, run_as=(65534, 65534)
     )
     try:
         status = dict(

@@ -10,15 +10,13 @@ gateway process; the launcher's end of the pipe is closed as its death would.
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from pathlib import Path
 
 import httpx
 
 from agentbox.config import Settings
-from agentbox.gateway import spawn_gateway
-from gateway_helpers import CHAT_SCRIPT, write_script
+from gateway_helpers import spawn_replay_gateway
 
 HI = {"max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -26,21 +24,7 @@ HI = {"max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
 def test_a_gateway_whose_launcher_is_gone_before_ready_still_serves(
     tmp_path: Path, settings: Settings
 ) -> None:
-    token = secrets.token_urlsafe(24)
-    token_file = tmp_path / "token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)
-    handle = spawn_gateway(
-        socket_path=tmp_path / "gw.sock",
-        token_file=token_file,
-        model="replay-demo",
-        budget=50_000,
-        usage_file=tmp_path / "usage.json",
-        settings=settings,
-        replay_script=write_script(tmp_path, CHAT_SCRIPT),
-        log_file=tmp_path / "gw.log",
-        wait=False,
-    )
+    handle, token = spawn_replay_gateway(tmp_path, settings, wait=False)
     try:
         fd, handle._ready_fd = handle._ready_fd, None  # the launcher dies: its end closes
         assert fd is not None, "wait=False must leave the ready pipe to the caller"

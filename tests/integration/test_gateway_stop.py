@@ -20,9 +20,16 @@ import httpx2
 import pytest
 
 from agentbox.config import Settings
-from agentbox.gateway import read_usage, spawn_gateway
+from agentbox.gateway import read_usage
 from agentbox.gateway._run import build_gateway
-from gateway_helpers import CHAT_SCRIPT, ThreadServers, replay_entry, wait_usage, write_script
+from gateway_helpers import (
+    CHAT_SCRIPT,
+    ThreadServers,
+    replay_entry,
+    spawn_replay_gateway,
+    wait_usage,
+    write_script,
+)
 
 
 def test_a_stop_pauses_for_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,22 +64,9 @@ def test_a_stop_pauses_for_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def test_a_stop_answers_the_request_in_flight_and_counts_it(
     tmp_path: Path, settings: Settings
 ) -> None:
-    token = secrets.token_urlsafe(24)
-    token_file = tmp_path / "token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)
     script = dict(CHAT_SCRIPT, turns=[dict(CHAT_SCRIPT["turns"][0], delay=1.0)])
     sock, usage = tmp_path / "gw.sock", tmp_path / "usage.json"
-    handle = spawn_gateway(
-        socket_path=sock,
-        token_file=token_file,
-        model="replay-demo",
-        budget=50_000,
-        usage_file=usage,
-        settings=settings,
-        replay_script=write_script(tmp_path, script),
-        log_file=tmp_path / "gw.log",
-    )
+    handle, token = spawn_replay_gateway(tmp_path, settings, script)
     got: dict[str, Any] = {}
 
     def ask() -> None:
