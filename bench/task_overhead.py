@@ -327,26 +327,41 @@ def agentbox_api(
 
 
 @contextmanager
-def warm_pool(
-    settings: Settings,
-) -> Iterator[Callable[[int], tuple[list[float], list[list[float]]]]]:
-    """:func:`agentbox_api` with a warm pool of one topped up before each task (what
-    ``launcher serve``'s keeper does in the background), drained at the end."""
+def warm_pool(settings: Settings) -> Iterator[WarmPool]:
+    """A warm pool of one, drained at the end (see :class:`WarmPool`)."""
     pooled = settings.model_copy(update={"pool_size": 1})
     backend = get_backend(pooled.backend, pooled)
     if backend.pool_refused(pooled.runtime) is not None:
         raise SystemExit(f"no warm pool: {backend.pool_refused(pooled.runtime)}")
-    template = pool_template(pooled)
-
-    def run(runs: int) -> tuple[list[float], list[list[float]]]:
-        return agentbox_api(
-            pooled, runs, lambda: backend.fill_pool(template, 1, ttl=pooled.pool_ttl)
-        )
-
     try:
-        yield run
+        yield WarmPool(pooled, backend, pool_template(pooled))
     finally:
         backend.drain_pool()
+
+
+class WarmPool:
+    """Tasks that find a pooled sandbox of their shape waiting: the pool is topped up
+    (untimed) before each, as ``launcher serve``'s keeper does in the background."""
+
+    def __init__(self, settings: Settings, backend: Any, template: Any) -> None:
+        self.settings, self.backend, self.template = settings, backend, template
+
+    def fill(self) -> None:
+        self.backend.fill_pool(self.template, 1, ttl=self.settings.pool_ttl)
+
+    def api(self, runs: int) -> tuple[list[float], list[list[float]]]:
+        """:func:`agentbox_api` on the pool."""
+        return agentbox_api(self.settings, runs, self.fill)
+
+    def cli(self, base: Path) -> float:
+        """One ``agentbox run`` (:func:`agentbox_cli`) that must claim the pooled sandbox:
+        a foreground run's launcher claims one a service's keeper left, as here."""
+        self.fill()
+        (took,) = agentbox_cli(base, 1)
+        left = self.backend.drain_pool()
+        if left:
+            raise SystemExit(f"agentbox run did not claim the pooled sandbox ({left})")
+        return took
 
 
 def agentbox_cli(base: Path, runs: int) -> list[float]:
@@ -398,17 +413,19 @@ def main() -> int:
         bare_t: list[float] = []
         api_t: list[float] = []
         cli_t: list[float] = []
+        cli_pool_t: list[float] = []
         pool_t: list[float] = []
         phases: list[list[float]] = []
         pool_phases: list[list[float]] = []
         with contextlib.ExitStack() as stack:
-            pooled = None if args.quick else stack.enter_context(warm_pool(settings))
+            pool = None if args.quick else stack.enter_context(warm_pool(settings))
             # One warm-up of each side (page cache, image layers), not counted.
             (base / "warm").mkdir()
             baseline(base / "warm", script, 1)
             agentbox_api(settings, 1)
-            if pooled is not None:
-                pooled(1)
+            if pool is not None:
+                pool.api(1)
+                pool.cli(base)
             # Rounds, each row once per round: this host's speed drifts by tens of
             # percent over a minute (a VM with neighbours), and a row measured all at
             # once would carry the drift into its ratio.
@@ -420,9 +437,10 @@ def main() -> int:
                 t, ph = agentbox_api(settings, 1)
                 api_t += t
                 phases += ph
-                if pooled is not None:
+                if pool is not None:
                     cli_t += agentbox_cli(base, 1)
-                    t, ph = pooled(1)
+                    cli_pool_t.append(pool.cli(base))
+                    t, ph = pool.api(1)
                     pool_t += t
                     pool_phases += ph
                 print(f"round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
@@ -436,6 +454,7 @@ def main() -> int:
         ("agentbox Launcher API (submit→wait)", api_t),
         ("agentbox run (whole CLI command)", cli_t),
         ("agentbox Launcher API, warm pool", pool_t),
+        ("agentbox run (whole CLI), warm pool", cli_pool_t),
     ]
     print(
         f"\nwhole-task overhead, one-turn replay script, {args.runs} rounds of every row"
