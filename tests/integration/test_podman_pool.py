@@ -321,8 +321,8 @@ def test_refill_drain_and_orphan_sweep(
     podman_boxes: SandboxTracker,
 ) -> None:
     """fill tops the pool up to its size and no further; drain removes every unclaimed
-    sandbox and the pool mount; a dead launcher's pool is reaped by the next one's
-    orphan sweep (owned sandboxes no task holds), slots included."""
+    sandbox and the pool mount; another launcher's orphan sweep leaves a live keeper's
+    pool alone, and reaps a dead launcher's pool, slots included."""
     backend, settings = pooled
     template = _template(default_image, make_workspace())
     first = _fill(podman_boxes, backend, template, 2)
@@ -332,12 +332,29 @@ def test_refill_drain_and_orphan_sweep(
     assert sorted(pool.drain(settings)) == sorted(first)
     assert not pool_left(settings)
     assert not pool_mounted(settings)
-    # a launcher that died with a pool: the next one's reconcile reaps what no task holds
-    orphans = _fill(podman_boxes, backend, template, 1)
+    # another launcher's reconcile (a foreground `agentbox run` beside the service)
+    # leaves a live keeper's pool alone: it used to reap every entry as an orphan
     store = Store(settings.data_dir / "state.db")
+    kept = _fill(podman_boxes, backend, template, 1)
     remove_orphans(settings, store)
-    assert not any(n in _containers(pool.SLOT_PREFIX) for n in orphans)
-    assert not (pool.pool_dir(settings) / "slots" / orphans[0]).exists()
+    assert kept[0] in _containers(pool.SLOT_PREFIX), "a live keeper's pool was reaped"
+    assert (pool.pool_dir(settings) / "slots" / kept[0] / "ready").is_file()
+    # a launcher that died with a pool: the next one's reconcile reaps what no task holds
+    _filled_by_a_dead_launcher(settings, kept[0])
+    remove_orphans(settings, store)
+    assert not any(n in _containers(pool.SLOT_PREFIX) for n in kept)
+    assert not (pool.pool_dir(settings) / "slots" / kept[0]).exists()
+
+
+def _filled_by_a_dead_launcher(settings: Settings, slot: str) -> None:
+    """Rewrite ``slot``'s ready record as if a process that has exited had filled it."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    path = pool.pool_dir(settings) / "slots" / slot / "ready"
+    ready = json.loads(path.read_text())
+    ready.update(filler=gone.pid, filler_start=ready["filler_start"])
+    path.unlink()
+    pool.write(path, ready, mode=0o600)
 
 
 def _wait_ready(settings: Settings, n: int, *, but: frozenset[str] = frozenset()) -> set[str]:

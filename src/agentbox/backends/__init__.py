@@ -27,6 +27,7 @@ __all__ = [
     "backend_class",
     "get_backend",
     "owned_sandboxes",
+    "sweep_pools",
     "sweep_stale_files",
 ]
 
@@ -82,6 +83,18 @@ def owned_sandboxes(settings: Settings) -> list[tuple[str, str]]:
             # the first one registered acts for both, with the same verbs.
             found.setdefault(sandbox, name)
     return [(backend, sandbox) for sandbox, backend in found.items()]
+
+
+def sweep_pools(settings: Settings) -> list[str]:
+    """Each backend's warm pool swept of its expired and dead entries (a dead keeper's
+    included: what :func:`owned_sandboxes` leaves out); the names removed."""
+    removed: list[str] = []
+    for name in BACKENDS:
+        try:
+            removed += get_backend(name, settings).drain_pool(everything=False)
+        except (AgentboxError, OSError, ImportError) as exc:
+            log.debug("backend swept no pool here", backend=name, error=str(exc))
+    return removed
 
 
 def sweep_stale_files() -> list[Path]:

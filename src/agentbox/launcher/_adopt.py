@@ -33,7 +33,7 @@ import psutil
 
 from agentbox._log import get_logger
 from agentbox._wait import wait_until
-from agentbox.backends import get_backend, owned_sandboxes, sweep_stale_files
+from agentbox.backends import get_backend, owned_sandboxes, sweep_pools, sweep_stale_files
 from agentbox.config import Settings
 from agentbox.env import release_task_env
 from agentbox.errors import AgentboxError, PathRefused, SandboxGone
@@ -361,6 +361,9 @@ def remove_orphans(settings: Settings, store: Store, *, keep: Collection[str] = 
         if name not in live:
             log.warning("removing orphan sandbox", sandbox=name, backend=backend)
             reap_sandbox(backend, name, settings.data_dir)
+    # Warm pools: not in what the backends list above; a dead keeper's entries go here.
+    for name in sweep_pools(settings):
+        log.warning("removed a pooled sandbox whose keeper is gone", sandbox=name)
     # Older versions wrote sandbox environments (one-time tokens) to /tmp and left
     # them there when killed; the current one keeps them in memory only.
     for stale in sweep_stale_files():

@@ -382,7 +382,11 @@ class PodmanBackend(PodmanDetached):
         return list(settle_orphan_disks(self.settings, name))
 
     def owned(self) -> list[str]:
-        """Containers labelled with this data dir (the launcher labels every task's)."""
+        """Containers labelled with this data dir (the launcher labels every task's).
+
+        Not the warm pool's unclaimed entries (``agentbox-pool-*``): the pool's own
+        sweep (:meth:`drain_pool`) tells a dead keeper's from a live one's, and a claim
+        under way (its container not yet renamed to the task's name) from an orphan."""
         argv = ["podman", "ps", "-a", "--filter", f"label={LABEL}=1",
                 "--filter", f"label={OWNER_DATA_LABEL}={data_dir_label(self.settings.data_dir)}",
                 "--format", "{{.Names}}"]  # fmt: skip
@@ -390,7 +394,7 @@ class PodmanBackend(PodmanDetached):
             res = _proc.run(argv, timeout=60, check=False)
         except AgentboxError:
             return []
-        return res.stdout.split()
+        return [n for n in res.stdout.split() if not n.startswith(_pool.SLOT_PREFIX)]
 
     def cleanup_orphans(self) -> list[str]:
         """Remove labelled containers whose owner process is gone, except detached ones;

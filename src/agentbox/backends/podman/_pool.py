@@ -82,6 +82,7 @@ from agentbox.backends.podman._pool_slots import (
     alive,
     bind,
     discard,
+    filler,
     locked,
     pool_dir,
     share,
@@ -248,6 +249,9 @@ def _start_one(
         "max_deadline": template.deadline,
         "conmon": conmon.pid,
         "conmon_start": conmon.create_time(),
+        # Whose pool it is: another launcher's orphan sweep leaves it be while this
+        # process lives (a foreground `agentbox run` beside the service's keeper).
+        **filler(),
     }
     write(sdir / "ready", ready, mode=0o600)
     log.info("pool sandbox ready", sandbox=slot, key=key)

@@ -18,6 +18,7 @@ from agentbox.backends.podman._pool_slots import (
     SLOT_PREFIX,
     alive,
     discard,
+    filler_alive,
     is_mount,
     locked,
     pool_dir,
@@ -52,7 +53,11 @@ def release(settings: Settings, name: str) -> bool:
 
 def sweep(settings: Settings, *, everything: bool = False) -> list[str]:
     """Remove expired or dead unclaimed entries (``everything``: every unclaimed one),
-    slots of claims that never completed, and, once no slot is left, the pool mount."""
+    slots of claims that never completed, and, once no slot is left, the pool mount.
+
+    An entry is dead when its sandbox's conmon is gone or the process that filled it
+    (a launcher's keeper) is: a launcher that died leaves its pool to the next one's
+    orphan sweep, and a live keeper's pool is left to it."""
     root = pool_dir(settings)
     if not root.is_dir():
         return []
@@ -61,7 +66,8 @@ def sweep(settings: Settings, *, everything: bool = False) -> list[str]:
     with locked(settings):
         for sdir, ready in slots(root):
             if ready is not None:
-                if not everything and float(ready.get("expires", 0)) > now and alive(ready):
+                fresh = float(ready.get("expires", 0)) > now
+                if not everything and fresh and alive(ready) and filler_alive(ready):
                     continue
                 try:  # taken from claimers first: a claim and a drain never share one
                     (sdir / "ready").rename(sdir / "drained")

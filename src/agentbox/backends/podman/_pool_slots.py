@@ -29,6 +29,8 @@ __all__ = [
     "alive",
     "bind",
     "discard",
+    "filler",
+    "filler_alive",
     "is_mount",
     "locked",
     "pool_dir",
@@ -142,6 +144,25 @@ def slots(root: Path) -> Iterator[tuple[Path, dict[str, Any] | None]]:
         except (OSError, ValueError):
             rec = None
         yield sdir, rec if isinstance(rec, dict) else None
+
+
+def filler() -> dict[str, Any]:
+    """This process, as the filler a ready record names (see :func:`filler_alive`)."""
+    me = psutil.Process()
+    return {"filler": me.pid, "filler_start": me.create_time()}
+
+
+def filler_alive(ready: dict[str, Any]) -> bool:
+    """Whether the process that filled the entry (a launcher's keeper) still runs; a
+    record without one (an older version's) counts as a dead filler's."""
+    try:
+        proc = psutil.Process(int(ready.get("filler", 0)))
+        return (
+            abs(proc.create_time() - float(ready.get("filler_start", 0))) < 0.01
+            and proc.status() != psutil.STATUS_ZOMBIE
+        )
+    except (psutil.Error, ValueError, TypeError):
+        return False
 
 
 def alive(ready: dict[str, Any]) -> bool:
