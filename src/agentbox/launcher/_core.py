@@ -35,10 +35,10 @@ from agentbox.env import check_env_policy, committed_boxfile
 from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskError, TaskNotFound
 from agentbox.gateway import load_registry, read_usage
 from agentbox.launcher import _runner, _session
-from agentbox.launcher._adopt import adopt, settle_orphan, take_over
+from agentbox.launcher._adopt import adopt, take_over
+from agentbox.launcher._cancel import cancel_task
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._validate import git_readonly, validate
-from agentbox.launcher._watchdog import kill_sandbox
 from agentbox.launcher.api import (
     ModelInfo,
     TaskInfo,
@@ -191,28 +191,13 @@ class Launcher:
         return tokens_from_usage(TaskPaths(self.settings.data_dir, row.id))
 
     def cancel(self, task_id: str, *, caller: int | None = None) -> TaskInfo:
-        """Stop a task. A queued one never starts; a running one is killed and collected."""
+        """Stop a task. One no worker took never starts; one taken is stopped, killed and
+        collected by its worker, and ends ``cancelled`` then (:mod:`._cancel`)."""
         row = self._row(task_id, caller)
-        if row.info().terminal:
-            return row.info()
-        self.store.update(row.id, cancel_requested=1)
-        if row.status == "queued" and self.store.update(
-            row.id,
-            expect={"queued"},
-            status="cancelled",
-            finished_at=time.time(),
-            error="cancelled before it started",
-        ):
-            return self.get(row.id)
-        with self._lock:
-            event = self._cancel.get(row.id)
-        if event is not None:
-            event.set()
-        if row.sandbox and row.backend:
-            # Whoever runs it sees the sandbox die and the cancel flag, and collects.
-            kill_sandbox(row.backend, row.sandbox, self.settings.data_dir)
-        if event is None and row.owner is not None and not row.owner.alive():
-            self._reconcile_one(self.store.get(row.id))
+        if not row.info().terminal:
+            with self._lock:
+                event = self._cancel.get(row.id)
+            cancel_task(self.settings, self.store, row, event, self._owner)
         return self.get(row.id)
 
     def result(self, task_id: str, *, caller: int | None = None) -> TaskResult:
@@ -435,8 +420,3 @@ class Launcher:
                 self._active.discard(task_id)
                 self._ends += 1
                 self._ended.notify_all()
-
-    def _reconcile_one(self, row: TaskRow) -> None:
-        # Claim the task first so two reconciling launchers do not both settle it.
-        if self.store.claim(row.id, row.owner, self._owner):
-            settle_orphan(self.settings, self.store, row, None)

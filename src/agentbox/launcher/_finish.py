@@ -20,6 +20,7 @@ import json
 import os
 import stat
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from agentbox.config import Settings
 from agentbox.env import release_task_env
 from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError, PathRefused, PublishRefused
-from agentbox.gateway import Usage, read_usage
+from agentbox.gateway import GatewayHandle, Usage, read_usage
 from agentbox.launcher._context import TaskContext, TaskLog
 from agentbox.launcher._store import Store, TaskRow
 from agentbox.launcher.api import NO_CHANGES, TokenUsage
@@ -43,6 +44,7 @@ __all__ = [
     "TaskContext",
     "TaskLog",
     "budget_error",
+    "cancelled_early",
     "collect_and_finish",
     "commit_subject",
     "finish_orphan",
@@ -344,6 +346,21 @@ def settle(
         exit_code=exit_code,
         agent_ran=agent_ran,
     )
+
+
+def cancelled_early(ctx: TaskContext, gateway: Future[GatewayHandle] | None = None) -> bool:
+    """At a worker's step before the agent: a cancel (this launcher's event or the store's
+    flag, from any launcher) ends the task here (True). Its gateway, if started, is
+    stopped, what exists collected (nothing of the agent ran: no branch) and the report
+    written, and only then ``cancelled`` recorded: a waiter sees it settled, never before."""
+    if not ctx.cancelled():
+        return False
+    ctx.tlog("cancelled before the agent started")
+    if gateway is not None:
+        with contextlib.suppress(BaseException):
+            gateway.result().stop(grace=1.0)
+    settle(ctx, ("cancelled", "cancelled before the agent started", None), agent_ran=False)
+    return True
 
 
 def recorded_outcome(raw: str | None) -> tuple[tuple[str, str | None, int | None], bool] | None:

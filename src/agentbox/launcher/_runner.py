@@ -46,6 +46,7 @@ from agentbox.launcher import _session
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
 from agentbox.launcher._context import TaskContext, TaskLog
 from agentbox.launcher._finish import (
+    cancelled_early,
     collect_and_finish,
     commit_subject,
     finish_orphan,
@@ -174,8 +175,10 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         return
     ctx = TaskContext.of(settings, store, task_id, cancel)
     paths, tlog = ctx.paths, ctx.tlog
-    # From here until the sandbox runs, a launcher that dies leaves a task to run again.
-    store.update(task_id, expect={"queued"}, stage="preparing")
+    # Taken: from here a cancel goes through this worker (see _cancel); until the sandbox
+    # runs, a launcher that dies leaves a task to run again. Lost: cancelled (or taken).
+    if not store.update(task_id, expect={"queued"}, unstaged=True, stage="preparing"):
+        return
     _make_task_dir(paths)
     box = Boxfile.model_validate_json(row.boxfile or "{}")
     gofer_uid = get_backend(box.backend, settings).bind_source_uid(box.runtime)
@@ -185,6 +188,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     # copied and the sandbox started; none needs the other until the agent's first
     # request, which waits in the gateway socket's backlog (bound before the spawn
     # returns). The gateway is known ready before the agent is followed.
+    if cancelled_early(ctx):
+        return
     token = write_token(paths.root / "token")
     ensure_private_dir(paths.gateway_dir, 0o755)
     tlog(f"starting the gateway (model {row.model}, budget {row.budget})")
@@ -237,6 +242,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
             raise
         tlog(f"prepare failed: {exc}")
         store.finish(task_id, "failed", error=f"preparing the workspace failed: {exc}")
+        return
+    if cancelled_early(ctx, gateway_future):
         return
     plan = None
     if box.setup is not None:
@@ -324,7 +331,7 @@ def _run_sandbox(
                 gateway_start=gw_owner.start if gw_owner else None,
                 log_file=paths.log_dir / "watchdog.log",
             )
-            if not store.update(
+            ran = store.update(
                 task_id,
                 expect={"queued"},
                 status="running",
@@ -332,7 +339,8 @@ def _run_sandbox(
                 sandbox=spec.name,
                 watchdog_pid=watchdog.pid,
                 stage="attached",
-            ):
+            )
+            if not ran or ctx.cancelled():  # a cancel since the last step: no sandbox starts
                 raise _Cancelled
             monitor = threading.Thread(
                 target=_monitor,
@@ -405,7 +413,7 @@ def _run_detached(
     log_path = ctx.paths.log_dir / "sandbox.log"
     # Recorded before the launch: a launcher that dies right after it leaves a task
     # the next one re-adopts (what it checks: the name, these labels, the gateway).
-    if not ctx.store.update(
+    ran = ctx.store.update(
         row.id,
         expect={"queued"},
         status="running",
@@ -416,7 +424,8 @@ def _run_detached(
         labels=dict(spec.labels),
         sandbox_log=str(log_path),
         deadline_at=started + row.deadline,
-    ):
+    )
+    if not ran or ctx.cancelled():  # a cancel since the last step: no sandbox starts
         raise _Cancelled
     ctx.tlog(f"running claude in sandbox {spec.name}, detached (deadline {row.deadline:g}s)")
     backend.launch(spec, argv, log=log_path)

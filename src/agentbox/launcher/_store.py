@@ -403,10 +403,11 @@ class Store:
                 ).fetchall()
         return [_row(r) for r in rows]
 
-    def update(self, task_id: str, *, expect: set[str] | None = None, **fields: Any) -> bool:
-        """Set ``fields``; with ``expect``, only if the status is one of them. True if done.
-
-        Synced to disk before it returns, unless every field is a note (:data:`NOTES`)."""
+    def update(
+        self, task_id: str, *, expect: set[str] | None = None, unstaged: bool = False, **fields: Any
+    ) -> bool:
+        """Set ``fields`` if its status is one of ``expect`` (``unstaged``: and no worker took it,
+        stage NULL); True if done. Synced unless every field is a note (:data:`NOTES`)."""
         if "tokens" in fields and isinstance(fields["tokens"], TokenUsage):
             fields["tokens"] = fields["tokens"].model_dump_json()
         if isinstance(fields.get("labels"), dict):
@@ -417,6 +418,7 @@ class Store:
         if expect:
             sql += f" AND status IN ({', '.join('?' for _ in expect)})"
             args.extend(sorted(expect))
+        sql += " AND stage IS NULL" if unstaged else ""
         with self._conn(synced=not fields.keys() <= NOTES) as db:
             return db.execute(sql, args).rowcount == 1
 
