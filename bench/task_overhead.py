@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
+import json
 import os
 import secrets
 import shutil
@@ -353,28 +355,42 @@ class WarmPool:
         """:func:`agentbox_api` on the pool."""
         return agentbox_api(self.settings, runs, self.fill)
 
-    def cli(self, base: Path) -> float:
+    def cli(self, base: Path) -> tuple[list[float], list[list[float]]]:
         """One ``agentbox run`` (:func:`agentbox_cli`) that must claim the pooled sandbox:
         a foreground run's launcher claims one a service's keeper left, as here."""
         self.fill()
-        (took,) = agentbox_cli(base, 1)
-        left = self.backend.drain_pool()
-        if left:
-            raise SystemExit(f"agentbox run did not claim the pooled sandbox ({left})")
-        return took
+        return agentbox_cli(base, 1, pooled=True)
 
 
-def agentbox_cli(base: Path, runs: int) -> list[float]:
+#: The whole ``agentbox run`` command by phase, from the task's own timestamps.
+CLI_PHASES = (
+    "process start -> task recorded (imports, parse)",
+    "recorded -> sandbox starts (prepare, gateway)",
+    "sandbox starts -> task finished",
+    "finished -> process exit (report, exit)",
+)
+
+
+def agentbox_cli(
+    base: Path, runs: int, *, pooled: bool = False
+) -> tuple[list[float], list[list[float]]]:
+    """The whole ``agentbox run`` command; also its phases (see CLI_PHASES). ``pooled``:
+    each run must have claimed a pooled sandbox (its log says so)."""
     env = {
         "PATH": os.environ["PATH"],
+        "AGENTBOX_LOG_LEVEL": "info",  # the pool's claim is logged at info
+        # The pool's settings, as a user's config shared by the service and the CLI
+        # would give: a launcher claims from a pool only when its settings ask for one.
+        **({"AGENTBOX_POOL_SIZE": "1"} if pooled else {}),
         "AGENTBOX_DATA_DIR": str(base / "data"),
         "AGENTBOX_REPOS_ROOT": str(base / "repos"),
         "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
     }
-    times = []
+    times: list[float] = []
+    phases: list[list[float]] = []
     for i in range(runs):
         repo = make_repo(base / "repos" / f"cli-{i}-{secrets.token_hex(3)}")
-        t0 = time.perf_counter()
+        w0, t0 = time.time(), time.perf_counter()
         res = subprocess.run(
             [sys.executable, "-m", "agentbox", "run", "--repo", str(repo), "--model", "one-turn",
              "--json", "Check the repo."],
@@ -383,7 +399,12 @@ def agentbox_cli(base: Path, runs: int) -> list[float]:
         if res.returncode != 0:
             raise SystemExit(f"agentbox run failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
         times.append(time.perf_counter() - t0)
-    return times
+        if pooled and "pool sandbox claimed" not in res.stderr:
+            raise SystemExit(f"agentbox run did not claim the pooled sandbox:\n{res.stderr}")
+        task = json.loads(res.stdout)["task"]
+        marks = [w0, task["created_at"], task["started_at"], task["finished_at"], w0 + times[-1]]
+        phases.append([b - a for a, b in itertools.pairwise(marks)])
+    return times, phases
 
 
 def main() -> int:
@@ -414,6 +435,8 @@ def main() -> int:
         api_t: list[float] = []
         cli_t: list[float] = []
         cli_pool_t: list[float] = []
+        cli_phases: list[list[float]] = []
+        cli_pool_phases: list[list[float]] = []
         pool_t: list[float] = []
         phases: list[list[float]] = []
         pool_phases: list[list[float]] = []
@@ -438,8 +461,12 @@ def main() -> int:
                 api_t += t
                 phases += ph
                 if pool is not None:
-                    cli_t += agentbox_cli(base, 1)
-                    cli_pool_t.append(pool.cli(base))
+                    t, ph = agentbox_cli(base, 1)
+                    cli_t += t
+                    cli_phases += ph
+                    t, ph = pool.cli(base)
+                    cli_pool_t += t
+                    cli_pool_phases += ph
                     t, ph = pool.api(1)
                     pool_t += t
                     pool_phases += ph
@@ -476,6 +503,15 @@ def main() -> int:
         for k, name in enumerate(PHASES):
             med = statistics.median(p[k] for p in ph)
             print(f"| {name:<36} | {med:8.3f} | {med / ref:10.2f} |")
+    for label, ph in (("fresh sandbox", cli_phases), ("warm pool", cli_pool_phases)):
+        if not ph:
+            continue
+        print(f"\nagentbox run by phase, {label} (median of {args.runs}; baseline {ref:.2f} s)\n")
+        print(f"| {'phase':<48} | {'median s':>8} | {'x baseline':>10} |")
+        print(f"|{'-' * 50}|{'-' * 10}|{'-' * 12}|")
+        for k, name in enumerate(CLI_PHASES):
+            med = statistics.median(p[k] for p in ph)
+            print(f"| {name:<48} | {med:8.3f} | {med / ref:10.2f} |")
     return 0
 
 
