@@ -44,20 +44,21 @@ fake, repo, _repo_template = fake_launcher.fake, fake_launcher.repo, fake_launch
 
 
 class _Held:
-    """``prepare`` as the worker calls it: the real copy, then held until released."""
+    """A step of the worker (``prepare``: the real copy; ``agent_argv``: the last step
+    before the launch) as it calls it: the real one, then held until released."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, step: str = "prepare") -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
-        real = _runner.prepare
+        real = getattr(_runner, step)
 
         def held(*args: Any, **kw: Any) -> Any:
-            base = real(*args, **kw)
+            got = real(*args, **kw)
             self.entered.set()
-            assert self.release.wait(60), "the test never released prepare"
-            return base
+            assert self.release.wait(60), f"the test never released {step}"
+            return got
 
-        monkeypatch.setattr(_runner, "prepare", held)
+        monkeypatch.setattr(_runner, step, held)
 
 
 @contextlib.contextmanager
@@ -74,9 +75,15 @@ def _refs(repo: Path) -> str:
 
 
 def _cancel_while_held(
-    settings: Settings, repo: Path, monkeypatch: pytest.MonkeyPatch, tid: str, *, other: bool
+    settings: Settings,
+    repo: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tid: str,
+    *,
+    other: bool,
+    step: str = "prepare",
 ) -> None:
-    held = _Held(monkeypatch)
+    held = _Held(monkeypatch, step)
     name = f"agentbox-task-{tid}"
     refs = _refs(repo)
     seen: dict[str, object] = {}
@@ -137,6 +144,14 @@ def test_cancel_from_another_launcher_while_preparing(
     settings: Settings, fake: type[FakeBackend], repo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _cancel_while_held(settings, repo, monkeypatch, "prepcancel2", other=True)
+
+
+def test_cancel_just_before_the_launch_starts_no_sandbox(
+    settings: Settings, fake: type[FakeBackend], repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past the last check before the launch (the gateway up, the spec built): the
+    # worker's compare-and-set to running is followed by a look at the cancel.
+    _cancel_while_held(settings, repo, monkeypatch, "prepcancel3", other=False, step="agent_argv")
 
 
 def test_cancel_of_a_task_queued_behind_another_is_immediate(
