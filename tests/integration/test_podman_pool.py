@@ -346,6 +346,30 @@ def test_refill_drain_and_orphan_sweep(
     assert not (pool.pool_dir(settings) / "slots" / kept[0]).exists()
 
 
+def test_a_claim_under_way_is_left_and_one_cut_short_is_reaped(
+    pooled: tuple[PodmanBackend, Settings],
+    default_image: str,
+    make_workspace,
+    podman_boxes: SandboxTracker,
+) -> None:
+    """A claimed slot whose container still has the slot's name: a claim under way (its
+    rename comes last) is left to its claimer; one whose claimer died long ago (the slot
+    unchanged for longer than a claim can take) is an orphan, reaped with its slot."""
+    backend, settings = pooled
+    template = _template(default_image, make_workspace())
+    (slot,) = _fill(podman_boxes, backend, template, 1)
+    sdir = pool.pool_dir(settings) / "slots" / slot
+    (sdir / "ready").rename(sdir / "claimed")  # claimed, as a claimer's first step
+    store = Store(settings.data_dir / "state.db")
+    remove_orphans(settings, store)
+    assert slot in _containers(pool.SLOT_PREFIX), "a claim under way was reaped"
+    long_ago = time.time() - 3600
+    os.utime(sdir, (long_ago, long_ago))
+    remove_orphans(settings, store)
+    assert slot not in _containers(pool.SLOT_PREFIX), "a claim cut short was left running"
+    assert not sdir.exists()
+
+
 def _filled_by_a_dead_launcher(settings: Settings, slot: str) -> None:
     """Rewrite ``slot``'s ready record as if a process that has exited had filled it."""
     gone = subprocess.Popen(["true"])

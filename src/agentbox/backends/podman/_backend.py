@@ -90,6 +90,7 @@ from agentbox.backends.podman._detach import (
     is_detached,
 )
 from agentbox.backends.podman._exitfile import wait_exited
+from agentbox.backends.podman._pool_slots import pool_holds
 from agentbox.backends.podman._sandbox import PodmanSandbox
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, CommandError, CommandTimeout, ConfigError, SandboxError
@@ -384,9 +385,10 @@ class PodmanBackend(PodmanDetached):
     def owned(self) -> list[str]:
         """Containers labelled with this data dir (the launcher labels every task's).
 
-        Not the warm pool's unclaimed entries (``agentbox-pool-*``): the pool's own
-        sweep (:meth:`drain_pool`) tells a dead keeper's from a live one's, and a claim
-        under way (its container not yet renamed to the task's name) from an orphan."""
+        Not what the warm pool answers for (:func:`_pool_slots.pool_holds`): its
+        unclaimed entries, which its own sweep (:meth:`drain_pool`) removes once their
+        keeper is gone, and a fill or claim under way (a claimed container has the
+        slot's name until the claim's rename)."""
         argv = ["podman", "ps", "-a", "--filter", f"label={LABEL}=1",
                 "--filter", f"label={OWNER_DATA_LABEL}={data_dir_label(self.settings.data_dir)}",
                 "--format", "{{.Names}}"]  # fmt: skip
@@ -394,7 +396,7 @@ class PodmanBackend(PodmanDetached):
             res = _proc.run(argv, timeout=60, check=False)
         except AgentboxError:
             return []
-        return [n for n in res.stdout.split() if not n.startswith(_pool.SLOT_PREFIX)]
+        return [n for n in res.stdout.split() if not pool_holds(self.settings, n)]
 
     def cleanup_orphans(self) -> list[str]:
         """Remove labelled containers whose owner process is gone, except detached ones;

@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "is_mount",
     "locked",
     "pool_dir",
+    "pool_holds",
     "share",
     "slot_log",
     "slots",
@@ -130,6 +132,28 @@ def share(root: Path) -> None:
 def pool_dir(settings: Settings) -> Path:
     """``data_dir/pool``: the slots and the claim records (a shared mount of itself)."""
     return settings.data_dir / "pool"
+
+
+#: A fill or a claim takes well under a second (a claim's ``podman rename`` is given
+#: 60 s); a slot whose last change is older than this, and whose container still has
+#: the slot's name, was cut short by its process's death.
+UNDER_WAY = 120.0
+
+
+def pool_holds(settings: Settings, name: str) -> bool:
+    """Whether the warm pool, not the orphan sweep, answers for container ``name``: an
+    unclaimed entry (the pool's own sweep tells a live keeper's from a dead one's), or
+    a slot being filled or claimed right now (its container is renamed to the task's at
+    the end of a claim). An older claimed or half-filled slot is an orphan's."""
+    if not name.startswith(SLOT_PREFIX) or "/" in name:
+        return False
+    sdir = pool_dir(settings) / "slots" / name
+    try:
+        if (sdir / "ready").exists():
+            return True
+        return time.time() - sdir.stat().st_mtime < UNDER_WAY
+    except OSError:
+        return False
 
 
 def slots(root: Path) -> Iterator[tuple[Path, dict[str, Any] | None]]:
