@@ -90,6 +90,26 @@ def test_cancel_a_finished_task_says_so_and_fails(
     assert "had already finished (done)" in r.stderr
 
 
+@needs_root
+def test_cancel_of_a_running_task_says_it_is_cancelling(
+    settings: Settings, fake: type[FakeBackend], repo: Path
+) -> None:
+    with (
+        Launcher(settings, max_tasks=1) as la,
+        FakeBackend.scripted(FakeScript(delay=60.0, files={"a.txt": b"a\n"})),
+    ):
+        tid = la.submit(TaskRequest(repo=str(repo), task="slow")).id
+        for _ in range(200):  # bounded wait for the launch, not a timing assertion
+            if la.get(tid).status == "running":
+                break
+            time.sleep(0.05)
+        r = _cli(settings, "cancel", tid)
+        info = la.wait(tid, timeout=60)
+    assert r.returncode == 0, r
+    assert r.stdout.strip() == f"{tid}: cancelling (was running); agentbox wait {tid} for its end"
+    assert info.status == "cancelled"
+
+
 def test_json_errors_are_json(settings: Settings) -> None:
     r = _cli(settings, "show", "t-000000000000", "--json")
     assert r.returncode == 1

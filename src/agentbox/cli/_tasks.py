@@ -120,7 +120,15 @@ def register(app: typer.Typer) -> None:
             err.print(safe(done))
             raise typer.Exit(1)
         info = launcher.cancel(task_id)
-        console.print(safe(f"{info.id}: {info.status}"))
+        if info.terminal:  # it never started: cancelled at once
+            console.print(safe(f"{info.id}: {info.status}"))
+            return
+        # Its runner stops it (a running sandbox is killed), collects what it wrote and
+        # then records the end: "queued" or "running" here would read as ignored.
+        console.print(
+            safe(f"{info.id}: cancelling (was {info.status}); agentbox wait {info.id} for its end"),
+            soft_wrap=True,
+        )
 
     @app.command("logs")
     def logs(
