@@ -169,6 +169,11 @@ def _take_terminal() -> None:
     # The pty becomes the controlling terminal of run's session, as in a real shell:
     # a hang-up then sends SIGHUP to the session, Ctrl-C SIGINT to its process group.
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    # A shell's Ctrl-C reaches a foreground job whose INT is not ignored; a suite started
+    # in the background (a non-interactive `cmd &`, as a CI runner may) ignores INT, and
+    # an ignored signal stays ignored across exec: restore what a terminal gives.
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _phase(world: World, task_id: str) -> str:

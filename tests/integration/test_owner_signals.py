@@ -272,12 +272,21 @@ def _wait_line(proc: subprocess.Popen[bytes], marker: bytes) -> None:
         time.sleep(0.1)
 
 
+def _default_signals() -> None:
+    """In the client before exec: INT and QUIT as a shell's foreground job has them. A
+    suite started in the background (a non-interactive ``cmd &``, as a CI runner may)
+    ignores both, and an ignored signal stays ignored across exec: the client would
+    then rightly keep running (``exit_on_signals`` leaves an ignored signal ignored)."""
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _cli(args: list[str], world: World) -> subprocess.Popen[bytes]:
     # Its own session: the signal reaches the client alone, never the test.
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentbox", *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        env=world.env, start_new_session=True,
+        env=world.env, start_new_session=True, preexec_fn=_default_signals,
     )  # fmt: skip
     world.clients.append(proc)
     return proc
