@@ -494,25 +494,26 @@ def main() -> int:
             continue
         med = statistics.median(ts)
         print(f"| {name:<38} | {med:8.2f} | {min(ts):7.2f} | {med / ref:10.2f} |")
-    for label, ph in (("fresh sandbox", phases), ("warm pool", pool_phases)):
-        if not ph:
-            continue
-        print(f"\nthe API task by phase, {label} (median of {args.runs}; baseline {ref:.2f} s)\n")
-        print(f"| {'phase':<36} | {'median s':>8} | {'x baseline':>10} |")
-        print(f"|{'-' * 38}|{'-' * 10}|{'-' * 12}|")
-        for k, name in enumerate(PHASES):
-            med = statistics.median(p[k] for p in ph)
-            print(f"| {name:<36} | {med:8.3f} | {med / ref:10.2f} |")
-    for label, ph in (("fresh sandbox", cli_phases), ("warm pool", cli_pool_phases)):
-        if not ph:
-            continue
-        print(f"\nagentbox run by phase, {label} (median of {args.runs}; baseline {ref:.2f} s)\n")
-        print(f"| {'phase':<48} | {'median s':>8} | {'x baseline':>10} |")
-        print(f"|{'-' * 50}|{'-' * 10}|{'-' * 12}|")
-        for k, name in enumerate(CLI_PHASES):
-            med = statistics.median(p[k] for p in ph)
-            print(f"| {name:<48} | {med:8.3f} | {med / ref:10.2f} |")
+    for what, names, ph in (
+        ("the API task by phase, fresh sandbox", PHASES, phases),
+        ("the API task by phase, warm pool", PHASES, pool_phases),
+        ("agentbox run by phase, fresh sandbox", CLI_PHASES, cli_phases),
+        ("agentbox run by phase, warm pool", CLI_PHASES, cli_pool_phases),
+    ):
+        if ph:
+            print(f"\n{what} (median of {args.runs}; baseline {ref:.2f} s)\n")
+            _phase_table(names, ph, ref)
     return 0
+
+
+def _phase_table(names: tuple[str, ...], phases: list[list[float]], ref: float) -> None:
+    """One row per phase: its median and its ratio to the baseline ``ref``."""
+    w = max(len(n) for n in names)
+    print(f"| {'phase':<{w}} | {'median s':>8} | {'x baseline':>10} |")
+    print(f"|{'-' * (w + 2)}|{'-' * 10}|{'-' * 12}|")
+    for k, name in enumerate(names):
+        med = statistics.median(p[k] for p in phases)
+        print(f"| {name:<{w}} | {med:8.3f} | {med / ref:10.2f} |")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,18 @@ GIT_ENV = {
 }
 
 
+def commit_repo(path: Path, files: dict[str, str] | None = None) -> Path:
+    """A new repo at ``path`` (branch ``main``) with ``files`` (default a README) in one
+    commit; ``path``."""
+    path.mkdir(parents=True)
+    git(path, "init", "-q", "-b", "main")
+    for name, text in (files or {"README.md": "hello\n"}).items():
+        (path / name).write_text(text)
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init")
+    return path
+
+
 def git(repo: Path, *args: str) -> str:
     """``git -C repo args`` (the repo may belong to another uid); its stdout. Raises on failure."""
     return subprocess.run(

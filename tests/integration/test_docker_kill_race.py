@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_docker_backend
 
 from agentbox.backends import get_backend
 from agentbox.backends.base import SandboxSpec
@@ -33,14 +34,7 @@ pytestmark = pytest.mark.docker
 WAIT = 120.0  # a bound on every wait, so a broken launch fails the test, never hangs it
 
 
-@pytest.fixture
-def backend(
-    settings_factory: Callable[[], Settings], default_image: str
-) -> Iterator[DockerBackend]:
-    be = get_backend("docker", settings_factory())
-    assert isinstance(be, DockerBackend)
-    yield be
-    be.client.close()
+backend = test_docker_backend.backend  # a docker backend on its own data dir, closed after
 
 
 @pytest.fixture

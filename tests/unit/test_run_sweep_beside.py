@@ -24,7 +24,7 @@ from agentbox.cli import _run
 from agentbox.config import Settings
 from agentbox.errors import SandboxError
 from agentbox.launcher import Launcher, TaskRequest
-from git_helpers import git
+from git_helpers import commit_repo
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the launcher chowns the workspace to the sandbox uid (root)"
@@ -38,13 +38,7 @@ def repo(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A committed repo; the CLI's settings (read from the environment) are ``settings``."""
     monkeypatch.setenv("AGENTBOX_DATA_DIR", str(settings.data_dir))
     monkeypatch.setenv("AGENTBOX_REPOS_ROOT", str(settings.repos_root))
-    path = settings.repos_root / "proj"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main")
-    (path / "README.md").write_text("hello\n")
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "init")
-    return path
+    return commit_repo(settings.repos_root / "proj")
 
 
 def _run_in_foreground(repo: Path) -> int:
