@@ -117,10 +117,10 @@ def register(app: typer.Typer) -> None:
         agentbox publish PREVIOUS). The agent gets the previous task's request, transcript
         and last message in .git/agentbox/previous-task.md.
         """
-        text = _task_text(task, task_file)
-        settings = load_settings()
         from agentbox.cli._client import in_process
 
+        text = _task_text(task, task_file)
+        settings = load_settings()
         launcher = in_process(1, settings)
         try:
             prev = launcher.get(validate_task_id(previous))

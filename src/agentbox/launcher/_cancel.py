@@ -29,15 +29,13 @@ import time
 from agentbox._log import get_logger
 from agentbox.config import Settings
 from agentbox.launcher._adopt import settle_orphan
+from agentbox.launcher._finish import NEVER_STARTED
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._watchdog import kill_sandbox
 
 __all__ = ["cancel_task"]
 
 log = get_logger("launcher")
-
-#: The error of a task cancelled before any of it ran.
-NEVER_STARTED = "cancelled before it started"
 
 
 def cancel_task(

@@ -40,6 +40,7 @@ from agentbox.paths import TaskPaths, check_inside
 from agentbox.transcript import summary as transcript_summary
 
 __all__ = [
+    "NEVER_STARTED",
     "SHARE_GROUP",
     "TaskContext",
     "TaskLog",
@@ -55,6 +56,7 @@ __all__ = [
     "save_base",
     "settle",
     "share_gid",
+    "stop_gateway",
 ]
 
 log = get_logger("launcher.task")
@@ -348,6 +350,17 @@ def settle(
     )
 
 
+#: The error of a task cancelled before a worker took it (nothing of it ran).
+NEVER_STARTED = "cancelled before it started"
+
+
+def stop_gateway(gateway: Future[GatewayHandle]) -> None:
+    """Stop a task's gateway on a path that ends the task before its agent: one that
+    failed to start (the future's error) or to stop changes nothing here."""
+    with contextlib.suppress(BaseException):
+        gateway.result().stop(grace=1.0)
+
+
 def cancelled_early(ctx: TaskContext, gateway: Future[GatewayHandle] | None = None) -> bool:
     """At a worker's step before the agent: a cancel (this launcher's event or the store's
     flag, from any launcher) ends the task here (True). Its gateway, if started, is
@@ -357,8 +370,7 @@ def cancelled_early(ctx: TaskContext, gateway: Future[GatewayHandle] | None = No
         return False
     ctx.tlog("cancelled before the agent started")
     if gateway is not None:
-        with contextlib.suppress(BaseException):
-            gateway.result().stop(grace=1.0)
+        stop_gateway(gateway)
     settle(ctx, ("cancelled", "cancelled before the agent started", None), agent_ran=False)
     return True
 

@@ -26,7 +26,6 @@ The order matters and each step is refused or recorded before the next:
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import threading
 import time
@@ -46,6 +45,7 @@ from agentbox.launcher import _session
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
 from agentbox.launcher._context import TaskContext, TaskLog
 from agentbox.launcher._finish import (
+    NEVER_STARTED,
     cancelled_early,
     collect_and_finish,
     commit_subject,
@@ -55,6 +55,7 @@ from agentbox.launcher._finish import (
     save_base,
     settle,
     share_gid,
+    stop_gateway,
 )
 from agentbox.launcher._follow import MAX_LOG_BYTES, Ended, ended, follow_sandbox
 from agentbox.launcher._follow import monitor as _monitor
@@ -171,7 +172,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     if row.status != "queued":
         return
     if row.cancel_requested or cancel.is_set():
-        store.finish(task_id, "cancelled", error="cancelled before it started")
+        store.finish(task_id, "cancelled", error=NEVER_STARTED)
         return
     ctx = TaskContext.of(settings, store, task_id, cancel)
     paths, tlog = ctx.paths, ctx.tlog
@@ -236,8 +237,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         give_to_sandbox(paths.workspace, settings.sandbox_host_uid)
         check_owner(paths.workspace, settings.sandbox_host_uid)
     except BaseException as exc:
-        with contextlib.suppress(BaseException):
-            gateway_future.result().stop(grace=1.0)
+        stop_gateway(gateway_future)
         if not isinstance(exc, AgentboxError):
             raise
         tlog(f"prepare failed: {exc}")

@@ -8,7 +8,6 @@ workspace and starting the agent; a failed or cancelled setup finishes the task
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 
 from agentbox._log import get_logger
@@ -20,7 +19,7 @@ from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError
 from agentbox.gateway import GatewayHandle, gateway_identity
 from agentbox.launcher._context import TaskContext
-from agentbox.launcher._finish import load_base
+from agentbox.launcher._finish import load_base, stop_gateway
 from agentbox.launcher._names import sandbox_labels
 
 __all__ = ["setup_phase"]
@@ -67,8 +66,7 @@ def setup_phase(
     if plan is not None:
         plan.release()
     tlog(error)
-    with contextlib.suppress(BaseException):
-        gateway_future.result().stop(grace=1.0)
+    stop_gateway(gateway_future)
     base = load_base(paths)
     report = Report(
         task_id=task_id,
