@@ -9,8 +9,8 @@ exited: the entry point, the backend and the records it runs with are all loaded
 
 Still imported, and the next cut (they need the request and the shared backend
 modules rebuilt without them): pydantic and pydantic-settings (the pickled
-``Settings`` and the spec's ``Resources``, ~8 MiB private) and structlog (with
-asyncio, ~9 MiB).
+``Settings`` and the spec's ``Resources``, ~8 MiB private). Logging no longer
+imports structlog (with asyncio, ~9 MiB): :mod:`agentbox._log` writes its lines itself.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from agentbox.backends.qemu._records import MONITOR_MODULE, monitor_argv
 #: httpx ~4, PyYAML ~1) or a part of agentbox it does not run with.
 HEAVY = (
     "rich",
+    "structlog",
     "typer",
     "click",
     "httpx",
@@ -65,7 +66,7 @@ def test_a_monitor_imports_nothing_heavy(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr.decode(errors="replace")
     imported = set(modules.read_text().split())
     # The probe works: it saw what the monitor runs with load.
-    for needed in ("agentbox.backends.qemu._backend", "agentbox.microvm._guest", "structlog"):
+    for needed in ("agentbox.backends.qemu._backend", "agentbox.microvm._guest", "agentbox._log"):
         assert needed in imported
     heavy = sorted(m for m in imported if any(m == h or m.startswith(h + ".") for h in HEAVY))
     assert heavy == [], f"a monitor process imported {heavy}"

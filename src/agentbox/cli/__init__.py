@@ -76,7 +76,7 @@ def _root(
     log_json: bool = typer.Option(False, "--log-json", envvar="AGENTBOX_LOG_JSON"),
 ) -> None:
     """agentbox: hardened sandboxes for AI coding agents."""
-    from agentbox._log import configure  # structlog: ~0.3 s, paid by commands, not --help
+    from agentbox._log import configure
 
     configure(log_level, json=log_json)
 

@@ -4,9 +4,9 @@ One of these runs per task for the task's whole life, so what it imports is paid
 once per task in memory (issue 15). It imports no part of agentbox it does not
 serve with (the Boxfile model, the settings loader, the CLI), parses its
 arguments with :mod:`argparse` instead of typer (click and typer are ~6 MiB of
-private memory per process), and keeps ``rich`` out: structlog's console renderer
-looks for it, and a gateway renders no tracebacks in colour (rich alone is
-~5 MiB). The import is blocked the documented way (``sys.modules[name] = None``).
+private memory per process), and keeps ``rich`` out: a gateway renders nothing
+in colour (rich alone is ~5 MiB). The import is blocked the documented way
+(``sys.modules[name] = None``).
 
 The options are those of ``agentbox gateway`` (:func:`agentbox.gateway._cli.gateway`,
 the typer command), same names, types and defaults: ``tests/unit/test_gateway_lean.py``
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     from agentbox.gateway._command import run
     from agentbox.gateway._logcap import cap_log
 
-    cap_log()  # before anything holds sys.stderr (structlog, uvicorn's handlers)
+    cap_log()  # before anything holds sys.stderr (uvicorn's handlers)
     configure()
     try:
         run(**vars(args))

@@ -16,8 +16,7 @@ defensive all the same (the file may be cut mid-line by a crash or the cap):
 a line that is not a well-formed record is skipped, never raised on.
 
 Standard library only at import: the package ``agentbox.gateway`` imports this, before
-``python -m agentbox.gateway`` blocks ``rich`` (structlog would pull it in), so the
-logger is imported where it is used.
+``python -m agentbox.gateway`` blocks ``rich``, so the logger is imported where it is used.
 """
 
 from __future__ import annotations

@@ -58,12 +58,12 @@ logger = get_logger("qemu.detach")
 
 MONITOR_MODULE = "agentbox.backends.qemu._monitor"
 #: Modules a monitor process never imports (issue 15: it lives as long as its VM, one
-#: per task). ``rich`` (~5 MiB private) is looked for by structlog's console renderer;
-#: a monitor renders no tracebacks in colour. Blocked the documented way
+#: per task). ``rich`` (~5 MiB private): a monitor renders
+#: nothing in colour. Blocked the documented way
 #: (``sys.modules[name] = None``) before any part of agentbox loads.
 MONITOR_BLOCKED = ("rich",)
 #: ``python -c``: block :data:`MONITOR_BLOCKED`, then run the module named in argv[1]
-#: as ``__main__`` (``-m`` would import the package, and structlog with it, first).
+#: as ``__main__`` (``-m`` would import the package first).
 _BOOT = (
     "import runpy, sys\n"
     "for name in {blocked!r}:\n"
