@@ -8,7 +8,10 @@ script served by the same gateway code; only the wrapping differs:
 * agentbox (API): ``Launcher.submit`` → ``wait``: validation, workspace copy,
   gateway spawn (it goes on starting while the sandbox starts: the time the launcher
   then still waits for it is its own row), hardened podman sandbox, collection, publish;
-* agentbox (CLI): the whole ``agentbox run`` command, interpreter start included.
+* agentbox (CLI): the whole ``agentbox run`` command (the console script a user
+  runs), interpreter start included: run in its own process (``AGENTBOX_FRONT_END=off``)
+  and served by the front end of a ``launcher serve`` started for the bench
+  (``require``: :mod:`agentbox.front`), each fresh and on a warm pool.
 
 Usage (as root, after scripts/setup.sh and ``agentbox image build``)::
 
@@ -355,11 +358,61 @@ class WarmPool:
         """:func:`agentbox_api` on the pool."""
         return agentbox_api(self.settings, runs, self.fill)
 
-    def cli(self, base: Path) -> tuple[list[float], list[list[float]]]:
+    def cli(self, base: Path, *, served: bool = False) -> tuple[list[float], list[list[float]]]:
         """One ``agentbox run`` (:func:`agentbox_cli`) that must claim the pooled sandbox:
         a foreground run's launcher claims one a service's keeper left, as here."""
         self.fill()
-        return agentbox_cli(base, 1, pooled=True)
+        return agentbox_cli(base, 1, pooled=True, served=served)
+
+
+def _cli_env(base: Path) -> dict[str, str]:
+    return {
+        "PATH": os.environ["PATH"],
+        "AGENTBOX_LOG_LEVEL": "info",  # the pool's claim is logged at info
+        "AGENTBOX_DATA_DIR": str(base / "data"),
+        "AGENTBOX_REPOS_ROOT": str(base / "repos"),
+        "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
+    }
+
+
+#: The console script a user runs (:func:`agentbox.front.client.entry`).
+AGENTBOX = str(Path(sys.executable).parent / "agentbox")
+
+
+@contextmanager
+def front_service(base: Path) -> Iterator[None]:
+    """``agentbox launcher serve`` for the bench's data dir, with its front end; stopped
+    (and its front end with it) at the end."""
+    log = (base / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [AGENTBOX, "launcher", "serve"], env=_cli_env(base), stdin=subprocess.DEVNULL,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        front = base / "data" / "run" / "front.sock"
+        deadline = time.monotonic() + 60
+        while not _accepts(front):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"no front end: {(base / 'serve.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _accepts(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 #: The whole ``agentbox run`` command by phase, from the task's own timestamps.
@@ -372,19 +425,17 @@ CLI_PHASES = (
 
 
 def agentbox_cli(
-    base: Path, runs: int, *, pooled: bool = False
+    base: Path, runs: int, *, pooled: bool = False, served: bool = False
 ) -> tuple[list[float], list[list[float]]]:
     """The whole ``agentbox run`` command; also its phases (see CLI_PHASES). ``pooled``:
-    each run must have claimed a pooled sandbox (its log says so)."""
+    each run must have claimed a pooled sandbox (its log says so); ``served``: by the
+    front end (which must serve it), else in its own process."""
     env = {
-        "PATH": os.environ["PATH"],
-        "AGENTBOX_LOG_LEVEL": "info",  # the pool's claim is logged at info
+        **_cli_env(base),
         # The pool's settings, as a user's config shared by the service and the CLI
         # would give: a launcher claims from a pool only when its settings ask for one.
         **({"AGENTBOX_POOL_SIZE": "1"} if pooled else {}),
-        "AGENTBOX_DATA_DIR": str(base / "data"),
-        "AGENTBOX_REPOS_ROOT": str(base / "repos"),
-        "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
+        "AGENTBOX_FRONT_END": "require" if served else "off",
     }
     times: list[float] = []
     phases: list[list[float]] = []
@@ -392,8 +443,8 @@ def agentbox_cli(
         repo = make_repo(base / "repos" / f"cli-{i}-{secrets.token_hex(3)}")
         w0, t0 = time.time(), time.perf_counter()
         res = subprocess.run(
-            [sys.executable, "-m", "agentbox", "run", "--repo", str(repo), "--model", "one-turn",
-             "--json", "Check the repo."],
+            [AGENTBOX, "run", "--repo", str(repo), "--model", "one-turn", "--json",
+             "Check the repo."],
             env=env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         if res.returncode != 0:
@@ -437,11 +488,17 @@ def main() -> int:
         cli_pool_t: list[float] = []
         cli_phases: list[list[float]] = []
         cli_pool_phases: list[list[float]] = []
+        front_t: list[float] = []
+        front_pool_t: list[float] = []
+        front_phases: list[list[float]] = []
+        front_pool_phases: list[list[float]] = []
         pool_t: list[float] = []
         phases: list[list[float]] = []
         pool_phases: list[list[float]] = []
         with contextlib.ExitStack() as stack:
             pool = None if args.quick else stack.enter_context(warm_pool(settings))
+            if pool is not None:
+                stack.enter_context(front_service(base))
             # One warm-up of each side (page cache, image layers), not counted.
             (base / "warm").mkdir()
             baseline(base / "warm", script, 1)
@@ -449,6 +506,8 @@ def main() -> int:
             if pool is not None:
                 pool.api(1)
                 pool.cli(base)
+                agentbox_cli(base, 1, served=True)
+                pool.cli(base, served=True)
             # Rounds, each row once per round: this host's speed drifts by tens of
             # percent over a minute (a VM with neighbours), and a row measured all at
             # once would carry the drift into its ratio.
@@ -470,6 +529,12 @@ def main() -> int:
                     t, ph = pool.api(1)
                     pool_t += t
                     pool_phases += ph
+                    t, ph = agentbox_cli(base, 1, served=True)
+                    front_t += t
+                    front_phases += ph
+                    t, ph = pool.cli(base, served=True)
+                    front_pool_t += t
+                    front_pool_phases += ph
                 print(f"round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -482,6 +547,8 @@ def main() -> int:
         ("agentbox run (whole CLI command)", cli_t),
         ("agentbox Launcher API, warm pool", pool_t),
         ("agentbox run (whole CLI), warm pool", cli_pool_t),
+        ("agentbox run, front end", front_t),
+        ("agentbox run, front end, warm pool", front_pool_t),
     ]
     print(
         f"\nwhole-task overhead, one-turn replay script, {args.runs} rounds of every row"
@@ -499,6 +566,8 @@ def main() -> int:
         ("the API task by phase, warm pool", PHASES, pool_phases),
         ("agentbox run by phase, fresh sandbox", CLI_PHASES, cli_phases),
         ("agentbox run by phase, warm pool", CLI_PHASES, cli_pool_phases),
+        ("agentbox run served by the front end, by phase", CLI_PHASES, front_phases),
+        ("agentbox run served by the front end, warm pool", CLI_PHASES, front_pool_phases),
     ):
         if ph:
             print(f"\n{what} (median of {args.runs}; baseline {ref:.2f} s)\n")

@@ -1,6 +1,7 @@
-"""``python -m agentbox``: the same CLI as the ``agentbox`` console script."""
+"""``python -m agentbox``: the same CLI as the ``agentbox`` console script (served by the
+front end when one runs, :mod:`agentbox.front`)."""
 
-from agentbox.cli import entry
+from agentbox.front.client import entry
 
 if __name__ == "__main__":
     entry()

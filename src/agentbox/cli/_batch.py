@@ -27,14 +27,15 @@ from rich.live import Live
 from rich.text import Text
 
 from agentbox import _proc
+from agentbox._console import console as make_console
 from agentbox.cli._table import Col, fit_table, print_table
 from agentbox.config import load_settings
 from agentbox.errors import ConfigError, RefusedError, UnsupportedError
 
 __all__ = ["Tally", "register"]
 
-_out = Console()
-_err = Console(stderr=True)
+_out = make_console()
+_err = make_console(stderr=True)
 
 node_app = typer.Typer(
     help="Join this host to a Ray cluster as an agentbox node.", no_args_is_help=True

@@ -12,17 +12,17 @@ import time
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from agentbox._console import console as make_console
 from agentbox._text import visible
 from agentbox.config import load_settings
 from agentbox.env import EnvStore
 
 __all__ = ["env_rows", "register", "setup_tail"]
 
-console = Console(highlight=False)
+console = make_console(highlight=False)
 
 
 def _human(n: float) -> str:

@@ -8,18 +8,18 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from agentbox._console import console as make_console
 from agentbox.config import load_settings
 
 __all__ = ["register"]
 
 image_app = typer.Typer(help="Build, list and remove sandbox images.", no_args_is_help=True)
 
-_out = Console()
-_err = Console(stderr=True)
+_out = make_console()
+_err = make_console(stderr=True)
 
 
 def _info_dict(info: Any) -> dict[str, Any]:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
+from agentbox._console import console as make_console
 from agentbox.config import load_settings
 
 __all__ = ["register"]
 
-_out = Console()
+_out = make_console()
 
 
 def register(app: typer.Typer) -> None:

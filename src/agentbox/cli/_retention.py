@@ -13,16 +13,16 @@ import time
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from agentbox._console import console as make_console
 from agentbox.config import Settings, load_settings
 from agentbox.errors import AgentboxError
 from agentbox.launcher import Removal, Store, data_usage, parse_age, prune, remove_task
 
 __all__ = ["register"]
 
-console = Console(highlight=False)
+console = make_console(highlight=False)
 
 KeepBranches = typer.Option(
     False,

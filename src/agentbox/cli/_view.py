@@ -16,12 +16,13 @@ import sys
 import time
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.spinner import Spinner
 from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from agentbox._console import console as make_console
 from agentbox._text import visible
 from agentbox.cli._env import env_rows, setup_tail
 from agentbox.cli._table import print_table
@@ -40,8 +41,8 @@ __all__ = [
     "safe",
 ]
 
-console = Console()
-err = Console(stderr=True)
+console = make_console()
+err = make_console(stderr=True)
 
 STYLE = {
     "queued": "dim",

@@ -67,6 +67,7 @@ from agentbox.errors import (
     TaskNotFound,
 )
 from agentbox.launcher._core import Launcher, StopMode
+from agentbox.launcher._front import FrontKeeper, start_front
 from agentbox.launcher._peer import (
     PEER_KEY,
     Peer,
@@ -371,6 +372,7 @@ def serve(
         raise
     sock_id: tuple[int, int] | None = None
     keeper: PoolKeeper | None = None
+    front: FrontKeeper | None = None
     link_id: tuple[int, int] | None = None
     mode: list[StopMode] = ["leave"]
     try:
@@ -388,6 +390,7 @@ def serve(
             _publish_link(link, path)
             lst = os.lstat(link)
             link_id = (lst.st_dev, lst.st_ino)
+            front = start_front(data_dir, path.parent)  # `agentbox` commands, forked
         log.info("launcher serving", socket=str(path), pid=os.getpid())
         if on_listening is not None:
             on_listening(path)
@@ -405,6 +408,8 @@ def serve(
         _remove_if_ours(path, sock_id)
         # Left (re-adopted by the next launcher), drained or cancelled: as told.
         try:
+            if front is not None:
+                front.stop()
             if keeper is not None:
                 keeper.stop()  # unclaimed pooled sandboxes removed; claimed ones are tasks
             launcher.stop(mode[0])

@@ -1,0 +1,303 @@
+"""The command's side of a fork: become the caller's ``agentbox`` process, then run it.
+
+:func:`become` runs in a fresh fork of the server (:mod:`agentbox.front.server`)
+and turns it, step by step, into the process the caller would have started: its
+cgroups, scheduling, limits, umask and signals (from ``/proc``, via
+:func:`agentbox.front._peer.posture_of`), then its standard streams, working
+directory, environment and argv (from the request). Anything it cannot take on is
+a decline, before the command has done anything: the client then runs the command
+itself. Only then does it run :func:`agentbox.cli.entry`, which ends the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from agentbox.front._wire import RequestError
+
+__all__ = ["Request", "become"]
+
+#: The most argv entries and environment variables a request may carry.
+MAX_ITEMS = 100_000
+
+
+@dataclass
+class Request:
+    """A client's request, checked for shape (its content is the caller's own)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    package: str
+    executable: str
+    stdio: dict[str, list[str] | None]
+    present: list[bool]
+    ignored: list[int]
+    main_package: str | None  # ``python -m agentbox``: how click names the program
+    title: str  # the caller's command line, for ps
+    fds: list[int]  # the caller's open stdio descriptors, then its working directory
+
+    @classmethod
+    def parse(cls, doc: dict[str, Any], fds: list[int]) -> Request:
+        try:
+            return cls._parse(doc, fds)
+        except RequestError:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+
+    @classmethod
+    def _parse(cls, doc: dict[str, Any], fds: list[int]) -> Request:
+        if doc.get("v") != 1:
+            raise RequestError("an unknown request version")
+        argv, env = doc.get("argv"), doc.get("env")
+        if not (isinstance(argv, list) and 0 < len(argv) <= MAX_ITEMS):
+            raise RequestError("argv is not a list of strings")
+        if not all(isinstance(a, str) and "\0" not in a for a in argv):
+            raise RequestError("argv is not a list of strings")
+        if not (isinstance(env, dict) and len(env) <= MAX_ITEMS):
+            raise RequestError("env is not a map of strings")
+        for k, v in env.items():
+            if not (isinstance(v, str) and k and "=" not in k and "\0" not in k + v):
+                raise RequestError("env is not a map of strings")
+        package, executable = doc.get("package"), doc.get("executable")
+        if not (isinstance(package, str) and isinstance(executable, str)):
+            raise RequestError("package and executable must be strings")
+        present = doc.get("fds")
+        if not (isinstance(present, list) and len(present) == 3):
+            raise RequestError("fds must say which of stdin, stdout, stderr are open")
+        if not all(isinstance(p, bool) for p in present):
+            raise RequestError("fds must say which of stdin, stdout, stderr are open")
+        if len(fds) != sum(present) + 1:
+            raise RequestError("the descriptors sent do not match the request")
+        stdio = doc.get("stdio")
+        if not isinstance(stdio, dict):
+            raise RequestError("stdio is not a map")
+        for name in ("stdin", "stdout", "stderr"):
+            spec = stdio.get(name)
+            if spec is not None and not (
+                isinstance(spec, list) and len(spec) == 2 and all(isinstance(s, str) for s in spec)
+            ):
+                raise RequestError(f"stdio.{name} is not [encoding, errors]")
+        ignored = doc.get("ignored")
+        if not (isinstance(ignored, list) and all(isinstance(s, int) for s in ignored)):
+            raise RequestError("ignored is not a list of signal numbers")
+        valid = {int(s) for s in signal.valid_signals()} - {signal.SIGKILL, signal.SIGSTOP}
+        if not set(ignored) <= valid:
+            raise RequestError("ignored names a signal that cannot be ignored")
+        main_package, title = doc.get("main_package"), doc.get("title")
+        if not (main_package is None or isinstance(main_package, str)):
+            raise RequestError("main_package is not a string")
+        if not (isinstance(title, str) and "\0" not in title):
+            raise RequestError("title is not a string")
+        return cls(
+            argv, env, package, executable, stdio, present, ignored, main_package, title, fds
+        )
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def become(
+    req: Request,
+    posture: dict[str, Any],
+    conn: socket.socket,
+    ready: int,
+    data_dir: Path,
+    *,
+    peer_pidfd: int,
+) -> NoReturn:
+    """Turn this fork into the caller's command and run it (never returns)."""
+    try:
+        _signals(req, posture)
+        _enter_cgroups(posture["cgroups"])
+        _schedule(posture)
+        _stdio_and_cwd(req, keep=(conn.fileno(), ready, peer_pidfd))
+        os.environ.clear()
+        os.environ.update(req.env)
+        time.tzset()
+        sys.argv = list(req.argv)
+        _as_main(req)
+        _fresh_streams(req)
+        _fresh_consoles()
+        _check_settings(data_dir)
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            os.write(ready, f"cannot become the caller's process: {exc}"[:4000].encode())
+        os._exit(0)
+    os.write(ready, b"ok")
+    os.close(ready)
+    _die_with_caller(conn, peer_pidfd)
+    _run_as_main()
+
+
+def _run_as_main() -> NoReturn:
+    """:func:`agentbox.cli.entry` (which ends the process), and what Python itself does
+    with an exception that escapes it: the traceback, then exit 1, or for a Ctrl-C,
+    death by SIGINT."""
+    import traceback
+
+    from agentbox.cli import entry
+
+    try:
+        entry()
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(1)
+
+
+def _signals(req: Request, posture: dict[str, Any]) -> None:
+    """Dispositions as a Python process started by the caller has them, and its mask."""
+    ignored = set(req.ignored)
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        if sig in ignored or sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these
+            want: Any = signal.SIG_IGN
+        elif sig == signal.SIGINT:
+            want = signal.default_int_handler
+        else:
+            want = signal.SIG_DFL
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, want)
+    blocked = posture["blocked"]
+    mask = {s for s in signal.valid_signals() if blocked >> (int(s) - 1) & 1}
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _enter_cgroups(theirs: dict[str, str]) -> None:
+    """Into the caller's cgroup in every hierarchy (its unit, its limits, its accounting)."""
+    from agentbox._cgroups import cgroup_mounts, cgroups_of
+
+    mounts = cgroup_mounts()
+    mine = cgroups_of("self")
+    for key, path in theirs.items():
+        if mine.get(key) == path:
+            continue
+        root = mounts.get(key)
+        if root is None:
+            raise OSError(f"no mount for the cgroup hierarchy {key}")
+        procs = root / path.lstrip("/") / "cgroup.procs"
+        procs.write_text(f"{os.getpid()}\n")
+
+
+def _schedule(posture: dict[str, Any]) -> None:
+    os.setpriority(os.PRIO_PROCESS, 0, posture["nice"])
+    os.sched_setaffinity(0, posture["affinity"])
+    Path("/proc/self/oom_score_adj").write_text(posture["oom_score_adj"])
+    for res, (soft, hard) in posture["limits"].items():
+        if resource.getrlimit(res) != (soft, hard):
+            resource.setrlimit(res, (soft, hard))
+    os.umask(posture["umask"])
+
+
+def _stdio_and_cwd(req: Request, *, keep: tuple[int, ...]) -> None:
+    """The caller's descriptors as 0-2 (a closed one closed), its working directory, and
+    nothing else of the server's open."""
+    fds = iter(req.fds)
+    for target, present in zip((0, 1, 2), req.present, strict=True):
+        if present:
+            src = next(fds)
+            os.dup2(src, target, inheritable=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.close(target)
+    cwd = next(fds)
+    os.fchdir(cwd)
+    high = max(keep)
+    for fd in range(3, high + 1):
+        if fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    os.closerange(high + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def _as_main(req: Request) -> None:
+    """``__main__`` as the caller's (click names the program from its ``__package__``:
+    ``python -m agentbox`` or the script's name), and the caller's command line as
+    this process's title (``ps``, ``pgrep -f``, ``/proc/<pid>/cmdline``)."""
+    import types
+
+    from setproctitle import setproctitle
+
+    main = types.ModuleType("__main__")
+    main.__package__ = req.main_package
+    main.__file__ = req.argv[0]
+    sys.modules["__main__"] = main
+    setproctitle(req.title[:4096])
+
+
+def _fresh_streams(req: Request) -> None:
+    """``sys.stdin``/``stdout``/``stderr`` for the new descriptors, as Python opens them:
+    the caller's encodings, stdout line-buffered on a terminal, stderr always."""
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        spec = req.stdio.get(name)
+        if not req.present[fd] or spec is None:
+            setattr(sys, name, None)
+            setattr(sys, f"__{name}__", None)
+            continue
+        encoding, errors = spec
+        stream = open(  # noqa: SIM115 - the process's own stream, open for its life
+            fd,
+            "r" if fd == 0 else "w",
+            encoding=encoding,
+            errors=errors,
+            closefd=False,
+            buffering=-1,
+        )
+        if fd:
+            stream.reconfigure(line_buffering=fd == 2 or os.isatty(fd))
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _fresh_consoles() -> None:
+    """Consoles made when the server imported their modules decided colour and width
+    for the server's streams: made again for the caller's (:mod:`agentbox._console`)."""
+    from agentbox._console import remake_all
+
+    remake_all()
+
+
+def _check_settings(data_dir: Path) -> None:
+    """The caller's settings (its environment, its config file) name this server's data dir."""
+    from agentbox.config import load_settings
+
+    theirs = load_settings().data_dir
+    if theirs != data_dir:
+        raise ValueError(f"the caller's data dir is {theirs}, this front end's {data_dir}")
+
+
+def _die_with_caller(conn: socket.socket, peer_pidfd: int) -> None:
+    """SIGKILL this command when its caller's connection ends or the caller exits
+    (a client killed with SIGKILL takes its command along, as one process would go)."""
+
+    def watch() -> None:
+        # Every signal is the command's main thread's (a read it is blocked in must be
+        # interrupted, as in a process with no other thread).
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        with contextlib.suppress(OSError):
+            import select
+
+            select.select([conn.fileno(), peer_pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="agentbox-front-caller", daemon=True).start()

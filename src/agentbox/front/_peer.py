@@ -1,0 +1,159 @@
+"""Who is calling the front end, read from the kernel, never from the request.
+
+A caller is served only when its process holds exactly what the server holds
+(:func:`same_rights`): the socket is the server's uid's alone (0600), but a process
+of that uid may hold fewer rights (a root shell in a container or a confined unit:
+fewer capabilities, a seccomp filter, no-new-privs, other namespaces), and a
+command forked by the server must not have more than its caller.
+
+The caller is pinned by a pidfd taken with the connection (``SO_PEERPIDFD``, or
+``pidfd_open`` of its ``SO_PEERCRED`` pid): what is read under ``/proc/<pid>`` is
+that process's only while the pidfd says it has not exited (:func:`alive`), since a
+pid is reused once its process is reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import select
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Peer", "alive", "peer_of", "posture_of", "same_rights"]
+
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
+#: The lines of /proc/<pid>/status that are a process's rights.
+RIGHTS = (
+    "Uid",
+    "Gid",
+    "Groups",
+    "CapInh",
+    "CapPrm",
+    "CapEff",
+    "CapBnd",
+    "CapAmb",
+    "NoNewPrivs",
+    "Seccomp",
+    "Seccomp_filters",
+)
+NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts")
+#: The limits a command takes from its caller (``ulimit``).
+LIMITS = tuple(
+    getattr(resource, n)
+    for n in (
+        "RLIMIT_AS",
+        "RLIMIT_CORE",
+        "RLIMIT_CPU",
+        "RLIMIT_DATA",
+        "RLIMIT_FSIZE",
+        "RLIMIT_LOCKS",
+        "RLIMIT_MEMLOCK",
+        "RLIMIT_MSGQUEUE",
+        "RLIMIT_NICE",
+        "RLIMIT_NOFILE",
+        "RLIMIT_NPROC",
+        "RLIMIT_RSS",
+        "RLIMIT_RTPRIO",
+        "RLIMIT_SIGPENDING",
+        "RLIMIT_STACK",
+    )
+    if hasattr(resource, n)
+)
+
+
+class Peer:
+    """The connected process: its pid, uid and a pidfd that pins it."""
+
+    def __init__(self, pid: int, uid: int, gid: int, pidfd: int) -> None:
+        self.pid, self.uid, self.gid, self.pidfd = pid, uid, gid, pidfd
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.pidfd)
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    """The process that called ``connect()`` on the other end of ``sock``."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    try:
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError:
+        pidfd = os.pidfd_open(pid)  # older kernels: a pid that was checked alive below
+    return Peer(pid, uid, gid, pidfd)
+
+
+def alive(peer: Peer) -> bool:
+    """Whether the caller has not exited (so ``/proc/<pid>`` was its own until now)."""
+    poller = select.poll()
+    poller.register(peer.pidfd, select.POLLIN)
+    return not poller.poll(0)
+
+
+def _status(pid: int | str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key] = " ".join(value.split())
+    return out
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:  # no LSM, no such namespace: the same answer for both
+        return f"<{exc.errno}>"
+
+
+def _rights(pid: int | str) -> dict[str, str]:
+    status = _status(pid)
+    out = {k: status.get(k, "") for k in RIGHTS}
+    for ns in NAMESPACES:
+        try:
+            out[f"ns/{ns}"] = str(Path(f"/proc/{pid}/ns/{ns}").readlink())
+        except OSError as exc:
+            out[f"ns/{ns}"] = f"<{exc.errno}>"
+    root = Path(f"/proc/{pid}/root/").stat()
+    out["root"] = f"{root.st_dev}:{root.st_ino}"
+    out["lsm"] = _read(f"/proc/{pid}/attr/current")
+    return out
+
+
+def same_rights(peer: Peer) -> str | None:
+    """None when the caller holds exactly this process's rights, else what differs."""
+    if peer.uid != os.getuid() or peer.uid != os.geteuid():
+        return f"uid {peer.uid} is not the server's"
+    try:
+        theirs = _rights(peer.pid)
+    except OSError as exc:
+        return f"cannot read the caller's process ({exc.strerror})"
+    mine = _rights("self")
+    differ = sorted(k for k in mine if mine[k] != theirs.get(k))
+    if not alive(peer):
+        return "the caller exited"
+    if differ:
+        return "the caller's " + ", ".join(differ) + " differ from the server's"
+    return None
+
+
+def posture_of(peer: Peer) -> dict[str, Any]:
+    """What the command takes on from its caller: cgroups, nice value, CPU affinity,
+    OOM score adjustment, resource limits, umask and blocked signals."""
+    from agentbox._cgroups import cgroups_of
+
+    status = _status(peer.pid)
+    posture = {
+        "cgroups": cgroups_of(peer.pid),
+        "nice": os.getpriority(os.PRIO_PROCESS, peer.pid),
+        "affinity": sorted(os.sched_getaffinity(peer.pid)),
+        "oom_score_adj": Path(f"/proc/{peer.pid}/oom_score_adj").read_text().strip(),
+        "limits": {int(r): resource.prlimit(peer.pid, r) for r in LIMITS},
+        "umask": int(status.get("Umask", "022"), 8),
+        "blocked": int(status.get("SigBlk", "0"), 16),
+    }
+    if not alive(peer):
+        raise ProcessLookupError("the caller exited")
+    return posture

@@ -1,0 +1,258 @@
+"""The front end's fork server: ``python -m agentbox.front.server`` (started and kept by
+``agentbox launcher serve``, :mod:`agentbox.launcher._front`).
+
+One process imports what commands use (:data:`PRELOAD`), once, and never runs any
+of it: no settings loaded, no logging configured, no thread started. It then
+accepts on its socket and forks, per connection, a *waiter* (this module's
+:func:`_serve_one`) that reads the request, checks the caller
+(:mod:`agentbox.front._peer`) and the code (:func:`_stale`), forks the command
+(:mod:`agentbox.front._child`), tells the client its pid, waits for it and reports
+how it ended. The server itself only accepts and forks: a bad request, a slow client
+or a crash costs a waiter, never the server.
+
+The server exits when its parent (the launcher service) exits, when told to
+(SIGTERM), or when a waiter finds that a module it imported changed on disk since
+(an upgrade, an edit): the keeper starts a fresh one, and the command that found it
+runs in its caller's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any, NoReturn
+
+from agentbox.front._peer import peer_of, posture_of, same_rights
+from agentbox.front._wire import RequestError, WireError, recv_request, send_message
+
+__all__ = ["PRELOAD", "main"]
+
+#: What ``agentbox run`` (and the commands around it) import, measured on a run.
+PRELOAD = (
+    "agentbox.cli",
+    "agentbox.cli._run",
+    "agentbox.cli._tasks",
+    "agentbox.cli._wait",
+    "agentbox.cli._diff",
+    "agentbox.cli._publish",
+    "agentbox.cli._launcher",
+    "agentbox.cli._client",
+    "agentbox.cli._follow",
+    "agentbox.cli._logs",
+    "agentbox.cli._view",
+    "agentbox.cli._env",
+    "agentbox._log",
+    "agentbox._reap",
+    "agentbox.config",
+    "agentbox.boxfile",
+    "agentbox.launcher",
+    "agentbox.launcher._core",
+    "agentbox.backends",
+    "agentbox.backends.podman",
+    "agentbox.backends.docker",  # the orphan sweep lists every backend's sandboxes
+    "agentbox.backends.qemu",
+    "agentbox.backends.firecracker",
+    "agentbox.backends.fake",
+    "agentbox.collect",
+    "agentbox.collect.report",
+    "agentbox.env",
+    "agentbox.front._child",
+    "setproctitle",
+    "http.client",
+    "rich._emoji_codes",
+    "typer._adapters",
+    "typer._click.decorators",
+)
+
+#: How long a client may take to send its request.
+REQUEST_TIMEOUT = 10.0
+
+
+def preload(names: tuple[str, ...] = PRELOAD) -> dict[str, tuple[int, int]]:
+    """Import ``names``; the (mtime, size) of every agentbox module file now loaded."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:  # an optional part: the command imports it (or fails) itself
+            sys.stderr.write(f"agentbox front end: not preloaded: {name}: {exc}\n")
+    return _files()
+
+
+def _files() -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (name == "agentbox" or name.startswith("agentbox.")) and path:
+            with contextlib.suppress(OSError):
+                st = Path(path).stat()
+                out[path] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
+def _stale(files: dict[str, tuple[int, int]]) -> str | None:
+    """The first loaded module file that changed since it was imported, if any."""
+    for path, was in files.items():
+        try:
+            st = Path(path).stat()
+        except OSError:
+            return path
+        if (st.st_mtime_ns, st.st_size) != was:
+            return path
+    return None
+
+
+def _bind(path: Path) -> socket.socket:
+    """Listen on ``path``, mode 0600 from birth; a socket left there is replaced (the
+    caller holds the data dir's launcher lock: no other server is this dir's)."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_socket():
+            path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    parser = argparse.ArgumentParser(prog="python -m agentbox.front.server")
+    parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args(argv)
+    parent = os.pidfd_open(args.parent)  # before the imports: a parent gone meanwhile shows
+    files = preload()
+    if threading.active_count() != 1:  # a fork copies only the forking thread
+        sys.stderr.write("agentbox front end: an import started a thread; not serving\n")
+        os._exit(1)
+    # Set once here, before any fork: setproctitle takes over argv's and environ's memory
+    # while environ is still the one the kernel laid out (a command's fork sets its own).
+    from setproctitle import setproctitle
+
+    setproctitle(f"agentbox front end {args.socket}")
+    listener = _bind(args.socket)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
+    sys.stderr.write(f"agentbox front end serving {args.socket} (pid {os.getpid()})\n")
+    sys.stderr.flush()
+    while True:
+        try:
+            ready, _, _ = select.select([listener.fileno(), parent], [], [])
+        except InterruptedError:
+            continue
+        if parent in ready:
+            with contextlib.suppress(OSError):
+                args.socket.unlink()
+            os._exit(0)
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            continue
+        try:
+            pid = os.fork()
+        except OSError:
+            conn.close()
+            continue
+        if pid == 0:
+            listener.close()
+            os.close(parent)
+            _serve_one(conn, args.data_dir, files, os.getppid())
+        conn.close()
+
+
+def _serve_one(
+    conn: socket.socket, data_dir: Path, files: dict[str, tuple[int, int]], server: int
+) -> NoReturn:
+    """The waiter: check, fork the command, report its end. Never returns."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    code = 0
+    try:
+        _waiter(conn, data_dir, files, server)
+    except BaseException:  # a waiter never reaches the server's loop
+        code = 1
+    os._exit(code)
+
+
+def _decline(conn: socket.socket, reason: str) -> None:
+    with contextlib.suppress(OSError):
+        send_message(conn, {"declined": reason})
+
+
+def _waiter(
+    conn: socket.socket, data_dir: Path, files: dict[str, tuple[int, int]], server: int
+) -> None:
+    peer = peer_of(conn)
+    conn.settimeout(REQUEST_TIMEOUT)
+    try:
+        request, fds = recv_request(conn)
+    except (OSError, WireError) as exc:
+        _decline(conn, f"bad request: {exc}")
+        return
+    conn.settimeout(None)
+    from agentbox.front._child import Request
+
+    try:
+        req = Request.parse(request, fds)
+    except RequestError as exc:
+        _decline(conn, str(exc))
+        return
+    why = same_rights(peer)
+    if why is None and req.package != os.path.dirname(os.path.realpath(_pkg_file())):  # noqa: PTH120
+        why = f"another agentbox ({req.package})"
+    if why is None and Path(req.executable).resolve() != Path(sys.executable).resolve():
+        why = f"another Python ({req.executable})"
+    changed = _stale(files) if why is None else None
+    if changed is not None:
+        why = f"{changed} changed since the front end started"
+        with contextlib.suppress(OSError):
+            os.kill(server, signal.SIGTERM)  # its keeper starts a fresh one
+    if why is None:
+        try:
+            posture: dict[str, Any] = posture_of(peer)
+        except OSError as exc:
+            why = f"cannot read the caller's process ({exc})"
+    if why is not None:
+        _decline(conn, why)
+        return
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        from agentbox.front._child import become
+
+        become(req, posture, conn, ready_w, data_dir, peer_pidfd=peer.pidfd)  # never returns
+    os.close(ready_w)
+    req.close_fds()
+    with os.fdopen(ready_r, "rb") as ready:
+        said = ready.read(4096)
+    if said == b"ok":
+        send_message(conn, {"started": pid})
+    else:
+        _decline(conn, said.decode(errors="replace") or "the command could not start")
+    _, status = os.waitpid(pid, 0)
+    if said != b"ok":
+        return
+    if os.WIFSIGNALED(status):
+        send_message(conn, {"signal": os.WTERMSIG(status)})
+    else:
+        send_message(conn, {"exit": os.waitstatus_to_exitcode(status)})
+
+
+def _pkg_file() -> str:
+    import agentbox
+
+    return agentbox.__file__ or ""
+
+
+if __name__ == "__main__":
+    main()
