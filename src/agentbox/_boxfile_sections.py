@@ -96,6 +96,9 @@ class Resources(Strict):
 class Mount(Strict):
     """A read-only host directory made visible inside the sandbox."""
 
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
+
     source: Path
     target: str
     read_only: Literal[True] = True
@@ -165,6 +168,9 @@ class Setup(Strict):
     task's egress proxy; ``[network] allow`` adds to it).
     """
 
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
+
     run: tuple[str, ...] = Field(min_length=1, max_length=MAX_SETUP_COMMANDS)
     inputs: tuple[str, ...] = Field(default=(), max_length=MAX_SETUP_INPUTS)
     network: Literal["none", "registries"] = "none"
@@ -220,6 +226,9 @@ class NetworkPolicy(Strict):
     ``egress_allow_cap`` setting bounds them (checked when a task is validated).
     """
 
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
+
     allow: tuple[str, ...] = Field(default=(), max_length=MAX_ALLOWED_HOSTS)
 
     @field_validator("allow")
@@ -246,6 +255,9 @@ class ImageBuild(Strict):
     Containerfile's directory. A caller turns this into an image name with
     :func:`agentbox.image.build_for_boxfile` before a sandbox is made from the Boxfile.
     """
+
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
 
     containerfile: Path
     context: Path | None = None

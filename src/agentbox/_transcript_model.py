@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from agentbox._wire import TokenUsage
 
@@ -70,6 +70,9 @@ class Event(BaseModel):
 class TurnTokens(BaseModel):
     """One model request as the gateway metered it (``requests.jsonl``, never model text)."""
 
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
+
     message_id: str | None = None
     """The upstream's message id: Claude Code's assistant ``message.id`` for an agent turn."""
     time: float | None = None
@@ -86,6 +89,9 @@ class TurnTokens(BaseModel):
 class TestCommand(BaseModel):
     """The last command the agent ran that looks like running tests."""
 
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
+
     command: str
     exit_code: int | None = None
     """None: no result came back (the task ended while it ran) or it was not said."""
@@ -93,6 +99,9 @@ class TestCommand(BaseModel):
 
 class Transcript(BaseModel):
     """A task's events and what they add up to."""
+
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
 
     events: list[Event] = Field(default_factory=list)
     tools_run: dict[str, int] = Field(default_factory=dict)
@@ -118,6 +127,9 @@ MAX_PAGE = 500
 
 class TranscriptPage(BaseModel):
     """Events ``since`` .. ``next`` of a task's transcript (the launcher's ``transcript`` call)."""
+
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
 
     task_id: str
     events: list[Event] = Field(default_factory=list)

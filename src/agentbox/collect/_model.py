@@ -42,7 +42,8 @@ class Limits(BaseModel):
 class Skipped(BaseModel):
     """One path that was not collected as the agent left it, and why."""
 
-    model_config = ConfigDict(frozen=True)
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True, frozen=True)
 
     path: str
     reason: str

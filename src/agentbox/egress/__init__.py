@@ -38,11 +38,15 @@ Public API::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from agentbox.egress._env import host_ca_bundle, proxy_env
 from agentbox.egress._hostcfg import host_registries
 from agentbox.egress._policy import AllowRule, EgressLimits, EgressPolicy
-from agentbox.egress._process import ProxyHandle, spawn_proxy
 from agentbox.egress._record import EgressSummary, HostSummary, summarize
+
+if TYPE_CHECKING:
+    from agentbox.egress._process import ProxyHandle, spawn_proxy
 
 __all__ = [
     "AllowRule",
@@ -57,3 +61,17 @@ __all__ = [
     "spawn_proxy",
     "summarize",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """:func:`spawn_proxy` and :class:`ProxyHandle`, on first use.
+
+    The proxy's side (its asyncio server, h11, the address checks) is imported only
+    by a task that starts a proxy: every ``agentbox run`` imports this package for
+    :class:`EgressPolicy`, and most run with no egress at all (issue 15).
+    """
+    if name in ("ProxyHandle", "spawn_proxy"):
+        from agentbox.egress import _process
+
+        return getattr(_process, name)
+    raise AttributeError(name)

@@ -29,7 +29,8 @@ __all__ = ["AllowRule", "EgressLimits", "EgressPolicy", "Verdict"]
 class AllowRule(BaseModel):
     """One allowed name (``host`` or ``*.suffix``), where it came from, and its ports."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     pattern: str
     source: Literal["pip", "npm", "uv", "boxfile", "test"]
@@ -81,7 +82,8 @@ class EgressLimits(BaseModel):
 class Verdict(BaseModel):
     """The proxy's answer to a name and port before resolution."""
 
-    model_config = ConfigDict(frozen=True)
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True, frozen=True)
 
     allowed: bool
     rule: str
@@ -92,7 +94,8 @@ class Verdict(BaseModel):
 class EgressPolicy(BaseModel):
     """Everything one proxy enforces. Frozen; JSON round-trips (``model_dump_json``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     rules: tuple[AllowRule, ...] = ()
     trusted_ranges: tuple[str, ...] = ()

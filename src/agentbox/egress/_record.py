@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["EgressLog", "EgressSummary", "HostSummary", "summarize"]
 
@@ -79,6 +79,9 @@ class EgressLog:
 class HostSummary(BaseModel):
     """One host's attempts through the proxy."""
 
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
+
     host: str
     allowed: int = 0
     denied: int = 0
@@ -90,6 +93,9 @@ class HostSummary(BaseModel):
 
 class EgressSummary(BaseModel):
     """The egress log of one task, per host, for the report and ``agentbox show``."""
+
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
 
     hosts: list[HostSummary] = Field(default_factory=list)
     allowed: int = 0

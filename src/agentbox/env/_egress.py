@@ -14,11 +14,15 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, BindMount
 from agentbox.config import Settings
-from agentbox.egress import EgressPolicy, ProxyHandle, host_ca_bundle, proxy_env, spawn_proxy
+from agentbox.egress import EgressPolicy, host_ca_bundle, proxy_env
 from agentbox.env._report import record_proxy
+
+if TYPE_CHECKING:
+    from agentbox.egress import ProxyHandle
 
 __all__ = [
     "CA_DIR_IN_SANDBOX",
@@ -74,6 +78,8 @@ def start_egress(
     the sandbox uid's: runsc's gofer can read it, and a host bundle replaced while the
     task runs changes nothing) and that directory is mounted read-only.
     """
+    from agentbox.egress import spawn_proxy  # the proxy's side: only a task that starts one
+
     sock = socket_dir / EGRESS_SOCKET_NAME
     ca_dir = socket_dir.parent / "egress-ca"
     ca_copy = ca_dir / "ca.pem"

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["EnvInfo", "SetupReport"]
 
 
 class EnvInfo(BaseModel):
     """One frozen environment as ``agentbox env ls`` shows it."""
+
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
 
     key: str
     image: str
@@ -37,6 +40,9 @@ class SetupReport(BaseModel):
     failed: no agent started). ``output_tail`` is the end of the setup log: text
     a command in the sandbox chose, shown only through the CLI's sanitizer.
     """
+
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
 
     cache: Literal["hit", "miss", "failed"]
     key: str

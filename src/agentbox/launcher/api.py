@@ -142,6 +142,9 @@ class TaskInfo(_Wire):
 
 
 class TaskList(_Wire):
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
+
     tasks: list[TaskInfo]
 
 
@@ -169,6 +172,9 @@ class TaskResult(_Wire):
 class ModelInfo(_Wire):
     """A model a task may use."""
 
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
+
     name: str
     kind: str
     """``replay``, ``anthropic``, ``local`` ..."""
@@ -182,4 +188,6 @@ class ModelInfo(_Wire):
 
 
 class ModelList(_Wire):
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    model_config = ConfigDict(defer_build=True)
     models: list[ModelInfo]
