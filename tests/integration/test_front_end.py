@@ -162,6 +162,12 @@ CASES: dict[str, tuple[list[str], bytes, dict[str, str]]] = {
     "empty stdin": (["run", "--repo", "rel/dir", "-"], b"", {}),
     "forced colour, width": (["--help"], b"", {"FORCE_COLOR": "1", "COLUMNS": "70"}),
     "no colour": (["models", "--help"], b"", {"NO_COLOR": "1", "COLUMNS": "200"}),
+    # an ASCII locale the fork takes on with setlocale
+    "ASCII locale": (
+        ["run", "--repo", "rel/d\u00efr", "-"],
+        "fix \u00fc".encode(),
+        {"LC_ALL": "C", "PYTHONUTF8": "0"},
+    ),
 }
 
 
@@ -374,6 +380,23 @@ def test_a_caller_with_other_rights_is_not_served(front: Front, case: str) -> No
     assert res.returncode == 4, res.stderr
     assert b"declined" in res.stderr and field.encode() in res.stderr, res.stderr
     assert (alone.returncode, alone.stdout.startswith(b"agentbox ")) == (0, True), alone.stderr
+
+
+OTHER_PYTHON = {
+    "PYTHONPATH": ({"PYTHONPATH": "/nonexistent-agentbox-test"}, b"another Python configuration"),
+    "-O": ({"PYTHONOPTIMIZE": "1"}, b"another Python configuration"),
+    # LC_ALL=C, yet UTF-8 mode: the fork's setlocale gives ASCII, not the caller's UTF-8
+    "UTF-8 mode": ({"LC_ALL": "C", "PYTHONUTF8": "1"}, b"text encoding is utf-8"),
+}
+
+
+@pytest.mark.parametrize("case", list(OTHER_PYTHON))
+def test_a_caller_with_another_python_configuration_is_not_served(front: Front, case: str) -> None:
+    """What the command would import, or how it would run, differs: not served."""
+    extra, said = OTHER_PYTHON[case]
+    res = front.run(["--version"], "require", **extra)
+    assert res.returncode == 4 and said in res.stderr, res.stderr
+    assert front.run(["--version"], "auto", **extra).stdout.startswith(b"agentbox ")
 
 
 def test_a_changed_module_declines_and_ends_the_server(front: Front) -> None:

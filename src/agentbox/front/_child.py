@@ -44,6 +44,7 @@ class Request:
     ignored: list[int]
     main_package: str | None  # ``python -m agentbox``: how click names the program
     title: str  # the caller's command line, for ps
+    python: dict[str, Any]  # the caller's interpreter configuration (client.python_config)
     fds: list[int]  # the caller's open stdio descriptors, then its working directory
 
     @classmethod
@@ -100,9 +101,13 @@ class Request:
             raise RequestError("main_package is not a string")
         if not (isinstance(title, str) and "\0" not in title):
             raise RequestError("title is not a string")
+        python = doc.get("python")
+        if not isinstance(python, dict):
+            raise RequestError("python is not a map")
         return cls(
-            argv, env, package, executable, stdio, present, ignored, main_package, title, fds
-        )
+            argv, env, package, executable, stdio, present, ignored, main_package, title,
+            python, fds,
+        )  # fmt: skip
 
     def close_fds(self) -> None:
         for fd in self.fds:
@@ -121,6 +126,7 @@ def become(
 ) -> NoReturn:
     """Turn this fork into the caller's command and run it (never returns)."""
     try:
+        os.setpgid(0, 0)  # a group of its own: a kill of the server's group is not the caller's
         _signals(req, posture)
         _enter_cgroups(posture["cgroups"])
         _schedule(posture)
@@ -128,6 +134,7 @@ def become(
         os.environ.clear()
         os.environ.update(req.env)
         time.tzset()
+        _locale(req.python.get("encoding"))
         sys.argv = list(req.argv)
         _as_main(req)
         _fresh_streams(req)
@@ -162,6 +169,20 @@ def _run_as_main() -> NoReturn:
         traceback.print_exc()
         sys.stderr.flush()
     os._exit(1)
+
+
+def _locale(theirs: object) -> None:
+    """LC_CTYPE from the caller's environment, as Python sets it at its start; the
+    default encoding of ``open()`` must then be the caller's (a caller in UTF-8 mode
+    has a C.UTF-8 LC_CTYPE in its environment, PEP 538)."""
+    import locale
+
+    from agentbox.front.client import text_encoding
+
+    with contextlib.suppress(locale.Error):
+        locale.setlocale(locale.LC_CTYPE, "")
+    if text_encoding() != theirs:
+        raise ValueError(f"the caller's text encoding is {theirs}, here {text_encoding()}")
 
 
 def _signals(req: Request, posture: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ TYPE_CHECKING = False  # not typing's, nor pathlib (PTH: os.path): 20 ms of this
 if TYPE_CHECKING:
     from typing import Any, NoReturn
 
-__all__ = ["FrontEndUnavailable", "data_dir", "entry", "run_served", "socket_for"]
+__all__ = ["FrontEndUnavailable", "data_dir", "entry", "python_config", "run_served", "socket_for"]
 
 #: Signals the client passes on to the command as they come (TSTP and CONT are
 #: handled apart: the command stops and resumes with the client).
@@ -106,6 +106,43 @@ def _stdio() -> dict[str, list[str] | None]:
     return out
 
 
+#: The interpreter's flags that change what the command does (not, say, bytecode writing;
+#: UTF-8 mode is compared by its effect, the default text encoding).
+FLAGS = (
+    "optimize",
+    "no_user_site",
+    "no_site",
+    "ignore_environment",
+    "isolated",
+    "dev_mode",
+    "warn_default_encoding",
+    "safe_path",
+    "int_max_str_digits",
+    "bytes_warning",
+)
+
+
+def python_config() -> dict[str, Any]:
+    """What this interpreter imports from (``sys.path`` past the script's own directory),
+    its flags, ``-W`` and ``-X`` options: a server with other ones declines (a
+    ``PYTHONPATH``, another venv, ``-O``)."""
+    return {
+        "path": sys.path[1:],
+        "flags": {name: getattr(sys.flags, name, None) for name in FLAGS},
+        "warnoptions": list(sys.warnoptions),
+        "xoptions": {str(k): str(v) for k, v in sys._xoptions.items()},
+        "encoding": text_encoding(),
+    }
+
+
+def text_encoding() -> str:
+    """``open()``'s default encoding here (UTF-8 mode, else the locale's), by codec name."""
+    import codecs
+    import locale
+
+    return codecs.lookup(locale.getpreferredencoding(False)).name
+
+
 def _cmdline() -> str:
     """This process's command line, as ``ps`` shows it: the served command's title."""
     try:
@@ -174,6 +211,7 @@ def _served(sock: socket.socket, argv: list[str]) -> tuple[str, int]:
             "ignored": _ignored(),
             "main_package": getattr(sys.modules.get("__main__"), "__package__", None),
             "title": _cmdline(),
+            "python": python_config(),
         }
         try:
             send_message(sock, request, [*fds, cwd])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import os
 import select
 import signal
@@ -32,6 +33,7 @@ from typing import Any, NoReturn
 
 from agentbox.front._peer import peer_of, posture_of, same_rights
 from agentbox.front._wire import RequestError, WireError, recv_request, send_message
+from agentbox.front.client import python_config
 
 __all__ = ["PRELOAD", "main"]
 
@@ -211,6 +213,9 @@ def _waiter(
         why = f"another agentbox ({req.package})"
     if why is None and Path(req.executable).resolve() != Path(sys.executable).resolve():
         why = f"another Python ({req.executable})"
+    mine = json.loads(json.dumps(python_config()))
+    if why is None and {**mine, "encoding": None} != {**req.python, "encoding": None}:
+        why = "another Python configuration (sys.path, flags, -W or -X options)"
     changed = _stale(files) if why is None else None
     if changed is not None:
         why = f"{changed} changed since the front end started"
