@@ -382,6 +382,28 @@ def test_a_caller_with_other_rights_is_not_served(front: Front, case: str) -> No
     assert (alone.returncode, alone.stdout.startswith(b"agentbox ")) == (0, True), alone.stderr
 
 
+def test_a_caller_in_a_mount_namespace_of_its_own_is_served_with_its_mounts(
+    front: Front,
+) -> None:
+    """As under a unit with PrivateTmp=yes, the other way round: the command joins the
+    caller's mount namespace, so it reads a file only the caller's mounts hold."""
+    (front.work / "private").mkdir()
+    script = 'mount -t tmpfs none private && echo "fix it" > private/task.txt && exec "$@"'
+    prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+    # an absolute path: one relative to the cwd (the caller's descriptor) would resolve in
+    # the caller's mounts even without joining them
+    argv = ["run", "--repo", "private", "--task-file", str(front.work / "private/task.txt")]
+    served = front.run(argv, "require", prefix=prefix)
+    alone = front.run(argv, "off", prefix=prefix)
+    assert (served.returncode, served.stdout, served.stderr) == (
+        alone.returncode,
+        alone.stdout,
+        alone.stderr,
+    )
+    assert served.returncode == 3, served.stderr  # the task was read; the repo is refused
+    assert not (front.work / "private" / "task.txt").exists()  # not in the server's mounts
+
+
 OTHER_PYTHON = {
     "PYTHONPATH": ({"PYTHONPATH": "/nonexistent-agentbox-test"}, b"another Python configuration"),
     "-O": ({"PYTHONOPTIMIZE": "1"}, b"another Python configuration"),

@@ -128,6 +128,7 @@ def become(
     try:
         os.setpgid(0, 0)  # a group of its own: a kill of the server's group is not the caller's
         _signals(req, posture)
+        _join_mounts(posture["pid"])
         _enter_cgroups(posture["cgroups"])
         _schedule(posture)
         _stdio_and_cwd(req, keep=(conn.fileno(), ready, peer_pidfd))
@@ -202,6 +203,28 @@ def _signals(req: Request, posture: dict[str, Any]) -> None:
     blocked = posture["blocked"]
     mask = {s for s in signal.valid_signals() if blocked >> (int(s) - 1) & 1}
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _join_mounts(pid: int) -> None:
+    """Into the caller's mount namespace when it is not the server's (``setns``: this
+    process is single-threaded here), so that its paths are the caller's; then the
+    root directory must be the caller's too."""
+    mine, theirs = Path("/proc/self/ns/mnt"), Path(f"/proc/{pid}/ns/mnt")
+    if mine.readlink() == theirs.readlink():
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(theirs, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, 0x00020000) != 0:  # CLONE_NEWNS
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot join the caller's mount namespace: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    here, there = Path("/").stat(), Path(f"/proc/{pid}/root/").stat()
+    if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+        raise OSError("the caller's root directory is not its mount namespace's root")
 
 
 def _enter_cgroups(theirs: dict[str, str]) -> None:

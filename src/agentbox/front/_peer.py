@@ -131,7 +131,10 @@ def same_rights(peer: Peer) -> str | None:
     except OSError as exc:
         return f"cannot read the caller's process ({exc.strerror})"
     mine = _rights("self")
-    differ = sorted(k for k in mine if mine[k] != theirs.get(k))
+    # The mount namespace is joined, not compared (a unit's PrivateTmp=yes puts the
+    # server in one of its own): the command sees the caller's mounts
+    # (agentbox.front._child._join_mounts); the root directory still must match.
+    differ = sorted(k for k in mine if mine[k] != theirs.get(k) and k != "ns/mnt")
     if not alive(peer):
         return "the caller exited"
     if differ:
@@ -146,6 +149,7 @@ def posture_of(peer: Peer) -> dict[str, Any]:
 
     status = _status(peer.pid)
     posture = {
+        "pid": peer.pid,
         "cgroups": cgroups_of(peer.pid),
         "nice": os.getpriority(os.PRIO_PROCESS, peer.pid),
         "affinity": sorted(os.sched_getaffinity(peer.pid)),

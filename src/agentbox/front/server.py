@@ -68,6 +68,7 @@ PRELOAD = (
     "agentbox.env",
     "agentbox.front._child",
     "setproctitle",
+    "ctypes",
     "http.client",
     "rich._emoji_codes",
     "typer._adapters",
