@@ -232,6 +232,43 @@ def test_require_without_a_server_fails_and_runs_nothing(tmp_path: Path) -> None
     assert f.run(["--version"], "auto").returncode == 0  # auto: in-process
 
 
+@pytest.mark.parametrize(
+    ("argv", "own"),
+    [
+        (["agentbox", "mcp", "--http", "x"], True),
+        (["agentbox", "--log-level", "info", "launcher", "serve"], True),
+        (["agentbox", "--log-json", "model", "serve", "s.yaml"], True),
+        (["agentbox", "launcher", "stop"], False),
+        (["agentbox", "run", "--repo", "mcp", "serve"], False),
+        (["agentbox", "--log-level", "mcp", "tasks"], False),
+    ],
+)
+def test_services_run_in_their_own_process(argv: list[str], own: bool) -> None:
+    from agentbox.front.client import own_process
+
+    assert own_process(argv) is own
+
+
+def test_a_service_command_is_never_served(front: Front) -> None:
+    """``agentbox mcp`` (stdio) with ``require``: it runs as the client's own process (a
+    supervisor, a posture check, its privilege drop find it at the pid started)."""
+    proc = subprocess.Popen(
+        [*AGENTBOX, "mcp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=front.env("require"), cwd=front.work,
+    )  # fmt: skip
+    try:
+        wait_until(  # a served client never loads pydantic: this one is the command
+            lambda: "pydantic_core" in Path(f"/proc/{proc.pid}/maps").read_text(),
+            timeout=60,
+            on_timeout=lambda: AssertionError("the MCP server never started in the client"),
+        )
+        assert front.proc is not None
+        assert psutil.Process(front.proc.pid).children() == [], "it was served"
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
 # -- the caller's process ---------------------------------------------------------------
 
 
@@ -272,6 +309,7 @@ def test_the_command_takes_on_its_callers_process(front: Front) -> None:
             line.split(":", 1) for line in Path(f"/proc/{cmd.pid}/status").read_text().splitlines()
         )
         assert status["Umask"].strip() == "0027"
+        assert status["Threads"].strip() == "1"  # as its own process would be (a privilege drop)
         assert int(status["SigIgn"], 16) >> (signal.SIGQUIT - 1) & 1, "SIGQUIT not ignored"
         assert not int(status["SigIgn"], 16) >> (signal.SIGTERM - 1) & 1
         assert os.getpriority(os.PRIO_PROCESS, cmd.pid) == 5

@@ -17,7 +17,6 @@ import resource
 import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,17 +120,18 @@ def become(
     conn: socket.socket,
     ready: int,
     data_dir: Path,
-    *,
-    peer_pidfd: int,
 ) -> NoReturn:
-    """Turn this fork into the caller's command and run it (never returns)."""
+    """Turn this fork into the caller's command and run it (never returns). The caller's
+    connection stays the waiter's: it is closed here (detached first, so that no socket
+    object of this process can close a descriptor number reused later)."""
+    conn.detach()
     try:
         os.setpgid(0, 0)  # a group of its own: a kill of the server's group is not the caller's
         _signals(req, posture)
         _join_mounts(posture["pid"])
         _enter_cgroups(posture["cgroups"])
         _schedule(posture)
-        _stdio_and_cwd(req, keep=(conn.fileno(), ready, peer_pidfd))
+        _stdio_and_cwd(req, keep=(ready,))  # the caller's connection is the waiter's
         os.environ.clear()
         os.environ.update(req.env)
         time.tzset()
@@ -147,7 +147,6 @@ def become(
         os._exit(0)
     os.write(ready, b"ok")
     os.close(ready)
-    _die_with_caller(conn, peer_pidfd)
     _run_as_main()
 
 
@@ -328,20 +327,3 @@ def _check_settings(data_dir: Path) -> None:
     theirs = load_settings().data_dir
     if theirs != data_dir:
         raise ValueError(f"the caller's data dir is {theirs}, this front end's {data_dir}")
-
-
-def _die_with_caller(conn: socket.socket, peer_pidfd: int) -> None:
-    """SIGKILL this command when its caller's connection ends or the caller exits
-    (a client killed with SIGKILL takes its command along, as one process would go)."""
-
-    def watch() -> None:
-        # Every signal is the command's main thread's (a read it is blocked in must be
-        # interrupted, as in a process with no other thread).
-        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        with contextlib.suppress(OSError):
-            import select
-
-            select.select([conn.fileno(), peer_pidfd], [], [])
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="agentbox-front-caller", daemon=True).start()

@@ -20,7 +20,16 @@ TYPE_CHECKING = False  # not typing's, nor pathlib (PTH: os.path): 20 ms of this
 if TYPE_CHECKING:
     from typing import Any, NoReturn
 
-__all__ = ["FrontEndUnavailable", "data_dir", "entry", "python_config", "run_served", "socket_for"]
+__all__ = [
+    "FrontEndUnavailable",
+    "command_of",
+    "data_dir",
+    "entry",
+    "own_process",
+    "python_config",
+    "run_served",
+    "socket_for",
+]
 
 #: Signals the client passes on to the command as they come (TSTP and CONT are
 #: handled apart: the command stops and resumes with the client).
@@ -65,11 +74,40 @@ def socket_for(data_dir: str) -> str:
     return os.path.join(data_dir, "run", SOCKET_NAME)
 
 
+#: Commands that are services, not work a person waits on, run as their own process
+#: whatever the mode: what supervises them (systemd, a posture check, ``pgrep``), and
+#: their own privilege drop (``mcp --user``), must find them at the pid it started.
+#: ``shell`` wants a controlling terminal, which a fork of the server has not.
+OWN_PROCESS = frozenset(
+    {("mcp",), ("serve",), ("gateway",), ("shell",), ("launcher", "serve"), ("model", "serve")}
+)
+
+
+def command_of(argv: list[str]) -> tuple[str, ...]:
+    """The command (and its group's subcommand) ``argv`` names, past the root options."""
+    words: list[str] = []
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "--log-level":
+            next(args, None)
+        elif not arg.startswith("-"):
+            words.append(arg)
+            if len(words) == 2:
+                break
+    return tuple(words)
+
+
+def own_process(argv: list[str]) -> bool:
+    """Whether ``argv`` is a service command that always runs in its own process."""
+    words = command_of(argv)
+    return words[:1] in OWN_PROCESS or words[:2] in OWN_PROCESS
+
+
 def entry() -> NoReturn:
     """The console script: served if a server answers (``AGENTBOX_FRONT_END``), else
-    :func:`agentbox.cli.entry` in this process."""
+    :func:`agentbox.cli.entry` in this process (and always for :data:`OWN_PROCESS`)."""
     how = mode()
-    if how != "off":
+    if how != "off" and not own_process(sys.argv):
         try:
             status = run_served(socket_for(data_dir()), sys.argv)
         except FrontEndUnavailable as exc:

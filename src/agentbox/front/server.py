@@ -236,22 +236,41 @@ def _waiter(
         os.close(ready_r)
         from agentbox.front._child import become
 
-        become(req, posture, conn, ready_w, data_dir, peer_pidfd=peer.pidfd)  # never returns
+        become(req, posture, conn, ready_w, data_dir)  # never returns
     os.close(ready_w)
     req.close_fds()
     with os.fdopen(ready_r, "rb") as ready:
         said = ready.read(4096)
-    if said == b"ok":
-        send_message(conn, {"started": pid})
-    else:
-        _decline(conn, said.decode(errors="replace") or "the command could not start")
-    _, status = os.waitpid(pid, 0)
     if said != b"ok":
+        _decline(conn, said.decode(errors="replace") or "the command could not start")
+        os.waitpid(pid, 0)
         return
+    send_message(conn, {"started": pid})
+    status = _wait_or_kill(pid, conn, peer.pidfd)
     if os.WIFSIGNALED(status):
         send_message(conn, {"signal": os.WTERMSIG(status)})
     else:
         send_message(conn, {"exit": os.waitstatus_to_exitcode(status)})
+
+
+def _wait_or_kill(pid: int, conn: socket.socket, caller: int) -> int:
+    """The command's wait status; SIGKILL it first if its caller goes (the connection
+    ends, or the caller's pidfd says it exited): a client killed with SIGKILL takes its
+    command along, as one process would go. The watch is here, not in the command: a
+    command must be as single-threaded as its caller's own process would be."""
+    command = os.pidfd_open(pid)
+    try:
+        while True:
+            try:
+                ready, _, _ = select.select([command, conn.fileno(), caller], [], [])
+            except InterruptedError:
+                continue
+            if command not in ready:  # the client sends nothing more: it has gone
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(command, signal.SIGKILL)
+            return os.waitpid(pid, 0)[1]
+    finally:
+        os.close(command)
 
 
 def _pkg_file() -> str:
