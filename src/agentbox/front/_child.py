@@ -44,6 +44,7 @@ class Request:
     main_package: str | None  # ``python -m agentbox``: how click names the program
     title: str  # the caller's command line, for ps
     python: dict[str, Any]  # the caller's interpreter configuration (client.python_config)
+    path0: str  # its sys.path[0]: the script's directory, or the cwd of python -m
     fds: list[int]  # the caller's open stdio descriptors, then its working directory
 
     @classmethod
@@ -100,12 +101,14 @@ class Request:
             raise RequestError("main_package is not a string")
         if not (isinstance(title, str) and "\0" not in title):
             raise RequestError("title is not a string")
-        python = doc.get("python")
+        python, path0 = doc.get("python"), doc.get("path0")
         if not isinstance(python, dict):
             raise RequestError("python is not a map")
+        if not (isinstance(path0, str) and "\0" not in path0):
+            raise RequestError("path0 is not a string")
         return cls(
             argv, env, package, executable, stdio, present, ignored, main_package, title,
-            python, fds,
+            python, path0, fds,
         )  # fmt: skip
 
     def close_fds(self) -> None:
@@ -274,13 +277,17 @@ def _stdio_and_cwd(req: Request, *, keep: tuple[int, ...]) -> None:
 
 
 def _as_main(req: Request) -> None:
-    """``__main__`` as the caller's (click names the program from its ``__package__``:
-    ``python -m agentbox`` or the script's name), and the caller's command line as
+    """``__main__``, ``sys.executable`` and ``sys.path[0]`` as the caller's (click names
+    the program from ``__main__.__package__``: ``python -m agentbox`` or the script's
+    name; the gateway is started with ``sys.executable``), and the caller's command line as
     this process's title (``ps``, ``pgrep -f``, ``/proc/<pid>/cmdline``)."""
     import types
 
     from setproctitle import setproctitle
 
+    sys.executable = req.executable  # the same interpreter (checked), as the caller names it
+    if sys.path:
+        sys.path[0] = req.path0  # where a later import looks first, as in the caller
     main = types.ModuleType("__main__")
     main.__package__ = req.main_package
     main.__file__ = req.argv[0]

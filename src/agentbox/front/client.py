@@ -250,6 +250,7 @@ def _served(sock: socket.socket, argv: list[str]) -> tuple[str, int]:
             "main_package": getattr(sys.modules.get("__main__"), "__package__", None),
             "title": _cmdline(),
             "python": python_config(),
+            "path0": sys.path[0] if sys.path else "",
         }
         try:
             send_message(sock, request, [*fds, cwd])

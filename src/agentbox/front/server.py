@@ -86,7 +86,23 @@ def preload(names: tuple[str, ...] = PRELOAD) -> dict[str, tuple[int, int]]:
             importlib.import_module(name)
         except ImportError as exc:  # an optional part: the command imports it (or fails) itself
             sys.stderr.write(f"agentbox front end: not preloaded: {name}: {exc}\n")
+    _build_models()
     return _files()
+
+
+def _build_models() -> None:
+    """Build the pydantic models whose build is deferred to their first use
+    (``defer_build``: a plain process need not pay for models it never validates); a
+    fork would otherwise build them again in every command that uses one."""
+    from pydantic import BaseModel
+
+    todo: list[type[BaseModel]] = [BaseModel]
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            todo.append(cls)
+            if cls.__module__.startswith("agentbox.") and not cls.__pydantic_complete__:
+                with contextlib.suppress(Exception):  # one that cannot build yet: its first use
+                    cls.model_rebuild()
 
 
 def _files() -> dict[str, tuple[int, int]]:
