@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -113,14 +114,18 @@ NOT_FOR_SERVE = ("mcp", "agentbox.mcp", "httpx", "agentbox.launcher.client")
 
 
 #: ``python -m agentbox launcher serve``, writing every module imported by the time its
-#: socket exists (a thread watches for it: a stopped launcher dies of its signal).
+#: socket exists (a thread watches for it: a stopped launcher dies of its signal) to the
+#: file $PROBE_OUT (not stderr, where the launcher's own lines would cut into it).
 _SERVE_PROBE = (
     "import os, runpy, sys, threading, time\n"
     "def watch():\n"
     "    sock = os.path.join(os.environ['AGENTBOX_DATA_DIR'], 'run', 'launcher.sock')\n"
     "    while not os.path.exists(sock):\n"
     "        time.sleep(0.05)\n"
-    "    print('MODULES', *sorted(sys.modules), file=sys.stderr, flush=True)\n"
+    "    out = os.environ['PROBE_OUT']\n"
+    "    with open(out + '.tmp', 'w') as fh:\n"
+    "        fh.write(' '.join(['MODULES', *sorted(sys.modules)]))\n"
+    "    os.rename(out + '.tmp', out)\n"
     "threading.Thread(target=watch, daemon=True).start()\n"
     "sys.argv = ['agentbox', 'launcher', 'serve']\n"
     "runpy.run_module('agentbox', run_name='__main__', alter_sys=True)\n"
@@ -128,24 +133,25 @@ _SERVE_PROBE = (
 
 
 def test_launcher_serve_imports_no_mcp_no_client(tmp_path: Path) -> None:
-    env = {**os.environ, "AGENTBOX_DATA_DIR": str(tmp_path / "data")}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVE_PROBE],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    out = tmp_path / "modules.txt"
+    env = {**os.environ, "AGENTBOX_DATA_DIR": str(tmp_path / "data"), "PROBE_OUT": str(out)}
+    log = tmp_path / "serve.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVE_PROBE],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=fh,
+            start_new_session=True,
+        )
     seen: list[str] = []
     try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            seen.append(line)
-            if line.startswith("MODULES "):
-                break
-        else:
-            raise AssertionError(f"launcher exited {proc.wait()}: {''.join(seen)[-2000:]}")
+        deadline = time.monotonic() + 120
+        while not out.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"launcher exited {proc.poll()}: {log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        seen.append(out.read_text())
     finally:
         proc.send_signal(signal.SIGTERM)  # a plain stop
         try:
@@ -153,8 +159,6 @@ def test_launcher_serve_imports_no_mcp_no_client(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
     mods = _modules(seen[-1])
     assert "agentbox.launcher._server" in mods  # the probe sees what serving imported
     assert sorted(m for m in mods if m in NOT_FOR_SERVE or m.split(".")[0] in NOT_FOR_SERVE) == []

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from agentbox._wait import wait_until
 from agentbox.backends.fake import FakeBackend, FakeScript
 from agentbox.config import Settings
 from agentbox.launcher import Launcher, TaskRequest, _runner
@@ -99,10 +100,11 @@ def test_cancel_of_a_running_task_says_it_is_cancelling(
         FakeBackend.scripted(FakeScript(delay=60.0, files={"a.txt": b"a\n"})),
     ):
         tid = la.submit(TaskRequest(repo=str(repo), task="slow")).id
-        for _ in range(200):  # bounded wait for the launch, not a timing assertion
-            if la.get(tid).status == "running":
-                break
-            time.sleep(0.05)
+        wait_until(  # the launch, however slow the host: not a timing assertion
+            lambda: la.get(tid).status == "running",
+            timeout=120,
+            on_timeout=lambda: AssertionError(f"never running: {la.get(tid)}"),
+        )
         r = _cli(settings, "cancel", tid)
         info = la.wait(tid, timeout=60)
     assert r.returncode == 0, r

@@ -162,8 +162,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
     setproctitle(f"agentbox front end {args.socket}")
     listener = _bind(args.socket)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
-    sys.stderr.write(f"agentbox front end serving {args.socket} (pid {os.getpid()})\n")
-    sys.stderr.flush()
     while True:
         try:
             ready, _, _ = select.select([listener.fileno(), parent], [], [])

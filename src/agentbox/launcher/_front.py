@@ -64,6 +64,7 @@ class FrontKeeper:
                     log.error("front end not started", error=str(exc))
                     return
             started = time.monotonic()
+            log.info("front end started", pid=proc.pid, socket=str(self.socket))
             code = proc.wait()
             if self._stopping.is_set():
                 return
