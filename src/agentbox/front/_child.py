@@ -12,6 +12,7 @@ itself. Only then does it run :func:`agentbox.cli.entry`, which ends the process
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import resource
 import signal
@@ -128,6 +129,7 @@ def become(
     connection stays the waiter's: it is closed here (detached first, so that no socket
     object of this process can close a descriptor number reused later)."""
     conn.detach()
+    gc.enable()  # the server's objects stay frozen (agentbox.front.server.main)
     try:
         os.setpgid(0, 0)  # a group of its own: a kill of the server's group is not the caller's
         _signals(req, posture)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -151,7 +152,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args(argv)
     parent = os.pidfd_open(args.parent)  # before the imports: a parent gone meanwhile shows
+    # Copy-on-write: a collection in a command would write to the header of every object
+    # imported here, copying the whole heap into each command. Collect nothing while
+    # importing (no holes), then freeze what is here out of every later collection; the
+    # command turns collection back on (agentbox.front._child).
+    gc.disable()
     files = preload()
+    gc.freeze()
     if threading.active_count() != 1:  # a fork copies only the forking thread
         sys.stderr.write("agentbox front end: an import started a thread; not serving\n")
         os._exit(1)
