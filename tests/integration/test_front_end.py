@@ -501,6 +501,7 @@ def _raw(front: Front, send: Callable[[socket.socket], None]) -> dict[str, Any] 
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(30)
         s.connect(str(front.socket))
+        assert read_message(s) == {"hello": 1}
         send(s)
         try:
             return read_message(s)
@@ -544,6 +545,36 @@ def test_a_bad_request_is_declined_and_the_server_serves_on(front: Front, case: 
     assert "started" not in (reply or {})
     res = front.run(["--version"], "require")
     assert res.returncode == 0 and res.stdout.startswith(b"agentbox "), res.stderr
+
+
+@pytest.mark.parametrize("mode", ["auto", "require"])
+def test_a_stuck_server_gets_nothing_and_the_command_runs_in_process(
+    front: Front, mode: str
+) -> None:
+    """A server that accepts nothing (here: stopped) is sent nothing: no request, no
+    descriptor (held in its queue, a pipe given to it would never see its end). After
+    the greeting's timeout the command runs in the client (``require``: exit 4)."""
+    assert front.proc is not None
+    code = (
+        "import sys\n"
+        "import agentbox.front.client as c\n"
+        "c.HELLO_TIMEOUT = 2.0\n"
+        "sys.argv = ['agentbox', 'run', '--repo', 'rel/dir', 'x']\n"
+        "c.entry()\n"
+    )
+    os.kill(front.proc.pid, signal.SIGSTOP)
+    try:
+        res = subprocess.run(  # capture_output: it returns only once every pipe end is closed
+            [sys.executable, "-c", code], capture_output=True, env=front.env(mode),
+            cwd=front.work, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.kill(front.proc.pid, signal.SIGCONT)
+    if mode == "require":
+        assert res.returncode == 4 and b"did not greet within 2 s" in res.stderr, res
+    else:  # run in-process: the repo's refusal
+        assert res.returncode == 3 and b"repo" in res.stderr, res
+    assert front.run(["--version"], "require").returncode == 0  # and it serves on
 
 
 def test_a_silent_client_costs_one_waiter(front: Front) -> None:

@@ -2,7 +2,8 @@
 
 Standard library only: the client imports it before anything else. The request
 (client → server) carries the caller's file descriptors as ``SCM_RIGHTS``; the
-replies (server → client) are ``{"started": pid}``, ``{"declined": reason}``, then
+replies (server → client) are ``{"hello": 1}`` (a waiter is listening: only then does
+the client send its request), ``{"started": pid}`` or ``{"declined": reason}``, then
 ``{"exit": code}`` or ``{"signal": number}``.
 """
 

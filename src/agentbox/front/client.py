@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from typing import Any, NoReturn
 
 __all__ = [
+    "FrontEndNoAnswer",
     "FrontEndUnavailable",
     "command_of",
     "data_dir",
@@ -44,8 +45,22 @@ FORWARDED = (
 )
 
 
+#: How long a waiter may take to greet a connection: the client sends its request (and
+#: its descriptors) only to a live waiter, so a server that is stopped or stuck costs
+#: this long and then the command runs in the client, with nothing sent.
+HELLO_TIMEOUT = 10.0
+#: How long the waiter may take to say whether it started the command (milliseconds, in
+#: practice; past this the client ends with an error, not a second run).
+REPLY_TIMEOUT = 60.0
+
+
 class FrontEndUnavailable(Exception):
     """No server answered, or it declined: the command did not start."""
+
+
+class FrontEndNoAnswer(Exception):
+    """The server took the request and said nothing: the command may or may not have
+    started, so it is not run again in this process."""
 
 
 def data_dir() -> str:
@@ -115,6 +130,10 @@ def entry() -> NoReturn:
                 sys.stderr.write(f"agentbox: {ENV}=require, but {exc}\n")
                 sys.stderr.flush()
                 os._exit(4)
+        except FrontEndNoAnswer as exc:
+            sys.stderr.write(f"agentbox: {exc}; {ENV}=off runs commands without it\n")
+            sys.stderr.flush()
+            os._exit(1)
         else:
             _exit_like(status)
     from agentbox.cli import entry as in_process
@@ -252,17 +271,27 @@ def _served(sock: socket.socket, argv: list[str]) -> tuple[str, int]:
             "python": python_config(),
             "path0": sys.path[0] if sys.path else "",
         }
+        sock.settimeout(HELLO_TIMEOUT)
+        hello = _read(sock)
+        if hello is None or hello.get("hello") != 1:
+            raise FrontEndUnavailable(f"the front end did not greet within {HELLO_TIMEOUT:.0f} s")
+        sock.settimeout(REPLY_TIMEOUT)
         try:
             send_message(sock, request, [*fds, cwd])
         finally:
             os.close(cwd)
         first = _read(sock)
+        if first is not None and "declined" in first:  # only then: nothing was started
+            raise FrontEndUnavailable(f"the front end declined: {str(first['declined'])[:300]}")
         if first is None or "started" not in first:
-            reason = (first or {}).get("declined", "the server ended the connection")
-            raise FrontEndUnavailable(f"the front end declined: {str(reason)[:300]}")
+            raise FrontEndNoAnswer(
+                f"the front end gave no answer within {REPLY_TIMEOUT:.0f} s: the command may "
+                "not have run"
+            )
+        sock.settimeout(None)
         pid = first["started"]
         if not isinstance(pid, int) or pid <= 1:
-            raise FrontEndUnavailable("the front end sent a bad reply")
+            raise FrontEndNoAnswer("the front end sent a bad reply")
         child[0] = pid
         for sig in pending:
             _kill(pid, sig)
@@ -275,7 +304,7 @@ def _served(sock: socket.socket, argv: list[str]) -> tuple[str, int]:
                 return ("exit", msg["exit"])
             if isinstance(msg.get("signal"), int):
                 return ("signal", msg["signal"])
-    except FrontEndUnavailable:
+    except (FrontEndUnavailable, FrontEndNoAnswer):
         _restore(saved)
         for sig in pending:  # a signal that came before anything started: as if unserved
             signal.raise_signal(sig)

@@ -202,7 +202,10 @@ def _serve_one(
     code = 0
     try:
         _waiter(conn, data_dir, files, server)
-    except BaseException:  # a waiter never reaches the server's loop
+    except BaseException as exc:  # a waiter never reaches the server's loop
+        # Before a command started (it is started only once "started" is sent): say so,
+        # and the client runs the command itself.
+        _decline(conn, f"the front end failed: {type(exc).__name__}: {exc}"[:1000])
         code = 1
     os._exit(code)
 
@@ -218,6 +221,7 @@ def _waiter(
     peer = peer_of(conn)
     conn.settimeout(REQUEST_TIMEOUT)
     try:
+        send_message(conn, {"hello": 1})  # the client sends its descriptors only now
         request, fds = recv_request(conn)
     except (OSError, WireError) as exc:
         _decline(conn, f"bad request: {exc}")
@@ -266,7 +270,12 @@ def _waiter(
         _decline(conn, said.decode(errors="replace") or "the command could not start")
         os.waitpid(pid, 0)
         return
-    send_message(conn, {"started": pid})
+    try:
+        send_message(conn, {"started": pid})
+    except OSError:  # the caller has gone: the command must not run without it
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return
     status = _wait_or_kill(pid, conn, peer.pidfd)
     if os.WIFSIGNALED(status):
         send_message(conn, {"signal": os.WTERMSIG(status)})
