@@ -123,9 +123,11 @@ def become(
     posture: dict[str, Any],
     conn: socket.socket,
     ready: int,
+    go: int,
     data_dir: Path,
 ) -> NoReturn:
-    """Turn this fork into the caller's command and run it (never returns). The caller's
+    """Turn this fork into the caller's command, say so on ``ready``, and once the waiter
+    says go on ``go``, run it (never returns). The caller's
     connection stays the waiter's: it is closed here (detached first, so that no socket
     object of this process can close a descriptor number reused later)."""
     conn.detach()
@@ -136,7 +138,7 @@ def become(
         _join_mounts(posture["pid"])
         _enter_cgroups(posture["cgroups"])
         _schedule(posture)
-        _stdio_and_cwd(req, keep=(ready,))  # the caller's connection is the waiter's
+        _stdio_and_cwd(req, keep=(ready, go))  # the caller's connection is the waiter's
         os.environ.clear()
         os.environ.update(req.env)
         time.tzset()
@@ -152,6 +154,12 @@ def become(
         os._exit(0)
     os.write(ready, b"ok")
     os.close(ready)
+    # Nothing of the command runs until the waiter has told the client it started (the
+    # client runs a declined command itself: it must never run twice).
+    said = os.read(go, 1)
+    os.close(go)
+    if said != b"g":
+        os._exit(0)
     _run_as_main()
 
 

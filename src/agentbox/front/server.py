@@ -203,8 +203,8 @@ def _serve_one(
     try:
         _waiter(conn, data_dir, files, server)
     except BaseException as exc:  # a waiter never reaches the server's loop
-        # Before a command started (it is started only once "started" is sent): say so,
-        # and the client runs the command itself.
+        # A command runs only after "started" was sent (its go pipe closes unsaid with
+        # this process): before that, the client may run the command itself.
         _decline(conn, f"the front end failed: {type(exc).__name__}: {exc}"[:1000])
         code = 1
     os._exit(code)
@@ -256,24 +256,26 @@ def _waiter(
         _decline(conn, why)
         return
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+    go_r, go_w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)
+        os.close(go_w)
         from agentbox.front._child import become
 
-        become(req, posture, conn, ready_w, data_dir)  # never returns
+        become(req, posture, conn, ready_w, go_r, data_dir)  # never returns
     os.close(ready_w)
+    os.close(go_r)
     req.close_fds()
-    with os.fdopen(ready_r, "rb") as ready:
+    with os.fdopen(ready_r, "rb") as ready, os.fdopen(go_w, "wb", buffering=0) as go:
         said = ready.read(4096)
-    if said != b"ok":
+        if said == b"ok":
+            # "started" first, then go: a command runs only if its client was told it
+            # did (a declined or unanswered one the client may run itself).
+            send_message(conn, {"started": pid})
+            go.write(b"g")
+    if said != b"ok":  # it ended, or ends now that go closed unsaid
         _decline(conn, said.decode(errors="replace") or "the command could not start")
-        os.waitpid(pid, 0)
-        return
-    try:
-        send_message(conn, {"started": pid})
-    except OSError:  # the caller has gone: the command must not run without it
-        os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         return
     status = _wait_or_kill(pid, conn, peer.pidfd)
