@@ -127,9 +127,9 @@ def become(
     data_dir: Path,
 ) -> NoReturn:
     """Turn this fork into the caller's command, say so on ``ready``, and once the waiter
-    says go on ``go``, run it (never returns). The caller's
-    connection stays the waiter's: it is closed here (detached first, so that no socket
-    object of this process can close a descriptor number reused later)."""
+    says go on ``go``, run it (never returns). The caller's connection stays the
+    waiter's: it is closed here (detached first, so that no socket object of this
+    process can close a descriptor number reused later)."""
     conn.detach()
     gc.enable()  # the server's objects stay frozen (agentbox.front.server.main)
     try:
