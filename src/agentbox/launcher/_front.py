@@ -26,6 +26,11 @@ __all__ = ["FrontKeeper", "start_front"]
 
 log = get_logger("front")
 
+#: Seconds between the service's start and the server's: its imports (~1.5 s of CPU)
+#: then neither slow the service's own start (reconcile, adoption) nor are paid by a
+#: service that dies or restarts at once (a restart loop, a chaos kill). Commands in
+#: the meantime run in their own processes, as without a front end.
+START_DELAY = 3.0
 #: A server that exits sooner than this after its start counts as a failed start.
 QUICK = 10.0
 MAX_QUICK_EXITS = 3
@@ -54,6 +59,8 @@ class FrontKeeper:
 
     def _keep(self) -> None:
         quick = 0
+        if self._stopping.wait(START_DELAY):
+            return
         while not self._stopping.is_set():
             with self._lock:
                 if self._stopping.is_set():
