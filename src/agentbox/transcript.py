@@ -143,7 +143,8 @@ def read_transcript(
     turn_tokens = _turn_tokens(task_root, p.events)
     # Agent events without a time (init, result) take their neighbour's: stable order.
     agent = p.events
-    start = next((e.time for e in phases if e.text.startswith("running ")), None)
+    running = next((i for i, e in enumerate(phases) if e.text.startswith("running ")), None)
+    start = phases[running].time if running is not None else None
     last: float | None = next((e.time for e in agent if e.time is not None), start)
     for e in agent:
         if e.time is None:
@@ -152,8 +153,10 @@ def read_transcript(
             last = e.time
     # Launcher times are whole seconds: a phase after the agent started ("agent exited")
     # sorts at the end of its second, so it never lands before the agent's last events.
-    after = {id(e) for e in phases if start is not None and e.time is not None and e.time >= start
-             and not e.text.startswith("running ")}  # fmt: skip
+    # "After" is by the log's own order, not by time: the phases logged before "running"
+    # in the same second stay before it (and the launcher's phases keep their order,
+    # which `agentbox run`'s progress counts on: cli._logs._new).
+    after = {id(e) for e in phases[running + 1 :]} if running is not None else set()
     inf = float("inf")
 
     def key(e: Event) -> float:

@@ -70,6 +70,29 @@ def test_a_real_claude_code_transcript(tmp_path: Path, monkeypatch: pytest.Monke
     assert all(e.source != "agent" for e in t.events[exited:])
 
 
+def test_phases_of_one_second_keep_their_order_as_the_log_grows(tmp_path: Path) -> None:
+    """The gateway, the workspace and the launch in the same second (a fast start): the
+    phases before "running" stay before it, read by read, so the progress of
+    ``agentbox run`` (which counts the launcher's events) shows each once. Before, the
+    arrival of "running" moved the two earlier phases after it: one was shown twice and
+    "running claude" never."""
+    from agentbox.cli._logs import EventTail
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    day = time.time()
+    stamp = time.strftime("%H:%M:%S", time.localtime(day))
+    phases = ["starting the gateway", "preparing the workspace", "running claude in sandbox x"]
+    tail = EventTail(tmp_path, day - 1)
+    shown: list[str] = []
+    for n in range(1, len(phases) + 1):
+        (logs / "launcher.log").write_text("".join(f"{stamp} {p}\n" for p in phases[:n]))
+        shown += [line.plain for line in tail.new_lines()]
+        order = [e.text for e in read_transcript(tmp_path, created_at=day - 1).events]
+        assert order == phases[:n]
+    assert [line.split(" ", 2)[-1].strip() for line in shown] == phases, shown
+
+
 def test_failed_command_exit_code_and_output_capped_to_its_tail(tmp_path: Path) -> None:
     out = "Exit code 2\n" + "x" * 50_000 + "\nE   ModuleNotFoundError: No module named pytest"
     lines = [_bash("a", "cd /w && pytest -q"), _result("a", out, is_error=True),
