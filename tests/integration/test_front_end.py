@@ -355,11 +355,20 @@ def _reading_stdin(pid: int) -> None:
     )
 
 
+def _default_signals() -> None:
+    """In the client before exec: INT and QUIT as a shell's foreground job has them (a
+    suite started in the background ignores both, and an ignored signal stays ignored
+    across exec: served or not, the command would then rightly ignore it too)."""
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _blocked(front: Front, mode: str) -> subprocess.Popen[bytes]:
     """A client whose command waits on its stdin (the task, read from '-')."""
     return subprocess.Popen(
         [*AGENTBOX, "run", "--repo", "rel/dir", "-"], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=front.work, env=front.env(mode),
+        preexec_fn=_default_signals,
     )  # fmt: skip
 
 
