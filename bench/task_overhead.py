@@ -48,6 +48,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from agentbox._wait import socket_accepts
 from agentbox.backends import get_backend
 from agentbox.config import Settings
 from agentbox.launcher import Launcher, TaskRequest, _finish, _runner
@@ -391,7 +392,7 @@ def front_service(base: Path) -> Iterator[None]:
     try:
         front = base / "data" / "run" / "front.sock"
         deadline = time.monotonic() + 60
-        while not _accepts(front):
+        while not socket_accepts(front):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"no front end: {(base / 'serve.log').read_text()[-2000:]}")
             time.sleep(0.1)
@@ -404,15 +405,6 @@ def front_service(base: Path) -> Iterator[None]:
             proc.kill()
             proc.wait()
         log.close()
-
-
-def _accepts(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX) as s:
-        try:
-            s.connect(str(path))
-        except OSError:
-            return False
-    return True
 
 
 #: The whole ``agentbox run`` command by phase, from the task's own timestamps.

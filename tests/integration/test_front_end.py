@@ -36,7 +36,7 @@ import psutil
 import pytest
 
 from agentbox._cgroups import cgroup_mounts, cgroups_of
-from agentbox._wait import wait_until
+from agentbox._wait import socket_accepts, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the front end serves root's commands")
 
@@ -68,7 +68,7 @@ class Front:
         )  # fmt: skip
         proc = self.proc
         wait_until(
-            lambda: _accepts(self.socket) or proc.poll() is not None,
+            lambda: socket_accepts(self.socket) or proc.poll() is not None,
             timeout=60,
             on_timeout=lambda: AssertionError("the front end never listened"),
         )
@@ -130,15 +130,6 @@ class _gone:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
         return kind is not None and issubclass(kind, psutil.NoSuchProcess)
-
-
-def _accepts(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX) as s:
-        try:
-            s.connect(str(path))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture
@@ -403,7 +394,7 @@ def test_a_client_killed_takes_its_command_along(front: Front) -> None:
         timeout=30,
         on_timeout=lambda: AssertionError("the command outlived its killed client"),
     )
-    assert _accepts(front.socket), "the server went down with a command"
+    assert socket_accepts(front.socket), "the server went down with a command"
 
 
 # -- who is served ----------------------------------------------------------------------
@@ -605,7 +596,7 @@ def test_launcher_serve_keeps_a_front_end(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         wait_until(
-            lambda: _accepts(f.socket) or svc.poll() is not None,
+            lambda: socket_accepts(f.socket) or svc.poll() is not None,
             timeout=90,
             on_timeout=lambda: AssertionError((tmp_path / "serve.log").read_text()),
         )
@@ -622,7 +613,7 @@ def test_launcher_serve_keeps_a_front_end(tmp_path: Path) -> None:
         first = wait_until(server, timeout=10, on_timeout=lambda: AssertionError("no server"))
         first.kill()  # a crash: the keeper starts it again
         again = wait_until(
-            lambda: (s := server()) is not None and s.pid != first.pid and _accepts(f.socket),
+            lambda: (s := server()) is not None and s.pid != first.pid and socket_accepts(f.socket),
             timeout=60,
             on_timeout=lambda: AssertionError("the front end was not started again"),
         )
@@ -659,7 +650,7 @@ def test_launcher_serve_with_the_front_end_off_starts_none(tmp_path: Path) -> No
     try:
         launcher_sock = f.data / "run" / "launcher.sock"
         wait_until(
-            lambda: _accepts(launcher_sock) or svc.poll() is not None,
+            lambda: socket_accepts(launcher_sock) or svc.poll() is not None,
             timeout=90,
             on_timeout=lambda: AssertionError("the launcher never listened"),
         )
