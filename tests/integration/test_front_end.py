@@ -28,6 +28,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -655,7 +656,16 @@ def test_launcher_serve_with_the_front_end_off_starts_none(tmp_path: Path) -> No
             on_timeout=lambda: AssertionError("the launcher never listened"),
         )
         assert svc.poll() is None
-        assert not f.socket.exists()
+        # The server would start START_DELAY s after the service, then import (~1.5 s):
+        # watch past both, or this could not fail.
+        from agentbox.launcher._front import START_DELAY
+
+        end = time.monotonic() + START_DELAY + 15
+        while time.monotonic() < end:
+            assert not f.socket.exists(), "a front end was started"
+            assert not psutil.Process(svc.pid).children(), "a front end was started"
+            time.sleep(0.2)
+        assert svc.poll() is None
     finally:
         svc.terminate()
         svc.wait(60)
