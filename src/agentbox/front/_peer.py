@@ -23,7 +23,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Peer", "alive", "peer_of", "posture_of", "same_rights"]
+__all__ = ["Peer", "alive", "own_rights", "peer_of", "posture_of", "same_rights"]
 
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
 #: The lines of /proc/<pid>/status that are a process's rights.
@@ -122,15 +122,23 @@ def _rights(pid: int | str) -> dict[str, str]:
     return out
 
 
-def same_rights(peer: Peer) -> str | None:
-    """None when the caller holds exactly this process's rights, else what differs."""
+def own_rights() -> dict[str, str]:
+    """This process's rights as :func:`same_rights` compares them (the server reads
+    them once, at its start: nothing it runs changes them)."""
+    return _rights("self")
+
+
+def same_rights(peer: Peer, mine: dict[str, str] | None = None) -> str | None:
+    """None when the caller holds exactly this process's rights (``mine``, else read
+    now), else what differs."""
     if peer.uid != os.getuid() or peer.uid != os.geteuid():
         return f"uid {peer.uid} is not the server's"
     try:
         theirs = _rights(peer.pid)
     except OSError as exc:
         return f"cannot read the caller's process ({exc.strerror})"
-    mine = _rights("self")
+    if mine is None:
+        mine = _rights("self")
     # The mount namespace is joined, not compared (a unit's PrivateTmp=yes puts the
     # server in one of its own): the command sees the caller's mounts
     # (agentbox.front._child._join_mounts); the root directory still must match.

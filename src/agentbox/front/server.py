@@ -30,9 +30,9 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
-from agentbox.front._peer import peer_of, posture_of, same_rights
+from agentbox.front._peer import own_rights, peer_of, posture_of, same_rights
 from agentbox.front._wire import RequestError, WireError, recv_request, send_message
 from agentbox.front.client import python_config
 
@@ -129,6 +129,29 @@ def _stale(files: dict[str, tuple[int, int]]) -> str | None:
     return None
 
 
+class Facts(NamedTuple):
+    """The server's own facts a waiter compares a request with, read once at its start
+    (nothing the server runs changes them): the preloaded modules' files, its rights,
+    its package directory, Python executable and interpreter configuration."""
+
+    files: dict[str, tuple[int, int]]
+    rights: dict[str, str]
+    package: str
+    executable: Path
+    python: dict[str, Any]
+
+    @classmethod
+    def read(cls, files: dict[str, tuple[int, int]]) -> Facts:
+        return cls(
+            files=files,
+            rights=own_rights(),
+            package=os.path.dirname(os.path.realpath(_pkg_file())),  # noqa: PTH120
+            executable=Path(sys.executable).resolve(),
+            # As the request carries it: through JSON (tuples become lists).
+            python={**json.loads(json.dumps(python_config())), "encoding": None},
+        )
+
+
 def _bind(path: Path) -> socket.socket:
     """Listen on ``path``, mode 0600 from birth; a socket left there is replaced (the
     caller holds the data dir's launcher lock: no other server is this dir's)."""
@@ -157,7 +180,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     # importing (no holes), then freeze what is here out of every later collection; the
     # command turns collection back on (agentbox.front._child).
     gc.disable()
-    files = preload()
+    facts = Facts.read(preload())
     gc.freeze()
     if threading.active_count() != 1:  # a fork copies only the forking thread
         sys.stderr.write("agentbox front end: an import started a thread; not serving\n")
@@ -190,18 +213,16 @@ def main(argv: list[str] | None = None) -> NoReturn:
         if pid == 0:
             listener.close()
             os.close(parent)
-            _serve_one(conn, args.data_dir, files, os.getppid())
+            _serve_one(conn, args.data_dir, facts, os.getppid())
         conn.close()
 
 
-def _serve_one(
-    conn: socket.socket, data_dir: Path, files: dict[str, tuple[int, int]], server: int
-) -> NoReturn:
+def _serve_one(conn: socket.socket, data_dir: Path, facts: Facts, server: int) -> NoReturn:
     """The waiter: check, fork the command, report its end. Never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     code = 0
     try:
-        _waiter(conn, data_dir, files, server)
+        _waiter(conn, data_dir, facts, server)
     except BaseException as exc:  # a waiter never reaches the server's loop
         # A command runs only after "started" was sent (its go pipe closes unsaid with
         # this process): before that, the client may run the command itself.
@@ -215,9 +236,7 @@ def _decline(conn: socket.socket, reason: str) -> None:
         send_message(conn, {"declined": reason})
 
 
-def _waiter(
-    conn: socket.socket, data_dir: Path, files: dict[str, tuple[int, int]], server: int
-) -> None:
+def _waiter(conn: socket.socket, data_dir: Path, facts: Facts, server: int) -> None:
     peer = peer_of(conn)
     conn.settimeout(REQUEST_TIMEOUT)
     try:
@@ -234,15 +253,14 @@ def _waiter(
     except RequestError as exc:
         _decline(conn, str(exc))
         return
-    why = same_rights(peer)
-    if why is None and req.package != os.path.dirname(os.path.realpath(_pkg_file())):  # noqa: PTH120
+    why = same_rights(peer, facts.rights)
+    if why is None and req.package != facts.package:
         why = f"another agentbox ({req.package})"
-    if why is None and Path(req.executable).resolve() != Path(sys.executable).resolve():
+    if why is None and Path(req.executable).resolve() != facts.executable:
         why = f"another Python ({req.executable})"
-    mine = json.loads(json.dumps(python_config()))
-    if why is None and {**mine, "encoding": None} != {**req.python, "encoding": None}:
+    if why is None and facts.python != {**req.python, "encoding": None}:
         why = "another Python configuration (sys.path, flags, -W or -X options)"
-    changed = _stale(files) if why is None else None
+    changed = _stale(facts.files) if why is None else None
     if changed is not None:
         why = f"{changed} changed since the front end started"
         with contextlib.suppress(OSError):
