@@ -124,9 +124,12 @@ def register(app: typer.Typer) -> None:
             console.print(safe(f"{info.id}: {info.status}"))
             return
         # Its runner stops it (a running sandbox is killed), collects what it wrote and
-        # then records the end: "queued" or "running" here would read as ignored.
+        # then records the end: "queued" or "running" here would read as ignored. "was":
+        # the status the cancel found (by the time it returns, the runner may be collecting).
         console.print(
-            safe(f"{info.id}: cancelling (was {info.status}); agentbox wait {info.id} for its end"),
+            safe(
+                f"{info.id}: cancelling (was {before.status}); agentbox wait {info.id} for its end"
+            ),
             soft_wrap=True,
         )
 
