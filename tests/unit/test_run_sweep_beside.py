@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,27 @@ def test_a_failed_sweep_is_logged_and_the_task_goes_on(
     assert code == 0 and out["task"]["status"] == "done"
     assert "orphan sweep failed" in captured.err
     assert "podman ps failed" in captured.err
+
+
+def test_the_sweep_runs_at_a_low_priority_and_the_command_does_not(
+    fake: type[FakeBackend], repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The sweep's thread, and what it starts, yield the cores to the task's own start."""
+    seen: dict[str, int] = {}
+    real_reconcile = Launcher.reconcile
+
+    def reconcile(self: Launcher, *, adopt: bool = True) -> list[str]:
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        # A process the sweep starts (podman ps, …) inherits its thread's nice value.
+        out = subprocess.run(["cat", "/proc/self/stat"], capture_output=True, text=True)
+        seen["child"] = int(out.stdout.rpartition(")")[2].split()[16])
+        return real_reconcile(self, adopt=adopt)
+
+    monkeypatch.setattr(Launcher, "reconcile", reconcile)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert mine < _run.SWEEP_NICE  # else the test could not tell
+    code = _run_in_foreground(repo)
+    assert code == 0, capsys.readouterr()
+    assert seen == {"thread": _run.SWEEP_NICE, "child": _run.SWEEP_NICE}
+    # The command's own thread (and so the task's launcher) keeps its priority.
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine

@@ -14,6 +14,8 @@ the previous task's transcript (:mod:`agentbox.launcher._session`).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
 from pathlib import Path
@@ -234,11 +236,18 @@ def _sweep_beside(launcher: Any) -> threading.Thread:
     reads the records, and a task is recorded before its gateway and sandbox start
     (:func:`agentbox.launcher._adopt.remove_orphans`); a task of this launcher is
     never an orphan. A sweep that fails is logged; the task goes on.
+
+    The thread runs at a low CPU priority (nice 10, its own: Linux's nice value is per
+    thread, and the podman listings it starts inherit it): on a small host its 0.1-0.3 s
+    of CPU would otherwise compete with the task's start (podman, conmon, runc, the
+    agent's own start) for the same cores. Not 19: the command waits for the sweep
+    before it exits, and on a host kept busy by other work a sweep at 19 would crawl.
     """
     from agentbox._log import get_logger
 
     def sweep() -> None:
         try:
+            _low_priority()
             launcher.reconcile(adopt=False)
         except Exception as exc:  # the sweep is housekeeping: never the task's failure
             get_logger("cli").warning("orphan sweep failed", error=str(exc)[-500:])
@@ -246,6 +255,17 @@ def _sweep_beside(launcher: Any) -> threading.Thread:
     thread = threading.Thread(target=sweep, name="agentbox-orphan-sweep")
     thread.start()
     return thread
+
+
+#: The nice value of the orphan sweep's thread: ~10% of a core against nice-0 work.
+SWEEP_NICE = 10
+
+
+def _low_priority() -> None:
+    """This thread (only) to :data:`SWEEP_NICE`; never raised (a niced caller stays)."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, max(SWEEP_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
 
 
 def _follow(launcher: Any, info: TaskInfo, *, as_json: bool) -> TaskInfo:
