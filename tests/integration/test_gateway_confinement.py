@@ -173,6 +173,26 @@ def test_seccomp_filter_denies_escape_primitives() -> None:
     assert got["unix"] == got["inet"] == got["thread"] == "ok", got
 
 
+def test_the_filter_loads_libseccomp_without_running_ldconfig() -> None:
+    """ctypes.util.find_library runs ``ldconfig -p`` (a process) on every gateway start: the
+    soname is loaded as the dynamic linker finds it, and find_library is only a fallback."""
+    code = textwrap.dedent(
+        """
+        import ctypes.util, os
+        def boom(name):
+            raise AssertionError(f"find_library({name!r}) ran ldconfig")
+        ctypes.util.find_library = boom
+        from agentbox.gateway._confine import confine
+        os.setgroups([]); os.setgid(65534); os.setuid(65534)
+        confine()
+        print("confined", os.getuid())
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["confined", "65534"]
+
+
 def test_control_without_the_filter_these_succeed() -> None:
     """Positive control: the same child, unconfined (root), can do what the filter denies."""
     got = _child("plain")

@@ -136,14 +136,23 @@ def _errno_action(code: int) -> int:
     return 0x00050000 | (code & 0xFFFF)
 
 
+#: The libseccomp ABI this module calls (libseccomp2's soname).
+LIBSECCOMP = "libseccomp.so.2"
+
+
 def _libseccomp() -> Any:
-    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    # By soname first, as the dynamic linker finds it: ctypes.util.find_library runs
+    # `ldconfig -p` (a process, tens of ms) on every gateway's start, and a warm-pool
+    # task's agent waits for that start.
     try:
-        lib = ctypes.CDLL(name, use_errno=True)
-    except OSError as exc:
-        raise GatewayError(
-            f"cannot confine the gateway: libseccomp not found ({exc}); install libseccomp2"
-        ) from None
+        lib = ctypes.CDLL(LIBSECCOMP, use_errno=True)
+    except OSError:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or LIBSECCOMP, use_errno=True)
+        except OSError as exc:
+            raise GatewayError(
+                f"cannot confine the gateway: libseccomp not found ({exc}); install libseccomp2"
+            ) from None
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
     lib.seccomp_syscall_resolve_name.restype = ctypes.c_int
