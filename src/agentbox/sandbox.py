@@ -106,6 +106,15 @@ def _env(boxfile: Boxfile, extra_env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def image_of(boxfile: Boxfile, settings: Settings) -> str:
+    """The image a sandbox for ``boxfile`` runs: the Boxfile's when it sets one, else the
+    settings' (``AGENTBOX_IMAGE``), which also stands in for the default image's name."""
+    image = boxfile.image if "image" in boxfile.model_fields_set else settings.image
+    if image == DEFAULT_IMAGE and settings.image != DEFAULT_IMAGE:
+        image = settings.image
+    return image
+
+
 def spec_from_boxfile(
     boxfile: Boxfile,
     settings: Settings,
@@ -136,9 +145,7 @@ def spec_from_boxfile(
             "--containerfile PATH --tag NAME` and set image = NAME"
         )
     fields_set = boxfile.model_fields_set
-    image = boxfile.image if "image" in fields_set else settings.image
-    if image == DEFAULT_IMAGE and settings.image != DEFAULT_IMAGE:
-        image = settings.image
+    image = image_of(boxfile, settings)
     runtime = boxfile.runtime if "runtime" in fields_set else settings.runtime
     all_labels = {
         LABEL: "1",

@@ -262,7 +262,7 @@ def test_no_changes_means_no_branch_and_says_so_over_the_wire(
     from test_collect_support import git
 
     from agentbox.collect import prepare
-    from agentbox.launcher import _runner
+    from agentbox.launcher import _finish, _runner
     from agentbox.launcher.api import NO_CHANGES
     from agentbox.paths import TaskPaths
 
@@ -278,7 +278,7 @@ def test_no_changes_means_no_branch_and_says_so_over_the_wire(
         paths = TaskPaths(settings.data_dir, tid)
         _runner._make_task_dir(paths)
         base = prepare(repo, paths.workspace, paths.shadow_git, paths.base_index)
-        _runner._save_base(paths, base)
+        _finish.save_base(paths, base)
         # The agent: one leaves the files as they were (it only committed in its own
         # .git), the other edits one.
         git(paths.workspace, "commit", "-q", "--allow-empty", "-m", "agent")

@@ -177,7 +177,8 @@ def _finished_task(
     the sandbox would do stands in as: the agent edited a file). With ``mine``, the user
     has ``agentbox/<tid>`` with their own commit, checked out. Returns (repo, that commit)."""
     from agentbox.collect import prepare
-    from agentbox.launcher import _runner
+    from agentbox.launcher import _finish, _runner
+    from agentbox.launcher._context import TaskContext, TaskLog
     from agentbox.launcher._store import Store
 
     repo = make_repo(settings.repos_root / f"repo-{tid}", FILES)
@@ -186,15 +187,15 @@ def _finished_task(
     store = Store(settings.data_dir / "state.db")
     _runner._make_task_dir(paths)
     base = prepare(repo, paths.workspace, paths.shadow_git, paths.base_index)
-    _runner._save_base(paths, base)
+    _finish.save_base(paths, base)
     (paths.workspace / "src/app.py").write_text("x = 2\n")
     store.insert(
         id=tid, status="running", repo=str(repo.resolve()), task="edit", model="replay-demo",
         budget=5, deadline=3600.0, created_at=time.time(), publish=int(publish_),
     )  # fmt: skip
-    _runner._collect_and_finish(
-        settings, store, store.get(tid), paths, status="done", error=None, exit_code=0,
-        tlog=_runner._TaskLog(paths, store),
+    _finish.collect_and_finish(
+        TaskContext(settings, store, paths, TaskLog(paths, store)), store.get(tid),
+        status="done", error=None, exit_code=0,
     )  # fmt: skip
     return repo, own
 

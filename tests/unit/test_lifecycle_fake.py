@@ -382,3 +382,28 @@ def test_a_teardown_that_leaves_something_is_an_error(settings: Settings, tmp_pa
     with pytest.raises(SandboxError, match="teardown left"):
         leaky.destroy()
     FakeBackend.reset()
+
+
+def test_the_image_is_looked_up_beside_the_workspace_copy_before_the_launch(
+    launcher: Launcher, repo: Path, settings: Settings
+) -> None:
+    """Backend.warm gets the image the sandbox will run, before the launch asks for it."""
+    with FakeBackend.scripted(FakeScript(files={"a.txt": b"a\n"})):
+        tid = _submit(launcher, repo)
+        info = launcher.wait(tid, timeout=30)
+    assert info.status == "done", info.error
+    events = list(FakeBackend.events)
+    assert ("warm", settings.image) in events, events
+    assert events.index(("warm", settings.image)) < events.index(("launch", f"agentbox-task-{tid}"))
+
+
+def test_a_failing_warm_up_never_fails_the_task(
+    launcher: Launcher, repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def warm(self: FakeBackend, image: str) -> None:
+        raise OSError("podman is not answering")
+
+    monkeypatch.setattr(FakeBackend, "warm", warm)
+    with FakeBackend.scripted(FakeScript(files={"a.txt": b"a\n"})):
+        info = launcher.wait(_submit(launcher, repo), timeout=30)
+    assert info.status == "done", info.error

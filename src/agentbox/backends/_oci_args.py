@@ -65,6 +65,9 @@ class ImageFacts:
 
 _facts_lock = threading.Lock()
 _facts: dict[str, ImageFacts] = {}
+#: One lookup of an image at a time: a launch waits for a warm-up's (Backend.warm)
+#: rather than starting a second ``podman image inspect`` beside it.
+_lookups: dict[str, threading.Lock] = {}
 
 
 def image_facts(image: str, *, refresh: bool = False) -> ImageFacts:
@@ -76,6 +79,15 @@ def image_facts(image: str, *, refresh: bool = False) -> ImageFacts:
     with _facts_lock:
         if not refresh and image in _facts:
             return _facts[image]
+        lookup = _lookups.setdefault(image, threading.Lock())
+    with lookup:
+        with _facts_lock:
+            if not refresh and image in _facts:  # looked up meanwhile, by the one we waited on
+                return _facts[image]
+        return _inspect_image(image)
+
+
+def _inspect_image(image: str) -> ImageFacts:
     try:
         res = _proc.run(
             [

@@ -288,6 +288,13 @@ class Backend(Protocol):
         must let that uid search the private dirs above the workspace. None: root does."""
         ...
 
+    def warm(self, image: str) -> None:
+        """Look up now what a launch of ``image`` will need and this process keeps (podman:
+        the image's id and entrypoint), so the launch does not wait for it: the launcher
+        calls it on a thread while it prepares the workspace. Never raises (the launch
+        itself says what is wrong); a backend with nothing to look up does nothing."""
+        ...
+
     def check(self, spec: SandboxSpec) -> None:
         """Raise (UnsupportedError, PolicyRefused, ImageError) if ``spec`` cannot be honoured."""
         ...

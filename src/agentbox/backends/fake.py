@@ -336,6 +336,10 @@ class FakeBackend(FakeDetached, NoPool):
         del runtime
         return None
 
+    def warm(self, image: str) -> None:
+        """Nothing to look up; recorded in :attr:`events` as ``("warm", image)``."""
+        self.record("warm", image)
+
     def check(self, spec: SandboxSpec) -> None:
         """Refuse only what the script says (and a workspace that is not a directory)."""
         self.script_for(spec.name).raise_if("check", spec.name)

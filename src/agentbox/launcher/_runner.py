@@ -43,11 +43,10 @@ from agentbox.errors import AgentboxError, GatewayError, PathRefused, PolicyRefu
 from agentbox.gateway import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.launcher import _session
 from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
-from agentbox.launcher._context import TaskContext, TaskLog
+from agentbox.launcher._context import TaskContext
 from agentbox.launcher._finish import (
     NEVER_STARTED,
     cancelled_early,
-    collect_and_finish,
     commit_subject,
     finish_orphan,
     read_diff,
@@ -79,7 +78,7 @@ from agentbox.launcher._workspace import (
     write_token,
 )
 from agentbox.paths import TaskPaths
-from agentbox.sandbox import spec_from_boxfile
+from agentbox.sandbox import image_of, spec_from_boxfile
 
 __all__ = [
     "MAX_LOG_BYTES",
@@ -93,11 +92,6 @@ __all__ = [
     "run_task",
     "sandbox_name",
 ]
-
-# Older names, kept for the callers that use them.
-_TaskLog = TaskLog
-_save_base = save_base
-_repo_at_use = repo_at_use
 
 log = get_logger("launcher.task")
 
@@ -147,25 +141,6 @@ def _check_spec(
     check_env(spec.env, allowed)
 
 
-def _collect_and_finish(
-    settings: Settings,
-    store: Store,
-    row: TaskRow,
-    paths: TaskPaths,
-    *,
-    tlog: TaskLog,
-    status: str,
-    error: str | None,
-    exit_code: int | None,
-    agent_ran: bool = True,
-) -> None:
-    """The older signature of :func:`collect_and_finish`, kept for the callers that use it."""
-    ctx = TaskContext(settings, store, paths, tlog)
-    collect_and_finish(
-        ctx, row, status=status, error=error, exit_code=exit_code, agent_ran=agent_ran
-    )
-
-
 def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.Event) -> None:
     """Run one queued task to a terminal state (called on a worker thread)."""
     row = store.get(task_id)
@@ -182,7 +157,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         return
     _make_task_dir(paths)
     box = Boxfile.model_validate_json(row.boxfile or "{}")
-    gofer_uid = get_backend(box.backend, settings).bind_source_uid(box.runtime)
+    backend = get_backend(box.backend, settings)
+    gofer_uid = backend.bind_source_uid(box.runtime)
     if gofer_uid is not None:
         let_gofer_through(paths, gofer_uid, tlog)
     # The gateway starts (a Python process: 0.5-1 s to serve) while the workspace is
@@ -194,7 +170,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     token = write_token(paths.root / "token")
     ensure_private_dir(paths.gateway_dir, 0o755)
     tlog(f"starting the gateway (model {row.model}, budget {row.budget})")
-    starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"gw-{task_id}")
+    starter = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"gw-{task_id}")
     gateway_future = starter.submit(
         spawn_gateway,
         socket_path=paths.gateway_socket,
@@ -213,6 +189,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         + (SETUP_ALLOWANCE if box.setup is not None else 0.0),
         wait=False,
     )
+    # And what the launch will look up (podman: the image), beside the workspace copy.
+    starter.submit(_warm, backend, image_of(box, settings), task_id)
     starter.shutdown(wait=False)
     tlog(f"preparing the workspace from {row.repo}")
     try:
@@ -251,6 +229,14 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         if plan is None:
             return
     _run_sandbox(ctx, store.get(task_id), box, token, gateway_future, plan)
+
+
+def _warm(backend: Backend, image: str, task_id: str) -> None:
+    """:meth:`Backend.warm`, which never fails the task (the launch says what is wrong)."""
+    try:
+        backend.warm(image)
+    except Exception as exc:  # housekeeping ahead of the launch, never the task's failure
+        log.debug("warm-up failed", task_id=task_id, image=image, error=str(exc)[-300:])
 
 
 def _run_sandbox(

@@ -94,6 +94,10 @@ class _MicrovmBackend(AttachedOnly, NoPool):
         del runtime
         return None
 
+    def warm(self, image: str) -> None:
+        """Nothing: a microVM's root disk is found when its sandbox is made."""
+        del image
+
     def __init__(
         self, settings: Settings, *, cold: bool, rootfs: tuple[Path, str] | None = None
     ) -> None:

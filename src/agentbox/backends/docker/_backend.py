@@ -121,6 +121,11 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
         del runtime
         return None
 
+    def warm(self, image: str) -> None:
+        """Nothing ahead: a docker sandbox runs attached, and its image id is looked up (and
+        imported if missing) at its create, through the daemon."""
+        del image
+
     def check(self, spec: SandboxSpec) -> None:
         """Refuse ``spec`` before anything starts: runtime, uid mapping, mounts, env."""
         if spec.runtime not in RUNTIMES:
