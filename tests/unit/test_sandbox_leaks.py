@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from agentbox._wait import wait_until
 from agentbox.backends.base import LABEL, SandboxSpec
 from agentbox.backends.fake import FakeBackend, FakeSandbox, FakeScript
 from agentbox.config import Settings
@@ -67,6 +68,14 @@ def test_a_process_naming_the_sandbox_is_found(tracker: SandboxTracker, tmp_path
     # As conmon names its container: ``-n NAME`` among its arguments.
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "-n", name])
     try:
+        # Its command line names the sandbox once it has exec'd (a loaded host may not
+        # have got there by the time Popen returns: this raced in a CI run).
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        wait_until(
+            lambda: name.encode() in cmdline.read_bytes(),
+            timeout=60,
+            on_timeout=lambda: AssertionError(f"never exec'd: {cmdline.read_bytes()!r}"),
+        )
         left = tracker.leftovers()
         assert any(f"process {proc.pid} names it" in x for x in left), left
     finally:
