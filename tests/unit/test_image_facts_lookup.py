@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from agentbox import _proc
+from agentbox._wait import wait_until
 from agentbox.backends import _oci_args
 from agentbox.backends.podman import PodmanBackend
 from agentbox.config import Settings
@@ -47,8 +48,11 @@ def test_a_lookup_during_a_warm_up_waits_for_it_and_asks_podman_once(
     backend = PodmanBackend(Settings(data_dir=tmp_path))
     warm = threading.Thread(target=backend.warm, args=("localhost/img:1",))
     warm.start()
-    while not inspect.calls:  # the warm-up is inside its podman call
-        time.sleep(0.01)
+    wait_until(  # the warm-up is inside its podman call
+        lambda: inspect.calls,
+        timeout=30,
+        on_timeout=lambda: AssertionError("the warm-up never asked podman"),
+    )
     facts = _oci_args.image_facts("localhost/img:1")
     warm.join()
     assert len(inspect.calls) == 1, inspect.calls

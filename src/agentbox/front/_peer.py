@@ -128,17 +128,15 @@ def own_rights() -> dict[str, str]:
     return _rights("self")
 
 
-def same_rights(peer: Peer, mine: dict[str, str] | None = None) -> str | None:
-    """None when the caller holds exactly this process's rights (``mine``, else read
-    now), else what differs."""
+def same_rights(peer: Peer, mine: dict[str, str]) -> str | None:
+    """None when the caller holds exactly the rights ``mine`` (this process's, from
+    :func:`own_rights`), else what differs."""
     if peer.uid != os.getuid() or peer.uid != os.geteuid():
         return f"uid {peer.uid} is not the server's"
     try:
         theirs = _rights(peer.pid)
     except OSError as exc:
         return f"cannot read the caller's process ({exc.strerror})"
-    if mine is None:
-        mine = _rights("self")
     # The mount namespace is joined, not compared (a unit's PrivateTmp=yes puts the
     # server in one of its own): the command sees the caller's mounts
     # (agentbox.front._child._join_mounts); the root directory still must match.
