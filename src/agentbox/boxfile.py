@@ -39,9 +39,11 @@ Example::
     allow = ["docs.example.org", "*.example.com"]   # within the host's egress cap
 
 Unknown keys and bad values are refused with a :class:`BoxfileError` naming
-the key. Asking for capabilities or a network (``network = "host"``) is refused
-by name: those are not knobs agentbox offers. Egress is only ever named hosts
-through the per-task proxy (``[setup] network``, ``[network] allow``).
+each key, all at once; a misspelt key with the key it likely meant (``[netwrok]
+unknown key (did you mean [network]?)``). Asking for capabilities or a network
+(``network = "host"``) is refused by name: those are not knobs agentbox offers.
+Egress is only ever named hosts through the per-task proxy (``[setup] network``,
+``[network] allow``).
 
 A Boxfile may come from a repo someone else wrote: :func:`load_boxfile` reads
 at most :data:`MAX_BOXFILE_BYTES` of a regular file, and bytes that are not
@@ -76,6 +78,7 @@ from agentbox._boxfile_sections import (
     Setup,
     Strict,
 )
+from agentbox._invalid import nearest_key
 from agentbox.config import DEFAULT_IMAGE, Settings, parse_size, setting_hint
 from agentbox.errors import BoxfileError, PathRefused
 
@@ -182,7 +185,7 @@ class Boxfile(Strict):
     def from_dict(
         cls, data: dict[str, Any], *, path: Path | None = None, settings: Settings | None = None
     ) -> Boxfile:
-        """Validate ``data``; the first problem is raised as a BoxfileError naming its key.
+        """Validate ``data``; its problems are raised as one BoxfileError naming each key.
 
         With ``settings``, the host's defaults (``AGENTBOX_IMAGE``, ``AGENTBOX_BACKEND``,
         ``AGENTBOX_AGENT_RUNTIME``) fill the keys ``data`` does not set.
@@ -192,12 +195,7 @@ class Boxfile(Strict):
         try:
             box = cls.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            key = ".".join(str(p) for p in err["loc"])[:200] or None
-            if key is not None and key.startswith("image_build") and "image_build" not in data:
-                key = "image" + key.removeprefix("image_build")  # the [image] table's key
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            raise BoxfileError(msg, key=key, path=path) from exc
+            raise _boxfile_error(exc, data, path) from exc
         build = box.image_build
         if build is not None and path is not None:
             here = path.absolute().parent
@@ -212,6 +210,41 @@ class Boxfile(Strict):
                 }
             )
         return box
+
+
+#: Keys never suggested for a misspelt one: ``image_build`` is the ``[image]`` table's
+#: inside name, ``capabilities`` exists only to be refused.
+_NOT_SUGGESTED = frozenset({"image_build", "capabilities"})
+
+
+def _boxfile_error(exc: ValidationError, data: dict[str, Any], path: Path | None) -> BoxfileError:
+    """Every problem of ``exc``, each naming its key, an unknown key with the known key it
+    most likely meant (``[netwrok] unknown key (did you mean [network]?)``); the error's
+    ``key`` is the first one's."""
+    parts: list[tuple[str | None, str]] = []
+    for err in exc.errors()[:20]:
+        loc = list(err["loc"])
+        shown = [str(p) for p in loc]
+        if shown and shown[0] == "image_build" and "image_build" not in data:
+            shown[0] = "image"  # the [image] table's key
+        key = ".".join(shown)[:200] or None
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+            near = nearest_key(Boxfile, loc, hidden=_NOT_SUGGESTED)
+            if near is not None:
+                msg += f" (did you mean [{'.'.join([*shown[:-1], near])[:200]}]?)"
+        else:
+            msg = err["msg"]
+        parts.append((key, msg))
+    first_key, first_msg = parts[0]
+    if len(parts) == 1:
+        return BoxfileError(first_msg, key=first_key, path=path)
+    error = BoxfileError(
+        f"{len(parts)} problems: " + "; ".join(f"[{k}] {m}" if k else m for k, m in parts),
+        path=path,
+    )
+    error.key = first_key
+    return error
 
 
 def host_defaults(settings: Settings) -> dict[str, Any]:

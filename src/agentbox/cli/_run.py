@@ -162,10 +162,10 @@ def _boxfile(
 def _request(**fields: Any) -> TaskRequest:
     try:
         return TaskRequest(**fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise PolicyRefused(f"{where}: {first['msg']}") from exc
+    except ValidationError as exc:  # in the flags' words: --deadline must be at least 10 seconds
+        from agentbox._invalid import flag_message
+
+        raise PolicyRefused(flag_message(exc)) from exc
 
 
 def _detach(settings: Settings, req: TaskRequest, *, as_json: bool) -> None:
