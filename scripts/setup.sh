@@ -17,6 +17,7 @@ APT_PKGS=(podman runc crun runsc bubblewrap uidmap mmdebstrap qemu-system-x86 qe
           python3-venv sqlite3 procps iproute2 util-linux
           xfsprogs   # xfsprogs: the reflink-workspace test's XFS loop filesystem
           strace     # the per-task git process budget test counts execve calls
+          git-lfs    # the apply test proves agent-written LFS config never makes the host's git-lfs run
           gcc libc6-dev)  # the image build compiles the in-sandbox relay (guest/relay.c), static
 missing=()
 for p in "${APT_PKGS[@]}"; do

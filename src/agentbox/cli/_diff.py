@@ -6,8 +6,11 @@ contents are the agent's). ``--stat`` prints changed lines per file.
 
 ``apply`` brings the result into the user's own branch, with git run as the repo's
 owner (never root) with hooks off. It refuses, changing nothing, when the work
-tree has uncommitted changes to tracked files; git itself refuses to overwrite an
-untracked file. Default: the task's commits onto the current branch
+tree has uncommitted changes to tracked files, or when the result would overwrite
+or delete an untracked or ignored file (``--overwrite-ignored`` allows it). git runs
+sealed (:mod:`agentbox.collect._apply`): no filter, diff or merge driver of any
+config runs on the agent's files, so an LFS pointer is written as the pointer file
+and the host's git-lfs never starts. Default: the task's commits onto the current branch
 (a fast-forward when the branch has not moved since, else a cherry-pick of the
 task's commits; a conflict is aborted, the branch left as it was, and the files
 named). ``--checkout``: check the branch ``agentbox/<id>`` out. A result not yet
@@ -25,8 +28,7 @@ import typer
 from agentbox.cli._client import in_process
 from agentbox.cli._view import console, print_diff, print_flagged, safe
 from agentbox.collect import user_git
-from agentbox.errors import CommandError, PolicyRefused, RefusedError
-from agentbox.launcher.api import TaskInfo
+from agentbox.errors import PolicyRefused
 from agentbox.paths import validate_task_id
 
 __all__ = ["diffstat", "register"]
@@ -72,9 +74,16 @@ def register(app: typer.Typer) -> None:
         rows = diffstat(res.diff)
         for path, added, removed in rows:
             console.print(safe(f"{path} | +{added} -{removed}"), soft_wrap=True)
-        total_a, total_r = sum(r[1] for r in rows), sum(r[2] for r in rows)
-        console.print(f"{len(rows)} file(s) changed, {total_a} insertion(s), {total_r} deletion(s)")
-        if res.diff_truncated:
+        files, total_a, total_r = len(rows), sum(r[1] for r in rows), sum(r[2] for r in rows)
+        real = res.report.get("diffstat")
+        if res.diff_truncated and isinstance(real, dict):
+            # The totals collection counted over the whole result, not the diff's first part.
+            files = int(real.get("files_changed") or 0)
+            total_a, total_r = int(real.get("insertions") or 0), int(real.get("deletions") or 0)
+            console.print(safe(f"(diff truncated: {len(rows)} of the {files} file(s) listed above; "
+                               "the totals below are the whole result's)", "yellow"))  # fmt: skip
+        console.print(f"{files} file(s) changed, {total_a} insertion(s), {total_r} deletion(s)")
+        if res.diff_truncated and not isinstance(real, dict):
             console.print(safe("(diff truncated: the counts cover its first part only)", "yellow"))
 
     @app.command("apply")
@@ -83,12 +92,20 @@ def register(app: typer.Typer) -> None:
         checkout: bool = typer.Option(
             False, "--checkout", help="Check out agentbox/ID instead of applying onto HEAD."
         ),
+        overwrite_ignored: bool = typer.Option(
+            False,
+            "--overwrite-ignored",
+            help="Let the result overwrite or delete untracked and ignored files.",
+        ),
     ) -> None:
         """Apply a task's result onto the current branch of its repo (or check it out).
 
-        Refuses when tracked files have uncommitted changes, and on a conflict (aborted:
-        the branch stays as it was). Never loses work.
+        Refuses when tracked files have uncommitted changes, when the result would
+        overwrite or delete untracked or ignored files (unless --overwrite-ignored), and
+        on a conflict (aborted: the branch stays as it was). Never loses work.
         """
+        from agentbox.collect._apply import apply_result
+
         launcher = in_process(1)
         try:
             tid = validate_task_id(task_id)
@@ -104,19 +121,18 @@ def register(app: typer.Typer) -> None:
         repo = Path(info.repo)
         _check_clean(repo)
         branch = info.branch or f"agentbox/{tid}"
-        if checkout:
-            _git(repo, "checkout", "--quiet", branch, "--")
+        done = apply_result(repo, task_id=tid, branch=branch, commit=res.commit,
+                            checkout=checkout, overwrite_ignored=overwrite_ignored)  # fmt: skip
+        if done.how == "checked out":
             console.print(safe(f"checked out {branch} in {repo}"))
-            return
-        how = _apply_onto_head(repo, info, res.commit)
-        console.print(safe(f"applied {branch} onto {_current(repo)} in {repo} ({how})"))
-
-
-def _git(repo: Path, *args: str) -> str:
-    try:
-        return user_git(repo, *args).stdout
-    except CommandError as exc:
-        raise RefusedError(f"git {args[0]} failed in {repo}: {exc}") from exc
+        else:
+            console.print(safe(f"applied {branch} onto {_current(repo)} in {repo} ({done.how})"))
+        if done.pointers:
+            shown = ", ".join(done.pointers[:10]) + (" …" if len(done.pointers) > 10 else "")
+            console.print(safe(
+                f"{len(done.pointers)} Git LFS pointer file(s) written as they are, git-lfs not "
+                f"run (fetch their content yourself if you trust the result): {shown}", "yellow",
+            ))  # fmt: skip
 
 
 def _check_clean(repo: Path) -> None:
@@ -136,26 +152,3 @@ def _check_clean(repo: Path) -> None:
 def _current(repo: Path) -> str:
     name = user_git(repo, "rev-parse", "--abbrev-ref", "HEAD", check=False).stdout.strip()
     return name or "HEAD"
-
-
-def _apply_onto_head(repo: Path, info: TaskInfo, commit: str) -> str:
-    """A fast-forward when HEAD is an ancestor of the result, else a cherry-pick of the
-    task's commits; a conflict is aborted and refused."""
-    ff = user_git(repo, "merge-base", "--is-ancestor", "HEAD", commit, check=False)
-    if ff.returncode == 0:
-        _git(repo, "merge", "--ff-only", "--quiet", commit)
-        return "fast-forward"
-    base = user_git(repo, "merge-base", "HEAD", commit).stdout.strip()
-    picked = user_git(
-        repo, "-c", "user.name=agentbox", "-c", "user.email=agentbox@localhost",
-        "cherry-pick", "--allow-empty", f"{base}..{commit}", check=False,
-    )  # fmt: skip
-    if picked.returncode == 0:
-        return "cherry-picked"
-    conflicts = user_git(repo, "diff", "--name-only", "--diff-filter=U", check=False).stdout
-    user_git(repo, "cherry-pick", "--abort", check=False)
-    names = ", ".join(conflicts.split()[:10]) or "see git"
-    raise RefusedError(
-        f"task {info.id}'s changes conflict with {_current(repo)} in {repo} ({names}); nothing "
-        f"was changed. Check out agentbox/{info.id} instead (agentbox apply {info.id} --checkout)"
-    )

@@ -44,6 +44,7 @@ from agentbox.safepath import (
 __all__ = [
     "NO_AUTO_MAINTENANCE",
     "SAFE_CONFIG",
+    "SEALED_ENV",
     "RepoDir",
     "ShadowGit",
     "as_owner",
@@ -333,12 +334,69 @@ def _owner_home(uid: int) -> str:
         return "/nonexistent"
 
 
+#: The environment of a sealed :func:`user_git`: the system and global config and the
+#: system attributes file are not read (``git lfs install`` puts ``filter.lfs.*`` in the
+#: global config; a user's global ``diff.*.textconv`` or ``merge.*.driver`` is a program).
+SEALED_ENV: dict[str, str] = {
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_ATTR_NOSYSTEM": "1",
+}
+#: Drivers whose every program a sealed command line empties, configured or not.
+_ALWAYS_SEALED = ("lfs",)
+_DRIVER_KEYS = {
+    "filter": ("process", "smudge", "clean"),
+    "diff": ("command", "textconv"),
+    "merge": ("driver",),
+}
+
+
+def _local_drivers(
+    repo: Path | RepoDir,
+    prefix: list[str],
+    env: Mapping[str, str],
+    cwd: str | Path,
+    where: Path,
+    timeout: float,
+) -> dict[str, set[str]]:
+    """The filter, diff and merge driver names the repo's own config (with its includes)
+    defines, as ``{"filter": {"lfs", ...}, ...}``: read with the sealed environment."""
+    argv = [*prefix, "git", "--no-optional-locks", "-c", f"safe.directory={where}",
+            *([] if isinstance(repo, RepoDir) else ["-C", os.fspath(repo)]),
+            "config", "--includes", "--null", "--name-only", "--get-regexp",
+            r"^(filter|diff|merge)\..*\."]  # fmt: skip
+    res = _proc.run(argv, timeout=timeout, check=False, env=dict(env), cwd=cwd)
+    found: dict[str, set[str]] = {k: set(_ALWAYS_SEALED) for k in _DRIVER_KEYS}
+    for key in res.stdout.split("\0"):
+        section, _, rest = key.strip().partition(".")
+        name, _, _var = rest.rpartition(".")
+        if section in found and name:
+            found[section].add(name)
+    return found
+
+
+def _sealed_config(drivers: Mapping[str, set[str]]) -> list[str]:
+    """``-c`` options that empty every program of ``drivers`` (a filter with no program is
+    no filter: the blob is written as it is; ``required`` off so that is not an error)."""
+    out = ["-c", "core.attributesFile=/dev/null"]
+    for section, keys in _DRIVER_KEYS.items():
+        for name in sorted(drivers.get(section, ())):
+            if "\n" in name or "=" in name:
+                continue  # git cannot take it on a command line; not reachable by attributes
+            out += [a for k in keys for a in ("-c", f"{section}.{name}.{k}=")]
+            if section == "filter":
+                out += ["-c", f"filter.{name}.required=false"]
+    return out
+
+
 def user_git(
     repo: Path | RepoDir,
     *args: str | os.PathLike[str],
     check: bool = True,
     timeout: float = 300.0,
     env: Mapping[str, str] | None = None,
+    sealed: bool = False,
+    input: str | None = None,
 ) -> Result:
     """Run git in the user's repo, as its owner: hooks and fsmonitor off, no optional locks.
 
@@ -346,15 +404,30 @@ def user_git(
     no ``GIT_*`` variable of our caller leaks in. ``safe.directory`` is set on
     the command line in case the owner cannot be assumed (not root). Given a
     :class:`RepoDir`, git starts in the opened directory and is never told its path.
+
+    ``sealed``: for a command that reads agent-written content (a result's
+    ``.gitattributes`` names drivers; its ``.lfsconfig`` points git-lfs at a
+    server): no system or global config and no attributes file but the
+    tree's own (:data:`SEALED_ENV`, ``core.attributesFile=/dev/null``), and
+    every filter, diff and merge driver the repo's own ``.git/config`` defines
+    (and ``lfs`` always) emptied on the command line, so no attribute runs a
+    program: a filtered file is written as its blob (an LFS pointer as the
+    pointer), a custom merge driver makes a conflict instead of running.
     """
     base = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "XDG_"))}
     prefix = as_owner(repo)
     if prefix:
         base["HOME"] = _owner_home(repo_owner(repo)[0])
     base.update({"LC_ALL": "C", "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"})
+    if sealed:
+        base.update(SEALED_ENV)
     if env:
         base.update(env)
     where = repo.path if isinstance(repo, RepoDir) else repo
+    # cwd: somewhere the owner may enter (our own cwd may be a root-only dir); for a
+    # RepoDir, the opened directory itself.
+    cwd = repo.cwd if isinstance(repo, RepoDir) else repo
+    seal = _sealed_config(_local_drivers(repo, prefix, base, cwd, where, timeout)) if sealed else []
     argv = [
         *prefix,
         "git",
@@ -365,10 +438,8 @@ def user_git(
         "core.fsmonitor=false",
         "-c",
         f"safe.directory={where}",
+        *seal,
         *([] if isinstance(repo, RepoDir) else ["-C", os.fspath(repo)]),
         *(os.fspath(a) for a in args),
     ]
-    # cwd: somewhere the owner may enter (our own cwd may be a root-only dir); for a
-    # RepoDir, the opened directory itself.
-    cwd = repo.cwd if isinstance(repo, RepoDir) else repo
-    return _proc.run(argv, timeout=timeout, check=check, env=base, cwd=cwd)
+    return _proc.run(argv, timeout=timeout, check=check, env=base, cwd=cwd, input=input)
