@@ -158,7 +158,7 @@ def test_rm_never_touches_the_users_repo(settings: Settings, store: Store, tmp_p
     _task(settings, store, "t-published", branch="agentbox/t-published")
     res = _cli(settings, "rm", "t-published")
     assert res.returncode == 0, res.stderr
-    assert "branch agentbox/t-published stays in its repo" in res.stdout
+    assert "branch agentbox/t-published (its result) stays in its repo" in res.stdout
     assert git(repo, "branch", "--list", "agentbox/t-published").strip()
 
 
@@ -293,3 +293,34 @@ def test_rm_and_prune_take_continuation_plans_with_their_tasks(
     assert not old.exists() and not stray.exists()
     assert young.exists() and waiting.exists()
     assert outside.read_text() == "{}"  # a planted link is not followed
+
+
+def test_rm_says_what_went_and_what_stays_for_every_kind_of_task(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    """Issue 34 item 6: an MCP-delegated task (published=False by the launcher, its branch
+    fetched into the repo by the MCP server, then merged) is not "lost"; a result that no
+    branch holds is; a task that changed nothing says so."""
+    repo = settings.repos_root / "proj"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    ident = ("-c", "user.name=t", "-c", "user.email=t@l")
+    git(repo, *ident, "commit", "-q", "--allow-empty", "-m", "base")
+    git(repo, *ident, "commit", "-q", "--allow-empty", "-m", "the agent's result")
+    fetched = git(repo, "rev-parse", "HEAD").strip()  # merged into main, as a user would
+    git(repo, "branch", "agentbox/t-mcp", fetched)
+    git(repo, "branch", "-D", "agentbox/t-mcp")  # and deleted the branch after merging
+    lost = "0" * 40  # a result commit the repo never received
+    for tid, commit, changed in (("t-mcp", fetched, True), ("t-lost", lost, True),
+                                 ("t-none", None, False)):  # fmt: skip
+        _task(settings, store, tid, branch=None, changed=changed)
+        store.update(tid, repo=str(repo), commit_id=commit)
+    res = _cli(settings, "rm", "t-mcp", "t-lost", "t-none")
+    assert res.returncode == 0, res.stderr
+    lines = dict(ln.split(" ", 2)[1:] for ln in res.stdout.splitlines())
+    assert "went with it" not in lines["t-mcp"], res.stdout
+    assert f"main (its result, commit {fetched[:12]}) stays in its repo {repo}" in lines["t-mcp"]
+    assert "its workspace, shadow git dir, logs and record" in lines["t-mcp"]
+    assert "unpublished result went with it (commit 000000000000)" in lines["t-lost"]
+    assert f"no branch of {repo} holds it" in lines["t-lost"]
+    assert "changed nothing" in lines["t-none"] and "went with it" not in lines["t-none"]

@@ -43,13 +43,37 @@ def human(n: float) -> str:
 
 
 def _line(r: Removal, dry_run: bool) -> str:
+    """What went and what stays, for every kind of task: one with no changes, one whose
+    result a branch of its repo holds (published, fetched by MCP, merged), one whose
+    result only agentbox held (kept or lost), a task dir without a record."""
     verb = "would remove" if dry_run else "removed"
     text = f"{verb} {r.task_id} ({human(r.bytes)})"
+    if r.repo is None:
+        return text  # a leftover dir without a record
+    short = (r.commit or "")[:12]
     if r.kept_result:
-        text += "; kept its unpublished result"
+        text += (
+            f": its workspace and logs; kept its unpublished result (in no branch of "
+            f"{r.repo}), report and record: agentbox publish {r.task_id}"
+        )
+        return text
+    text += ": its workspace, shadow git dir, logs and record"
+    if r.in_repo:
+        held = f" (its result, commit {short})" if short else " (its result)"
+        text += f"; branch {', '.join(r.in_repo)}{held} stays in its repo {r.repo}"
     elif r.lost_result:
-        text += "; its unpublished result went with it"
-    if r.branch:
+        gone = (
+            f"branch {r.branch} is no longer in {r.repo} and no other branch there holds it"
+            if r.branch
+            else f"no branch of {r.repo} holds it"
+        )
+        which = f" (commit {short})" if short else ""
+        text += f"; its unpublished result went with it{which}: {gone}"
+    elif r.changed is False:
+        text += "; it changed nothing (no result)"
+    else:
+        text += "; it left no result"
+    if r.branch and not r.in_repo and not r.lost_result:
         text += f"; branch {r.branch} stays in its repo"
     return text
 

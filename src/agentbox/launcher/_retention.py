@@ -94,13 +94,46 @@ class Removal:
     kept_result: bool = False
     """Its unpublished result (shadow git dir, report, row) was kept (``keep_branches``)."""
     lost_result: bool = False
-    """It had an unpublished result, and that went with it."""
+    """It had a result that no branch of its repo holds, and that went with it."""
     branch: str | None = None
     """The branch published in the user's repo, which stays there."""
+    repo: str | None = None
+    """The task's repo (None: a task dir without a record)."""
+    commit: str | None = None
+    """Its result commit (None: it changed nothing, or nothing was collected)."""
+    in_repo: tuple[str, ...] = ()
+    """The branches of its repo that hold the result commit (published by the launcher,
+    fetched by the MCP server, or merged): the result stays there."""
+    changed: bool | None = None
+    """As the task's ``changed``: False, no changes; None, nothing collected."""
+
+
+def _in_repo(row: TaskRow) -> tuple[str, ...]:
+    """The local branches of the task's repo that contain its result commit.
+
+    Read-only git in the repo (no hooks, no fsmonitor); a repo that is gone or a
+    commit it lacks gives ().
+    """
+    if not row.commit_id or not Path(row.repo).is_dir():
+        # Nothing to look up (a record without its commit, a repo gone): a branch the
+        # launcher published is taken at its word.
+        return (row.branch,) if row.branch else ()
+    from agentbox.errors import CommandError
+    from agentbox.launcher._validate import git_readonly
+
+    try:
+        out = git_readonly(
+            Path(row.repo), "for-each-ref", "--contains", row.commit_id,
+            "--format=%(refname:short)", "refs/heads/", timeout=30,
+        ).stdout  # fmt: skip
+    except CommandError:
+        return ()  # the commit is not in the repo (or the repo is not readable)
+    return tuple(out.split())[:20]
 
 
 def _unpublished_result(row: TaskRow) -> bool:
-    return bool(row.changed) and not row.branch
+    """It has a result commit that no branch of its repo holds (only its shadow git dir)."""
+    return bool(row.changed) and not _in_repo(row)
 
 
 def _task_dir(settings: Settings, task_id: str) -> Path:
@@ -133,9 +166,14 @@ def remove_task(
             f"task {task_id}'s workspace disk is still mounted (its launcher died?): "
             "start the launcher once to settle it, then remove the task"
         )
-    keep = keep_branches and _unpublished_result(row)
-    out = Removal(task_id, kept_result=keep, branch=row.branch)
-    out.lost_result = _unpublished_result(row) and not keep
+    in_repo = _in_repo(row) if row.changed else ()
+    unpublished = bool(row.changed) and not in_repo
+    keep = keep_branches and unpublished
+    out = Removal(
+        task_id, kept_result=keep, branch=row.branch, repo=row.repo,
+        commit=row.commit_id if row.changed else None, in_repo=in_repo, changed=row.changed,
+    )  # fmt: skip
+    out.lost_result = unpublished and not keep
     if dry_run:
         out.bytes = _tree_bytes(root, skip=_KEPT_FOR_RESULT if keep else frozenset())
         return out
