@@ -358,9 +358,10 @@ def remove_orphans(settings: Settings, store: Store, *, keep: Collection[str] = 
     alive = [r for r in rows if r.owner is not None and r.owner.alive()]
     live = {r.sandbox for r in alive + held if r.sandbox}
     for backend, name in sandboxes:
-        if name not in live:
-            log.warning("removing orphan sandbox", sandbox=name, backend=backend)
-            reap_sandbox(backend, name, settings.data_dir)
+        # Logged only when something was removed: a listed microVM whose owner is
+        # alive (another process's exec or shell) is left be by its backend's reap.
+        if name not in live and (removed := reap_sandbox(backend, name, settings.data_dir)):
+            log.warning("removed an orphan sandbox", sandbox=name, backend=backend, removed=removed)
     # Warm pools: not in what the backends list above; a dead keeper's entries go here.
     for name in sweep_pools(settings):
         log.warning("removed a pooled sandbox whose keeper is gone", sandbox=name)

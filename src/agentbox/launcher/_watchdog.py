@@ -88,13 +88,15 @@ def kill_sandbox(backend: str, name: str, data_dir: Path) -> None:
     _act("kill", backend, name, data_dir)
 
 
-def reap_sandbox(backend: str, name: str, data_dir: Path) -> None:
+def reap_sandbox(backend: str, name: str, data_dir: Path) -> list[str]:
     """Remove sandbox ``name`` whose owner died: kill it, save what it wrote, remove it
-    (:meth:`~agentbox.backends.base.Backend.reap`); idempotent, never raises."""
-    _act("reap", backend, name, data_dir)
+    (:meth:`~agentbox.backends.base.Backend.reap`); idempotent, never raises. Returns
+    what was removed: nothing for one already gone, or one whose owner is alive (a
+    microVM's exec or shell, left be by its backend)."""
+    return _act("reap", backend, name, data_dir)
 
 
-def _act(verb: Literal["kill", "reap"], backend: str, name: str, data_dir: Path) -> None:
+def _act(verb: Literal["kill", "reap"], backend: str, name: str, data_dir: Path) -> list[str]:
     from agentbox._log import get_logger
     from agentbox.backends import get_backend
     from agentbox.config import Settings
@@ -107,9 +109,11 @@ def _act(verb: Literal["kill", "reap"], backend: str, name: str, data_dir: Path)
         get_logger("watchdog").error(
             f"could not {verb} the sandbox", backend=backend, sandbox=name, error=str(exc)
         )
-        return
-    event = "killed the sandbox" if verb == "kill" else "reaped the sandbox"
-    get_logger("watchdog").info(event, backend=backend, sandbox=name, found=done)
+        return []
+    if done:  # only what was acted on: a sandbox left be is not news
+        event = "killed the sandbox" if verb == "kill" else "reaped the sandbox"
+        get_logger("watchdog").info(event, backend=backend, sandbox=name, found=done)
+    return done
 
 
 def kill_gateway(pid: int, start: float) -> None:
