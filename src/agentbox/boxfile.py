@@ -79,7 +79,7 @@ from agentbox._boxfile_sections import (
     Strict,
 )
 from agentbox._invalid import nearest_key
-from agentbox.config import DEFAULT_IMAGE, Settings, parse_size, setting_hint
+from agentbox.config import DEFAULT_IMAGE, Settings, parse_size, setting_source
 from agentbox.errors import BoxfileError, PathRefused
 
 __all__ = [
@@ -174,7 +174,7 @@ class Boxfile(Strict):
                 roots = ", ".join(map(str, settings.mount_roots)) or "none configured"
                 raise PathRefused(
                     f"[mounts.{i}.source] must live under a configured mount root ({roots}; "
-                    f"set by {setting_hint('mount_roots')})",
+                    f"{setting_source('mount_roots', settings.mount_roots)})",
                     path=m.source,
                 )
             if not real.exists():

@@ -103,10 +103,51 @@ _SETTING_FORMS = {
 }
 
 
+#: A setting's default in words, where its value alone does not say it.
+_SETTING_DEFAULTS = {"repos_root": "the home directory"}
+
+
 def setting_hint(name: str) -> str:
     """``AGENTBOX_<NAME>`` and its format, for an error that names the setting ``name``."""
     form = _SETTING_FORMS.get(name)
     return f"AGENTBOX_{name.upper()}" + (f", {form}" if form else "")
+
+
+def setting_source(name: str, value: Any) -> str:
+    """Where the setting ``name``'s ``value`` came from, for an error that shows it:
+    ``set by AGENTBOX_REPOS_ROOT``, ``set in /etc/agentbox/config.toml``, or ``the default
+    (the home directory); set AGENTBOX_REPOS_ROOT, a directory, to choose another``
+    (the order :func:`load_settings` reads them in, the environment first)."""
+    env = f"AGENTBOX_{name.upper()}"
+    if env in os.environ:
+        return f"set by {env}"
+    path = config_path()
+    try:
+        if name in tomllib.loads(path.read_text()):
+            return f"set in {path}"
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        pass
+    if not _is_default(name, value):  # given by the program that made the settings
+        return f"set when agentbox started; {setting_hint(name)} sets it"
+    what = _SETTING_DEFAULTS.get(name)
+    default = f"the default ({what})" if what else "the default"
+    comma = "," if name in _SETTING_FORMS else ""
+    return f"{default}; set {setting_hint(name)}{comma} to choose another"
+
+
+def _is_default(name: str, value: Any) -> bool:
+    field = Settings.model_fields.get(name)
+    if field is None:
+        return False
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, Path) and isinstance(value, Path):
+        return default.expanduser().resolve() == value.expanduser().resolve()
+    return bool(default == value)
+
+
+def config_path() -> Path:
+    """The config file: ``$AGENTBOX_CONFIG``, else ``/etc/agentbox/config.toml``."""
+    return Path(os.environ.get("AGENTBOX_CONFIG", "/etc/agentbox/config.toml"))
 
 
 class Settings(BaseSettings):
@@ -202,7 +243,7 @@ class Settings(BaseSettings):
 
 def load_settings(**overrides: Any) -> Settings:
     """Settings from the config file, then the environment, then ``overrides``."""
-    path = Path(os.environ.get("AGENTBOX_CONFIG", "/etc/agentbox/config.toml"))
+    path = config_path()
     file_values: dict[str, Any] = {}
     if path.is_file():
         try:

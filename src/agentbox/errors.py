@@ -16,6 +16,8 @@ about it; every timeout is also an :class:`AgentboxTimeout`::
     │   │   └── SizeRefused    a file, or the running total, over its size cap
     │   ├── TaskIdRefused      an id that does not match ^[0-9a-z-]{1,64}$
     │   ├── PolicyRefused      a capability, a network, a command that is not claude …
+    │   │   └── UncommittedChanges  a dirty repo delegated without its changes (each front
+    │   │                      end names its own option: with_option)
     │   └── PublishRefused     a branch agentbox did not write, or one checked out: kept as
     │                          is (also a CollectError: the result is kept, unpublished)
     ├── UnsupportedError       the host lacks a facility (runtime, KVM, binary): install it (fix)
@@ -83,6 +85,7 @@ __all__ = [
     "TaskError",
     "TaskIdRefused",
     "TaskNotFound",
+    "UncommittedChanges",
     "UnsupportedError",
     "UpstreamConnectError",
     "UpstreamError",
@@ -145,6 +148,19 @@ class TaskIdRefused(RefusedError):
 
 class PolicyRefused(RefusedError):
     """A capability, host networking, a non-``claude`` command, an env var not allowed…"""
+
+
+class UncommittedChanges(PolicyRefused):
+    """A repo with uncommitted changes, delegated without asking for them to be copied.
+
+    The launcher's message ends "commit them or include them"; how to include them is
+    the front end's word (``--include-uncommitted`` on the command line,
+    ``include_uncommitted=true`` over MCP): :meth:`with_option`.
+    """
+
+    def with_option(self, option: str) -> str:
+        """The message naming the front end's ``option``."""
+        return f"{self} with {option}"
 
 
 class UnsupportedError(AgentboxError):

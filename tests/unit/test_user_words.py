@@ -6,13 +6,15 @@ launcher's checks) with no services; each fails on the code before the issue.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from agentbox.boxfile import Boxfile, loads_boxfile
-from agentbox.errors import BoxfileError, PolicyRefused
+from agentbox.config import Settings
+from agentbox.errors import BoxfileError, PathRefused, PolicyRefused
 
 # -- item 11: a flag's bad value names the flag and its unit --------------------------
 
@@ -78,3 +80,85 @@ def test_an_internal_key_is_never_suggested() -> None:
     with pytest.raises(BoxfileError) as ei:
         Boxfile.from_dict({"capabilitie": 1})
     assert "did you mean" not in str(ei.value)
+
+
+# -- item 12: the dirty-tree refusal names the front end's own option ------------------
+
+
+def _git(repo: Path, *args: str) -> None:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@localhost", "GIT_CONFIG_NOSYSTEM": "1",
+           "PATH": "/usr/bin:/bin"}  # fmt: skip
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, env=env)
+
+
+def _dirty_repo(root: Path) -> Path:
+    repo = root / "proj"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "init")
+    (repo / "a.py").write_text("x = 2\n")
+    return repo
+
+
+def test_dirty_repo_refusal_names_the_cli_flag_and_the_mcp_parameter(settings: Settings) -> None:
+    from agentbox.cli import error_message
+    from agentbox.launcher._validate import _check_repo
+    from agentbox.launcher.client import _error_from
+    from agentbox.mcp._server import _tool_error
+
+    repo = _dirty_repo(settings.repos_root)
+    with pytest.raises(PolicyRefused) as ei:
+        _check_repo(settings, str(repo), include_uncommitted=False)
+    cli = error_message(ei.value)
+    assert cli.endswith("commit them or include them with --include-uncommitted"), cli
+    assert "include_uncommitted" not in cli
+    mcp = str(_tool_error(ei.value))
+    assert mcp.endswith("commit them or include them with include_uncommitted=true"), mcp
+    assert "--include-uncommitted" not in mcp
+    # Over the launcher's socket (a detached run, the MCP server) it keeps its kind.
+    wire = _error_from(422, {"error": type(ei.value).__name__, "message": str(ei.value)})
+    assert error_message(wire) == cli
+
+
+# -- item 13: the repos-root refusal says where the root came from --------------------
+
+
+def test_repos_root_refusal_says_the_default_when_nothing_set_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentbox.launcher._validate import _check_repo
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("AGENTBOX_REPOS_ROOT", raising=False)
+    monkeypatch.setenv("AGENTBOX_CONFIG", str(tmp_path / "no-config.toml"))
+    settings = Settings(data_dir=tmp_path / "data")
+    assert settings.repos_root == home.resolve()
+    with pytest.raises(PathRefused) as ei:
+        _check_repo(settings, str(tmp_path / "elsewhere"), include_uncommitted=False)
+    msg = str(ei.value)
+    assert "set by AGENTBOX_REPOS_ROOT" not in msg
+    assert "(the default (the home directory); set AGENTBOX_REPOS_ROOT" in msg
+
+
+def test_repos_root_refusal_names_the_variable_or_the_file_that_set_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentbox.config import load_settings
+    from agentbox.mcp._repo import validate_repo
+
+    root = tmp_path / "repos"
+    root.mkdir()
+    config = tmp_path / "config.toml"
+    config.write_text(f'repos_root = "{root}"\n')
+    monkeypatch.delenv("AGENTBOX_REPOS_ROOT", raising=False)
+    monkeypatch.setenv("AGENTBOX_CONFIG", str(config))
+    with pytest.raises(PathRefused, match=f"set in {config}"):
+        validate_repo(load_settings().repos_root, str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("AGENTBOX_REPOS_ROOT", str(root))
+    with pytest.raises(PathRefused, match=r"\(set by AGENTBOX_REPOS_ROOT\)"):
+        validate_repo(load_settings().repos_root, str(tmp_path / "elsewhere"))

@@ -19,9 +19,9 @@ import typer.core
 
 from agentbox._text import visible
 from agentbox.cli._lazy import LazyGroup, app_options
-from agentbox.errors import AgentboxError, RefusedError, UnsupportedError
+from agentbox.errors import AgentboxError, RefusedError, UncommittedChanges, UnsupportedError
 
-__all__ = ["app", "entry", "main"]
+__all__ = ["app", "entry", "error_message", "main"]
 
 app = typer.Typer(cls=LazyGroup, **app_options())
 
@@ -111,15 +111,16 @@ def main() -> None:
         sys.exit(rv if isinstance(rv, int) else 0)
     except AgentboxError as exc:
         code = 3 if isinstance(exc, RefusedError) else 4 if isinstance(exc, UnsupportedError) else 1
+        message = error_message(exc)
         if as_json:
-            _json_error(error_kind(exc), str(exc))
+            _json_error(error_kind(exc), message)
         else:
             from rich.console import Console
             from rich.text import Text
 
             # The message may hold untrusted text (paths, agent output): never markup.
             Console(stderr=True).print(
-                Text.assemble(("error: ", "red"), visible(str(exc))),
+                Text.assemble(("error: ", "red"), visible(message)),
                 highlight=False,
                 soft_wrap=True,  # one line per error: no breaks (and padding) at 80 columns
             )
@@ -130,6 +131,13 @@ def main() -> None:
     except typer.Abort:
         _json_error("interrupted", "interrupted")
         sys.exit(130)
+
+
+def error_message(exc: AgentboxError) -> str:
+    """What the command line says of ``exc``: an option is named as this CLI spells it."""
+    if isinstance(exc, UncommittedChanges):
+        return exc.with_option("--include-uncommitted")
+    return str(exc)
 
 
 def error_kind(exc: BaseException) -> str:

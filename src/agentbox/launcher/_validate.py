@@ -18,13 +18,14 @@ from typing import Any
 
 from agentbox import _proc
 from agentbox.boxfile import Boxfile
-from agentbox.config import Settings, setting_hint
+from agentbox.config import Settings, setting_source
 from agentbox.errors import (
     AgentboxError,
     CommandError,
     ConfigError,
     PathRefused,
     PolicyRefused,
+    UncommittedChanges,
 )
 from agentbox.gateway.registry import Registry
 from agentbox.launcher.api import (
@@ -82,17 +83,18 @@ def git_readonly(repo: Path, *args: str, timeout: float = 60) -> _proc.Result:
 def _check_repo(settings: Settings, repo: str, include_uncommitted: bool) -> Path:
     if "\0" in repo or not Path(repo).is_absolute():
         raise PathRefused("the repo must be an absolute path", path=repo)
-    hint = setting_hint("repos_root")
     try:
         real = check_inside(settings.repos_root, Path(repo), what="repo")
     except PathRefused:
         raise PathRefused(
-            f"the repo resolves outside the repos root {settings.repos_root} (set by {hint})",
+            f"the repo resolves outside the repos root {settings.repos_root} "
+            f"({setting_source('repos_root', settings.repos_root)})",
             path=repo,
         ) from None
     if real == settings.repos_root:
         raise PathRefused(
-            f"the repo must be a directory inside the repos root, not the root ({hint})",
+            f"the repo must be a directory inside the repos root, not the root "
+            f"({setting_source('repos_root', settings.repos_root)})",
             path=repo,
         )
     if not real.is_dir():
@@ -111,10 +113,9 @@ def _check_repo(settings: Settings, repo: str, include_uncommitted: bool) -> Pat
     if not include_uncommitted:
         status = git_readonly(real, "status", "--porcelain", "--untracked-files=no").stdout
         if status.strip():
-            raise PolicyRefused(
-                f"the repo {real} has uncommitted changes; commit them or pass "
-                "--include-uncommitted (include_uncommitted=true)"
-            )
+            raise UncommittedChanges(
+                f"the repo {real} has uncommitted changes; commit them or include them"
+            )  # each front end adds its option's name (UncommittedChanges.with_option)
     return real
 
 

@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from agentbox.config import setting_hint
+from agentbox.config import setting_source
 from agentbox.errors import PathRefused
 
 __all__ = ["MAX_PATH_CHARS", "validate_repo"]
@@ -41,13 +41,14 @@ def validate_repo(repos_root: Path, repo: object, *, uid: int | None = None) -> 
     real = raw.resolve()
     if real != root and root not in real.parents:
         raise PathRefused(
-            f"repo resolves outside the repos root {root} (set by {setting_hint('repos_root')})",
+            f"repo resolves outside the repos root {root} "
+            f"({setting_source('repos_root', repos_root)})",
             path=repo,
         )
     if real == root:
         raise PathRefused(
             f"repo must be a directory below the repos root, not the root "
-            f"({setting_hint('repos_root')})",
+            f"({setting_source('repos_root', repos_root)})",
             path=repo,
         )
     # Walk the components as given: a link anywhere on the way is refused even if

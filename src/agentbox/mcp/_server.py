@@ -33,7 +33,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from agentbox._log import get_logger
-from agentbox.errors import AgentboxError, PathRefused, RefusedError
+from agentbox.errors import AgentboxError, PathRefused, RefusedError, UncommittedChanges
 from agentbox.launcher.api import (
     MAX_BUDGET,
     MAX_DEADLINE,
@@ -97,7 +97,11 @@ class ServerConfig:
 
 
 def _tool_error(exc: AgentboxError) -> ToolError:
-    return ToolError(f"{type(exc).__name__}: {exc}")
+    # An option is named as the tool spells it (the launcher's words name none).
+    text = (
+        exc.with_option("include_uncommitted=true") if isinstance(exc, UncommittedChanges) else exc
+    )
+    return ToolError(f"{type(exc).__name__}: {text}")
 
 
 class _Tools:
