@@ -1,4 +1,4 @@
-"""The harness of the live-restore tests on the FakeBackend (``tests/unit/test_live_restore_*``).
+"""The harness of the live-restore tests on the FakeBackend (``tests/integration/test_live_restore_*``).
 
 The real launcher code runs (store, workers, workspace copy, shadow-git collection,
 publishing into a real git repo); the sandbox is the in-process FakeBackend and the

@@ -5,7 +5,7 @@ the guest on the image's stdlib ``python3``) imports it as a sibling module from
 the initramfs's read-only ``/opt/agentbox/vm``; the host (:mod:`agentbox.microvm`)
 imports it from here without pulling in the agent. Like the agent it imports
 nothing of agentbox and only builtin C modules at import time (see
-tests/unit/test_guest_agent_lean.py).
+tests/integration/test_guest_agent_lean.py).
 
 Wire format (both directions)::
 
