@@ -156,8 +156,12 @@ def test_a_commit_made_while_publishing_is_kept(
 
 
 @pytest.mark.parametrize(
-    "name", ["-f", "a..b", "x.lock", "", "a b", "/abs", "a\nb", "@{-1}", "refs/../x", "x/"]
-)
+    "name",
+    ["-f", "a..b", "x.lock", "", "a b", "/abs", "a\nb", "@{-1}", "refs/../x", "x/",
+     # names git reserves or reads as something else (issue 33 §7)
+     "HEAD", "FETCH_HEAD", "ORIG_HEAD", "MERGE_HEAD", "AUTO_MERGE", "stash",
+     "refs/heads/main", "0123456789abcdef"],
+)  # fmt: skip
 def test_bad_branch_names_are_refused(name: str, repo: Path, tmp_path: Path) -> None:
     p = prepare_in(tmp_path / "task", repo)
     commit = _result(p)

@@ -38,13 +38,32 @@ _HEX = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
 _BRANCH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]{0,199}")
 
 
+#: Names git gives a meaning of its own (pseudo-refs and the special refs it writes in
+#: ``.git``): a branch of that name makes every later ``git checkout NAME`` ambiguous.
+_RESERVED = re.compile(r"(HEAD|[A-Z][A-Z0-9_]*_HEAD|AUTO_MERGE|stash)")
+#: A name that starts like a full ref (``refs/heads/main`` would become
+#: ``refs/heads/refs/heads/main``), or is all hex (an object name's spelling).
+_REFLIKE = re.compile(r"refs/.*|[0-9a-fA-F]{7,64}")
+
+
 def check_branch(name: str) -> str:
-    """Return ``name`` if it is a branch name we may publish under, else RefusedError."""
+    """Return ``name`` if it is a branch name we may publish under, else RefusedError.
+
+    ``git check-ref-format --branch`` (git's own rules for a branch name: it refuses
+    ``HEAD``), plus names git reserves or reads as something else: a pseudo-ref
+    (``FETCH_HEAD``, ``ORIG_HEAD``, any ``*_HEAD``, ``AUTO_MERGE``), ``stash``, a name
+    starting with ``refs/``, and an all-hex name.
+    """
     if not isinstance(name, str) or not _BRANCH.fullmatch(name):
         raise RefusedError(f"not a branch name agentbox publishes under: {name!r:.80}")
-    res = _proc.run(["git", "check-ref-format", f"refs/heads/{name}"], check=False,
+    if _RESERVED.fullmatch(name) or _REFLIKE.fullmatch(name):
+        raise RefusedError(
+            f"{name!r:.80} is a name git reserves or reads as a ref or object: "
+            "pick another branch name"
+        )
+    res = _proc.run(["git", "check-ref-format", "--branch", name], check=False,
                     env=clean_env("/nonexistent"), cwd="/", timeout=30)  # fmt: skip
-    if res.returncode != 0:
+    if res.returncode != 0 or res.stdout.strip() != name:
         raise RefusedError(f"git refuses the branch name {name!r:.80}")
     return name
 
@@ -200,9 +219,10 @@ def _publish(
         try:
             # Objects only (no destination in the refspec): the ref is written below,
             # compare-and-swap, so a ref that changed since it was read is not overwritten.
+            # Sealed: the objects are the agent's; no config of the host's runs on them.
             user_git(
                 repo, "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", "--no-auto-gc",
-                "--no-recurse-submodules", bundle, shadow_ref,
+                "--no-recurse-submodules", bundle, shadow_ref, sealed=True,
             )  # fmt: skip
         except CommandError as exc:
             raise CollectError(f"fetching the result into {repo} failed: {exc}") from exc
