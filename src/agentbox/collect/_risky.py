@@ -1,10 +1,19 @@
 """Paths that make other tools run code when the result branch is opened or merged.
 
 A diff is reviewed for what the code does; these paths do something before any
-review: direnv runs ``.envrc`` on ``cd``, Claude Code runs the hooks in
-``.claude/settings.json`` and starts the servers in ``.mcp.json``, VS Code runs
-a ``folderOpen`` task, git runs the filter a ``.gitattributes`` names, CI runs a
-workflow on push. The walk (:mod:`._walk`) notes every such path it adds,
+review: direnv runs ``.envrc`` on ``cd`` (and loads ``.env``), Claude Code runs the
+hooks in ``.claude/settings.json`` and starts the servers in ``.mcp.json``, VS Code
+runs a ``folderOpen`` task or a launch configuration, JetBrains IDEs a run
+configuration, git runs the filter a ``.gitattributes`` names and git-lfs contacts
+the server an ``.lfsconfig`` names, mise/asdf/pyenv act on ``mise.toml``,
+``.tool-versions`` and ``.python-version`` in every shell, Yarn runs ``yarnPath``
+and npm its ``script-shell``, CI runs a workflow on push.
+
+Flagging is by path, not content: ``.npmrc`` and ``.yarnrc.yml`` are flagged
+whether or not they set ``script-shell`` or ``yarnPath`` (a reviewer reads the
+file either way), and ``.env`` whether or not an ``.envrc`` calls ``dotenv``
+(direnv's ``load_dotenv`` setting, or an ``.envrc`` in a parent directory
+outside the result, loads it without one). The walk (:mod:`._walk`) notes every such path it adds,
 changes or deletes, and the report lists them above the diff
 (:class:`~agentbox.collect.report.Flagged`).
 
@@ -35,6 +44,7 @@ _IGNORABLE = dict.fromkeys(
 #: A directory whose every file is flagged, by folded name.
 _DIRS = {
     ".claude": "Claude Code project settings: hooks and commands it runs in this repo",
+    ".mise": "mise configuration: tasks, hooks and env scripts it runs in this directory",
     ".devcontainer": "dev container definition: its build and lifecycle commands run on open",
 }
 #: A file flagged wherever it is, by folded name.
@@ -45,11 +55,34 @@ _FILES = {
     ".gitmodules": "submodule URLs and update commands git uses on clone and update",
     ".pre-commit-config.yaml": "pre-commit hooks that run on every commit",
     ".devcontainer.json": "dev container definition: its lifecycle commands run on open",
+    ".lfsconfig": "makes git contact a server: git-lfs takes lfs.url from it on checkout and push",
+    "mise.toml": "mise runs its tasks, hooks and env scripts when you cd into the directory",
+    ".mise.toml": "mise runs its tasks, hooks and env scripts when you cd into the directory",
+    "mise.local.toml": "mise runs its tasks, hooks and env scripts when you cd into the directory",
+    ".mise.local.toml": "mise runs its tasks, hooks and env scripts when you cd into the directory",
+    ".tool-versions": "asdf/mise install and run the tool versions (and plugins) it names",
+    ".python-version": "pyenv picks the interpreter (and runs its hooks) by it in every shell",
+    ".yarnrc.yml": "Yarn runs the yarnPath it names (any script) for every yarn command",
+    ".yarnrc": "Yarn 1 runs the yarn-path it names (any script) for every yarn command",
+    ".npmrc": "npm runs the script-shell and node-options it names for every script",
+    ".env": "direnv loads it into your shell (dotenv in an .envrc, or load_dotenv); "
+    "tools read it as settings",
 }
+#: A file flagged wherever it is, by the folded end of its name.
+_SUFFIXES = {
+    ".code-workspace": "VS Code workspace: its tasks, launch configs and settings apply on open",
+    ".run.xml": "JetBrains run configuration (a program and arguments the IDE runs)",
+}
+#: Names not starting with a dot that the list above holds (for the cheap first test).
+_PLAIN = ("mise.toml", "mise.local.toml", ".code-workspace", ".run.xml")
 #: A file flagged inside a directory of the given folded name.
 _PAIRS = {
     (".vscode", "tasks.json"): "VS Code tasks (a folderOpen task runs when the folder opens)",
     (".vscode", "settings.json"): "VS Code settings (tool and interpreter paths it runs)",
+    (".vscode", "launch.json"): "VS Code launch configurations (programs and preLaunchTasks)",
+    (".idea", "workspace.xml"): "JetBrains workspace: its run configurations (programs it runs)",
+    (".idea", "runconfigurations"): "JetBrains run configurations (programs the IDE runs)",
+    (".config", "mise.toml"): "mise runs its tasks, hooks and env scripts in this directory",
 }
 _WORKFLOWS = "GitHub Actions workflows run on push and pull request"
 #: Config directories of the above: as a path's last part (git tracks no directory), a
@@ -66,8 +99,9 @@ def _fold(name: str) -> str:
 
 def risky_reason(path: str) -> str | None:
     """Why ``path`` (``/``-separated, relative to the repo) runs code, or None."""
-    if path.isascii() and path[:1] != "." and "/." not in path:
-        return None  # every name above starts with a dot: the common case, cheaply
+    if (path.isascii() and path[:1] != "." and "/." not in path
+            and not path.rstrip(" .").lower().endswith(_PLAIN)):  # fmt: skip
+        return None  # every other name above starts with a dot: the common case, cheaply
     parts = [_fold(p) for p in path.split("/")]
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
@@ -77,6 +111,12 @@ def risky_reason(path: str) -> str | None:
             return _FILES[part]
         if i and last and (parts[i - 1], part) in _PAIRS:
             return _PAIRS[(parts[i - 1], part)]
+        if i and not last and (parts[i - 1], part) == (".idea", "runconfigurations"):
+            return _PAIRS[(".idea", "runconfigurations")]
+        if last:
+            for suffix, why in _SUFFIXES.items():
+                if part.endswith(suffix):
+                    return why
         if part == ".github" and not last and parts[i + 1] == "workflows":
             return _WORKFLOWS
         if last and part in _LINKED:
