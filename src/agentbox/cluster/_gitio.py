@@ -6,8 +6,9 @@ branch back (prerequisite: the base); the driver fetches that bundle into a
 trusted bare dir of its own and publishes from there with
 :func:`agentbox.collect.publish`, the same code and rules as a local task.
 
-Every git here runs with hooks and fsmonitor off, no system or global config,
-an empty ``HOME``, and ``transfer.fsckObjects`` on when it reads a bundle: a
+Every git here runs with hooks and fsmonitor off, no system or global config or
+attributes file (so no filter, diff or merge driver: git-lfs never runs on a
+result), an empty ``HOME``, and ``transfer.fsckObjects`` on when it reads a bundle: a
 bundle is data from another host, never configuration.
 """
 
@@ -31,8 +32,11 @@ __all__ = [
 ]
 
 _SHA = re.compile(r"[0-9a-f]{40}")
+#: No attribute-driven program either (the result's ``.gitattributes`` is agent-written):
+#: no attributes file but the tree's, and the drivers of the global config are off anyway.
 _SAFE = ("-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false",
-         "-c", "transfer.fsckObjects=true", "-c", "gc.auto=0")  # fmt: skip
+         "-c", "transfer.fsckObjects=true", "-c", "gc.auto=0",
+         "-c", "core.attributesFile=/dev/null")  # fmt: skip
 
 
 def _git(*args: str | os.PathLike[str], cwd: Path | None = None, timeout: float = 300) -> Result:
@@ -43,6 +47,7 @@ def _git(*args: str | os.PathLike[str], cwd: Path | None = None, timeout: float 
             "LC_ALL": "C",
             "GIT_CONFIG_NOSYSTEM": "1",
             "GIT_CONFIG_GLOBAL": "/dev/null",
+            "GIT_ATTR_NOSYSTEM": "1",
             "GIT_TERMINAL_PROMPT": "0",
             "GIT_AUTHOR_NAME": "agentbox",
             "GIT_AUTHOR_EMAIL": "agentbox@localhost",
