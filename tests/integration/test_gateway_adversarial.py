@@ -338,7 +338,26 @@ def test_upstream_breaking_off_mid_stream_billed_and_signalled(tmp_path: Path) -
         assert u.output == 300 and u.reserved == 0  # no final usage seen: max_tokens charged
 
 
-def test_500_concurrent_requests_never_overdraw(tmp_path: Path) -> None:
+#: The two budgets (issue 27 item 4): tokens, and dollars at the entry's prices. A price
+#: of $1 per million tokens makes one token cost one micro-dollar.
+PRICED = {"input": 1.0, "output": 1.0, "cache_write": 1.25, "cache_read": 0.1}
+
+
+def _budget_kw(kind: str, tokens: int) -> dict[str, Any]:
+    if kind == "tokens":
+        return {"budget": tokens}
+    from agentbox.gateway._price import Price
+
+    return {"budget": 10**9, "budget_usd": tokens / 1e6,
+            "entry": replay_entry(price=Price(**PRICED))}  # fmt: skip
+
+
+def _spent(u: Any, kind: str) -> float:
+    return u.weighted_total if kind == "tokens" else round(u.cost_usd * 1e6, 6)
+
+
+@pytest.mark.parametrize("kind", ["tokens", "usd"])
+def test_500_concurrent_requests_never_overdraw(tmp_path: Path, kind: str) -> None:
     script = {
         "main": "all",
         "turns": [{"text": "ok", "delay": 0.05, "usage": {"input_tokens": 100,
@@ -346,8 +365,9 @@ def test_500_concurrent_requests_never_overdraw(tmp_path: Path) -> None:
     }  # fmt: skip
     budget = 20_000
     with running_gateway(
-        tmp_path, script=script, budget=budget, max_concurrency=1000, max_connections=1000
-    ) as gw:
+        tmp_path, script=script, max_concurrency=1000, max_connections=1000,
+        **_budget_kw(kind, budget),
+    ) as gw:  # fmt: skip
 
         async def go() -> list[int]:
             limits = httpx.Limits(max_connections=500)
@@ -362,13 +382,14 @@ def test_500_concurrent_requests_never_overdraw(tmp_path: Path) -> None:
         u = gw.usage()
         granted = codes.count(200)
         assert set(codes) <= {200, 403}
-        assert granted * 150 == u.weighted_total <= budget
+        assert granted * 150 == _spent(u, kind) <= budget
         assert granted >= 20 and codes.count(403) > 0
-        assert u.reserved == 0 and u.requests == 500
+        assert u.reserved == 0 and u.reserved_usd == 0 and u.requests == 500
         assert sum(u.refusals.values()) == 500 - granted
 
 
-def test_dropped_streams_are_billed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["tokens", "usd"])
+def test_dropped_streams_are_billed(tmp_path: Path, kind: str) -> None:
     script = {
         "main": "all",
         "chunk_size": 5,
@@ -376,7 +397,7 @@ def test_dropped_streams_are_billed(tmp_path: Path) -> None:
                    "usage": {"input_tokens": 77, "output_tokens": 90}}],
     }  # fmt: skip
     rnd = random.Random(1234)
-    with running_gateway(tmp_path, script=script) as gw:
+    with running_gateway(tmp_path, script=script, **_budget_kw(kind, 1_000_000)) as gw:
 
         async def drop(c: httpx.AsyncClient, after: int) -> None:
             body = {**MSG, "stream": True, "max_tokens": 200}
@@ -398,6 +419,8 @@ def test_dropped_streams_are_billed(tmp_path: Path) -> None:
         assert u.dropped_streams == 12 and u.requests == 12
         # Input known from message_start; output: the worst case (max_tokens), never less.
         assert (u.input, u.output) == (12 * 77, 12 * 200)
+        if kind == "usd":
+            assert u.reserved_usd == 0 and _spent(u, kind) == 12 * (77 + 200)
 
 
 def test_unix_socket_mode_and_listen_policy(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
     ("token", str, None, "The task token (visible in ps: prefer --token-file)"),
     ("token-file", Path, None, "File holding the task token (mode 0600)"),
     ("budget", int, 20_000_000, "Token budget (weighted input+output+cache)"),
+    ("budget-usd", float, None, "Dollar budget at the model's prices (default: none)"),
     ("models-file", Path, None, "Model registry (TOML)"),
     ("builtin-models", bool, False, "Use the built-in registry unless --models-file is given"),
     ("upstream", str, None, "Override the upstream: http(s)://URL, unix:/path or replay:SCRIPT"),

@@ -73,6 +73,8 @@ class GatewayConfig:
     """Base URL of the upstream (``http(s)://host[:port]``); with ``upstream_uds`` the host
     part is nominal and the connection goes to that unix socket."""
     budget: int
+    budget_usd: float | None = None
+    """A dollar budget at the entry's prices (None: none)."""
     upstream_uds: str | None = None
     upstream_key: str | None = None
     usage_file: Path | None = None
@@ -98,6 +100,9 @@ class Gateway(Forwarding):
             model=cfg.entry.name,
             cache_creation_weight=cfg.entry.cache_creation_weight,
             cache_read_weight=cfg.entry.cache_read_weight,
+            cache_creation_1h_weight=cfg.entry.cache_creation_1h_weight,
+            price=cfg.entry.price,
+            budget_usd=cfg.budget_usd,
         )
         self.inflight = 0
         self.held = 0
@@ -381,23 +386,18 @@ class Gateway(Forwarding):
             await send_error(send, 413, f"request body over {self.cfg.max_body} bytes")
             return
         log.debug("request admitted", bytes_in=body_len, bytes_out=len(out))
-        usage = self.ledger.usage
-        if usage.weighted_total >= self.ledger.budget:
-            usage.exhausted = True
-            self._refuse("budget_exhausted")
-            await send_error(
-                send,
-                403,
-                f"token budget exhausted: {usage.weighted_total:.0f} of "
-                f"{self.ledger.budget} tokens used",
-            )
+        if (spent := self.ledger.exhausted_refusal()) is not None:
+            self._refuse(spent.reason)
+            await send_error(send, 403, str(spent))
             return
         if route == "count_tokens":
             await self._count_tokens(scope, out, betas, send)
             return
         assert isinstance(max_tokens, int)  # _validate checked it for this route
         try:
-            reservation = self.ledger.reserve(len(out), max_tokens, extra)
+            # A 1-hour cache lifetime anywhere in the body: input may be written for an hour.
+            long_cache = b'"1h"' in out
+            reservation = self.ledger.reserve(len(out), max_tokens, extra, long_cache=long_cache)
         except Refusal as ref:
             self._refuse(ref.reason)
             await send_error(send, 403, str(ref))

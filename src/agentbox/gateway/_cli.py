@@ -28,6 +28,9 @@ def gateway(
     budget: Annotated[
         int, typer.Option(help="Token budget (weighted input+output+cache)")
     ] = 20_000_000,
+    budget_usd: Annotated[
+        float | None, typer.Option(help="Dollar budget at the model's prices (default: none)")
+    ] = None,
     models_file: Annotated[Path | None, typer.Option(help="Model registry (TOML)")] = None,
     builtin_models: Annotated[
         bool,
@@ -83,6 +86,7 @@ def gateway(
         token=token,
         token_file=token_file,
         budget=budget,
+        budget_usd=budget_usd,
         models_file=models_file,
         builtin_models=builtin_models,
         upstream=upstream,

@@ -30,6 +30,7 @@ def run(
     user: str | None,
     ready_fd: int | None,
     exit_at: float | None,
+    budget_usd: float | None = None,
 ) -> None:
     """Run one task's model gateway until SIGTERM (options as ``agentbox gateway --help``)."""
     from agentbox.gateway._logcap import log_file_limit
@@ -49,6 +50,7 @@ def run(
         token=read_token(token=token, token_file=token_file),
         entry=entry,
         budget=budget,
+        budget_usd=budget_usd,
         upstream=upstream,
         key_env=upstream_key_env,
         usage_file=usage_file,

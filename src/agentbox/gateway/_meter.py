@@ -27,7 +27,10 @@ class TokenCount:
     input: int | None = None
     output: int | None = None
     cache_creation: int = 0
+    """All cache writes (``cache_creation_input_tokens``), 1-hour ones included."""
     cache_read: int = 0
+    cache_creation_1h: int = 0
+    """1-hour cache writes (``cache_creation.ephemeral_1h_input_tokens``), priced apart."""
 
     def update(self, usage: Any) -> None:
         """Take the counts present in an Anthropic ``usage`` object (later values win)."""
@@ -40,8 +43,18 @@ class TokenCount:
             ("cache_read_input_tokens", "cache_read"),
         ):
             v = usage.get(key)
-            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40:
+            if _count(v):
                 setattr(self, attr, v)
+        split = usage.get("cache_creation")
+        hour = split.get("ephemeral_1h_input_tokens") if isinstance(split, dict) else None
+        if isinstance(hour, int) and _count(hour):
+            self.cache_creation_1h = hour
+            # An upstream reporting only the split: the total is at least the 1-hour part.
+            self.cache_creation = max(self.cache_creation, hour)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40
 
 
 def usage_from_message(body: bytes) -> TokenCount | None:

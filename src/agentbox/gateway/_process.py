@@ -254,12 +254,15 @@ def gateway_argv(
     ready_fd: int | None = None,
     max_memory: int | None = None,
     exit_at: float | None = None,
+    budget_usd: float | None = None,
 ) -> list[str]:
     """The argv that runs a gateway with this interpreter (``python -m agentbox.gateway``,
     the same command as ``agentbox gateway``, without importing the whole CLI)."""
     argv = [sys.executable, "-m", "agentbox.gateway", "--listen", listen]
     argv += ["--token-file", str(token_file), "--model", model, "--budget", str(budget)]
     argv += ["--usage-file", str(usage_file)]
+    if budget_usd is not None:
+        argv += ["--budget-usd", repr(budget_usd)]
     if models_file is not None:
         argv += ["--models-file", str(models_file)]
     else:
@@ -294,6 +297,7 @@ def spawn_gateway(
     max_memory: int | None = None,
     exit_at: float | None = None,
     wait: bool = True,
+    budget_usd: float | None = None,
 ) -> GatewayHandle:
     """Start a gateway on ``socket_path`` for one task and wait until it answers.
 
@@ -337,6 +341,7 @@ def spawn_gateway(
         token_file=token_file,
         model=model,
         budget=budget,
+        budget_usd=budget_usd,
         usage_file=write_to,
         models_file=settings.models_file,
         upstream=f"replay:{replay_script}" if replay_script is not None else None,

@@ -55,6 +55,7 @@ def build_gateway(
     token: str,
     entry: ModelEntry,
     budget: int,
+    budget_usd: float | None = None,
     upstream: str | None = None,
     key_env: str | None = None,
     usage_file: Path | None = None,
@@ -73,6 +74,14 @@ def build_gateway(
     """
     if budget < 1:
         raise ConfigError("--budget must be at least 1")
+    if budget_usd is not None:
+        if not budget_usd > 0:
+            raise ConfigError("--budget-usd must be more than 0")
+        if entry.price is None:
+            raise ConfigError(
+                f"--budget-usd: model {entry.name!r} has no price in the registry "
+                f"(add [models.{entry.name}.price])"
+            )
     if min(max_concurrency, max_body, max_connections) < 1:
         raise ConfigError("--max-concurrency, --max-body and --max-connections must be positive")
     if min(header_timeout, body_timeout) <= 0:
@@ -108,6 +117,7 @@ def build_gateway(
         upstream_uds=uds,
         upstream_key=key,
         budget=budget,
+        budget_usd=budget_usd,
         usage_file=usage_file,
         max_body=max_body,
         max_held=max(max_held, max_body),

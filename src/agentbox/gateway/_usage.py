@@ -26,6 +26,7 @@ from agentbox.gateway._check import (
     integer,
     mapping_of,
     number,
+    optional,
     text,
 )
 
@@ -42,6 +43,9 @@ class Usage:
     """Uncached input tokens."""
     output: int = 0
     cache_creation: int = 0
+    """Cache writes, 1-hour ones included."""
+    cache_creation_1h: int = 0
+    """1-hour cache writes (priced at their own rate)."""
     cache_read: int = 0
     weighted_total: float = 0.0
     """What the budget is charged: input + output + cache tokens times their weights."""
@@ -60,6 +64,12 @@ class Usage:
     """Requests whose ``max_tokens`` was lowered to fit what was left of the budget."""
     exhausted: bool = False
     """The budget is spent: the total reached it, or a request was refused for lack of it."""
+    cost_usd: float | None = None
+    """US dollars charged at the model's prices; None when the model has no price."""
+    budget_usd: float | None = None
+    """The task's dollar budget, if it has one."""
+    reserved_usd: float = 0.0
+    """Worst-case dollars held by requests in flight right now."""
 
     @property
     def remaining(self) -> float:
@@ -96,6 +106,10 @@ _FIELDS: tuple[tuple[str, Checker, Any], ...] = (
     ("upstream_errors", integer, 0),
     ("clamped", integer, 0),
     ("exhausted", boolean, False),
+    ("cost_usd", optional(number), None),
+    ("budget_usd", optional(number), None),
+    ("reserved_usd", number, 0.0),
+    ("cache_creation_1h", integer, 0),
 )
 
 

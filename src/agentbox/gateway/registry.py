@@ -9,18 +9,24 @@ default entry ``replay-demo`` is the offline replay model and needs no key::
     [models.sonnet]
     kind = "anthropic"                      # anthropic | compatible | replay
     upstream = "https://api.anthropic.com"  # base URL, or a replay script path
-    upstream_model = "claude-sonnet-4-5"
+    upstream_model = "claude-sonnet-5-5"
     key_env = "ANTHROPIC_API_KEY"           # read from the host env by the gateway only
     unsupported_fields = []                 # request fields stripped before forwarding
     # allowed_fields / allowed_block_types / allowed_betas: the request allow-lists
     # (default: the kind's, see agentbox.gateway._policy); image_tokens, document_tokens
     cache_creation_weight = 1.25
     cache_read_weight = 0.1
+    [models.sonnet.price]                   # US dollars per million tokens (optional)
+    input = 2.0
+    output = 10.0
+    cache_write = 2.5                       # 5-minute writes; cache_write_1h: 1-hour ones
+    cache_read = 0.1
 
 A relative replay script path is resolved against the registry file's directory,
 and must name a readable file when the registry is loaded. A top-level
 ``default = "<name>"`` picks the model a task gets when it names none; without
-it, ``replay-demo`` if the file has it, else the first name in sort order (and
+it, the first real (not replay) model whose key is set (``sonnet`` first), else
+``replay-demo`` if the registry has it, else the first name in sort order (and
 ``agentbox models`` says which, and why). An entry whose ``key_env`` is not set
 in the environment is listed as unavailable, with that reason, and a task
 naming it is refused before anything starts. Errors in an entry are reported in
@@ -61,6 +67,7 @@ from agentbox.gateway._policy import (
     NETWORK_FIELDS,
     RequestPolicy,
 )
+from agentbox.gateway._price import Price
 
 if TYPE_CHECKING:
     # Only a type here: the gateway process loads the registry without the settings
@@ -72,7 +79,9 @@ __all__ = [
     "DEMO_SCRIPT",
     "KIND_UNSUPPORTED_FIELDS",
     "MAX_REGISTRY_BYTES",
+    "RETIRED_MODELS",
     "ModelEntry",
+    "Price",
     "Registry",
     "builtin_registry",
     "load_registry",
@@ -87,6 +96,24 @@ DEFAULT_MODEL = "replay-demo"
 MAX_REGISTRY_BYTES = 1 << 20
 #: The demo replay script shipped with agentbox (used by the offline demo).
 DEMO_SCRIPT = Path(__file__).parent / "demo" / "demo.yaml"
+
+#: Upstream model ids the provider has retired, and when (requests to them fail).
+#: ``agentbox doctor`` warns about a registry entry naming one. Sources: the provider's
+#: model-deprecations page and release notes (docs/reference/models.md, checked 2026-12-07).
+RETIRED_MODELS: Mapping[str, str] = {
+    "claude-sonnet-4-5": "2026-11-30",
+    "claude-sonnet-4-5-20250929": "2026-11-30",
+    "claude-sonnet-4-0": "2026-06-15",
+    "claude-sonnet-4-20250514": "2026-06-15",
+    "claude-opus-4-0": "2026-06-15",
+    "claude-opus-4-20250514": "2026-06-15",
+    "claude-opus-4-1": "2026-08-05",
+    "claude-opus-4-1-20250805": "2026-08-05",
+    "claude-3-7-sonnet-latest": "2026-02-19",
+    "claude-3-7-sonnet-20250219": "2026-02-19",
+    "claude-3-5-sonnet-20241022": "2025-10-22",
+    "claude-3-5-sonnet-20240620": "2025-10-22",
+}
 
 #: Request fields each upstream kind does not accept; stripped unless the entry says otherwise.
 #: Anthropic-compatible local servers (llama.cpp, vLLM) reject or mishandle the newer,
@@ -153,6 +180,8 @@ _ENTRY: tuple[tuple[str, Checker, Any], ...] = (
     ("document_tokens", lambda v, k, e: integer(v, k, e, ge=0), 1_800_000),
     ("cache_creation_weight", lambda v, k, e: number(v, k, e, ge=0), 1.25),
     ("cache_read_weight", lambda v, k, e: number(v, k, e, ge=0), 0.1),
+    ("cache_creation_1h_weight", lambda v, k, e: number(v, k, e, ge=0), 2.0),
+    ("price", Price.check, None),
     ("description", text, ""),
 )  # fmt: skip
 
@@ -191,6 +220,10 @@ class ModelEntry:
     """Worst-case input tokens of one base64 PDF document, for the reservation."""
     cache_creation_weight: float = 1.25
     cache_read_weight: float = 0.1
+    cache_creation_1h_weight: float = 2.0
+    """Token-budget weight of a 1-hour cache write (5-minute ones: ``cache_creation_weight``)."""
+    price: Price | None = None
+    """US dollars per million tokens; None: the price is unknown (cost is never $0)."""
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -256,6 +289,16 @@ class ModelEntry:
         """The script path of a replay entry."""
         return Path(self.upstream) if self.kind == "replay" else None
 
+    @property
+    def scripted(self) -> bool:
+        """The replay model plays a script: no real model answers."""
+        return self.kind == "replay"
+
+    @property
+    def retired(self) -> str | None:
+        """The date the provider retired this entry's upstream model id, if it did."""
+        return RETIRED_MODELS.get(self.target_model) if self.kind != "replay" else None
+
     def unavailable(self, environ: Mapping[str, str] | None = None) -> str | None:
         """Why a task cannot use this model here (its key is not set), or None."""
         env = os.environ if environ is None else environ
@@ -276,13 +319,39 @@ class Registry:
     ) -> None:
         self._entries = dict(entries)
         self.source = source
-        if default is not None:
-            self.default, self.default_reason = default, f"set by `default` in {source}"
-        elif DEFAULT_MODEL in self._entries:
-            self.default, self.default_reason = DEFAULT_MODEL, "the built-in default"
-        else:
-            self.default = (sorted(self._entries) or [""])[0]
-            self.default_reason = f"the first by name: {source} sets no `default`"
+        self._default = default
+
+    def default_for(self, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+        """The model a task gets when it names none, and why, given ``environ``'s keys.
+
+        ``default`` in the file wins; else the first real (not replay) model that is
+        available here (``sonnet`` first, then by name); else ``replay-demo`` if the
+        registry has it; else the first name.
+        """
+        if self._default is not None:
+            return self._default, f"set by `default` in {self.source}"
+        real = [e for e in self if not e.scripted]
+        real.sort(key=lambda e: (e.name != "sonnet", e.name))
+        for e in real:
+            if e.unavailable(environ) is None:
+                how = f"{e.key_env} is set" if e.key_env else "it needs no key"
+                return e.name, f"the first real model available: {how}"
+        missing = sorted({e.key_env for e in real if e.key_env})
+        why = f" ({', '.join(missing)} not set)" if missing else ""
+        if DEFAULT_MODEL in self._entries:
+            return DEFAULT_MODEL, f"no real model is available{why}: the scripted demo"
+        first = (sorted(self._entries) or [""])[0]
+        return first, f"the first by name: {self.source} sets no `default`{why}"
+
+    @property
+    def default(self) -> str:
+        """The default model for this process's environment (see :meth:`default_for`)."""
+        return self.default_for()[0]
+
+    @property
+    def default_reason(self) -> str:
+        """Why :attr:`default` is the default."""
+        return self.default_for()[1]
 
     def get(self, name: str) -> ModelEntry:
         """The entry named ``name``; :class:`ConfigError` naming the known ones otherwise."""
@@ -315,21 +384,35 @@ _BUILTIN: dict[str, dict[str, Any]] = {
         "upstream_model": "replay-demo",
         "description": "Offline scripted model: writes a function and its test, runs them.",
     },
+    "opus": {
+        "kind": "anthropic",
+        "upstream": "https://api.anthropic.com",
+        "upstream_model": "claude-opus-5-5",
+        "key_env": "ANTHROPIC_API_KEY",
+        "description": "Claude Opus 5.5 through the Anthropic API (key from the host env).",
+        "price": {"input": 4.0, "output": 20.0, "cache_write": 5.0, "cache_write_1h": 8.0,
+                  "cache_read": 0.2},
+    },
     "sonnet": {
         "kind": "anthropic",
         "upstream": "https://api.anthropic.com",
-        "upstream_model": "claude-sonnet-4-5",
+        "upstream_model": "claude-sonnet-5-5",
         "key_env": "ANTHROPIC_API_KEY",
-        "description": "Claude Sonnet through the Anthropic API (key from the host env).",
+        "description": "Claude Sonnet 5.5 through the Anthropic API (key from the host env).",
+        "price": {"input": 2.0, "output": 10.0, "cache_write": 2.5, "cache_write_1h": 4.0,
+                  "cache_read": 0.1},
     },
     "haiku": {
         "kind": "anthropic",
         "upstream": "https://api.anthropic.com",
-        "upstream_model": "claude-haiku-4-5",
+        "upstream_model": "claude-haiku-5-5",
         "key_env": "ANTHROPIC_API_KEY",
-        "description": "Claude Haiku through the Anthropic API (key from the host env).",
+        "description": "Claude Haiku 5.5 through the Anthropic API (key from the host env).",
+        # The prompts-up-to-100k-tokens rates; longer prompts cost 5x (not modelled).
+        "price": {"input": 0.1, "output": 0.5, "cache_write": 0.125, "cache_write_1h": 0.2,
+                  "cache_read": 0.01},
     },
-}
+}  # fmt: skip
 
 
 def _parse(data: Mapping[str, Any], *, base: Path | None, source: str) -> Registry:
