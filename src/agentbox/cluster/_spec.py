@@ -103,6 +103,9 @@ class BatchResult(_Strict):
     """Attempts that died with their node; their partial results were discarded."""
     resumed: bool = False
     """Finished in an earlier run of the same batch (not re-run, not re-fetched)."""
+    flagged: tuple[str, ...] = ()
+    """Paths of the published branch that make other tools run code (``.envrc``,
+    ``.claude/`` …), found by the driver in the fetched tree, never taken from the node."""
     timings: dict[str, float] = Field(default_factory=dict)
     """Seconds per phase of the attempt: on the node (see :attr:`NodeOutcome.timings`);
     placed to the node's receipt (``placement``: Ray's scheduling, the wait for a free
