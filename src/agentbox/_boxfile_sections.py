@@ -163,9 +163,10 @@ class Setup(Strict):
     posture; what they create there is frozen and reused (see :mod:`agentbox.env`).
 
     ``inputs`` are globs (relative to the repo root) of the files whose contents key the
-    frozen environment, with the image and ``run``. ``network`` is ``"none"`` or
-    ``"registries"`` (the package indexes the host's own pip, npm and uv use, through the
-    task's egress proxy; ``[network] allow`` adds to it).
+    frozen environment when ``key = "inputs"``; by default the whole tree keys it, with
+    the image, ``run``, the variables, mounts and egress setup sees, the repo and the user.
+    ``network`` is ``"none"`` or ``"registries"`` (the package indexes the host's own
+    pip, npm and uv use, through the task's egress proxy; ``[network] allow`` adds to it).
     """
 
     # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
@@ -175,6 +176,11 @@ class Setup(Strict):
     inputs: tuple[str, ...] = Field(default=(), max_length=MAX_SETUP_INPUTS)
     network: Literal["none", "registries"] = "none"
     deadline: float = Field(default=900.0, gt=0, le=24 * 3600)
+    key: Literal["tree", "inputs"] = "tree"
+    """What files key the frozen environment: ``"tree"``, the whole workspace setup starts
+    from (a file setup reads that ``inputs`` does not name still counts); ``"inputs"``,
+    only the files ``inputs`` matches, a narrowing the user opts into (see
+    :mod:`agentbox.env._key`)."""
     keep: tuple[str, ...] = Field(default=(), max_length=16)
     """Paths under ``~`` (``"~/.cache/ms-playwright"``) setup leaves that are frozen with
     the environment and mounted at the same place for the agent."""

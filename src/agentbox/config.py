@@ -179,6 +179,9 @@ class Settings(BaseSettings):
     pool). Each idles at about 12 MiB; ``AGENTBOX_POOL_SIZE=2`` on a service host."""
     pool_ttl: float = Field(default=300.0, ge=30.0, le=3600.0)
     """Seconds a pooled sandbox waits unclaimed before it is replaced."""
+    env_shared_across_users: bool = False
+    """Whether one user's task may reuse a frozen environment another user's setup made
+    (the same key but for the user). Off: each user's environments are their own."""
     models_file: Path | None = None
     """The model registry (TOML); None means the built-in registry (the replay model)."""
     claude_code_version: str = CLAUDE_CODE_VERSION

@@ -57,9 +57,9 @@ class Task:
                 os.chown(Path(top, n), uid, uid)
         self.plan: EnvPlan | None = None
 
-    def prepare(self, box: Boxfile) -> EnvPlan:
+    def prepare(self, box: Boxfile, **scope: object) -> EnvPlan:
         self.plan = prepare_env(
-            self.settings,
+            self.settings if "settings" not in scope else scope.pop("settings"),  # type: ignore[arg-type]
             box,
             self.backend,
             task_id=f"t{secrets.token_hex(4)}",
@@ -68,6 +68,7 @@ class Task:
             log_dir=self.logs,
             labels={},
             proxy_identity=gateway_identity(self.settings),
+            **scope,  # type: ignore[arg-type]
         )
         return self.plan
 
@@ -108,12 +109,16 @@ def tasks(
         store.remove(key, force=True)
 
 
-def _box(image: str, run: list[str], runtime: str = "runc", **setup: object) -> Boxfile:
+def _box(
+    image: str, run: list[str], runtime: str = "runc", env: dict[str, str] | None = None,
+    **setup: object,
+) -> Boxfile:  # fmt: skip
     return Boxfile.from_dict(
         {
             "image": image,
             "runtime": runtime,
             "resources": {"disk": "256MiB"},
+            "env": {"set": env or {}},
             "setup": {"run": run, **setup},
         }
     )
@@ -342,3 +347,63 @@ def test_the_default_image_makes_a_venv_with_pip(
     assert "pip " in plan.report.output_tail and "ensurepip" not in plan.report.output_tail
     code, out = t.run(box, ".venv/bin/python -c 'import sys; print(sys.prefix)'; .venv/bin/pip -V")
     assert code == 0 and "/workspace/.venv" in out, out
+
+
+def test_one_repo_never_seeds_another_repos_or_another_users_environment(
+    tasks: Callable[[dict[str, str]], Task], default_image: str, tmp_path: Path
+) -> None:
+    """Issue 33 §2, the reproduction: two repos with the same [setup] and requirements.txt
+    but another build.sh (run by setup, not an input) and another [env] set. Each gets a
+    setup of its own (a miss) and its agent sees its own .venv; so does one user after
+    another on identical repos, unless the host shares environments across users."""
+    nonce = secrets.token_hex(4)
+    run = ["sh build.sh"]
+    req = {"requirements.txt": f"attrs=={nonce}\n"}
+    build = 'mkdir -p .venv && echo "$MARK-{who}" > .venv/marker{extra}\n'
+    good = {**req, "build.sh": build.format(who="good", extra="")}
+    evil = {**req, "build.sh": build.format(who="evil", extra=" && echo x > .venv/evil.py")}
+    repo_a, repo_b = tmp_path / "a", tmp_path / "b"
+    repo_a.mkdir()
+    repo_b.mkdir()
+    # key = "inputs" narrows the files to requirements.txt, as the reproduction's
+    # Boxfile did; the repo, the variables and the user still key it.
+    box_evil = _box(default_image, run, env={"MARK": "e"}, inputs=["requirements.txt"],
+                    key="inputs")  # fmt: skip
+    box_good = _box(default_image, run, env={"MARK": "g"}, inputs=["requirements.txt"],
+                    key="inputs")  # fmt: skip
+    first = tasks(evil)
+    assert first.prepare(box_evil, user=1000, repo=repo_a).report.cache == "miss"
+    second = tasks(good)
+    plan = second.prepare(box_good, user=1000, repo=repo_b)
+    assert plan.report.cache == "miss" and plan.report.ran, plan.report.output_tail
+    code, out = second.run(box_good, "cat .venv/marker; ls .venv")
+    assert code == 0 and "g-good" in out and "evil" not in out, out
+    # Only [env] set differs (the same repo and files): a miss too.
+    third = tasks(evil)
+    box_evil_g = _box(default_image, run, env={"MARK": "g"}, inputs=["requirements.txt"],
+                      key="inputs")  # fmt: skip
+    assert third.prepare(box_evil_g, user=1000, repo=repo_a).report.cache == "miss"
+    # The default key (the whole tree): build.sh alone differs, same repo path: a miss.
+    tree_evil, tree_good = _box(default_image, run), _box(default_image, run)
+    fourth = tasks(evil)
+    assert fourth.prepare(tree_evil, user=1000, repo=repo_a).report.cache == "miss"
+    fifth = tasks(good)
+    plan = fifth.prepare(tree_good, user=1000, repo=repo_a)
+    assert plan.report.cache == "miss", plan.report.output_tail
+    code, out = fifth.run(tree_good, "cat .venv/marker; ls .venv")
+    assert code == 0 and "-good" in out and "evil" not in out, out
+    # Another user, identical repo path and files: a miss, its own environment.
+    sixth = tasks(evil)
+    plan = sixth.prepare(tree_evil, user=1001, repo=repo_a)
+    assert plan.report.cache == "miss", plan.report.output_tail
+    # The same user again: a hit (the key is stable).
+    seventh = tasks(evil)
+    assert seventh.prepare(tree_evil, user=1001, repo=repo_a).report.cache == "hit"
+    # Shared across users only when the host says so: then the other user hits.
+    shared = first.settings.model_copy(update={"env_shared_across_users": True})
+    eighth = tasks(evil)
+    assert eighth.prepare(tree_evil, user=1000, repo=repo_a, settings=shared).report.cache == "miss"
+    ninth = tasks(evil)
+    plan = ninth.prepare(tree_evil, user=1001, repo=repo_a, settings=shared)
+    assert plan.report.cache == "hit"
+    assert EnvStore(shared).get(plan.report.key).user is None  # type: ignore[union-attr]

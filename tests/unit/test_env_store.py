@@ -12,10 +12,11 @@ import pytest
 from agentbox.boxfile import Setup
 from agentbox.config import Settings
 from agentbox.env import EnvInfo, EnvStore, env_key
+from agentbox.env._key import KeyScope
 from agentbox.env._phase import _produced, _snapshot
 from agentbox.errors import PathRefused
 
-SETUP = Setup(run=("pip install -r requirements.txt",), inputs=("requirements*.txt",))
+SETUP = Setup(run=("pip install -r requirements.txt",), inputs=("requirements*.txt",), key="inputs")
 
 
 def _ws(tmp_path: Path) -> Path:
@@ -42,6 +43,58 @@ def test_key_covers_image_commands_and_input_contents(tmp_path: Path) -> None:
     (ws / "requirements-dev.txt").write_text("x\n")
     _, inputs2 = env_key("sha256:img1", SETUP, ws)
     assert inputs2 == ["requirements-dev.txt", "requirements.txt"]
+
+
+def test_by_default_the_whole_tree_keys_it_not_only_the_inputs(tmp_path: Path) -> None:
+    """Issue 33 §2: a file setup runs but ``inputs`` does not name (``build.sh``) changes
+    the key unless the user opts into ``key = "inputs"``; so do a link's target and an
+    executable bit; ``.git`` does not."""
+    ws = _ws(tmp_path)
+    tree = SETUP.model_copy(update={"key": "tree"})
+    assert Setup(run=("true",)).key == "tree"  # the default
+    key = env_key("sha256:img1", tree, ws)[0]
+    (ws / "build.sh").write_text("echo one\n")
+    k1 = env_key("sha256:img1", tree, ws)[0]
+    (ws / "build.sh").write_text("echo two\n")
+    k2 = env_key("sha256:img1", tree, ws)[0]
+    assert len({key, k1, k2}) == 3
+    (ws / "build.sh").chmod(0o755)
+    assert env_key("sha256:img1", tree, ws)[0] != k2
+    (ws / "ln").symlink_to("a")
+    k3 = env_key("sha256:img1", tree, ws)[0]
+    (ws / "ln").unlink()
+    (ws / "ln").symlink_to("b")
+    assert env_key("sha256:img1", tree, ws)[0] != k3
+    (ws / ".git").mkdir()
+    (ws / ".git" / "index").write_text("changes every copy\n")
+    assert env_key("sha256:img1", tree, ws)[0] == env_key("sha256:img1", tree, ws)[0]
+    # A resumed task keys on the whole tree even with key = "inputs".
+    (ws / "build.sh").write_text("echo evil\n")
+    narrow = env_key("sha256:img1", SETUP, ws)[0]
+    resumed = env_key("sha256:img1", SETUP, ws, KeyScope(resumed=True))[0]
+    assert resumed != narrow
+    (ws / "build.sh").write_text("echo good\n")
+    assert env_key("sha256:img1", SETUP, ws)[0] == narrow
+    assert env_key("sha256:img1", SETUP, ws, KeyScope(resumed=True))[0] != resumed
+
+
+def test_key_covers_user_repo_variables_mounts_and_egress(tmp_path: Path) -> None:
+    ws = _ws(tmp_path)
+    base = KeyScope(user=1000, repo="1000:/home/a/repo", env={"A": "1"},
+                    mounts=[("/opt/v", "/opt/v", True)], hosts=["pypi.org"])  # fmt: skip
+    key = env_key("sha256:img", SETUP, ws, base)[0]
+    assert env_key("sha256:img", SETUP, ws, base)[0] == key
+    for change in (
+        {"user": 1001},
+        {"user": None},
+        {"repo": "1000:/home/a/other"},
+        {"env": {"A": "2"}},
+        {"env": {"A": "1", "B": "1"}},
+        {"mounts": [("/opt/w", "/opt/v", True)]},
+        {"hosts": ["pypi.org", "evil.example"]},
+    ):
+        other = KeyScope(**{**base.__dict__, **change})
+        assert env_key("sha256:img", SETUP, ws, other)[0] != key, change
 
 
 def test_an_input_that_is_a_link_is_refused(tmp_path: Path) -> None:

@@ -24,6 +24,10 @@ class EnvInfo(BaseModel):
     """The directories setup created, relative to ``/workspace`` (``.venv``, ``node_modules``)."""
     keep: list[str] = Field(default_factory=list)
     """``[setup] keep`` paths (relative to ``$HOME``) it holds under ``.agentbox-keep``."""
+    user: int | None = None
+    """The uid whose task made it (None: shared across users, or made before issue 33)."""
+    repo: str = ""
+    """The repo whose setup made it (``uid:/real/path``)."""
     files: int = 0
     size: int = 0
     """Bytes of its regular files."""

@@ -4,7 +4,9 @@
 sandbox:
 
 1. the key (:func:`~agentbox.env._key.env_key`) is computed from the image id,
-   the commands and the inputs in the fresh workspace;
+   the commands, the setup sandbox's variables, mounts and egress rules, the repo,
+   the submitting user, and the fresh workspace's whole tree (or only its inputs,
+   with ``[setup] key = "inputs"``);
 2. **hit**: the frozen environment of that key is mounted copy-on-write
    (:class:`~agentbox.env._mount.EnvMount`); nothing runs, no proxy starts;
 3. **miss**: the commands run in a sandbox of the same posture as the agent's
@@ -45,7 +47,7 @@ from agentbox.boxfile import Boxfile, DiskLimit, Setup
 from agentbox.config import Settings
 from agentbox.egress import EgressPolicy, summarize
 from agentbox.env._egress import Egress, egress_argv, start_egress
-from agentbox.env._key import env_key
+from agentbox.env._key import KeyScope, env_key, repo_identity
 from agentbox.env._model import EnvInfo, SetupReport
 from agentbox.env._mount import KEEP_DIR, EnvMount, make_mountpoint
 from agentbox.env._store import EnvStore
@@ -274,6 +276,9 @@ def prepare_env(
     proxy_identity: tuple[int, int] | None,
     cancelled: Callable[[], bool] = lambda: False,
     tlog: Callable[[str], None] = lambda msg: None,
+    user: int | None = None,
+    repo: Path | None = None,
+    resumed: bool = False,
 ) -> EnvPlan:
     """Make ``box.setup``'s environment available to the task (see the module docstring).
 
@@ -281,13 +286,31 @@ def prepare_env(
     :meth:`EnvPlan.release` after the agent's sandbox is gone. Raises
     :class:`~agentbox.errors.AgentboxError` subclasses for what is not the setup's
     own failure (a refused input, a proxy that does not start).
+
+    ``user`` (the submitting uid), ``repo`` (the task's repo) and ``resumed`` (the
+    workspace is a previous task's result) are part of the key (:mod:`._key`); the user
+    only unless the host shares environments across users.
     """
     setup = box.setup
     if setup is None:
         raise ValueError("prepare_env needs a Boxfile with [setup]")
     spec0 = spec_from_boxfile(box, settings, name=f"agentbox-setup-{task_id}")
     img = image_id(spec0.image)
-    key, inputs = env_key(img, setup, workspace)
+    policy = None
+    if setup.network == "registries" or box.egress_allow:
+        policy = EgressPolicy.for_phase(
+            settings, allow=box.egress_allow, registries=setup.network == "registries"
+        )
+    owner = None if settings.env_shared_across_users else user
+    scope = KeyScope(
+        user=owner,
+        repo=repo_identity(repo) if repo is not None else "",
+        env=spec0.env,
+        mounts=[(str(m.source), m.target, m.read_only) for m in spec0.mounts],
+        hosts=[] if policy is None else [r.model_dump_json() for r in policy.rules],
+        resumed=resumed,
+    )
+    key, inputs = env_key(img, setup, workspace, scope)
     store = EnvStore(settings)
     uid = settings.sandbox_host_uid
     # The agent's writes into the environment count against the task's disk limit.
@@ -313,10 +336,7 @@ def prepare_env(
     env: dict[str, str] = {}
     extra_mounts: tuple[BindMount, ...] = ()
     argv = ["/bin/sh", "-c", _script(setup)]
-    if setup.network == "registries" or box.egress_allow:
-        policy = EgressPolicy.for_phase(
-            settings, allow=box.egress_allow, registries=setup.network == "registries"
-        )
+    if policy is not None:
         net_dir.mkdir(mode=0o755)
         egress = start_egress(settings, policy, net_dir, egress_log, proxy_identity)
         env = dict(egress.env)
@@ -399,6 +419,8 @@ def prepare_env(
                 image=spec0.image,
                 commands=list(setup.run),
                 inputs=inputs,
+                user=owner,
+                repo=scope.repo,
                 roots=[os.fsdecode(r) for r in roots],
                 keep=[k for k in keep_paths(setup) if (stage / "tree" / KEEP_DIR / k).exists()],
             ),

@@ -276,6 +276,13 @@ def _task_of(settings: Settings, task_id: str) -> str:
         return "(unknown)"
 
 
+def continues(settings: Settings, paths: TaskPaths) -> bool:
+    """Whether the task continues a previous one (its workspace is that task's result)."""
+    return any(
+        _load(p) is not None for p in (paths.root / _RECORD, _pending(settings, paths.task_id))
+    )
+
+
 def resume_session(paths: TaskPaths) -> str | None:
     """The Claude Code session a continued task resumes (None: none, or not a continuation)."""
     cont = _load(paths.root / _RECORD)

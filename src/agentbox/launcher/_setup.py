@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+from pathlib import Path
 
 from agentbox._log import get_logger
 from agentbox.backends import get_backend
@@ -18,6 +19,7 @@ from agentbox.env import EnvPlan, prepare_env, save_setup_report
 from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError
 from agentbox.gateway import GatewayHandle, gateway_identity
+from agentbox.launcher import _session
 from agentbox.launcher._context import TaskContext
 from agentbox.launcher._finish import load_base, stop_gateway
 from agentbox.launcher._names import sandbox_labels
@@ -35,6 +37,7 @@ def setup_phase(
     task_id, cancelled = ctx.task_id, ctx.cancelled
     error = None
     plan = None
+    row = store.get(task_id)
     try:
         plan = prepare_env(
             settings,
@@ -48,6 +51,9 @@ def setup_phase(
             proxy_identity=gateway_identity(settings),
             cancelled=cancelled,
             tlog=tlog,
+            user=row.caller_uid,
+            repo=Path(row.repo),
+            resumed=_session.continues(settings, paths),
         )
         save_setup_report(paths.root, plan.report)
         if plan.failed:
