@@ -44,10 +44,20 @@ def register(app: typer.Typer) -> None:
 
     @app.command("run")
     def run(
-        repo: Annotated[Path, typer.Option("--repo", help="The git repo (inside the repos root).")],
         task: Annotated[str | None, _TASK_ARG] = None,
+        repo: Annotated[
+            Path | None,
+            typer.Option(
+                "--repo",
+                help="The git repo, inside the repos root (default: the one containing "
+                "the current directory).",
+            ),
+        ] = None,
         model: str | None = typer.Option(None, "--model", help="A model from `agentbox models`."),
         budget: int | None = typer.Option(None, "--budget", help="Token budget (default 20M)."),
+        budget_usd: float | None = typer.Option(
+            None, "--budget-usd", help="Dollar budget at the model's prices (default: none)."
+        ),
         deadline: float | None = typer.Option(None, "--deadline", help="Seconds (10..86400)."),
         boxfile: Annotated[
             Path | None, typer.Option("--boxfile", help="A Boxfile for the sandbox.")
@@ -81,17 +91,18 @@ def register(app: typer.Typer) -> None:
                 "repo's committed .agentbox/Boxfile.toml only; run --boxfile/--backend/--runtime "
                 "in the foreground (or commit the Boxfile)"
             )
-        box = None if detach else _boxfile(settings, boxfile, backend, runtime)
+        box = None if detach else _boxfile(settings, boxfile)
+        overrides = {k: v for k, v in (("backend", backend), ("runtime", runtime)) if v}
         if task_id is not None:
             validate_task_id(task_id)
         req = _request(
-            repo=str(repo.expanduser().absolute()), task=text, model=model, budget=budget,
-            deadline=deadline, task_id=task_id, include_uncommitted=include_uncommitted,
+            repo=str(_repo_or_cwd(repo)), task=text, model=model, budget=budget,
+            budget_usd=budget_usd, deadline=deadline, task_id=task_id, include_uncommitted=include_uncommitted,
             publish=not no_publish,
         )  # fmt: skip
         if detach:
             _detach(settings, req, as_json=as_json)
-        _foreground(req, box, as_json=as_json)
+        _foreground(req, box, as_json=as_json, overrides=overrides)
 
     @app.command("resume")
     def resume(
@@ -101,6 +112,9 @@ def register(app: typer.Typer) -> None:
             None, "--model", help="A model from `agentbox models` (default: the previous one)."
         ),
         budget: int | None = typer.Option(None, "--budget", help="Token budget (default 20M)."),
+        budget_usd: float | None = typer.Option(
+            None, "--budget-usd", help="Dollar budget at the model's prices (default: none)."
+        ),
         deadline: float | None = typer.Option(None, "--deadline", help="Seconds (10..86400)."),
         task_id: str | None = typer.Option(None, "--id", help="Task id (default: generated)."),
         no_publish: bool = typer.Option(
@@ -132,31 +146,40 @@ def register(app: typer.Typer) -> None:
             validate_task_id(task_id)
         req = _request(
             repo=prev.repo, task=text, model=model or prev.model, budget=budget,
-            deadline=deadline, task_id=task_id, publish=not no_publish, continue_from=prev.id,
+            budget_usd=budget_usd, deadline=deadline, task_id=task_id, publish=not no_publish, continue_from=prev.id,
         )  # fmt: skip
         if detach:
             _detach(settings, req, as_json=as_json)
         _foreground(req, None, as_json=as_json)
 
 
-def _boxfile(
-    settings: Settings, path: Path | None, backend: str | None, runtime: str | None = None
-) -> Boxfile | None:
+def _boxfile(settings: Settings, path: Path | None) -> Boxfile | None:
+    """The ``--boxfile`` (its image built here if it names a Containerfile), or None:
+    the launcher then reads the repo's committed one. ``--backend``/``--runtime`` are
+    applied by the launcher on top of either (:func:`agentbox.env.with_overrides`)."""
     box = load_boxfile(path, settings) if path is not None else None
     if box is not None and box.image_build is not None:
         # [image] containerfile = …: built here (cached), never by the launcher.
         from agentbox.image import build_for_boxfile
 
         box = build_for_boxfile(settings, box)
-    if backend is not None:
-        base = box if box is not None else Boxfile.from_dict({}, settings=settings)
-        Boxfile.from_dict({"backend": backend})  # the name checked like a Boxfile's
-        box = base.model_copy(update={"backend": backend})
-    if runtime is not None:
-        base = box if box is not None else Boxfile.from_dict({}, settings=settings)
-        Boxfile.from_dict({"runtime": runtime})  # checked like a Boxfile's
-        box = base.model_copy(update={"runtime": runtime})
     return box
+
+
+def _repo_or_cwd(repo: Path | None) -> Path:
+    """``--repo``, or the git repository containing the current directory (as git finds
+    it: the nearest directory upwards holding ``.git``; found by looking, never by
+    running git in a repo that is not ours yet)."""
+    if repo is not None:
+        return repo.expanduser().absolute()
+    here = Path.cwd()
+    for d in (here, *here.parents):
+        if (d / ".git").exists():
+            return d
+    raise typer.BadParameter(
+        f"{here} is not inside a git repository: give --repo PATH (or cd into one)",
+        param_hint="--repo",
+    )
 
 
 def _request(**fields: Any) -> TaskRequest:
@@ -192,7 +215,13 @@ def _detach(settings: Settings, req: TaskRequest, *, as_json: bool) -> None:
     raise typer.Exit(0)
 
 
-def _foreground(req: TaskRequest, box: Boxfile | None, *, as_json: bool) -> None:
+def _foreground(
+    req: TaskRequest,
+    box: Boxfile | None,
+    *,
+    as_json: bool,
+    overrides: dict[str, str] | None = None,
+) -> None:
     """Run the task in this process and follow it.
 
     The task is submitted first: what only following and printing need (rich, the
@@ -209,7 +238,7 @@ def _foreground(req: TaskRequest, box: Boxfile | None, *, as_json: bool) -> None
     with exit_on_signals():
         sweep = _sweep_beside(launcher)
         try:
-            info = launcher.submit(req, boxfile=box)
+            info = launcher.submit(req, boxfile=box, overrides=overrides)
             info = _follow(launcher, info, as_json=as_json)
         except KeyboardInterrupt:
             launcher.shutdown()  # interrupted before _follow took over: cancel, collect

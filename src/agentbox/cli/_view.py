@@ -110,6 +110,8 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
         table.add_row("why", safe(info.error))
     table.add_row("exit code", str(info.exit_code) if info.exit_code is not None else "-")
     table.add_row("model", safe(info.model))
+    if info.backend:
+        table.add_row("sandbox", safe(sandbox_words(info.backend, info.runtime)))
     table.add_row("time", f"{elapsed(info):.1f}s (deadline {info.deadline:g}s)")
     t = info.tokens
     table.add_row(
@@ -130,6 +132,9 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
             "changes",
             safe(" · ".join(f"{k} {v}" for k, v in stat.items() if isinstance(v, int | str))),
         )
+    untracked = rep.get("untracked_note")
+    if isinstance(untracked, str):
+        table.add_row("not copied", safe(untracked, "yellow"))
     skipped = rep.get("skipped")
     if isinstance(skipped, list) and skipped:
         table.add_row("skipped", f"{len(skipped)} entries (see agentbox show --json)")
@@ -158,6 +163,11 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
         console.print(f"[bold]{title}[/bold]")
         console.print(safe(msg.strip()[:4000]))
     print_flagged(rep.get("flagged"))
+
+
+def sandbox_words(backend: str, runtime: str | None) -> str:
+    """``podman (runtime runsc)``, or ``qemu`` for a backend that runs no OCI runtime."""
+    return f"{backend} (runtime {runtime})" if runtime else backend
 
 
 def print_flagged(flagged: object) -> None:

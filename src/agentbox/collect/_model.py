@@ -22,6 +22,23 @@ class Base(BaseModel):
     head_commit: str
     object_format: str = "sha1"
     include_uncommitted: bool = False
+    untracked_not_copied: int = 0
+    """Untracked files (not ignored) of the repo left out of the workspace: without
+    ``include_uncommitted`` only committed files are copied."""
+    untracked_sample: tuple[str, ...] = ()
+    """The first few of them, as paths relative to the repo."""
+
+    @property
+    def untracked_note(self) -> str | None:
+        """``2 untracked files not copied: pass --include-uncommitted``, or None."""
+        n = self.untracked_not_copied
+        if not n:
+            return None
+        return (
+            f"{n} untracked file{'s' if n != 1 else ''} not copied "
+            f"({', '.join(self.untracked_sample[:3])}{' …' if n > 3 else ''}): "
+            "pass --include-uncommitted (MCP: include_uncommitted=true) to copy them"
+        )
 
 
 class Limits(BaseModel):

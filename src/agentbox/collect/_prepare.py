@@ -101,13 +101,15 @@ def _inspect(repo: RepoDir, commit: str) -> tuple[str, str, str]:
     return fmt.strip(), res.stdout.strip(), head.stdout.strip()
 
 
-def _dirty(repo: RepoDir) -> list[str]:
-    """Tracked paths with staged or unstaged changes (untracked files do not count)."""
+def _dirty(repo: RepoDir) -> tuple[list[str], list[str]]:
+    """Tracked paths with staged or unstaged changes, and the untracked files that are
+    not ignored (never copied without ``include_uncommitted``: the report says so)."""
     out = user_git(
-        repo, "status", "--porcelain=v1", "-z", "--untracked-files=no",
+        repo, "status", "--porcelain=v1", "-z", "--untracked-files=all",
         "--ignore-submodules=all", "--no-renames",
     ).stdout  # fmt: skip
-    return [rec[3:] for rec in out.split("\0") if rec]
+    recs = [rec for rec in out.split("\0") if rec]
+    return [r[3:] for r in recs if not r.startswith("??")], [r[3:] for r in recs if r[:2] == "??"]
 
 
 def _fetch_base(shadow: ShadowGit, repo: RepoDir, sha: str) -> None:
@@ -244,8 +246,11 @@ def _prepare(
     fmt, sha, head = _inspect(repo, commit)
     if include_uncommitted and sha != head:
         raise _refused("include_uncommitted works only with the HEAD commit", repo)
+    untracked: list[str] = []
     if not include_uncommitted:
-        dirty = _dirty(repo)
+        dirty, untracked = _dirty(repo)
+        if sha != head:
+            untracked = []  # a resumed task starts from a commit: the work tree is not its base
         if dirty and sha == head:
             shown = ", ".join(dirty[:5]) + (" …" if len(dirty) > 5 else "")
             raise _refused(f"uncommitted changes ({shown}); commit them or include them", repo)
@@ -314,8 +319,13 @@ def _prepare(
         head_commit=head,
         object_format=fmt,
         include_uncommitted=include_uncommitted,
+        untracked_not_copied=len(untracked),
+        untracked_sample=tuple(untracked[:UNTRACKED_SAMPLE]),
     )
 
+
+#: How many untracked paths the base names (the count is whole).
+UNTRACKED_SAMPLE = 20
 
 #: ``CLOCK_REALTIME_COARSE`` (Linux): the clock file timestamps are taken from.
 _COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)

@@ -19,7 +19,12 @@ Public API::
 
 from __future__ import annotations
 
-from agentbox.env._committed import COMMITTED_BOXFILE, check_env_policy, committed_boxfile
+from agentbox.env._committed import (
+    COMMITTED_BOXFILE,
+    check_env_policy,
+    committed_boxfile,
+    with_overrides,
+)
 from agentbox.env._egress import (
     CA_IN_SANDBOX,
     EGRESS_PORT,
@@ -56,4 +61,5 @@ __all__ = [
     "report_fields",
     "save_setup_report",
     "start_egress",
+    "with_overrides",
 ]

@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from agentbox import _proc
 from agentbox.boxfile import MAX_BOXFILE_BYTES, Boxfile, loads_boxfile
 from agentbox.config import Settings
 from agentbox.errors import BoxfileError, CommandError
 
-__all__ = ["COMMITTED_BOXFILE", "check_env_policy", "committed_boxfile"]
+__all__ = ["COMMITTED_BOXFILE", "check_env_policy", "committed_boxfile", "with_overrides"]
 
 #: Where a repo commits its Boxfile.
 COMMITTED_BOXFILE = ".agentbox/Boxfile.toml"
@@ -60,6 +62,39 @@ def committed_boxfile(
     if "\ufffd" in text:
         raise BoxfileError("not UTF-8 text", path=where)
     return loads_boxfile(text, path=where, settings=settings)
+
+
+def with_overrides(box: Boxfile, overrides: dict[str, str], *, source: str) -> Boxfile:
+    """``box`` with the keys ``overrides`` names replaced (each checked as a Boxfile's
+    would be), every other key kept: ``--backend``/``--runtime`` override one key of
+    the repo's Boxfile, never the whole of it. A combination the chosen backend cannot
+    honour (an OCI runtime on a microVM backend) is refused with the reason; ``source``
+    names where the rest of the Boxfile came from.
+    """
+    if not overrides:
+        return box
+    for key, value in overrides.items():
+        try:
+            Boxfile.model_validate({key: value})
+        except ValidationError as exc:
+            raise BoxfileError(f"--{key} {value}: {exc.errors()[0]['msg']}") from exc
+    from agentbox.backends import backend_class
+
+    out = box.model_copy(update=overrides)
+    runtimes = backend_class(out.backend).runtimes
+    if "runtime" in overrides and out.runtime not in runtimes:
+        took = f"takes {', '.join(runtimes)}" if runtimes else "runs no OCI runtime"
+        raise BoxfileError(
+            f"--runtime {out.runtime} cannot be honoured: the {out.backend} backend "
+            f"(from {'--backend' if 'backend' in overrides else source}) {took}",
+        )
+    if "backend" in overrides and box.runtime != "runc" and out.runtime not in runtimes:
+        raise BoxfileError(
+            f"--backend {out.backend} cannot be honoured: {source} asks for runtime "
+            f"{out.runtime}, which the {out.backend} backend does not run "
+            f"(add --runtime, or drop --backend)",
+        )
+    return out
 
 
 def check_env_policy(box: Boxfile, settings: Settings) -> None:

@@ -31,7 +31,7 @@ from typing import Literal
 from agentbox._log import get_logger
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
-from agentbox.env import check_env_policy, committed_boxfile
+from agentbox.env import COMMITTED_BOXFILE, check_env_policy, committed_boxfile, with_overrides
 from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskError, TaskNotFound
 from agentbox.gateway import load_registry, read_usage
 from agentbox.launcher import _runner, _session
@@ -119,12 +119,19 @@ class Launcher:
     # -- the API -----------------------------------------------------------
 
     def submit(
-        self, request: TaskRequest, *, boxfile: Boxfile | None = None, caller: int | None = None
+        self,
+        request: TaskRequest,
+        *,
+        boxfile: Boxfile | None = None,
+        caller: int | None = None,
+        overrides: dict[str, str] | None = None,
     ) -> TaskInfo:
         """Validate ``request`` and queue it. Refused requests create nothing.
 
         ``boxfile`` (Python API and CLI only; never over the socket) chooses the
         image, runtime, resources and read-only mounts, within the settings.
+        ``overrides`` (``run --backend/--runtime``) replace those keys only, of
+        ``boxfile`` or else of the repo's committed Boxfile; the rest is kept.
         A non-root ``caller`` must own the repo (its directory), as the MCP server
         checks on its side: the launcher publishes into it as root.
         """
@@ -132,12 +139,17 @@ class Launcher:
             raise RefusedError("the launcher is stopping (draining): it takes no new task")
         registry = load_registry(self.settings)
         v = validate(request, self.settings, registry, boxfile=boxfile)
+        source = "the --boxfile"
         if boxfile is None:
             # The repo's own .agentbox/Boxfile.toml, from its commit (never the work tree);
             # a client over the socket (MCP delegate) can never pass a Boxfile of its own.
             boxfile = committed_boxfile(v.repo, self.settings, git_readonly)
+            source = f"the repo's {COMMITTED_BOXFILE}" if boxfile else "the host's defaults"
             if boxfile is not None:
                 v = validate(request, self.settings, registry, boxfile=boxfile)
+        if overrides:
+            base = boxfile or Boxfile.from_dict({}, settings=self.settings)
+            boxfile = with_overrides(base, overrides, source=source)
         if caller not in (None, 0):
             owner = v.repo.stat().st_uid
             if owner != caller:

@@ -270,6 +270,10 @@ def collect_and_finish(
     data["agent_ran"] = agent_ran
     data["deadline_s"] = row.deadline
     data["repo"] = row.repo
+    if base is not None and base.untracked_note:
+        data["untracked_not_copied"] = base.untracked_not_copied
+        data["untracked_note"] = base.untracked_note
+    data.update(row.placement())  # backend, runtime
     data.update(env_report_fields(paths.root, paths.log_dir))
     tmp = paths.report_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))

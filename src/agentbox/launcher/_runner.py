@@ -211,6 +211,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
             root=settings.repos_root,
         )
         save_base(paths, base)
+        if base.untracked_note:
+            tlog(base.untracked_note)
         _session.seed(settings, paths)  # a resumed task: the previous one, for the agent
         give_to_sandbox(paths.workspace, settings.sandbox_host_uid)
         check_owner(paths.workspace, settings.sandbox_host_uid)

@@ -240,7 +240,29 @@ class TaskRow:
             error=self.error,
             phase=self.phase,
             uid=self.caller_uid,
+            **self.placement(),
         )
+
+    def placement(self) -> dict[str, str | None]:
+        """``backend`` and ``runtime`` the task runs on, from its recorded Boxfile
+        (``runtime`` None on a backend that runs no OCI runtime)."""
+        box: dict[str, object] = {}
+        with contextlib.suppress(ValueError, TypeError):
+            loaded = json.loads(self.boxfile or "{}")
+            box = loaded if isinstance(loaded, dict) else {}
+        backend = self.backend or box.get("backend")
+        runtime = self.runtime or box.get("runtime")
+        if isinstance(backend, str):
+            from agentbox.backends import backend_class
+            from agentbox.errors import AgentboxError
+
+            with contextlib.suppress(AgentboxError):
+                if not backend_class(backend).runtimes:
+                    runtime = None  # a microVM runs no OCI runtime: the field is ignored
+        return {
+            "backend": backend if isinstance(backend, str) else None,
+            "runtime": runtime if isinstance(runtime, str) else None,
+        }
 
 
 def _tokens(raw: str | None) -> TokenUsage:

@@ -135,6 +135,11 @@ class TaskInfo(_Wire):
     uid: int | None = None
     """The uid that submitted the task (None: from before uids were recorded). A caller
     other than root sees only its own tasks."""
+    backend: str | None = None
+    """The sandbox backend it runs on (podman, docker, qemu, firecracker)."""
+    runtime: str | None = None
+    """The OCI runtime of a podman or docker sandbox (runc, crun, runsc); None on a
+    microVM backend, which runs none."""
 
     @property
     def terminal(self) -> bool:
