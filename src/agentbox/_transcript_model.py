@@ -58,6 +58,9 @@ class Event(BaseModel):
     is_error: bool = False
     output_chars: int | None = None
     """A tool result's full output length; more than ``len(text)`` when it was capped."""
+    written_lines: int | None = None
+    """A Write's result: the lines the call wrote (its content's), which its one-line
+    output ("File created successfully at …") does not say; None for other tools."""
     line: int | None = None
     """Its line in ``logs/agent.jsonl`` (where the full text is)."""
     message_id: str | None = None

@@ -92,11 +92,20 @@ def _tool_input(name: str, inp: object) -> str:
         return ""
 
 
+def _written_lines(name: str, inp: object) -> int | None:
+    """The lines a Write call writes (its ``content``'s); None for other calls."""
+    if name != "Write" or not isinstance(inp, dict) or not isinstance(inp.get("content"), str):
+        return None
+    content: str = inp["content"]
+    return content.count("\n") + (1 if content and not content.endswith("\n") else 0)
+
+
 class _Parser:
     def __init__(self, max_output: int) -> None:
         self.max_output = max_output
         self.events: list[Event] = []
         self.calls: dict[str, tuple[str, str]] = {}  # tool_use id -> (name, input)
+        self.written: dict[str, int] = {}  # a Write's tool_use id -> the lines it wrote
         self.tools_run: dict[str, int] = {}
         self.last_test: TestCommand | None = None
         self.test_id: str | None = None
@@ -158,6 +167,9 @@ class _Parser:
                     self.tools_run[name] = self.tools_run.get(name, 0) + 1
                 if tid is not None and len(self.calls) < MAX_EVENTS:
                     self.calls[tid] = (name, inp)
+                    lines = _written_lines(name, block.get("input"))
+                    if lines is not None:
+                        self.written[tid] = lines
                 if name == "Bash" and is_test_command(inp):
                     self.last_test = TestCommand(command=inp)
                     self.test_id = tid
@@ -183,7 +195,8 @@ class _Parser:
                 self.last_test = self.last_test.model_copy(update={"exit_code": code})
             self.add(time=t, kind="tool_result", tool=name, tool_id=tid, exit_code=code,
                      is_error=is_error, text=cap(full, self.max_output, tail=True),
-                     output_chars=len(full), line=n)  # fmt: skip
+                     output_chars=len(full), line=n,
+                     written_lines=None if is_error else self.written.get(tid or ""))  # fmt: skip
 
     def system(self, ev: dict[str, Any], t: float | None, n: int) -> None:
         sub = _str(ev.get("subtype"), 60)

@@ -162,3 +162,129 @@ def test_repos_root_refusal_names_the_variable_or_the_file_that_set_it(
     monkeypatch.setenv("AGENTBOX_REPOS_ROOT", str(root))
     with pytest.raises(PathRefused, match=r"\(set by AGENTBOX_REPOS_ROOT\)"):
         validate_repo(load_settings().repos_root, str(tmp_path / "elsewhere"))
+
+
+# -- item 14: `agentbox du` prints whole task ids ------------------------------------
+
+
+def test_du_prints_whole_task_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from agentbox.cli import app
+    from agentbox.launcher._store import Owner, Store
+
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.setenv("AGENTBOX_DATA_DIR", str(data))
+    store = Store(data / "state.db")
+    ids = [f"demo-{n}-0123456789abcdef0123456789abcdef" for n in range(3)]
+    for task_id in ids:
+        store.insert(
+            id=task_id, status="done", repo="/r", task="x", model="m", budget=10, deadline=10.0,
+            created_at=1.0, finished_at=2.0, owner_pid=os.getpid(), owner_start=Owner.me().start,
+        )  # fmt: skip
+        (data / "tasks" / task_id / "workspace").mkdir(parents=True)
+        (data / "tasks" / task_id / "workspace" / "f").write_bytes(b"x" * 5000)
+    out = CliRunner().invoke(app, ["du"], env={"COLUMNS": "80"})
+    assert out.exit_code == 0, out.output
+    for task_id in ids:
+        assert task_id in out.output, out.output
+    assert "…" not in out.output
+
+
+# -- item 16: the report's time shows setup, agent and the whole ----------------------
+
+
+def _info(**kw: object) -> object:
+    from agentbox.launcher.api import TaskInfo
+
+    fields: dict[str, object] = {
+        "id": "demo-0123456789abcdef0123456789abcdef-long-id", "status": "done", "repo": "/r",
+        "task": "x", "model": "replay-demo", "budget": 20_000_000, "deadline": 3600.0,
+        "created_at": 1000.0, "started_at": 1017.5, "finished_at": 1025.5, "exit_code": 0,
+        "changed": True, **kw,
+    }  # fmt: skip
+    return TaskInfo(**fields)
+
+
+def test_time_shows_setup_agent_and_the_whole() -> None:
+    from agentbox.cli._view import time_words
+
+    info = _info()
+    setup = {"setup": {"cache": "miss", "duration_s": 14.4}}
+    assert time_words(info, setup) == "25.5s in all: setup 14.4s, agent 8.0s (deadline 3600s)"
+    hit = {"setup": {"cache": "hit", "duration_s": 0}}
+    assert time_words(info, hit) == "25.5s in all: setup cached, agent 8.0s (deadline 3600s)"
+    assert time_words(info, {}) == "25.5s in all: agent 8.0s (deadline 3600s)"
+    assert time_words(_info(started_at=None), {}) == "25.5s (deadline 3600s)"
+
+
+# -- item 19: piped output is never wrapped mid-phrase; counts are right ---------------
+
+
+def test_a_piped_report_keeps_each_row_on_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from agentbox._console import console as make_console
+    from agentbox.cli import _view
+    from agentbox.launcher.api import TaskResult
+
+    buf = io.StringIO()
+    monkeypatch.setattr(_view, "console", make_console(file=buf, width=80))
+    info = _info()
+    report = {
+        "tools_run": {"Bash": 3, "Read": 2, "Write": 1, "Edit": 4},
+        "setup": {"cache": "miss", "duration_s": 14.4, "roots": [".venv"], "files": 3, "size": 9},
+    }
+    res = TaskResult(task_id=info.id, status="done", report=report, diff="", diff_truncated=False,
+                     branch=f"agentbox/{info.id}", shadow_git="/s", commit="abc")  # fmt: skip
+    _view.report_text(info, res)
+    lines = buf.getvalue().splitlines()
+    assert any(f"(agentbox logs {info.id})" in ln for ln in lines), lines
+    assert any("(budget 20,000,000)" in ln for ln in lines), lines
+    assert any("setup 14.4s, agent 8.0s" in ln for ln in lines), lines
+    assert all(ln == ln.rstrip() for ln in lines)
+
+
+def test_a_piped_console_does_not_break_a_long_line() -> None:
+    import io
+
+    from agentbox._console import console as make_console
+
+    buf = io.StringIO()
+    c = make_console(file=buf, width=80)
+    line = (
+        "task demo-0123456789abcdef0123456789abcdef-long-id queued "
+        "(agentbox logs demo-0123456789abcdef0123456789abcdef-long-id)"
+    )
+    c.print(line)
+    assert buf.getvalue() == line + "\n"
+
+
+def test_write_result_counts_the_lines_written(tmp_path: Path) -> None:
+    import json
+
+    from agentbox._transcript_parse import parse_agent_jsonl
+    from agentbox.cli._logs import event_lines
+
+    content = "".join(f"line {i}\n" for i in range(9))
+    lines = [
+        {"type": "assistant", "message": {"id": "m1", "content": [
+            {"type": "tool_use", "id": "tu1", "name": "Write",
+             "input": {"file_path": "/workspace/nine.py", "content": content}}]}},
+        {"type": "user", "message": {"content": [
+            {"type": "tool_result", "tool_use_id": "tu1",
+             "content": "File created successfully at: /workspace/nine.py"}]}},
+        {"type": "assistant", "message": {"id": "m2", "content": [
+            {"type": "tool_use", "id": "tu2", "name": "Bash", "input": {"command": "echo hi"}}]}},
+        {"type": "user", "message": {"content": [
+            {"type": "tool_result", "tool_use_id": "tu2", "content": "hi"}]}},
+    ]  # fmt: skip
+    path = tmp_path / "agent.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    parsed, _ = parse_agent_jsonl(path)
+    events = [e for e in parsed.events if e.kind == "tool_result"]
+    write = " ".join(t.plain for t in event_lines(events[0], full=False))
+    assert "Write ok" in write and "(wrote 9 lines)" in write and "1 lines" not in write, write
+    bash = " ".join(t.plain for t in event_lines(events[1], full=False))
+    assert "(1 line)" in bash, bash

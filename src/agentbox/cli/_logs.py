@@ -39,6 +39,10 @@ FULL_OUTPUT_CHARS = 1 << 20
 _SOURCE_STYLE = {"launcher": "blue", "agent": "", "gateway": "yellow"}
 
 
+def _lines(n: int) -> str:
+    return "1 line" if n == 1 else f"{n:,} lines"
+
+
 def _clock(t: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) if t is not None else "--:--:--"
 
@@ -81,7 +85,11 @@ def _event_lines(e: Event, *, full: bool) -> list[Text]:
         more = f", {size:,} chars" if size > 200 else ""
         style = "red" if e.is_error or (e.exit_code or 0) != 0 else "green"
         head.append(f"  ↳ {visible(e.tool or '?')} {status}", style=style)
-        head.append(f" ({len(lines)} lines{more})" if lines else " (no output)", style="dim")
+        if e.written_lines is not None:  # its output is one line; what it wrote is the news
+            said = f" (wrote {_lines(e.written_lines)})"
+        else:
+            said = f" ({_lines(len(lines))}{more})" if lines else " (no output)"
+        head.append(said, style="dim")
         kept = lines if full else lines[-TAIL_LINES:]
         res = [head]
         if len(kept) < len(lines):

@@ -13,9 +13,9 @@ import time
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from agentbox._console import console as make_console
+from agentbox.cli._table import Col, fit_table, print_table
 from agentbox.config import Settings, load_settings
 from agentbox.errors import AgentboxError
 from agentbox.launcher import Removal, Store, data_usage, parse_age, prune, remove_task
@@ -162,16 +162,21 @@ def register(app: typer.Typer) -> None:
             }  # fmt: skip
             typer.echo(json.dumps(data, indent=2))
             return
-        table = Table("task", "status", "age", "workspace", "shadow.git", "other", "total")
+        cols = [
+            Col("task", keep=True), Col("status", keep=True), Col("age"), Col("workspace"),
+            Col("shadow.git"), Col("other"), Col("total", keep=True),
+        ]  # fmt: skip
+        rows = []
         now = time.time()
         for t in sorted(usage.tasks, key=lambda t: -t.total):
             age = f"{(now - t.finished_at) / 86400:.1f}d" if t.finished_at else "-"
             ws, shadow = t.parts.get("workspace", 0), t.parts.get("shadow.git", 0)
-            table.add_row(
+            rows.append([
                 t.task_id, t.status, age, human(ws), human(shadow),
                 human(t.total - ws - shadow), human(t.total),
-            )  # fmt: skip
-        console.print(table)
+            ])  # fmt: skip
+        # Whole ids (they paste into `agentbox rm`): other columns go before an id is cut.
+        print_table(console, fit_table(console, cols, rows))
         for name, size in sorted(usage.other.items(), key=lambda kv: -kv[1]):
             console.print(f"{name:<28} {human(size):>12}", markup=False)
         console.print(

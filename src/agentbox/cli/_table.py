@@ -5,7 +5,9 @@ which can cut the one thing a user copies (a task id) to ``t-3f…``. Here the
 columns that must stay whole are ``no_wrap`` and never dropped; when the table
 cannot fit even with every other column wrapped to its longest word, the
 optional columns are dropped, last first. On a pipe each line is written with
-its trailing padding stripped, so ``agentbox tasks | grep`` sees what it expects.
+its trailing padding stripped, so ``agentbox tasks | grep`` sees what it expects;
+a grid of labels and values (a task's report) is written there one row a line,
+as wide as the row needs, never wrapped mid-phrase (``unwrapped``).
 """
 
 from __future__ import annotations
@@ -86,14 +88,22 @@ def _as_text(x: RenderableType) -> RenderableType:
     return Text(x) if isinstance(x, str) else x
 
 
-def print_table(console: Console, table: RenderableType) -> None:
-    """Print ``table``: as laid out on a terminal; piped, with no trailing padding."""
+def print_table(console: Console, table: RenderableType, *, unwrapped: bool = False) -> None:
+    """Print ``table``: as laid out on a terminal; piped, with no trailing padding, and
+    with ``unwrapped`` at the width its widest row needs (no cell wrapped)."""
     if console.is_terminal:
         console.print(table)
         return
-    with console.capture() as cap:
-        console.print(table)
-    out = "\n".join(line.rstrip() for line in cap.get().splitlines())
+    width = console.width
+    if unwrapped:
+        wide = console.options.update(width=UNWRAPPED)
+        width = max(width, Measurement.get(console, wide, table).maximum)
+    lines = console.render_lines(table, console.options.update(width=width), pad=False)
+    out = "\n".join("".join(seg.text for seg in line).rstrip() for line in lines)
     target = console.file if console.file is not None else sys.stdout
     target.write(out + "\n")
     target.flush()
+
+
+#: The width a piped table is measured in: as wide as any row may be.
+UNWRAPPED = 1 << 16

@@ -112,7 +112,7 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
     table.add_row("model", safe(info.model))
     if info.backend:
         table.add_row("sandbox", safe(sandbox_words(info.backend, info.runtime)))
-    table.add_row("time", f"{elapsed(info):.1f}s (deadline {info.deadline:g}s)")
+    table.add_row("time", time_words(info, rep))
     t = info.tokens
     table.add_row(
         "tokens",
@@ -149,7 +149,7 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
     table.add_row("commit", safe(res.commit or "-"))
     for label, text in env_rows(rep):  # setup phase, frozen environment, egress
         table.add_row(label, safe(text))
-    print_table(console, table)
+    print_table(console, table, unwrapped=True)  # piped: a row a line, never wrapped
     tail = setup_tail(rep)
     if tail is not None:
         console.print("[bold]setup output (last lines)[/bold]")
@@ -168,6 +168,25 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
 def sandbox_words(backend: str, runtime: str | None) -> str:
     """``podman (runtime runsc)``, or ``qemu`` for a backend that runs no OCI runtime."""
     return f"{backend} (runtime {runtime})" if runtime else backend
+
+
+def time_words(info: TaskInfo, report: dict[str, Any]) -> str:
+    """The task's time: the whole (from submission), then its setup phase and its agent
+    phase, ``25.5s in all: setup 14.4s, agent 8.0s (deadline 3600s)``; the rest of the
+    whole is copying, starting and collecting."""
+    whole = f"{elapsed(info, since_submit=True):.1f}s"
+    parts = []
+    setup = report.get("setup")
+    if isinstance(setup, dict):
+        took = setup.get("duration_s")
+        if setup.get("cache") == "hit":
+            parts.append("setup cached")
+        elif isinstance(took, int | float) and not isinstance(took, bool):
+            parts.append(f"setup {took:.1f}s")
+    if info.started_at is not None:
+        parts.append(f"agent {elapsed(info):.1f}s")
+    phases = f" in all: {', '.join(parts)}" if parts else ""
+    return f"{whole}{phases} (deadline {info.deadline:g}s)"
 
 
 def print_flagged(flagged: object) -> None:
