@@ -288,3 +288,38 @@ def test_write_result_counts_the_lines_written(tmp_path: Path) -> None:
     assert "Write ok" in write and "(wrote 9 lines)" in write and "1 lines" not in write, write
     bash = " ".join(t.plain for t in event_lines(events[1], full=False))
     assert "(1 line)" in bash, bash
+
+
+# -- item 15: `env prune` takes `prune`'s durations, and --dry-run --------------------
+
+
+def test_env_prune_takes_prunes_durations_and_dry_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from agentbox.cli import app
+    from agentbox.env import EnvStore
+    from agentbox.env._model import EnvInfo
+
+    monkeypatch.setenv("AGENTBOX_CACHE_DIR", str(tmp_path / "cache"))
+    store = EnvStore(Settings(cache_dir=tmp_path / "cache"))
+    key = "ab" * 16
+    stage = store.staging()
+    (stage / "tree" / ".venv").mkdir()
+    info = store.freeze(stage, EnvInfo(key=key, image="img", roots=[".venv"]))
+    old = info.model_copy(update={"last_used": time.time() - 20 * 86400})
+    (store.path(key) / "meta.json").write_text(old.model_dump_json())
+
+    runner = CliRunner()
+    dry = runner.invoke(app, ["env", "prune", "--older-than", "14d", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert f"would remove {key[:12]}" in dry.output and "1 would remove" in dry.output
+    assert store.path(key).exists()
+    kept = runner.invoke(app, ["env", "prune", "--older-than", "3w"])
+    assert kept.exit_code == 0 and "0 removed" in kept.output, kept.output
+    bad = runner.invoke(app, ["env", "prune", "--older-than", "soon"])
+    assert bad.exit_code == 2 and "not an age" in bad.output
+    gone = runner.invoke(app, ["env", "prune", "--older-than", "14"])  # a bare number: days
+    assert gone.exit_code == 0 and f"removed {key[:12]}" in gone.output, gone.output
+    assert not store.path(key).exists()

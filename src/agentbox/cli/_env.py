@@ -144,12 +144,27 @@ def register(app: typer.Typer) -> None:
     @env_app.command("prune")
     def prune(
         older_than: Annotated[
-            float, typer.Option("--older-than", help="Days since last use.")
-        ] = 14.0,
+            str,
+            typer.Option(
+                "--older-than",
+                help="Unused for longer than this (e.g. 14d, 12h, 30m, 2w; a bare number: days).",
+            ),
+        ] = "14d",
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", "-n", help="Say what would go; remove nothing.")
+        ] = False,
     ) -> None:
-        """Remove environments unused for --older-than days (default 14)."""
+        """Remove environments unused for --older-than (default 14 days); not one in use."""
+        from agentbox.launcher._retention import parse_age  # `agentbox prune`'s syntax
+
+        try:
+            age = parse_age(older_than)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--older-than") from exc
         store = EnvStore(load_settings())
-        gone = store.prune(older_than * 86400)
+        gone = store.prune(age, dry_run=dry_run)
+        verb = "would remove" if dry_run else "removed"
         for e in gone:
-            console.print(f"removed {e.key[:12]} ({_human(e.size)}, last used {_ago(e.last_used)})")
-        console.print(f"{len(gone)} removed, {_human(sum(e.size for e in gone))} freed")
+            console.print(f"{verb} {e.key[:12]} ({_human(e.size)}, last used {_ago(e.last_used)})")
+        freed = "would free" if dry_run else "freed"
+        console.print(f"{len(gone)} {verb}, {_human(sum(e.size for e in gone))} {freed}")

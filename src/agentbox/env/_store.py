@@ -182,14 +182,19 @@ class EnvStore:
         log.info("environment removed", key=key)
         return True
 
-    def prune(self, older_than: float) -> builtins.list[EnvInfo]:
+    def prune(self, older_than: float, *, dry_run: bool = False) -> builtins.list[EnvInfo]:
         """Remove environments unused for ``older_than`` seconds (and not in use now),
-        and any staging left by a task that died; returns what was removed."""
+        and any staging left by a task that died; returns what was removed (``dry_run``:
+        what would be, removing nothing)."""
         cut = time.time() - older_than
         removed = []
         for info in self.list():
-            if info.last_used < cut and not self.in_use(info.key) and self.remove(info.key):
+            if info.last_used >= cut or self.in_use(info.key):
+                continue
+            if dry_run or self.remove(info.key):
                 removed.append(info)
+        if dry_run:
+            return removed
         with contextlib.suppress(FileNotFoundError):
             for p in self.root.iterdir():
                 if p.name.startswith((".staging-", ".trash-")):
