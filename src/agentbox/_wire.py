@@ -31,6 +31,8 @@ class TokenUsage(Wire):
     output: int = 0
     cache_creation: int = 0
     cache_read: int = 0
+    cost_usd: float | None = None
+    """US dollars at the model's registry prices; None: the price is unknown (never $0)."""
 
     @property
     def total(self) -> int:

@@ -110,6 +110,8 @@ class Boxfile(Strict):
     deadline: float = Field(default=3600.0, gt=0, le=7 * 24 * 3600)
     model: str | None = None
     budget: int | None = Field(default=None, gt=0, le=10_000_000_000)
+    budget_usd: float | None = Field(default=None, gt=0, le=1_000_000)
+    """A dollar budget at the model's registry prices (tasks only; the model needs prices)."""
     resources: Resources = Field(default_factory=Resources)
     mounts: tuple[Mount, ...] = ()
     env: EnvPolicy = Field(default_factory=EnvPolicy)

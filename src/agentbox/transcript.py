@@ -95,7 +95,7 @@ def _gateway(paths_root: Path) -> tuple[TokenUsage, dict[str, int], list[Event]]
     except AgentboxError:
         return TokenUsage(), {}, []
     tokens = TokenUsage(input=u.input, output=u.output, cache_creation=u.cache_creation,
-                        cache_read=u.cache_read)  # fmt: skip
+                        cache_read=u.cache_read, cost_usd=u.cost_usd)  # fmt: skip
     when: float | None = None
     with contextlib.suppress(OSError):
         when = (paths_root / "usage.json").stat().st_mtime
@@ -117,7 +117,7 @@ def _turn_tokens(task_root: Path, agent: list[Event]) -> list[TurnTokens]:
     by_id: dict[str, TurnTokens] = {}
     for r in read_requests(task_root / "usage.json"):
         tokens = TokenUsage(input=r.input, output=r.output, cache_creation=r.cache_creation,
-                            cache_read=r.cache_read)  # fmt: skip
+                            cache_read=r.cache_read, cost_usd=r.cost_usd)  # fmt: skip
         turn = TurnTokens(message_id=r.message_id, time=r.time, tokens=tokens, status=r.status,
                           stop_reason=r.stop_reason, complete=r.complete)  # fmt: skip
         turns.append(turn)

@@ -186,6 +186,11 @@ upstream = "{DEMO_SCRIPT}"
 [models.replay-edit]
 kind = "replay"
 upstream = "{EDIT_SCRIPT}"
+[models.replay-edit.price]
+input = 3.0
+output = 15.0
+cache_write = 3.75
+cache_read = 0.3
 [models.replay-budget]
 kind = "replay"
 upstream = "scripts/budget.yaml"
@@ -308,6 +313,13 @@ def test_a_task_that_edits_files(e2e: tuple[Settings, dict[str, Run]]) -> None:
     # Tokens come from the gateway's usage file.
     assert run.info.tokens.input > 0 and run.info.tokens.output > 0
     assert run.result.report["tokens"]["input"] == run.info.tokens.input
+    # Issue 27: a model registered with prices costs its metered tokens times them.
+    t = run.info.tokens
+    want = (t.input * 3 + t.output * 15 + t.cache_creation * 3.75 + t.cache_read * 0.3) / 1e6
+    assert t.cost_usd == pytest.approx(want) and want > 0
+    assert run.result.report["cost_usd"] == pytest.approx(want)
+    assert run.result.report["model_scripted"] is True  # a replay model, said so
+    assert "scripted" in run.result.report["model_note"]
 
 
 def test_a_task_that_creates_files_and_runs_the_tests(e2e: tuple[Settings, dict[str, Run]]) -> None:
@@ -417,6 +429,8 @@ def test_a_task_that_changes_nothing_publishes_no_branch(
     assert report["changed"] is False and report["branch"] is None and report["commit"] is None
     assert report["diffstat"]["files_changed"] == 0
     assert "nothing to change" in report["final_message"]
+    # A model registered without prices: its cost is unknown, never $0.
+    assert report["cost_usd"] is None and run.info.tokens.cost_usd is None
     # No branch in the user's repo, and nothing else there changed.
     assert git(run.repo, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
     assert git(run.repo, "status", "--porcelain") == ""

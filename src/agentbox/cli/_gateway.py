@@ -47,6 +47,7 @@ def models(
     from agentbox.gateway.registry import load_registry
 
     reg = load_registry(load_settings(), models_file)
+    default, default_reason = reg.default_for()
     if as_json:
         rows = [
             {
@@ -55,9 +56,14 @@ def models(
                 "upstream_model": e.target_model,
                 "key_env": e.key_env,
                 "description": e.description,
-                "default": e.name == reg.default,
+                "default": e.name == default,
+                "default_reason": default_reason if e.name == default else "",
                 "available": e.unavailable() is None,
                 "unavailable_reason": e.unavailable() or "",
+                "scripted": e.scripted,
+                # USD per million tokens; null: the price is unknown (never $0).
+                "price": e.price.to_json() if e.price is not None else None,
+                "retired": e.retired,
             }
             for e in reg
         ]
@@ -66,16 +72,27 @@ def models(
     console = Console()
     cols = [
         Col("name", keep=True), Col("available"), Col("kind"), Col("upstream model"),
-        Col("description", ratio=1),
+        Col("$/MTok in/out"), Col("description", ratio=1),
     ]  # fmt: skip
     table_rows = []
     for e in reg:
         why = e.unavailable()
-        name = f"{e.name} (default)" if e.name == reg.default else e.name
+        name = f"{e.name} (default)" if e.name == default else e.name
+        price = f"{e.price.input:g} / {e.price.output:g}" if e.price else "unknown"
+        if e.scripted:
+            price = "scripted"
         table_rows.append([name, "yes" if why is None else f"no: {why}", e.kind, e.target_model,
-                           e.description])  # fmt: skip
+                           price, e.description])  # fmt: skip
     print_table(console, fit_table(console, cols, table_rows, title=f"models ({reg.source})"))
-    console.print(f"default: {reg.default} ({reg.default_reason})", soft_wrap=True)
+    console.print(f"default: {default} ({default_reason})", soft_wrap=True)
+    for e in reg:
+        if e.retired:
+            console.print(
+                f"warning: [models.{e.name}] names {e.target_model}, retired by its provider "
+                f"on {e.retired}: update the registry",
+                soft_wrap=True,
+                markup=False,
+            )
 
 
 def register(app: typer.Typer) -> None:

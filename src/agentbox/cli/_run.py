@@ -97,8 +97,8 @@ def register(app: typer.Typer) -> None:
             validate_task_id(task_id)
         req = _request(
             repo=str(_repo_or_cwd(repo)), task=text, model=model, budget=budget,
-            budget_usd=budget_usd, deadline=deadline, task_id=task_id, include_uncommitted=include_uncommitted,
-            publish=not no_publish,
+            budget_usd=budget_usd, deadline=deadline, task_id=task_id,
+            include_uncommitted=include_uncommitted, publish=not no_publish,
         )  # fmt: skip
         if detach:
             _detach(settings, req, as_json=as_json)
@@ -146,7 +146,8 @@ def register(app: typer.Typer) -> None:
             validate_task_id(task_id)
         req = _request(
             repo=prev.repo, task=text, model=model or prev.model, budget=budget,
-            budget_usd=budget_usd, deadline=deadline, task_id=task_id, publish=not no_publish, continue_from=prev.id,
+            budget_usd=budget_usd, deadline=deadline, task_id=task_id, publish=not no_publish,
+            continue_from=prev.id,
         )  # fmt: skip
         if detach:
             _detach(settings, req, as_json=as_json)
@@ -202,6 +203,7 @@ def _detach(settings: Settings, req: TaskRequest, *, as_json: bool) -> None:
         info = client.submit(req)
     finally:
         client.close()
+    _say_scripted(info.model, settings)
     if as_json:
         dump({"id": info.id})
     else:
@@ -239,6 +241,7 @@ def _foreground(
         sweep = _sweep_beside(launcher)
         try:
             info = launcher.submit(req, boxfile=box, overrides=overrides)
+            _say_scripted(info.model, launcher.settings)
             info = _follow(launcher, info, as_json=as_json)
         except KeyboardInterrupt:
             launcher.shutdown()  # interrupted before _follow took over: cancel, collect
@@ -255,6 +258,16 @@ def _foreground(
         report_text(info, res)
         print_diff(res)
     raise typer.Exit(0 if info.status == "done" else 1)
+
+
+def _say_scripted(model: str, settings: Settings) -> None:
+    """One line on stderr when the task's model is scripted (issue 27 item 2)."""
+    from agentbox.gateway.registry import scripted_note
+
+    note = scripted_note(model, settings)
+    if note is not None:
+        sys.stderr.write(note + "\n")
+        sys.stderr.flush()
 
 
 def _sweep_beside(launcher: Any) -> threading.Thread:

@@ -34,6 +34,7 @@ from agentbox.cli._view import (
     report_text,
     safe,
 )
+from agentbox.gateway._price import format_usd
 from agentbox.launcher.api import TaskInfo
 
 __all__ = ["register"]
@@ -66,7 +67,7 @@ def register(app: typer.Typer) -> None:
             return
         cols = [
             Col("id", keep=True), Col("status", keep=True), Col("tokens", keep=True),
-            Col("repo"), Col("created"), Col("time"), Col("task", ratio=1),
+            Col("cost", keep=True), Col("repo"), Col("created"), Col("time"), Col("task", ratio=1),
             Col("model"), Col("branch"),
         ]  # fmt: skip
         rows: list[list[RenderableType]] = [
@@ -74,6 +75,7 @@ def register(app: typer.Typer) -> None:
                 safe(i.id),
                 safe(i.status, STYLE.get(i.status, "")),
                 f"{i.tokens.total:,}",
+                format_usd(i.tokens.cost_usd) if i.tokens.cost_usd is not None else "?",
                 safe(_short_repo(i.repo, launcher.settings.repos_root)),
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created_at)),
                 f"{elapsed(i):.0f}s",

@@ -108,8 +108,10 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
         table.add_row("tools run", safe(f"{runs} (agentbox logs {info.id})"))
     if info.error:
         table.add_row("why", safe(info.error))
-    table.add_row("exit code", str(info.exit_code) if info.exit_code is not None else "-")
+    table.add_row("exit code", exit_code_words(info.exit_code))
     table.add_row("model", safe(info.model))
+    if isinstance(note := rep.get("model_note"), str):
+        table.add_row("", safe(note, "yellow"))
     if info.backend:
         table.add_row("sandbox", safe(sandbox_words(info.backend, info.runtime)))
     table.add_row("time", time_words(info, rep))
@@ -119,6 +121,9 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
         f"in {t.input:,} · out {t.output:,} · cache write {t.cache_creation:,} · "
         f"cache read {t.cache_read:,} (budget {info.budget:,})",
     )
+    from agentbox.gateway._price import format_usd
+
+    table.add_row("cost", format_usd(t.cost_usd))
     stat = rep.get("diffstat")
     if info.changed is False and info.status == "done":
         table.add_row("changes", f"[yellow]{NO_CHANGES}[/]")
@@ -163,6 +168,16 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
         console.print(f"[bold]{title}[/bold]")
         console.print(safe(msg.strip()[:4000]))
     print_flagged(rep.get("flagged"))
+
+
+def exit_code_words(code: int | None) -> str:
+    """``-``, ``1``, or ``137 (killed by SIGKILL)`` for a code above 128."""
+    if code is None:
+        return "-"
+    from agentbox._exitwords import exit_words
+
+    words = exit_words(code)
+    return f"{code} ({words.partition(': ')[2]})" if ": " in words else str(code)
 
 
 def sandbox_words(backend: str, runtime: str | None) -> str:

@@ -96,8 +96,13 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Follow a task live, then print its report; Ctrl-C stops watching, not the task."""
         tid = validate_task_id(task_id)
-        tasks = Tasks(load_settings(), say=lambda m: quiet_print(err, safe(m)))
+        settings = load_settings()
+        tasks = Tasks(settings, say=lambda m: quiet_print(err, safe(m)))
         try:
+            from agentbox.gateway.registry import scripted_note
+
+            if (note := scripted_note(tasks.get(tid).model, settings)) is not None:
+                quiet_print(err, safe(note), soft_wrap=True)
             tail = PageTail(lambda since: tasks.call("transcript", tid, since=since, limit=200))
             try:
                 info: TaskInfo = follow(

@@ -371,6 +371,7 @@ class Gateway(Forwarding):
             log.debug("request refused by policy", reason=str(exc)[:300])
             await send_error(send, 400, str(exc))
             return
+        asked = req.get("model")
         req["model"] = self.cfg.entry.target_model
         for name in self._strip.intersection(req):
             del req[name]
@@ -402,6 +403,7 @@ class Gateway(Forwarding):
             self._refuse(ref.reason)
             await send_error(send, 403, str(ref))
             return
+        reservation.asked = asked
         if reservation.clamped:
             # Smaller numbers serialise no longer, so the input estimate (taken on the
             # body before) still bounds this body.

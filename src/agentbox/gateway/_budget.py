@@ -51,6 +51,8 @@ class Reservation:
     """Dollars held (0 without a price)."""
     long_cache: bool = False
     """The request may write 1-hour cache entries (its worst-case input weighs more)."""
+    asked: object = None
+    """The ``model`` the client asked for (the request log records it)."""
 
     @property
     def clamped(self) -> bool:

@@ -66,8 +66,10 @@ class Forwarding:
         count = count if count is not None else TokenCount()
         self.ledger.settle(res, count, complete=complete)  # fills in the worst case charged
         if self._reqlog is not None:
+            cost = self.ledger.cost(count) if self.ledger.price is not None else None
             self._reqlog.append(message_id=meta[0], model=meta[1], counts=count, status=status,
-                                stop_reason=meta[2], complete=complete)  # fmt: skip
+                                stop_reason=meta[2], complete=complete, asked=res.asked,
+                                cost_usd=cost)  # fmt: skip
 
     def pool(self) -> Pool:
         """The upstream connection pool."""

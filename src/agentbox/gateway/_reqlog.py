@@ -66,6 +66,11 @@ class RequestRecord:
     stop_reason: str | None
     complete: bool
     """The counts are the upstream's final ones (else the worst case charged)."""
+    asked: str | None = None
+    """The ``model`` the client asked for, before the gateway rewrote it."""
+    cost_usd: float | None = None
+    """Dollars charged at the entry's prices; None: the price is unknown."""
+    cache_creation_1h: int = 0
 
 
 def _short(v: object) -> str | None:
@@ -106,6 +111,8 @@ class RequestLog:
         status: int,
         stop_reason: object,
         complete: bool,
+        asked: object = None,
+        cost_usd: float | None = None,
     ) -> None:
         """Write one record (``counts``: a :class:`~._meter.TokenCount`, as charged)."""
         if self._fd < 0:
@@ -121,6 +128,9 @@ class RequestLog:
             "status": status,
             "stop_reason": _short(stop_reason),
             "complete": complete,
+            "asked": _short(asked),
+            "cost_usd": None if cost_usd is None else round(cost_usd, 9),
+            "cache_creation_1h": counts.cache_creation_1h,
         }
         line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
         if self._records >= MAX_RECORDS or self._bytes + len(line) > MAX_BYTES:
@@ -171,7 +181,16 @@ def _record(raw: bytes) -> RequestRecord | None:
         status=status,
         stop_reason=_short(stop),
         complete=doc.get("complete") is True,
+        asked=_short(doc.get("asked")),
+        cost_usd=_usd(doc.get("cost_usd")),
+        cache_creation_1h=_int(doc.get("cache_creation_1h")) or 0,
     )
+
+
+def _usd(v: object) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e12:
+        return float(v)
+    return None
 
 
 def ledger_path(usage_file: Path) -> Path:

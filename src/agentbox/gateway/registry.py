@@ -85,6 +85,7 @@ __all__ = [
     "Registry",
     "builtin_registry",
     "load_registry",
+    "scripted_note",
 ]
 
 Kind = Literal["anthropic", "compatible", "replay"]
@@ -339,7 +340,7 @@ class Registry:
         missing = sorted({e.key_env for e in real if e.key_env})
         why = f" ({', '.join(missing)} not set)" if missing else ""
         if DEFAULT_MODEL in self._entries:
-            return DEFAULT_MODEL, f"no real model is available{why}: the scripted demo"
+            return DEFAULT_MODEL, f"the scripted demo: no real model is available{why}"
         first = (sorted(self._entries) or [""])[0]
         return first, f"the first by name: {self.source} sets no `default`{why}"
 
@@ -523,3 +524,22 @@ def load_registry(settings: Settings | None = None, path: Path | None = None) ->
         return _parse(data, base=path.parent, source=str(path))
     except RecursionError:
         raise ConfigError(f"model registry {path}: nested too deeply") from None
+
+
+def scripted_note(model: str, settings: Settings | None = None) -> str | None:
+    """The one line every front end prints when a task's model is scripted, else None.
+
+    A new user with no key gets the offline demo model by default and could take its
+    canned answers for a real agent's work: this says so, and how to get a real one.
+    """
+    try:
+        entry = load_registry(settings).get(model)
+    except ConfigError:
+        return None
+    if not entry.scripted:
+        return None
+    return (
+        f"note: model {model!r} is scripted (the replay model plays a fixed script; no real "
+        "model runs); for a real one set ANTHROPIC_API_KEY and pass --model sonnet "
+        "(see `agentbox models`)"
+    )

@@ -38,6 +38,7 @@ from agentbox.launcher import _runner, _session
 from agentbox.launcher._adopt import adopt, take_over
 from agentbox.launcher._cancel import cancel_task
 from agentbox.launcher._store import Owner, Store, TaskRow
+from agentbox.launcher._uidslot import run_in_slot
 from agentbox.launcher._validate import git_readonly, validate
 from agentbox.launcher.api import (
     ModelInfo,
@@ -46,7 +47,7 @@ from agentbox.launcher.api import (
     TaskResult,
     TokenUsage,
 )
-from agentbox.paths import TaskPaths, validate_task_id
+from agentbox.paths import TaskPaths, private_data_dir, validate_task_id
 from agentbox.transcript import TranscriptPage
 from agentbox.transcript import page as transcript_page
 
@@ -74,8 +75,9 @@ def tokens_from_usage(paths: TaskPaths) -> TokenUsage | None:
     except AgentboxError:
         return None
     return TokenUsage(
-        input=u.input, output=u.output, cache_creation=u.cache_creation, cache_read=u.cache_read
-    )
+        input=u.input, output=u.output, cache_creation=u.cache_creation, cache_read=u.cache_read,
+        cost_usd=u.cost_usd,
+    )  # fmt: skip
 
 
 class Launcher:
@@ -94,7 +96,7 @@ class Launcher:
 
     def __init__(self, settings: Settings, *, max_tasks: int = DEFAULT_MAX_TASKS) -> None:
         self.settings = settings
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        private_data_dir(settings.data_dir)  # closed to other users: issue 33 §3
         self.store = Store(settings.data_dir / "state.db")
         self.max_tasks = max(1, max_tasks)
         self._queue: queue.SimpleQueue[tuple[str, threading.Event] | None] = queue.SimpleQueue()
@@ -158,6 +160,9 @@ class Launcher:
                     path=v.repo,
                 )
         box = boxfile or Boxfile.from_dict({}, settings=self.settings)
+        if v.budget_usd != box.budget_usd:
+            # Recorded with the Boxfile, which the runner reads back (no new column).
+            box = box.model_copy(update={"budget_usd": v.budget_usd})
         if box.mounts:
             box.check_mounts(self.settings)
         check_env_policy(box, self.settings)
@@ -422,7 +427,7 @@ class Launcher:
             if job is not None:
                 job()
             else:
-                _runner.run_task(self.settings, self.store, task_id, cancel)
+                run_in_slot(self.settings, self.store, task_id, cancel)
         except BaseException as exc:  # never lose a task to an unexpected error
             log.error("task crashed", task_id=task_id, error=repr(exc))
             self.store.finish(task_id, "failed", error=f"launcher error: {exc!r}"[:2000])

@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from agentbox._log import get_logger
+from agentbox.backends import release_uid_slot
 from agentbox.collect import Base, Report, Skipped, branch_name, collect, publish
 from agentbox.config import Settings
 from agentbox.env import release_task_env
@@ -34,6 +35,7 @@ from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError, PathRefused, PublishRefused
 from agentbox.gateway import GatewayHandle, Usage, read_usage
 from agentbox.launcher._context import TaskContext, TaskLog
+from agentbox.launcher._names import sandbox_name
 from agentbox.launcher._store import Store, TaskRow
 from agentbox.launcher.api import NO_CHANGES, TokenUsage
 from agentbox.paths import TaskPaths, check_inside
@@ -165,8 +167,9 @@ def _tokens(paths: TaskPaths) -> tuple[TokenUsage, dict[str, Any]]:
     except AgentboxError:
         return TokenUsage(), {}
     t = TokenUsage(input=u.input, output=u.output, cache_creation=u.cache_creation,
-                   cache_read=u.cache_read)  # fmt: skip
-    extra = {"budget": u.budget, "weighted_total": u.weighted_total, "exhausted": u.exhausted,
+                   cache_read=u.cache_read, cost_usd=u.cost_usd)  # fmt: skip
+    extra = {"budget": u.budget, "budget_usd": u.budget_usd, "cost_usd": u.cost_usd,
+             "weighted_total": u.weighted_total, "exhausted": u.exhausted,
              "requests": u.requests, "refusals": dict(u.refusals),
              "clamped": u.clamped}  # fmt: skip
     return t, extra
@@ -267,6 +270,9 @@ def collect_and_finish(
     report.duration_s = round(finished - started, 3)
     data = report.model_dump(mode="json")
     data["usage"] = usage_extra
+    # Dollars at the model's registry prices; null: the price is unknown (never $0).
+    data["cost_usd"] = tokens.cost_usd
+    data.update(_model_fields(settings, row.model))
     data["agent_ran"] = agent_ran
     data["deadline_s"] = row.deadline
     data["repo"] = row.repo
@@ -292,6 +298,8 @@ def collect_and_finish(
         changed=None if changed is None else int(changed),
         error=error,
     )
+    # Its sandbox is gone: its host uid range may serve another one now.
+    release_uid_slot(settings, sandbox_name(row.id))
     tlog(f"finished: {status}" + (f" ({error})" if error else ""))
 
 
@@ -406,12 +414,35 @@ def _budget_stopped(paths: TaskPaths, status: str) -> bool:
         return False
 
 
+def _model_fields(settings: Settings, model: str) -> dict[str, Any]:
+    """The report's ``model_scripted`` and, for a scripted model, the line that says so."""
+    from agentbox.gateway.registry import scripted_note
+
+    note = scripted_note(model, settings)
+    out: dict[str, Any] = {"model_scripted": note is not None}
+    if note is not None:
+        out["model_note"] = note.removeprefix("note: ")
+    return out
+
+
 def budget_error(usage: Usage) -> str | None:
     """The task's error when the gateway refused for budget ("budget exhausted after N of M
     tokens"), else None."""
     refused = sum(usage.refusals.get(k, 0) for k in ("budget_exhausted", "over_budget"))
     if not usage.exhausted and not refused:
         return None
+    if (
+        usage.budget_usd is not None
+        and usage.cost_usd is not None
+        and usage.weighted_total < usage.budget
+    ):
+        from agentbox.gateway._price import format_usd
+
+        return (
+            f"dollar budget exhausted after {format_usd(usage.cost_usd)} of "
+            f"{format_usd(usage.budget_usd)} (the gateway refused {refused} request(s) for "
+            f"budget)"
+        )
     return (
         f"budget exhausted after {usage.weighted_total:,.0f} of {usage.budget:,} tokens "
         f"(the gateway refused {refused} request(s) for budget)"

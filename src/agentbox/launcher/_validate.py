@@ -54,6 +54,7 @@ class Validated:
     deadline: float
     include_uncommitted: bool
     publish: bool
+    budget_usd: float | None = None
 
 
 def git_readonly(repo: Path, *args: str, timeout: float = 60) -> _proc.Result:
@@ -145,6 +146,15 @@ def validate(
     if why is not None:
         # Refused before anything starts, rather than a task failing inside.
         raise PolicyRefused(f"model {model!r} is unavailable: {why}")
+    budget_usd = req.budget_usd if req.budget_usd is not None else (
+        boxfile.budget_usd if boxfile else None
+    )
+    if budget_usd is not None and registry.get(model).price is None:
+        raise PolicyRefused(
+            f"--budget-usd: model {model!r} has no price in the model registry "
+            f"({registry.source}), so a dollar budget cannot be kept; add "
+            f"[models.{model}.price] or use --budget (tokens)"
+        )
     budget = _first(req.budget, boxfile.budget if boxfile else None, DEFAULT_BUDGET)
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
         raise PolicyRefused(f"budget must be 1..{MAX_BUDGET} tokens, got {budget}")
@@ -172,4 +182,5 @@ def validate(
         deadline=float(deadline),
         include_uncommitted=req.include_uncommitted,
         publish=req.publish,
+        budget_usd=budget_usd,
     )

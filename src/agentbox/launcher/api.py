@@ -91,6 +91,9 @@ class TaskRequest(_Wire):
     """A model name from the registry; None: the registry's default."""
     budget: int | None = Field(default=None, ge=1, le=MAX_BUDGET)
     """Token budget (input + output + cache); None: the default (20M)."""
+    budget_usd: float | None = Field(default=None, gt=0, le=1_000_000)
+    """A dollar budget at the model's registry prices; None: the Boxfile's, else none.
+    Refused for a model without prices."""
     deadline: float | None = Field(default=None, ge=MIN_DEADLINE, le=MAX_DEADLINE)
     """Seconds of wall time before the sandbox is killed; None: the default (1 h)."""
     task_id: str | None = Field(default=None, pattern=TASK_ID_PATTERN)

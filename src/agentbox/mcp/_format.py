@@ -33,10 +33,18 @@ MAX_REPORT_CHARS = 16_000
 MAX_TRANSCRIPT_CHARS = 40_000
 
 
+def _usd(cost: float | None) -> str:
+    from agentbox.gateway._price import format_usd
+
+    return format_usd(cost)
+
+
 def info_dict(info: TaskInfo) -> dict[str, Any]:
     d = info.model_dump(mode="json")
     d["task"] = d["task"][:200]
     d["tokens_total"] = info.tokens.total
+    # Dollars at the model's registry prices; None: the price is unknown (never $0).
+    d["cost_usd"] = info.tokens.cost_usd
     if info.changed is False and info.status == "done":
         d["outcome"] = NO_CHANGES
     end = info.finished_at or time.time()
@@ -86,7 +94,8 @@ def format_result(info: TaskInfo, res: TaskResult, fetched: str, max_diff: int) 
         note = f"\n[diff truncated by the launcher; see branch {branch_name(info.id)}]"
     head = (
         f"task {info.id}: {res.status} (exit code {info.exit_code}), "
-        f"{info.tokens.total} tokens; {_tests_word(res.report)}\n{fetched}\n"
+        f"{info.tokens.total} tokens ({_usd(info.tokens.cost_usd)}); "
+        f"{_tests_word(res.report)}\n{fetched}\n"
     )
     error = f"error: {info.error}\n\n" if info.error else ""
     body = f"{error}report:\n{report}\n\ndiff:\n{diff or '(no changes)'}\n"

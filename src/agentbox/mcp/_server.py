@@ -157,6 +157,15 @@ class _Tools:
             int | None,
             Field(ge=1, le=MAX_BUDGET, description="Token budget; omit for the default (20M)."),
         ] = None,
+        budget_usd: Annotated[
+            float | None,
+            Field(
+                gt=0,
+                le=1_000_000,
+                description="Dollar budget at the model's prices; omit for none. Refused for a "
+                "model without prices (see `models`).",
+            ),
+        ] = None,
         deadline: Annotated[
             float | None,
             Field(
@@ -211,6 +220,7 @@ class _Tools:
             task=task,
             model=model,
             budget=budget,
+            budget_usd=budget_usd,
             deadline=deadline,
             include_uncommitted=include_uncommitted,
             publish=False,
@@ -227,15 +237,30 @@ class _Tools:
                 )
             info = await self._call(self.client.submit, request)
         log.info("delegated", task_id=info.id, repo=str(path))
+        note = await self._scripted_note(info.model)
         if not wait:
-            return (
+            return note + (
                 f"Task {info.id} is {info.status} (model {info.model}, budget {info.budget} "
                 f"tokens, deadline {info.deadline:g} s). Call `status` with id {info.id!r} to "
                 f"follow it and `result` when it is done; the branch will be "
                 f"{branch_name(info.id)}."
             )
         info = await self._wait(info, ctx)
-        return await self._result_text(info)
+        return note + await self._result_text(info)
+
+    async def _scripted_note(self, model: str) -> str:
+        """One line when the task's model is scripted (the replay model), else ""."""
+        try:
+            models = await self._call(self.client.models)
+        except ToolError:
+            return ""
+        if any(m.name == model and m.kind == "replay" for m in models):
+            return (
+                f"Note: model {model!r} is scripted (the replay model plays a fixed script; no "
+                "real model runs); for a real one the launcher needs ANTHROPIC_API_KEY and "
+                "model='sonnet' (see `models`).\n"
+            )
+        return ""
 
     async def status(
         self,
