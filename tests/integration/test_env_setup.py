@@ -162,6 +162,22 @@ def test_a_failed_setup_reports_its_output_and_freezes_nothing(
     assert f"about to fail {nonce}" in (t.logs / "setup.log").read_text()
 
 
+def test_a_setup_killed_by_a_signal_says_so(
+    tasks: Callable[[dict[str, str]], Task], default_image: str
+) -> None:
+    """Issue 34 item 3: exit 137 is said as a SIGKILL, with why (here none of ours)."""
+    t = tasks({"README": "x\n"})
+    plan = t.prepare(_box(default_image, ["kill -KILL $$"]))
+    assert plan.failed and plan.report.exit_code == 137, plan.report
+    assert plan.report.exit_words.startswith("exit 137: killed by SIGKILL ("), plan.report
+    assert (
+        plan.report.exit_words.endswith(
+            "(not by agentbox's deadline or cancel, and no OOM kill was counted)"
+        )
+        or "OOM killer" in plan.report.exit_words
+    )  # another process's OOM meanwhile
+
+
 def test_setup_past_its_deadline_fails(
     tasks: Callable[[dict[str, str]], Task], default_image: str
 ) -> None:

@@ -61,6 +61,17 @@ class SetupReport(BaseModel):
     dropped: list[str] = Field(default_factory=list)
     """Files setup wrote outside the directories it created: not part of the
     environment, removed before the agent ran (at most 50 named)."""
+    killed: str | None = None
+    """Why setup died of a signal (an exit code above 128): its deadline, a cancel,
+    an OOM kill, or none of ours."""
+
+    @property
+    def exit_words(self) -> str:
+        """``exit 1``, or ``exit 137: killed by SIGKILL (out of memory: …)``."""
+        from agentbox._exitwords import exit_words
+
+        return exit_words(self.exit_code, self.killed)
+
     tracked_changed: list[str] = Field(default_factory=list)
     """Files the workspace held before setup that setup changed or removed (at most 50
     named): such a setup fails the task (see :mod:`agentbox.env._tracked`)."""

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from agentbox._exitwords import kill_cause, oom_kills
 from agentbox._log import get_logger
 from agentbox.backends.base import (
     HOME_IN_SANDBOX,
@@ -56,7 +57,7 @@ from agentbox.errors import PathRefused
 from agentbox.safepath import Kind, Tree, check_name, openat2
 from agentbox.sandbox import spec_from_boxfile
 
-__all__ = ["EnvPlan", "image_id", "prepare_env"]
+__all__ = ["EnvPlan", "image_id", "prepare_env", "setup_sandbox_name"]
 
 log = get_logger("env.setup")
 
@@ -66,6 +67,12 @@ TAIL_CHARS = 4000
 #: A setup may create at most this many separate directories (``.venv``, ``a/node_modules`` …).
 MAX_ROOTS = 32
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def setup_sandbox_name(task_id: str) -> str:
+    """The sandbox a task's ``[setup]`` runs in (the orphan sweep keeps it while the
+    task lives, as it keeps the agent's)."""
+    return f"agentbox-setup-{task_id}"
 
 
 def image_id(image: str) -> str:
@@ -345,7 +352,8 @@ def prepare_env(
         tlog(f"setup egress through the proxy: {', '.join(policy.hosts) or 'no hosts'}")
     started = time.time()
     done = threading.Event()
-    name = f"agentbox-setup-{task_id}"
+    name = setup_sandbox_name(task_id)
+    oom_before = oom_kills()
     try:
         spec = spec_from_boxfile(
             box,
@@ -381,8 +389,13 @@ def prepare_env(
         output_tail=tail,
         egress=summary,
     )
+    if res.exit_code is not None and res.exit_code > 128:
+        report.killed = kill_cause(
+            timed_out=res.timed_out, cancelled=cancelled(), oom_before=oom_before,
+            oom_after=oom_kills(),
+        )  # fmt: skip
     if res.exit_code != 0 or res.timed_out or cancelled():
-        tlog(f"setup failed (exit {res.exit_code}{', deadline' if res.timed_out else ''})")
+        tlog(f"setup failed ({report.exit_words}{', deadline' if res.timed_out else ''})")
         return EnvPlan(report=report)
     changed = changes(workspace, tracked)
     if changed:

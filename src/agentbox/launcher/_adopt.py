@@ -35,7 +35,7 @@ from agentbox._log import get_logger
 from agentbox._wait import wait_until
 from agentbox.backends import get_backend, owned_sandboxes, sweep_pools, sweep_stale_files
 from agentbox.config import Settings
-from agentbox.env import release_task_env
+from agentbox.env import release_task_env, setup_sandbox_name
 from agentbox.errors import AgentboxError, PathRefused, SandboxGone
 from agentbox.gateway import HANDSHAKE_VERSION, read_handshake, read_usage
 from agentbox.launcher._context import TaskContext
@@ -357,6 +357,10 @@ def remove_orphans(settings: Settings, store: Store, *, keep: Collection[str] = 
     held = [r for r in rows if r.id in keep]
     alive = [r for r in rows if r.owner is not None and r.owner.alive()]
     live = {r.sandbox for r in alive + held if r.sandbox}
+    # A live task's sandboxes by name too: its [setup] sandbox runs before the agent's
+    # name is recorded (reaping it there killed setup with SIGKILL, exit 137, whenever a
+    # sweep, this run's own or another launcher's, listed while setup ran).
+    live |= {n for r in alive + held for n in (sandbox_name(r.id), setup_sandbox_name(r.id))}
     for backend, name in sandboxes:
         # Logged only when something was removed: a listed microVM whose owner is
         # alive (another process's exec or shell) is left be by its backend's reap.

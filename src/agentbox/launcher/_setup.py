@@ -59,7 +59,7 @@ def setup_phase(
         if plan.failed:
             r = plan.report
             last = r.output_tail.strip().splitlines()[-1:] or [""]
-            why = "deadline" if r.timed_out else f"exit {r.exit_code}"
+            why = "deadline" if r.timed_out else r.exit_words
             error = f"setup failed ({why}); no agent ran: {last[0][:300]}"
     except (AgentboxError, OSError) as exc:
         # OSError: freezing what setup made (a move, a mount) failed on the host.
