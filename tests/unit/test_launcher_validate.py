@@ -205,7 +205,8 @@ def test_duplicate_id_refused(repo: Path, settings: Settings, launcher: Launcher
 
 def test_agent_argv_is_claude_with_our_flags_only() -> None:
     argv = agent_argv("--evil-flag do things")
-    assert argv[0] == "claude" and tuple(argv[1:-2]) == AGENT_FLAGS
+    assert argv[0] == "claude" and tuple(argv[1 : len(AGENT_FLAGS) + 1]) == AGENT_FLAGS
+    assert argv[len(AGENT_FLAGS) + 1] == "--settings"
     assert argv[-2:] == ["--", "--evil-flag do things"]
     check_agent_argv(argv)
     for bad in (

@@ -24,12 +24,13 @@ SID = "e4e4272e-5a78-4927-a968-98b6984c85c6"
 
 def test_resume_is_the_one_extra_flag_and_takes_a_uuid_only() -> None:
     argv = agent_argv("go on", resume=SID)
-    assert argv == ["claude", *AGENT_FLAGS, "--resume", SID, "--", "go on"]
+    assert argv[: len(AGENT_FLAGS) + 2] == ["claude", *AGENT_FLAGS, "--settings"]
+    assert argv[len(AGENT_FLAGS) + 3 :] == ["--resume", SID, "--", "go on"]
     check_agent_argv(argv)
     check_agent_argv(agent_argv("go on"))
     with pytest.raises(PolicyRefused):
         agent_argv("go on", resume="../../etc")
-    n = len(AGENT_FLAGS) + 1
+    n = len(AGENT_FLAGS) + 3  # claude, the flags, --settings JSON
     for bad in (
         [*argv[:n], "--resume", "x", "--", "t"],  # not a uuid
         [*argv[:n], "--resume-x", SID, "--", "t"],  # not the flag
@@ -127,3 +128,26 @@ def test_diffstat_counts_lines_per_file() -> None:
         "+--- not a header\n"
     )
     assert diffstat(diff) == [("a.py", 2, 2), ("new", 1, 0)]
+
+
+def test_the_launchers_claude_settings_are_pinned_on_the_command_line() -> None:
+    """The base URL and the launcher's other variables go in ``--settings`` (outranking
+    the workspace's .claude/settings.json); the token never does; nothing else passes."""
+    env = {**agent_env("secret-token-" * 3), "ANTHROPIC_BASE_URL": "http://127.0.0.1:9"}
+    argv = agent_argv("go on", env=env)
+    pinned = json.loads(argv[len(AGENT_FLAGS) + 2])
+    assert pinned["env"]["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9"
+    assert pinned["env"]["CLAUDE_CONFIG_DIR"] == agent_env("t")["CLAUDE_CONFIG_DIR"]
+    assert "ANTHROPIC_API_KEY" not in pinned["env"] and "secret-token" not in " ".join(argv)
+    assert pinned["permissions"] == {"defaultMode": "bypassPermissions"}
+    n = len(AGENT_FLAGS) + 2
+    for other in (
+        {**pinned, "hooks": {"SessionStart": []}},  # anything but the launcher's keys
+        {**pinned, "env": {**pinned["env"], "LD_PRELOAD": "/x.so"}},
+        {**pinned, "env": {**pinned["env"], "ANTHROPIC_API_KEY": "k"}},
+        {**pinned, "permissions": {"defaultMode": "default"}},
+    ):
+        with pytest.raises(PolicyRefused):
+            check_agent_argv([*argv[:n], json.dumps(other), *argv[n + 1 :]])
+    with pytest.raises(PolicyRefused):  # without --settings
+        check_agent_argv([*argv[: n - 1], *argv[n + 1 :]])

@@ -13,6 +13,14 @@ final argv, whoever built it):
   nothing on the host, and only the workspace writable. Nothing the agent does
   with Bash or Edit there can reach the host; what it wrote comes back only
   through result collection, as data.
+* ``--settings <json>``: the launcher's own settings for Claude Code
+  (:func:`forced_settings`): the environment the launcher sets (base URL, the
+  model variables, the switches) and the permission mode. Settings given on the
+  command line outrank the workspace's ``.claude/settings.json`` and
+  ``settings.local.json`` (only managed settings outrank them), key by key: a
+  repo, or a previous task's agent, that sets ``env.ANTHROPIC_BASE_URL`` there no
+  longer points Claude Code elsewhere. Its hooks still run, inside the sandbox
+  like anything the agent runs; ``agentbox resume`` shows them as flagged paths.
 * ``--resume <session-id>`` (a continued task only, :mod:`agentbox.launcher._session`):
   Claude Code's own resume of the previous task's session, whose state the launcher
   copied into the workspace's ``.git`` (``CLAUDE_CONFIG_DIR`` points there in every
@@ -22,8 +30,10 @@ final argv, whoever built it):
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from agentbox.backends.base import GATEWAY_PORT, HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
 from agentbox.errors import PolicyRefused
@@ -35,6 +45,7 @@ __all__ = [
     "agent_env",
     "check_agent_argv",
     "check_env",
+    "forced_settings",
 ]
 
 #: Claude Code's config and session dir, relative to the workspace: in the agent's own
@@ -68,19 +79,74 @@ LAUNCHER_ENV_NAMES = frozenset(
 )
 
 
-def agent_argv(task: str, *, resume: str | None = None) -> list[str]:
-    """``claude -p <our flags> [--resume <session-id>] -- <task>``."""
+#: Launcher variables never put on a command line (a secret: argv is visible to ``ps``).
+_SECRET_ENV = frozenset({"ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"})
+#: The settings keys :func:`forced_settings` writes (and the only ones the check accepts).
+_FORCED_KEYS = frozenset({"env", "permissions"})
+
+
+def forced_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The launcher's settings for Claude Code, passed with ``--settings`` so that the
+    workspace's own settings files cannot override them.
+
+    The one place for them: every variable of ``env`` (default :func:`agent_env`'s)
+    that :data:`LAUNCHER_ENV_NAMES` names, secrets aside (the token stays in the
+    process environment only), and the permission mode the sandbox runs in. A
+    variable added to the agent's environment (a model variable) is pinned here by
+    adding its name to :data:`LAUNCHER_ENV_NAMES`.
+    """
+    source = agent_env("") if env is None else env
+    pinned = {k: str(v) for k, v in sorted(source.items())
+              if k in LAUNCHER_ENV_NAMES and k not in _SECRET_ENV}  # fmt: skip
+    return {"env": pinned, "permissions": {"defaultMode": "bypassPermissions"}}
+
+
+def _settings_arg(settings: Mapping[str, Any]) -> str:
+    return json.dumps(settings, sort_keys=True, separators=(",", ":"))
+
+
+def _check_settings_arg(text: str) -> None:
+    """Refuse a ``--settings`` value that is not what :func:`forced_settings` makes."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    env = data.get("env") if isinstance(data, dict) else None
+    if (
+        not isinstance(data, dict)
+        or set(data) != _FORCED_KEYS
+        or not isinstance(env, dict)
+        or not set(env) <= LAUNCHER_ENV_NAMES - _SECRET_ENV
+        or not all(isinstance(v, str) for v in env.values())
+        or data["permissions"] != {"defaultMode": "bypassPermissions"}
+    ):
+        raise PolicyRefused(f"not the launcher's Claude Code settings: {text[:80]!r}")
+
+
+def agent_argv(
+    task: str, *, resume: str | None = None, env: Mapping[str, str] | None = None
+) -> list[str]:
+    """``claude -p <our flags> --settings <forced settings of env> [--resume <session-id>]
+    -- <task>``."""
     if "\0" in task:
         raise PolicyRefused("the task text contains a NUL byte")
     if resume is not None and not SESSION_ID.fullmatch(resume):
         raise PolicyRefused(f"not a Claude Code session id: {resume!r:.60}")
     extra = ["--resume", resume] if resume is not None else []
-    return ["claude", *AGENT_FLAGS, *extra, "--", task]
+    pinned = ["--settings", _settings_arg(forced_settings(env))]
+    return ["claude", *AGENT_FLAGS, *pinned, *extra, "--", task]
 
 
 def check_agent_argv(argv: Sequence[str]) -> None:
-    """Refuse any argv that is not exactly ``claude`` + our flags (+ ``--resume <uuid>``)
-    + ``--`` + one task text."""
+    """Refuse any argv that is not exactly ``claude`` + our flags + ``--settings`` with
+    the launcher's settings (+ ``--resume <uuid>``) + ``--`` + one task text."""
+    n = len(AGENT_FLAGS) + 1
+    if len(argv) < n + 2 or argv[n] != "--settings":
+        raise PolicyRefused(
+            f"the agent command must be claude with the launcher's flags: {list(argv)[:8]!r}"
+        )
+    _check_settings_arg(argv[n + 1])
+    argv = [*argv[:n], *argv[n + 2 :]]
     if (
         len(argv) == len(AGENT_FLAGS) + 5
         and argv[len(AGENT_FLAGS) + 1] == "--resume"
