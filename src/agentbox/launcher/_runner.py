@@ -142,7 +142,8 @@ def _check_spec(
 
 
 def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.Event) -> None:
-    """Run one queued task to a terminal state (called on a worker thread)."""
+    """Run one queued task to a terminal state (called on a worker thread, within the
+    task's uid slot: :func:`agentbox.launcher._uidslot.run_in_slot`)."""
     row = store.get(task_id)
     if row.status != "queued":
         return
@@ -169,7 +170,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         return
     token = write_token(paths.root / "token")
     ensure_private_dir(paths.gateway_dir, 0o755)
-    tlog(f"starting the gateway (model {row.model}, budget {row.budget})")
+    dollars = f", budget ${box.budget_usd:g}" if box.budget_usd is not None else ""
+    tlog(f"starting the gateway (model {row.model}, budget {row.budget}{dollars})")
     starter = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"gw-{task_id}")
     gateway_future = starter.submit(
         spawn_gateway,
@@ -177,6 +179,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         token_file=paths.root / "token",
         model=row.model,
         budget=row.budget,
+        budget_usd=box.budget_usd,
         usage_file=paths.usage_file,
         settings=settings,
         log_file=paths.log_dir / "gateway.log",
@@ -211,6 +214,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
             root=settings.repos_root,
         )
         save_base(paths, base)
+        if base.untracked_note:
+            tlog(base.untracked_note)
         _session.seed(settings, paths)  # a resumed task: the previous one, for the agent
         give_to_sandbox(paths.workspace, settings.sandbox_host_uid)
         check_owner(paths.workspace, settings.sandbox_host_uid)
