@@ -33,10 +33,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentbox.backends.base import GATEWAY_PORT, HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
-from agentbox.errors import PolicyRefused
+from agentbox.errors import AgentboxError, PolicyRefused
+
+if TYPE_CHECKING:
+    from agentbox.config import Settings
 
 __all__ = [
     "AGENT_FLAGS",
@@ -46,6 +49,7 @@ __all__ = [
     "check_agent_argv",
     "check_env",
     "forced_settings",
+    "model_id",
 ]
 
 #: Claude Code's config and session dir, relative to the workspace: in the agent's own
@@ -63,9 +67,23 @@ AGENT_FLAGS: tuple[str, ...] = (
     "--dangerously-skip-permissions",
 )
 
+#: Claude Code's own model choices (its main model, what its ``opus``/``sonnet``/``haiku``
+#: aliases, subagents and small fast model resolve to): all set to the task's model id,
+#: so that the agent's view of its model (context window, ``/model``) is what runs. The
+#: gateway rewrites every request's ``model`` to it anyway.
+MODEL_ENV_NAMES = (
+    "ANTHROPIC_MODEL",
+    "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL",
+    "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+    "ANTHROPIC_SMALL_FAST_MODEL",
+    "CLAUDE_CODE_SUBAGENT_MODEL",
+)
+
 #: Variables the launcher itself sets in every agent sandbox.
 LAUNCHER_ENV_NAMES = frozenset(
     {
+        *MODEL_ENV_NAMES,
         "ANTHROPIC_BASE_URL",
         "ANTHROPIC_API_KEY",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
@@ -166,9 +184,12 @@ def check_agent_argv(argv: Sequence[str]) -> None:
         )
 
 
-def agent_env(token: str) -> dict[str, str]:
-    """What the launcher adds to the Boxfile's allow-listed environment."""
+def agent_env(token: str, model_id: str | None = None) -> dict[str, str]:
+    """What the launcher adds to the Boxfile's allow-listed environment; ``model_id``: the
+    task's upstream model id (a replay entry's name), set in :data:`MODEL_ENV_NAMES`."""
+    models = dict.fromkeys(MODEL_ENV_NAMES, model_id) if model_id else {}
     return {
+        **models,
         "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{GATEWAY_PORT}",
         "ANTHROPIC_API_KEY": token,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
@@ -187,3 +208,15 @@ def check_env(env: Mapping[str, str], allowed: set[str]) -> None:
     extra = sorted(set(env) - allowed - LAUNCHER_ENV_NAMES)
     if extra:
         raise PolicyRefused(f"environment variables not on the allow-list: {', '.join(extra)}")
+
+
+def model_id(settings: Settings, model: str) -> str | None:
+    """The model id the agent is told to ask for: the entry's upstream id (a replay
+    entry: its name), which the gateway sends upstream whatever the agent asks."""
+    from agentbox.gateway.registry import load_registry
+
+    try:
+        entry = load_registry(settings).get(model)
+    except AgentboxError:
+        return None
+    return entry.name if entry.scripted else entry.target_model

@@ -42,7 +42,13 @@ from agentbox.env import Egress, EnvPlan, egress_argv, start_egress
 from agentbox.errors import AgentboxError, GatewayError, PathRefused, PolicyRefused
 from agentbox.gateway import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.launcher import _session
-from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env
+from agentbox.launcher._agent import (
+    agent_argv,
+    agent_env,
+    check_agent_argv,
+    check_env,
+    model_id,
+)
 from agentbox.launcher._context import TaskContext
 from agentbox.launcher._finish import (
     NEVER_STARTED,
@@ -292,7 +298,8 @@ def _run_sandbox(
             name=sandbox_name(task_id),
             workspace=paths.workspace,
             gateway_dir=paths.gateway_dir,
-            extra_env={**agent_env(token), **(egress.env if egress is not None else {})},
+            extra_env={**agent_env(token, model_id(settings, row.model)),
+                       **(egress.env if egress is not None else {})},  # fmt: skip
             labels=sandbox_labels(settings, task_id),
         ).replace(deadline=row.deadline)
         spec = spec.replace(mounts=(*spec.mounts, *ours))
