@@ -298,8 +298,10 @@ def _run_sandbox(
             name=sandbox_name(task_id),
             workspace=paths.workspace,
             gateway_dir=paths.gateway_dir,
-            extra_env={**agent_env(token, model_id(settings, row.model)),
-                       **(egress.env if egress is not None else {})},  # fmt: skip
+            extra_env={
+                **agent_env(token, model_id(settings, row.model)),
+                **(egress.env if egress is not None else {}),
+            },
             labels=sandbox_labels(settings, task_id),
         ).replace(deadline=row.deadline)
         spec = spec.replace(mounts=(*spec.mounts, *ours))
