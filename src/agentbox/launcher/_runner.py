@@ -42,13 +42,7 @@ from agentbox.env import Egress, EnvPlan, egress_argv, start_egress
 from agentbox.errors import AgentboxError, GatewayError, PathRefused, PolicyRefused
 from agentbox.gateway import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.launcher import _session
-from agentbox.launcher._agent import (
-    agent_argv,
-    agent_env,
-    check_agent_argv,
-    check_env,
-    model_id,
-)
+from agentbox.launcher._agent import agent_argv, agent_env, check_agent_argv, check_env, model_id
 from agentbox.launcher._context import TaskContext
 from agentbox.launcher._finish import (
     NEVER_STARTED,
