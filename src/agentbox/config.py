@@ -173,7 +173,14 @@ class Settings(BaseSettings):
     sandbox_uid: int = 64000
     """The uid/gid the agent runs as inside the sandbox."""
     subid_base: int = 100000
-    """Host id that sandbox id 0 maps to; sandbox uid N is host uid ``subid_base + N``."""
+    """The start of agentbox's host ids: sandbox id N maps to ``sandbox_subid_base + N``,
+    a range of the sandbox's own (see ``uid_slots``)."""
+    uid_slots: int = Field(default=256, ge=1, le=16384)
+    """How many sandboxes may hold a host uid range of their own at once: slot k is the
+    65536 ids from ``subid_base + (2 + k) * 65536`` (backends/_uidslots.py)."""
+    uid_slot: int | None = Field(default=None, ge=0)
+    """This sandbox's slot, set per sandbox by whoever claimed it (never in a config
+    file); None: the slot-less range from ``subid_base`` (direct backend use, docker)."""
     pool_size: int = Field(default=0, ge=0, le=32)
     """Warm podman sandboxes ``launcher serve`` keeps started for the next tasks (0: no
     pool). Each idles at about 12 MiB; ``AGENTBOX_POOL_SIZE=2`` on a service host."""
@@ -229,9 +236,20 @@ class Settings(BaseSettings):
         return tuple(str(ipaddress.ip_network(p, strict=False)) for p in v)
 
     @property
+    def sandbox_subid_base(self) -> int:
+        """The host id the sandbox's id 0 maps to: its slot's range, or ``subid_base``."""
+        if self.uid_slot is None:
+            return self.subid_base
+        return self.subid_base + (2 + self.uid_slot) * 65536
+
+    @property
     def sandbox_host_uid(self) -> int:
-        """The host uid the sandbox's uid maps to (owns nothing of the user's)."""
-        return self.subid_base + self.sandbox_uid
+        """The host uid the sandbox's uid maps to (owns nothing; no other live sandbox's)."""
+        return self.sandbox_subid_base + self.sandbox_uid
+
+    def for_slot(self, slot: int | None) -> Settings:
+        """These settings for a sandbox holding uid ``slot``."""
+        return self.model_copy(update={"uid_slot": slot})
 
     @property
     def claude_code_dir(self) -> Path:

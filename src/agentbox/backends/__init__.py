@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from agentbox._log import get_logger
+from agentbox.backends._uidslots import claim as claim_uid_slot
+from agentbox.backends._uidslots import reap as reap_uid_slots
+from agentbox.backends._uidslots import release as release_uid_slot
 from agentbox.backends.base import Backend, Exited
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, UnsupportedError, map_exceptions
@@ -25,8 +28,12 @@ __all__ = [
     "Backend",
     "Exited",
     "backend_class",
+    "claim_uid_slot",
     "get_backend",
     "owned_sandboxes",
+    "reap_uid_slots",
+    "release_uid_slot",
+    "slot_settings",
     "sweep_pools",
     "sweep_stale_files",
 ]
@@ -41,6 +48,22 @@ BACKENDS: dict[str, str] = {
     "docker": "agentbox.backends.docker:DockerBackend",
     "fake": "agentbox.backends.fake:FakeBackend",
 }
+
+
+def slot_settings(name: str, settings: Settings, slot: int) -> Settings:
+    """``settings`` for a sandbox of backend ``name`` that holds uid ``slot``
+    (:mod:`agentbox.backends._uidslots`): its own 65536-id range; under docker, whose
+    user namespace is the daemon's one ``userns-remap`` range (Engine 20.10 maps no
+    container on its own), its own uid in that range: ``sandbox_uid + 1 + slot``."""
+    if name == "docker":
+        uid = settings.sandbox_uid + 1 + slot
+        if uid >= 65536:
+            raise UnsupportedError(
+                f"docker has no uid left in its 65536-id remap range for uid slot {slot}",
+                fix="lower AGENTBOX_UID_SLOTS, or run fewer docker sandboxes at once",
+            )
+        return settings.model_copy(update={"sandbox_uid": uid})
+    return settings.for_slot(slot)
 
 
 def backend_class(name: str) -> type[Backend]:

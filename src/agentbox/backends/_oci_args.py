@@ -241,7 +241,7 @@ def run_args(
     """
     res = spec.resources
     uid = spec.uid
-    base = settings.subid_base
+    base = settings.sandbox_subid_base
     mem = str(res.memory)
     timeout = math.ceil(spec.deadline) + CONMON_GRACE
     args = [*podman_global_args(spec.runtime, gateway=spec.gateway_dir is not None)]
@@ -276,7 +276,7 @@ def run_args(
         f"seccomp={profile_path(settings.cache_dir, allow_clone3=spec.runtime == 'runsc')}",
         "--ipc", "private",
         "--cgroupns", "private",            # its own cgroup tree, not the host's (v1 default)
-        # uid/gid N inside is subid_base+N outside: a host identity that owns nothing.
+        # uid/gid N inside is base+N outside: a host range of this sandbox's own (_uidslots).
         "--uidmap", f"0:{base}:65536",
         "--gidmap", f"0:{base}:65536",
         "--user", f"{uid}:{uid}",

@@ -282,7 +282,7 @@ def process_checks(
 def _host_checks(spec: SandboxSpec, settings: Settings, info: dict[str, Any]) -> list[PostureCheck]:
     hc = info.get("HostConfig") or {}
     res = spec.resources
-    base = settings.subid_base
+    base = settings.sandbox_subid_base
     ulimits = {u.get("Name"): (u.get("Soft"), u.get("Hard")) for u in hc.get("Ulimits") or []}
     mounts = sorted(str(m.get("Destination")) for m in info.get("Mounts") or [])
     checks = [
@@ -323,7 +323,7 @@ def _host_checks(spec: SandboxSpec, settings: Settings, info: dict[str, Any]) ->
         checks.append(_check("host uids (sentry, gofer)", sorted(allowed), sorted(seen_uids),
                              bool(seen_uids) and seen_uids <= allowed, where="host"))  # fmt: skip
     else:
-        host_uid = settings.subid_base + spec.uid
+        host_uid = base + spec.uid
         want = "\t".join([str(host_uid)] * 4)
         checks.append(_check("host uid (every thread)", want, uids, where="host"))
         caps = all_same(st.get("CapEff", "?") for _, _, st in threads)

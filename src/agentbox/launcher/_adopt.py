@@ -33,7 +33,13 @@ import psutil
 
 from agentbox._log import get_logger
 from agentbox._wait import wait_until
-from agentbox.backends import get_backend, owned_sandboxes, sweep_pools, sweep_stale_files
+from agentbox.backends import (
+    get_backend,
+    owned_sandboxes,
+    reap_uid_slots,
+    sweep_pools,
+    sweep_stale_files,
+)
 from agentbox.config import Settings
 from agentbox.env import release_task_env, setup_sandbox_name
 from agentbox.errors import AgentboxError, PathRefused, SandboxGone
@@ -366,6 +372,10 @@ def remove_orphans(settings: Settings, store: Store, *, keep: Collection[str] = 
         # alive (another process's exec or shell) is left be by its backend's reap.
         if name not in live and (removed := reap_sandbox(backend, name, settings.data_dir)):
             log.warning("removed an orphan sandbox", sandbox=name, backend=backend, removed=removed)
+    # A live sandbox keeps its host uid range (a re-adopted task's); one whose sandbox
+    # is gone and whose holder died (a launcher killed mid-task) is freed.
+    for slot in reap_uid_slots(settings, {n for _, n in sandboxes if n in live}):
+        log.info("freed the uid range of a sandbox that is gone", slot=slot)
     # Warm pools: not in what the backends list above; a dead keeper's entries go here.
     for name in sweep_pools(settings):
         log.warning("removed a pooled sandbox whose keeper is gone", sandbox=name)

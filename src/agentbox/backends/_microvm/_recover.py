@@ -45,10 +45,14 @@ log = get_logger("backends.microvm")
 def vmm_uid(settings: Settings, isolation: Literal["standard", "strict"]) -> int:
     """The host uid the VMM runs as: yours (standard) or one that owns nothing (strict).
 
-    The strict uid lies just past the 65536 ids podman maps from ``subid_base``,
-    so it is neither the user nor any container's uid.
+    The strict uid is the sandbox's own host uid when it holds a uid slot
+    (``settings.uid_slot``: no other live sandbox's, see backends/_uidslots.py); a
+    slot-less one runs just past the 65536 ids of range 0, neither the user nor
+    any container's uid.
     """
     if isolation == "strict":
+        if settings.uid_slot is not None:
+            return settings.sandbox_host_uid
         return settings.subid_base + 65536 + 1
     return os.getuid()
 

@@ -129,7 +129,7 @@ class PodmanBackend(PodmanDetached):
 
     def bind_source_uid(self, runtime: str) -> int | None:
         """runsc's gofer opens bind-mount sources as the mapped container root."""
-        return self.settings.subid_base if runtime == "runsc" else None
+        return self.settings.sandbox_subid_base if runtime == "runsc" else None
 
     def warm(self, image: str) -> None:
         """``podman image inspect`` ahead of the launch (a podman process: ~0.1 s a fresh
@@ -148,7 +148,7 @@ class PodmanBackend(PodmanDetached):
 
     def check(self, spec: SandboxSpec) -> None:
         """Refuse ``spec`` before anything starts: runtime, image, mounts, uid."""
-        check_spec(spec, subid_base=self.settings.subid_base)
+        check_spec(spec, subid_base=self.settings.sandbox_subid_base)
 
     def _labels(self, spec: SandboxSpec) -> SandboxSpec:
         labels = {LABEL: "1", **spec.labels, "io.agentbox.owner-start": owner_start()}
@@ -190,7 +190,7 @@ class PodmanBackend(PodmanDetached):
         """One shot: a fresh container runs ``argv`` as its main command, then is removed."""
         if not argv:
             raise ConfigError("run needs a command")
-        facts = check_spec(spec, subid_base=self.settings.subid_base)
+        facts = check_spec(spec, subid_base=self.settings.sandbox_subid_base)
         assert facts is not None
         spec = self._labels(spec)
         out, err = Capture(on_stdout), Capture(on_stderr)
@@ -274,7 +274,7 @@ class PodmanBackend(PodmanDetached):
 
     def create(self, spec: SandboxSpec) -> PodmanSandbox:
         """Start a sandbox idling under tini; ``exec`` commands into it; ``destroy`` it."""
-        facts = check_spec(spec, subid_base=self.settings.subid_base)
+        facts = check_spec(spec, subid_base=self.settings.sandbox_subid_base)
         assert facts is not None
         spec = self._labels(spec)
         return start_on_disk(self.settings, spec, lambda s: self._create(s, facts), wait_relay)
@@ -309,7 +309,7 @@ class PodmanBackend(PodmanDetached):
         The one place that does not go through ``agentbox._proc``: the child
         must own the terminal.
         """
-        facts = check_spec(spec, subid_base=self.settings.subid_base)
+        facts = check_spec(spec, subid_base=self.settings.sandbox_subid_base)
         assert facts is not None
         spec = self._labels(spec)
         with (

@@ -134,7 +134,7 @@ class PodmanDetached:
         nothing of that sandbox is touched.
         """
         check_launch(argv, log)
-        facts = check_spec(spec, subid_base=self.settings.subid_base)
+        facts = check_spec(spec, subid_base=self.settings.sandbox_subid_base)
         assert facts is not None
         spec = self._labels(spec)
         labels = {

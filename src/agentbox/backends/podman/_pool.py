@@ -58,6 +58,9 @@ from agentbox import _proc
 from agentbox._log import get_logger
 from agentbox.backends._oci_args import check_spec, entry_argv, run_args
 from agentbox.backends._oci_cli import conmon_cwd, env_file, force_remove
+from agentbox.backends._uidslots import claim as claim_uid_slot
+from agentbox.backends._uidslots import release as release_uid_slot
+from agentbox.backends._uidslots import reown, slot_base, transfer
 from agentbox.backends._wsdisk import WorkspaceDisk
 from agentbox.backends.base import (
     MAX_LOG_BYTES,
@@ -152,7 +155,7 @@ def pool_key(spec: SandboxSpec, settings: Settings, image_id: str) -> str:
         repr(spec.resources),
         spec.uid,
         spec.workdir,
-        settings.subid_base,
+        settings.subid_base,  # the pool's base: each pooled sandbox has a uid slot of its own
         spec.gateway_dir is not None,
         [(str(m.source), m.target, m.read_only) for m in spec.mounts],
     ]
@@ -165,7 +168,7 @@ def fill(backend: PodmanBackend, template: SandboxSpec, size: int, *, ttl: float
     settings = backend.settings
     if template.runtime not in POOL_RUNTIMES or backend.unsafe_extra_args:
         raise ConfigError(f"no pool for runtime {template.runtime} or a weakened backend")
-    facts = check_spec(template, subid_base=settings.subid_base)
+    facts = check_spec(template, subid_base=settings.sandbox_subid_base)
     assert facts is not None
     key = pool_key(template, settings, facts.id)
     started: list[str] = []
@@ -206,11 +209,13 @@ def _start_one(
     }
     spec = spec.replace(labels=labels)
     created = time.time()
+    # A host uid range of its own from birth; a claim hands it to the task it serves.
+    uid_slot = claim_uid_slot(settings, slot)
     try:
         with env_file({}) as envf:
             args = run_args(
                 spec,
-                settings,
+                settings.for_slot(uid_slot),
                 facts,
                 detach=True,
                 env_file=envf.path,
@@ -239,9 +244,11 @@ def _start_one(
         with contextlib.suppress(AgentboxError):
             force_remove(slot)
         shutil.rmtree(sdir, ignore_errors=True)
+        release_uid_slot(settings, slot)
         raise
     ready = {
         "key": key,
+        "uid_slot": uid_slot,
         "id": cid,
         "go": go,
         "created": created,
@@ -274,7 +281,7 @@ def claim(
         or not (root / "slots").is_dir()
     ):
         return False
-    facts = check_spec(spec, subid_base=settings.subid_base)
+    facts = check_spec(spec, subid_base=settings.sandbox_subid_base)
     assert facts is not None
     key = pool_key(spec, settings, facts.id)
     now = time.time()
@@ -282,6 +289,7 @@ def claim(
         if (
             ready is None
             or ready.get("key") != key
+            or not isinstance(ready.get("uid_slot"), int)  # an older pool's: shared ids
             or float(ready.get("expires", 0)) < now + EXPIRY_MARGIN
             or float(ready.get("max_deadline", 0)) < spec.deadline
         ):
@@ -292,6 +300,7 @@ def claim(
             continue
         if not alive(ready):
             discard(sdir)
+            release_uid_slot(settings, sdir.name)
             continue
         try:
             _bind_task(backend, spec, argv, sdir, ready, log_path)
@@ -358,7 +367,13 @@ def _bind_task(
     )
     record = root / "claims" / f"{spec.name}.json"
     renamed = triggered = False
+    # The task's files follow to the pooled sandbox's own uid (its slot becomes the task's).
+    task_uid = settings.sandbox_host_uid
+    pool_uid = slot_base(settings, int(ready["uid_slot"])) + spec.uid
+    mine = [d for d in (spec.workspace, spec.gateway_dir) if d is not None]
     try:
+        for d in mine:
+            reown(d, task_uid, pool_uid)
         (root / "claims").mkdir(mode=0o700, exist_ok=True)
         rec = {
             "id": ready["id"],
@@ -407,9 +422,14 @@ def _bind_task(
             disk.release()
         record.unlink(missing_ok=True)
         discard(sdir)
+        release_uid_slot(settings, slot)
         if triggered:
             raise
+        for d in mine:  # the fresh path runs it under the task's own slot again
+            reown(d, pool_uid, task_uid)
         raise _NotStarted(str(exc)) from exc
+    release_uid_slot(settings, spec.name)  # the task's own slot: free again
+    transfer(settings, slot, spec.name)
     backend.claimed[spec.name] = {
         "Id": ready["id"],
         "Name": spec.name,

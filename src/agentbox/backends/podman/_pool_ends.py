@@ -13,6 +13,7 @@ from pathlib import Path
 
 from agentbox import _proc
 from agentbox.backends._oci_cli import force_remove
+from agentbox.backends._uidslots import release as release_uid_slot
 from agentbox.backends.podman._detach import inspect
 from agentbox.backends.podman._pool_slots import (
     SLOT_PREFIX,
@@ -46,6 +47,9 @@ def release(settings: Settings, name: str) -> bool:
     found = sdir.is_dir()
     if found:
         discard(sdir)
+    # Its host uid range (the slot's, handed to the task at claim) is free again.
+    release_uid_slot(settings, name)
+    release_uid_slot(settings, slot)
     if rec is not None:
         (root / "claims" / f"{name}.json").unlink(missing_ok=True)
     return found
@@ -80,6 +84,7 @@ def sweep(settings: Settings, *, everything: bool = False) -> list[str]:
             with contextlib.suppress(AgentboxError):
                 force_remove(sdir.name)
             discard(sdir)
+            release_uid_slot(settings, sdir.name)
             removed.append(sdir.name)
         if not any((root / "slots").iterdir()) and is_mount(root):
             with contextlib.suppress(AgentboxError):
