@@ -140,6 +140,7 @@ def register(app: typer.Typer) -> None:
         launcher = in_process(1, settings)
         try:
             prev = launcher.get(validate_task_id(previous))
+            flagged = _flagged_of(launcher, prev.id)
         finally:
             launcher.close(wait=False)
         if task_id is not None:
@@ -149,9 +150,40 @@ def register(app: typer.Typer) -> None:
             budget_usd=budget_usd, deadline=deadline, task_id=task_id, publish=not no_publish,
             continue_from=prev.id,
         )  # fmt: skip
+        _show_flagged(prev.id, flagged)
         if detach:
             _detach(settings, req, as_json=as_json)
         _foreground(req, None, as_json=as_json)
+
+
+def _flagged_of(launcher: Any, task_id: str) -> list[Any]:
+    """The flagged paths of a finished task's result (its report's), or []."""
+    from agentbox.errors import AgentboxError
+
+    try:
+        got = launcher.result(task_id).report.get("flagged")
+    except AgentboxError:
+        return []
+    return got if isinstance(got, list) else []
+
+
+def _show_flagged(task_id: str, flagged: list[Any]) -> None:
+    """Before a resume starts: the paths of the branch it continues that make tools run
+    code (the new agent's Claude Code reads that branch's .claude/ settings and hooks).
+    On stderr, so --json output stays JSON."""
+    if not flagged:
+        return
+    from agentbox.cli._view import err, safe
+
+    err.print(safe(
+        f"WARNING: the branch of {task_id} this task continues has {len(flagged)} path(s) "
+        "that make tools run code (the new agent starts on them; its Claude Code runs the "
+        "hooks in .claude/, inside the sandbox):", "bold yellow",
+    ))  # fmt: skip
+    for f in flagged[:200]:
+        if isinstance(f, dict):
+            line = f"  {f.get('change', '?')} {f.get('path', '?')}: {f.get('reason', '')}"
+            err.print(safe(line, "yellow"), soft_wrap=True)
 
 
 def _boxfile(settings: Settings, path: Path | None) -> Boxfile | None:
