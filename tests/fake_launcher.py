@@ -1,4 +1,4 @@
-"""The harness of the live-restore tests on the FakeBackend (``tests/integration/test_live_restore_*``).
+"""The harness of the live-restore tests on the FakeBackend (``test_live_restore_*``).
 
 The real launcher code runs (store, workers, workspace copy, shadow-git collection,
 publishing into a real git repo); the sandbox is the in-process FakeBackend and the
@@ -30,8 +30,8 @@ from agentbox.launcher import Launcher, TaskRequest, _runner
 from agentbox.launcher._store import Store
 from git_helpers import git
 
-#: The handshake version the next stand-in gateway writes (None: it writes none, as a
-#: gateway from before the handshake did). Reset to the current one by ``fake``.
+#: The handshake version the next stand-in gateway writes (None: it writes none).
+#: Reset to the current one by ``fake``.
 HANDSHAKE: dict[str, int | None] = {"v": HANDSHAKE_VERSION}
 
 

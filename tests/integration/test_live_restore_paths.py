@@ -1,4 +1,4 @@
-"""Live restore paths that had no test of their own (issue 19), on the FakeBackend.
+"""Live restore paths, on the FakeBackend.
 
 * a launcher dies while its task is ``collecting``: the next one collects it again,
   exactly once, and publishes (before or after the dead one's publish);
@@ -6,7 +6,7 @@
   one queues it again (nothing of the agent ran) and it runs once; and when the
   sandbox did start, the next one re-adopts it, never launching it twice;
 * the gateway handshake (``gateway.json``): a gateway of the current version is
-  re-adopted, one of a newer version is refused (the task settled, saying why).
+  re-adopted, one of a newer version or none is refused (the task settled, saying why).
 
 The real launcher code runs (store, workers, shadow-git collection, publishing into
 a real git repo); the sandbox is the in-process FakeBackend and the gateway a
@@ -186,8 +186,8 @@ def test_a_launcher_that_dies_right_after_the_launch_has_it_adopted_not_rerun(
 
 @pytest.mark.parametrize(
     ("version", "adopted"),
-    [(HANDSHAKE_VERSION, True), (None, True), (HANDSHAKE_VERSION + 1, False)],
-    ids=["current", "before-the-handshake", "newer"],
+    [(HANDSHAKE_VERSION, True), (None, False), (HANDSHAKE_VERSION + 1, False)],
+    ids=["current", "none", "newer"],
 )
 def test_a_gateway_is_adopted_by_its_handshake_version(
     settings: Settings,
@@ -197,8 +197,8 @@ def test_a_gateway_is_adopted_by_its_handshake_version(
     version: int | None,
     adopted: bool,
 ) -> None:
-    """A running task whose gateway speaks this launcher's handshake (or none, from an
-    older version) is re-adopted; a gateway of a newer version is refused: the task is
+    """A running task whose gateway speaks this launcher's handshake is re-adopted; a
+    gateway of a newer version, or one that wrote no handshake, is refused: the task is
     settled (partial result collected) with the reason in its transcript."""
     tid = _new_id(5 + (version or 0))
     go = threading.Event()
@@ -227,7 +227,12 @@ def test_a_gateway_is_adopted_by_its_handshake_version(
     else:
         assert info.status == "failed" and "interrupted" in (info.error or ""), info
         assert la2.store.get(tid).adoptions == 0
-        assert f"speaks handshake version {version}, newer than this launcher's" in log, log
+        why = (
+            "wrote no handshake"
+            if version is None
+            else f"speaks handshake version {version}, newer than this launcher's"
+        )
+        assert why in log, log
         _until(lambda: not GATEWAYS[0].alive())  # settled: its gateway stopped too
     assert git(repo, "show", f"{la2.result(tid).branch}:work.txt") == "w\n"
     assert _launches(f"agentbox-task-{tid}") == 1

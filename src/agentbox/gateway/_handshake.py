@@ -1,13 +1,13 @@
 """The gateway's handshake file: what a launcher checks before it re-adopts a gateway.
 
-A task's gateway outlives the launcher that started it (live restore, issue 19); the
-next launcher, maybe of a newer version, verifies the process it finds (pid, start
-time, command line) and then reads ``gateway.json``, which the gateway writes beside
-its usage file when it starts, before it drops privileges or reads a byte from the
+A task's gateway outlives the launcher that started it (live restore); the next
+launcher, maybe of a newer version, verifies the process it finds (pid, start time,
+command line) and then reads ``gateway.json``, which the gateway writes beside its
+usage file when it starts, before it drops privileges or reads a byte from the
 sandbox: ``{"v": HANDSHAKE_VERSION, "pid": ..., "started": ...}``. A launcher adopts a
 gateway whose version it knows and refuses (the task is settled, with the reason) one
-of a newer version, whose control and files it cannot vouch for. A gateway of a
-version before the handshake wrote no file (:func:`read_handshake` gives version 0).
+of a newer version, or one that wrote no handshake, whose control and files it cannot
+vouch for.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def write_handshake(state_dir: Path) -> None:
 
 
 def read_handshake(state_dir: Path) -> Handshake | None:
-    """The handshake in ``state_dir``: None when there is none (a gateway from before
-    the handshake); ``ValueError`` naming what is wrong when it is malformed."""
+    """The handshake in ``state_dir``: None when there is none; ``ValueError`` naming
+    what is wrong when it is malformed."""
     path = state_dir / HANDSHAKE_FILE
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -103,15 +103,15 @@ def gateway_refusal(gw: Owner | None, paths: TaskPaths) -> str | None:
 
 def handshake_refusal(gw: Owner, paths: TaskPaths) -> str | None:
     """None if the gateway's handshake (``gateway.json`` in its state dir, see
-    :mod:`agentbox.gateway._handshake`) is one this launcher speaks; a gateway from
-    before the handshake wrote none and is adopted on its pid, start and command line."""
+    :mod:`agentbox.gateway._handshake`) is one this launcher speaks; a gateway that
+    wrote none is not one whose files and signals it can vouch for."""
     state = paths.usage_file.with_name(paths.usage_file.name + ".d")
     try:
         hs = read_handshake(state if state.is_dir() else paths.usage_file.parent)
     except ValueError as exc:
         return f"its gateway's handshake is unreadable: {exc}"
     if hs is None:
-        return None
+        return "its gateway wrote no handshake (gateway.json)"
     if hs.pid != gw.pid:
         return f"its gateway's handshake names pid {hs.pid}, not {gw.pid}"
     if hs.version > HANDSHAKE_VERSION:
