@@ -77,9 +77,15 @@ def gateway(
         typer.Option(help="Stop by itself at this unix time (a task's deadline plus a grace)"),
     ] = None,
 ) -> None:
-    """Run one task's model gateway until SIGTERM."""
+    """Run one task's model gateway until SIGTERM.
+
+    Started by a person (no --ready-fd), it says on stderr where it listens once it
+    serves, as ``agentbox model serve`` does, so ``agentbox gateway … &`` can be waited for.
+    """
     from agentbox.gateway._command import run
 
+    if ready_fd is None:
+        ready_fd = _say_when_listening(f"gateway listening on {listen} (model {model})")
     run(
         listen=listen,
         model=model,
@@ -103,3 +109,22 @@ def gateway(
         ready_fd=ready_fd,
         exit_at=exit_at,
     )
+
+
+def _say_when_listening(line: str) -> int:
+    """A descriptor for ``--ready-fd``: once the gateway writes ``ready`` to it, ``line``
+    goes to stderr (from a thread, so the gateway's own start is not delayed)."""
+    import os
+    import sys
+    import threading
+
+    read_end, write_end = os.pipe()
+
+    def wait() -> None:
+        with os.fdopen(read_end, "rb") as fh:
+            if fh.read(5) == b"ready":  # nothing: the gateway ended before it served
+                sys.stderr.write(f"{line}; Ctrl-C stops it\n")
+                sys.stderr.flush()
+
+    threading.Thread(target=wait, name="agentbox-gateway-ready", daemon=True).start()
+    return write_end
