@@ -12,7 +12,8 @@ make it fire (:mod:`agentbox.escape._controls`):
 * ``tty``      the probe exec'd with a terminal (``exec -t``) on a normal sandbox;
 * ``fd``       the probe exec'd with a host file descriptor passed in (``--preserve-fds``);
 * ``stall``    the host latency meter run while the host itself is deliberately stalled;
-* ``kernel``   the kernel comparison run against a runc container (which shares the kernel).
+* ``kernel``   the kernel comparison run against a runc container (which shares the kernel);
+* ``shared``   two hardened sandboxes forced onto one host uid range.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _U = "audit tools"
 _I11 = "issue 11"
 _I18 = "issue 18"
 _I12 = "issue 12"
+_I33 = "issue 33"
 
 
 def _in(pid: str, tried: str, expected: str, source: str, control: str = "weak") -> ProbeSpec:
@@ -143,6 +145,13 @@ PROBES: tuple[ProbeSpec, ...] = (
     _host("host.seccomp", "Seccomp of every sandbox thread", "2", _B),
     _host("host.uid", "host uid of every sandbox thread", "the mapped uid, not 0/yours", _A),
     _host("host.uid_map", "uid_map of the sandbox", "sandbox uid -> mapped host uid", _A),
+    _host(
+        "host.uid_own_range",
+        "host uids of every thread vs a neighbour sandbox's (started beside it, own slot)",
+        "none shared: a range of its own",
+        _I33,
+        "shared",
+    ),
     _host("host.ns_net", "network namespace vs the host's", "its own", _B),
     _host("host.ns_pid", "pid namespace vs the host's", "its own", _U),
     _host("host.ns_ipc", "ipc namespace vs the host's", "its own", _A),

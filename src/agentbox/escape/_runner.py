@@ -185,6 +185,9 @@ def run_real(
         pids = sandbox_pids(box)
         facts["host_pids"] = len(pids)
         outcomes += host_outcomes(pids, view)
+        from agentbox.escape._uidrange import neighbour_outcome
+
+        outcomes.append(neighbour_outcome(backend, settings, spec, pids, vm=vm))
         outcomes.append(kernel_outcome(box, runtime, backend.shares_host_kernel(runtime)))
         outcomes += quota_outcomes(box, view)
         # The egress proxy, asked from inside for inner targets (its socket in the gateway dir).

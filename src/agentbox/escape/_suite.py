@@ -13,6 +13,7 @@ from agentbox.escape._fixtures import Fixture
 from agentbox.escape._model import Outcome, Report
 from agentbox.escape._registry import PROBES
 from agentbox.escape._runner import real_spec, run_real
+from agentbox.escape._uidrange import own_slot, shared_range_control
 
 __all__ = ["run_suite"]
 
@@ -46,6 +47,22 @@ def run_suite(
     image = image or settings.image
     report = Report(backend=backend.name, runtime=runtime, isolation=isolation)
     t0 = time.monotonic()
+    with own_slot(settings, backend.name) as slotted:  # a uid range of its own
+        backend, settings = get_backend(backend.name, slotted), slotted
+        _run(report, backend, settings, runtime, isolation, image, controls)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _run(
+    report: Report,
+    backend: Backend,
+    settings: Settings,
+    runtime: str,
+    isolation: str,
+    image: str,
+    controls: bool,
+) -> None:
     with Fixture(uid=settings.sandbox_host_uid) as fx:
         outcomes, _, facts = run_real(
             backend, settings, fx, image=image, runtime=runtime, isolation=isolation
@@ -64,7 +81,10 @@ def run_suite(
             # the probe program, so a hardened podman sandbox of its own serves any backend.
             got += _exec_controls_on_podman(settings, fx, image)
             got.append(stall_control())
+            got.append(
+                shared_range_control(
+                    settings, image, real_spec(fx, settings, image, "runc", "standard")
+                )
+            )
             order = {p.id: i for i, p in enumerate(PROBES)}
             report.controls = sorted(got, key=lambda o: order.get(o.id, 999))
-    report.seconds = time.monotonic() - t0
-    return report
