@@ -273,6 +273,7 @@ def test_peer_check_closes_an_outsider_before_any_http(
     """With every file mode opened wide (the start-up window of old), an outsider still gets
     no HTTP byte back: SO_PEERCRED is checked on accept. A member still gets answers."""
     real = stack.real_socket()
+    stack.data.chmod(0o755)  # the data dir is closed to outsiders too (issue 33 §3)
     real.parent.chmod(0o777)
     real.chmod(0o666)
     out = call_as(UID_X, stack.link, "GET", "/v1/tasks").raw

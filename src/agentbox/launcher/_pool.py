@@ -23,7 +23,7 @@ from agentbox.errors import AgentboxError
 from agentbox.launcher.api import DEFAULT_DEADLINE
 from agentbox.sandbox import spec_from_boxfile
 
-__all__ = ["PoolKeeper", "start_pool"]
+__all__ = ["PoolKeeper", "drain_leftovers", "start_pool"]
 
 log = get_logger("launcher.pool")
 
@@ -87,13 +87,33 @@ class PoolKeeper:
             return []
 
 
+def drain_leftovers(settings: Settings) -> list[str]:
+    """Remove the idle sandboxes a previous launcher's pool left (and, once no slot is
+    left, the pool's mount at ``data_dir/pool``): a launcher that keeps no pool, or
+    whose backend keeps none, starts without them (issue 33 §3). A claimed one is a
+    task's: it stays until its task settles."""
+    if not (settings.data_dir / "pool").is_dir():
+        return []
+    try:
+        removed = get_backend("podman", settings).drain_pool()
+    except (AgentboxError, OSError) as exc:
+        log.warning("the previous pool could not be drained", error=str(exc))
+        return []
+    if removed:
+        log.info("previous pool drained", removed=len(removed))
+    return removed
+
+
 def start_pool(settings: Settings) -> PoolKeeper | None:
-    """A running keeper when the settings ask for a pool the backend can keep; else None."""
+    """A running keeper when the settings ask for a pool the backend can keep; else None
+    (and what a previous launcher's pool left is drained)."""
     if settings.pool_size <= 0:
+        drain_leftovers(settings)
         return None
     backend = get_backend(settings.backend, settings)
     refused = backend.pool_refused(settings.runtime)
     if refused is not None:
         log.warning("no warm pool", reason=refused)
+        drain_leftovers(settings)
         return None
     return PoolKeeper(settings, backend).start()

@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from agentbox.errors import ConfigError, TaskIdRefused, TaskNotFound
+from agentbox.errors import AgentboxError, ConfigError, TaskIdRefused, TaskNotFound
 from agentbox.launcher.api import TaskInfo, TokenUsage
 
 __all__ = ["NOTES", "SCHEMA_VERSION", "Owner", "Stage", "Store", "TaskRow"]
@@ -327,6 +327,18 @@ def _labels(raw: str | None) -> dict[str, str] | None:
     return got
 
 
+class StoreUnreadable(AgentboxError):
+    """The task store cannot be opened (not ours to read, or not a database)."""
+
+
+def _private(path: Path) -> None:
+    """Create ``path`` 0600 if it is missing, before SQLite does: SQLite makes its
+    ``-wal`` and ``-shm`` files with the database's mode, and a database born under the
+    usual umask (0644) gave every local user the log of recent tasks' texts (issue 33 §3)."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+
+
 class _Held:
     """One thread's connection to the store, closed when the thread (or the store) goes."""
 
@@ -340,8 +352,10 @@ class _Held:
         self.synced = True
 
     def close(self) -> None:
-        with contextlib.suppress(sqlite3.Error):
-            self.db.close()
+        db = getattr(self, "db", None)  # None: the connect itself failed
+        if db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                db.close()
 
     def __del__(self) -> None:
         self.close()
@@ -356,18 +370,28 @@ class Store:
         # per operation synced the directory at its first commit (SQLite makes a newly
         # opened log's name durable), doubling the syncs of every state change.
         self._local = threading.local()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with self._conn() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            migrate(db, path=path)
-        with contextlib.suppress(OSError):
-            path.chmod(0o600)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _private(path)
+            with self._conn() as db:
+                db.execute("PRAGMA journal_mode=WAL")
+                migrate(db, path=path)
+        except (sqlite3.Error, OSError) as exc:
+            # One line, never a traceback (issue 33 §7): a non-root `agentbox rm` on
+            # root's data dir.
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            who = "" if os.geteuid() == 0 else f" (uid {os.geteuid()} may not: run this as root)"
+            raise StoreUnreadable(f"cannot open the task store {path}: {why}{who}") from None
+        for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
+            with contextlib.suppress(OSError):  # a store made before issue 33 (0644)
+                (path.parent / name).chmod(0o600)
         # Held open (never used) for the store's life: whenever the last connection to a
         # WAL database closes, SQLite checkpoints the log into the db and deletes it,
         # syncing both and the dir; each short-lived connection below would be that last
         # one (about 30 extra syncs per task). Commits stay synced as before.
-        self._keep: sqlite3.Connection | None = sqlite3.connect(path, check_same_thread=False)
-        self._keep.execute("PRAGMA schema_version").fetchone()  # opened for real: lazy before
+        keep = sqlite3.connect(path, check_same_thread=False)
+        keep.execute("PRAGMA schema_version").fetchone()  # opened for real: lazy before
+        self._keep: sqlite3.Connection | None = keep
 
     def close(self) -> None:
         """Let go of the held connection and this thread's (the next use still works);

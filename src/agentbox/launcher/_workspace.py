@@ -108,13 +108,14 @@ def ensure_private_dir(path: Path, mode: int = 0o700) -> None:
 
 
 def let_gofer_through(paths: TaskPaths, gofer_uid: int, tlog: TaskLog) -> None:
-    """Let gVisor's gofer (host uid ``subid_base``) search the tasks dir and this task's.
+    """Let gVisor's gofer (the mapped root of the sandbox's uid slot) search the data dir,
+    the tasks dir and this task's.
 
     It opens the workspace and gateway dir (bind-mount sources) as that uid, which is
     neither owner nor group of these private dirs: a named-user ACL entry gives it
     ``--x`` there and nobody else anything (``o+x`` would open them to every user).
     """
-    for d in (paths.data_dir / "tasks", paths.root):
+    for d in (paths.data_dir, paths.data_dir / "tasks", paths.root):
         try:
             grant_search(d, gofer_uid)
         except OSError as exc:

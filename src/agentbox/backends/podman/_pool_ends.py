@@ -25,6 +25,7 @@ from agentbox.backends.podman._pool_slots import (
     pool_dir,
     slot_log,
     slots,
+    unmount_if_empty,
 )
 from agentbox.backends.podman._pool_view import claim_record
 from agentbox.config import Settings
@@ -52,6 +53,8 @@ def release(settings: Settings, name: str) -> bool:
     release_uid_slot(settings, slot)
     if rec is not None:
         (root / "claims" / f"{name}.json").unlink(missing_ok=True)
+    if found and settings.pool_size <= 0:
+        unmount_if_empty(root)  # a pool of a launcher before this one: its last task ended
     return found
 
 

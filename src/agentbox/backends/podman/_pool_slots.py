@@ -40,6 +40,7 @@ __all__ = [
     "slot_log",
     "slots",
     "unbind",
+    "unmount_if_empty",
     "write",
 ]
 
@@ -121,12 +122,32 @@ def unescape(field: str) -> str:
 
 def share(root: Path) -> None:
     """Make the pool dir a shared mount of itself: what the host mounts in a slot then
-    reaches the sandbox's ``rslave`` bind of it."""
-    (root / "slots").mkdir(parents=True, exist_ok=True, mode=0o755)
-    root.chmod(0o755)
+    reaches the sandbox's ``rslave`` bind of it.
+
+    The pool dir is root's, 0700: a slot's ``ws`` holds the claim's go-file (the task's
+    argv with its text, and its gateway token) until the workspace is bound over it,
+    then the task's workspace; no other local user may look in (issue 33 §3). A
+    sandbox reaches its slot through its own bind mounts, never through this path."""
+    (root / "slots").mkdir(parents=True, exist_ok=True, mode=0o700)
+    root.chmod(0o700)
+    (root / "slots").chmod(0o700)
     if not is_mount(root):
         _proc.run(["mount", "--bind", root, root], timeout=60)
     _proc.run(["mount", "--make-shared", root], timeout=60)
+
+
+def unmount_if_empty(root: Path) -> bool:
+    """Unmount the pool dir's bind of itself once no slot is left; True if it went."""
+    try:
+        if any((root / "slots").iterdir()):
+            return False
+    except FileNotFoundError:
+        pass
+    if not is_mount(root):
+        return False
+    with contextlib.suppress(AgentboxError):
+        _proc.run(["umount", root], timeout=60)
+    return not is_mount(root)
 
 
 def pool_dir(settings: Settings) -> Path:
@@ -214,7 +235,7 @@ def write(path: Path, data: dict[str, Any], *, mode: int) -> None:
 def locked(settings: Settings) -> Iterator[Path]:
     """One filler or sweeper at a time per data dir (claims do not take it)."""
     root = pool_dir(settings)
-    root.mkdir(parents=True, exist_ok=True, mode=0o755)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(settings.data_dir / "pool.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
