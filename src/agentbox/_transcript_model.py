@@ -34,7 +34,11 @@ DEFAULT_OUTPUT_CHARS = 8_000
 #: Cap of a tool call's input and of an agent text block, in characters.
 MAX_INPUT_CHARS = 4_000
 
-Kind = Literal["phase", "session", "text", "tool_call", "tool_result", "error", "refusal", "result"]
+#: ``stop``: the model ended a turn on its own for a reason worth saying (it refused,
+#: its context window was full), from the gateway's request records.
+Kind = Literal[
+    "phase", "session", "text", "tool_call", "tool_result", "error", "refusal", "result", "stop"
+]
 
 
 class Event(BaseModel):

@@ -106,6 +106,15 @@ def _gateway(paths_root: Path) -> tuple[TokenUsage, dict[str, int], list[Event]]
         if why == "budget_exhausted" or (why == "budget" and u.exhausted):
             text += f" (budget exhausted after {u.weighted_total:,.0f} of {u.budget:,} tokens)"
         events.append(Event(seq=0, time=when, source="gateway", kind="refusal", text=text))
+    if u.upstream_error:
+        # One line per count: a follower (`run`, `logs -f`) prints each new one as it comes.
+        run = f"{u.upstream_failing} in a row" if u.upstream_failing else "answering since"
+        text = (f"upstream of model {u.model} failed ({run}, {u.upstream_errors} errors "
+                f"in all); last: {u.upstream_error}")  # fmt: skip
+        events.append(Event(seq=0, time=when, source="gateway", kind="error", text=cap(text, 500)))
+    if u.upstream_down:
+        text = f"gave up on the upstream: {u.upstream_down}"
+        events.append(Event(seq=0, time=when, source="gateway", kind="error", text=cap(text, 500)))
     return tokens, refusals, events
 
 
@@ -131,6 +140,50 @@ def _turn_tokens(task_root: Path, agent: list[Event]) -> list[TurnTokens]:
     return turns
 
 
+#: Stop reasons said as such in the transcript (others are a turn's ordinary end).
+MODEL_STOPS = {
+    "refusal": "the model refused to continue (stop_reason refusal)",
+    "model_context_window_exceeded": "the model's context window is full "
+    "(stop_reason model_context_window_exceeded): the turn was cut off",
+}
+
+
+def _model_stops(turns: list[TurnTokens]) -> list[Event]:
+    """An event for each turn the model ended by refusing or on a full context window."""
+    return [
+        Event(seq=0, time=t.time, source="gateway", kind="stop", text=MODEL_STOPS[t.stop_reason])
+        for t in turns
+        if t.stop_reason in MODEL_STOPS
+    ]
+
+
+_STARTED = "Claude Code started (model "
+
+
+def _name_models(agent: list[Event], task_root: Path) -> None:
+    """The "Claude Code started (model …)" event names the task's model (and the
+    upstream's id), and what the agent asked for when that is neither: the gateway's
+    records, not the agent's claim."""
+    from agentbox.errors import AgentboxError
+    from agentbox.gateway import read_requests, read_usage
+
+    try:
+        model = read_usage(task_root / "usage.json").model
+    except AgentboxError:
+        return
+    records = read_requests(task_root / "usage.json")
+    upstream = next((r.model for r in records if r.model), "")
+    asked = next((r.asked for r in records if r.asked), None)
+    for e in agent:
+        if e.kind == "session" and e.text.startswith(_STARTED):
+            claimed, _, rest = e.text[len(_STARTED) :].partition(", ")
+            said = f"{_STARTED}{model}" + (f" = {upstream}" if upstream not in ("", model) else "")
+            asked = asked or claimed.rstrip(")")
+            if asked and asked not in (model, upstream, "?"):
+                said += f"; the agent asked for {asked}"
+            e.text = f"{said}, {rest}" if rest else f"{said})"
+
+
 def read_transcript(
     task_root: Path, *, created_at: float | None = None, max_output: int = DEFAULT_OUTPUT_CHARS
 ) -> Transcript:
@@ -141,6 +194,8 @@ def read_transcript(
     phases = _launcher_events(logs / "launcher.log", created_at)
     tokens, refusals, gw = _gateway(task_root)
     turn_tokens = _turn_tokens(task_root, p.events)
+    gw = [*gw, *_model_stops(turn_tokens)]
+    _name_models(p.events, task_root)
     # Agent events without a time (init, result) take their neighbour's: stable order.
     agent = p.events
     running = next((i for i, e in enumerate(phases) if e.text.startswith("running ")), None)

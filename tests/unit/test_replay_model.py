@@ -166,7 +166,7 @@ def test_demo_script_is_valid() -> None:
          "turns.0: a turn with branches has no content of its own"),
         ("turns:\n  - {branches: []}\n", "turns.0: branches must not be empty"),
         ("turns:\n  - content: [{text: a, tool_use: {name: x}}]\n",
-         "turns.0.content.0: a block has exactly one of text or tool_use"),
+         "turns.0.content.0: a block has exactly one of text, tool_use or thinking"),
         ("turns:\n  - {tool_use: [{name: ''}]}\n",
          "turns.0.tool_use.0.name: String should have at least 1 character"),
         ("turns:\n  - {tool_use: [{name: A, id: x}, {name: B, id: x}]}\n",

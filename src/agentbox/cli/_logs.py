@@ -60,6 +60,7 @@ def event_lines(e: Event, *, full: bool) -> list[Text]:
         said = (
             f"{_clock(e.time)} {'turn':<8} tokens (metered by the gateway): in {t.input:,} · "
             f"out {t.output:,} · cache {t.cache_read + t.cache_creation:,}"
+            + (f" · ${t.cost_usd:.4f}" if t.cost_usd is not None else "")
         )
         lines.insert(0, Text(said, style="dim"))
     return lines
@@ -110,8 +111,12 @@ def _event_lines(e: Event, *, full: bool) -> list[Text]:
                 )
             )
         return res
-    label = {"phase": "launcher", "refusal": "gateway", "error": "ERROR"}.get(e.kind, "agent")
-    style = {"error": "bold red", "refusal": "yellow", "phase": "blue"}.get(e.kind, "")
+    label = {"phase": "launcher", "refusal": "gateway", "error": "ERROR", "stop": "model"}.get(
+        e.kind, "agent"
+    )
+    style = {"error": "bold red", "refusal": "yellow", "phase": "blue", "stop": "yellow"}.get(
+        e.kind, ""
+    )
     head.append(f"{label:<8} ", style=style or _SOURCE_STYLE.get(e.source, ""))
     text = e.text if full or e.kind != "text" else _one_line(e.text, 600)
     body = visible(text).splitlines() or [""]

@@ -14,11 +14,19 @@ import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
+from agentbox._log import get_logger
 from agentbox.gateway._budget import Ledger, Reservation
 from agentbox.gateway._meter import StreamMeter, TokenCount, message_meta, usage_from_message
 from agentbox.gateway._reqlog import RequestLog
 from agentbox.gateway._upstream import Pool, UpstreamError, UpstreamResponse, UpstreamTimeout
 from agentbox.gateway._wire import Receive, Scope, Send, error_body, header, send_error, send_json
+
+log = get_logger("gateway")
+
+#: Upstream failures in a row after which the gateway gives up on it and the task ends:
+#: Claude Code retries a failed request by itself (with a back-off), so a few failures
+#: in a row are an upstream that is down, not a blip.
+UPSTREAM_DOWN_AFTER = 4
 
 if TYPE_CHECKING:
     from agentbox.gateway._app import GatewayConfig
@@ -71,6 +79,27 @@ class Forwarding:
                                 stop_reason=meta[2], complete=complete, asked=res.asked,
                                 cost_usd=cost)  # fmt: skip
 
+    def upstream_failed(self, error: str) -> None:
+        """Count a failure of the upstream (no answer, a timeout, a 5xx); after
+        :data:`UPSTREAM_DOWN_AFTER` in a row, give up on it (``usage.upstream_down``)."""
+        u = self.ledger.usage
+        u.upstream_failing += 1
+        u.upstream_error = "".join(c if c.isprintable() else "?" for c in error[:300])
+        log.warning("upstream failed", error=u.upstream_error, in_a_row=u.upstream_failing)
+        if u.upstream_failing >= UPSTREAM_DOWN_AFTER and not u.upstream_down:
+            e = self.cfg.entry
+            u.upstream_down = (
+                f"model {e.name!r} ({e.kind}): its upstream {self.cfg.upstream_url} failed "
+                f"{u.upstream_failing} times in a row: {u.upstream_error}"
+            )
+
+    def upstream_answered(self, status: int) -> None:
+        """An answer: a 5xx counts as a failure, anything else ends a run of them."""
+        if status >= 500:
+            self.upstream_failed(f"answered HTTP {status}")
+        else:
+            self.ledger.usage.upstream_failing = 0
+
     def pool(self) -> Pool:
         """The upstream connection pool."""
         raise NotImplementedError
@@ -121,11 +150,14 @@ class Forwarding:
             finally:
                 await resp.aclose()
         except UpstreamTimeout as exc:
+            self.upstream_failed(f"timed out ({type(exc).__name__})")
             await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
             return
         except UpstreamError as exc:
+            self.upstream_failed(str(exc))
             await send_error(send, 502, f"upstream failed: {exc}")
             return
+        self.upstream_answered(resp.status)
         if content is None:
             await send_error(send, 502, "upstream answer too large or broken")
             return
@@ -134,6 +166,27 @@ class Forwarding:
             await self._send_upstream_error(send, resp.status, content, resp)
             return
         await send_json(send, 200, content, self._reply_headers(resp))
+
+    def _note_model_error(self, status: int, content: bytes) -> None:
+        """Record an upstream's "no such model" or "model retired" answer in the usage file:
+        the launcher then fails the task naming the registry entry, not the agent."""
+        if status not in (400, 404, 410):
+            return
+        try:
+            err = json.loads(content).get("error")
+            kind, message = err.get("type"), err.get("message")
+        except (ValueError, RecursionError, AttributeError):
+            return
+        if not isinstance(message, str) or not isinstance(kind, str):
+            return
+        low = message.lower()
+        if kind == "not_found_error" or (
+            "model" in low and any(w in low for w in ("deprecat", "retired", "not found",
+                                                       "does not exist", "unknown model"))
+        ):  # fmt: skip
+            self.ledger.usage.model_error = "".join(
+                c if c.isprintable() else "?" for c in message[:300]
+            )
 
     async def _send_upstream_error(
         self, send: Send, status: int, content: bytes, resp: UpstreamResponse
@@ -167,20 +220,24 @@ class Forwarding:
         try:
             resp = await self._upstream(scope, "messages", body, betas)
         except UpstreamTimeout as exc:
+            self.upstream_failed(f"timed out ({type(exc).__name__})")
             self.ledger.release(res)
             self.ledger.usage.upstream_errors += 1
             await send_error(send, 504, f"upstream timed out: {type(exc).__name__}")
             return
         except UpstreamError as exc:
+            self.upstream_failed(str(exc))
             self.ledger.release(res)
             self.ledger.usage.upstream_errors += 1
             await send_error(send, 502, f"upstream failed: {exc}")
             return
+        self.upstream_answered(resp.status)
         try:
             if not 200 <= resp.status < 300:
                 self.ledger.usage.upstream_errors += 1
                 content = await self._read_capped(resp, _MAX_ERROR_BODY)
                 self.ledger.release(res)
+                self._note_model_error(resp.status, content or b"")
                 if self._reqlog is not None:  # not billed: a record of the status only
                     self._reqlog.append(
                         message_id=None,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbox._log import get_logger
+from agentbox.gateway._replay_answer import Answer, signature, sse
 from agentbox.gateway._script import Block, InjectedError, ReplayScript, Turn
 from agentbox.gateway._wire import (
     BodyTooLarge,
@@ -115,92 +116,8 @@ def _template(value: Any, cwd: str | None) -> Any:
     return value
 
 
-def _sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
 class _NoCwd(Exception):
     """The script uses ``{{cwd}}`` but the request names no working directory."""
-
-
-class _Answer:
-    """One assistant message, ready to send as JSON or as SSE events."""
-
-    def __init__(
-        self,
-        *,
-        model: str,
-        blocks: list[dict[str, Any]],
-        stop_reason: str,
-        usage: dict[str, int],
-        chunk_size: int,
-    ) -> None:
-        self.id = new_id("msg")
-        self.model = model
-        self.blocks = blocks
-        self.stop_reason = stop_reason
-        self.usage = usage
-        self.chunk_size = chunk_size
-
-    def message(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": self.blocks,
-            "stop_reason": self.stop_reason,
-            "stop_sequence": None,
-            "usage": self.usage,
-        }
-
-    def events(self) -> list[bytes]:
-        start_usage = {**self.usage, "output_tokens": min(1, self.usage["output_tokens"])}
-        head = {**self.message(), "content": [], "stop_reason": None, "usage": start_usage}
-        out = [_sse("message_start", {"type": "message_start", "message": head})]
-        n = self.chunk_size
-        for i, block in enumerate(self.blocks):
-            if block["type"] == "text":
-                start: dict[str, Any] = {"type": "text", "text": ""}
-                text = block["text"]
-                deltas = [
-                    {"type": "text_delta", "text": text[j : j + n]} for j in range(0, len(text), n)
-                ]
-            else:
-                start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-                js = json.dumps(block["input"], separators=(",", ":"))
-                deltas = [
-                    {"type": "input_json_delta", "partial_json": js[j : j + n]}
-                    for j in range(0, len(js), n)
-                ]
-            out.append(
-                _sse(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": i, "content_block": start},
-                )
-            )
-            if i == 0:
-                out.append(_sse("ping", {"type": "ping"}))
-            for d in deltas:
-                out.append(
-                    _sse(
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": i, "delta": d},
-                    )
-                )
-            out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": i}))
-        out.append(
-            _sse(
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": self.stop_reason, "stop_sequence": None},
-                    "usage": {"output_tokens": self.usage["output_tokens"]},
-                },
-            )
-        )
-        out.append(_sse("message_stop", {"type": "message_stop"}))
-        return out
 
 
 class ReplayModel:
@@ -357,7 +274,7 @@ class ReplayModel:
         turn: Turn | None,
         body_len: int,
         cwd: str | None,
-    ) -> _Answer:
+    ) -> Answer:
         out: list[dict[str, Any]] = []
         chars = 0
         for b in blocks:
@@ -365,6 +282,10 @@ class ReplayModel:
                 text = _template(b.text, cwd)
                 out.append({"type": "text", "text": text})
                 chars += len(text)
+            elif b.thinking is not None:
+                out.append({"type": "thinking", "thinking": b.thinking,
+                            "signature": b.signature or signature(b.thinking)})  # fmt: skip
+                chars += len(b.thinking)  # thinking is billed as output
             elif b.tool_use is not None:
                 inp = _template(b.tool_use.input, cwd)
                 out.append(
@@ -379,7 +300,7 @@ class ReplayModel:
         if stop_reason is None:
             stop_reason = "tool_use" if any(b["type"] == "tool_use" for b in out) else "end_turn"
         declared = turn.usage if turn is not None else None
-        usage = {
+        usage: dict[str, Any] = {
             "input_tokens": max(1, body_len // 4),
             "output_tokens": max(1, chars // 4),
             "cache_creation_input_tokens": 0,
@@ -392,7 +313,17 @@ class ReplayModel:
                 usage["output_tokens"] = declared.output_tokens
             usage["cache_creation_input_tokens"] = declared.cache_creation_input_tokens
             usage["cache_read_input_tokens"] = declared.cache_read_input_tokens
-        return _Answer(
+            if declared.cache_creation_1h_input_tokens:
+                hour = declared.cache_creation_1h_input_tokens
+                usage["cache_creation_input_tokens"] = max(
+                    declared.cache_creation_input_tokens, hour
+                )
+                split = {
+                    "ephemeral_5m_input_tokens": usage["cache_creation_input_tokens"] - hour,
+                    "ephemeral_1h_input_tokens": hour,
+                }
+                usage["cache_creation"] = split
+        return Answer(
             model=model,
             blocks=out,
             stop_reason=stop_reason,
@@ -404,7 +335,7 @@ class ReplayModel:
         self,
         send: Send,
         stream: bool,
-        answer: _Answer,
+        answer: Answer,
         turn: Turn | None,
         injected: InjectedError | None = None,
     ) -> None:
@@ -416,7 +347,7 @@ class ReplayModel:
         if injected is not None:
             # An error after the stream started: HTTP 200, then an ``error`` event.
             err = json.loads(error_body(injected.status, injected.message, injected.type))
-            events = [events[0], _sse("error", {"type": "error", "error": err["error"]})]
+            events = [events[0], sse("error", {"type": "error", "error": err["error"]})]
         limit = turn.truncate_after if turn is not None else None
         if limit is not None:
             events = events[:limit]

@@ -60,6 +60,10 @@ class Block:
 
     text: str | None = None
     tool_use: ToolUse | None = None
+    thinking: str | None = None
+    """A ``thinking`` block (streamed as ``thinking_delta``, then ``signature_delta``)."""
+    signature: str | None = None
+    """The thinking block's signature; default: one derived from its text."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class TurnUsage:
     output_tokens: int | None = None
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation_1h_input_tokens: int = 0
+    """Of the cache writes, those for one hour (``cache_creation.ephemeral_1h_input_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +101,12 @@ class Turn:
     text: str | None = None
     tool_use: list[ToolUse] = field(default_factory=list)
     content: list[Block] | None = None
-    """Explicit block order; otherwise ``text`` first, then ``tool_use`` blocks."""
+    """Explicit block order; otherwise ``thinking``, then ``text``, then ``tool_use`` blocks."""
+    thinking: str | None = None
+    """A thinking block before the answer (counted as output tokens, as the API does)."""
     stop_reason: str | None = None
-    """Default: ``tool_use`` when the turn uses a tool, else ``end_turn``."""
+    """Default: ``tool_use`` when the turn uses a tool, else ``end_turn``; also ``refusal``,
+    ``model_context_window_exceeded``, ``max_tokens`` …, as the API answers them."""
     usage: TurnUsage | None = None
     errors: list[InjectedError] = field(default_factory=list)
     delay: float = 0.0
@@ -112,7 +121,8 @@ class Turn:
         """The content blocks in answer order."""
         if self.content is not None:
             return list(self.content)
-        out = [Block(text=self.text)] if self.text is not None else []
+        out = [Block(thinking=self.thinking)] if self.thinking is not None else []
+        out += [Block(text=self.text)] if self.text is not None else []
         out += [Block(tool_use=t) for t in self.tool_use]
         return out
 
@@ -208,10 +218,17 @@ _tool_use = _obj(ToolUse, (("name", _name, ...), ("input", _input, dict),
 
 def _block(value: Any, key: str, errors: Errors) -> Any:
     n = len(errors)
-    spec = (("text", optional(_str), None), ("tool_use", optional(_tool_use), None))
+    spec = (
+        ("text", optional(_str), None),
+        ("tool_use", optional(_tool_use), None),
+        ("thinking", optional(_str), None),
+        ("signature", optional(_str), None),
+    )
     block = _obj(Block, spec)(value, key, errors)
-    if len(errors) == n and (block.text is None) == (block.tool_use is None):
-        errors.append((key, "a block has exactly one of text or tool_use"))
+    if len(errors) == n and (block.text, block.tool_use, block.thinking).count(None) != 2:
+        errors.append((key, "a block has exactly one of text, tool_use or thinking"))
+    elif len(errors) == n and block.signature is not None and block.thinking is None:
+        errors.append((key, "signature: only a thinking block has one"))
     return block
 
 
@@ -220,6 +237,7 @@ _turn_usage = _obj(TurnUsage, (
     ("output_tokens", optional(_ge0), None),
     ("cache_creation_input_tokens", _ge0, 0),
     ("cache_read_input_tokens", _ge0, 0),
+    ("cache_creation_1h_input_tokens", _ge0, 0),
 ))  # fmt: skip
 
 _injected = _obj(InjectedError, (
@@ -238,6 +256,7 @@ def _turn(value: Any, key: str, errors: Errors) -> Any:
         ("text", optional(_str), None),
         ("tool_use", sequence_of(_tool_use), list),
         ("content", optional(sequence_of(_block)), None),
+        ("thinking", optional(_str), None),
         ("stop_reason", optional(_str), None),
         ("usage", optional(_turn_usage), None),
         ("errors", sequence_of(_injected), list),
@@ -248,7 +267,8 @@ def _turn(value: Any, key: str, errors: Errors) -> Any:
     )
     turn = _obj(Turn, spec)(value, key, errors)
     if len(errors) == n and turn.branches is not None:
-        if turn.text is not None or turn.tool_use or turn.content is not None:
+        if (turn.text is not None or turn.tool_use or turn.content is not None
+                or turn.thinking is not None):  # fmt: skip
             errors.append((key, "a turn with branches has no content of its own"))
         elif not turn.branches:
             errors.append((key, "branches must not be empty"))

@@ -70,6 +70,16 @@ class Usage:
     """The task's dollar budget, if it has one."""
     reserved_usd: float = 0.0
     """Worst-case dollars held by requests in flight right now."""
+    model_error: str = ""
+    """The upstream said it has no such model, or retired it (its message), else ""."""
+    upstream_failing: int = 0
+    """Upstream failures in a row (no answer, a timeout, a 5xx); a success resets it."""
+    upstream_error: str = ""
+    """The last upstream failure, in words ("" when none)."""
+    upstream_down: str = ""
+    """Why the gateway gave up on its upstream (after :data:`UPSTREAM_DOWN_AFTER` failures
+    in a row), naming the registry entry, the upstream and the error; every later request
+    is refused, and the launcher ends the task with this as its error."""
 
     @property
     def remaining(self) -> float:
@@ -110,6 +120,10 @@ _FIELDS: tuple[tuple[str, Checker, Any], ...] = (
     ("budget_usd", optional(number), None),
     ("reserved_usd", number, 0.0),
     ("cache_creation_1h", integer, 0),
+    ("model_error", text, ""),
+    ("upstream_failing", integer, 0),
+    ("upstream_error", text, ""),
+    ("upstream_down", text, ""),
 )
 
 

@@ -36,7 +36,6 @@ our own words, naming the entry and the key (``[models.x] kind: …``).
 from __future__ import annotations
 
 import os
-import stat
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentbox.errors import ConfigError
+from agentbox.gateway._catalog import BUILTIN, DEMO_SCRIPT, RETIRED_MODELS
 from agentbox.gateway._check import (
     Checker,
     Errors,
@@ -68,6 +68,7 @@ from agentbox.gateway._policy import (
     RequestPolicy,
 )
 from agentbox.gateway._price import Price
+from agentbox.gateway._regfile import MAX_REGISTRY_BYTES, check_script, read_registry_file
 
 if TYPE_CHECKING:
     # Only a type here: the gateway process loads the registry without the settings
@@ -92,29 +93,6 @@ Kind = Literal["anthropic", "compatible", "replay"]
 
 #: The built-in offline default: the replay model playing the demo script.
 DEFAULT_MODEL = "replay-demo"
-#: A models file larger than this is refused (a registry is a few KB; this is a config
-#: file, not a place for data, and a huge one should not stall whoever reads it).
-MAX_REGISTRY_BYTES = 1 << 20
-#: The demo replay script shipped with agentbox (used by the offline demo).
-DEMO_SCRIPT = Path(__file__).parent / "demo" / "demo.yaml"
-
-#: Upstream model ids the provider has retired, and when (requests to them fail).
-#: ``agentbox doctor`` warns about a registry entry naming one. Sources: the provider's
-#: model-deprecations page and release notes (docs/reference/models.md, checked 2026-12-07).
-RETIRED_MODELS: Mapping[str, str] = {
-    "claude-sonnet-4-5": "2026-11-30",
-    "claude-sonnet-4-5-20250929": "2026-11-30",
-    "claude-sonnet-4-0": "2026-06-15",
-    "claude-sonnet-4-20250514": "2026-06-15",
-    "claude-opus-4-0": "2026-06-15",
-    "claude-opus-4-20250514": "2026-06-15",
-    "claude-opus-4-1": "2026-08-05",
-    "claude-opus-4-1-20250805": "2026-08-05",
-    "claude-3-7-sonnet-latest": "2026-02-19",
-    "claude-3-7-sonnet-20250219": "2026-02-19",
-    "claude-3-5-sonnet-20241022": "2025-10-22",
-    "claude-3-5-sonnet-20240620": "2025-10-22",
-}
 
 #: Request fields each upstream kind does not accept; stripped unless the entry says otherwise.
 #: Anthropic-compatible local servers (llama.cpp, vLLM) reject or mishandle the newer,
@@ -378,44 +356,6 @@ class Registry:
         return name in self._entries
 
 
-_BUILTIN: dict[str, dict[str, Any]] = {
-    DEFAULT_MODEL: {
-        "kind": "replay",
-        "upstream": str(DEMO_SCRIPT),
-        "upstream_model": "replay-demo",
-        "description": "Offline scripted model: writes a function and its test, runs them.",
-    },
-    "opus": {
-        "kind": "anthropic",
-        "upstream": "https://api.anthropic.com",
-        "upstream_model": "claude-opus-5-5",
-        "key_env": "ANTHROPIC_API_KEY",
-        "description": "Claude Opus 5.5 through the Anthropic API (key from the host env).",
-        "price": {"input": 4.0, "output": 20.0, "cache_write": 5.0, "cache_write_1h": 8.0,
-                  "cache_read": 0.2},
-    },
-    "sonnet": {
-        "kind": "anthropic",
-        "upstream": "https://api.anthropic.com",
-        "upstream_model": "claude-sonnet-5-5",
-        "key_env": "ANTHROPIC_API_KEY",
-        "description": "Claude Sonnet 5.5 through the Anthropic API (key from the host env).",
-        "price": {"input": 2.0, "output": 10.0, "cache_write": 2.5, "cache_write_1h": 4.0,
-                  "cache_read": 0.1},
-    },
-    "haiku": {
-        "kind": "anthropic",
-        "upstream": "https://api.anthropic.com",
-        "upstream_model": "claude-haiku-5-5",
-        "key_env": "ANTHROPIC_API_KEY",
-        "description": "Claude Haiku 5.5 through the Anthropic API (key from the host env).",
-        # The prompts-up-to-100k-tokens rates; longer prompts cost 5x (not modelled).
-        "price": {"input": 0.1, "output": 0.5, "cache_write": 0.125, "cache_write_1h": 0.2,
-                  "cache_read": 0.01},
-    },
-}  # fmt: skip
-
-
 def _parse(data: Mapping[str, Any], *, base: Path | None, source: str) -> Registry:
     models = data.get("models")
     if not isinstance(models, Mapping) or not models:
@@ -439,9 +379,7 @@ def _parse(data: Mapping[str, Any], *, base: Path | None, source: str) -> Regist
         if entry.kind == "replay" and base is not None and not Path(entry.upstream).is_absolute():
             entry = replace(entry, upstream=str(base / entry.upstream))
         if entry.kind == "replay":
-            _check_script(
-                Path(entry.upstream), f"model registry {source}: [models.{name}] upstream"
-            )
+            check_script(Path(entry.upstream), f"model registry {source}: [models.{name}] upstream")
         elif not entry.upstream.startswith(("http://", "https://")):
             raise ConfigError(
                 f"model registry {source}: [models.{name}] upstream must be an http(s) URL"
@@ -450,57 +388,9 @@ def _parse(data: Mapping[str, Any], *, base: Path | None, source: str) -> Regist
     return Registry(entries, source=source, default=default)
 
 
-def _check_script(path: Path, where: str) -> None:
-    """A replay entry's script must be a readable regular file now, not only inside a task."""
-    try:
-        st = path.stat()
-    except OSError as exc:
-        raise ConfigError(
-            f"{where}: replay script {path} cannot be read ({exc.strerror})"
-        ) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{where}: replay script {path} is not a regular file")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"{where}: replay script {path} is not readable")
-
-
 def builtin_registry() -> Registry:
     """The registry used when no models file is configured."""
-    return _parse({"models": _BUILTIN}, base=None, source="built-in")
-
-
-def _read_registry_file(path: Path) -> str:
-    """The text of a models file: a regular file, at most :data:`MAX_REGISTRY_BYTES`, UTF-8."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    except OSError as exc:
-        raise ConfigError(f"cannot read model registry {path}: {exc.strerror or exc}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"cannot read model registry {path}: not a regular file")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_REGISTRY_BYTES:
-            chunk = os.read(fd, MAX_REGISTRY_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        data = b"".join(chunks)
-    except OSError as exc:
-        raise ConfigError(f"cannot read model registry {path}: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
-    if len(data) > MAX_REGISTRY_BYTES:
-        raise ConfigError(
-            f"cannot read model registry {path}: larger than {MAX_REGISTRY_BYTES} bytes"
-        )
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"cannot read model registry {path}: not UTF-8 (byte {exc.start}: {exc.reason})"
-        ) from None
+    return _parse({"models": BUILTIN}, base=None, source="built-in")
 
 
 def load_registry(settings: Settings | None = None, path: Path | None = None) -> Registry:
@@ -513,7 +403,7 @@ def load_registry(settings: Settings | None = None, path: Path | None = None) ->
     path = path or (settings.models_file if settings is not None else None)
     if path is None:
         return builtin_registry()
-    text = _read_registry_file(path)
+    text = read_registry_file(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -22,7 +22,6 @@ import stat
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 from pydantic import TypeAdapter
 
@@ -33,11 +32,18 @@ from agentbox.config import Settings
 from agentbox.env import release_task_env
 from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError, PathRefused, PublishRefused
-from agentbox.gateway import GatewayHandle, Usage, read_usage
+from agentbox.gateway import GatewayHandle, read_usage
 from agentbox.launcher._context import TaskContext, TaskLog
 from agentbox.launcher._names import sandbox_name
 from agentbox.launcher._store import Store, TaskRow
-from agentbox.launcher.api import NO_CHANGES, TokenUsage
+from agentbox.launcher._usage_words import (
+    budget_error,
+    model_error,
+    model_fields,
+    task_tokens,
+    upstream_down,
+)
+from agentbox.launcher.api import NO_CHANGES
 from agentbox.paths import TaskPaths, check_inside
 from agentbox.transcript import summary as transcript_summary
 
@@ -161,20 +167,6 @@ def load_base(paths: TaskPaths) -> Base | None:
         return None
 
 
-def _tokens(paths: TaskPaths) -> tuple[TokenUsage, dict[str, Any]]:
-    try:
-        u = read_usage(paths.usage_file)
-    except AgentboxError:
-        return TokenUsage(), {}
-    t = TokenUsage(input=u.input, output=u.output, cache_creation=u.cache_creation,
-                   cache_read=u.cache_read, cost_usd=u.cost_usd)  # fmt: skip
-    extra = {"budget": u.budget, "budget_usd": u.budget_usd, "cost_usd": u.cost_usd,
-             "weighted_total": u.weighted_total, "exhausted": u.exhausted,
-             "requests": u.requests, "refusals": dict(u.refusals),
-             "clamped": u.clamped}  # fmt: skip
-    return t, extra
-
-
 def collect_and_finish(
     ctx: TaskContext,
     row: TaskRow,
@@ -191,7 +183,7 @@ def collect_and_finish(
     """
     settings, store, paths, tlog = ctx.settings, ctx.store, ctx.paths, ctx.tlog
     store.update(row.id, expect={"running", "collecting"}, status="collecting")
-    tokens, usage_extra = _tokens(paths)
+    tokens, usage_extra = task_tokens(paths)
     refusals = usage_extra.get("refusals") or {}
     base = load_base(paths)
     message = _final_message(paths.log_dir / "agent.jsonl")
@@ -272,7 +264,7 @@ def collect_and_finish(
     data["usage"] = usage_extra
     # Dollars at the model's registry prices; null: the price is unknown (never $0).
     data["cost_usd"] = tokens.cost_usd
-    data.update(_model_fields(settings, row.model))
+    data.update(model_fields(settings, row.model))
     data["agent_ran"] = agent_ran
     data["deadline_s"] = row.deadline
     data["repo"] = row.repo
@@ -337,10 +329,15 @@ def settle(
     """
     paths, store = ctx.paths, ctx.store
     status, error, exit_code = outcome
+    down = upstream_down(paths)
+    if down is not None and status in ("failed", "done", "timed_out"):
+        status, error = "failed", down  # the agent's exit says only "API error"
     with contextlib.suppress(AgentboxError):
-        why = budget_error(read_usage(paths.usage_file))
+        usage = read_usage(paths.usage_file)
+        why = budget_error(usage) or model_error(ctx.settings, usage)
         if why is not None and status in ("failed", "done"):
-            # Claude Code reports a 403 as "Failed to authenticate": say what it was.
+            # Claude Code reports a 403 as "Failed to authenticate", a 404 as an API error:
+            # say what it was.
             status, error = "failed", why
     if not agent_ran:
         # A failure before the agent started (no image, a sandbox that would not start):
@@ -412,41 +409,6 @@ def _budget_stopped(paths: TaskPaths, status: str) -> bool:
         return budget_error(read_usage(paths.usage_file)) is not None
     except AgentboxError:  # no usage file (a reconciled task): not a budget stop
         return False
-
-
-def _model_fields(settings: Settings, model: str) -> dict[str, Any]:
-    """The report's ``model_scripted`` and, for a scripted model, the line that says so."""
-    from agentbox.gateway.registry import scripted_note
-
-    note = scripted_note(model, settings)
-    out: dict[str, Any] = {"model_scripted": note is not None}
-    if note is not None:
-        out["model_note"] = note.removeprefix("note: ")
-    return out
-
-
-def budget_error(usage: Usage) -> str | None:
-    """The task's error when the gateway refused for budget ("budget exhausted after N of M
-    tokens"), else None."""
-    refused = sum(usage.refusals.get(k, 0) for k in ("budget_exhausted", "over_budget"))
-    if not usage.exhausted and not refused:
-        return None
-    if (
-        usage.budget_usd is not None
-        and usage.cost_usd is not None
-        and usage.weighted_total < usage.budget
-    ):
-        from agentbox.gateway._price import format_usd
-
-        return (
-            f"dollar budget exhausted after {format_usd(usage.cost_usd)} of "
-            f"{format_usd(usage.budget_usd)} (the gateway refused {refused} request(s) for "
-            f"budget)"
-        )
-    return (
-        f"budget exhausted after {usage.weighted_total:,.0f} of {usage.budget:,} tokens "
-        f"(the gateway refused {refused} request(s) for budget)"
-    )
 
 
 def finish_orphan(settings: Settings, store: Store, row: TaskRow) -> None:
