@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from agentbox.backends._oci_cli import ENV_MEMFD_NAME, env_file, sweep_stale_env_dirs
+from agentbox.backends._oci_cli import ENV_MEMFD_NAME, env_file
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import ConfigError
@@ -261,49 +258,3 @@ def test_a_sigkilled_podman_caller_leaves_no_env_on_disk(
     finally:
         removed = podman_boxes.backend.cleanup_orphans()
     assert name in removed
-
-
-# --- the sweep of older versions' leftovers -------------------------------------------------
-
-
-def test_sweep_removes_only_our_stale_env_dirs(tmp_path: Path) -> None:
-    old = time.time() - 3600
-
-    def made(name: str, *, age: float | None = old, uid: int | None = None) -> Path:
-        d = tmp_path / name
-        d.mkdir(mode=0o700)
-        (d / "env").write_text("AB_TOKEN=stale\n")
-        if uid is not None:
-            os.chown(d, uid, uid)
-        if age is not None:
-            os.utime(d, (age, age))
-        return d
-
-    stale = made("agentbox-env-stale")
-    fresh = made("agentbox-env-fresh", age=None)
-    other = made("agentbox-env-other", uid=65534) if os.geteuid() == 0 else None
-    unrelated = made("agentbox-conmon-x")
-    target = made("target")
-    link = tmp_path / "agentbox-env-link"
-    link.symlink_to(target)
-    os.utime(link, (old, old), follow_symlinks=False)
-
-    assert sweep_stale_env_dirs(tmp_path) == [stale]
-    assert not stale.exists()
-    assert fresh.exists() and unrelated.exists() and link.is_symlink()
-    assert (target / "env").exists(), "the sweep followed a link"
-    if other is not None:
-        assert other.exists(), "the sweep removed another user's dir"
-
-
-@pod
-def test_cleanup_orphans_sweeps_stale_env_dirs(sandbox_settings: Settings) -> None:
-    d = Path(tempfile.mkdtemp(prefix="agentbox-env-", dir=TMP))
-    (d / "env").write_text("AB_TOKEN=stale\n")
-    old = time.time() - 3600
-    os.utime(d, (old, old))
-    try:
-        PodmanBackend(sandbox_settings).cleanup_orphans()
-        assert not d.exists()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)

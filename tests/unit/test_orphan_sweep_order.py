@@ -46,7 +46,6 @@ def test_a_task_started_while_the_sweep_lists_is_not_an_orphan(
     monkeypatch.setattr(_adopt, "list_task_gateways", lambda s: [("t-new", gw), ("t-gone", gw)])
     monkeypatch.setattr(_adopt, "reap_sandbox", lambda backend, name, data: reaped.append(name))
     monkeypatch.setattr(_adopt, "kill_gateway", lambda g: reaped.append(f"gateway {g.pid}"))
-    monkeypatch.setattr(_adopt, "sweep_stale_files", lambda: [])
 
     _adopt.remove_orphans(settings, store)
 
@@ -76,7 +75,6 @@ def test_a_live_tasks_setup_sandbox_is_not_an_orphan(
     monkeypatch.setattr(_adopt, "owned_sandboxes", lambda s: listed)
     monkeypatch.setattr(_adopt, "list_task_gateways", lambda s: [])
     monkeypatch.setattr(_adopt, "reap_sandbox", lambda backend, name, data: reaped.append(name))
-    monkeypatch.setattr(_adopt, "sweep_stale_files", lambda: [])
 
     _adopt.remove_orphans(settings, store)
 

@@ -11,8 +11,10 @@ backend's name: they ask its traits (``kind``, ``runtimes``,
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from pathlib import Path
+import secrets
+from collections.abc import Iterator
 from typing import Any
 
 from agentbox._log import get_logger
@@ -35,7 +37,7 @@ __all__ = [
     "release_uid_slot",
     "slot_settings",
     "sweep_pools",
-    "sweep_stale_files",
+    "uid_slot",
 ]
 
 log = get_logger("backends")
@@ -64,6 +66,19 @@ def slot_settings(name: str, settings: Settings, slot: int) -> Settings:
             )
         return settings.model_copy(update={"sandbox_uid": uid})
     return settings.for_slot(slot)
+
+
+@contextlib.contextmanager
+def uid_slot(settings: Settings, backend: str, what: str) -> Iterator[Settings]:
+    """``settings`` for one sandbox of ``backend`` outside the launcher (``agentbox exec``,
+    the escape suite) holding a uid slot of its own: claimed here, released at the end
+    (a process killed meanwhile leaves it to the next reconcile)."""
+    owner = f"agentbox-{what}-{secrets.token_hex(6)}"
+    slot = claim_uid_slot(settings, owner)
+    try:
+        yield slot_settings(backend, settings, slot)
+    finally:
+        release_uid_slot(settings, owner)
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -118,11 +133,3 @@ def sweep_pools(settings: Settings) -> list[str]:
         except (AgentboxError, OSError, ImportError) as exc:
             log.debug("backend swept no pool here", backend=name, error=str(exc))
     return removed
-
-
-def sweep_stale_files() -> list[Path]:
-    """Remove what older versions of the backends left on the host (environment dirs
-    under ``/tmp`` a killed caller left); return what was removed."""
-    from agentbox.backends._oci_cli import sweep_stale_env_dirs
-
-    return sweep_stale_env_dirs()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import stat
 import subprocess
 import tempfile
@@ -29,7 +28,6 @@ from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxErr
 __all__ = [
     "MAX_CAPTURE",
     "MAX_COPY_OUT",
-    "STALE_ENV_AGE",
     "Capture",
     "EnvFile",
     "cgroup_pids",
@@ -40,15 +38,12 @@ __all__ = [
     "owner_start",
     "podman_error",
     "stdin_fd",
-    "sweep_stale_env_dirs",
 ]
 
 #: Output kept in memory per stream when no callback is given; the rest is dropped.
 MAX_CAPTURE = 64 * 1024 * 1024
 #: copy_out refuses archives bigger than this (the sandbox controls their size).
 MAX_COPY_OUT = 4 * 1024**3
-#: A stale ``agentbox-env-*`` dir (older versions) must be at least this old to be swept.
-STALE_ENV_AGE = 300.0
 #: The memfd's name, as ``/proc/PID/fd`` shows it (``/memfd:agentbox-env (deleted)``).
 ENV_MEMFD_NAME = "agentbox-env"
 _ENV_NAME_OK = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
@@ -113,37 +108,6 @@ def env_file(env: Mapping[str, str]) -> Iterator[EnvFile]:
         yield EnvFile(fd, os.getpid())
     finally:
         os.close(fd)
-
-
-def sweep_stale_env_dirs(tmp: Path | None = None, *, min_age: float = STALE_ENV_AGE) -> list[Path]:
-    """Remove ``agentbox-env-*`` dirs that older versions left in the temp dir; return them.
-
-    Versions before the memfd wrote the environment to ``/tmp/agentbox-env-*/env``
-    and left it behind when killed with SIGKILL. Only directories (not links) owned
-    by our uid and untouched for ``min_age`` seconds go: the temp dir is shared, and
-    another user's entry, or one a live older-version caller is still using, stays.
-    """
-    root = Path(tempfile.gettempdir()) if tmp is None else tmp
-    removed: list[Path] = []
-    now = time.time()
-    try:
-        entries = list(root.glob("agentbox-env-*"))
-    except OSError:
-        return removed
-    for d in entries:
-        try:
-            st = d.lstat()
-        except OSError:
-            continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            continue
-        if now - st.st_mtime < min_age:
-            continue
-        # rmtree works on descriptors and refuses a link swapped in for the dir.
-        with contextlib.suppress(OSError):
-            shutil.rmtree(d)
-            removed.append(d)
-    return removed
 
 
 @contextlib.contextmanager

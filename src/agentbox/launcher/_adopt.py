@@ -38,7 +38,6 @@ from agentbox.backends import (
     owned_sandboxes,
     reap_uid_slots,
     sweep_pools,
-    sweep_stale_files,
 )
 from agentbox.config import Settings
 from agentbox.env import release_task_env, setup_sandbox_name
@@ -379,10 +378,6 @@ def remove_orphans(settings: Settings, store: Store, *, keep: Collection[str] = 
     # Warm pools: not in what the backends list above; a dead keeper's entries go here.
     for name in sweep_pools(settings):
         log.warning("removed a pooled sandbox whose keeper is gone", sandbox=name)
-    # Older versions wrote sandbox environments (one-time tokens) to /tmp and left
-    # them there when killed; the current one keeps them in memory only.
-    for stale in sweep_stale_files():
-        log.warning("removed a stale environment dir of an older version", path=str(stale))
     live_ids = {r.id for r in alive + held}
     for task_id, gw in gateways:
         if task_id not in live_ids:

@@ -61,7 +61,6 @@ from agentbox.backends._oci_cli import (
     owner_start,
     podman_error,
     stdin_fd,
-    sweep_stale_env_dirs,
 )
 from agentbox.backends._oci_posture import wait_relay
 from agentbox.backends._oci_sandbox import start_on_disk
@@ -407,12 +406,7 @@ class PodmanBackend(PodmanDetached):
     def cleanup_orphans(self) -> list[str]:
         """Remove labelled containers whose owner process is gone, except detached ones;
         return their names.
-
-        Also sweeps the stale ``/tmp/agentbox-env-*`` dirs older versions left
-        behind when killed (see :func:`sweep_stale_env_dirs`).
         """
-        for d in sweep_stale_env_dirs():
-            log.info("removed a stale environment dir of an older version", path=str(d))
         removed = []
         removed_disks = []
         for c in self.list_sandboxes():
