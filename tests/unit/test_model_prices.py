@@ -105,3 +105,17 @@ def test_a_dollar_budget_needs_a_price() -> None:
     with pytest.raises(ValueError, match="no price"):
         Ledger(budget=100, model="m", budget_usd=1.0)
     assert Ledger(budget=100, model="m").usage.cost_usd is None  # unknown, never $0
+
+
+def test_doctor_warns_about_a_retired_model_id(tmp_path: Path) -> None:
+    from agentbox.cli._doctor import _models
+    from agentbox.config import Settings
+
+    f = tmp_path / "models.toml"
+    f.write_text('[models.sonnet]\nkind = "anthropic"\nupstream = "https://api.anthropic.com"\n'
+                 'upstream_model = "claude-sonnet-4-5"\n')  # fmt: skip
+    check = _models(Settings(models_file=f))
+    assert check.status == "partial" and not check.essential
+    assert "claude-sonnet-4-5, retired by its provider on 2026-11-30" in check.facility.detail
+    assert "update the registry" in check.facility.fix
+    assert _models(Settings()).status == "ok"  # the built-in registry is current

@@ -201,6 +201,27 @@ def _image(settings: Settings) -> _host.Facility:
     return _host.Facility("image", True, f"{info.name}{extra}{root}")
 
 
+def _models(settings: Settings) -> Check:
+    """The model registry loads, and names no model id its provider retired (a warning:
+    every task of such an entry would fail at its first request)."""
+    from agentbox.gateway.registry import load_registry
+
+    try:
+        reg = load_registry(settings)
+    except AgentboxError as exc:
+        fac = _host.Facility("models", False, str(exc), "fix the models file")
+        return Check(fac, False, "refused")
+    retired = [e for e in reg if e.retired]
+    if not retired:
+        return _row(_host.Facility("models", True, f"{len(reg)} entries ({reg.source})"))
+    said = "; ".join(
+        f"[models.{e.name}] names {e.target_model}, retired by its provider on {e.retired}"
+        for e in retired
+    )
+    fix = f"update the registry ({reg.source}): a current upstream_model (agentbox models)"
+    return Check(_host.Facility("models", False, said, fix), False, "partial")
+
+
 def checks(settings: Settings) -> list[Check]:
     """Probe everything the doctor reports, in display order."""
     from agentbox.backends import get_backend
@@ -229,6 +250,7 @@ def checks(settings: Settings) -> list[Check]:
     out.append(_row(_apt_sources(), essential=True))
     out.append(_row(_host.claude_code(settings.claude_binary)))
     out.append(_row(_image(settings)))
+    out.append(_models(settings))
     return out
 
 
