@@ -391,6 +391,12 @@ class Gateway(Forwarding):
             self._refuse(spent.reason)
             await send_error(send, 403, str(spent))
             return
+        if down := self.ledger.usage.upstream_down:
+            # Given up on (``Forwarding.upstream_failed``): a 403, which the agent does not
+            # retry, ends the task with this as its error, not at its deadline.
+            self._refuse("upstream_down")
+            await send_error(send, 403, f"the gateway gave up: {down}")
+            return
         if route == "count_tokens":
             await self._count_tokens(scope, out, betas, send)
             return

@@ -37,6 +37,7 @@ from agentbox.gateway import load_registry, read_usage
 from agentbox.launcher import _runner, _session
 from agentbox.launcher._adopt import adopt, take_over
 from agentbox.launcher._cancel import cancel_task
+from agentbox.launcher._reach import check_local_upstream
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._uidslot import run_in_slot
 from agentbox.launcher._validate import git_readonly, validate
@@ -141,6 +142,7 @@ class Launcher:
             raise RefusedError("the launcher is stopping (draining): it takes no new task")
         registry = load_registry(self.settings)
         v = validate(request, self.settings, registry, boxfile=boxfile)
+        check_local_upstream(registry.get(v.model))  # a local model server that is down
         source = "the --boxfile"
         if boxfile is None:
             # The repo's own .agentbox/Boxfile.toml, from its commit (never the work tree);
