@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentbox import _proc
 from agentbox.backends._oci_sandbox import wait_relay_inside
+from agentbox.backends._uidslots import slot_base, slot_of
 from agentbox.backends._userns_limits import SANDBOX_CAPS, SANDBOX_RLIMITS
 from agentbox.backends.base import (
     GATEWAY_DIR_IN_SANDBOX,
@@ -282,7 +283,10 @@ def process_checks(
 def _host_checks(spec: SandboxSpec, settings: Settings, info: dict[str, Any]) -> list[PostureCheck]:
     hc = info.get("HostConfig") or {}
     res = spec.resources
-    base = settings.sandbox_subid_base
+    # The range the sandbox holds: its own slot's (a pooled sandbox's, handed to the task
+    # at claim, is the one recorded under its name), else the settings' range.
+    held = slot_of(settings, spec.name)
+    base = settings.sandbox_subid_base if held is None else slot_base(settings, held)
     ulimits = {u.get("Name"): (u.get("Soft"), u.get("Hard")) for u in hc.get("Ulimits") or []}
     mounts = sorted(str(m.get("Destination")) for m in info.get("Mounts") or [])
     checks = [

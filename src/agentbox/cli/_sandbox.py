@@ -97,6 +97,24 @@ def _workspace(settings: Settings, given: Path | None) -> Iterator[Path]:
         shutil.rmtree(ws, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _own_slot(
+    settings: Settings, given: Path | None, backend: str | None, boxfile: Path | None
+) -> Iterator[Settings]:
+    """Settings for a sandbox holding a host uid range of its own (a uid slot, released at
+    the end). A workspace you give keeps the slot-less range from ``subid_base`` (the
+    owner you gave it, ``settings.sandbox_host_uid``, is the sandbox's then)."""
+    if given is not None or os.geteuid() != 0:
+        yield settings
+        return
+    from agentbox.backends import uid_slot
+    from agentbox.boxfile import load_boxfile
+
+    named = load_boxfile(boxfile).model_dump(exclude_unset=True) if boxfile else {}
+    with uid_slot(settings, backend or named.get("backend") or settings.backend, "exec") as mine:
+        yield mine
+
+
 def _prepare(
     boxfile: Path | None,
     backend: str | None,
@@ -140,10 +158,13 @@ def exec_cmd(
     from agentbox._reap import exit_on_signals, guarded
     from agentbox.config import load_settings
 
-    settings = load_settings()
     # A signal unwinds through run() (which destroys the sandbox) before the process
     # ends; a SIGKILL is answered by the guard, which reaps the sandbox at once.
-    with exit_on_signals(), _workspace(settings, workspace) as ws:
+    with (
+        exit_on_signals(),
+        _own_slot(load_settings(), workspace, backend, boxfile) as settings,
+        _workspace(settings, workspace) as ws,
+    ):
         be, spec = _prepare(boxfile, backend, runtime, mount, ws, settings, cold=cold)
         out, err = sys.stdout.buffer, sys.stderr.buffer
 
@@ -178,8 +199,11 @@ def shell_cmd(
     from agentbox.config import load_settings
     from agentbox.errors import UnsupportedError
 
-    settings = load_settings()
-    with exit_on_signals(), _workspace(settings, workspace) as ws:
+    with (
+        exit_on_signals(),
+        _own_slot(load_settings(), workspace, backend, boxfile) as settings,
+        _workspace(settings, workspace) as ws,
+    ):
         be, spec = _prepare(boxfile, backend, runtime, mount, ws, settings)
         interactive = getattr(be, "interactive", None)
         if interactive is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from agentbox._log import get_logger
-from agentbox.backends import get_backend
+from agentbox.backends import get_backend, uid_slot
 from agentbox.backends.base import Backend
 from agentbox.config import Settings
 from agentbox.escape._controls import exec_controls, run_weak_controls, stall_control
@@ -13,7 +13,7 @@ from agentbox.escape._fixtures import Fixture
 from agentbox.escape._model import Outcome, Report
 from agentbox.escape._registry import PROBES
 from agentbox.escape._runner import real_spec, run_real
-from agentbox.escape._uidrange import own_slot, shared_range_control
+from agentbox.escape._uidrange import shared_range_control
 
 __all__ = ["run_suite"]
 
@@ -47,7 +47,7 @@ def run_suite(
     image = image or settings.image
     report = Report(backend=backend.name, runtime=runtime, isolation=isolation)
     t0 = time.monotonic()
-    with own_slot(settings, backend.name) as slotted:  # a uid range of its own
+    with uid_slot(settings, backend.name, "escape") as slotted:  # a uid range of its own
         backend, settings = get_backend(backend.name, slotted), slotted
         _run(report, backend, settings, runtime, isolation, image, controls)
     report.seconds = time.monotonic() - t0

@@ -9,11 +9,7 @@ before uid slots): the probe must fire.
 
 from __future__ import annotations
 
-import contextlib
-import secrets
-from collections.abc import Iterator
-
-from agentbox.backends import claim_uid_slot, get_backend, release_uid_slot, slot_settings
+from agentbox.backends import get_backend, uid_slot
 from agentbox.backends.base import Backend, SandboxSpec
 from agentbox.config import Settings
 from agentbox.escape import _hostcheck as hc
@@ -22,25 +18,13 @@ from agentbox.escape._model import Outcome, Status
 from agentbox.escape._probeio import _outcome
 from agentbox.escape._registry import by_id
 
-__all__ = ["neighbour_outcome", "own_slot", "shared_range_control"]
+__all__ = ["neighbour_outcome", "shared_range_control"]
 
 PROBE = "host.uid_own_range"
 #: gVisor's Sentry: runsc started as root runs it as the host's nobody in a user namespace
 #: of its own, with that one id mapped (hard-coded in runsc's sandbox start); every
 #: gVisor sandbox's Sentry shares it. The gofer runs as the slot's mapped root.
 SENTRY_UID = 65534
-
-
-@contextlib.contextmanager
-def own_slot(settings: Settings, backend: str, what: str = "escape") -> Iterator[Settings]:
-    """``settings`` for a sandbox of ``backend`` holding a uid slot of its own (claimed
-    here, released at the end)."""
-    owner = f"agentbox-{what}-{secrets.token_hex(6)}"
-    slot = claim_uid_slot(settings, owner)
-    try:
-        yield slot_settings(backend, settings, slot)
-    finally:
-        release_uid_slot(settings, owner)
 
 
 def _uids(pids: list[int]) -> set[int]:
@@ -82,8 +66,10 @@ def neighbour_outcome(
         return verdict(own, own, applies=False)
     sentry = not vm and not backend.shares_host_kernel(spec.runtime)
     with (
-        own_slot(settings, backend.name, "escape-nb") as nb_settings,
-        get_backend(backend.name, nb_settings).create(_bare(spec, "nb")) as nb,
+        uid_slot(settings, backend.name, "escape-nb") as nb_settings,
+        get_backend(backend.name, nb_settings).create(
+            _bare(spec, "nb").replace(uid=nb_settings.sandbox_uid)
+        ) as nb,
     ):
         return verdict(own, sandbox_pids(nb), sentry=sentry)
 
