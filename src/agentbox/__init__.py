@@ -3,7 +3,7 @@
 The public surface is small; implementation lives in subpackages. The names below
 are imported on first use (PEP 562): importing any ``agentbox.x`` module imports
 this package first, and the per-task gateway (``python -m agentbox.gateway``) must
-not pay for the Boxfile model and the settings loader it never uses (issue 15).
+not pay for the Boxfile model and the settings loader it never uses.
 """
 
 from __future__ import annotations

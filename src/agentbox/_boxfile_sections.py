@@ -96,7 +96,7 @@ class Resources(Strict):
 class Mount(Strict):
     """A read-only host directory made visible inside the sandbox."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     source: Path
@@ -169,7 +169,7 @@ class Setup(Strict):
     pip, npm and uv use, through the task's egress proxy; ``[network] allow`` adds to it).
     """
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     run: tuple[str, ...] = Field(min_length=1, max_length=MAX_SETUP_COMMANDS)
@@ -232,7 +232,7 @@ class NetworkPolicy(Strict):
     ``egress_allow_cap`` setting bounds them (checked when a task is validated).
     """
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     allow: tuple[str, ...] = Field(default=(), max_length=MAX_ALLOWED_HOSTS)
@@ -262,7 +262,7 @@ class ImageBuild(Strict):
     :func:`agentbox.image.build_for_boxfile` before a sandbox is made from the Boxfile.
     """
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     containerfile: Path

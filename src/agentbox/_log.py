@@ -15,7 +15,7 @@ JSON lines are the same fields in call order, then ``event``, ``level``, ``times
 Why not structlog itself: ``import structlog`` imports ``rich.traceback``,
 ``rich.pretty``, pygments and attrs to render the tracebacks of logged exceptions,
 and asyncio. That was ~0.1 s of every ``agentbox run`` before its task was recorded,
-and MiBs in each per-task process (gateway, VM monitor) that logs (issue 15).
+and MiBs in each per-task process (gateway, VM monitor) that logs.
 """
 
 from __future__ import annotations

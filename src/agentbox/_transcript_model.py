@@ -77,7 +77,7 @@ class Event(BaseModel):
 class TurnTokens(BaseModel):
     """One model request as the gateway metered it (``requests.jsonl``, never model text)."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     message_id: str | None = None
@@ -96,7 +96,7 @@ class TurnTokens(BaseModel):
 class TestCommand(BaseModel):
     """The last command the agent ran that looks like running tests."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     command: str
@@ -107,7 +107,7 @@ class TestCommand(BaseModel):
 class Transcript(BaseModel):
     """A task's events and what they add up to."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     events: list[Event] = Field(default_factory=list)
@@ -135,7 +135,7 @@ MAX_PAGE = 500
 class TranscriptPage(BaseModel):
     """Events ``since`` .. ``next`` of a task's transcript (the launcher's ``transcript`` call)."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     task_id: str

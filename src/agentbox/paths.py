@@ -48,7 +48,7 @@ def private_data_dir(data_dir: Path) -> Path:
 
     Every task's text, repo path, token and workspace lives below it (the state db and
     its log, the warm pool's slots, the task dirs): a local user outside the group
-    reaches none of it, whatever mode a file below was born with (issue 33 §3). A data
+    reaches none of it, whatever mode a file below was born with. A data
     dir that is not ours (another user's, or root's for a non-root caller) is left as it
     is; a link in its place is not followed.
     """

@@ -15,7 +15,7 @@ Under gVisor (runsc) ``clone3`` stays allowed: its Sentry does not take glibc's
 fallback path (threads fail to start with ENOSYS), and a user namespace made there
 is the Sentry's own, never the host kernel's. ``unshare`` is still guarded.
 
-Sockets: an allow-list of address families (issue 11, item 7). podman's default
+Sockets: an allow-list of address families. podman's default
 profile allows ``socket`` for every family, and several reach past the network
 namespace: ``AF_VSOCK`` is not scoped by it at all, so on a host that is itself a VM
 (this one is: ``/dev/vsock``) the hypervisor is one ``connect`` away; others are

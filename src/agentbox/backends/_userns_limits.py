@@ -4,7 +4,7 @@ The kernel charges some per-user counters at every level of the user-namespace
 tree (``inc_ucount``/``inc_rlimit_ucounts``), up to the user that owns the
 top-level namespace. podman, running as root, makes each sandbox's user namespace
 owned by root, so what a sandbox spends is also spent from *root's* host-wide
-quota. Measured here on runc (issue 18, item 2): a sandbox that called
+quota. Measured here on runc: a sandbox that called
 ``inotify_init1`` until it failed got all 128 of ``fs.inotify.max_user_instances``,
 and root on the host got EMFILE at once; the same held for POSIX message queues
 (9 queues spent root's 800 KiB ``RLIMIT_MSGQUEUE``) and queued real-time signals

@@ -1,7 +1,7 @@
 """The podman sandbox's disk limit: its workspace on a sparse ext4 image, loop-mounted for its life.
 
 A container's ``/workspace`` is a bind mount of a host directory, so without
-more the agent writes to the host's disk without bound (issue 11: 5 GB with
+more the agent writes to the host's disk without bound (5 GB with
 ``fallocate``, 200k files, in seconds). The data dir here is an ext4 without
 project quotas, so every sandbox with a workspace gets its own filesystem:
 

@@ -273,7 +273,7 @@ class Backend(Protocol):
     runtimes: tuple[str, ...]
     #: Whether it restores sandboxes from a snapshot (built with ``cold=True``, it boots fresh).
     snapshots: bool
-    #: None if its sandboxes take an environment (issue 12: ``[setup]``'s phase with its
+    #: None if its sandboxes take an environment (``[setup]``'s phase with its
     #: egress socket, a frozen environment mounted copy-on-write, ``[network] allow``);
     #: else why not, which the refusal at submit quotes (``env.check_env_policy``).
     environments_refused: str | None

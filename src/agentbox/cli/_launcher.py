@@ -2,7 +2,7 @@
 
 ``serve`` is the long-lived privileged daemon that service managers (and chaos kills)
 restart, so this module imports nothing at the top beyond typer: a restart pays for
-the launcher itself, not for the MCP server, httpx's client or rich tables (issue 15).
+the launcher itself, not for the MCP server, httpx's client or rich tables.
 
 ``stop`` stops the launcher serving this data dir.
 

@@ -2,7 +2,7 @@
 
 Each command module (``_run.py``, ``_mcp.py``, ...) pulls in what its commands need:
 pydantic models, the launcher, httpx, rich tables, the MCP SDK. Importing all fifteen
-for every invocation cost ~1.5 s before any command ran (issue 15), and the
+for every invocation cost ~1.5 s before any command ran, and the
 long-lived ``agentbox launcher serve`` paid it on every restart. So the root group
 knows each top-level command by name, module and one line of help (:data:`COMMANDS`),
 and :meth:`LazyGroup.get_command` imports the module (calls its ``register(app)`` on a

@@ -293,7 +293,7 @@ def _foreground(
 
 
 def _say_scripted(model: str, settings: Settings) -> None:
-    """One line on stderr when the task's model is scripted (issue 27 item 2)."""
+    """One line on stderr when the task's model is scripted."""
     from agentbox.gateway.registry import scripted_note
 
     note = scripted_note(model, settings)

@@ -59,7 +59,7 @@ class Limits(BaseModel):
 class Skipped(BaseModel):
     """One path that was not collected as the agent left it, and why."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True, frozen=True)
 
     path: str

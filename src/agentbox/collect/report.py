@@ -40,7 +40,7 @@ class Flagged(BaseModel):
     """A path in the result that makes another tool run code when the branch is
     opened, checked out or merged; review it before you do."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True, frozen=True)
 
     path: str

@@ -68,7 +68,7 @@ def __getattr__(name: str) -> Any:
 
     The proxy's side (its asyncio server, h11, the address checks) is imported only
     by a task that starts a proxy: every ``agentbox run`` imports this package for
-    :class:`EgressPolicy`, and most run with no egress at all (issue 15).
+    :class:`EgressPolicy`, and most run with no egress at all.
     """
     if name in ("ProxyHandle", "spawn_proxy"):
         from agentbox.egress import _process

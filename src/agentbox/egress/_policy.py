@@ -29,7 +29,7 @@ __all__ = ["AllowRule", "EgressLimits", "EgressPolicy", "Verdict"]
 class AllowRule(BaseModel):
     """One allowed name (``host`` or ``*.suffix``), where it came from, and its ports."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     pattern: str
@@ -82,7 +82,7 @@ class EgressLimits(BaseModel):
 class Verdict(BaseModel):
     """The proxy's answer to a name and port before resolution."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True, frozen=True)
 
     allowed: bool
@@ -94,7 +94,7 @@ class Verdict(BaseModel):
 class EgressPolicy(BaseModel):
     """Everything one proxy enforces. Frozen; JSON round-trips (``model_dump_json``)."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     rules: tuple[AllowRule, ...] = ()

@@ -79,7 +79,7 @@ class EgressLog:
 class HostSummary(BaseModel):
     """One host's attempts through the proxy."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     host: str
@@ -94,7 +94,7 @@ class HostSummary(BaseModel):
 class EgressSummary(BaseModel):
     """The egress log of one task, per host, for the report and ``agentbox show``."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     hosts: list[HostSummary] = Field(default_factory=list)

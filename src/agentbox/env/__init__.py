@@ -1,4 +1,4 @@
-"""Environments: the setup phase and frozen environments (issue 12, sections 2-4).
+"""Environments: the setup phase and frozen environments.
 
 A Boxfile's ``[setup]`` installs a project's dependencies before the agent
 runs; what it creates in ``/workspace`` (``.venv/``, ``node_modules/`` …) is

@@ -1,7 +1,7 @@
 """The key of a frozen environment: everything setup's result can depend on.
 
 A frozen environment is reused only by a task whose setup would have seen the same
-things (issue 33 §2): the image id, the commands, the network mode and the egress
+things: the image id, the commands, the network mode and the egress
 hosts, every variable and mount of the setup's sandbox, the repo's identity, the user
 who submitted the task, and the files:
 

@@ -12,7 +12,7 @@ __all__ = ["EnvInfo", "SetupReport"]
 class EnvInfo(BaseModel):
     """One frozen environment as ``agentbox env ls`` shows it."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     key: str
@@ -45,7 +45,7 @@ class SetupReport(BaseModel):
     a command in the sandbox chose, shown only through the CLI's sanitizer.
     """
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     cache: Literal["hit", "miss", "failed"]

@@ -1,4 +1,4 @@
-"""What a setup did to the repo's own files (issue 12).
+"""What a setup did to the repo's own files.
 
 Setup is meant to *add* an environment (``.venv/``, ``node_modules/``): what it
 creates is frozen and reused by later tasks, which skip setup. A change to a file

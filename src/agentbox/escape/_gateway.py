@@ -1,6 +1,6 @@
 """The gateway's posture, read off a real gateway process the way the VMM's is.
 
-The gateway parses every byte a sandbox sends (issue 11 item 4), so a bug in it
+The gateway parses every byte a sandbox sends, so a bug in it
 must land in an identity that owns nothing: the suite spawns a gateway exactly as
 ``run_task`` does (``run_as=gateway_identity(settings)``, replay model, a root-only
 task directory) and reads every thread from ``/proc`` with

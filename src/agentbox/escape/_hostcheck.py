@@ -129,7 +129,7 @@ def gateway_posture(pid: int, *, want_uid: int) -> list[tuple[str, bool, str]]:
 
     Returns ``(check id, passed, what was seen)`` for ``gateway.uid``, ``gateway.caps``,
     ``gateway.no_new_privs``, ``gateway.seccomp`` and ``gateway.memory_limit``. The
-    gateway parses everything the sandbox sends (issue 11 item 4): it must run as its
+    gateway parses everything the sandbox sends: it must run as its
     dedicated uid (``want_uid``, never 0), hold no capability (bounding set
     included), have NoNewPrivs=1 and Seccomp=2 on every thread, and a finite RLIMIT_AS.
     No readable thread is a failure, never a pass.

@@ -1,4 +1,4 @@
-"""``host.uid_own_range``: a sandbox's host uids are no other live sandbox's (issue 33 §9).
+"""``host.uid_own_range``: a sandbox's host uids are no other live sandbox's.
 
 A neighbour sandbox of the same backend is started beside the probed one, holding a
 uid slot of its own (``agentbox.backends._uidslots``), and every thread of both is

@@ -1,7 +1,7 @@
 """The resident front end: ``agentbox`` commands without Python's start-up.
 
 A plain ``agentbox run`` spends half a second importing pydantic, typer, rich and
-our own modules before its task is even recorded (issue 15). The
+our own modules before its task is even recorded. The
 launcher service (``agentbox launcher serve``) keeps a *fork server* beside it
 (:mod:`agentbox.front.server`, kept by :mod:`agentbox.launcher._front`): one
 process that imported all of that once, waits on ``<data_dir>/run/front.sock``

@@ -1,7 +1,7 @@
 """``python -m agentbox.gateway …``: the ``agentbox gateway`` command alone, lean.
 
 One of these runs per task for the task's whole life, so what it imports is paid
-once per task in memory (issue 15). It imports no part of agentbox it does not
+once per task in memory. It imports no part of agentbox it does not
 serve with (the Boxfile model, the settings loader, the CLI), parses its
 arguments with :mod:`argparse` instead of typer (click and typer are ~6 MiB of
 private memory per process), and keeps ``rich`` out: a gateway renders nothing

@@ -59,7 +59,7 @@ _PATHS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens
 _MAX_TOKENS_CAP = 1 << 24
 #: At most one usage-file write per this many seconds under load: each costs its writer
 #: thread ~0.3 ms of CPU (a rename over the old file; more on a loaded machine), which at
-#: 10 ms was 10-18 % of a busy gateway's CPU (bench/gateway.py, issue 15).
+#: 10 ms was 10-18 % of a busy gateway's CPU (bench/gateway.py).
 _WRITE_INTERVAL = 0.1
 
 

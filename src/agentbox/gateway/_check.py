@@ -2,7 +2,7 @@
 
 The gateway process holds the model registry entry, the usage totals and the
 replay script; validating them with pydantic cost ~7 MiB of private memory per
-task (issue 15), so they are frozen dataclasses checked here instead. The rules
+task, so they are frozen dataclasses checked here instead. The rules
 are pydantic's lax mode where a value converts losslessly (an integral float or
 a numeric string for an int, ``"yes"``/``1`` for a bool, a list for a tuple), and
 the messages are the ones the registry printed before (``must be a string, not

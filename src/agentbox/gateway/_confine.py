@@ -1,4 +1,4 @@
-"""Confining the gateway process once it has bound its socket (issue 11 item 4).
+"""Confining the gateway process once it has bound its socket.
 
 The gateway parses every byte the sandbox sends, so it must hold as little as
 possible while doing so. After its socket is bound and its token, key and

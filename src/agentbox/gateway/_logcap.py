@@ -1,4 +1,4 @@
-"""A size cap on the gateway's log (issue 11 item 4).
+"""A size cap on the gateway's log.
 
 The gateway's stdout and stderr go to the task's ``gateway.log``; what lands
 there is partly chosen by the sandbox (45,000 bad requests wrote 1.9 MB in 20 s

@@ -1,6 +1,6 @@
 """What of a request may reach the upstream: allow-lists per model kind, checked before forwarding.
 
-Nothing the sandbox sends passes through unchecked (issue 11 item 3). Each part
+Nothing the sandbox sends passes through unchecked. Each part
 of a Messages request is held against an allow-list the registry declares per
 model kind (:class:`RequestPolicy`):
 

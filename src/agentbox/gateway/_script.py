@@ -149,7 +149,7 @@ class ReplayScript:
     400 (a script must not write to a guessed absolute path on the host)."""
 
 
-# -- validation (hand-written: the gateway process does not load pydantic, issue 15) --------
+# -- validation (hand-written: the gateway process does not load pydantic) --------
 
 
 _EXTRA = "is not a key here (check its spelling)"

@@ -62,7 +62,7 @@ PACKAGES: tuple[str, ...] = (
     "procps",
     "python3",
     # venv + ensurepip + pip's bundled wheel: `python3 -m venv .venv` in a [setup] works
-    # on the default image, with no Containerfile (issue 12).
+    # on the default image, with no Containerfile.
     "python3-venv",
     "ripgrep",
     "sed",

@@ -3,7 +3,7 @@
 ``guest/relay.py`` is what a sandbox starts (it binds 127.0.0.1:PORT, forks its
 server and execs the agent); its server process then ``exec``s
 ``/opt/agentbox/relay``, built here from ``guest/relay.c``, so no Python
-interpreter stays resident per sandbox (issue 15: ~6 MiB of PSS each against
+interpreter stays resident per sandbox (~6 MiB of PSS each against
 ~0.2). The binary is static (no libc of the image needed: a user's Containerfile
 may bring any, or none), built on the host with its C compiler, and checked to
 run before it goes into the image.

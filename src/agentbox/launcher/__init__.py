@@ -50,7 +50,7 @@ __all__ = [
 #: Names imported on first use (each pulls in the backends, the store or the server).
 _LAZY = {
     "Launcher": "agentbox.launcher._core",
-    # httpx (~0.3 s): not for the daemon, which serves and never calls (issue 15)
+    # httpx (~0.3 s): not for the daemon, which serves and never calls
     "LauncherClient": "agentbox.launcher.client",
     "Removal": "agentbox.launcher._retention",
     "data_usage": "agentbox.launcher._retention",

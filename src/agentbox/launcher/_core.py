@@ -97,7 +97,7 @@ class Launcher:
 
     def __init__(self, settings: Settings, *, max_tasks: int = DEFAULT_MAX_TASKS) -> None:
         self.settings = settings
-        private_data_dir(settings.data_dir)  # closed to other users: issue 33 §3
+        private_data_dir(settings.data_dir)  # closed to other users
         self.store = Store(settings.data_dir / "state.db")
         self.max_tasks = max(1, max_tasks)
         self._queue: queue.SimpleQueue[tuple[str, threading.Event] | None] = queue.SimpleQueue()

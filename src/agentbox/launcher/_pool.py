@@ -90,7 +90,7 @@ class PoolKeeper:
 def drain_leftovers(settings: Settings) -> list[str]:
     """Remove the idle sandboxes a previous launcher's pool left (and, once no slot is
     left, the pool's mount at ``data_dir/pool``): a launcher that keeps no pool, or
-    whose backend keeps none, starts without them (issue 33 §3). A claimed one is a
+    whose backend keeps none, starts without them. A claimed one is a
     task's: it stays until its task settles."""
     if not (settings.data_dir / "pool").is_dir():
         return []

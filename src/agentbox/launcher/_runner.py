@@ -183,7 +183,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         usage_file=paths.usage_file,
         settings=settings,
         log_file=paths.log_dir / "gateway.log",
-        # Never root: a dedicated uid, no capabilities, no_new_privs, seccomp (issue 11.4).
+        # Never root: a dedicated uid, no capabilities, no_new_privs, seccomp.
         run_as=gateway_identity(settings),
         # It outlives a launcher that dies (a detached task is re-adopted), not the task.
         exit_at=time.time()

@@ -214,7 +214,7 @@ def seed(settings: Settings, paths: TaskPaths) -> None:
     carried = _carry_session(settings, cont, paths) if cont.session else False
     _write(paths.root / _RECORD, replace(cont, session=cont.session if carried else ""))
     # The pending record stays: a task requeued by a later launcher (its partial task dir
-    # discarded, issue 19) is prepared again from it.
+    # discarded) is prepared again from it.
 
 
 def _carry_session(settings: Settings, cont: Continuation, paths: TaskPaths) -> bool:

@@ -334,7 +334,7 @@ class StoreUnreadable(AgentboxError):
 def _private(path: Path) -> None:
     """Create ``path`` 0600 if it is missing, before SQLite does: SQLite makes its
     ``-wal`` and ``-shm`` files with the database's mode, and a database born under the
-    usual umask (0644) gave every local user the log of recent tasks' texts (issue 33 §3)."""
+    usual umask (0644) gave every local user the log of recent tasks' texts."""
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
 
@@ -377,7 +377,7 @@ class Store:
                 db.execute("PRAGMA journal_mode=WAL")
                 migrate(db, path=path)
         except (sqlite3.Error, OSError) as exc:
-            # One line, never a traceback (issue 33 §7): a non-root `agentbox rm` on
+            # One line, never a traceback: a non-root `agentbox rm` on
             # root's data dir.
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             who = "" if os.geteuid() == 0 else f" (uid {os.geteuid()} may not: run this as root)"

@@ -150,7 +150,7 @@ class TaskInfo(_Wire):
 
 
 class TaskList(_Wire):
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     tasks: list[TaskInfo]
@@ -180,7 +180,7 @@ class TaskResult(_Wire):
 class ModelInfo(_Wire):
     """A model a task may use."""
 
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     name: str
@@ -196,6 +196,6 @@ class ModelInfo(_Wire):
 
 
 class ModelList(_Wire):
-    # Built on first use (defer_build): a plain ``agentbox run`` never uses it (issue 15).
+    # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
     models: list[ModelInfo]

@@ -6,7 +6,7 @@ launcher's socket *directory* (``run/``) with ``O_PATH`` so it can later connect
 through ``/proc/self/fd/N/launcher.sock`` without being able to traverse the data
 dir, and only then (3) drops to an ordinary uid with no capabilities. The
 directory, not the socket: a restarted launcher binds a new socket there, and the
-server reaches it without being restarted (issue 19). Nothing from a client is
+server reaches it without being restarted. Nothing from a client is
 read before the drop. The launcher records that uid as the caller of every task
 the server submits (it reads it from the kernel, ``SO_PEERCRED``), and answers
 this server about those tasks only.

@@ -8,7 +8,7 @@ guest, which saw the placeholder's size at boot, sees the same size on every
 fresh disk; a write past the filesystem's size fails in the guest with ENOSPC.
 The podman backend builds its workspace disk with the same function, unpadded.
 
-A copy-on-write mount (a frozen environment's directory, issue 12) is built the
+A copy-on-write mount (a frozen environment's directory) is built the
 same way but cached (:func:`cached_mount_disk`): keyed by its index, the sandbox
 uid and the source tree's listing (every entry's path, type, mode, size and
 mtime), so every later task with the same frozen environment reuses one disk.

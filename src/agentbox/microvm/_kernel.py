@@ -143,7 +143,7 @@ def _fetch(root: Path) -> Kernel:
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console")
 _WANTED = frozenset(MODULES)
 #: Loaded after the base modules by the qemu backend: a frozen environment's disk is the
-#: read-only lower layer of an overlay in the guest (issue 12).
+#: read-only lower layer of an overlay in the guest.
 OVERLAY_MODULES = ("overlay",)
 
 

@@ -1,6 +1,6 @@
 """The docker backend: hardened Docker Engine containers (runc, or runsc/gVisor).
 
-The seed's own engine (issue 17): every line of its agent-container list, set
+The seed's own engine: every line of its agent-container list, set
 through the official ``docker`` SDK behind an allow-list of Engine calls
 (:mod:`._client`), the image imported from the same content-hashed root podman
 runs (:mod:`._image`). See docs/reference/docker-backend.md.

@@ -5,7 +5,7 @@ bind-mounted and ``--privileged`` is one request away). So the backend never
 hands the SDK's client around: every request goes through
 :class:`GuardedClient`, which refuses (before anything reaches the socket) any
 method and path outside :data:`ALLOWED`, and records what it sent, so a test can
-assert the set of endpoints a sandbox's life used (issue 17). The options of
+assert the set of endpoints a sandbox's life used. The options of
 those calls are fixed by :mod:`._config`; no caller supplies Engine JSON.
 
 The SDK (``docker``, ``requests``, ``urllib3``) costs 0.3-0.9 s of imports, and

@@ -126,7 +126,7 @@ def share(root: Path) -> None:
 
     The pool dir is root's, 0700: a slot's ``ws`` holds the claim's go-file (the task's
     argv with its text, and its gateway token) until the workspace is bound over it,
-    then the task's workspace; no other local user may look in (issue 33 §3). A
+    then the task's workspace; no other local user may look in. A
     sandbox reaches its slot through its own bind mounts, never through this path."""
     (root / "slots").mkdir(parents=True, exist_ok=True, mode=0o700)
     root.chmod(0o700)

@@ -57,7 +57,7 @@ __all__ = [
 logger = get_logger("qemu.detach")
 
 MONITOR_MODULE = "agentbox.backends.qemu._monitor"
-#: Modules a monitor process never imports (issue 15: it lives as long as its VM, one
+#: Modules a monitor process never imports (it lives as long as its VM, one
 #: per task). ``rich`` (~5 MiB private): a monitor renders
 #: nothing in colour. Blocked the documented way
 #: (``sys.modules[name] = None``) before any part of agentbox loads.
