@@ -92,3 +92,52 @@ def test_the_cluster_facade_is_pinned() -> None:
         if name in ("RayExecutor", "connect", "start_node"):
             pytest.importorskip("ray", reason="the agentbox[ray] extra is not installed")
         assert getattr(cluster, name) is not None
+
+
+def test_a_batch_with_no_cluster_says_what_to_do_not_a_traceback(tmp_path: Path) -> None:
+    """Issue 31 §4: no Ray cluster at the address → one line naming the fix (start a head
+    and a node, or --address), exit non-zero, no Ray traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray", reason="the agentbox[ray] extra is not installed")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"repo": str(tmp_path), "task": "x"}) + "\n")
+    got = subprocess.run(
+        [sys.executable, "-m", "agentbox", "batch", "run", str(tasks),
+         "--address", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "b")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert got.returncode != 0
+    assert "Traceback" not in got.stderr, got.stderr
+    assert f"no Ray cluster answers at 127.0.0.1:{port}" in got.stderr
+    assert "agentbox node start --head" in got.stderr and "--address" in got.stderr
+
+
+def test_status_shows_each_tasks_cost_and_the_total(tmp_path: Path) -> None:
+    """Issue 27: dollars beside tokens, per task and in total; unknown is never $0."""
+    _state(tmp_path)
+    st = BatchState(tmp_path / "b7" / "batch.db")
+    try:
+        st.update("t0", state="published", status="done", tokens=500, cost_usd=0.0125)
+        st.update("t1", state="published", status="done", tokens=300, cost_usd=0.0075)
+    finally:
+        st.close()
+    args = ["batch", "status", "b7", "--state-dir", str(tmp_path)]
+    doc = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)
+    assert [t["cost_usd"] for t in doc["tasks"]] == [0.0125, 0.0075]
+    assert doc["cost_usd_total"] == pytest.approx(0.02)
+    out = CliRunner().invoke(app, args, env={"COLUMNS": "200"}).output
+    assert "$0.0125" in out and "cost $0.0200" in out
+    st = BatchState(tmp_path / "b7" / "batch.db")
+    try:
+        st.update("t1", cost_usd=None)  # a model without prices
+    finally:
+        st.close()
+    doc = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)
+    assert doc["cost_usd_total"] is None
+    assert "1 task(s) price unknown" in CliRunner().invoke(app, args, env={"COLUMNS": "200"}).output

@@ -1,10 +1,12 @@
 """``agentbox node …`` and ``agentbox batch …``: scale out on a Ray cluster (``agentbox[ray]``).
 
-* ``agentbox node start --address RAY_ADDR [--slots N]`` checks this host (podman,
-  runtime, Claude Code, image: the doctor's probes), joins the Ray cluster with
-  ``ray start`` advertising ``agentbox_slot: N``, and starts this host's node actor
-  (its launcher, with this host's settings and model keys). ``--no-join``: this
-  host already runs a Ray node (e.g. the head); only the actor is started on it.
+* ``agentbox node keygen`` makes the cluster's secrets (Ray's token, the cluster key)
+  in ``/etc/agentbox/cluster/``, root-only; copy them to every node and driver host.
+* ``agentbox node start --address RAY_ADDR [--slots N]`` (or ``--head``) checks this
+  host (podman, runtime, Claude Code, image: the doctor's probes; the secrets; the
+  launcher's socket), runs ``ray start`` as the unprivileged user ``agentbox-node``
+  with token authentication, advertising ``agentbox_slot: N``, and starts this host's
+  node actor (a client of the host's root launcher, over its socket).
 * ``agentbox node list`` shows the node actors, their slots and what runs on them.
 * ``agentbox batch run tasks.jsonl`` runs a batch (a live table per node; ``--json``:
   one event per line), ``--batch ID`` resumes one; ``batch status|cancel BATCH``.
@@ -13,9 +15,6 @@
 from __future__ import annotations
 
 import json
-import secrets
-import shutil
-import sys
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -26,11 +25,10 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from agentbox import _proc
 from agentbox._console import console as make_console
 from agentbox.cli._table import Col, fit_table, print_table
 from agentbox.config import load_settings
-from agentbox.errors import ConfigError, RefusedError, UnsupportedError
+from agentbox.errors import ConfigError
 
 __all__ = ["Tally", "register"]
 
@@ -55,59 +53,57 @@ def _cluster() -> Any:
     return cluster
 
 
-def _ray_binary() -> str:
-    here = Path(sys.executable).parent / "ray"
-    found = str(here) if here.is_file() else shutil.which("ray")
-    if not found:
-        raise UnsupportedError(
-            "the ray command is not installed", fix="pip install 'agentbox[ray]'"
-        )
-    return found
-
-
 @node_app.command("start")
 def node_start(
-    address: str = typer.Option(..., "--address", help="The Ray cluster (head's host:port)."),
+    address: str | None = typer.Option(
+        None, "--address", help="The Ray cluster to join (the head's host:port)."
+    ),
+    head: bool = typer.Option(False, "--head", help="Start the cluster's head on this host."),
+    port: int = typer.Option(6379, "--port", help="With --head: the head's port."),
     slots: int = typer.Option(2, "--slots", min=1, max=256, help="Tasks this host runs at once."),
     name: str | None = typer.Option(None, "--name", help="The node's name (default host-id)."),
-    join: bool = typer.Option(True, "--join/--no-join", help="Run `ray start` to join first."),
+    ray_arg: list[str] | None = typer.Option(  # noqa: B008 (typer's idiom)
+        None, "--ray-arg", help="An extra `ray start` argument (repeat), e.g. --num-cpus=4."
+    ),
 ) -> None:
-    """Check this host, join the Ray cluster, and start its node actor."""
-    from agentbox.cluster import node_problems
+    """Check this host, run Ray here as the unprivileged node user (token auth on), and
+    start its node actor."""
+    if head == bool(address):
+        raise ConfigError("give either --address HEAD:6379 (join) or --head (start the head)")
+    _cluster()
+    from agentbox.cluster._join import join
 
-    problems = node_problems(load_settings())
-    if problems:
-        raise RefusedError("this host cannot be a node: " + "; ".join(problems))
-    cluster = _cluster()
-    import ray
+    got_name, where = join(
+        load_settings(),
+        slots=slots,
+        name=name,
+        address=address,
+        head_port=port if head else None,
+        ray_args=list(ray_arg or ()),
+    )
+    _out.print(
+        Text(f"node {got_name} joined {where} with {slots} slots (Ray runs as agentbox-node)")
+    )
 
-    marker = f"agentbox_node_{secrets.token_hex(4)}"
-    if join:
-        resources = json.dumps({"agentbox_slot": slots, marker: 1})
-        _proc.run(
-            [
-                _ray_binary(),
-                "start",
-                f"--address={address}",
-                f"--resources={resources}",
-                "--disable-usage-stats",
-            ],
-            timeout=180,
-        )
-    cluster.connect(address)
-    try:
-        if join:
-            listed: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-            ids = [n["NodeID"] for n in listed if n["Alive"] and marker in n["Resources"]]
-            if not ids:
-                raise ConfigError(f"joined {address}, but the new Ray node is not listed")
-            node_id = ids[0]
-        else:
-            node_id = ray.get_runtime_context().get_node_id()
-        cluster.start_node(node_id, slots=slots, name=name)
-    finally:
-        ray.shutdown()
-    _out.print(Text(f"node {name or node_id[:12]} joined {address} with {slots} slots"))
+
+@node_app.command("stop")
+def node_stop() -> None:
+    """Stop this host's Ray node (every Ray process of the node user)."""
+    from agentbox.cluster._join import leave
+
+    leave()
+    _out.print(Text("this host's Ray node stopped"))
+
+
+@node_app.command("keygen")
+def node_keygen() -> None:
+    """Make the cluster's secrets (Ray token, cluster key) in /etc/agentbox/cluster/ unless
+    they exist; copy that directory (root-only) to every node and driver host."""
+    from agentbox.cluster._secure import keygen
+
+    where = keygen()
+    _out.print(Text(f"cluster secrets in {where} (0700, files 0600): copy them to every node "
+                    "and driver host, e.g. `scp -rp` as root"))  # fmt: skip
 
 
 @node_app.command("list")
@@ -190,6 +186,9 @@ def batch_run(
     max_in_flight: int | None = typer.Option(None, "--max-in-flight", min=1),
     model: str | None = typer.Option(None, "--model", help="Model name (each node's registry)."),
     budget: int | None = typer.Option(None, "--budget", min=1, help="The batch's token budget."),
+    budget_usd: float | None = typer.Option(
+        None, "--budget-usd", min=0.0001, help="Each task's dollar budget (priced models only)."
+    ),
     task_budget: int | None = typer.Option(None, "--task-budget", min=1),
     deadline: float | None = typer.Option(None, "--deadline", help="Seconds, per task."),
     boxfile: str | None = typer.Option(None, "--boxfile", help="A Boxfile (TOML) for all tasks."),
@@ -204,6 +203,10 @@ def batch_run(
             box = tomllib.loads(Path(boxfile).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read the Boxfile {boxfile}: {exc}") from exc
+    if budget_usd is not None:
+        # Each task's gateway keeps it (Boxfile budget_usd); a node refuses it for a model
+        # without prices, as `agentbox run --budget-usd` does.
+        box = {**(box or {}), "budget_usd": budget_usd}
     batch_id = batch_id or cluster.new_batch_id()
     cluster.connect(address)
     tally = Tally()
@@ -249,6 +252,7 @@ def batch_status(
 ) -> None:
     """Where every task of a batch stands (read from its state file; Ray not needed)."""
     from agentbox.cluster import BatchState, batch_dir
+    from agentbox.gateway._price import format_usd
 
     path = batch_dir(_state_dir(state_dir), batch_id) / "batch.db"
     if not path.is_file():
@@ -260,9 +264,12 @@ def batch_status(
     finally:
         st.close()
     if as_json:
+        costs = [r.cost_usd for r in rows if r.status]
         out = {
             **meta,
             "committed_tokens": committed,
+            # Dollars of the finished tasks; null when any of them has no price.
+            "cost_usd_total": None if None in costs else sum(c or 0.0 for c in costs),
             "tasks": [
                 {
                     "key": r.key,
@@ -272,6 +279,7 @@ def batch_status(
                     "node": r.node,
                     "branch": r.branch,
                     "tokens": r.tokens,
+                    "cost_usd": r.cost_usd,
                     "lost": list(r.lost),
                     "error": r.error,
                 }
@@ -286,6 +294,7 @@ def batch_status(
         Col("status", keep=True),
         Col("node"),
         Col("tokens"),
+        Col("cost"),
         Col("branch"),
         Col("error", ratio=1),
     ]
@@ -296,6 +305,7 @@ def batch_status(
             Text(r.status or "-"),
             Text(r.node or "-"),
             Text(str(r.tokens)),
+            Text(format_usd(r.cost_usd) if r.status else "-"),
             Text(r.branch or "-"),
             Text(r.error[:300]),
         ]
@@ -303,9 +313,15 @@ def batch_status(
     ]
     print_table(_out, fit_table(_out, cols, cells))
     cap = f" of {meta['budget']}" if meta["budget"] else ""
+    costs = [r.cost_usd for r in rows if r.status]
+    known = sum(c for c in costs if c is not None)
+    unknown = sum(1 for c in costs if c is None)
+    cost = f"; cost {format_usd(known)}"
+    if unknown:
+        cost += f" ({unknown} task(s) price unknown)"
     _out.print(
         Text(
-            f"tokens committed: {committed}{cap}"
+            f"tokens committed: {committed}{cap}{cost if costs else ''}"
             + ("; cancel requested" if meta["cancel_requested"] else "")
         )
     )

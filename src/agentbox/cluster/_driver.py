@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from agentbox._log import get_logger
 from agentbox.cluster._gitio import add_result, bundle_base, changed_paths, ensure_shadow
 from agentbox.cluster._spec import Attempt, BatchEvent, BatchResult, BatchTask, NodeOutcome
-from agentbox.cluster._state import FINAL, BatchState, TaskRow
+from agentbox.cluster._state import FINAL, BatchState, TaskRow, usd_or_none
 from agentbox.collect import publish
 from agentbox.collect._risky import risky_reason
 from agentbox.errors import AgentboxError, ConfigError
@@ -236,6 +236,7 @@ class _Run:
             node=out.node,
             commit=out.commit if out.bundle else "",
             tokens=out.tokens,
+            cost_usd=usd_or_none(out.report.get("cost_usd")),
             error=out.error,
         )
         row = self.state.task(row.key)

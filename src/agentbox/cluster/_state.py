@@ -30,7 +30,7 @@ from typing import Any
 
 from agentbox.errors import ConfigError, TaskError
 
-__all__ = ["BatchState", "TaskRow"]
+__all__ = ["BatchState", "TaskRow", "usd_or_none"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch (
@@ -73,6 +73,8 @@ class TaskRow:
     lost_charge: int
     lost: tuple[str, ...]
     error: str
+    cost_usd: float | None = None
+    """US dollars at the model's prices, as the node's report said; None: unknown."""
 
 
 class BatchState:
@@ -84,6 +86,9 @@ class BatchState:
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(tasks)")}
+        if "cost_usd" not in have:  # added after the first schema: a batch file of before
+            self._db.execute("ALTER TABLE tasks ADD COLUMN cost_usd REAL")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -148,13 +153,13 @@ class BatchState:
         """Every task, in the order of the tasks file (only ``key``'s, when given)."""
         rows = self._db.execute(
             "SELECT key, seq, spec, repo, base, state, attempt, attempt_id, node, status,"
-            " commit_id, branch, tokens, reserved, lost_charge, lost, error FROM tasks"
+            " commit_id, branch, tokens, reserved, lost_charge, lost, error, cost_usd FROM tasks"
             " WHERE ?1 IS NULL OR key = ?1 ORDER BY seq",
             (key,),
         ).fetchall()
         return [
             TaskRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9],
-                    r[10], r[11], r[12], r[13], r[14], tuple(json.loads(r[15])), r[16])
+                    r[10], r[11], r[12], r[13], r[14], tuple(json.loads(r[15])), r[16], r[17])
             for r in rows
         ]  # fmt: skip
 
@@ -213,3 +218,10 @@ class BatchState:
                 (row.reserved, json.dumps(list(lost)), time.time(), key),
             )
         return self.task(key)
+
+
+def usd_or_none(value: object) -> float | None:
+    """A node's reported cost in dollars, if it is a plausible number (the node is untrusted)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9:
+        return float(value)
+    return None
