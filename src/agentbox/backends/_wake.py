@@ -1,7 +1,7 @@
 """Waking the moment something ends, instead of polling for it: a process's exit (its
 pidfd) or a file appearing in a directory (inotify), whichever comes first.
 
-A follower used to sleep a fixed interval between looks (0.2 s, then a ``podman
+A follower does not sleep a fixed interval between looks (each a ``podman
 inspect``); each wait here returns as soon as either event happens, or at the
 timeout the caller still needs for its own periodic work (reading output,
 checking a deadline). Nothing is read from the events but "look again": the

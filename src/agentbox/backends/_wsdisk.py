@@ -391,8 +391,8 @@ def _detached_tree(path: Path, base: Path) -> int:
 def _settling(base: Path) -> Iterator[None]:
     """One settler at a time per data dir (a follower, an adopter, a reap and a start-up
     sweep may each reach the same disk): an ``flock`` on ``disks/``, released by the
-    kernel if the holder dies. Mounts an older version's killed settler left
-    (``disks/.settle-*``) are removed under it."""
+    kernel if the holder dies. Mounts a killed settler left (``disks/.settle-*``)
+    are removed under it."""
     fd = os.open(base, _DIR_FLAGS)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -25,7 +25,7 @@ class EnvInfo(BaseModel):
     keep: list[str] = Field(default_factory=list)
     """``[setup] keep`` paths (relative to ``$HOME``) it holds under ``.agentbox-keep``."""
     user: int | None = None
-    """The uid whose task made it (None: shared across users, or made before issue 33)."""
+    """The uid whose task made it (None: shared across users)."""
     repo: str = ""
     """The repo whose setup made it (``uid:/real/path``)."""
     files: int = 0

@@ -194,7 +194,7 @@ def run_weak_controls(
         from agentbox.escape._egress import suite_outcome as escape_outcome
 
         got["host.egress_proxy_inner"] = escape_outcome(box, fx.gateway_dir, control=True)
-        # The gateway as the launcher spawned it before issue 11: root, unconfined.
+        # The gateway unconfined, as root: what its confinement is measured against.
         from agentbox.escape._gateway import gateway_outcomes
 
         got.update({o.id: o for o in gateway_outcomes(settings or Settings(), control=True)})

@@ -26,9 +26,8 @@ than a gateway should be:
 
 Chunks that reached the socket together are passed on together: each read takes
 whatever the kernel has (up to 64 KiB), h11 yields every event in it, and the
-data events are joined into one piece, never waiting for more. (An earlier version
-peeked at ``asyncio.StreamReader._buffer``, a CPython internal, for the same effect.)
-A connection is reused only after its response was read to the end and neither
+data events are joined into one piece, never waiting for more (no peeking at
+``asyncio.StreamReader._buffer``, a CPython internal). A connection is reused only after its response was read to the end and neither
 side said ``Connection: close`` (h11's states say so).
 """
 

@@ -3,8 +3,8 @@
 Every upstream, ``http://``, ``https://`` or a unix socket, is reached through
 :class:`~agentbox.gateway._plain.PlainPool`: keep-alive HTTP/1.1 on asyncio
 streams framed by h11, over the standard library's verifying TLS for
-``https://``. (Until issue 15 ``https://`` went through httpx's transport: ~6 MiB
-more per task for the same HTTP/1.1.) :class:`Pool` and :class:`UpstreamResponse`
+``https://`` (not httpx's transport: it cost ~6 MiB more per task for the same
+HTTP/1.1). :class:`Pool` and :class:`UpstreamResponse`
 are the interface the gateway uses.
 """
 

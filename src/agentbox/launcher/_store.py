@@ -383,7 +383,7 @@ class Store:
             who = "" if os.geteuid() == 0 else f" (uid {os.geteuid()} may not: run this as root)"
             raise StoreUnreadable(f"cannot open the task store {path}: {why}{who}") from None
         for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
-            with contextlib.suppress(OSError):  # a store made before issue 33 (0644)
+            with contextlib.suppress(OSError):  # whatever mode a umask gave it
                 (path.parent / name).chmod(0o600)
         # Held open (never used) for the store's life: whenever the last connection to a
         # WAL database closes, SQLite checkpoints the log into the db and deletes it,

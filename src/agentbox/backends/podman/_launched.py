@@ -2,9 +2,9 @@
 
 Each ``podman`` command is a client start (the Go runtime, containers.conf, the
 libpod database and c/storage opened, a ``conmon --version``): 0.1 s on a quiet
-2-core host, 0.2-0.4 s on a busy one. ``launch`` used to run three more after its
-``podman run -d``'s own: one to refuse a name in use, one for conmon's pid, and the
-follower's first, for the labels and start time it had just given podman. Now:
+2-core host, 0.2-0.4 s on a busy one. ``launch`` runs none after its ``podman run
+-d``'s own (not one to refuse a name in use, one for conmon's pid, nor the follower's
+first, for the labels and start time it had just given podman):
 
 * conmon's pid comes from ``--conmon-pidfile`` (:func:`with_pidfile`): conmon, root,
   writes it into our private directory (:func:`~agentbox.backends._oci_cli.conmon_cwd`)
