@@ -1,9 +1,9 @@
-"""No module in src/ grows past ~450 lines: a module that long does several jobs.
+"""A backstop, not a target: no module in src/ passes 900 lines.
 
-Issue 14 split the oversized modules along their seams (safepath/, escape's
-runner, the guest's wire format). The ones still over the limit are listed in
-``PENDING`` with why they are not split yet; that list may only shrink: a file
-that is split (or removed) must leave it, so the limit then holds for it too.
+The rule is cohesion (docs/explanation/architecture.md, "Module size"): a module does
+one job and is the size that job is. A cap near the typical size made modules split at
+the line count instead of at their seams (re-export chains, free functions taking
+``backend`` first); this limit only catches a module that has plainly become two.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import agentbox
 
 SRC = Path(agentbox.__file__).parent
-MAX_LINES = 450
+MAX_LINES = 900
 
 #: Exempt for good: one module by design.
 EXEMPT = {
@@ -21,9 +21,6 @@ EXEMPT = {
     # backend, so it must be one self-contained file.
     "guest/probe.py",
 }
-
-#: Over the limit today, to be split (issue 14); owners were editing them in parallel.
-PENDING: set[str] = set()
 
 
 def _sizes() -> dict[str, int]:
@@ -33,17 +30,10 @@ def _sizes() -> dict[str, int]:
     }
 
 
-def test_no_module_over_the_limit() -> None:
-    over = {
-        rel: n
-        for rel, n in _sizes().items()
-        if n > MAX_LINES and rel not in EXEMPT and rel not in PENDING
-    }
-    assert not over, f"modules over {MAX_LINES} lines (split them along their seams): {over}"
+def test_no_module_past_the_backstop() -> None:
+    over = {rel: n for rel, n in _sizes().items() if n > MAX_LINES and rel not in EXEMPT}
+    assert not over, f"modules over {MAX_LINES} lines (each does several jobs): {over}"
 
 
-def test_pending_list_only_shrinks() -> None:
-    sizes = _sizes()
-    done = sorted(rel for rel in PENDING if sizes.get(rel, 0) <= MAX_LINES)
-    assert not done, f"under the limit now (or gone): remove from PENDING: {done}"
-    assert all(rel in sizes for rel in EXEMPT)
+def test_the_exempt_modules_exist() -> None:
+    assert all(rel in _sizes() for rel in EXEMPT)
