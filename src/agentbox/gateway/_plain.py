@@ -27,8 +27,9 @@ than a gateway should be:
 Chunks that reached the socket together are passed on together: each read takes
 whatever the kernel has (up to 64 KiB), h11 yields every event in it, and the
 data events are joined into one piece, never waiting for more (no peeking at
-``asyncio.StreamReader._buffer``, a CPython internal). A connection is reused only after its response was read to the end and neither
-side said ``Connection: close`` (h11's states say so).
+``asyncio.StreamReader._buffer``, a CPython internal). A connection is reused only
+after its response was read to the end and neither side said ``Connection: close``
+(h11's states say so).
 """
 
 from __future__ import annotations
