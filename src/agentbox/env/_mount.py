@@ -78,6 +78,32 @@ def make_mountpoint(workspace: Path, rel: str, uid: int) -> bool:
         os.close(root)
 
 
+def _give_to(merged: Path, uid: int, roots: list[str]) -> None:
+    """Give the frozen files under ``roots`` to ``uid`` in this task's view when another
+    sandbox uid made them: each sandbox has a host uid range of its own (a uid slot), and
+    the task that froze the environment held another. Only the task's layer changes
+    (metadata copies); the frozen tree is never written. Root's entries stay root's."""
+    for rel in roots:
+        top = merged / rel
+        try:
+            st = top.lstat()
+        except OSError:
+            continue
+        if st.st_uid in (0, uid) or not stat.S_ISDIR(st.st_mode):
+            continue  # made by this uid (the same slot), or by none
+        for path in [top, *_walk(top)]:
+            st = path.lstat()
+            if st.st_uid not in (0, uid):
+                os.chown(path, uid, uid if st.st_gid != 0 else 0, follow_symlinks=False)
+
+
+def _walk(top: Path) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+        out += [Path(dirpath) / n for n in (*dirnames, *filenames)]
+    return out
+
+
 class EnvMount:
     """The overlay of frozen tree ``lower`` for one task, in ``where`` (the task's dir)."""
 
@@ -121,11 +147,13 @@ class EnvMount:
         upper, work = self.layer / "upper", self.layer / "work"
         for d in (upper, work, self.merged):
             d.mkdir(mode=0o755)
-        opts = f"lowerdir={self.lower},upperdir={upper},workdir={work},nosuid,nodev"
+        # metacopy: a chown below copies up only the metadata, never a file's data.
+        opts = f"lowerdir={self.lower},upperdir={upper},workdir={work},metacopy=on,nosuid,nodev"
         if any(c in str(self.where) + str(self.lower) for c in ",:\n\0"):
             raise PathRefused("an environment path holds ',' or ':'", path=self.where)
         _proc.run(["mount", "-t", "overlay", "overlay", "-o", opts, self.merged], timeout=60)
         self._mounted = True
+        _give_to(self.merged, uid, [*roots, *(f"{KEEP_DIR}/{k}" for k in keep or [])])
         mounts = []
         for rel in keep or []:
             src = self.merged / KEEP_DIR / rel
