@@ -323,3 +323,16 @@ def test_env_prune_takes_prunes_durations_and_dry_run(
     gone = runner.invoke(app, ["env", "prune", "--older-than", "14"])  # a bare number: days
     assert gone.exit_code == 0 and f"removed {key[:12]}" in gone.output, gone.output
     assert not store.path(key).exists()
+
+
+def test_exec_backend_and_runtime_flags_are_refused_in_the_flags_words() -> None:
+    from agentbox.cli import app
+
+    for flag, value, words in (
+        ("--backend", "lxc", "--backend must be 'podman', 'qemu', 'firecracker' or 'docker'"),
+        ("--runtime", "kata", "--runtime must be 'runc', 'crun' or 'runsc', got 'kata'"),
+    ):
+        out = CliRunner().invoke(app, ["exec", flag, value, "--", "true"])
+        assert isinstance(out.exception, BoxfileError), out.output
+        assert str(out.exception).startswith(words), str(out.exception)
+        assert "Input should" not in str(out.exception)

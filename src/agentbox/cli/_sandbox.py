@@ -52,6 +52,7 @@ def _boxfile(
 ) -> Any:
     from agentbox.boxfile import Boxfile, load_boxfile
 
+    _check_flags(backend=backend, runtime=runtime)
     data: dict[str, Any] = (
         load_boxfile(boxfile).model_dump(exclude_unset=True, mode="json") if boxfile else {}
     )
@@ -69,6 +70,24 @@ def _boxfile(
 
         box = build_for_boxfile(settings, box)
     return box
+
+
+def _check_flags(**values: str | None) -> None:
+    """``--backend``/``--runtime`` checked as the Boxfile's keys, refused in the flag's
+    words (``--backend must be 'podman', … or 'docker', got 'lxc'``)."""
+    from pydantic import ValidationError
+
+    from agentbox._invalid import flag_message
+    from agentbox.boxfile import Boxfile
+    from agentbox.errors import BoxfileError
+
+    for key, value in values.items():
+        if value is None:
+            continue
+        try:
+            Boxfile.model_validate({key: value})
+        except ValidationError as exc:
+            raise BoxfileError(flag_message(exc, {key: (f"--{key}", "")})) from exc
 
 
 @contextlib.contextmanager
@@ -158,6 +177,7 @@ def exec_cmd(
     from agentbox._reap import exit_on_signals, guarded
     from agentbox.config import load_settings
 
+    _check_flags(backend=backend, runtime=runtime)  # before a slot is claimed for it
     # A signal unwinds through run() (which destroys the sandbox) before the process
     # ends; a SIGKILL is answered by the guard, which reaps the sandbox at once.
     with (
@@ -199,6 +219,7 @@ def shell_cmd(
     from agentbox.config import load_settings
     from agentbox.errors import UnsupportedError
 
+    _check_flags(backend=backend, runtime=runtime)  # before a slot is claimed for it
     with (
         exit_on_signals(),
         _own_slot(load_settings(), workspace, backend, boxfile) as settings,
