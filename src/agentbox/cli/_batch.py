@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tomllib
 from collections import Counter
@@ -229,6 +230,13 @@ def batch_run(
         results = list(cluster.run_batch(task_list, **kw))
     else:
         _err.print(Text(f"batch {batch_id}" + (" (resumed)" if exists else "")))
+        from agentbox.gateway.registry import load_registry, scripted_note
+
+        with contextlib.suppress(ConfigError):  # the nodes' registries decide; this one hints
+            settings = load_settings()
+            note = scripted_note(model or load_registry(settings).default, settings)
+            if note is not None:
+                _err.print(Text(note), soft_wrap=True)
         with Live(tally.table(_err), console=_err, refresh_per_second=4) as live:
 
             def show(ev: Any) -> None:
