@@ -40,11 +40,13 @@ from pathlib import Path
 import pytest
 
 from agentbox._wait import wait_until
+from agentbox.backends.base import OWNER_DATA_LABEL, data_dir_label
 from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.launcher import LauncherClient, TaskRequest
 from agentbox.launcher._store import Store
 from agentbox.paths import private_data_dir
 from git_helpers import git
+from mount_helpers import assert_no_mounts_under
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs the launcher as root")
 
@@ -224,7 +226,8 @@ class Stack:
         return set(res.stdout.split())
 
 
-def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> None:
+def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGUSR2) -> None:
+    """Stop a launcher: by default cancelling its tasks (``launcher stop --cancel``)."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
@@ -257,9 +260,23 @@ def stack() -> Iterator[Stack]:
         yield Stack(base, env)
     finally:
         with contextlib.suppress(Exception):
-            subprocess.run([sys.executable, "-m", "agentbox", "launcher", "stop"], env=env,
-                           capture_output=True, timeout=300, check=False)  # fmt: skip
+            subprocess.run([sys.executable, "-m", "agentbox", "launcher", "stop", "--cancel"],
+                           env=env, capture_output=True, timeout=300, check=False)  # fmt: skip
+        _clean(base / "data")
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _clean(data: Path) -> None:
+    """What a failed run may leave: this data dir's sandboxes, and mounts under it."""
+    label = f"{OWNER_DATA_LABEL}={data_dir_label(data)}"
+    names = subprocess.run(
+        ["podman", "ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}"],
+        capture_output=True, text=True, check=False,
+    ).stdout.split()  # fmt: skip
+    if names:
+        subprocess.run(["podman", "rm", "-f", "-t", "0", *names], capture_output=True, check=False)
+    with contextlib.suppress(AssertionError):
+        assert_no_mounts_under(data)  # unmounts what it finds
 
 
 def _repo(stack: Stack) -> Path:
@@ -330,6 +347,7 @@ def test_the_data_dir_and_the_pool_are_closed_and_the_pool_goes_with_its_launche
             _stop(third)
         assert not set(idle) & stack.containers(), idle
         assert not stack.ready() and not is_mount(stack.data / "pool")
+        assert_no_mounts_under(stack.data)
     finally:
         _stop(first)
 
