@@ -283,6 +283,8 @@ def event_text(e: Event, *, tail_lines: int | None = 12) -> str:
     if e.kind == "tool_result":
         status = f"exit {e.exit_code}" if e.exit_code is not None else (
             "error" if e.is_error else "ok")  # fmt: skip
+        if e.written_lines is not None:  # a Write: what it wrote, not its one-line output
+            status += f" (wrote {e.written_lines} line{'' if e.written_lines == 1 else 's'})"
         lines = e.text.rstrip("\n").splitlines()
         kept = lines if tail_lines is None else lines[-tail_lines:]
         cut = f" (last {len(kept)} of {len(lines)} lines)" if len(kept) < len(lines) else ""

@@ -288,6 +288,10 @@ def test_write_result_counts_the_lines_written(tmp_path: Path) -> None:
     assert "Write ok" in write and "(wrote 9 lines)" in write and "1 lines" not in write, write
     bash = " ".join(t.plain for t in event_lines(events[1], full=False))
     assert "(1 line)" in bash, bash
+    # The MCP transcript's words too.
+    from agentbox.transcript import event_text
+
+    assert "-> Write ok (wrote 9 lines)" in event_text(events[0])
 
 
 # -- item 15: `env prune` takes `prune`'s durations, and --dry-run --------------------
