@@ -171,3 +171,18 @@ def test_reown_moves_only_the_old_uids_entries_and_follows_no_link(tmp_path: Pat
         assert p.lstat().st_uid == 2000 and p.lstat().st_gid == 2000
     assert (top / "other").stat().st_uid == 1234
     assert outside.stat().st_uid == 1000
+
+
+def test_docker_gets_a_uid_of_its_own_inside_the_daemons_one_range(settings: Settings) -> None:
+    from agentbox.backends import slot_settings
+    from agentbox.errors import UnsupportedError
+
+    d0, d3 = slot_settings("docker", settings, 0), slot_settings("docker", settings, 3)
+    assert (d0.sandbox_uid, d3.sandbox_uid) == (64001, 64004)
+    assert d3.sandbox_host_uid == settings.subid_base + 64004  # the remap range's id
+    assert d3.uid_slot is None and d3.sandbox_subid_base == settings.subid_base
+    assert settings.sandbox_host_uid not in (d0.sandbox_host_uid, d3.sandbox_host_uid)
+    p3 = slot_settings("podman", settings, 3)
+    assert p3.sandbox_host_uid == slots.slot_base(settings, 3) + 64000
+    with pytest.raises(UnsupportedError, match="AGENTBOX_UID_SLOTS"):
+        slot_settings("docker", settings, 65536 - 64001)
