@@ -1,14 +1,55 @@
 #!/usr/bin/env bash
-# Run the whole test suite on a Debian 12 host, as root: set-up first (idempotent),
-# the default image (cached by content hash), lint and types, then pytest.
-# Extra arguments go to pytest, e.g. scripts/test.sh tests/unit -x
+# Run the test suite on a Debian 12 host, as root: set-up first (idempotent), lint and
+# types, then pytest. Prints its total time and the ten slowest tests at the end.
+#
+#   scripts/test.sh           the whole suite (README command (b); .ci/run calls it): the
+#                             default image (cached by content hash), then every test not
+#                             marked `serial` on AGENTBOX_TEST_WORKERS xdist workers (default
+#                             3: sandboxes mostly wait), one module per worker, then the
+#                             `serial` ones alone (tests/conftest.py: SERIAL)
+#   scripts/test.sh --fast    the unit tier only (pure: no root, no sandbox, no service),
+#                             with ruff and mypy, on every core: under 2 minutes
+#   scripts/test.sh ARGS…     pytest ARGS… as given, serial (e.g. tests/unit -x)
+#
+# AGENTBOX_TEST_WORKERS=0 runs the whole suite in one serial pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
+fast=0
+if [ "${1-}" = --fast ]; then fast=1; shift; fi
+
 bash scripts/setup.sh
-.venv/bin/agentbox image build
-# podman, QEMU and Claude Code are installed by setup.sh: their tests must run, not skip.
-export AGENTBOX_REQUIRE=${AGENTBOX_REQUIRE-podman,qemu,claude,docker}
+report=$(mktemp -d /tmp/agentbox-test-report.XXXXXX)
+summary() {
+  local rc=$?
+  .venv/bin/python scripts/test_summary.py "$report"/*.xml 2>/dev/null || true
+  echo "[test.sh] total $((SECONDS - start)) s (exit $rc)"
+  rm -rf "$report"
+}
+trap summary EXIT
+
 .venv/bin/ruff check src tests bench
 .venv/bin/ruff format --check src tests bench
 .venv/bin/mypy
-.venv/bin/pytest "$@"
+
+if [ $fast = 1 ]; then
+  .venv/bin/pytest tests/unit -n auto -p no:cacheprovider --junitxml="$report/unit.xml" "$@"
+  exit
+fi
+
+.venv/bin/agentbox image build
+# podman, QEMU and Claude Code are installed by setup.sh: their tests must run, not skip.
+export AGENTBOX_REQUIRE=${AGENTBOX_REQUIRE-podman,qemu,claude,docker}
+if [ $# -gt 0 ]; then
+  .venv/bin/pytest --junitxml="$report/run.xml" "$@"
+  exit
+fi
+workers=${AGENTBOX_TEST_WORKERS-3}
+if [ "$workers" = 0 ]; then
+  .venv/bin/pytest --junitxml="$report/run.xml"
+  exit
+fi
+rc=0
+.venv/bin/pytest -n "$workers" --dist loadfile -m "not serial" --junitxml="$report/parallel.xml" || rc=$?
+.venv/bin/pytest -m serial --junitxml="$report/serial.xml" || rc=$((rc ? rc : $?))
+exit $rc

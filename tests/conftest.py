@@ -15,6 +15,12 @@ sandboxes through: afterwards they assert that nothing of them survived
 saves their posture and logs under ``$AGENTBOX_TEST_ARTIFACTS`` (default
 ``/var/tmp/agentbox-test-artifacts``).
 
+``scripts/test.sh`` runs the suite on several xdist workers (one module per worker,
+each with its own session: data dirs, task ids and sockets are per test or module),
+then the modules in :data:`SERIAL` (marked ``serial``) alone: they sweep or count what
+is host-wide, or kill a task's owner on purpose, and another worker's tasks would
+make them (or be made by them) fail.
+
 A leaked file, socket or subprocess pipe (``ResourceWarning``, or the
 ``PytestUnraisableExceptionWarning`` carrying one the garbage collector found) is
 an error in every test module outside ``tests/unit/`` (which has its own
@@ -129,6 +135,51 @@ def _leaky(item: pytest.Item) -> bool:
     return _rel(item) in LEAKY
 
 
+#: Modules that must not run beside others (``serial``): they sweep every dead owner's
+#: sandboxes on the host (``cleanup_orphans``), kill a launcher or owner on purpose and
+#: recover after it (another worker's sweep could take what they recover), count
+#: host-wide resources (kernel quotas, inotify, processes), or manage the shared
+#: image store and the default data dir. The escape suite probes host-wide quotas.
+SERIAL_DIRS = ("escape/",)
+SERIAL: set[str] = {
+    "integration/test_data_dir_private.py",
+    "integration/test_detached_podman.py",
+    "integration/test_detached_qemu.py",
+    "integration/test_docker_backend.py",
+    "integration/test_env_orphans.py",
+    "integration/test_image_build.py",
+    "integration/test_image_derived.py",
+    "integration/test_image_doctor.py",
+    "integration/test_cluster_ray.py",
+    "integration/test_live_restore_fake.py",
+    "integration/test_live_restore_paths.py",
+    "integration/test_mcp_launcher_restart.py",
+    "integration/test_owner_signals.py",
+    "integration/test_podman.py",
+    "integration/test_podman_cleanup.py",
+    "integration/test_podman_env.py",
+    "integration/test_podman_kernel_quotas.py",
+    "integration/test_podman_pool.py",
+    "integration/test_qemu_backend.py",
+    "integration/test_userns_hook_cost.py",
+    "integration/test_userns_limits.py",
+    "integration/test_watchdog_reap.py",
+    "integration/test_wsdisk_settle.py",
+    "e2e/test_detach_resume.py",
+    "e2e/test_live_restore.py",
+    "e2e/test_run_converge.py",
+    "e2e/test_run_restart.py",
+    "e2e/test_tutorials.py",
+}
+
+
+def _serial(items: list[pytest.Item]) -> None:
+    for item in items:
+        rel = _rel(item)
+        if rel in SERIAL or rel.startswith(SERIAL_DIRS):
+            item.add_marker(pytest.mark.serial)
+
+
 def _strictness(items: list[pytest.Item]) -> None:
     for item in items:
         rel = _rel(item)
@@ -140,6 +191,7 @@ def _strictness(items: list[pytest.Item]) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _strictness(items)
+    _serial(items)
     required = _required()
     missing: list[str] = []
     for item in items:
