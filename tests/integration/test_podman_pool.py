@@ -37,6 +37,7 @@ from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
 from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
+from agentbox.collect._checkout import chown_tree
 from agentbox.config import Settings
 from agentbox.escape._fixtures import Fixture
 from agentbox.escape._probeio import _parse_json, inside_outcomes, probe_source
@@ -455,6 +456,9 @@ def test_escape_probes_pooled_as_fresh(
         )
         assert not _containers(slot)  # the probes ran in the pooled sandbox
         pooled_out = {o.id: o for o in inside_outcomes(_parse_json(out, f"pooled {ended} {err!r}"))}
+        # The pooled sandbox ran in a uid range of its own, and the workspace followed it
+        # there (a task's workspace never serves another sandbox): give it back.
+        chown_tree(fx.workspace, settings.sandbox_host_uid, settings.sandbox_host_uid)
         podman_boxes.track(spec.name + "-f")
         fresh = backend.run(spec.replace(name=spec.name + "-f", env=env), argv)
         fresh_out = {o.id: o for o in inside_outcomes(_parse_json(fresh.stdout, "fresh"))}
