@@ -53,6 +53,25 @@ def test_keyless_models_are_unavailable_with_the_reason() -> None:
     assert "replay-demo (default)" in text and "default: replay-demo" in text
 
 
+def test_models_json_lists_current_ids_prices_and_a_real_default_with_a_key() -> None:
+    """Issue 27: opus/sonnet/haiku name the 5.5 models with prices; the default is a real
+    model when its key is set, and the scripted demo when not, each with why."""
+    keyless = {m["name"]: m for m in json.loads(_models("--json").stdout)}
+    keyed = {m["name"]: m for m in json.loads(
+        _models("--json", env={"ANTHROPIC_API_KEY": "sk-test"}).stdout)}  # fmt: skip
+    ids = {n: keyed[n]["upstream_model"] for n in ("opus", "sonnet", "haiku")}
+    assert ids == {"opus": "claude-opus-5-5", "sonnet": "claude-sonnet-5-5",
+                   "haiku": "claude-haiku-5-5"}  # fmt: skip
+    assert keyed["sonnet"]["price"] == {"input": 2.0, "output": 10.0, "cache_write": 2.5,
+                                        "cache_write_1h": 4.0, "cache_read": 0.1}  # fmt: skip
+    assert keyed["opus"]["price"]["output"] == 20.0 and keyed["haiku"]["price"]["input"] == 0.1
+    assert keyed["replay-demo"]["price"] is None and keyed["replay-demo"]["scripted"] is True
+    assert keyed["sonnet"]["default"] is True and not keyed["replay-demo"]["default"]
+    assert "ANTHROPIC_API_KEY is set" in keyed["sonnet"]["default_reason"]
+    assert keyless["replay-demo"]["default"] is True
+    assert "scripted" in keyless["replay-demo"]["default_reason"]
+
+
 def test_the_default_is_said_and_can_be_set(tmp_path: Path) -> None:
     body = f"""
 [models.zeta]
