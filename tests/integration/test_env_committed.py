@@ -105,7 +105,9 @@ def test_submit_uses_the_committed_boxfile_bounded_by_the_host(settings: Setting
 
 
 @pytest.mark.podman
-def test_a_failed_setup_fails_the_task_and_starts_no_agent(settings: Settings) -> None:
+def test_a_failed_setup_fails_the_task_and_starts_no_agent(
+    settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
     from agentbox.image import build_default
 
     build_default(Settings())
@@ -126,6 +128,14 @@ def test_a_failed_setup_fails_the_task_and_starts_no_agent(settings: Settings) -
     assert (logs / "setup.log").is_file()
     assert not (logs / "agent.jsonl").exists()  # no agent started
     assert not res.branch and not info.branch
+    # show's changes row says the agent never started, not "files_changed 0 …" (issue 34 §10)
+    from agentbox.cli._view import report_text
+
+    assert res.report["agent_ran"] is False
+    capsys.readouterr()
+    report_text(info, res)
+    shown = capsys.readouterr().out
+    assert "none: the agent never started" in shown and "files_changed" not in shown, shown
 
 
 @pytest.mark.podman

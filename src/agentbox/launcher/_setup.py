@@ -82,6 +82,7 @@ def setup_phase(
         error=error,
     )
     data = report.model_dump(mode="json")
+    data["agent_ran"] = False  # show's changes row: "none: the agent never started"
     data.update(env_report_fields(paths.root, paths.log_dir))
     paths.report_file.write_text(json.dumps(data, indent=2, default=str))
     store.finish(task_id, report.status, error=error)
