@@ -155,7 +155,7 @@ def register(app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """Remove environments unused for --older-than (default 14 days); not one in use."""
-        from agentbox.launcher._retention import parse_age  # `agentbox prune`'s syntax
+        from agentbox.launcher import parse_age  # `agentbox prune`'s syntax
 
         try:
             age = parse_age(older_than)
