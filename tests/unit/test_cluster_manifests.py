@@ -70,3 +70,21 @@ def test_the_model_key_reaches_node_pods_only_and_the_registry_loads(tmp_path: P
     (tmp_path / "models.toml").write_text(text)
     reg = load_registry(Settings(data_dir=tmp_path, models_file=tmp_path / "models.toml"))
     assert reg.default == "claude-sonnet"
+
+
+def test_node_pods_hold_the_cluster_secrets_root_only() -> None:
+    """Issue 33 §1: every node pod gets the cluster's Ray token and cluster key (Ray's token
+    authentication, the node proof) from a Secret mounted 0400, where
+    AGENTBOX_CLUSTER_SECRETS points; the launcher runs beside the node (its socket)."""
+    pods = [d for _, d in DOCS if d["kind"] in ("DaemonSet", "Deployment")]
+    assert pods
+    for d in pods:
+        spec = d["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        vol = next(v for v in spec["volumes"] if v.get("secret", {}).get("secretName")
+                   == "agentbox-cluster-secrets")  # fmt: skip
+        assert vol["secret"]["defaultMode"] == 0o400
+        mount = next(m for m in c["volumeMounts"] if m["name"] == vol["name"])
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["AGENTBOX_CLUSTER_SECRETS"] == mount["mountPath"] and mount["readOnly"]
+        assert "agentbox launcher serve" in " ".join(c["args"])

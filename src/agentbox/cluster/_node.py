@@ -12,6 +12,12 @@ deadline, Boxfile) and the base commit as a git bundle; what it returns is a
 ``run`` is idempotent on the attempt id: a second call (Ray retrying, a driver
 resuming) never starts a second task; it waits for the first and returns its
 outcome, rebuilt from the launcher's store if this process restarted.
+
+On a Ray node the service runs unprivileged (the node user, group ``agentbox``)
+and reaches the host's root launcher only through its socket
+(:meth:`NodeService.over_socket`): it may submit tasks for repos it owns (the
+ones it makes from bundles) and see only its own tasks. The in-process launcher
+(root) is for the local executor and the tests.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from agentbox.cluster._spec import MAX_RESULT_BUNDLE, Attempt, NodeOutcome
 from agentbox.config import Settings
 from agentbox.errors import AgentboxError, RefusedError, TaskNotFound
 from agentbox.launcher.api import TaskRequest
+from agentbox.launcher.client import LauncherClient
 
 if TYPE_CHECKING:
     from agentbox.launcher import Launcher
@@ -67,26 +74,51 @@ class NodeService:
     (the fake-backend tests).
     """
 
-    def __init__(self, settings: Settings, *, slots: int, name: str, check: bool = True) -> None:
-        if check and (problems := node_problems(settings)):
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        slots: int,
+        name: str,
+        check: bool = True,
+        client: LauncherClient | None = None,
+        repos: Path | None = None,
+    ) -> None:
+        if check and client is None and (problems := node_problems(settings)):
             raise RefusedError(f"node {name} refused: " + "; ".join(problems))
-        from agentbox.launcher import Launcher
-
         self.settings = settings
         self.name = name
         self.slots = max(1, slots)
-        self.launcher: Launcher = Launcher(settings, max_tasks=self.slots)
-        # Tasks a previous life of this node left behind are settled (and their
-        # sandboxes reaped) before new ones run: an attempt id asked again then
-        # finds its task terminal, never half-alive.
-        self.launcher.reconcile()
+        self._repos = repos or settings.repos_root / "agentbox-cluster"
+        self.launcher: Launcher | LauncherClient
+        if client is not None:
+            self.launcher = client
+        else:
+            from agentbox.launcher import Launcher
+
+            self.launcher = Launcher(settings, max_tasks=self.slots)
+            # Tasks a previous life of this node left behind are settled (and their
+            # sandboxes reaped) before new ones run: an attempt id asked again then
+            # finds its task terminal, never half-alive.
+            self.launcher.reconcile()
         self._lock = threading.Lock()
         self._starting: dict[str, threading.Lock] = {}
         log.info("node ready", node=name, slots=self.slots, data_dir=str(settings.data_dir))
 
+    @classmethod
+    def over_socket(
+        cls, settings: Settings, socket: Path, *, slots: int, name: str, repos: Path
+    ) -> NodeService:
+        """The service of an unprivileged node actor: the root launcher behind ``socket``,
+        the repos it makes from bundles under ``repos`` (a directory it owns, inside the
+        launcher's repos root)."""
+        client = LauncherClient(socket, timeout=60.0)
+        client.list()  # the launcher answers this user now, or the node does not start
+        return cls(settings, slots=slots, name=name, check=False, client=client, repos=repos)
+
     def repo_dir(self, attempt_id: str) -> Path:
         """Where this node keeps the attempt's repo (made from the bundle)."""
-        return self.settings.repos_root / "agentbox-cluster" / attempt_id
+        return self._repos / attempt_id
 
     def info(self) -> dict[str, object]:
         """Name, slots and the attempts running now (for the driver's progress)."""
@@ -113,22 +145,30 @@ class NodeService:
                     shutil.rmtree(repo)
                 unbundle(bundle, attempt.base, repo)
                 timings["unbundle"] = time.monotonic() - t0
-                box = (
-                    Boxfile.from_dict(attempt.boxfile, settings=self.settings)
-                    if attempt.boxfile
-                    else None
+                request = TaskRequest(
+                    repo=str(repo),
+                    task=attempt.task,
+                    model=attempt.model,
+                    budget=attempt.budget,
+                    deadline=attempt.deadline,
+                    task_id=aid,
                 )
-                self.launcher.submit(
-                    TaskRequest(
-                        repo=str(repo),
-                        task=attempt.task,
-                        model=attempt.model,
-                        budget=attempt.budget,
-                        deadline=attempt.deadline,
-                        task_id=aid,
-                    ),
-                    boxfile=box,
-                )
+                if isinstance(self.launcher, LauncherClient):
+                    if attempt.boxfile:
+                        # Over the socket the launcher takes the repo's committed Boxfile
+                        # only (a socket client never chooses mounts or the runtime).
+                        raise RefusedError(
+                            "a batch --boxfile is not taken by a node over the launcher "
+                            "socket: commit it as .agentbox/Boxfile.toml in the repo"
+                        ) from None
+                    self.launcher.submit(request)
+                else:
+                    box = (
+                        Boxfile.from_dict(attempt.boxfile, settings=self.settings)
+                        if attempt.boxfile
+                        else None
+                    )
+                    self.launcher.submit(request, boxfile=box)
         t0 = time.monotonic()
         self.launcher.wait(aid)
         timings["run"] = time.monotonic() - t0
@@ -180,5 +220,12 @@ class NodeService:
         return True
 
     def close(self) -> None:
-        """Cancel what runs, let it be collected, stop the launcher."""
-        self.launcher.shutdown(grace=30.0)
+        """Cancel what runs, let it be collected, stop the launcher (in-process), or
+        cancel this node's running attempts (over the socket)."""
+        if isinstance(self.launcher, LauncherClient):
+            for aid in self.active():
+                with contextlib.suppress(AgentboxError):
+                    self.launcher.cancel(aid)
+            self.launcher.close()
+        else:
+            self.launcher.shutdown(grace=30.0)
