@@ -119,3 +119,19 @@ def test_doctor_warns_about_a_retired_model_id(tmp_path: Path) -> None:
     assert "claude-sonnet-4-5, retired by its provider on 2026-11-30" in check.facility.detail
     assert "update the registry" in check.facility.fix
     assert _models(Settings()).status == "ok"  # the built-in registry is current
+
+
+def test_cost_shown_beside_tokens_in_mcp_status_and_logs() -> None:
+    from agentbox._transcript_model import Event
+    from agentbox.cli._logs import event_lines
+    from agentbox.launcher.api import TaskInfo, TokenUsage
+    from agentbox.mcp._format import info_dict
+
+    base = {"id": "t1", "status": "done", "repo": "/r", "task": "x", "model": "sonnet",
+            "budget": 10, "deadline": 60.0, "created_at": 0.0}  # fmt: skip
+    priced = TaskInfo(**base, tokens=TokenUsage(input=10, output=5, cost_usd=0.0123))
+    assert info_dict(priced)["cost_usd"] == 0.0123
+    assert info_dict(TaskInfo(**base))["cost_usd"] is None  # unknown, never 0
+    ev = Event(seq=0, source="agent", kind="text", text="hi",
+               tokens=TokenUsage(input=10, output=5, cost_usd=0.0123))  # fmt: skip
+    assert "$0.0123" in event_lines(ev, full=False)[0].plain
