@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tutorial_runner import kill_marked, marked_pids, requirements, run_tutorial
+from tutorial_runner import kill_marked, marked_pids, parse_tutorial, requirements, run_tutorial
 
 pytestmark = [
     pytest.mark.podman,
@@ -38,6 +38,9 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = sorted(p for p in (ROOT / "docs" / "tutorials").glob("*.md") if p.name != "README.md")
+#: The how-to guides: their console blocks run too (issue 34 item 10), each page on its
+#: own, as a reader who has agentbox installed runs them (the venv on PATH).
+HOWTOS = sorted((ROOT / "docs" / "how-to").glob("*.md"))
 #: The user the delegate tutorial makes for its repos (removed again if the test made it).
 TUTORIAL_USER = "dev"
 
@@ -49,6 +52,12 @@ def _missing(text: str) -> list[str]:
         if req == "ray":
             if importlib.util.find_spec("ray") is None:
                 out.append("ray (pip install 'agentbox[ray]'; scripts/setup.sh installs it)")
+        elif req == "runsc":
+            from agentbox import _host
+
+            fac = _host.podman_runtime("runsc")
+            if not fac.ok:
+                out.append(f"runsc ({fac.detail})")
         elif req not in ("root", "podman", "claude"):
             out.append(f"{req} (unknown requirement: the test cannot check it)")
     return out
@@ -97,6 +106,49 @@ def _containers_of(data_dir: Path) -> list[str]:
         check=False,
     )
     return res.stdout.split()
+
+
+@pytest.mark.parametrize("path", HOWTOS, ids=lambda p: p.name)
+def test_the_how_to_guide_runs_verbatim(path: Path) -> None:
+    """A how-to page's console blocks that run (the rest are ``not-run`` with a reason, held
+    to that by tests/unit/test_howto_guides.py), in order, in one bash; cheap: what needs
+    a real API key, a model server, a second host or changes the host is not run."""
+    text = path.read_text()
+    if not any(b.runs for b in parse_tutorial(text)):
+        pytest.skip(f"{path.name}: every console block is not-run (each says why)")
+    missing = _missing(text)
+    if missing:
+        pytest.skip(f"{path.name} requires {', '.join(missing)}")
+    checkout = Path(os.environ.get("TUTORIALS_CHECKOUT") or ROOT)
+    base = Path(tempfile.mkdtemp(prefix="agentbox-howto-"))
+    base.chmod(0o755)  # runsc's gofer reaches the data dir's workspaces
+    (base / "home").mkdir(mode=0o700)
+    (base / "steps").mkdir()
+    marker = f"AGENTBOX_TUTORIAL_RUN={uuid.uuid4().hex}"
+    env = {
+        "PATH": f"{checkout / '.venv/bin'}:{os.environ['PATH']}",
+        "HOME": str(base / "home"),
+        "AGENTBOX_DATA_DIR": str(base / "data"),
+        "USER": "root",
+        "LOGNAME": "root",
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+        marker.split("=", 1)[0]: marker.split("=", 1)[1],
+    }
+    try:
+        run = run_tutorial(path, cwd=checkout, env=env, workdir=base / "steps", timeout=600)
+        assert run.ran, f"{path.name}: nothing ran"
+        for block, why in run.skipped:
+            print(f"{path.name}:{block.line}: not run: {why}")
+    finally:
+        kill_marked(marker)
+        survivors = list(marked_pids(marker))
+        containers = _containers_of(base / "data")
+        for name in containers:
+            subprocess.run(["podman", "rm", "-f", name], capture_output=True, timeout=120)
+        shutil.rmtree(base, ignore_errors=True)
+    assert not survivors, f"processes survived the guide's cleanup: {survivors}"
+    assert not containers, f"sandboxes left behind: {containers}"
 
 
 @pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
