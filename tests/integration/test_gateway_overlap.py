@@ -84,6 +84,7 @@ def test_the_sandbox_starts_before_the_gateway_serves(
         paths = TaskPaths(settings.data_dir, box.spec.name.removeprefix("agentbox-task-"))
         st = paths.gateway_socket.lstat()
         seen["socket"] = (stat.S_ISSOCK(st.st_mode), st.st_uid, stat.S_IMODE(st.st_mode))
+        seen["sandbox_uid"] = paths.workspace.stat().st_uid  # its own uid slot's
         pid = frozen["pids"][0]
         seen["gateway_state"] = psutil.Process(pid).status()
         with socket.socket(socket.AF_UNIX) as c:
@@ -103,7 +104,8 @@ def test_the_sandbox_starts_before_the_gateway_serves(
     # The sandbox ran while its gateway could not yet have served a thing...
     assert seen["gateway_state"] == psutil.STATUS_STOPPED
     # ...with the socket already there, the sandbox uid's, 0660...
-    assert seen["socket"] == (True, settings.sandbox_host_uid, 0o660)
+    assert seen["socket"] == (True, seen["sandbox_uid"], 0o660)
+    assert seen["sandbox_uid"] not in (0, settings.subid_base + settings.sandbox_uid)
     # ...and what it sent meanwhile was answered once the gateway ran (no token: 401).
     assert seen["answer"].startswith(b"HTTP/1.1 401"), seen["answer"]
     assert not psutil.pid_exists(frozen["pids"][0]) or (
