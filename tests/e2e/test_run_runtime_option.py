@@ -79,3 +79,52 @@ def test_run_takes_the_runtime_from_the_command_line() -> None:
         assert bad.returncode != 0 and "runsc" in bad.stderr + bad.stdout, bad
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_runtime_flag_keeps_the_committed_boxfile_and_repo_defaults_to_the_cwd() -> None:
+    """Issue 34 items 1, 4, 7: ``agentbox run --runtime runc`` in the repo's directory,
+    without ``--repo``, on a repo whose committed Boxfile has a ``[setup]``: setup runs
+    (the flag overrode the runtime only), and the report, ``show --json`` and ``show``
+    say which backend and runtime the task ran on. The old CLI said ``Missing option
+    '--repo'``, and with ``--repo`` it dropped the Boxfile: no setup, and still done."""
+    base = Path(tempfile.mkdtemp(prefix="agentbox-e2e-boxkeep-", dir="/var/tmp"))
+    base.chmod(0o711)
+    try:
+        repo = base / "repos" / "proj"
+        shutil.copytree(ROOT / "demo" / "sample-repo", repo)
+        (repo / ".agentbox").mkdir()
+        (repo / ".agentbox" / "Boxfile.toml").write_text(
+            '[setup]\nrun = ["mkdir -p .tools && echo ready > .tools/marker"]\n'
+        )
+        git(repo, "init", "-q", "-b", "main")
+        git(repo, "add", "-A")
+        git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": os.environ.get("HOME", "/root"),
+            "AGENTBOX_DATA_DIR": str(base / "data"),
+            "AGENTBOX_REPOS_ROOT": str(base / "repos"),
+        }
+        if "PYTHONPATH" in os.environ:
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        argv = [sys.executable, "-m", "agentbox", "run", "--json", "--runtime", "runc",
+                "Add a slugify helper with a test, and run the tests."]  # fmt: skip
+        r = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True, timeout=900)
+        try:
+            doc = json.loads(r.stdout)
+        except ValueError:
+            raise AssertionError(f"rc {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}") from None
+        task, report = doc["task"], doc["result"]["report"]
+        assert task["status"] == "done", (task["error"], r.stderr[-2000:])
+        assert task["repo"] == str(repo)
+        setup = report.get("setup")
+        assert setup is not None and setup["ran"] and setup["cache"] == "miss", report
+        assert (task["backend"], task["runtime"]) == ("podman", "runc")
+        assert (report["backend"], report["runtime"]) == ("podman", "runc")
+        shown = subprocess.run(
+            [sys.executable, "-m", "agentbox", "show", task["id"], "--no-diff"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert "podman (runtime runc)" in shown.stdout, shown
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
