@@ -112,14 +112,26 @@ def _ignored(shadow: ShadowGit, workspace: Path, new: list[str]) -> set[str] | N
     return {os.fsdecode(p) for p in out.split(b"\0") if p}
 
 
-def _read_changed(w: Walk, tree: Tree, blobs: BlobWriter) -> dict[bytes, tuple[int, str]]:
+def _read_changed(
+    w: Walk, tree: Tree, blobs: BlobWriter, until: float
+) -> dict[bytes, tuple[int, str]]:
     """Store every entry of ``w.changed`` as a blob; return {path: (mode, blob id)}.
 
-    Counts into ``w.files_read``/``w.bytes_read``; the total cap spans calls.
+    Counts into ``w.files_read``/``w.bytes_read``; the caps (total size, number of
+    changed files) span calls. Past ``until`` (``time.monotonic``), or past the
+    number of changed files, the rest is not read: one note per reason says how
+    many (the caps are for a hostile result of 200,000 files: bounded time and memory).
     """
     updates: dict[bytes, tuple[int, str]] = {}
     cap = w.limits.max_file_size
-    for rel, gm, st in sorted(w.changed):
+    entries = sorted(w.changed)
+    for n, (rel, gm, st) in enumerate(entries):
+        if w.files_read >= w.limits.max_changed_files:
+            w.skip_many(entries[n:], f"over the cap of {w.limits.max_changed_files} changed files")
+            break
+        if n % 256 == 0 and time.monotonic() > until:
+            w.skip_many(entries[n:], f"collection's time limit ({w.limits.max_seconds:g} s) passed")
+            break
         relb = os.fsencode(rel)
         try:
             if gm == 0o120000:
@@ -190,6 +202,10 @@ def _refused_path(stderr: str) -> bytes | None:
     return None
 
 
+class _Enough(Exception):
+    """Raised from a stream callback: the diff has reached its cap."""
+
+
 def _diff(shadow: ShadowGit, base: str, commit: str, cap: int) -> tuple[DiffStat, str, bool]:
     """The diffstat and the unified diff (cut at ``cap`` bytes) from one ``git diff-tree``.
 
@@ -205,11 +221,16 @@ def _diff(shadow: ShadowGit, base: str, commit: str, cap: int) -> tuple[DiffStat
     def keep(chunk: bytes) -> None:
         nonlocal size, truncated, in_patch
         if not in_patch:
+            # The blank line may straddle two chunks: look at the new chunk and the byte
+            # before it only (joining every chunk so far each time is quadratic).
+            tail = head[-1][-1:] if head else b""
+            at = (tail + chunk).find(b"\n\n")
             head.append(chunk)
-            joined = b"".join(head)
-            if b"\n\n" not in joined:
+            if at < 0:
                 return
-            first, _, chunk = joined.partition(b"\n\n")
+            joined = b"".join(head)
+            cut = len(joined) - len(chunk) - len(tail) + at
+            first, chunk = joined[:cut], joined[cut + 2 :]
             head[:] = [first]
             in_patch = True
         if size < cap:
@@ -217,12 +238,16 @@ def _diff(shadow: ShadowGit, base: str, commit: str, cap: int) -> tuple[DiffStat
             size += len(chunks[-1])
         if size >= cap and chunk:
             truncated = True
+            raise _Enough  # the rest of the patch is never made: git is stopped here
 
     argv = shadow.argv(["diff-tree", "-r", "--numstat", "-p", "--no-color", "--no-ext-diff",
                         "--no-textconv", "--no-renames", "--binary", base, commit])  # fmt: skip
     err: list[bytes] = []
-    rc = _proc.stream(argv, on_stdout=keep, on_stderr=err.append, env=shadow.env(),
-                      cwd=shadow.git_dir, timeout=shadow.timeout)  # fmt: skip
+    try:
+        rc = _proc.stream(argv, on_stdout=keep, on_stderr=err.append, env=shadow.env(),
+                          cwd=shadow.git_dir, timeout=shadow.timeout)  # fmt: skip
+    except _Enough:
+        rc = 0  # stopped by us, the numstat (printed first) complete
     if rc != 0:
         raise CollectError(f"git diff-tree failed: {b''.join(err).decode(errors='replace')}")
     files = ins = dels = 0
@@ -263,6 +288,7 @@ def collect(
     :class:`~agentbox.errors.CollectError` (the workspace is kept).
     """
     limits = limits or Limits()
+    started = time.monotonic()
     workspace, shadow_git, base_index = (
         Path(p).absolute() for p in (workspace, shadow_git, base_index)
     )
@@ -315,14 +341,15 @@ def collect(
                 ignoring = pool.submit(_ignored, shadow, workspace, [c[0] for c in new])
             paths = [os.fsencode(c[0]) for c in [*w.changed, *new]] + deletions
             fetching = pool.submit(prefetch, shadow, base.tree, paths, fmt, trees)
-            updates = _read_changed(w, tree, objects)
+            until = started + limits.max_seconds
+            updates = _read_changed(w, tree, objects, until)
             ignored = ignoring.result() if ignoring is not None else set()
             if ignored is None:
                 w.note(".gitignore", "git check-ignore failed: ignore rules not applied")
                 ignored = set()
             w.ignored = len(ignored)
             w.changed = [c for c in new if c[0] not in ignored]
-            updates.update(_read_changed(w, tree, objects))
+            updates.update(_read_changed(w, tree, objects, until))
             try:
                 trees.update(fetching.result())
                 tree_id = build_tree(shadow, objects, base.tree, updates, deletions, trees)
@@ -343,6 +370,7 @@ def collect(
             # an earlier collection of this task goes too: the result is what is there now.
             commit, diffstat, diff, truncated = "", DiffStat(), "", False
             shadow.run("update-ref", "-d", f"refs/heads/{branch}")
+    w.skip_summary()
     log.info("collected", task_id=task_id, commit=commit or None, changed=any_change,
              files=diffstat.files_changed, skipped=len(w.skipped))  # fmt: skip
     return Collected(

@@ -53,7 +53,16 @@ class Limits(BaseModel):
     max_files: int = Field(default=500_000, gt=0)
     """Entries walked beyond this stop the walk (reported; unseen base files are kept)."""
     max_diff_bytes: int = Field(default=1 << 20, gt=0)
-    """The unified diff returned is cut here, with a truncation note."""
+    """The unified diff returned is cut here, with a truncation note (git is stopped there:
+    the rest of the patch is never made)."""
+    max_changed_files: int = Field(default=100_000, gt=0)
+    """Changed or new files stored beyond this are not collected (one note says how many;
+    modified ones keep their base version)."""
+    max_seconds: float = Field(default=600.0, gt=0)
+    """Collection's own time limit (the task's deadline ends at the agent's exit): files
+    not yet stored when it passes are not collected (one note says how many)."""
+    max_skip_notes: int = Field(default=200, gt=0)
+    """Skipped paths listed one by one per reason; the rest of a reason are counted in one."""
 
 
 class Skipped(BaseModel):

@@ -18,7 +18,7 @@ import stat
 import unicodedata
 
 from agentbox.collect._model import Limits, Skipped
-from agentbox.collect._risky import flag_note, risky_reason
+from agentbox.collect._risky import flag_change, flag_note, risky_reason
 from agentbox.collect._statcache import MODES, BaseListing, dir_key, stat_key
 from agentbox.errors import PathRefused
 from agentbox.safepath import MAX_NAME, Tree, openat2, show
@@ -78,12 +78,38 @@ class Walk:
         self.files_read = 0
         self.bytes_read = 0
         self.flagged: set[str] = set()
+        self.skip_counts: dict[str, int] = {}
+        self.note_counts: dict[str, int] = {}
 
     def skip(self, rel: str, reason: str) -> None:
-        """Report ``rel``; a skipped path keeps its base version (if any)."""
-        self.skipped.append(Skipped(path=show(os.fsencode(rel)), reason=reason))
+        """Report ``rel``; a skipped path keeps its base version (if any).
+
+        Past ``limits.max_skip_notes`` paths of one reason, the rest of that reason
+        are counted, not listed (:meth:`skip_summary` adds the count)."""
+        n = self.skip_counts[reason] = self.skip_counts.get(reason, 0) + 1
+        if n <= self.limits.max_skip_notes:
+            self.skipped.append(Skipped(path=show(os.fsencode(rel)), reason=reason))
+
+    def skip_many(self, entries: list[tuple[str, int, os.stat_result]], reason: str) -> None:
+        """Skip every path of ``entries`` for one ``reason`` (listed up to the cap)."""
+        for rel, _gm, _st in entries:
+            self.skip(rel, reason)
+
+    def skip_summary(self) -> None:
+        """One entry per reason that had more paths than were listed: how many more."""
+        for counts, out in ((self.skip_counts, self.skipped), (self.note_counts, self.notes)):
+            for reason, n in counts.items():
+                if n > self.limits.max_skip_notes:
+                    more = n - self.limits.max_skip_notes
+                    out.append(Skipped(path=f"({more} more paths)", reason=reason))
 
     def note(self, rel: str, reason: str) -> None:
+        """Note ``rel`` (collected, with a remark); past ``limits.max_skip_notes`` notes
+        of one reason the rest are counted (flagged paths are always listed)."""
+        if flag_change(reason) is None:
+            n = self.note_counts[reason] = self.note_counts.get(reason, 0) + 1
+            if n > self.limits.max_skip_notes:
+                return
         self.notes.append(Skipped(path=show(os.fsencode(rel)), reason=reason))
 
     def flag(self, rel: str, change: str) -> None:
