@@ -23,20 +23,22 @@ about it; every timeout is also an :class:`AgentboxTimeout`::
     ├── UnsupportedError       the host lacks a facility (runtime, KVM, binary): install it (fix)
     ├── CommandError           a subprocess failed (argv, returncode, stderr tail)
     │   └── CommandTimeout     ... or ran past its timeout (timeout)
-    ├── ImageError             building, verifying or finding an image failed (image)
+    ├── PrivilegeDropError     a process could not become its unprivileged identity, or the
+    │                          drop did not take (the gateway, the egress proxy, the MCP server)
+    ├── ImageError             building, verifying or finding an image failed
     ├── SandboxError           a sandbox could not be created, run or destroyed (sandbox)
     │   ├── GuestError         a microVM guest misbehaved (bad frame, wrong kernel, no answer)
     │   │   └── GuestTimeout   the guest did not answer in time
     │   └── SandboxGone        no such sandbox (any more): removed, never made, not ours
-    ├── GatewayError           the per-task model gateway failed to start or serve (task_id)
-    │   ├── UpstreamError      the upstream broke the protocol or the connection (status)
+    ├── GatewayError           the per-task model gateway failed to start or serve
+    │   ├── UpstreamError      the upstream broke the protocol or the connection
     │   │   ├── UpstreamConnectError  no connection to the upstream
     │   │   └── UpstreamTimeout       the upstream did not answer in time
     │   ├── Refusal            a request the budget does not allow (reason)
     │   ├── BodyTooLarge       a request body over the configured cap
     │   └── PolicyViolation    a request the gateway's policy refuses (400; also a ValueError)
     ├── EgressError            the per-task egress proxy failed to start or serve
-    ├── CollectError           result collection failed; the workspace is kept (task_id, path)
+    ├── CollectError           result collection failed; the workspace is kept
     └── TaskError              a task-level failure (task_id)
         └── TaskNotFound
 
@@ -76,6 +78,7 @@ __all__ = [
     "PathRefused",
     "PolicyRefused",
     "PolicyViolation",
+    "PrivilegeDropError",
     "PublishRefused",
     "Refusal",
     "RefusedError",
@@ -201,12 +204,13 @@ class CommandTimeout(CommandError, AgentboxTimeout):
         self.args = (f"command timed out after {timeout:g}s: {' '.join(self.argv[:12])}",)
 
 
-class ImageError(AgentboxError):
-    """Building, verifying or finding a sandbox image failed; ``image`` names it if known."""
+class PrivilegeDropError(AgentboxError):
+    """A process could not drop to its unprivileged identity, or the drop did not take
+    (a capability, a root id or no ``no_new_privs`` left): it must not go on."""
 
-    def __init__(self, message: str, *, image: str | None = None) -> None:
-        super().__init__(message)
-        self.image = image
+
+class ImageError(AgentboxError):
+    """Building, verifying or finding a sandbox image failed."""
 
 
 class SandboxError(AgentboxError):
@@ -234,19 +238,11 @@ class SandboxGone(SandboxError):
 
 
 class GatewayError(AgentboxError):
-    """The per-task model gateway failed to start or to serve; ``task_id`` if known."""
-
-    def __init__(self, message: str = "", *, task_id: str | None = None) -> None:
-        super().__init__(message)
-        self.task_id = task_id
+    """The per-task model gateway failed to start or to serve."""
 
 
 class UpstreamError(GatewayError):
-    """The upstream broke the protocol or the connection; ``status`` if it answered."""
-
-    def __init__(self, message: str = "", *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
+    """The upstream broke the protocol or the connection."""
 
 
 class UpstreamConnectError(UpstreamError):
@@ -278,17 +274,7 @@ class EgressError(AgentboxError):
 
 
 class CollectError(AgentboxError):
-    """Result collection failed. The workspace is kept so it can be retried.
-
-    ``task_id`` and ``path`` (the file or directory that failed) when known.
-    """
-
-    def __init__(
-        self, message: str = "", *, task_id: str | None = None, path: Path | str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.task_id = task_id
-        self.path = path
+    """Result collection failed. The workspace is kept so it can be retried."""
 
 
 class PublishRefused(CollectError, RefusedError):

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from agentbox._exit import end_process
 from agentbox._log import get_logger
-from agentbox.errors import ConfigError
+from agentbox.errors import ConfigError, PrivilegeDropError
 from agentbox.gateway._app import Gateway, GatewayConfig
 from agentbox.gateway._confine import confine, drop_bounding_set, limit_resources
 from agentbox.gateway._conn import ConnLimits
@@ -161,7 +161,7 @@ def drop_privileges(uid: int, gid: int, *, own: list[Path]) -> None:
     os.setgid(gid)
     os.setuid(uid)
     if os.getuid() != uid or os.geteuid() != uid or os.getgid() != gid:
-        raise ConfigError(f"could not drop privileges to {uid}:{gid}")
+        raise PrivilegeDropError(f"could not drop privileges to {uid}:{gid}")
 
 
 def run_gateway(

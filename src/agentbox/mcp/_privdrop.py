@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentbox._log import get_logger
-from agentbox.errors import PolicyRefused, UnsupportedError
+from agentbox.errors import PolicyRefused, PrivilegeDropError
 
 __all__ = ["Identity", "drop_privileges", "process_posture", "resolve_identity"]
 
@@ -71,7 +71,7 @@ def load_libc() -> ctypes.CDLL:
 def _prctl(libc: ctypes.CDLL, option: int, arg: int, arg3: int = 0) -> None:
     if libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(arg3), 0, 0) != 0:
         err = ctypes.get_errno()
-        raise PolicyRefused(f"prctl({option}, {arg}) failed: {os.strerror(err)}")
+        raise PrivilegeDropError(f"prctl({option}, {arg}) failed: {os.strerror(err)}")
 
 
 def resolve_identity(user: str | None, repos_root: Path, socket_path: Path | None) -> Identity:
@@ -124,7 +124,7 @@ def drop_privileges(identity: Identity | None) -> None:
     """Become ``identity`` with no capabilities and no-new-privs, then verify it.
 
     ``identity`` None (not started as root): only set no-new-privs and check
-    that no capability is held. Raises :class:`PolicyRefused` if anything
+    that no capability is held. Raises :class:`PrivilegeDropError` if anything
     survives the drop.
     """
     libc = load_libc()
@@ -132,10 +132,10 @@ def drop_privileges(identity: Identity | None) -> None:
     # so every thread started later inherits the dropped state.
     threads = [p.name for p in Path("/proc/self/task").iterdir()]
     if len(threads) != 1:
-        raise PolicyRefused(f"privilege drop needs a single-threaded process, found {threads}")
+        raise PrivilegeDropError(f"privilege drop needs a single-threaded process, found {threads}")
     if os.geteuid() == 0:
         if identity is None:
-            raise PolicyRefused("started as root without an identity to drop to")
+            raise PrivilegeDropError("started as root without an identity to drop to")
         last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
         for cap in range(last + 1):
             _prctl(libc, PR_CAPBSET_DROP, cap)
@@ -147,7 +147,7 @@ def drop_privileges(identity: Identity | None) -> None:
     data = (_CapData * 2)()
     if libc.capset(ctypes.byref(hdr), ctypes.byref(data)) != 0:
         err = ctypes.get_errno()
-        raise PolicyRefused(f"capset to empty sets failed: {os.strerror(err)}")
+        raise PrivilegeDropError(f"capset to empty sets failed: {os.strerror(err)}")
     _prctl(libc, PR_SET_NO_NEW_PRIVS, 1)
     st = process_posture()
     # The bounding set can only be emptied when we started as root (it needs CAP_SETPCAP).
@@ -155,7 +155,7 @@ def drop_privileges(identity: Identity | None) -> None:
     held = {k: st.get(k) for k in sets if int(st.get(k, "0"), 16)}
     uids = st.get("Uid", "").split()
     if held or st.get("NoNewPrivs") != "1" or "0" in uids:
-        raise PolicyRefused(f"privilege drop did not take: {held or st}")
+        raise PrivilegeDropError(f"privilege drop did not take: {held or st}")
     if identity is not None and os.geteuid() != identity.uid:
-        raise UnsupportedError(f"still uid {os.geteuid()} after dropping to {identity.uid}")
+        raise PrivilegeDropError(f"still uid {os.geteuid()} after dropping to {identity.uid}")
     log.info("privileges dropped", uid=os.geteuid(), gid=os.getegid(), groups=os.getgroups())
