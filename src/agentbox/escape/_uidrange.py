@@ -32,10 +32,19 @@ def _uids(pids: list[int]) -> set[int]:
 
 
 def verdict(
-    own: list[int], theirs: list[int], *, applies: bool = True, sentry: bool = False
+    own: list[int],
+    theirs: list[int],
+    *,
+    applies: bool = True,
+    sentry: bool = False,
+    one_root: int | None = None,
 ) -> Outcome:
-    """The probe's outcome from the host pids of the probed sandbox and of its neighbour;
-    with ``sentry`` (gVisor), the Sentry's nobody is said, not counted (see SENTRY_UID)."""
+    """The probe's outcome from the host pids of the probed sandbox and of its neighbour.
+
+    ``sentry`` (gVisor): the Sentry's nobody is said, not counted (see SENTRY_UID).
+    ``one_root``: both map into one range whose root is this id (docker's remap range:
+    no per-container map); when that root is all they share (gVisor's gofer runs as it)
+    the probe is n/a there, said so; any other shared id fails."""
     spec = by_id(PROBE)
     mine, other = _uids(own), _uids(theirs)
     status: Status
@@ -45,10 +54,17 @@ def verdict(
     elif not mine or not other:
         status, seen = "error", f"no readable thread (own pids {own}, neighbour's {theirs})"
     else:
-        shared = sorted((mine & other) - ({SENTRY_UID} if sentry else set()))
+        both = mine & other
+        shared = sorted(both - ({SENTRY_UID} if sentry else set()))
         status = "fail" if shared else "pass"
         seen = f"host uids {sorted(mine)} vs the neighbour's {sorted(other)}; shared {shared}"
-        if sentry and SENTRY_UID in mine & other:
+        if shared and shared == [one_root]:
+            status = "n/a"
+            seen += (
+                f": {one_root} is the root of the one remap range every sandbox of this "
+                "backend maps into (gVisor's gofer runs as it); no per-container map here"
+            )
+        if sentry and SENTRY_UID in both:
             seen += f" (gVisor's Sentry runs as the host's nobody, {SENTRY_UID}, in every sandbox)"
     return _outcome(spec, status, seen)
 
@@ -71,7 +87,13 @@ def neighbour_outcome(
             _bare(spec, "nb").replace(uid=nb_settings.sandbox_uid)
         ) as nb,
     ):
-        return verdict(own, sandbox_pids(nb), sentry=sentry)
+        # Both in one range (docker's remap range: a uid of its own inside it, not a range).
+        one_root = (
+            settings.sandbox_subid_base
+            if settings.uid_slot is None and nb_settings.uid_slot is None
+            else None
+        )
+        return verdict(own, sandbox_pids(nb), sentry=sentry, one_root=one_root)
 
 
 def shared_range_control(settings: Settings, image: str, spec: SandboxSpec) -> Outcome:
