@@ -164,3 +164,26 @@ def test_prune_removes_a_dead_tasks_staging(tmp_path: Path) -> None:
     os.utime(stage, (past, past))
     store.prune(3600)
     assert not stage.exists()
+
+
+def test_a_continued_task_is_known_as_one_before_and_after_its_workspace_is_made(
+    tmp_path: Path,
+) -> None:
+    """The setup phase keys a continued task on its whole tree (issue 33 §2): it must know
+    the task continues another from the plan recorded at submit (``_pending``) and from
+    the record moved into the task dir (``seed``)."""
+    from agentbox.launcher import _session
+    from agentbox.paths import TaskPaths
+
+    settings = Settings(data_dir=tmp_path / "data")
+    paths = TaskPaths(settings.data_dir, "t-000000000002")
+    paths.root.mkdir(parents=True)
+    assert not _session.continues(settings, paths)
+    cont = _session.Continuation(previous="t-000000000001", base_commit="a" * 40,
+                                 previous_status="done")  # fmt: skip
+    _session.record(settings, paths.task_id, cont)
+    assert _session.continues(settings, paths)
+    _session.forget(settings, paths.task_id)
+    assert not _session.continues(settings, paths)
+    _session._write(paths.root / _session._RECORD, cont)
+    assert _session.continues(settings, paths)
