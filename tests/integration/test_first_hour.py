@@ -109,6 +109,7 @@ def test_backend_flag_keeps_the_committed_boxfile(
 
 
 def test_overrides_replace_one_key_and_refuse_what_cannot_be_honoured() -> None:
+    from agentbox.backends import BACKENDS, backend_class
     from agentbox.env import with_overrides
 
     box = Boxfile.from_dict({"setup": {"run": ["make"]}, "resources": {"memory": "3GiB"}})
@@ -117,9 +118,14 @@ def test_overrides_replace_one_key_and_refuse_what_cannot_be_honoured() -> None:
     assert with_overrides(box, {}, source="x") is box
     with pytest.raises(BoxfileError, match=r"--runtime runsc cannot be honoured.*qemu"):
         with_overrides(box, {"backend": "qemu", "runtime": "runsc"}, source="x")
-    runsc = Boxfile.from_dict({"runtime": "runsc"})
-    with pytest.raises(BoxfileError, match=r"--backend qemu cannot be honoured.*runsc"):
-        with_overrides(runsc, {"backend": "qemu"}, source="the repo's Boxfile")
+    crun = Boxfile.from_dict({"runtime": "crun"})
+    for name in BACKENDS:  # a backend that runs OCI runtimes but not this one: refused
+        runtimes = backend_class(name).runtimes
+        if runtimes and "crun" not in runtimes:
+            with pytest.raises(BoxfileError, match=f"--backend {name} cannot be honoured.*crun"):
+                with_overrides(crun, {"backend": name}, source="the repo's Boxfile")
+    # A microVM runs no OCI runtime: the Boxfile's runtime does not apply there.
+    assert with_overrides(crun, {"backend": "qemu"}, source="x").backend == "qemu"
     with pytest.raises(BoxfileError, match="--runtime kata"):
         with_overrides(box, {"runtime": "kata"}, source="x")
 

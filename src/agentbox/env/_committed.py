@@ -68,8 +68,8 @@ def with_overrides(box: Boxfile, overrides: dict[str, str], *, source: str) -> B
     """``box`` with the keys ``overrides`` names replaced (each checked as a Boxfile's
     would be), every other key kept: ``--backend``/``--runtime`` override one key of
     the repo's Boxfile, never the whole of it. A combination the chosen backend cannot
-    honour (an OCI runtime on a microVM backend) is refused with the reason; ``source``
-    names where the rest of the Boxfile came from.
+    honour (``--runtime`` on a microVM backend, or a runtime the backend does not run)
+    is refused with the reason; ``source`` names where the rest of the Boxfile came from.
     """
     if not overrides:
         return box
@@ -88,7 +88,9 @@ def with_overrides(box: Boxfile, overrides: dict[str, str], *, source: str) -> B
             f"--runtime {out.runtime} cannot be honoured: the {out.backend} backend "
             f"(from {'--backend' if 'backend' in overrides else source}) {took}",
         )
-    if "backend" in overrides and box.runtime != "runc" and out.runtime not in runtimes:
+    # A backend that runs OCI runtimes but not this one cannot honour it; one that runs
+    # none (a microVM: its own kernel) has no use for the key, which then does not apply.
+    if "backend" in overrides and runtimes and out.runtime not in runtimes:
         raise BoxfileError(
             f"--backend {out.backend} cannot be honoured: {source} asks for runtime "
             f"{out.runtime}, which the {out.backend} backend does not run "
