@@ -20,11 +20,14 @@ if [ "${1-}" = --fast ]; then fast=1; shift; fi
 
 bash scripts/setup.sh
 report=$(mktemp -d /tmp/agentbox-test-report.XXXXXX)
+# A short base for tmp_path: xdist adds popen-gwN/ to every test's dir, and a sandbox's
+# unix sockets under it must stay within AF_UNIX's 108 bytes. Private to this run.
+bt=$(mktemp -d /tmp/abt.XXXX)
 summary() {
   local rc=$?
   .venv/bin/python scripts/test_summary.py "$report"/*.xml 2>/dev/null || true
   echo "[test.sh] total $((SECONDS - start)) s (exit $rc)"
-  rm -rf "$report"
+  rm -rf "$report" "$bt"
 }
 trap summary EXIT
 
@@ -33,7 +36,8 @@ trap summary EXIT
 .venv/bin/mypy
 
 if [ $fast = 1 ]; then
-  .venv/bin/pytest tests/unit -n auto -p no:cacheprovider --junitxml="$report/unit.xml" "$@"
+  .venv/bin/pytest tests/unit -n auto -p no:cacheprovider --basetemp="$bt/u" \
+    --junitxml="$report/unit.xml" "$@"
   exit
 fi
 
@@ -50,6 +54,7 @@ if [ "$workers" = 0 ]; then
   exit
 fi
 rc=0
-.venv/bin/pytest -n "$workers" --dist loadfile -m "not serial" --junitxml="$report/parallel.xml" || rc=$?
+.venv/bin/pytest -n "$workers" --dist loadfile -m "not serial" --basetemp="$bt/p" \
+  --junitxml="$report/parallel.xml" || rc=$?
 .venv/bin/pytest -m serial --junitxml="$report/serial.xml" || rc=$((rc ? rc : $?))
 exit $rc
