@@ -112,11 +112,12 @@ def register(app: typer.Typer) -> None:
             print(json.dumps([e.model_dump(mode="json") for e in envs], indent=2))
             return
         table = Table(box=None)
-        for col in ("key", "image", "dirs", "files", "size", "last used", "uses"):
+        for col in ("key", "user", "image", "dirs", "files", "size", "last used", "uses"):
             table.add_column(col)
         for e in envs:
             table.add_row(
                 e.key[:12],
+                "any" if e.user is None else str(e.user),  # None: shared (or made before 33)
                 Text(visible(e.image)),
                 Text(visible(", ".join(e.roots))),
                 f"{e.files:,}",
