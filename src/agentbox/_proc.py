@@ -24,7 +24,7 @@ from agentbox.errors import CommandError, CommandTimeout
 
 __all__ = ["Result", "kill_group", "run", "stream"]
 
-log = get_logger("proc")
+log = get_logger(__name__)
 
 DEFAULT_TIMEOUT = 120.0
 

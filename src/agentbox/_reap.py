@@ -34,7 +34,7 @@ from agentbox._log import get_logger
 
 __all__ = ["END_SIGNALS", "GUARD_GRACE", "Terminated", "exit_on_signals", "guarded"]
 
-log = get_logger("reap")
+log = get_logger(__name__)
 
 #: The catchable signals whose default action ends the process. SIGPIPE and SIGXFSZ
 #: are not here: Python ignores them and turns them into exceptions already.

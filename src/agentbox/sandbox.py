@@ -42,7 +42,7 @@ from agentbox.errors import ConfigError, PathRefused
 
 __all__ = ["NAME_RE", "clamp_resources", "new_sandbox_name", "spec_from_boxfile"]
 
-log = get_logger("sandbox")
+log = get_logger(__name__)
 
 #: Sandbox (container) names: podman's own rule, shortened.
 NAME_RE = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}")

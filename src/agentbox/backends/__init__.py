@@ -40,7 +40,7 @@ __all__ = [
     "uid_slot",
 ]
 
-log = get_logger("backends")
+log = get_logger(__name__)
 
 #: Backend name → "module:ClassName"; the class is called as ``Class(settings, **kw)``.
 BACKENDS: dict[str, str] = {

@@ -46,7 +46,7 @@ __all__ = [
     "transfer",
 ]
 
-log = get_logger("backends.uidslots")
+log = get_logger(__name__)
 
 #: Ids in one slot: a container's whole 65536-id user namespace.
 SLOT_IDS = 65536

@@ -21,7 +21,7 @@ from agentbox._log import get_logger
 
 __all__ = ["Wake"]
 
-log = get_logger("backends.wake")
+log = get_logger(__name__)
 
 _IN_CLOSE_WRITE = 0x00000008
 _IN_MOVED_TO = 0x00000080

@@ -74,7 +74,7 @@ from agentbox.microvm import make_data_disk
 
 __all__ = ["MAX_COPY_DEPTH", "WorkspaceDisk", "disks_dir", "settle_orphan_disks", "workspace_disk"]
 
-log = get_logger("podman.disk")
+log = get_logger(__name__)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -31,7 +31,7 @@ __all__ = [
     "snapshot",
 ]
 
-log = get_logger("podman.disk")
+log = get_logger(__name__)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Directories nested deeper than this are not copied back (each level holds two fds).

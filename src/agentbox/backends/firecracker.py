@@ -79,7 +79,7 @@ __all__ = [
     "firecracker_binaries",
 ]
 
-log = get_logger("backends.firecracker")
+log = get_logger(__name__)
 
 
 def firecracker_binaries(settings: Settings) -> tuple[Path, Path]:

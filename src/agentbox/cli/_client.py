@@ -42,7 +42,7 @@ __all__ = [
     "service_socket",
 ]
 
-log = get_logger("cli")
+log = get_logger(__name__)
 
 #: The on-demand launcher service's log, in the data dir.
 SERVICE_LOG = "launcher.log"

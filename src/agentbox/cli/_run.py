@@ -324,7 +324,7 @@ def _sweep_beside(launcher: Any) -> threading.Thread:
             _low_priority()
             launcher.reconcile(adopt=False)
         except Exception as exc:  # the sweep is housekeeping: never the task's failure
-            get_logger("cli").warning("orphan sweep failed", error=str(exc)[-500:])
+            get_logger(__name__).warning("orphan sweep failed", error=str(exc)[-500:])
 
     thread = threading.Thread(target=sweep, name="agentbox-orphan-sweep")
     thread.start()

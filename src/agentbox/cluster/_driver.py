@@ -43,7 +43,7 @@ from agentbox.launcher.api import DEFAULT_BUDGET, DEFAULT_DEADLINE
 
 __all__ = ["MAX_LOST", "Executor", "batch_dir", "new_batch_id", "run_batch"]
 
-log = get_logger("cluster.driver")
+log = get_logger(__name__)
 
 #: Attempts of one task that may die with their node before it is failed.
 MAX_LOST = 3

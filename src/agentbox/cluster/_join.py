@@ -36,7 +36,7 @@ from agentbox.errors import CommandError, ConfigError, RefusedError
 
 __all__ = ["NODE_RAY_TMP", "join", "leave", "node_tmp"]
 
-log = get_logger("cluster.join")
+log = get_logger(__name__)
 
 #: Where Ray keeps the node user's sessions (``RAY_TMPDIR`` + ``/ray``), by default.
 NODE_RAY_TMP = _secure.NODE_HOME / "tmp" / "ray"

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NodeService", "node_problems"]
 
-log = get_logger("cluster.node")
+log = get_logger(__name__)
 
 
 def node_problems(settings: Settings) -> list[str]:

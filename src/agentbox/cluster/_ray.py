@@ -47,7 +47,7 @@ from agentbox.errors import ConfigError, RefusedError
 
 __all__ = ["NAMESPACE", "SLOT", "NodeActor", "RayExecutor", "actor_name", "start_node"]
 
-log = get_logger("cluster.ray")
+log = get_logger(__name__)
 
 #: Ray namespace of the node actors.
 NAMESPACE = "agentbox"

@@ -34,7 +34,7 @@ from agentbox.safepath import NO_CLONE, SafeWriter, Tree, openat2
 
 __all__ = ["Checkout", "chown_tree", "write_workspace"]
 
-log = get_logger("collect")
+log = get_logger(__name__)
 
 _SUBMODULE = 0o160000
 _LINK = 0o120000

@@ -56,7 +56,7 @@ from agentbox.safepath import SizeRefused, Tree
 
 __all__ = ["branch_name", "collect"]
 
-log = get_logger("collect")
+log = get_logger(__name__)
 
 
 def branch_name(task_id: str) -> str:

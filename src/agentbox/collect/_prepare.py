@@ -52,7 +52,7 @@ from agentbox.safepath import Kind, Tree
 
 __all__ = ["prepare"]
 
-log = get_logger("collect")
+log = get_logger(__name__)
 
 _HEX = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
 

@@ -44,7 +44,7 @@ from agentbox.errors import CommandError
 
 __all__ = ["CACHE_TTL", "RegistryURL", "client_fingerprint", "host_registries"]
 
-log = get_logger("egress.hostcfg")
+log = get_logger(__name__)
 
 #: (source, scheme, host, port) of one configured index.
 RegistryURL = tuple[str, str, str, int]

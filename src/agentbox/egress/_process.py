@@ -30,7 +30,7 @@ from agentbox.errors import EgressError, GatewayError
 
 __all__ = ["DEFAULT_MAX_MEMORY", "ProxyHandle", "run_proxy", "spawn_proxy"]
 
-log = get_logger("egress.process")
+log = get_logger(__name__)
 
 #: ``RLIMIT_AS`` of the proxy process: an interpreter, its resolver threads and
 #: 32 connections' 64 KiB buffers fit well within it.

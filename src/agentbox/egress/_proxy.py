@@ -49,7 +49,7 @@ from agentbox.egress._request import (
 
 __all__ = ["EgressProxy", "Resolver", "system_resolver"]
 
-log = get_logger("egress.proxy")
+log = get_logger(__name__)
 
 _CHUNK = 262144
 

@@ -40,7 +40,7 @@ from agentbox.safepath import check_name, openat2
 
 __all__ = ["EnvMount", "make_mountpoint"]
 
-log = get_logger("env.mount")
+log = get_logger(__name__)
 
 #: Where setup's ``[setup] keep`` paths are frozen, inside the environment's tree.
 KEEP_DIR = ".agentbox-keep"

@@ -59,7 +59,7 @@ from agentbox.sandbox import spec_from_boxfile
 
 __all__ = ["EnvPlan", "image_id", "prepare_env", "setup_sandbox_name"]
 
-log = get_logger("env.setup")
+log = get_logger(__name__)
 
 #: The setup log is capped; the report carries its last characters.
 MAX_SETUP_LOG = 16 << 20

@@ -15,7 +15,7 @@ from agentbox.env._mount import EnvMount
 
 __all__ = ["record_proxy", "release_task_env", "report_fields", "save_setup_report"]
 
-log = get_logger("env.report")
+log = get_logger(__name__)
 
 _SETUP_FILE = "setup.json"
 _PROXIES_FILE = "egress-proxies"

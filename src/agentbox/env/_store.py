@@ -27,7 +27,7 @@ from agentbox.errors import AgentboxError, PathRefused
 
 __all__ = ["EnvStore", "tree_size"]
 
-log = get_logger("env.store")
+log = get_logger(__name__)
 
 _KEY_CHARS = frozenset("0123456789abcdef")
 

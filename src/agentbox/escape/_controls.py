@@ -61,7 +61,7 @@ __all__ = [
     "stall_control",
 ]
 
-log = get_logger("escape")
+log = get_logger(__name__)
 
 
 def _shared_kernel_runtime() -> str:

@@ -34,7 +34,7 @@ from agentbox.backends.podman import SANDBOX_CAPS
 
 __all__ = ["TOKEN_ENV", "TOKEN_REGEX", "Fixture"]
 
-log = get_logger("escape")
+log = get_logger(__name__)
 
 #: The fake token's shape: the probe searches for the pattern, so the token itself
 #: never has to be sent into the sandbox.

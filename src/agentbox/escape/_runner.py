@@ -66,7 +66,7 @@ __all__ = [
     "sandbox_pids",
 ]
 
-log = get_logger("escape")
+log = get_logger(__name__)
 
 #: The limits the real sandbox is given (small memory: the suite needs little).
 SUITE_RESOURCES = Resources(cpus=1.0, memory=512 * 1024**2, pids=512, nofile=4096)

@@ -26,7 +26,7 @@ def _exec_controls_on_podman(settings: Settings, fx: Fixture, image: str) -> lis
         return exec_controls(box.name, settings.sandbox_uid)
 
 
-log = get_logger("escape")
+log = get_logger(__name__)
 
 
 def run_suite(

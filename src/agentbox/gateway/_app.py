@@ -53,7 +53,7 @@ from agentbox.gateway.registry import ModelEntry
 
 __all__ = ["Gateway", "GatewayConfig"]
 
-log = get_logger("gateway")
+log = get_logger(__name__)
 
 _PATHS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
 _MAX_TOKENS_CAP = 1 << 24

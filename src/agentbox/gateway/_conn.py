@@ -35,7 +35,7 @@ from agentbox._log import get_logger
 
 __all__ = ["ConnLimits", "GuardedH11Protocol"]
 
-log = get_logger("gateway.conn")
+log = get_logger(__name__)
 
 
 @dataclass

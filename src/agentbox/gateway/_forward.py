@@ -21,7 +21,7 @@ from agentbox.gateway._reqlog import RequestLog
 from agentbox.gateway._upstream import Pool, UpstreamError, UpstreamResponse, UpstreamTimeout
 from agentbox.gateway._wire import Receive, Scope, Send, error_body, header, send_error, send_json
 
-log = get_logger("gateway")
+log = get_logger(__name__)
 
 #: Upstream failures in a row after which the gateway gives up on it and the task ends:
 #: Claude Code retries a failed request by itself (with a back-off), so a few failures

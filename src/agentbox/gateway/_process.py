@@ -45,7 +45,7 @@ __all__ = [
     "wait_for_socket",
 ]
 
-log = get_logger("gateway.process")
+log = get_logger(__name__)
 
 #: Environment variables the gateway child inherits (plus the upstream key variable).
 _PASS_ENV = (

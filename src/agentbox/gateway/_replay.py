@@ -41,7 +41,7 @@ from agentbox.gateway._wire import (
 
 __all__ = ["ReplayModel"]
 
-log = get_logger("gateway.replay")
+log = get_logger(__name__)
 
 _CWD_RE = re.compile(r"(?:Primary working directory|Working directory):\s*(\S+)")
 _SSE_HEADERS = [

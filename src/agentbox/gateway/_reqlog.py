@@ -83,7 +83,7 @@ def _short(v: object) -> str | None:
 def _log() -> Any:
     from agentbox._log import get_logger
 
-    return get_logger("gateway")
+    return get_logger(__name__)
 
 
 class RequestLog:

@@ -31,7 +31,7 @@ __all__ = [
     "run_replay",
 ]
 
-log = get_logger("gateway.run")
+log = get_logger(__name__)
 
 
 def read_token(*, token: str | None, token_file: Path | None) -> str:

@@ -29,7 +29,7 @@ from agentbox.gateway._listenfd import inherited_listener
 
 __all__ = ["Listen", "ServerGroup", "bind", "parse_listen", "private_socket", "serve"]
 
-log = get_logger("gateway.serve")
+log = get_logger(__name__)
 
 
 class Listen:

@@ -45,7 +45,7 @@ __all__ = [
     "podman_changes",
 ]
 
-log = get_logger("image")
+log = get_logger(__name__)
 
 Progress = Callable[[str], None]
 DEFAULT_REPO, _, DEFAULT_TAG = DEFAULT_IMAGE.rpartition(":")

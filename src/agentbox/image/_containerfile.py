@@ -71,7 +71,7 @@ __all__ = [
     "from_images",
 ]
 
-log = get_logger("image")
+log = get_logger(__name__)
 
 #: The default image's Debian root without our layer, apt kept: the usual ``FROM``.
 BASE_REPO = "localhost/agentbox-base"

@@ -76,7 +76,7 @@ __all__ = [
     "take_over",
 ]
 
-log = get_logger("launcher.adopt")
+log = get_logger(__name__)
 
 
 def gateway_refusal(gw: Owner | None, paths: TaskPaths) -> str | None:

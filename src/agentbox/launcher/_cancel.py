@@ -35,7 +35,7 @@ from agentbox.launcher._watchdog import kill_sandbox
 
 __all__ = ["cancel_task"]
 
-log = get_logger("launcher")
+log = get_logger(__name__)
 
 
 def cancel_task(

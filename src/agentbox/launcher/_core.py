@@ -54,7 +54,7 @@ from agentbox.transcript import page as transcript_page
 
 __all__ = ["Launcher"]
 
-log = get_logger("launcher")
+log = get_logger(__name__)
 
 #: Tasks run at once by one launcher unless told otherwise.
 DEFAULT_MAX_TASKS = 4

@@ -67,7 +67,7 @@ __all__ = [
     "stop_gateway",
 ]
 
-log = get_logger("launcher.task")
+log = get_logger(__name__)
 
 #: The agent's final message kept in the report is capped.
 MAX_MESSAGE_CHARS = 8000

@@ -25,7 +25,7 @@ from agentbox.launcher._watchdog import kill_sandbox
 
 __all__ = ["KILL_AGAIN_AFTER", "MAX_LOG_BYTES", "Ended", "follow_sandbox", "monitor", "sink"]
 
-log = get_logger("launcher.task")
+log = get_logger(__name__)
 
 #: Each of the agent's log files (stdout, stderr) is capped.
 MAX_LOG_BYTES = 64 << 20

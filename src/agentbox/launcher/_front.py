@@ -24,7 +24,7 @@ from agentbox._log import get_logger
 
 __all__ = ["FrontKeeper", "start_front"]
 
-log = get_logger("front")
+log = get_logger(__name__)
 
 #: Seconds between the service's start and the server's: its imports (~1.5 s of CPU)
 #: then neither slow the service's own start (reconcile, adoption) nor are paid by a

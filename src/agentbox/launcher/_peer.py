@@ -32,7 +32,7 @@ __all__ = [
     "peer_of",
 ]
 
-log = get_logger("launcher.server")
+log = get_logger(__name__)
 
 SOCKET_GROUP = "agentbox"
 #: The ASGI state key under which each connection's checked :class:`Peer` travels.

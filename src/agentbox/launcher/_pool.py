@@ -25,7 +25,7 @@ from agentbox.sandbox import spec_from_boxfile
 
 __all__ = ["PoolKeeper", "drain_leftovers", "start_pool"]
 
-log = get_logger("launcher.pool")
+log = get_logger(__name__)
 
 #: How often the keeper tops the pool up (a claim takes one; cheap when full).
 REFILL_EVERY = 1.0

@@ -26,7 +26,7 @@ from agentbox.paths import TaskPaths, validate_task_id
 
 __all__ = ["publish_task"]
 
-log = get_logger("launcher.publish")
+log = get_logger(__name__)
 
 
 def publish_task(

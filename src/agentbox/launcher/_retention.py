@@ -59,7 +59,7 @@ __all__ = [
     "remove_tree",
 ]
 
-log = get_logger("launcher.retention")
+log = get_logger(__name__)
 
 #: Statuses after which a task never changes again: only these are removed.
 TERMINAL = frozenset({"done", "failed", "timed_out", "cancelled"})

@@ -93,7 +93,7 @@ __all__ = [
     "sandbox_name",
 ]
 
-log = get_logger("launcher.task")
+log = get_logger(__name__)
 
 #: Seconds past the deadline after which the watchdog process removes the sandbox.
 WATCHDOG_GRACE = 30.0

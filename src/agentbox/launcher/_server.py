@@ -96,7 +96,7 @@ __all__ = [
     "socket_path",
 ]
 
-log = get_logger("launcher.server")
+log = get_logger(__name__)
 
 #: The socket's directory under the data dir (root:agentbox 0750) and its name there.
 RUN_DIR = "run"

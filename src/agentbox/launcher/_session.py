@@ -55,7 +55,7 @@ __all__ = [
     "seed",
 ]
 
-log = get_logger("launcher.session")
+log = get_logger(__name__)
 
 #: Where, in the workspace, the agent finds the previous task (inside its own .git).
 PREVIOUS_FILE = ".git/agentbox/previous-task.md"

@@ -26,7 +26,7 @@ from agentbox.launcher._names import sandbox_labels
 
 __all__ = ["setup_phase"]
 
-log = get_logger("launcher.task")
+log = get_logger(__name__)
 
 
 def setup_phase(

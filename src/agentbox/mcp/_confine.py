@@ -33,7 +33,7 @@ from agentbox.mcp._privdrop import load_libc
 
 __all__ = ["SCRATCH", "confine_filesystem", "needed_paths"]
 
-log = get_logger("mcp.confine")
+log = get_logger(__name__)
 
 CLONE_NEWNS = 0x00020000
 #: The private writable scratch dir (TMPDIR) of the confined server.

@@ -33,7 +33,7 @@ from agentbox.errors import PolicyRefused, PrivilegeDropError
 
 __all__ = ["Identity", "drop_privileges", "process_posture", "resolve_identity"]
 
-log = get_logger("mcp.privdrop")
+log = get_logger(__name__)
 
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38

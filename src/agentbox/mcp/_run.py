@@ -55,7 +55,7 @@ __all__ = [
     "serve",
 ]
 
-log = get_logger("mcp.run")
+log = get_logger(__name__)
 
 
 def launcher_socket(settings: Settings) -> Path:

@@ -61,7 +61,7 @@ from agentbox.paths import validate_task_id
 
 __all__ = ["DEFAULT_MAX_DIFF_CHARS", "DEFAULT_MAX_PENDING", "ServerConfig", "build_server"]
 
-log = get_logger("mcp")
+log = get_logger(__name__)
 
 DEFAULT_MAX_PENDING = 4
 DEFAULT_MAX_DIFF_CHARS = 40_000

@@ -43,7 +43,7 @@ from agentbox.guest.wire import (
 
 __all__ = ["Channel", "DataHandler", "GuestTimeout"]
 
-log = get_logger("microvm.channel")
+log = get_logger(__name__)
 
 #: Control bytes queued for the host's readers, all streams together, before the
 #: guest counts as flooding.

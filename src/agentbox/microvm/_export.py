@@ -26,7 +26,7 @@ from agentbox.safepath import SafeWriter
 
 __all__ = ["MAX_EXPORT_BYTES", "MAX_EXPORT_FILE", "write_tar"]
 
-log = get_logger("microvm.export")
+log = get_logger(__name__)
 
 #: Total bytes a copy-out may write (the /data disk's size, the largest disk limit).
 MAX_EXPORT_BYTES = DATA_DISK_BYTES

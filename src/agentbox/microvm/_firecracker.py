@@ -86,7 +86,7 @@ __all__ = [
     "vm_config",
 ]
 
-log = get_logger("microvm.firecracker")
+log = get_logger(__name__)
 
 #: First release that describes virtio-mmio devices to x86_64 guests via ACPI (#4428).
 MIN_VERSION = (1, 8, 0)

@@ -38,7 +38,7 @@ from agentbox.microvm._gwstreams import MAX_GATEWAY_HELD, MAX_GATEWAY_STREAMS, G
 
 __all__ = ["MAX_GATEWAY_HELD", "MAX_GATEWAY_STREAMS", "GuestSession", "KernelFacts", "host_kernel"]
 
-log = get_logger("microvm.guest")
+log = get_logger(__name__)
 
 #: Output kept in memory per stream when no callback is given; the rest is dropped.
 MAX_CAPTURE = 64 * 1024**2

@@ -28,7 +28,7 @@ from agentbox.microvm._sockpath import connectable
 
 __all__ = ["MAX_GATEWAY_HELD", "MAX_GATEWAY_STREAMS", "GatewayStreams"]
 
-log = get_logger("microvm.guest")
+log = get_logger(__name__)
 
 #: Gateway connections a guest may hold open at once; more are refused (EOF at once),
 #: so a guest cannot make the host open sockets and threads without bound.

@@ -43,7 +43,7 @@ from agentbox.errors import SandboxError, UnsupportedError
 
 __all__ = ["Cgroup", "JailSpec", "jail_argv", "spawn"]
 
-log = get_logger("microvm.jail")
+log = get_logger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: Threads QEMU may have (vCPUs, I/O workers, RCU, …); a guest cannot fork on the host.

@@ -26,7 +26,7 @@ from agentbox.errors import AgentboxError, ImageError
 
 __all__ = ["OVERLAY_MODULES", "Kernel", "decompress_bzimage", "ensure_kernel", "ensure_modules"]
 
-log = get_logger("microvm.kernel")
+log = get_logger(__name__)
 
 METAPACKAGE = "linux-image-cloud-amd64"
 

@@ -44,7 +44,7 @@ from agentbox.microvm._vm import TCG_CPU, Vm, VmConfig
 
 __all__ = ["ensure_snapshot", "snapshot_key", "wait_incoming"]
 
-log = get_logger("microvm.snapshot")
+log = get_logger(__name__)
 
 BOOT_TIMEOUT = 180.0
 #: Snapshots kept in the cache (one per recently used image and VM shape).

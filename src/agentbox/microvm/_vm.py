@@ -31,7 +31,7 @@ from agentbox.microvm._sockpath import connectable
 
 __all__ = ["SANDBOX_FLAGS", "Vm", "VmConfig", "host_tsc_khz", "qemu_argv"]
 
-log = get_logger("microvm.vm")
+log = get_logger(__name__)
 
 #: QEMU's seccomp filter with every optional deny turned on.
 SANDBOX_FLAGS = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"

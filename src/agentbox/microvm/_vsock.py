@@ -28,7 +28,7 @@ from agentbox.errors import GuestError, SandboxError
 
 __all__ = ["HANDSHAKE_TIMEOUT", "MAX_REPLY", "connect_vsock", "handshake"]
 
-log = get_logger("microvm.vsock")
+log = get_logger(__name__)
 
 #: Longest reply accepted, newline included (``OK 4294967295\n`` is 14 bytes).
 MAX_REPLY = 32

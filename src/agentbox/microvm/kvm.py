@@ -28,7 +28,7 @@ from agentbox.errors import AgentboxError
 
 __all__ = ["probe_kvm"]
 
-log = get_logger("microvm.kvm")
+log = get_logger(__name__)
 
 PROBE_TIMEOUT = 30.0
 #: Boots a failed KVM verdict takes before it is cached (a busy host can miss one).

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = ["_MicrovmBackend"]
 
-log = get_logger("backends.microvm")
+log = get_logger(__name__)
 
 #: Guest tmpfs mounts under which a mount target may be made at start.
 _GUEST_TMPFS = (PurePosixPath("/tmp"), PurePosixPath(HOME_IN_SANDBOX), PurePosixPath("/run"))

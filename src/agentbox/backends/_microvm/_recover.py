@@ -39,7 +39,7 @@ __all__ = [
     "write_owner",
 ]
 
-log = get_logger("backends.microvm")
+log = get_logger(__name__)
 
 
 def vmm_uid(settings: Settings, isolation: Literal["standard", "strict"]) -> int:

@@ -44,7 +44,7 @@ from agentbox.errors import AgentboxError, ConfigError, PathRefused, SandboxErro
 
 __all__ = ["DEFAULT_HOST", "DockerBackend"]
 
-log = get_logger("docker")
+log = get_logger(__name__)
 
 DEFAULT_HOST = "unix:///var/run/docker.sock"
 RUNTIMES = ("runc", "runsc")

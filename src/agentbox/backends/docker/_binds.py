@@ -23,7 +23,7 @@ from agentbox.errors import AgentboxError, SandboxError
 
 __all__ = ["HostBinds", "binds_root", "sweep"]
 
-log = get_logger("docker")
+log = get_logger(__name__)
 
 
 def binds_root(settings: Settings) -> Path:

@@ -40,7 +40,7 @@ __all__ = [
     "endpoint_of",
 ]
 
-log = get_logger("docker")
+log = get_logger(__name__)
 
 #: Engine 20.10's API; newer daemons accept it, so no ``GET /version`` negotiation.
 API_VERSION = "1.41"

@@ -23,7 +23,7 @@ from agentbox.errors import AgentboxError, CommandError, ImageError
 
 __all__ = ["DOCKER_REPO", "ensure_image"]
 
-log = get_logger("docker")
+log = get_logger(__name__)
 
 DOCKER_REPO = "localhost/agentbox-docker"
 _lock = threading.Lock()

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DockerSandbox", "status_of"]
 
-log = get_logger("docker")
+log = get_logger(__name__)
 
 
 def status_of(exc: BaseException) -> int | None:

@@ -105,7 +105,7 @@ __all__ = [
     "image_facts",
 ]
 
-log = get_logger("podman")
+log = get_logger(__name__)
 
 
 class PodmanBackend(PodmanDetached):

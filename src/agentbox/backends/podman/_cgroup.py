@@ -34,7 +34,7 @@ from agentbox._log import get_logger
 
 __all__ = ["born_outside", "cgroups_of", "place_conmon"]
 
-logger = get_logger("podman.cgroup")
+logger = get_logger(__name__)
 
 #: The shell step of :func:`born_outside` (shared with the gateway's start).
 _ENTER = ENTER_THEN_EXEC

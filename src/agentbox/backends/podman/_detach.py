@@ -97,7 +97,7 @@ __all__ = [
     "is_detached",
 ]
 
-logger = get_logger("podman.detach")
+logger = get_logger(__name__)
 
 #: Set ("1") on a detached sandbox: orphan sweeps leave it to its data dir's launcher.
 DETACHED_LABEL = "io.agentbox.detached"

@@ -34,7 +34,7 @@ from agentbox.backends.base import Exited
 
 __all__ = ["CONMON_EXIT_WAIT", "exit_file_of", "read_exit_file", "wait_exited"]
 
-logger = get_logger("podman.detach")
+logger = get_logger(__name__)
 
 #: How long a follower waits for conmon to go after the container is removed.
 CONMON_EXIT_WAIT = 15.0

@@ -41,7 +41,7 @@ from agentbox.backends.podman._exitfile import read_owned_note
 
 __all__ = ["conmon_and_view", "container_id", "launched_view", "started_conmon", "with_pidfile"]
 
-log = get_logger("podman.launch")
+log = get_logger(__name__)
 
 _ID = re.compile(r"[0-9a-f]{64}")
 

@@ -108,7 +108,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SLOT_PREFIX", "claim", "drain", "fill", "pool_dir", "pool_key", "release", "sweep"]
 
-log = get_logger("podman.pool")
+log = get_logger(__name__)
 
 #: A claim leaves an entry this close to its expiry alone (it is about to be swept).
 EXPIRY_MARGIN = 15.0

@@ -47,7 +47,7 @@ __all__ = [
 #: Pool sandboxes are named ``agentbox-pool-<hex>`` until claimed.
 SLOT_PREFIX = "agentbox-pool-"
 
-log = get_logger("podman.pool")
+log = get_logger(__name__)
 
 
 def bind(source: Path, target: Path, opts: str, *, stage: Path) -> None:

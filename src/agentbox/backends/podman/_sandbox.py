@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PodmanSandbox"]
 
-log = get_logger("podman")
+log = get_logger(__name__)
 
 
 class PodmanSandbox(OciSandbox):

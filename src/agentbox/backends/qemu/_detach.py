@@ -62,7 +62,7 @@ from agentbox.errors import AgentboxError, SandboxError, SandboxGone
 
 __all__ = ["DEADLINE_GRACE", "LAUNCH_TIMEOUT", "QemuDetached"]
 
-logger = get_logger("qemu.detach")
+logger = get_logger(__name__)
 
 #: How long launch() waits for the VM to run (a first snapshot template takes long).
 LAUNCH_TIMEOUT = 900.0

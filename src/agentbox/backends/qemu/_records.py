@@ -54,7 +54,7 @@ __all__ = [
     "write_record",
 ]
 
-logger = get_logger("qemu.detach")
+logger = get_logger(__name__)
 
 MONITOR_MODULE = "agentbox.backends.qemu._monitor"
 #: Modules a monitor process never imports (it lives as long as its VM, one

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BOOT_TIMEOUT", "CGROUP_SETTLE", "QemuSandbox"]
 
-log = get_logger("backends.qemu")
+log = get_logger(__name__)
 
 BOOT_TIMEOUT = 180.0
 #: Extra host sockets of a gateway dir the guest serves (the egress proxy's), at most.
