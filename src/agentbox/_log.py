@@ -67,10 +67,11 @@ def _isatty() -> bool:
 
 
 def get_logger(name: str) -> Logger:
-    """A logger whose lines carry ``component=name``."""
+    """A logger whose lines carry ``component=name``: the module's ``__name__``, less
+    its ``agentbox.`` (``component=launcher._adopt``)."""
     if not _configured:
         configure()
-    return Logger({"component": name})
+    return Logger({"component": name.removeprefix("agentbox.")})
 
 
 class Logger:
