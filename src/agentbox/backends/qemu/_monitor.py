@@ -57,7 +57,7 @@ from agentbox.errors import AgentboxError, GuestError
 
 __all__ = ["RECORD_BYTES", "LogWriter", "main"]
 
-log = get_logger(__name__)
+log = get_logger(__spec__.name if __spec__ else __name__)
 
 #: Content bytes per k8s-file record at most (conmon's read buffer: 8 KiB).
 RECORD_BYTES = 8192
