@@ -102,17 +102,19 @@ def _act(verb: Literal["kill", "reap"], backend: str, name: str, data_dir: Path)
     from agentbox.config import Settings
     from agentbox.errors import AgentboxError
 
+    # Run as ``python -m`` this module's __name__ is __main__: named by its spec.
+    log = get_logger(__spec__.name if __spec__ else __name__)
     try:
         be = get_backend(backend, Settings(data_dir=data_dir))
         done = be.kill(name) if verb == "kill" else be.reap(name)
     except (AgentboxError, OSError) as exc:
-        get_logger(__spec__.name if __spec__ else __name__).error(
+        log.error(
             f"could not {verb} the sandbox", backend=backend, sandbox=name, error=str(exc)
         )
         return []
     if done:  # only what was acted on: a sandbox left be is not news
         event = "killed the sandbox" if verb == "kill" else "reaped the sandbox"
-        get_logger(__spec__.name if __spec__ else __name__).info(event, backend=backend, sandbox=name, found=done)
+        log.info(event, backend=backend, sandbox=name, found=done)
     return done
 
 
