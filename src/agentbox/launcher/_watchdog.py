@@ -108,9 +108,7 @@ def _act(verb: Literal["kill", "reap"], backend: str, name: str, data_dir: Path)
         be = get_backend(backend, Settings(data_dir=data_dir))
         done = be.kill(name) if verb == "kill" else be.reap(name)
     except (AgentboxError, OSError) as exc:
-        log.error(
-            f"could not {verb} the sandbox", backend=backend, sandbox=name, error=str(exc)
-        )
+        log.error(f"could not {verb} the sandbox", backend=backend, sandbox=name, error=str(exc))
         return []
     if done:  # only what was acted on: a sandbox left be is not news
         event = "killed the sandbox" if verb == "kill" else "reaped the sandbox"
