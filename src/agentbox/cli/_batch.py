@@ -260,7 +260,7 @@ def batch_status(
 ) -> None:
     """Where every task of a batch stands (read from its state file; Ray not needed)."""
     from agentbox.cluster import BatchState, batch_dir
-    from agentbox.gateway._price import format_usd
+    from agentbox.gateway import format_usd
 
     path = batch_dir(_state_dir(state_dir), batch_id) / "batch.db"
     if not path.is_file():

@@ -34,7 +34,6 @@ from agentbox.cli._view import (
     report_text,
     safe,
 )
-from agentbox.gateway._price import format_usd
 from agentbox.launcher.api import TaskInfo
 
 __all__ = ["register"]
@@ -75,7 +74,7 @@ def register(app: typer.Typer) -> None:
                 safe(i.id),
                 safe(i.status, STYLE.get(i.status, "")),
                 f"{i.tokens.total:,}",
-                format_usd(i.tokens.cost_usd) if i.tokens.cost_usd is not None else "?",
+                _usd(i.tokens.cost_usd),
                 safe(_short_repo(i.repo, launcher.settings.repos_root)),
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created_at)),
                 f"{elapsed(i):.0f}s",
@@ -205,3 +204,10 @@ def _settle_if_orphaned(launcher: Any, info: TaskInfo, *, quiet: bool) -> TaskIn
         )
     now: TaskInfo = launcher.get(info.id)
     return now
+
+
+def _usd(cost: float | None) -> str:
+    """A task's cost for the table ("?" when its model has no price)."""
+    from agentbox.gateway import format_usd
+
+    return format_usd(cost) if cost is not None else "?"

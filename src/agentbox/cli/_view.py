@@ -121,7 +121,7 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
         f"in {t.input:,} · out {t.output:,} · cache write {t.cache_creation:,} · "
         f"cache read {t.cache_read:,} (budget {info.budget:,})",
     )
-    from agentbox.gateway._price import format_usd
+    from agentbox.gateway import format_usd
 
     table.add_row("cost", format_usd(t.cost_usd))
     stat = rep.get("diffstat")

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from agentbox.gateway._handshake import HANDSHAKE_VERSION as HANDSHAKE_VERSION
 from agentbox.gateway._handshake import read_handshake as read_handshake
+from agentbox.gateway._price import Price as Price
+from agentbox.gateway._price import format_usd as format_usd
 from agentbox.gateway._reqlog import read_requests as read_requests
 from agentbox.gateway._usage import Usage, read_usage
 from agentbox.gateway.registry import (

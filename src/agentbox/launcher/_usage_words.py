@@ -81,7 +81,7 @@ def budget_error(usage: Usage) -> str | None:
         and usage.cost_usd is not None
         and usage.weighted_total < usage.budget
     ):
-        from agentbox.gateway._price import format_usd
+        from agentbox.gateway import format_usd
 
         return (
             f"dollar budget exhausted after {format_usd(usage.cost_usd)} of "

@@ -34,7 +34,7 @@ MAX_TRANSCRIPT_CHARS = 40_000
 
 
 def _usd(cost: float | None) -> str:
-    from agentbox.gateway._price import format_usd
+    from agentbox.gateway import format_usd
 
     return format_usd(cost)
 
