@@ -1160,6 +1160,51 @@ def p_disks() -> Result:
     return result(not found, f"block devices: {found[:8]}" if found else "no block device in /dev")
 
 
+@probe("fs.cgroup_readonly")
+def p_cgroup_ro() -> Result:
+    if gvisor():
+        return result(None, "gVisor does not report mount flags; its cgroupfs is the Sentry's own")
+    # The mount on top at each target counts (a read-only one over a rw one hides it).
+    top = {t: (fstype, o) for t, fstype, o, _s, _r in mountinfo()}
+    rows = [(t, o) for t, (fstype, o) in top.items() if fstype in ("cgroup", "cgroup2")]
+    rw = [t for t, opts in rows if "ro" not in opts]
+    if not rows:
+        return result(True, "no cgroup hierarchy mounted")
+    return result(not rw, f"mounted rw: {rw[:6]}" if rw else f"{len(rows)} hierarchies, all ro")
+
+
+@probe("fs.sys_dev_block_masked")
+def p_sys_dev_block() -> Result:
+    try:
+        names = os.listdir("/sys/dev/block")
+    except OSError as exc:
+        return result(True, f"/sys/dev/block unreadable ({exc.strerror})")
+    return result(not names, f"lists {len(names)} host block devices: {sorted(names)[:6]}"
+                  if names else "/sys/dev/block is empty (masked)")  # fmt: skip
+
+
+#: The writable scratch directories that may hold programs (the agent builds and runs there).
+EXEC_SCRATCH = ("/tmp", "/home/agent", "/workspace")
+
+
+@probe("fs.dev_noexec")
+def p_dev_noexec() -> Result:
+    if gvisor():
+        return result(None, "gVisor does not report mount flags; its /dev is the Sentry's own")
+    bad = []
+    top = {t: (fstype, o) for t, fstype, o, _s, _r in mountinfo()}
+    for target, (fstype, opts) in top.items():
+        if fstype != "tmpfs" or "rw" not in opts or "noexec" in opts:
+            continue
+        if target in EXEC_SCRATCH or target.startswith("/workspace/"):
+            continue
+        if not os.access(target, os.W_OK):
+            continue  # not writable by us: nothing of ours can be put there to run
+        bad.append(target)
+    return result(not bad, f"writable tmpfs without noexec: {bad[:6]}" if bad
+                  else "every tmpfs we can write but the scratch dirs is noexec")  # fmt: skip
+
+
 @probe("dev.no_kvm")
 def p_kvm() -> Result:
     present = os.path.exists("/dev/kvm")

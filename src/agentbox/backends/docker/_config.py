@@ -29,15 +29,18 @@ from agentbox.config import Settings
 
 __all__ = [
     "DEADLINE_GRACE",
+    "MASKED_PATHS",
     "RUNSC_GATEWAY_RUNTIME",
     "TINI",
     "DaemonFacts",
+    "cgroup_hierarchies",
     "container_body",
     "daemon_facts",
     "docker_runtime",
     "exec_argv",
     "main_argv",
     "nano_cpus",
+    "readonly_paths",
 ]
 
 #: The container's own clock (its idle ``sleep``) ends it this long after our watchdog
@@ -134,6 +137,43 @@ def exec_argv(spec: SandboxSpec, argv: list[str]) -> list[str]:
     return argv
 
 
+#: The Engine's default masked paths plus what podman masks beside them: ``/sys/dev/block``
+#: (the host's block devices by number) and powercap (energy counters). Setting the
+#: list replaces the Engine's, so its defaults are repeated here.
+MASKED_PATHS: tuple[str, ...] = (
+    "/proc/asound", "/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+    "/sys/firmware", "/sys/dev/block", "/sys/devices/virtual/powercap",
+)  # fmt: skip
+#: The Engine's default read-only paths (repeated: setting the list replaces them).
+_READONLY_DEFAULT = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+
+
+def cgroup_hierarchies(mountinfo: str = "/proc/self/mountinfo") -> tuple[str, ...]:
+    """The host's cgroup mounts under ``/sys/fs/cgroup`` (v1: one per hierarchy; v2: the
+    one): the targets a sandbox's own cgroup namespace mounts at the same paths."""
+    out = []
+    try:
+        text = Path(mountinfo).read_text()
+    except OSError:
+        return ("/sys/fs/cgroup",)
+    for line in text.splitlines():
+        left, _, right = line.partition(" - ")
+        f, r = left.split(), right.split()
+        if len(f) > 4 and r and r[0] in ("cgroup", "cgroup2"):
+            target = f[4]
+            if target == "/sys/fs/cgroup" or target.startswith("/sys/fs/cgroup/"):
+                out.append(target)
+    return tuple(sorted(set(out))) or ("/sys/fs/cgroup",)
+
+
+def readonly_paths() -> list[str]:
+    """The Engine's read-only paths plus every cgroup hierarchy. A daemon with user
+    namespace remapping clears the read-only flag of the cgroup v1 mounts it makes
+    (podman keeps them ro): runc bind-remounts each of these read-only over them."""
+    return [*_READONLY_DEFAULT, *cgroup_hierarchies()]
+
+
 def _bind(source: Path, target: str, read_only: bool) -> dict[str, Any]:
     return {
         "Type": "bind",
@@ -186,6 +226,8 @@ def container_body(
         "SecurityOpt": security,
         "IpcMode": "private",
         "CgroupnsMode": "private",           # its own cgroup tree, not the host's (v1)
+        "ReadonlyPaths": readonly_paths(),   # cgroup hierarchies ro, as podman's
+        "MaskedPaths": list(MASKED_PATHS),   # /sys/dev/block too, as podman's
         # Not the Engine's Init: it bind-mounts /usr/sbin/docker-init, an undeclared mount
         # (the escape suite's fs.declared_mounts_only). The image's own tini is PID 1.
         "Init": False,
