@@ -190,6 +190,8 @@ def ray_cluster(sandbox_root: Path, default_image: str) -> Iterator[LocalCluster
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     lc = LocalCluster(base, f"127.0.0.1:{port}", env, secrets, load_secrets(secrets).key)
+    sessions = Path("/var/lib/agentbox-node/tmp/ray")
+    before = set(sessions.glob("session_2*"))
     try:
         lc.add("n0", head=True)
         lc.add("n1")
@@ -218,6 +220,8 @@ def ray_cluster(sandbox_root: Path, default_image: str) -> Iterator[LocalCluster
                 proc.wait()
         left = _ray_procs()
         shutil.rmtree(base, ignore_errors=True)
+        for old in set(sessions.glob("session_2*")) - before:  # our sessions' logs
+            shutil.rmtree(old, ignore_errors=True)
         assert not left, f"Ray processes survived the cluster: {left}"
 
 
