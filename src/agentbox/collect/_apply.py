@@ -6,7 +6,7 @@ no system or global config, no attributes file but the tree's own, and every
 filter, diff and merge driver emptied. An agent's ``.gitattributes`` naming
 ``filter=lfs`` and its ``.lfsconfig`` naming a server then make nothing run:
 the host's git-lfs never starts, an LFS pointer is checked out as the pointer
-file it is (and the output names it).
+file it is (and the output names every file the result marks ``filter=lfs``).
 
 Before anything changes, the paths the result adds, changes or removes are
 compared with the work tree's untracked and ignored files: one the result
@@ -27,10 +27,6 @@ from agentbox.collect._git import user_git
 from agentbox.errors import CommandError, PolicyRefused, RefusedError
 
 __all__ = ["Applied", "apply_result", "clobbered", "lfs_pointers"]
-
-_LFS_MAGIC = b"version https://git-lfs.github.com/spec/v1"
-#: Blobs larger than this are not LFS pointers (git-lfs writes them under 200 bytes).
-_POINTER_MAX = 1024
 
 
 @dataclass
@@ -105,32 +101,25 @@ def clobbered(repo: Path, changed: list[str]) -> list[str]:
 
 
 def lfs_pointers(repo: Path, old: str, new: str, paths: list[str]) -> list[str]:
-    """Which of ``paths`` are LFS pointer files in commit ``new`` (and differ from ``old``)."""
+    """Which paths commit ``new`` writes (added or changed since ``old``) that the tree's
+    attributes give ``filter=lfs``: written as stored (the LFS pointer), git-lfs not run.
+
+    Two git processes whatever the count (a hostile result may hold 200,000 files):
+    the written paths, then ``check-attr --stdin`` on them, sealed like the apply.
+    """
     if not paths:
         return []
-    raw = _git(repo, "diff", "--no-ext-diff", "--no-textconv", "--no-renames", "--raw",
-               "-z", "--diff-filter=AMT", old, new, "--")  # fmt: skip
-    fields = raw.split("\0")
-    blobs: dict[str, str] = {}
-    for i in range(0, len(fields) - 1, 2):
-        meta, path = fields[i], fields[i + 1]
-        parts = meta.split()
-        if len(parts) >= 4 and parts[1].startswith("100"):  # a regular file
-            blobs[path] = parts[3]
-    if not blobs:
+    written = _z(_git(repo, "diff", "--no-ext-diff", "--no-textconv", "--no-renames",
+                      "--name-only", "-z", "--diff-filter=AMT", old, new, "--"))  # fmt: skip
+    if not written:
         return []
-    order = list(blobs)
-    ids = "\n".join(blobs[p] for p in order) + "\n"
-    fmt = "--batch-check=%(objectname) %(objecttype) %(objectsize)"
-    checked = user_git(repo, "cat-file", fmt, sealed=True, input=ids).stdout
-    small = [p for p, line in zip(order, checked.splitlines(), strict=False)
-             if line.split()[1:2] == ["blob"] and int(line.split()[2]) <= _POINTER_MAX]  # fmt: skip
-    out = []
-    for p in small:
-        body = user_git(repo, "cat-file", "blob", blobs[p], sealed=True).stdout
-        if body.encode().startswith(_LFS_MAGIC):
-            out.append(p)
-    return out
+    try:
+        out = user_git(repo, "check-attr", "-z", "--stdin", "filter", sealed=True,
+                       input="\0".join(written) + "\0").stdout  # fmt: skip
+    except CommandError:
+        return []
+    fields = out.split("\0")
+    return [fields[k] for k in range(0, len(fields) - 2, 3) if fields[k + 2] == "lfs"]
 
 
 def _check_clobber(repo: Path, changed: list[str], overwrite_ignored: bool) -> None:
