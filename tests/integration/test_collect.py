@@ -256,7 +256,7 @@ def test_report_json_and_text(repo: Path, tmp_path: Path) -> None:
     # One token model: the report's is the launcher's wire model, with the same JSON.
     assert Tokens is TokenUsage
     assert json.loads(r.to_json())["tokens"] == {
-        "input": 10, "output": 5, "cache_creation": 0, "cache_read": 0,
+        "input": 10, "output": 5, "cache_creation": 0, "cache_read": 0, "cost_usd": None,
     }  # fmt: skip
 
 
