@@ -7,9 +7,10 @@ Needs root, podman, the default image, Claude Code and the ``agentbox[ray]`` ext
 Every task is a short replay-model task (the real Claude Code in podman writes one
 file through its gateway), published as ``agentbox/<id>`` into a driver-side repo.
 
-1. **Wall time, Ray vs local.** ``--nodes`` Ray nodes on this host (a
-   ``ray.cluster_utils.Cluster``), each advertising ``--slots`` ``agentbox_slot``
-   and running its own launcher with its own data dir; then one in-process
+1. **Wall time, Ray vs local.** ``--nodes`` Ray nodes on this host, each made by
+   ``agentbox node start`` (Ray as ``agentbox-node``, token authentication), each
+   advertising ``--slots`` ``agentbox_slot`` and feeding its own root launcher (own
+   data dir) over its socket; then one in-process
    launcher with ``nodes x slots`` slots (the local executor: same driver, same
    bundles, no Ray). Prints both walls and the ratio (target: Ray <= 1.15x).
 2. **Per-task overhead by phase** (medians). Both runs place at most ``nodes x slots``
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import logging
 import os
 import shutil
 import statistics
@@ -129,10 +129,17 @@ def run_local(base: Path, repo: Path, n: int, slots: int, tag: str) -> tuple[flo
 
 
 class NoopNode:
-    """A node actor whose every attempt ends at once (the no-op backend)."""
+    """A node actor whose every attempt ends at once (the no-op backend); it proves
+    itself with its node key like the real one."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, key: str, slots: int) -> None:
+        self.name, self.key, self.slots = name, bytes.fromhex(key), slots
+
+    def prove(self, nonce: str) -> dict[str, Any]:
+        from agentbox.cluster._secure import proof
+
+        info = self.info()
+        return {**info, "proof": proof(self.key, nonce, str(info["node_id"]), self.name)}
 
     def run(self, attempt: dict[str, Any], bundle: bytes) -> dict[str, Any]:
         return {"attempt_id": attempt["attempt_id"], "node": self.name, "status": "done"}
@@ -142,7 +149,7 @@ class NoopNode:
 
         return {
             "node": self.name,
-            "slots": 1,
+            "slots": self.slots,
             "active": [],
             "node_id": ray.get_runtime_context().get_node_id(),
         }
@@ -180,12 +187,15 @@ def main() -> None:
     ap.add_argument("--noop-tasks", type=int, default=300)
     args = ap.parse_args()
 
+    import socket
+    import sys
+
     import ray
-    from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from agentbox.cluster import RayExecutor, run_batch, start_node
+    from agentbox.cluster import RayExecutor, connect, run_batch
     from agentbox.cluster._ray import NAMESPACE, actor_name
+    from agentbox.cluster._secure import keygen, load_secrets, node_key
 
     base = Path(tempfile.mkdtemp(prefix="agentbox-bench-", dir="/var/tmp"))
     base.chmod(0o711)
@@ -194,41 +204,53 @@ def main() -> None:
         'default = "replay-write"\n'
         '[models.replay-write]\nkind = "replay"\nupstream = "write.yaml"\n'
     )
-    raytmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = raytmp
+    sec = load_secrets(keygen(base / "secrets"))
     repo = make_repo(base / "driver" / "proj")
     total_slots = args.nodes * args.slots
-    node_args = {
-        "num_cpus": 1,
-        "resources": {"agentbox_slot": args.slots},
-        "object_store_memory": 100 * 1024 * 1024,
-        "include_dashboard": False,
-    }
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sk.getsockname()[1]}"
+    launchers: list[subprocess.Popen[bytes]] = []
+    node_ids: dict[str, str] = {}
     try:
         # Warm-up: one task through the local launcher (image and page cache warm for both).
         run_local(base, repo, 1, 1, "warm")
         local_wall, local_res = run_local(base, repo, args.tasks, total_slots, "local")
 
         t0 = time.monotonic()
-        cluster = Cluster(initialize_head=True, head_node_args=node_args)
-        nodes = [cluster.head_node] + [cluster.add_node(**node_args) for _ in range(args.nodes - 1)]
-        cluster.wait_for_nodes()
-        ray.init(
-            address=cluster.address,
-            namespace=NAMESPACE,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
-        for i, node in enumerate(nodes):
-            start_node(
-                node.node_id, slots=args.slots, name=f"n{i}", overrides=overrides(base, f"n{i}")
-            )
+        for i in range(args.nodes):
+            o = overrides(base, f"n{i}")
+            (base / f"n{i}").chmod(0o711)
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AGENTBOX_"))}
+            env.update(AGENTBOX_DATA_DIR=o["data_dir"], AGENTBOX_REPOS_ROOT=o["repos_root"],
+                       AGENTBOX_MODELS_FILE=o["models_file"],
+                       AGENTBOX_CLUSTER_SECRETS=str(base / "secrets"))  # fmt: skip
+            launchers.append(subprocess.Popen(
+                [sys.executable, "-m", "agentbox", "launcher", "serve",
+                 "--max-tasks", str(args.slots)],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            ))  # fmt: skip
+            sock = Path(o["data_dir"]) / "run" / "launcher.sock"
+            while not sock.exists():
+                time.sleep(0.2)
+            where = ["--head", "--port", address.rsplit(":", 1)[1]] if i == 0 else [
+                "--address", address]  # fmt: skip
+            subprocess.run(
+                [sys.executable, "-m", "agentbox", "node", "start", *where, "--slots",
+                 str(args.slots), "--name", f"n{i}", "--ray-arg=--num-cpus=1",
+                 "--ray-arg=--object-store-memory=104857600"],
+                env=env, check=True,
+            )  # fmt: skip
+        connect(address, sec=sec)
+        for info in RayExecutor(cluster_key=sec.key).nodes():
+            node_ids[str(info["node"])] = str(info["node_id"])
         startup = time.monotonic() - t0
         t0 = time.monotonic()
         ray_res = list(
             run_batch(
                 tasks_for(repo, args.tasks, "ray"),
-                executor=RayExecutor(),
+                executor=RayExecutor(cluster_key=sec.key),
                 state_dir=base / "batches",
                 batch_id="ray",
                 deadline=600,
@@ -240,26 +262,26 @@ def main() -> None:
         assert not bad, bad
 
         # Scheduling throughput: no-op node actors in place of the real ones.
-        for node in nodes:
-            ray.kill(ray.get_actor(actor_name(node.node_id), namespace=NAMESPACE))
+        for node_id in node_ids.values():
+            ray.kill(ray.get_actor(actor_name(node_id), namespace=NAMESPACE))
         time.sleep(1)
         noop = ray.remote(num_cpus=0)(NoopNode)
         actors = []
-        for i, node in enumerate(nodes):
-            pin = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        for name, node_id in node_ids.items():
+            pin = NodeAffinitySchedulingStrategy(node_id, soft=False)
             a = noop.options(
-                name=actor_name(node.node_id),
+                name=actor_name(node_id),
                 namespace=NAMESPACE,
                 max_concurrency=64,
                 scheduling_strategy=pin,
-            ).remote(f"n{i}")
+            ).remote(name, node_key(sec.key, name).hex(), args.slots)
             ray.get(a.info.remote())
             actors.append(a)
         t0 = time.monotonic()
         got = list(
             run_batch(
                 tasks_for(repo, args.noop_tasks, "noop"),
-                executor=RayExecutor(),
+                executor=RayExecutor(cluster_key=sec.key),
                 state_dir=base / "batches",
                 batch_id="noop",
             )
@@ -277,9 +299,11 @@ def main() -> None:
         inst_rate = len(got) / (time.monotonic() - t0)
     finally:
         ray.shutdown()
-        with contextlib.suppress(NameError):
-            cluster.shutdown()
-        shutil.rmtree(raytmp, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "agentbox", "node", "stop"], check=False)
+        for proc in launchers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 15)
+            proc.wait()
         shutil.rmtree(base, ignore_errors=True)
 
     lp, rp = phases(local_res), phases(ray_res)
