@@ -95,7 +95,7 @@ def register(app: typer.Typer) -> None:
         overwrite_ignored: bool = typer.Option(
             False,
             "--overwrite-ignored",
-            help="Let the result overwrite or delete untracked and ignored files.",
+            help="Let the result overwrite or delete ignored files (never untracked ones).",
         ),
     ) -> None:
         """Apply a task's result onto the current branch of its repo (or check it out).
