@@ -18,8 +18,9 @@ about it; every timeout is also an :class:`AgentboxTimeout`::
     │   ├── PolicyRefused      a capability, a network, a command that is not claude …
     │   │   └── UncommittedChanges  a dirty repo delegated without its changes (each front
     │   │                      end names its own option: with_option)
-    │   └── PublishRefused     a branch agentbox did not write, or one checked out: kept as
-    │                          is (also a CollectError: the result is kept, unpublished)
+    │   ├── PublishRefused     a branch agentbox did not write, or one checked out: kept as
+    │   │                      is (also a CollectError: the result is kept, unpublished)
+    │   └── StoreUnreadable    the task store cannot be opened by this user (run as root)
     ├── UnsupportedError       the host lacks a facility (runtime, KVM, binary): install it (fix)
     ├── CommandError           a subprocess failed (argv, returncode, stderr tail)
     │   └── CommandTimeout     ... or ran past its timeout (timeout)
@@ -85,6 +86,7 @@ __all__ = [
     "SandboxError",
     "SandboxGone",
     "SizeRefused",
+    "StoreUnreadable",
     "TaskError",
     "TaskIdRefused",
     "TaskNotFound",
@@ -280,6 +282,11 @@ class CollectError(AgentboxError):
 class PublishRefused(CollectError, RefusedError):
     """Publishing a result would overwrite a ref agentbox did not write (or a branch that is
     checked out). Nothing in the user's repo changed; the result is kept in the shadow dir."""
+
+
+class StoreUnreadable(RefusedError):
+    """The launcher's task store cannot be opened: not this user's to read, or not a
+    database. The message says which, in one line."""
 
 
 class TaskError(AgentboxError):

@@ -37,7 +37,12 @@ from typing import Any
 
 import psutil
 
-from agentbox.errors import AgentboxError, ConfigError, TaskIdRefused, TaskNotFound
+from agentbox.errors import (
+    ConfigError,
+    StoreUnreadable,
+    TaskIdRefused,
+    TaskNotFound,
+)
 from agentbox.launcher.api import TaskInfo, TokenUsage
 
 __all__ = ["NOTES", "SCHEMA_VERSION", "Owner", "Stage", "Store", "TaskRow"]
@@ -325,10 +330,6 @@ def _labels(raw: str | None) -> dict[str, str] | None:
     ):
         return None
     return got
-
-
-class StoreUnreadable(AgentboxError):
-    """The task store cannot be opened (not ours to read, or not a database)."""
 
 
 def _private(path: Path) -> None:
