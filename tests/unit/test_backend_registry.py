@@ -61,7 +61,10 @@ def test_every_backend_declares_its_traits_and_verbs(name: str, tmp_path: Path) 
     assert cls.environments_refused is None or cls.environments_refused.strip()
     backend = get_backend(name, Settings(data_dir=tmp_path))
     assert isinstance(backend, Backend)
-    assert backend.owned() == [] or all(isinstance(n, str) for n in backend.owned())
+    # The verbs exist; what they do is the contract tests' (tests/integration): calling
+    # owned() here would run podman, and the unit tier starts no runtime.
+    for verb in ("check", "create", "owned", "cleanup_orphans", "kill", "reap", "recover"):
+        assert callable(getattr(backend, verb)), verb
 
 
 def test_sandbox_protocol_has_host_pids() -> None:
