@@ -116,10 +116,12 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
         return runtime == "runc"
 
     def bind_source_uid(self, runtime: str) -> int | None:
-        """None: dockerd's root opens the bind-mount sources (what the launcher did before
-        this verb existed; the docker backend's owner may refine it for userns-remap)."""
-        del runtime
-        return None
+        """Who opens the bind-mount sources: under runsc, gVisor's gofer, as the daemon's
+        remapped root (host uid ``remap_base``), which the launcher's private data dir must
+        let search (an ACL entry); under runc, dockerd's own root (None: nothing to grant)."""
+        if runtime != "runsc":
+            return None
+        return self.facts().remap_base
 
     def warm(self, image: str) -> None:
         """Nothing ahead: a docker sandbox runs attached, and its image id is looked up (and
