@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from agentbox import _host
+from agentbox import _acl, _host
 from agentbox.config import Settings
 from git_helpers import git
 
@@ -115,7 +115,12 @@ def test_a_task_on_runsc(world: World) -> None:
     # The task dir stays closed to everyone else: only the gofer's uid was let through.
     root = world.base / "data" / "tasks" / task["id"]
     assert root.stat().st_mode & 0o007 == 0 and root.parent.stat().st_mode & 0o007 == 0
-    gofer = Settings().subid_base
+    # The gofer is the mapped root of the task's own uid slot: the one named user its
+    # ACL lets search, within the slots' ids above subid_base.
+    named = [uid for tag, _perm, uid in _acl._read(root) or [] if tag == _acl._USER]
+    assert len(named) == 1, named
+    gofer = named[0]
+    assert gofer >= Settings().subid_base, gofer
     assert _can_stat(gofer, root / "workspace")
     assert not _can_stat(gofer + 7, root / "workspace")  # another uid of the same range
     assert not _can_stat(65534, root / "workspace")  # nobody
