@@ -38,6 +38,8 @@ __all__ = ["NODE_RAY_TMP", "join", "leave", "node_tmp"]
 
 log = get_logger(__name__)
 
+_TLS_VARS = ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
 #: Where Ray keeps the node user's sessions (``RAY_TMPDIR`` + ``/ray``), by default.
 NODE_RAY_TMP = _secure.NODE_HOME / "tmp" / "ray"
 
@@ -95,6 +97,8 @@ def _ray_start(
         "LANG": "C.UTF-8",
         "RAY_TMPDIR": str(tmp),
         **(_secure.ray_env(sec) if sec is not None else {}),
+        # Ray's TLS between hosts, when the caller turned it on (docs: add-a-cluster-node).
+        **{k: v for k, v in os.environ.items() if k in _TLS_VARS},
     }
     runuser = shutil.which("runuser") or "/usr/sbin/runuser"
     argv = [runuser, "-u", pw.pw_name, "--", str(venv / "bin" / "python"), "-m",

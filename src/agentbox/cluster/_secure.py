@@ -193,7 +193,12 @@ def cluster_is_open(address: str) -> bool:
         socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=10).close()
     except (OSError, ValueError) as exc:
         raise ConfigError(f"nothing listens at {address}: {exc}") from exc
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # Everything Ray's but its TLS settings (a TLS cluster is asked over TLS, tokenless).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("RAY_") or k == "RAY_USE_TLS" or k.startswith("RAY_TLS_")
+    }
     with tempfile.TemporaryDirectory(prefix="agentbox-rayprobe-") as home:
         env.update(HOME=home, RAY_AUTH_MODE="disabled")
         proc = subprocess.run(
