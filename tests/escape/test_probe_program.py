@@ -18,6 +18,7 @@ from typing import Any
 from agentbox.escape import PROBES
 from agentbox.escape._controls import stall_control
 from agentbox.escape._hostcheck import namespace_differs, read_threads
+from agentbox.escape._probeio import probe_program
 from agentbox.escape._runner import inside_outcomes, probe_source
 from agentbox.guest import probe
 
@@ -39,7 +40,7 @@ def test_registry_has_at_least_40_probes_each_with_a_known_control() -> None:
     ids = [p.id for p in PROBES]
     assert len(ids) == len(set(ids))
     assert len(ids) >= 40
-    assert {p.control for p in PROBES} <= {"weak", "tty", "fd", "stall", "kernel"}
+    assert {p.control for p in PROBES} <= {"weak", "tty", "fd", "stall", "kernel", "shared"}
     assert all(p.tried and p.expected for p in PROBES)
 
 
@@ -105,7 +106,7 @@ def test_forkbomb_mode_reports_what_it_forked() -> None:
 
 
 def test_probe_source_is_stdlib_only() -> None:
-    src = probe_source()
+    src = probe_program()
     allowed = {
         "ctypes", "errno", "fcntl", "json", "os", "re", "select", "signal", "socket",
         "stat", "sys", "time", "__future__", "collections", "typing", "contextlib",
@@ -131,6 +132,24 @@ def test_latency_meter_notices_a_stall() -> None:
 def test_probe_source_fits_one_argv_string() -> None:
     # It travels as `python3 -c SOURCE`: Linux caps one argument at 128 KiB (MAX_ARG_STRLEN).
     assert len(probe_source().encode()) < 100 * 1024
+
+
+def test_probe_source_fits_a_guest_exec_request_with_room() -> None:
+    """A microVM runs it through its guest agent: the exec request, JSON, is one control
+    message (wire.MAX_CTRL). The whole program no longer fit (61 KiB, escaped past 64)."""
+    from agentbox.guest.wire import MAX_CTRL, encode_ctrl
+
+    frame = encode_ctrl({"op": "exec", "argv": ["python3", "-I", "-S", "-c", probe_source()]})
+    assert len(frame) < MAX_CTRL // 2
+    assert len(probe_program()) > 40 * 1024  # the program itself is the big one
+
+
+def test_the_packed_source_runs_the_program_as_main() -> None:
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", probe_source(), "--only", "fs.usr_readonly"],
+        input=b"{}", capture_output=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.stdout.lstrip().startswith(b"{"), out.stderr[-500:]
 
 
 def test_kernel_surface_probes_fire_on_the_unconfined_host() -> None:
