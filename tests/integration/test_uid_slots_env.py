@@ -17,9 +17,7 @@ FROZE, TASK = 295072, 360608  # the sandbox uids of slots 0 and 1 (defaults)
 
 
 def _du(path: Path) -> int:
-    return sum(
-        (Path(d) / f).lstat().st_blocks * 512 for d, _, fs in os.walk(path) for f in fs
-    )
+    return sum((Path(d) / f).lstat().st_blocks * 512 for d, _, fs in os.walk(path) for f in fs)
 
 
 def test_a_frozen_env_of_another_slot_is_given_to_the_task_uid(tmp_path: Path) -> None:

@@ -146,8 +146,8 @@ def validate(
     if why is not None:
         # Refused before anything starts, rather than a task failing inside.
         raise PolicyRefused(f"model {model!r} is unavailable: {why}")
-    budget_usd = req.budget_usd if req.budget_usd is not None else (
-        boxfile.budget_usd if boxfile else None
+    budget_usd = (
+        req.budget_usd if req.budget_usd is not None else (boxfile.budget_usd if boxfile else None)
     )
     if budget_usd is not None and registry.get(model).price is None:
         raise PolicyRefused(
