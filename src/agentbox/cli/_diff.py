@@ -104,7 +104,7 @@ def register(app: typer.Typer) -> None:
         overwrite or delete untracked or ignored files (unless --overwrite-ignored), and
         on a conflict (aborted: the branch stays as it was). Never loses work.
         """
-        from agentbox.collect._apply import apply_result
+        from agentbox.collect import apply_result
 
         launcher = in_process(1)
         try:

@@ -14,11 +14,13 @@
 See docs/explanation/result-collection.md for the threat model and decisions.
 """
 
+from agentbox.collect._apply import apply_result
 from agentbox.collect._collect import branch_name, collect
 from agentbox.collect._git import user_git
 from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
 from agentbox.collect._prepare import prepare
 from agentbox.collect._publish import publish
+from agentbox.collect._risky import risky_reason
 from agentbox.collect.report import Report, Tokens
 
 __all__ = [
@@ -29,9 +31,11 @@ __all__ = [
     "Report",
     "Skipped",
     "Tokens",
+    "apply_result",
     "branch_name",
     "collect",
     "prepare",
     "publish",
+    "risky_reason",
     "user_git",
 ]
