@@ -199,6 +199,8 @@ class RayExecutor:
         self.refused: dict[str, str] = {}
         """Actor name → why it gets nothing (a failed proof)."""
         self._busy: dict[str, int] = {}
+        self._pinned: dict[str, str] = {}
+        """Attempt id → the name of the node it is pinned to, while in flight."""
         self._lock = threading.Lock()
 
     def put(self, data: bytes) -> object:
@@ -249,12 +251,20 @@ class RayExecutor:
         opts = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
         ref = _remote_place.options(**opts).remote(attempt.model_dump(), [bundle], nonce, expected)
         fut: concurrent.futures.Future[dict[str, Any]] = ref.future()
+        aid = attempt.attempt_id
         with self._lock:
             self._busy[node_id] = self._busy.get(node_id, 0) + 1
+            self._pinned[aid] = str(info.get("node", ""))
 
-        def done(_f: object) -> None:
+        def done(f: concurrent.futures.Future[dict[str, Any]]) -> None:
+            exc = None if f.cancelled() else f.exception()
+            lost = exc is not None and self.is_lost(exc)
             with self._lock:
                 self._busy[node_id] = self._busy.get(node_id, 1) - 1
+                self._pinned.pop(aid, None)
+                if lost:  # pin nothing more there until the node proves itself again
+                    self._proven.pop(node_id, None)
+                    self._seen = 0.0
 
         fut.add_done_callback(done)
         return fut
@@ -314,15 +324,18 @@ class RayExecutor:
         return out
 
     def where(self) -> dict[str, str]:
-        if time.monotonic() - self._seen < self._refresh:
-            return self._where
-        where: dict[str, str] = {}
-        for info in self.nodes():
-            self._node_ids[str(info["node"])] = str(info["node_id"])
-            for aid in info["active"]:
-                where[aid] = str(info["node"])
-        self._where, self._seen = where, time.monotonic()
-        return where
+        """Attempt id → node: the node each in-flight attempt is pinned to, and what the
+        proven node actors say they run."""
+        if time.monotonic() - self._seen >= self._refresh:
+            where: dict[str, str] = {}
+            for info in self.nodes():
+                self._node_ids[str(info["node"])] = str(info["node_id"])
+                for aid in info["active"]:
+                    where[aid] = str(info["node"])
+            self._where, self._seen = where, time.monotonic()
+        with self._lock:
+            pinned = {a: n for a, n in self._pinned.items() if n}
+        return {**pinned, **self._where}
 
     def cancel(self, attempt_id: str) -> None:
         for info in list(self._proven.values()):
