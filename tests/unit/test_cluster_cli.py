@@ -86,7 +86,8 @@ def test_the_cluster_facade_is_pinned() -> None:
     assert sorted(cluster.__all__) == [
         "Attempt", "BatchEvent", "BatchResult", "BatchState", "BatchTask", "Executor",
         "LocalExecutor", "NodeOutcome", "NodeService", "RayExecutor", "batch_dir", "connect",
-        "new_batch_id", "node_problems", "read_tasks", "run_batch", "start_node",
+        "join", "keygen", "leave", "new_batch_id", "node_problems", "read_tasks", "run_batch",
+        "start_node",
     ]  # fmt: skip
     for name in cluster.__all__:
         if name in ("RayExecutor", "connect", "start_node"):
@@ -95,8 +96,8 @@ def test_the_cluster_facade_is_pinned() -> None:
 
 
 def test_a_batch_with_no_cluster_says_what_to_do_not_a_traceback(tmp_path: Path) -> None:
-    """Issue 31 §4: no Ray cluster at the address → one line naming the fix (start a head
-    and a node, or --address), exit non-zero, no Ray traceback."""
+    """No Ray cluster at the address → one line naming the fix (start a head and a node,
+    or --address), exit non-zero, no Ray traceback."""
     import socket
     import subprocess
     import sys

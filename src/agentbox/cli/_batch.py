@@ -72,7 +72,7 @@ def node_start(
     if head == bool(address):
         raise ConfigError("give either --address HEAD:6379 (join) or --head (start the head)")
     _cluster()
-    from agentbox.cluster._join import join
+    from agentbox.cluster import join
 
     got_name, where = join(
         load_settings(),
@@ -90,7 +90,7 @@ def node_start(
 @node_app.command("stop")
 def node_stop() -> None:
     """Stop this host's Ray node (every Ray process of the node user)."""
-    from agentbox.cluster._join import leave
+    from agentbox.cluster import leave
 
     leave()
     _out.print(Text("this host's Ray node stopped"))
@@ -100,7 +100,7 @@ def node_stop() -> None:
 def node_keygen() -> None:
     """Make the cluster's secrets (Ray token, cluster key) in /etc/agentbox/cluster/ unless
     they exist; copy that directory (root-only) to every node and driver host."""
-    from agentbox.cluster._secure import keygen
+    from agentbox.cluster import keygen
 
     where = keygen()
     _out.print(Text(f"cluster secrets in {where} (0700, files 0600): copy them to every node "

@@ -21,8 +21,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from agentbox.cluster._driver import Executor, batch_dir, new_batch_id, run_batch
+from agentbox.cluster._join import join, leave
 from agentbox.cluster._local import LocalExecutor
 from agentbox.cluster._node import NodeService, node_problems
+from agentbox.cluster._secure import keygen
 from agentbox.cluster._spec import (
     Attempt,
     BatchEvent,
@@ -51,6 +53,9 @@ __all__ = [
     "RayExecutor",
     "batch_dir",
     "connect",
+    "join",
+    "keygen",
+    "leave",
     "new_batch_id",
     "node_problems",
     "read_tasks",
