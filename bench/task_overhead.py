@@ -48,9 +48,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from agentbox._wait import socket_accepts
 from agentbox.backends import get_backend
 from agentbox.config import Settings
+from agentbox.core.wait import socket_accepts
 from agentbox.launcher import Launcher, TaskRequest, _finish, _runner
 from agentbox.launcher._pool import pool_template
 

@@ -41,9 +41,9 @@ from typing import Any
 
 import pytest
 
-from agentbox import _host
 from agentbox.backends.base import Backend
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from sandbox_leaks import SandboxTracker, active_trackers
 
 _KEEP_ENV = {"PATH", "HOME", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER", "LOGNAME"}

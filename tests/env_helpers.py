@@ -125,7 +125,7 @@ def pip_index() -> tuple[str, str]:
 def require_backend(name: str) -> None:
     """Skip unless the sandbox kind ``name`` (runc, runsc, qemu) can run here."""
     if name == "qemu":
-        from agentbox import _host
+        from agentbox.core import host as _host
 
         if not _host.qemu(Settings().qemu_binary).ok:
             pytest.skip("no usable qemu here")

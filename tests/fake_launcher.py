@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from agentbox._wait import wait_until
 from agentbox.backends.fake import FakeBackend
 from agentbox.config import Settings
+from agentbox.core.wait import wait_until
 from agentbox.gateway import GatewayHandle
 from agentbox.gateway._handshake import HANDSHAKE_VERSION, write_handshake
 from agentbox.gateway._usage import Usage, write_usage

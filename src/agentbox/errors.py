@@ -50,7 +50,7 @@ Exceptions not in the tree, on purpose: private control-flow exceptions that
 never leave their module (``_Cancelled``, ``_Stale`` …), and the guest agent's
 ``ProtocolError`` (:mod:`agentbox.guest` runs *inside* the sandbox on the bare
 standard library; the host translates what it reports into :class:`GuestError`),
-and :class:`agentbox._reap.Terminated`, a ``KeyboardInterrupt``: a signal, not an error.
+and :class:`agentbox.cli.reap.Terminated`, a ``KeyboardInterrupt``: a signal, not an error.
 ``tests/unit/test_errors_tree.py`` imports every module and holds every other
 exception class to this tree and this drawing.
 """

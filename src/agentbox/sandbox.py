@@ -29,7 +29,6 @@ from pathlib import Path
 
 import psutil
 
-from agentbox._log import get_logger
 from agentbox.backends.base import (
     HOME_IN_SANDBOX,
     LABEL,
@@ -38,6 +37,7 @@ from agentbox.backends.base import (
 )
 from agentbox.boxfile import Boxfile, Resources
 from agentbox.config import DEFAULT_IMAGE, Settings
+from agentbox.core.log import get_logger
 from agentbox.errors import ConfigError, PathRefused
 
 __all__ = ["NAME_RE", "clamp_resources", "new_sandbox_name", "spec_from_boxfile"]

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from agentbox import _proc
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
 from agentbox.gateway import DEMO_SCRIPT, Usage, read_usage
 from gateway_helpers import write_script
 from net_helpers import free_port, wait_port

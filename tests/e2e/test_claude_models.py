@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from agentbox import _proc
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
 from agentbox.gateway import read_requests, read_usage
 from env_helpers import EnvLab
 from gateway_helpers import write_script

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from agentbox import _proc
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
 from agentbox.gateway import read_usage
 from agentbox.launcher._agent import agent_argv, agent_env
 from gateway_helpers import write_script

@@ -45,15 +45,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agentbox import _host
-from agentbox._cgroups import ENTER_THEN_EXEC, unit_hierarchies
 from agentbox.backends.base import Backend
 from agentbox.config import Settings
+from agentbox.core import host as _host
+from agentbox.core.paths import TaskPaths
 from agentbox.gateway import read_usage
 from agentbox.launcher import LauncherClient, TaskRequest
 from agentbox.launcher._names import data_label, list_task_gateways
 from agentbox.launcher._store import Store
-from agentbox.paths import TaskPaths
+from agentbox.linux.cgroups import ENTER_THEN_EXEC, unit_hierarchies
 from mount_helpers import assert_no_mounts_under
 from sandbox_leaks import SandboxTracker
 

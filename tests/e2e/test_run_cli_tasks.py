@@ -23,8 +23,9 @@ from typing import Any
 
 import pytest
 
-from agentbox import _acl, _host
 from agentbox.config import Settings
+from agentbox.core import host as _host
+from agentbox.linux import acl as _acl
 from git_helpers import git
 
 pytestmark = [

@@ -25,9 +25,9 @@ import psutil
 import pytest
 
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.gateway import read_usage, spawn_gateway
 from agentbox.launcher import LauncherClient, TaskRequest
-from agentbox.paths import TaskPaths
 from mount_helpers import assert_no_mounts_under
 
 pytestmark = [

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from agentbox import _host
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from git_helpers import git
 
 pytestmark = [

@@ -53,7 +53,7 @@ def _missing(text: str) -> list[str]:
             if importlib.util.find_spec("ray") is None:
                 out.append("ray (pip install 'agentbox[ray]'; scripts/setup.sh installs it)")
         elif req == "runsc":
-            from agentbox import _host
+            from agentbox.core import host as _host
 
             fac = _host.podman_runtime("runsc")
             if not fac.ok:

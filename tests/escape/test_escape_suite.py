@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from agentbox import _host
+from agentbox.core import host as _host
 from agentbox.escape import PROBES
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]

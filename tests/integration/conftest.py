@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from agentbox import _host
 from agentbox.backends.base import Backend
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from sandbox_leaks import SandboxTracker
 
 #: OCI runtimes podman can use on this host (crun is refused on cgroups v1/hybrid).

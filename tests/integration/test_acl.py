@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from agentbox._acl import acl_allows, grant_search
 from agentbox.backends._oci_args import _searchable_by
+from agentbox.linux.acl import acl_allows, grant_search
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")
 

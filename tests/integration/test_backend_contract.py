@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from agentbox import _host
 from agentbox.backends import get_backend
 from agentbox.backends.base import (
     GATEWAY_PORT,
@@ -36,6 +35,7 @@ from agentbox.backends.base import (
 )
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from agentbox.errors import AgentboxError
 from agentbox.sandbox import spec_from_boxfile
 from sandbox_leaks import SandboxTracker

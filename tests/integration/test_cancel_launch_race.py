@@ -27,13 +27,13 @@ from typing import Any
 
 import pytest
 
-from agentbox._wait import wait_until
 from agentbox.backends import Exited
 from agentbox.backends.base import WORKSPACE_IN_SANDBOX, SandboxSpec
 from agentbox.backends.podman import PodmanBackend
 from agentbox.backends.podman import _backend as podman_backend
 from agentbox.backends.podman import _detach as detach
 from agentbox.config import Settings
+from agentbox.core.wait import wait_until
 from mount_helpers import assert_no_mounts_under
 from sandbox_leaks import SandboxTracker
 

@@ -28,9 +28,9 @@ import pytest
 import fake_launcher
 from agentbox.backends.fake import FakeBackend, FakeScript
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.launcher import Launcher, _runner
 from agentbox.launcher.api import TaskInfo
-from agentbox.paths import TaskPaths
 from fake_launcher import launches
 from fake_launcher import submit as _submit
 from git_helpers import git

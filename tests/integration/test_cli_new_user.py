@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from agentbox._wait import wait_until
 from agentbox.backends.fake import FakeBackend, FakeScript
 from agentbox.config import Settings
+from agentbox.core.wait import wait_until
 from agentbox.launcher import Launcher, TaskRequest, _runner
 from git_helpers import git
 
@@ -236,8 +236,8 @@ def test_budget_refusal_is_said_not_no_changes(
     settings: Settings, fake: type[FakeBackend], repo: Path
 ) -> None:
     from agentbox.backends.fake import FakeSandbox
+    from agentbox.core.paths import TaskPaths
     from agentbox.gateway._usage import Usage, write_usage
-    from agentbox.paths import TaskPaths
 
     def refused(box: FakeSandbox, argv: object) -> None:
         # What the gateway writes when it refused the first call (nothing charged).
@@ -258,8 +258,8 @@ def test_tasks_lists_live_tokens_of_a_running_task(
     settings: Settings, fake: type[FakeBackend], repo: Path
 ) -> None:
     from agentbox.backends.fake import FakeSandbox
+    from agentbox.core.paths import TaskPaths
     from agentbox.gateway._usage import Usage, write_usage
-    from agentbox.paths import TaskPaths
 
     def spend(box: FakeSandbox, argv: object) -> None:
         tid = box.name.removeprefix("agentbox-task-")

@@ -35,11 +35,11 @@ from agentbox.cluster import (
     run_batch,
 )
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.errors import ConfigError
 from agentbox.gateway import GatewayHandle
 from agentbox.gateway._usage import Usage, write_usage
 from agentbox.launcher import _runner
-from agentbox.paths import TaskPaths
 from git_helpers import git
 
 pytestmark = pytest.mark.skipif(

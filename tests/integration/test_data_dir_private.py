@@ -39,12 +39,12 @@ from pathlib import Path
 
 import pytest
 
-from agentbox._wait import wait_until
 from agentbox.backends.base import OWNER_DATA_LABEL, data_dir_label
 from agentbox.backends.podman._pool_slots import is_mount
+from agentbox.core.paths import private_data_dir
+from agentbox.core.wait import wait_until
 from agentbox.launcher import LauncherClient, TaskRequest
 from agentbox.launcher._store import Store
-from agentbox.paths import private_data_dir
 from git_helpers import git
 from mount_helpers import assert_no_mounts_under
 

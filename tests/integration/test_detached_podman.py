@@ -35,12 +35,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agentbox import _host
 from agentbox.backends import Exited
 from agentbox.backends.base import LABEL, OWNER_DATA_LABEL, SandboxSpec, data_dir_label
 from agentbox.backends.podman import PodmanBackend
 from agentbox.backends.podman import _detach as detach
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from agentbox.errors import SandboxError, SandboxGone
 from mount_helpers import assert_no_mounts_under
 from sandbox_leaks import SandboxTracker

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from agentbox import _host
 from agentbox.backends import get_backend
 from agentbox.backends.base import Backend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from agentbox.env import EnvPlan, EnvStore, prepare_env
 from agentbox.gateway import gateway_identity
 from agentbox.sandbox import spec_from_boxfile

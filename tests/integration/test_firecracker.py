@@ -382,8 +382,8 @@ def test_a_recent_binary_still_needs_a_kvm_that_boots_the_guest(tmp_path: Path) 
 def test_declared_mounts_are_checked_as_in_qemu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentbox import _host
     from agentbox.backends import firecracker as mod
+    from agentbox.core import host as _host
 
     if os.geteuid() != 0:
         pytest.skip("the jailer must run as root: check() refuses first")

@@ -36,8 +36,8 @@ from typing import Any
 import psutil
 import pytest
 
-from agentbox._cgroups import cgroup_mounts, cgroups_of
-from agentbox._wait import socket_accepts, wait_until
+from agentbox.core.wait import socket_accepts, wait_until
+from agentbox.linux.cgroups import cgroup_mounts, cgroups_of
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the front end serves root's commands")
 

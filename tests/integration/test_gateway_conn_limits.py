@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agentbox import _proc
+from agentbox.core import proc as _proc
 from gateway_helpers import CHAT_SCRIPT, running_gateway, wait_usage, write_script
 
 SLOW_HEAD = b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\nX-Pad: " + b"a" * 1000

@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agentbox._cgroups import UNIT_KEYS, cgroups_of, unit_hierarchies
 from agentbox.config import Settings
 from agentbox.gateway import _process, read_usage
 from agentbox.gateway._process import GATEWAY_CGROUP
+from agentbox.linux.cgroups import UNIT_KEYS, cgroups_of, unit_hierarchies
 from gateway_helpers import spawn_replay_gateway
 
 

@@ -17,12 +17,12 @@ import psutil
 import pytest
 
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.gateway import spawn_gateway
 from agentbox.gateway._handshake import HANDSHAKE_VERSION, read_handshake
 from agentbox.gateway._process import gateway_identity
 from agentbox.launcher._adopt import gateway_refusal
 from agentbox.launcher._store import Owner
-from agentbox.paths import TaskPaths
 from gateway_helpers import CHAT_SCRIPT, write_script
 
 

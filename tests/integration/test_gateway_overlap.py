@@ -30,9 +30,9 @@ import pytest
 import fake_launcher
 from agentbox.backends.fake import KILLED, FakeBackend, FakeSandbox, FakeScript
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.gateway import _process
 from agentbox.launcher import Launcher, TaskRequest
-from agentbox.paths import TaskPaths
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the launcher chowns the workspace and socket (root)"

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from agentbox import _host
 from agentbox.cli._doctor import checks
 from agentbox.config import Settings
+from agentbox.core import host as _host
 
 pytestmark = pytest.mark.podman
 

@@ -262,9 +262,9 @@ def test_no_changes_means_no_branch_and_says_so_over_the_wire(
     from test_collect_support import git
 
     from agentbox.collect import prepare
+    from agentbox.core.paths import TaskPaths
     from agentbox.launcher import _finish, _runner
     from agentbox.launcher.api import NO_CHANGES
-    from agentbox.paths import TaskPaths
 
     launcher, client = served
     gone = subprocess.Popen(["true"])

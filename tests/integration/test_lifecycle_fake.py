@@ -25,11 +25,11 @@ import pytest
 import fake_launcher
 from agentbox.backends.fake import FakeBackend, FakeSandbox, FakeScript
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.errors import SandboxError
 from agentbox.gateway import GatewayHandle
 from agentbox.gateway._usage import Usage, write_usage
 from agentbox.launcher import Launcher, TaskRequest, _runner
-from agentbox.paths import TaskPaths
 from fake_launcher import until as _until
 from git_helpers import git
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from agentbox import _host
 from agentbox.backends.base import LABEL, Backend
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from git_helpers import git
 from mount_helpers import assert_no_mounts_under
 from sandbox_leaks import SandboxTracker
@@ -438,8 +438,8 @@ def _killed_run_is_readopted(
 
 
 def _in_long_command(world: World, task_id: str) -> bool:
+    from agentbox.core.paths import TaskPaths
     from agentbox.gateway import read_usage
-    from agentbox.paths import TaskPaths
 
     try:
         return read_usage(TaskPaths(world.settings.data_dir, task_id).usage_file).requests >= 1

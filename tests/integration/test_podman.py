@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from agentbox import _host
 from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from agentbox.errors import BoxfileError, ImageError, PathRefused, UnsupportedError
 from agentbox.sandbox import spec_from_boxfile
 from sandbox_leaks import SandboxTracker

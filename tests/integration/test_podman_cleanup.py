@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agentbox import _host
 from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from agentbox.sandbox import spec_from_boxfile
 from sandbox_leaks import SandboxTracker
 

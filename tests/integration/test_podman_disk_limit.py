@@ -30,11 +30,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agentbox import _host
 from agentbox.backends._wsdisk import WorkspaceDisk, settle_orphan_disks
 from agentbox.backends.podman import PodmanBackend
 from agentbox.boxfile import Boxfile, DiskLimit
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from agentbox.sandbox import spec_from_boxfile
 from sandbox_leaks import SandboxTracker
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from agentbox import _host
 from agentbox.backends.base import Sandbox, SandboxSpec
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from agentbox.escape._quota import KINDS, try_once
 from agentbox.escape._runner import HostView, quota_outcomes, run_probe_program
 from sandbox_leaks import SandboxTracker

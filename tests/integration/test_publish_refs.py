@@ -23,9 +23,9 @@ from test_collect_support import Prepared, git, make_repo, prepare_in, repo_stat
 from agentbox.collect import _publish as pub
 from agentbox.collect import collect, publish
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.errors import PublishRefused, RefusedError, TaskError
 from agentbox.launcher import Launcher
-from agentbox.paths import TaskPaths
 
 FILES = {"README.md": "hello\n", "src/app.py": "x = 1\n"}
 

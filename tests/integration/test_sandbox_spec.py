@@ -198,7 +198,7 @@ def test_unknown_runtime_refused_before_anything(settings: Settings) -> None:
 
 
 def test_crun_refused_with_the_cgroups_reason(settings: Settings) -> None:
-    from agentbox import _host
+    from agentbox.core import host as _host
 
     fac = _host.podman_runtime("crun")
     if fac.ok:

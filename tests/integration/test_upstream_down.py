@@ -20,13 +20,13 @@ import pytest
 
 from agentbox.backends.fake import FakeBackend, FakeSandbox, FakeScript
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.errors import UpstreamConnectError
 from agentbox.gateway._forward import UPSTREAM_DOWN_AFTER
 from agentbox.gateway._usage import Usage, write_usage
 from agentbox.gateway.registry import ModelEntry
 from agentbox.launcher import Launcher, TaskRequest, _runner
 from agentbox.launcher._reach import check_local_upstream
-from agentbox.paths import TaskPaths
 from agentbox.transcript import read_transcript
 from gateway_helpers import running_gateway
 from git_helpers import git

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from agentbox._text import visible
 from agentbox.cli._env import env_rows, setup_tail
+from agentbox.core.text import visible
 
 
 def test_rows_for_a_miss_with_egress_and_an_agent_egress() -> None:

@@ -172,8 +172,8 @@ def test_a_continued_task_is_known_as_one_before_and_after_its_workspace_is_made
     """The setup phase keys a continued task on its whole tree (issue 33 §2): it must know
     the task continues another from the plan recorded at submit (``_pending``) and from
     the record moved into the task dir (``seed``)."""
+    from agentbox.core.paths import TaskPaths
     from agentbox.launcher import _session
-    from agentbox.paths import TaskPaths
 
     settings = Settings(data_dir=tmp_path / "data")
     paths = TaskPaths(settings.data_dir, "t-000000000002")

@@ -7,7 +7,7 @@ leave their module, and :mod:`agentbox.guest`, which runs inside the sandbox on
 the bare standard library, the front end's client and wire (:mod:`agentbox.front`),
 which every ``agentbox`` command imports first on the bare standard library
 (``errors.py`` and its pathlib would cost each command 26 ms), and
-:class:`agentbox._reap.Terminated`, a ``KeyboardInterrupt`` (a signal, not an error).
+:class:`agentbox.cli.reap.Terminated`, a ``KeyboardInterrupt`` (a signal, not an error).
 """
 
 from __future__ import annotations

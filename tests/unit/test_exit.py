@@ -1,4 +1,4 @@
-"""``agentbox._exit``: the CLI and the gateway end with ``os._exit`` once done, but only
+"""``agentbox.core.exit``: the CLI and the gateway end with ``os._exit`` once done, but only
 after what a normal exit does that matters: threads joined, exit handlers run, the
 buffered output flushed, and the status a ``SystemExit`` carries."""
 
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from agentbox._exit import exit_code
+from agentbox.core.exit import exit_code
 
 _PROGRAM = """
 import atexit, sys, threading, time
-from agentbox._exit import end_process
+from agentbox.core.exit import end_process
 
 atexit.register(lambda: sys.stdout.write("exit handler\\n"))
 def late():

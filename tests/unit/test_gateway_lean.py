@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import typer.main
 
-from agentbox._wait import socket_accepts, wait_until
+from agentbox.core.wait import socket_accepts, wait_until
 from agentbox.gateway import DEMO_SCRIPT
 from agentbox.gateway.__main__ import OPTIONS
 from agentbox.gateway._cli import gateway

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from agentbox import _proc
-from agentbox._wait import wait_until
 from agentbox.backends import _oci_args
 from agentbox.backends.podman import PodmanBackend
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.wait import wait_until
 from agentbox.errors import CommandError
 
 

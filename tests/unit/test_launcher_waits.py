@@ -1,4 +1,4 @@
-"""The launcher's waits go through :func:`agentbox._wait.wait_until` (issue 14 item 7):
+"""The launcher's waits go through :func:`agentbox.core.wait.wait_until` (issue 14 item 7):
 the client's ``wait`` and ``launcher stop``'s wait for the serving process to let go.
 
 The client talks HTTP to a real handler (httpx's ``MockTransport``: the whole client,

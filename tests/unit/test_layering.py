@@ -1,7 +1,7 @@
 """The import graph's layering rules, read from the source with ``ast``.
 
 * ``collect`` never imports ``launcher`` (the report's token type lives below both,
-  in :mod:`agentbox._wire`).
+  in :mod:`agentbox.core.wire`).
 * No package imports another package's private (``_x``) module, at any depth
   (``agentbox.backends.docker._facility`` as much as ``agentbox.gateway._run``): it
   imports the package's facade (its ``__init__``) or a public module. The few edges
@@ -99,6 +99,28 @@ def test_the_check_sees_private_modules_at_any_depth() -> None:
         "cli/_doctor.py: agentbox.backends.docker._facility.doctor_rows",
         "launcher/x.py: agentbox.gateway._run",
     ]
+
+
+#: At the package root: the public surface only (``__init__``, ``__main__``, ``errors``,
+#: ``config``, ``sandbox``, ``smoke``); everything else lives in a package named by purpose.
+ROOT_MODULES_MAX = 10
+
+#: The floors everything stands on, and the only packages each may import.
+FLOORS = {"core": {"errors"}, "linux": {"core", "errors"}}
+
+
+def test_the_package_root_holds_only_the_public_surface() -> None:
+    mods = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(mods) <= ROOT_MODULES_MAX, f"{len(mods)} modules at the root: {mods}"
+    assert not [m for m in mods if m.startswith("_") and not m.startswith("__")], mods
+
+
+def test_core_and_linux_stand_on_nothing_above_them() -> None:
+    graph = _package_graph()
+    for floor, allowed in FLOORS.items():
+        assert (SRC / floor / "__init__.py").is_file(), floor
+        above = graph.get(floor, set()) - allowed
+        assert not above, f"{floor} imports {sorted(above)}: it is a floor, move that code up"
 
 
 def test_pending_edges_still_exist() -> None:

@@ -1,5 +1,5 @@
 """Our log lines are the lines structlog wrote (the oracle: structlog configured as
-``agentbox._log`` configured it before it stopped importing structlog), and logging
+``agentbox.core.log`` configured it before it stopped importing structlog), and logging
 imports neither structlog nor rich (issue 15: ~0.1 s before a task is recorded)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from agentbox import _log
+from agentbox.core import log as _log
 
 structlog = pytest.importorskip("structlog")
 
@@ -143,7 +143,7 @@ def test_the_level_filters_and_may_change_after_a_logger_was_made(
 def test_logging_imports_neither_structlog_nor_rich() -> None:
     code = (
         "import sys\n"
-        "from agentbox import _log\n"
+        "from agentbox.core import log as _log\n"
         "_log.configure('DEBUG')\n"
         "_log.get_logger('t').info('a line', n=1)\n"
         "print(' '.join(sorted(sys.modules)))\n"
@@ -153,6 +153,6 @@ def test_logging_imports_neither_structlog_nor_rich() -> None:
     )
     assert "a line" in out.stderr  # the control: it logged
     mods = set(out.stdout.split())
-    assert "agentbox._log" in mods
+    assert "agentbox.core.log" in mods
     heavy = sorted(m for m in mods if m.split(".")[0] in ("structlog", "rich", "pygments"))
     assert heavy == []

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from agentbox import _log
+from agentbox.core import log as _log
 
 
 def test_a_log_line_goes_to_the_current_stderr_not_the_one_at_configure(

@@ -122,10 +122,10 @@ def test_doctor_warns_about_a_retired_model_id(tmp_path: Path) -> None:
 
 
 def test_cost_shown_beside_tokens_in_mcp_status_and_logs() -> None:
-    from agentbox._transcript_model import Event
     from agentbox.cli._logs import event_lines
     from agentbox.launcher.api import TaskInfo, TokenUsage
     from agentbox.mcp._format import info_dict
+    from agentbox.transcript._model import Event
 
     base = {"id": "t1", "status": "done", "repo": "/r", "task": "x", "model": "sonnet",
             "budget": 10, "deadline": 60.0, "created_at": 0.0}  # fmt: skip

@@ -27,7 +27,7 @@ ALLOWED = {
     # The host's facility table for the doctor and the test markers: which package
     # installs a runtime's binary, and crun's known refusal of a hybrid cgroup host.
     # It answers "is this tool usable here", it chooses no behaviour of a sandbox.
-    "_host.py",
+    "core/host.py",
 }
 
 

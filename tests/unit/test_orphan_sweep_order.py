@@ -82,7 +82,7 @@ def test_a_live_tasks_setup_sandbox_is_not_an_orphan(
 
 
 def test_an_exit_code_above_128_says_the_signal_and_why() -> None:
-    from agentbox._exitwords import exit_words, kill_cause
+    from agentbox.core.exitwords import exit_words, kill_cause
 
     assert exit_words(1) == "exit 1"
     oom = kill_cause(timed_out=False, cancelled=False, oom_before=3, oom_after=4)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.core.paths import TaskPaths, check_inside, new_task_id, validate_task_id
 from agentbox.errors import PathRefused, TaskIdRefused
-from agentbox.paths import TaskPaths, check_inside, new_task_id, validate_task_id
 
 
 @pytest.mark.parametrize("good", ["a", "t-1", "0" * 64, "fix-flaky-test-42"])

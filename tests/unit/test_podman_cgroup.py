@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agentbox import _proc
 from agentbox.backends.podman import _cgroup as _podman_cgroup
+from agentbox.core import proc as _proc
 
 
 def test_the_shell_enters_each_file_then_execs_the_command(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from agentbox import _proc
+from agentbox.core import proc as _proc
 from agentbox.errors import CommandError, CommandTimeout
 
 

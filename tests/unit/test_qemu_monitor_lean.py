@@ -10,7 +10,7 @@ exited: the entry point, the backend and the records it runs with are all loaded
 Still imported, and the next cut (they need the request and the shared backend
 modules rebuilt without them): pydantic and pydantic-settings (the pickled
 ``Settings`` and the spec's ``Resources``, ~8 MiB private). Logging no longer
-imports structlog (with asyncio, ~9 MiB): :mod:`agentbox._log` writes its lines itself.
+imports structlog (with asyncio, ~9 MiB): :mod:`agentbox.core.log` writes its lines itself.
 """
 
 from __future__ import annotations
@@ -66,7 +66,11 @@ def test_a_monitor_imports_nothing_heavy(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr.decode(errors="replace")
     imported = set(modules.read_text().split())
     # The probe works: it saw what the monitor runs with load.
-    for needed in ("agentbox.backends.qemu._backend", "agentbox.microvm._guest", "agentbox._log"):
+    for needed in (
+        "agentbox.backends.qemu._backend",
+        "agentbox.microvm._guest",
+        "agentbox.core.log",
+    ):
         assert needed in imported
     heavy = sorted(m for m in imported if any(m == h or m.startswith(h + ".") for h in HEAVY))
     assert heavy == [], f"a monitor process imported {heavy}"

@@ -1,4 +1,4 @@
-"""``agentbox._reap.exit_on_signals``: a signal that ends the process runs the cleanup first.
+"""``agentbox.cli.reap.exit_on_signals``: a signal that ends the process runs the cleanup first.
 
 Each test runs a real Python child that holds a "sandbox" (a marker file it must
 remove) inside the helper, sends it a real signal and checks what a parent sees.
@@ -17,7 +17,7 @@ import pytest
 CHILD = """
 import signal, sys, time
 from pathlib import Path
-from agentbox._reap import exit_on_signals
+from agentbox.cli.reap import exit_on_signals
 held = Path(sys.argv[1])
 # Start from the dispositions a process started by an interactive shell has, whatever
 # this test's own parent ignores (a CI runner started in the background ignores INT).

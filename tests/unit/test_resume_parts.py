@@ -14,10 +14,10 @@ import pytest
 from agentbox.cli._diff import diffstat
 from agentbox.cli._wait import WAIT_TIMEOUT, exit_code
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.errors import PolicyRefused
 from agentbox.launcher import _session
 from agentbox.launcher._agent import AGENT_FLAGS, agent_argv, agent_env, check_agent_argv
-from agentbox.paths import TaskPaths
 
 SID = "e4e4272e-5a78-4927-a968-98b6984c85c6"
 

@@ -16,24 +16,24 @@ import sys
 #: The modules a foreground run has imported when its task is recorded.
 RUN_CHAIN = (
     "agentbox.cli",
-    "agentbox._log",
+    "agentbox.core.log",
     "agentbox.cli._run",
     "agentbox.cli._client",
-    "agentbox._reap",
+    "agentbox.cli.reap",
     "agentbox.launcher._core",
     "agentbox.launcher._runner",
 )
 
 #: Models no plain run validates: built when first used, not at import.
 DEFERRED = (
-    "agentbox._boxfile_sections.Mount",
-    "agentbox._boxfile_sections.Setup",
-    "agentbox._boxfile_sections.NetworkPolicy",
-    "agentbox._boxfile_sections.ImageBuild",
-    "agentbox._transcript_model.TurnTokens",
-    "agentbox._transcript_model.TestCommand",
-    "agentbox._transcript_model.Transcript",
-    "agentbox._transcript_model.TranscriptPage",
+    "agentbox.boxfile._sections.Mount",
+    "agentbox.boxfile._sections.Setup",
+    "agentbox.boxfile._sections.NetworkPolicy",
+    "agentbox.boxfile._sections.ImageBuild",
+    "agentbox.transcript._model.TurnTokens",
+    "agentbox.transcript._model.TestCommand",
+    "agentbox.transcript._model.Transcript",
+    "agentbox.transcript._model.TranscriptPage",
     "agentbox.collect._model.Skipped",
     "agentbox.collect.report.Flagged",
     "agentbox.egress._policy.AllowRule",

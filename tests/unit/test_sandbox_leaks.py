@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from agentbox._wait import wait_until
 from agentbox.backends.base import LABEL, SandboxSpec
 from agentbox.backends.fake import FakeBackend, FakeSandbox, FakeScript
 from agentbox.config import Settings
+from agentbox.core.wait import wait_until
 from sandbox_leaks import ENV_MEMFD, SandboxTracker
 
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from agentbox import errors
-from agentbox._uds import unix_transport
+from agentbox.core.uds import unix_transport
 from agentbox.launcher.client import LauncherClient
 
 ATTEMPTS = 20

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentbox._text import has_controls, visible
 from agentbox.collect._risky import flag_change, flag_note, risky_reason
+from agentbox.core.text import has_controls, visible
 from agentbox.mcp._untrusted import frame
 
 ATTACKS = {

@@ -225,8 +225,8 @@ def test_time_shows_setup_agent_and_the_whole() -> None:
 def test_a_piped_report_keeps_each_row_on_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
-    from agentbox._console import console as make_console
     from agentbox.cli import _view
+    from agentbox.core.console import console as make_console
     from agentbox.launcher.api import TaskResult
 
     buf = io.StringIO()
@@ -249,7 +249,7 @@ def test_a_piped_report_keeps_each_row_on_one_line(monkeypatch: pytest.MonkeyPat
 def test_a_piped_console_does_not_break_a_long_line() -> None:
     import io
 
-    from agentbox._console import console as make_console
+    from agentbox.core.console import console as make_console
 
     buf = io.StringIO()
     c = make_console(file=buf, width=80)
@@ -264,8 +264,8 @@ def test_a_piped_console_does_not_break_a_long_line() -> None:
 def test_write_result_counts_the_lines_written(tmp_path: Path) -> None:
     import json
 
-    from agentbox._transcript_parse import parse_agent_jsonl
     from agentbox.cli._logs import event_lines
+    from agentbox.transcript._parse import parse_agent_jsonl
 
     content = "".join(f"line {i}\n" for i in range(9))
     lines = [

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from agentbox import _proc
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
 from agentbox.errors import PathRefused
 from agentbox.gateway.registry import load_registry
 from agentbox.launcher import _validate

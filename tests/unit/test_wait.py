@@ -1,4 +1,4 @@
-"""agentbox._wait: the one polling helper, on real clocks and a real unix socket."""
+"""agentbox.core.wait: the one polling helper, on real clocks and a real unix socket."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentbox._wait import socket_accepts, wait_until
+from agentbox.core.wait import socket_accepts, wait_until
 
 
 class Late(Exception):

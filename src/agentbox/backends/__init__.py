@@ -17,12 +17,12 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
-from agentbox._log import get_logger
 from agentbox.backends._uidslots import claim as claim_uid_slot
 from agentbox.backends._uidslots import reap as reap_uid_slots
 from agentbox.backends._uidslots import release as release_uid_slot
 from agentbox.backends.base import Backend, Exited
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, UnsupportedError, map_exceptions
 
 __all__ = [

@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentbox import _host, _proc
-from agentbox._acl import acl_allows
 from agentbox.backends._seccomp import profile_path
 from agentbox.backends._userns_limits import SANDBOX_RLIMITS, hooks_dir
 from agentbox.backends.base import (
@@ -28,7 +26,10 @@ from agentbox.backends.base import (
     SandboxSpec,
 )
 from agentbox.config import DEFAULT_IMAGE, Settings
+from agentbox.core import host as _host
+from agentbox.core import proc as _proc
 from agentbox.errors import CommandError, ImageError, PathRefused, UnsupportedError
+from agentbox.linux.acl import acl_allows
 
 __all__ = [
     "CONMON_GRACE",

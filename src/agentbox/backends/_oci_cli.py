@@ -21,8 +21,8 @@ from pathlib import Path
 
 import psutil
 
-from agentbox import _proc
 from agentbox.backends.base import OutputCallback
+from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxError
 
 __all__ = [

@@ -26,7 +26,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentbox import _proc
 from agentbox.backends._oci_sandbox import wait_relay_inside
 from agentbox.backends._uidslots import slot_base, slot_of
 from agentbox.backends._userns_limits import SANDBOX_CAPS, SANDBOX_RLIMITS
@@ -41,6 +40,7 @@ from agentbox.backends.base import (
     SandboxSpec,
 )
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
 from agentbox.errors import CommandError, SandboxError
 
 if TYPE_CHECKING:

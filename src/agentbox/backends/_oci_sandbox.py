@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import IO, ClassVar, TypeVar
 
-from agentbox._log import get_logger
 from agentbox.backends._oci_cli import MAX_COPY_OUT, Capture, cgroup_pids
 from agentbox.backends._wsdisk import workspace_disk
 from agentbox.backends.base import (
@@ -39,6 +38,7 @@ from agentbox.backends.base import (
     SandboxSpec,
 )
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ConfigError, SandboxError
 
 __all__ = ["RELAY_WAIT", "OciSandbox", "start_on_disk", "wait_relay_inside"]

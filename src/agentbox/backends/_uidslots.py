@@ -29,8 +29,8 @@ from typing import Any
 
 import psutil
 
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError
 
 __all__ = [

@@ -17,7 +17,8 @@ import os
 import select
 from pathlib import Path
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
+from agentbox.linux.libc import libc as load_libc
 
 __all__ = ["Wake"]
 
@@ -80,7 +81,7 @@ class Wake:
 
 def _watch(directory: Path) -> int | None:
     """An inotify fd watching ``directory`` for new or rewritten entries; None if refused."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = load_libc()
     fd = int(libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
     if fd < 0:
         log.info(

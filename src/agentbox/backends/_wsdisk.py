@@ -56,8 +56,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.backends._oci_cli import owner_start
 from agentbox.backends._wsdisk_copy import (
     MAX_COPY_DEPTH,
@@ -69,7 +67,10 @@ from agentbox.backends._wsdisk_copy import (
 from agentbox.backends.base import SandboxSpec
 from agentbox.boxfile import DiskLimit
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
+from agentbox.linux.libc import libc as load_libc
 from agentbox.microvm import make_data_disk
 
 __all__ = ["MAX_COPY_DEPTH", "WorkspaceDisk", "disks_dir", "settle_orphan_disks", "workspace_disk"]
@@ -365,7 +366,7 @@ def _detached_tree(path: Path, base: Path) -> int:
     detached (``umount --lazy``): only that moment leaves a mount to a killed settler
     (which :func:`_settling` removes).
     """
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = load_libc()
     flags = _OPEN_TREE_CLONE | os.O_CLOEXEC
     fd = int(libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(path), flags))
     if fd >= 0:

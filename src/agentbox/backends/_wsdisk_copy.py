@@ -20,7 +20,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 
 __all__ = [
     "MAX_COPY_DEPTH",

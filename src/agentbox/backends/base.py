@@ -65,9 +65,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal, Protocol, Self, runtime_checkable
 
-from agentbox._exec import ExecResult, OutputCallback
 from agentbox.backends._sandbox_base import BaseSandbox
 from agentbox.boxfile import Resources
+from agentbox.core.execution import ExecResult, OutputCallback
 from agentbox.errors import UnsupportedError
 
 __all__ = [

@@ -41,12 +41,12 @@ from typing import Any, Literal
 
 import psutil
 
-from agentbox import _host
-from agentbox._log import get_logger
 from agentbox.backends._microvm import _MicrovmBackend, vmm_uid
 from agentbox.backends.base import Posture, SandboxSpec
 from agentbox.backends.qemu import QemuSandbox
 from agentbox.config import Settings
+from agentbox.core import host as _host
+from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError, UnsupportedError
 from agentbox.guest.agent import VSOCK_PORT
 from agentbox.microvm import (

@@ -17,8 +17,8 @@ from typing import Any, NoReturn
 import typer
 import typer.core
 
-from agentbox._text import visible
 from agentbox.cli._lazy import LazyGroup, app_options
+from agentbox.core.text import visible
 from agentbox.errors import AgentboxError, RefusedError, UncommittedChanges, UnsupportedError
 
 __all__ = ["app", "entry", "error_message", "main"]
@@ -76,7 +76,7 @@ def _root(
     log_json: bool = typer.Option(False, "--log-json", envvar="AGENTBOX_LOG_JSON"),
 ) -> None:
     """agentbox: hardened sandboxes for AI coding agents."""
-    from agentbox._log import configure
+    from agentbox.core.log import configure
 
     configure(log_level, json=log_json)
 
@@ -84,8 +84,8 @@ def _root(
 def entry() -> NoReturn:
     """The ``agentbox`` command (console script, ``python -m agentbox``): :func:`main`,
     then the process ends without the interpreter's teardown (0.3-0.4 s of CPU after
-    ``agentbox run`` printed its result; :func:`agentbox._exit.end_process`)."""
-    from agentbox._exit import end_process, exit_code
+    ``agentbox run`` printed its result; :func:`agentbox.core.exit.end_process`)."""
+    from agentbox.core.exit import end_process, exit_code
 
     try:
         main()

@@ -26,9 +26,9 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from agentbox._console import console as make_console
 from agentbox.cli._table import Col, fit_table, print_table
 from agentbox.config import load_settings
+from agentbox.core.console import console as make_console
 from agentbox.errors import ConfigError
 
 __all__ = ["Tally", "register"]

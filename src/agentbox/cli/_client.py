@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agentbox._log import get_logger
-from agentbox._wait import socket_accepts, wait_until
 from agentbox.config import Settings, load_settings
+from agentbox.core.log import get_logger
+from agentbox.core.wait import socket_accepts, wait_until
 from agentbox.errors import AgentboxError, TaskError
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def ensure_service(settings: Settings, *, say: Say) -> LauncherClient:
     try:
         # A daemon, not a child we supervise: its own session (a closed terminal or a
         # Ctrl-C here never reaches it), no stdin, output to its log. Not through
-        # agentbox._proc, whose calls wait for the command to end.
+        # agentbox.core.proc, whose calls wait for the command to end.
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentbox", "launcher", "serve"],
             stdin=subprocess.DEVNULL,

@@ -28,8 +28,8 @@ import typer
 from agentbox.cli._client import in_process
 from agentbox.cli._view import console, print_diff, print_flagged, safe
 from agentbox.collect import user_git
+from agentbox.core.paths import validate_task_id
 from agentbox.errors import PolicyRefused
-from agentbox.paths import validate_task_id
 
 __all__ = ["diffstat", "register"]
 

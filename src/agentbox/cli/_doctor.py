@@ -1,6 +1,6 @@
 """``agentbox doctor``: what this host supports, and how to fix each missing piece.
 
-Every row is a :class:`~agentbox._host.Facility` probe. The command exits 0 when
+Every row is a :class:`~agentbox.core.host.Facility` probe. The command exits 0 when
 the essentials are there (podman, runc, and what ``agentbox image build``
 needs); optional pieces (crun, gVisor, KVM, QEMU, bubblewrap) only widen the
 choice of backends and runtimes.
@@ -21,9 +21,10 @@ import typer
 from rich.console import Console, RenderableType
 from rich.text import Text
 
-from agentbox import _host, _proc
 from agentbox.cli._table import Col, fit_table, print_table
 from agentbox.config import Settings, load_settings
+from agentbox.core import host as _host
+from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError
 
 __all__ = ["Check", "checks", "register"]

@@ -15,9 +15,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from agentbox._console import console as make_console
-from agentbox._text import visible
 from agentbox.config import load_settings
+from agentbox.core.console import console as make_console
+from agentbox.core.text import visible
 from agentbox.env import EnvStore
 
 __all__ = ["env_rows", "register", "setup_tail"]

@@ -30,7 +30,7 @@ ImageOpt = typer.Option(None, "--image", help="Image to test (default: the confi
 
 def _runtimes(runtimes: tuple[str, ...], asked: list[str] | None, default: str) -> list[str]:
     """The runtimes to test: ``runtimes`` is what the backend offers (empty: it has none)."""
-    from agentbox import _host
+    from agentbox.core import host as _host
 
     if not asked:
         return [default]
@@ -97,8 +97,8 @@ WIDE = 120
 def _print_narrow(report: Any, console: Any) -> None:
     from rich.text import Text
 
-    from agentbox._text import visible
     from agentbox.cli._table import Col, fit_table
+    from agentbox.core.text import visible
 
     styles = {"pass": "green", "fail": "bold red", "error": "bold red", "n/a": "yellow"}
     cols = [Col("probe", keep=True), Col("result", keep=True), Col("where"),

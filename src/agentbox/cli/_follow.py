@@ -21,9 +21,9 @@ from rich.live import Live
 from rich.spinner import Spinner
 from rich.text import Text
 
-from agentbox._text import visible
 from agentbox.cli._logs import event_lines
 from agentbox.cli._view import err, progress_line, safe
+from agentbox.core.text import visible
 from agentbox.launcher.api import TaskInfo
 from agentbox.transcript import Event, TranscriptPage
 

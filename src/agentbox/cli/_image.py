@@ -11,8 +11,8 @@ import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agentbox._console import console as make_console
 from agentbox.config import load_settings
+from agentbox.core.console import console as make_console
 
 __all__ = ["register"]
 

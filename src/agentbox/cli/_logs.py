@@ -5,7 +5,7 @@ stream-json, the launcher's phases and the gateway's refusals) and prints one
 line per event with its time: each tool call with its input and, under it, its
 result (exit code and the output's last lines; ``--full`` all of it). No raw
 heartbeats. Every string the agent could have written goes through
-:func:`agentbox._text.visible` and is printed as plain :class:`~rich.text.Text`.
+:func:`agentbox.core.text.visible` and is printed as plain :class:`~rich.text.Text`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from agentbox._text import visible
+from agentbox.core.text import visible
 from agentbox.transcript import Event, Transcript, read_transcript
 
 __all__ = [

@@ -13,8 +13,8 @@ import json
 import typer
 from rich.text import Text
 
-from agentbox._console import console as make_console
 from agentbox.config import load_settings
+from agentbox.core.console import console as make_console
 
 __all__ = ["register"]
 
@@ -33,8 +33,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the task as JSON."),
     ) -> None:
         """Publish a finished task's result into its repo as a new branch."""
+        from agentbox.core.paths import validate_task_id
         from agentbox.launcher import Launcher
-        from agentbox.paths import validate_task_id
 
         launcher = Launcher(load_settings(), max_tasks=1)
         try:

@@ -14,9 +14,9 @@ from typing import Annotated
 
 import typer
 
-from agentbox._console import console as make_console
 from agentbox.cli._table import Col, fit_table, print_table
 from agentbox.config import Settings, load_settings
+from agentbox.core.console import console as make_console
 from agentbox.errors import AgentboxError
 from agentbox.launcher import Removal, Store, data_usage, parse_age, prune, remove_task
 

@@ -2,7 +2,7 @@
 
 In the foreground, the task runs in an in-process :class:`~agentbox.launcher.Launcher`
 (the CLI runs as root, like the launcher) and is followed live; Ctrl-C, a hang-up,
-TERM cancel it and collect the partial result (:mod:`agentbox._reap`). With
+TERM cancel it and collect the partial result (:mod:`agentbox.cli.reap`). With
 ``--detach`` it is submitted to the launcher service over its socket (started on
 demand, :func:`agentbox.cli._client.ensure_service`), its id printed, and the
 command exits: ``agentbox wait``, ``watch``, ``show`` and ``diff`` take it from there.
@@ -26,9 +26,9 @@ from pydantic import ValidationError
 
 from agentbox.boxfile import Boxfile, load_boxfile
 from agentbox.config import Settings, load_settings
+from agentbox.core.paths import validate_task_id
 from agentbox.errors import PolicyRefused
 from agentbox.launcher.api import TaskInfo, TaskRequest
-from agentbox.paths import validate_task_id
 
 __all__ = ["register"]
 
@@ -219,7 +219,7 @@ def _request(**fields: Any) -> TaskRequest:
     try:
         return TaskRequest(**fields)
     except ValidationError as exc:  # in the flags' words: --deadline must be at least 10 seconds
-        from agentbox._invalid import flag_message
+        from agentbox.core.invalid import flag_message
 
         raise PolicyRefused(flag_message(exc)) from exc
 
@@ -262,8 +262,8 @@ def _foreground(
     report's views) is imported while its sandbox starts, and the orphan sweep
     runs beside it (:func:`_sweep_beside`).
     """
-    from agentbox._reap import exit_on_signals
     from agentbox.cli._client import in_process
+    from agentbox.cli.reap import exit_on_signals
 
     launcher = in_process()
     # TERM, HUP, … act like Ctrl-C (cancel, collect the partial result); a SIGKILL
@@ -317,7 +317,7 @@ def _sweep_beside(launcher: Any) -> threading.Thread:
     agent's own start) for the same cores. Not 19: the command waits for the sweep
     before it exits, and on a host kept busy by other work a sweep at 19 would crawl.
     """
-    from agentbox._log import get_logger
+    from agentbox.core.log import get_logger
 
     def sweep() -> None:
         try:
@@ -347,7 +347,7 @@ def _follow(launcher: Any, info: TaskInfo, *, as_json: bool) -> TaskInfo:
     from agentbox.cli._follow import follow, quiet_print
     from agentbox.cli._logs import EventTail
     from agentbox.cli._view import console, err
-    from agentbox.paths import TaskPaths
+    from agentbox.core.paths import TaskPaths
 
     task_id = info.id
     tail = EventTail(TaskPaths(launcher.settings.data_dir, task_id).root, info.created_at)

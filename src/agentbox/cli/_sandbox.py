@@ -77,8 +77,8 @@ def _check_flags(**values: str | None) -> None:
     words (``--backend must be 'podman', … or 'docker', got 'lxc'``)."""
     from pydantic import ValidationError
 
-    from agentbox._invalid import flag_message
     from agentbox.boxfile import Boxfile
+    from agentbox.core.invalid import flag_message
     from agentbox.errors import BoxfileError
 
     for key, value in values.items():
@@ -174,7 +174,7 @@ def exec_cmd(
     ),
 ) -> None:
     """Run CMD in a fresh hardened sandbox; stream its output; exit with its exit code."""
-    from agentbox._reap import exit_on_signals, guarded
+    from agentbox.cli.reap import exit_on_signals, guarded
     from agentbox.config import load_settings
 
     _check_flags(backend=backend, runtime=runtime)  # before a slot is claimed for it
@@ -215,7 +215,7 @@ def shell_cmd(
     cmd: list[str] | None = ShellArg,
 ) -> None:
     """Open an interactive shell in a fresh hardened sandbox (same hardening as exec)."""
-    from agentbox._reap import exit_on_signals, guarded
+    from agentbox.cli.reap import exit_on_signals, guarded
     from agentbox.config import load_settings
     from agentbox.errors import UnsupportedError
 

@@ -148,7 +148,7 @@ def register(app: typer.Typer) -> None:
         """What the agent ran and what came back: launcher phases, each tool call with
         its result, the agent's messages, gateway refusals, with times."""
         from agentbox.cli._logs import follow_logs, print_logs
-        from agentbox.paths import TaskPaths
+        from agentbox.core.paths import TaskPaths
 
         launcher = in_process(1)
         info = launcher.get(task_id)

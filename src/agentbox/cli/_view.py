@@ -3,7 +3,7 @@
 Shared by ``run``, ``show``, ``wait``, ``watch``, ``resume`` and ``diff``.
 Everything the agent could have written (its final message, the diff, file
 names, log lines, the task text, report fields) is printed through
-:func:`safe`: control characters as visible escapes (:mod:`agentbox._text`),
+:func:`safe`: control characters as visible escapes (:mod:`agentbox.core.text`),
 as a :class:`~rich.text.Text`, never parsed as rich markup; on a terminal or
 piped alike. Paths that run code when the branch is opened or merged are
 listed above the diff.
@@ -22,11 +22,11 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from agentbox._console import console as make_console
-from agentbox._text import visible
 from agentbox.cli._env import env_rows, setup_tail
 from agentbox.cli._table import print_table
 from agentbox.collect.report import tests_line
+from agentbox.core.console import console as make_console
+from agentbox.core.text import visible
 from agentbox.launcher.api import NO_CHANGES, TaskInfo, TaskResult
 
 __all__ = [
@@ -174,7 +174,7 @@ def exit_code_words(code: int | None) -> str:
     """``-``, ``1``, or ``137 (killed by SIGKILL)`` for a code above 128."""
     if code is None:
         return "-"
-    from agentbox._exitwords import exit_words
+    from agentbox.core.exitwords import exit_words
 
     words = exit_words(code)
     return f"{code} ({words.partition(': ')[2]})" if ": " in words else str(code)

@@ -27,8 +27,8 @@ from agentbox.cli._client import Tasks
 from agentbox.cli._follow import PageTail, follow, quiet_print
 from agentbox.cli._view import console, dump, err, print_diff, report_text, safe
 from agentbox.config import load_settings
+from agentbox.core.paths import validate_task_id
 from agentbox.launcher.api import TaskInfo
-from agentbox.paths import validate_task_id
 
 __all__ = ["EXIT_CODES", "WAIT_TIMEOUT", "exit_code", "register"]
 

@@ -32,11 +32,11 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from agentbox._log import get_logger
 from agentbox.cluster._gitio import add_result, bundle_base, changed_paths, ensure_shadow
 from agentbox.cluster._spec import Attempt, BatchEvent, BatchResult, BatchTask, NodeOutcome
 from agentbox.cluster._state import FINAL, BatchState, TaskRow, usd_or_none
 from agentbox.collect import publish, risky_reason
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ConfigError
 from agentbox.launcher.api import DEFAULT_BUDGET, DEFAULT_DEADLINE
 

@@ -19,8 +19,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from agentbox import _proc
-from agentbox._proc import Result
+from agentbox.core import proc as _proc
+from agentbox.core.proc import Result
 from agentbox.errors import CommandError, TaskError
 
 __all__ = [

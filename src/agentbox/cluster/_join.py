@@ -29,9 +29,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from agentbox._log import get_logger
 from agentbox.cluster import _secure
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.errors import CommandError, ConfigError, RefusedError
 
 __all__ = ["NODE_RAY_TMP", "join", "leave", "node_tmp"]

@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentbox import _host
-from agentbox._log import get_logger
 from agentbox.boxfile import Boxfile
 from agentbox.cluster._gitio import bundle_result, unbundle
 from agentbox.cluster._spec import MAX_RESULT_BUNDLE, Attempt, NodeOutcome
 from agentbox.config import Settings
+from agentbox.core import host as _host
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, RefusedError, TaskNotFound
 from agentbox.launcher.api import TaskRequest
 from agentbox.launcher.client import LauncherClient

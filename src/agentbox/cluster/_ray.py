@@ -38,11 +38,11 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from agentbox._log import get_logger
 from agentbox.cluster import _secure
 from agentbox.cluster._node import NodeService
 from agentbox.cluster._spec import Attempt
 from agentbox.config import load_settings
+from agentbox.core.log import get_logger
 from agentbox.errors import ConfigError, RefusedError
 
 __all__ = ["NAMESPACE", "SLOT", "NodeActor", "RayExecutor", "actor_name", "start_node"]

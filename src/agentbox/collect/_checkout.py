@@ -24,11 +24,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.collect._git import RepoDir, ShadowGit, init_repo
 from agentbox.collect._objects import BlobWriter
 from agentbox.collect._tree import write_commit, write_ref
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import CollectError, CommandError
 from agentbox.safepath import NO_CLONE, SafeWriter, Tree, openat2
 

@@ -42,16 +42,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.collect._git import ShadowGit
 from agentbox.collect._model import Base, Collected, DiffStat, Limits
 from agentbox.collect._objects import BlobWriter
 from agentbox.collect._statcache import BaseListing, key_mode, load_keys, load_racy, stat_key
 from agentbox.collect._tree import Trees, build_tree, prefetch, write_commit, write_ref
 from agentbox.collect._walk import Walk, judge_reported, walk
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
+from agentbox.core.paths import validate_task_id
 from agentbox.errors import CollectError, CommandError, PathRefused
-from agentbox.paths import validate_task_id
 from agentbox.safepath import SizeRefused, Tree
 
 __all__ = ["branch_name", "collect"]

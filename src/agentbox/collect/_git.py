@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
-from agentbox import _proc
-from agentbox._proc import Result
+from agentbox.core import proc as _proc
+from agentbox.core.proc import Result
 from agentbox.errors import PathRefused
 from agentbox.safepath import (
     RESOLVE_BENEATH,

@@ -30,8 +30,6 @@ import time
 import zlib
 from pathlib import Path
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.collect import _statcache
 from agentbox.collect._checkout import chown_tree, init_agent_git, write_workspace
 from agentbox.collect._git import (
@@ -47,6 +45,8 @@ from agentbox.collect._index import fill_stat
 from agentbox.collect._model import Base
 from agentbox.collect._objects import BlobWriter
 from agentbox.collect._tree import write_ref
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import CollectError, CommandError, PathRefused, RefusedError
 from agentbox.safepath import Kind, Tree
 

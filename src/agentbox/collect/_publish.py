@@ -18,7 +18,6 @@ import re
 import shutil
 from pathlib import Path
 
-from agentbox import _proc
 from agentbox.collect._collect import branch_name
 from agentbox.collect._git import (
     RepoDir,
@@ -29,6 +28,7 @@ from agentbox.collect._git import (
     repo_owner,
     user_git,
 )
+from agentbox.core import proc as _proc
 from agentbox.errors import CollectError, CommandError, PublishRefused, RefusedError
 
 __all__ = ["check_branch", "publish"]

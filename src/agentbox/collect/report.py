@@ -10,9 +10,9 @@ Paths that make other tools run code when the branch is opened or merged
 listed in ``flagged``, which the CLI and the MCP result show above the diff.
 
 Every string here may hold text the agent chose (file names, its final
-message): print it through :func:`agentbox._text.visible`, never as markup.
+message): print it through :func:`agentbox.core.text.visible`, never as markup.
 
-Token counts use the wire model :class:`~agentbox._wire.TokenUsage` (also
+Token counts use the wire model :class:`~agentbox.core.wire.TokenUsage` (also
 :class:`agentbox.launcher.api.TokenUsage`; ``Tokens`` here is the same class),
 so the report's ``tokens`` and a task's ``tokens`` are one definition with one
 JSON shape.
@@ -24,10 +24,10 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentbox._text import visible
-from agentbox._wire import NO_CHANGES, TokenUsage
 from agentbox.collect._model import Collected, DiffStat, Skipped
 from agentbox.collect._risky import flag_change, risky_reason
+from agentbox.core.text import visible
+from agentbox.core.wire import NO_CHANGES, TokenUsage
 from agentbox.transcript import TestCommand
 
 __all__ = ["Flagged", "Report", "Tokens", "tests_line"]

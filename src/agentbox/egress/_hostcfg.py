@@ -37,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from agentbox import _proc
-from agentbox._log import get_logger
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.egress._addr import normalize_host
 from agentbox.errors import CommandError
 

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from agentbox._log import get_logger
-from agentbox._service import ServiceHandle, wait_ready
+from agentbox.core.log import get_logger
+from agentbox.core.service import ServiceHandle, wait_ready
 from agentbox.egress._policy import EgressPolicy
 from agentbox.egress._proxy import EgressProxy
 from agentbox.egress._record import EgressLog

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import h11
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.egress._addr import check_address
 from agentbox.egress._pipe import Upstream
 from agentbox.egress._policy import EgressPolicy

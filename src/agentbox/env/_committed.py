@@ -16,9 +16,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from agentbox import _proc
 from agentbox.boxfile import MAX_BOXFILE_BYTES, Boxfile, loads_boxfile
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
 from agentbox.errors import BoxfileError, CommandError
 
 __all__ = ["COMMITTED_BOXFILE", "check_env_policy", "committed_boxfile", "with_overrides"]

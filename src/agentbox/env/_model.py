@@ -68,7 +68,7 @@ class SetupReport(BaseModel):
     @property
     def exit_words(self) -> str:
         """``exit 1``, or ``exit 137: killed by SIGKILL (out of memory: …)``."""
-        from agentbox._exitwords import exit_words
+        from agentbox.core.exitwords import exit_words
 
         return exit_words(self.exit_code, self.killed)
 

@@ -31,10 +31,10 @@ import shutil
 import stat
 from pathlib import Path
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX, BindMount
 from agentbox.boxfile import DiskLimit
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, PathRefused
 from agentbox.safepath import check_name, openat2
 

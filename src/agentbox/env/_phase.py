@@ -36,8 +36,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from agentbox._exitwords import kill_cause, oom_kills
-from agentbox._log import get_logger
 from agentbox.backends.base import (
     HOME_IN_SANDBOX,
     WORKSPACE_IN_SANDBOX,
@@ -46,6 +44,8 @@ from agentbox.backends.base import (
 )
 from agentbox.boxfile import Boxfile, DiskLimit, Setup
 from agentbox.config import Settings
+from agentbox.core.exitwords import kill_cause, oom_kills
+from agentbox.core.log import get_logger
 from agentbox.egress import EgressPolicy, summarize
 from agentbox.env._egress import Egress, egress_argv, start_egress
 from agentbox.env._key import KeyScope, env_key, repo_identity

@@ -8,7 +8,7 @@ from typing import Any
 
 import psutil
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.egress import summarize
 from agentbox.env._model import SetupReport
 from agentbox.env._mount import EnvMount

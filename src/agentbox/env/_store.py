@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.env._model import EnvInfo
 from agentbox.errors import AgentboxError, PathRefused
 

@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, LABEL, ExecResult
 from agentbox.backends.podman import conmon_cwd
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, CommandError, SandboxError
 from agentbox.escape import _hostcheck as hc
 from agentbox.escape._fixtures import RO_TARGET, TOKEN_ENV, Fixture
@@ -66,7 +66,7 @@ log = get_logger(__name__)
 
 def _shared_kernel_runtime() -> str:
     """runc, or crun where runc is missing: the control must share the host's kernel."""
-    from agentbox import _host
+    from agentbox.core import host as _host
 
     return "runc" if _host.podman_runtime("runc").ok else "crun"
 

@@ -28,9 +28,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from agentbox._log import get_logger
 from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, GATEWAY_SOCKET_NAME
 from agentbox.backends.podman import SANDBOX_CAPS
+from agentbox.core.log import get_logger
 
 __all__ = ["TOKEN_ENV", "TOKEN_REGEX", "Fixture"]
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentbox.linux.libc import libc
+
 __all__ = ["KINDS", "QuotaWatcher", "exhaust_config", "root_limit", "try_once"]
 
 #: Counter -> the host probe id that reports it.
@@ -45,7 +47,7 @@ _libc: Any = None
 def _lib() -> Any:
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc = libc()
         _libc.syscall.restype = ctypes.c_long
     return _libc
 

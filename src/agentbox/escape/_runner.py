@@ -22,10 +22,10 @@ import os
 import time
 from collections.abc import Callable
 
-from agentbox._log import get_logger
 from agentbox.backends.base import Backend, BindMount, Sandbox, SandboxSpec
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError, UnsupportedError
 from agentbox.escape._fixtures import RO_TARGET, Fixture
 from agentbox.escape._hostview import HostView, host_outcomes, kernel_outcome, sandbox_pids

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from agentbox._log import get_logger
 from agentbox.backends import get_backend, uid_slot
 from agentbox.backends.base import Backend
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.escape._controls import exec_controls, run_weak_controls, stall_control
 from agentbox.escape._fixtures import Fixture
 from agentbox.escape._model import Outcome, Report

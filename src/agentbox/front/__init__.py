@@ -32,6 +32,6 @@ running the command in-process: benchmarks and tests).
 
 from __future__ import annotations
 
-from agentbox._frontend import ENV, SOCKET_NAME
+from agentbox.core.frontend import ENV, SOCKET_NAME
 
 __all__ = ["ENV", "SOCKET_NAME"]

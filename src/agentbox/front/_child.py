@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from agentbox.front._wire import RequestError
+from agentbox.linux.libc import libc as load_libc
 
 __all__ = ["Request", "become"]
 
@@ -226,7 +227,7 @@ def _join_mounts(pid: int) -> None:
         return
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = load_libc()
     fd = os.open(theirs, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if libc.setns(fd, 0x00020000) != 0:  # CLONE_NEWNS
@@ -241,7 +242,7 @@ def _join_mounts(pid: int) -> None:
 
 def _enter_cgroups(theirs: dict[str, str]) -> None:
     """Into the caller's cgroup in every hierarchy (its unit, its limits, its accounting)."""
-    from agentbox._cgroups import cgroup_mounts, cgroups_of
+    from agentbox.linux.cgroups import cgroup_mounts, cgroups_of
 
     mounts = cgroup_mounts()
     mine = cgroups_of("self")
@@ -331,8 +332,8 @@ def _fresh_streams(req: Request) -> None:
 
 def _fresh_consoles() -> None:
     """Consoles made when the server imported their modules decided colour and width
-    for the server's streams: made again for the caller's (:mod:`agentbox._console`)."""
-    from agentbox._console import remake_all
+    for the server's streams: made again for the caller's (:mod:`agentbox.core.console`)."""
+    from agentbox.core.console import remake_all
 
     remake_all()
 

@@ -14,18 +14,17 @@ pid is reused once its process is reaped.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import select
 import socket
-import struct
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Peer", "alive", "own_rights", "peer_of", "posture_of", "same_rights"]
+from agentbox.linux.peer import Peer, peer_of
 
-_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
+__all__ = ["alive", "own_rights", "pinned_peer", "posture_of", "same_rights"]
+
 #: The lines of /proc/<pid>/status that are a process's rights.
 RIGHTS = (
     "Uid",
@@ -65,30 +64,15 @@ LIMITS = tuple(
 )
 
 
-class Peer:
-    """The connected process: its pid, uid and a pidfd that pins it."""
-
-    def __init__(self, pid: int, uid: int, gid: int, pidfd: int) -> None:
-        self.pid, self.uid, self.gid, self.pidfd = pid, uid, gid, pidfd
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.pidfd)
-
-
-def peer_of(sock: socket.socket) -> Peer:
-    """The process that called ``connect()`` on the other end of ``sock``."""
-    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    try:
-        pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
-    except OSError:
-        pidfd = os.pidfd_open(pid)  # older kernels: a pid that was checked alive below
-    return Peer(pid, uid, gid, pidfd)
+def pinned_peer(sock: socket.socket) -> Peer:
+    """The process that called ``connect()`` on the other end of ``sock``, pinned by a pidfd."""
+    return peer_of(sock, pin=True)
 
 
 def alive(peer: Peer) -> bool:
     """Whether the caller has not exited (so ``/proc/<pid>`` was its own until now)."""
     poller = select.poll()
+    assert peer.pidfd is not None, "a pinned peer"
     poller.register(peer.pidfd, select.POLLIN)
     return not poller.poll(0)
 
@@ -151,7 +135,7 @@ def same_rights(peer: Peer, mine: dict[str, str]) -> str | None:
 def posture_of(peer: Peer) -> dict[str, Any]:
     """What the command takes on from its caller: cgroups, nice value, CPU affinity,
     OOM score adjustment, resource limits, umask and blocked signals."""
-    from agentbox._cgroups import cgroups_of
+    from agentbox.linux.cgroups import cgroups_of
 
     status = _status(peer.pid)
     posture = {

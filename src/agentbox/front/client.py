@@ -13,7 +13,7 @@ import signal
 import socket
 import sys
 
-from agentbox._frontend import ENV, SOCKET_NAME, mode
+from agentbox.core.frontend import ENV, SOCKET_NAME, mode
 from agentbox.front._wire import WireError, read_message, send_message
 
 TYPE_CHECKING = False  # not typing's, nor pathlib (PTH: os.path): 20 ms of this client's start

@@ -32,7 +32,7 @@ import threading
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
-from agentbox.front._peer import own_rights, peer_of, posture_of, same_rights
+from agentbox.front._peer import own_rights, pinned_peer, posture_of, same_rights
 from agentbox.front._wire import RequestError, WireError, recv_request, send_message
 from agentbox.front.client import python_config
 
@@ -52,8 +52,8 @@ PRELOAD = (
     "agentbox.cli._logs",
     "agentbox.cli._view",
     "agentbox.cli._env",
-    "agentbox._log",
-    "agentbox._reap",
+    "agentbox.core.log",
+    "agentbox.cli.reap",
     "agentbox.config",
     "agentbox.boxfile",
     "agentbox.launcher",
@@ -237,7 +237,7 @@ def _decline(conn: socket.socket, reason: str) -> None:
 
 
 def _waiter(conn: socket.socket, data_dir: Path, facts: Facts, server: int) -> None:
-    peer = peer_of(conn)
+    peer = pinned_peer(conn)
     conn.settimeout(REQUEST_TIMEOUT)
     try:
         send_message(conn, {"hello": 1})  # the client sends its descriptors only now
@@ -296,6 +296,7 @@ def _waiter(conn: socket.socket, data_dir: Path, facts: Facts, server: int) -> N
         _decline(conn, said.decode(errors="replace") or "the command could not start")
         os.waitpid(pid, 0)
         return
+    assert peer.pidfd is not None  # pinned_peer always pins
     status = _wait_or_kill(pid, conn, peer.pidfd)
     if os.WIFSIGNALED(status):
         send_message(conn, {"signal": os.WTERMSIG(status)})

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]
     args = parser().parse_args(argv)
 
-    from agentbox._log import configure
+    from agentbox.core.log import configure
     from agentbox.errors import AgentboxError, RefusedError
     from agentbox.gateway._command import run
     from agentbox.gateway._logcap import cap_log

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.gateway._budget import Ledger, Refusal
 from agentbox.gateway._forward import Forwarding, clamp, printable, serialise
 from agentbox.gateway._policy import PolicyViolation, check_request, filter_betas

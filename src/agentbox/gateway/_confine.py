@@ -45,6 +45,7 @@ import socket
 from typing import Any
 
 from agentbox.errors import GatewayError
+from agentbox.linux.libc import libc as load_libc
 
 __all__ = ["DENIED_SYSCALLS", "confine", "install_seccomp", "limit_resources"]
 
@@ -209,7 +210,7 @@ def install_seccomp() -> None:
 
 
 def _prctl(option: int, arg: int) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = load_libc()
     return int(libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0))
 
 
@@ -228,7 +229,7 @@ def limit_resources(*, max_memory: int | None, max_file: int | None) -> None:
     """
     if max_memory:
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 2)
+            load_libc().mallopt(_M_ARENA_MAX, 2)
         resource.setrlimit(resource.RLIMIT_AS, (max_memory, max_memory))
     if max_file:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

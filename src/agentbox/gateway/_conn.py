@@ -31,7 +31,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 
 __all__ = ["ConnLimits", "GuardedH11Protocol"]
 

@@ -14,7 +14,7 @@ import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.gateway._budget import Ledger, Reservation
 from agentbox.gateway._meter import StreamMeter, TokenCount, message_meta, usage_from_message
 from agentbox.gateway._reqlog import RequestLog

@@ -25,14 +25,14 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from agentbox._cgroups import enter_then_exec, unit_hierarchies
-from agentbox._log import get_logger
-from agentbox._service import ServiceHandle, wait_ready
-from agentbox._wait import socket_accepts, wait_until
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.service import ServiceHandle, wait_ready
+from agentbox.core.wait import socket_accepts, wait_until
 from agentbox.errors import GatewayError
 from agentbox.gateway._listenfd import LISTEN_FD_ENV
 from agentbox.gateway.registry import load_registry
+from agentbox.linux.cgroups import enter_then_exec, unit_hierarchies
 
 __all__ = [
     "GATEWAY_CGROUP",
@@ -97,7 +97,7 @@ def leave_unit_cgroup(pid: int) -> list[str]:
     :data:`GATEWAY_CGROUP`, in each hierarchy systemd kills a unit by; return those moved.
 
     The second line: :func:`spawn_gateway` starts the gateway there already (born
-    outside, :func:`~agentbox._cgroups.enter_then_exec`); this repeats the move in case
+    outside, :func:`~agentbox.linux.cgroups.enter_then_exec`); this repeats the move in case
     the shell could not enter one.
     """
     moved = []

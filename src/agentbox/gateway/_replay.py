@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.gateway._replay_answer import Answer, signature, sse
 from agentbox.gateway._script import Block, InjectedError, ReplayScript, Turn
 from agentbox.gateway._wire import (

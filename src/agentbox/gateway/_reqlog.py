@@ -81,7 +81,7 @@ def _short(v: object) -> str | None:
 
 
 def _log() -> Any:
-    from agentbox._log import get_logger
+    from agentbox.core.log import get_logger
 
     return get_logger(__name__)
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from agentbox._exit import end_process
-from agentbox._log import get_logger
+from agentbox.core.exit import end_process
+from agentbox.core.log import get_logger
 from agentbox.errors import ConfigError, PrivilegeDropError
 from agentbox.gateway._app import Gateway, GatewayConfig
 from agentbox.gateway._confine import confine, drop_bounding_set, limit_resources
@@ -220,7 +220,7 @@ def run_gateway(
 
 def _end_process() -> NoReturn:
     """End the gateway process now that it has stopped: its usage file is final and its
-    sockets closed; the logs are flushed (:func:`agentbox._exit.end_process`).
+    sockets closed; the logs are flushed (:func:`agentbox.core.exit.end_process`).
 
     The interpreter's own teardown (freeing every module's objects) took 0.2-0.3 s of
     CPU after that, with nothing left to do, on the critical path of every task's end

@@ -22,7 +22,7 @@ from typing import Any
 
 import uvicorn
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import ConfigError, PolicyRefused
 from agentbox.gateway._conn import ConnLimits, GuardedH11Protocol
 from agentbox.gateway._listenfd import inherited_listener

@@ -28,9 +28,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.config import DEFAULT_IMAGE, Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, CommandError, ImageError
 from agentbox.image import _harden, _keys, _podman
 from agentbox.image._rootfs import safe_rmtree

@@ -36,11 +36,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agentbox import _proc
-from agentbox._log import get_logger
-from agentbox._oci import HOST_KERNEL_RUNTIMES, PODMAN_RUNTIMES
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
+from agentbox.core.oci import HOST_KERNEL_RUNTIMES, PODMAN_RUNTIMES
 from agentbox.errors import AgentboxError, CommandError, ImageError
 from agentbox.image import _harden, _keys, _podman
 from agentbox.image._build import (
@@ -149,7 +149,7 @@ def _build_runtime(settings: Settings) -> list[str]:
     """``podman build --runtime``: the one agentbox's sandboxes use when it runs on the
     host's kernel (crun refuses hybrid cgroup hosts), else podman's first (its default):
     a runtime with its own kernel (gVisor) does not build (the podman backend's traits,
-    :mod:`agentbox._oci`)."""
+    :mod:`agentbox.core.oci`)."""
     runtime: str = settings.runtime
     if runtime not in PODMAN_RUNTIMES or runtime not in HOST_KERNEL_RUNTIMES:
         runtime = PODMAN_RUNTIMES[0]

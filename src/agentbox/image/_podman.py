@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agentbox import _proc
+from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError, CommandError, ImageError
 
 __all__ = [

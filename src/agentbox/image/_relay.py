@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from agentbox import _proc
+from agentbox.core import proc as _proc
 from agentbox.errors import CommandError, ImageError
 
 __all__ = ["RELAY_BINARY", "RELAY_SOURCE", "compile_relay"]

@@ -15,7 +15,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from agentbox import _proc
+from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError, ImageError
 
 __all__ = ["resolve_in", "resolve_parent_in", "safe_rmtree", "walk"]

@@ -31,8 +31,6 @@ from collections.abc import Collection
 
 import psutil
 
-from agentbox._log import get_logger
-from agentbox._wait import wait_until
 from agentbox.backends import (
     get_backend,
     owned_sandboxes,
@@ -40,6 +38,9 @@ from agentbox.backends import (
     sweep_pools,
 )
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.paths import TaskPaths
+from agentbox.core.wait import wait_until
 from agentbox.env import release_task_env, setup_sandbox_name
 from agentbox.errors import AgentboxError, PathRefused, SandboxGone
 from agentbox.gateway import HANDSHAKE_VERSION, read_handshake, read_usage
@@ -62,7 +63,6 @@ from agentbox.launcher._names import (
 from agentbox.launcher._retention import remove_tree
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._watchdog import reap_sandbox, stop_watchdog
-from agentbox.paths import TaskPaths
 
 __all__ = [
     "adopt",

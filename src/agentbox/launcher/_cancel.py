@@ -26,8 +26,8 @@ from __future__ import annotations
 import threading
 import time
 
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.launcher._adopt import settle_orphan
 from agentbox.launcher._finish import NEVER_STARTED
 from agentbox.launcher._store import Owner, Store, TaskRow

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.errors import AgentboxError
 from agentbox.launcher._store import Store
-from agentbox.paths import TaskPaths
 
 __all__ = ["TaskContext", "TaskLog"]
 

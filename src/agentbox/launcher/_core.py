@@ -28,9 +28,10 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from agentbox._log import get_logger
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.paths import TaskPaths, private_data_dir, validate_task_id
 from agentbox.env import COMMITTED_BOXFILE, check_env_policy, committed_boxfile, with_overrides
 from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskError, TaskNotFound
 from agentbox.gateway import load_registry, read_usage
@@ -48,7 +49,6 @@ from agentbox.launcher.api import (
     TaskResult,
     TokenUsage,
 )
-from agentbox.paths import TaskPaths, private_data_dir, validate_task_id
 from agentbox.transcript import TranscriptPage
 from agentbox.transcript import page as transcript_page
 

@@ -25,10 +25,11 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from agentbox._log import get_logger
 from agentbox.backends import release_uid_slot
 from agentbox.collect import Base, Report, Skipped, branch_name, collect, publish
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.paths import TaskPaths, check_inside
 from agentbox.env import release_task_env
 from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError, PathRefused, PublishRefused
@@ -44,7 +45,6 @@ from agentbox.launcher._usage_words import (
     upstream_down,
 )
 from agentbox.launcher.api import NO_CHANGES
-from agentbox.paths import TaskPaths, check_inside
 from agentbox.transcript import summary as transcript_summary
 
 __all__ = [

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
-from agentbox._log import get_logger
 from agentbox.backends.base import Backend
+from agentbox.core.log import get_logger
 from agentbox.launcher._context import TaskContext
 from agentbox.launcher._watchdog import kill_sandbox
 

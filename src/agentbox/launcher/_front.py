@@ -19,8 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-from agentbox._frontend import SOCKET_NAME, mode
-from agentbox._log import get_logger
+from agentbox.core.frontend import SOCKET_NAME, mode
+from agentbox.core.log import get_logger
 
 __all__ = ["FrontKeeper", "start_front"]
 

@@ -12,8 +12,8 @@ import hashlib
 
 import psutil
 
-from agentbox import _proc
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError
 from agentbox.launcher._store import Owner
 

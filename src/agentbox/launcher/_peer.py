@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import grp
 import os
-import socket
 import struct
-from dataclasses import dataclass
 from typing import Any, cast
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
+from agentbox.linux.peer import Peer, peer_of
 
 __all__ = [
     "PEER_KEY",
@@ -38,12 +37,6 @@ SOCKET_GROUP = "agentbox"
 #: The ASGI state key under which each connection's checked :class:`Peer` travels.
 PEER_KEY = "agentbox_peer"
 
-# Linux's SO_PEERGROUPS (4.13+); Python 3.11 does not name it.
-_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-# CPython's getsockopt() takes at most 1024 bytes: 256 groups. A peer with more is
-# refused (ERANGE), never guessed at.
-_GROUPS_BUF = 1024
-
 
 def group_gid() -> int | None:
     """The gid of the group ``agentbox`` (None when it does not exist)."""
@@ -54,28 +47,6 @@ def group_gid() -> int | None:
 
 
 # -- the peer ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Who is at the other end of a unix connection, as the kernel recorded it at connect()."""
-
-    pid: int
-    uid: int
-    gid: int
-    groups: tuple[int, ...]
-
-
-def peer_of(sock: Any) -> Peer:
-    """The peer of a connected unix socket (``SO_PEERCRED`` + ``SO_PEERGROUPS``).
-
-    Raises :class:`OSError` when the kernel cannot say (ERANGE: more than 256 groups).
-    """
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
-    pid, uid, gid = struct.unpack("iII", raw)
-    graw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _GROUPS_BUF)
-    groups = struct.unpack(f"{len(graw) // 4}I", graw[: len(graw) // 4 * 4])
-    return Peer(pid=pid, uid=uid, gid=gid, groups=tuple(groups))
 
 
 def may_connect(peer: Peer, group: int | None) -> bool:
@@ -103,7 +74,7 @@ class PeerCheckedProtocol(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)  # a stream transport: uvicorn's own cast
         sock = transport.get_extra_info("socket")
         try:
-            peer: Peer | None = peer_of(sock)
+            peer: Peer | None = peer_of(sock, groups=True)
         except (OSError, struct.error) as exc:
             peer = None
             log.warning("connection refused: peer unknown", error=str(exc))

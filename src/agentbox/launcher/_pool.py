@@ -14,11 +14,11 @@ from __future__ import annotations
 import threading
 import time
 
-from agentbox._log import get_logger
 from agentbox.backends import get_backend
 from agentbox.backends.base import Backend, SandboxSpec
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError
 from agentbox.launcher.api import DEFAULT_DEADLINE
 from agentbox.sandbox import spec_from_boxfile

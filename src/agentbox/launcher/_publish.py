@@ -15,14 +15,14 @@ import json
 import time
 from pathlib import Path
 
-from agentbox._log import get_logger
 from agentbox.collect import publish
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.paths import TaskPaths, validate_task_id
 from agentbox.errors import TaskError
 from agentbox.launcher._finish import repo_at_use as _repo_at_use
 from agentbox.launcher._store import Store
 from agentbox.launcher.api import TaskInfo
-from agentbox.paths import TaskPaths, validate_task_id
 
 __all__ = ["publish_task"]
 

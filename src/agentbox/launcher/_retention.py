@@ -39,12 +39,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.paths import TASK_ID_RE, TaskPaths, check_inside, validate_task_id
 from agentbox.errors import PathRefused, PolicyRefused, TaskNotFound
 from agentbox.launcher import _session
 from agentbox.launcher._store import Store, TaskRow
-from agentbox.paths import TASK_ID_RE, TaskPaths, check_inside, validate_task_id
 
 __all__ = [
     "MAX_DEPTH",

@@ -31,12 +31,13 @@ import threading
 import time
 from pathlib import Path
 
-from agentbox._log import get_logger
 from agentbox.backends import get_backend
 from agentbox.backends.base import Backend, BindMount, SandboxSpec
 from agentbox.boxfile import Boxfile
 from agentbox.collect import prepare
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.paths import TaskPaths
 from agentbox.egress import EgressPolicy
 from agentbox.env import Egress, EnvPlan, egress_argv, start_egress
 from agentbox.errors import AgentboxError, GatewayError, PathRefused, PolicyRefused
@@ -77,7 +78,6 @@ from agentbox.launcher._workspace import (
     let_gofer_through,
     write_token,
 )
-from agentbox.paths import TaskPaths
 from agentbox.sandbox import image_of, spec_from_boxfile
 
 __all__ = [

@@ -57,7 +57,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
+from agentbox.core.paths import validate_task_id
 from agentbox.errors import (
     AgentboxError,
     ConfigError,
@@ -79,7 +80,6 @@ from agentbox.launcher._peer import (
 from agentbox.launcher._pool import PoolKeeper, start_pool
 from agentbox.launcher._workspace import ensure_private_dir
 from agentbox.launcher.api import ModelList, TaskList, TaskRequest
-from agentbox.paths import validate_task_id
 
 __all__ = [
     "LINK_NAME",

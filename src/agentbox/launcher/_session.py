@@ -37,13 +37,13 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.paths import TaskPaths
 from agentbox.errors import AgentboxError, CommandError, PolicyRefused
 from agentbox.launcher._agent import CLAUDE_CONFIG_IN_WORKSPACE, SESSION_ID
 from agentbox.launcher._store import TaskRow
 from agentbox.launcher._validate import git_readonly
-from agentbox.paths import TaskPaths
 
 __all__ = [
     "PREVIOUS_FILE",

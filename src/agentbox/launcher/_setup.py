@@ -11,10 +11,10 @@ import concurrent.futures
 import json
 from pathlib import Path
 
-from agentbox._log import get_logger
 from agentbox.backends import get_backend
 from agentbox.boxfile import Boxfile
 from agentbox.collect import Report
+from agentbox.core.log import get_logger
 from agentbox.env import EnvPlan, prepare_env, save_setup_report
 from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError

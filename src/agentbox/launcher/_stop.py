@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from agentbox._wait import wait_until
+from agentbox.core.wait import wait_until
 from agentbox.errors import RefusedError, TaskError
 from agentbox.launcher._core import StopMode
 from agentbox.launcher._server import LOCK_NAME, RUN_DIR, STOP_SIGNALS

@@ -7,10 +7,10 @@ import contextlib
 from typing import Any
 
 from agentbox.config import Settings
+from agentbox.core.paths import TaskPaths
 from agentbox.errors import AgentboxError
 from agentbox.gateway import Usage, read_usage
 from agentbox.launcher.api import TokenUsage
-from agentbox.paths import TaskPaths
 
 __all__ = ["budget_error", "model_error", "model_fields", "task_tokens", "upstream_down"]
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentbox import _proc
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings, setting_source
+from agentbox.core import proc as _proc
+from agentbox.core.paths import check_inside, new_task_id, validate_task_id
 from agentbox.errors import (
     AgentboxError,
     CommandError,
@@ -37,7 +38,6 @@ from agentbox.launcher.api import (
     MIN_DEADLINE,
     TaskRequest,
 )
-from agentbox.paths import check_inside, new_task_id, validate_task_id
 
 __all__ = ["Validated", "git_readonly", "validate"]
 

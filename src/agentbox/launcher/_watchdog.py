@@ -97,9 +97,9 @@ def reap_sandbox(backend: str, name: str, data_dir: Path) -> list[str]:
 
 
 def _act(verb: Literal["kill", "reap"], backend: str, name: str, data_dir: Path) -> list[str]:
-    from agentbox._log import get_logger
     from agentbox.backends import get_backend
     from agentbox.config import Settings
+    from agentbox.core.log import get_logger
     from agentbox.errors import AgentboxError
 
     # Run as ``python -m`` this module's __name__ is __main__: named by its spec.
@@ -228,7 +228,7 @@ def _wait_reaped(pid: int, start: int, timeout: float = 10.0) -> None:
     (``kill(pid, 0)``, psutil) still count it alive, so a reap could skip its
     sandbox's records. Past ``timeout`` we act anyway (the sandbox is killed by name).
     """
-    # A plain loop, not agentbox._wait.wait_until: this runs in the light stdlib-only
+    # A plain loop, not agentbox.core.wait.wait_until: this runs in the light stdlib-only
     # process (python -I -S), which cannot import agentbox.
     end = time.monotonic() + timeout
     while start and process_start(pid) == start and time.monotonic() < end:

@@ -18,10 +18,10 @@ import secrets
 import stat
 from pathlib import Path
 
-from agentbox._acl import grant_search
+from agentbox.core.paths import TaskPaths
 from agentbox.errors import PathRefused
 from agentbox.launcher._context import TaskLog
-from agentbox.paths import TaskPaths
+from agentbox.linux.acl import grant_search
 
 __all__ = ["check_owner", "give_to_sandbox", "let_gofer_through", "write_token"]
 

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentbox._wire import NO_CHANGES, TokenUsage
+from agentbox.core.wire import NO_CHANGES, TokenUsage
 
 __all__ = [
     "DEFAULT_BUDGET",

@@ -41,10 +41,10 @@ import httpx
 from pydantic import ValidationError
 
 from agentbox import errors
-from agentbox._uds import unix_transport
-from agentbox._wait import wait_until
+from agentbox.core.paths import validate_task_id
+from agentbox.core.uds import unix_transport
+from agentbox.core.wait import wait_until
 from agentbox.launcher.api import ModelInfo, ModelList, TaskInfo, TaskList, TaskRequest, TaskResult
-from agentbox.paths import validate_task_id
 from agentbox.transcript import TranscriptPage
 
 __all__ = ["LauncherClient"]

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import UnsupportedError
 from agentbox.mcp._privdrop import load_libc
 

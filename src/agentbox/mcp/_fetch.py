@@ -26,9 +26,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from agentbox import _proc
+from agentbox.core import proc as _proc
+from agentbox.core.paths import validate_task_id
 from agentbox.errors import CommandError, PathRefused, PublishRefused, TaskError
-from agentbox.paths import validate_task_id
 
 __all__ = ["branch_name", "fetch_branch"]
 

@@ -21,15 +21,15 @@ Started as an ordinary user, only step 3's no-new-privs applies.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import pwd
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import PolicyRefused, PrivilegeDropError
+from agentbox.linux.libc import libc
 
 __all__ = ["Identity", "drop_privileges", "process_posture", "resolve_identity"]
 
@@ -65,7 +65,7 @@ class Identity:
 
 def load_libc() -> ctypes.CDLL:
     """The C library, with errno kept for :func:`ctypes.get_errno`."""
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return libc()
 
 
 def _prctl(libc: ctypes.CDLL, option: int, arg: int, arg3: int = 0) -> None:

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import anyio
 
-from agentbox._log import get_logger
-from agentbox._proc import kill_group
-from agentbox._wait import socket_accepts, wait_until
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.proc import kill_group
+from agentbox.core.wait import socket_accepts, wait_until
 from agentbox.errors import ConfigError, PathRefused, SandboxError, UnsupportedError
 from agentbox.mcp._auth import GateMiddleware, load_or_create_token, parse_listen, token_path
 from agentbox.mcp._confine import confine_filesystem

@@ -32,7 +32,8 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
+from agentbox.core.paths import validate_task_id
 from agentbox.errors import AgentboxError, PathRefused, RefusedError, UncommittedChanges
 from agentbox.launcher.api import (
     MAX_BUDGET,
@@ -57,7 +58,6 @@ from agentbox.mcp._format import (
 from agentbox.mcp._format import info_dict as _info_dict  # noqa: F401 (tests import it here)
 from agentbox.mcp._repo import validate_repo
 from agentbox.mcp._untrusted import frame
-from agentbox.paths import validate_task_id
 
 __all__ = ["DEFAULT_MAX_DIFF_CHARS", "DEFAULT_MAX_PENDING", "ServerConfig", "build_server"]
 

@@ -7,7 +7,7 @@ travels inside a block that says, before it starts, who wrote it and that it is
 not an instruction, between two marker lines that carry a fresh random nonce:
 the sandboxed agent never sees the nonce, so it cannot write a line that closes
 the block early and speaks as agentbox after it. Control characters inside are
-escaped (:func:`agentbox._text.visible`), since a host agent's UI may print the
+escaped (:func:`agentbox.core.text.visible`), since a host agent's UI may print the
 text to a terminal.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 
-from agentbox._text import visible
+from agentbox.core.text import visible
 
 __all__ = ["frame"]
 

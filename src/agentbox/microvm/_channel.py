@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import GuestError, GuestTimeout
 from agentbox.guest.wire import (
     CTRL,

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from agentbox import _proc
+from agentbox.core import proc as _proc
 from agentbox.errors import CollectError, PathRefused
 from agentbox.microvm._export import MAX_EXPORT_BYTES, MAX_EXPORT_FILE, _inside
 from agentbox.microvm._jail import JailSpec, jail_argv

@@ -32,8 +32,8 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from agentbox import _proc
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
 from agentbox.errors import CommandError, ImageError, SandboxError
 from agentbox.microvm._initramfs import ROOT_LABEL
 

@@ -19,7 +19,7 @@ import tarfile
 from pathlib import Path
 from typing import Literal
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import PathRefused
 from agentbox.microvm._disks import DATA_DISK_BYTES
 from agentbox.safepath import SafeWriter

@@ -54,9 +54,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentbox import _host, _proc
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core import host as _host
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ImageError, UnsupportedError
 from agentbox.microvm._disks import DATA_DISK_BYTES
 from agentbox.microvm._jail import VMM_PIDS_MAX

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from agentbox._exec import ExecResult, OutputCallback
-from agentbox._log import get_logger
+from agentbox.core.execution import ExecResult, OutputCallback
+from agentbox.core.log import get_logger
 from agentbox.errors import GuestError
 from agentbox.guest.wire import FILE, MAX_PAYLOAD, STDERR, STDIN, STDOUT, proof
 from agentbox.microvm._channel import Channel, GuestTimeout

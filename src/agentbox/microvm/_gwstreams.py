@@ -20,7 +20,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import GuestError
 from agentbox.guest.wire import GW, GW_WINDOW
 from agentbox.microvm._channel import Channel

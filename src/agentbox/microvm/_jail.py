@@ -27,7 +27,6 @@ takes QEMU down with it).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import queue
 import signal
@@ -38,8 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError, UnsupportedError
+from agentbox.linux.libc import libc
 
 __all__ = ["Cgroup", "JailSpec", "jail_argv", "spawn"]
 
@@ -155,7 +155,7 @@ class Cgroup:
                     time.sleep(0.05)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = libc()
 _PR_SET_PDEATHSIG = 1
 
 

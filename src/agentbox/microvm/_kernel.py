@@ -19,9 +19,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ImageError
 
 __all__ = ["OVERLAY_MODULES", "Kernel", "decompress_bzimage", "ensure_kernel", "ensure_modules"]

@@ -28,7 +28,7 @@ import shutil
 import time
 from pathlib import Path
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError
 from agentbox.microvm._channel import Channel
 from agentbox.microvm._disks import (

@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import GuestError, SandboxError
 from agentbox.microvm._jail import VMM_PIDS_MAX, Cgroup, JailSpec, jail_argv, spawn
 from agentbox.microvm._kernel import Kernel

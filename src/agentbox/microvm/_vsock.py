@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import GuestError, SandboxError
 
 __all__ = ["HANDSHAKE_TIMEOUT", "MAX_REPLY", "connect_vsock", "handshake"]

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentbox import _host
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core import host as _host
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError
 
 __all__ = ["probe_kvm"]
@@ -42,7 +42,7 @@ def _key(settings: Settings) -> str:
 
 
 def probe_kvm(settings: Settings) -> _host.Facility:
-    """A :class:`~agentbox._host.Facility` saying whether ``-accel kvm`` boots our guest."""
+    """A :class:`~agentbox.core.host.Facility` saying whether ``-accel kvm`` boots our guest."""
     key = _key(settings)
     if key in _memo:
         return _memo[key]

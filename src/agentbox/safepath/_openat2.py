@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from agentbox.errors import PathRefused, UnsupportedError
+from agentbox.linux.libc import libc
 
 SYS_OPENAT2 = 437
 RESOLVE_NO_XDEV = 0x01
@@ -26,7 +27,7 @@ class _OpenHow(ctypes.Structure):
     ]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = libc()
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 _supported: bool | None = None

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from agentbox._log import get_logger
 from agentbox.backends._attached import AttachedOnly, NoPool
 from agentbox.backends._microvm._recover import (
     export_into,
@@ -47,6 +46,8 @@ from agentbox.backends.base import (
     SandboxSpec,
 )
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.paths import check_inside
 from agentbox.errors import GuestError, ImageError, SandboxError, UnsupportedError
 from agentbox.microvm import (
     MAX_MOUNTS,
@@ -61,7 +62,6 @@ from agentbox.microvm import (
     make_data_disk,
     make_mount_disk,
 )
-from agentbox.paths import check_inside
 
 if TYPE_CHECKING:
     from agentbox.backends.qemu._sandbox import QemuSandbox

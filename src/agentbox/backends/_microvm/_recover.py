@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
-from agentbox._log import get_logger
 from agentbox.backends.base import LABEL, SandboxSpec
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
+from agentbox.core.paths import check_inside
 from agentbox.errors import AgentboxError
 from agentbox.microvm import export_disk
-from agentbox.paths import check_inside
 
 __all__ = [
     "cgroup_dirs",

@@ -12,8 +12,6 @@ from typing import Any
 
 import psutil
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.backends._attached import AttachedOnly, NoPool
 from agentbox.backends._oci_cli import Capture, check_env, owner_start
 from agentbox.backends._oci_sandbox import start_on_disk, wait_relay_inside
@@ -40,6 +38,8 @@ from agentbox.backends.docker._config import (
 from agentbox.backends.docker._image import ensure_image, forget_images
 from agentbox.backends.docker._sandbox import DockerSandbox, status_of
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ConfigError, PathRefused, SandboxError, UnsupportedError
 
 __all__ = ["DEFAULT_HOST", "DockerBackend"]

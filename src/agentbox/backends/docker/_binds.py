@@ -16,9 +16,9 @@ import contextlib
 import shutil
 from pathlib import Path
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError
 
 __all__ = ["HostBinds", "binds_root", "sweep"]

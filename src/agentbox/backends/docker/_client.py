@@ -28,7 +28,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError, UnsupportedError
 
 __all__ = [

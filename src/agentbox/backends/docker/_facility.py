@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from agentbox import _host
 from agentbox.backends.docker._backend import DockerBackend
 from agentbox.backends.docker._config import RUNSC_GATEWAY_RUNTIME, DaemonFacts
 from agentbox.config import Settings
+from agentbox.core import host as _host
 from agentbox.errors import AgentboxError
 
 __all__ = ["doctor_rows", "facility"]

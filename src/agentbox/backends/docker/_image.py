@@ -15,10 +15,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.backends.docker._client import GuardedClient
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, CommandError, ImageError
 
 __all__ = ["DOCKER_REPO", "ensure_image"]

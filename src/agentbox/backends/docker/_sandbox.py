@@ -8,13 +8,13 @@ from collections.abc import Callable, Mapping
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from agentbox._log import get_logger
 from agentbox.backends._oci_cli import Capture, check_env
 from agentbox.backends._oci_sandbox import OciSandbox, Ran
 from agentbox.backends.base import Posture, SandboxSpec
 from agentbox.backends.docker._binds import HostBinds
 from agentbox.backends.docker._config import exec_argv
 from agentbox.backends.docker._exec import exec_stream
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError
 
 if TYPE_CHECKING:

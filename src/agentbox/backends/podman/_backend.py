@@ -40,9 +40,6 @@ from typing import Any
 
 import psutil
 
-from agentbox import _proc
-from agentbox._log import get_logger
-from agentbox._oci import HOST_KERNEL_RUNTIMES, PODMAN_RUNTIMES
 from agentbox.backends._oci_args import (
     CONMON_GRACE,
     ImageFacts,
@@ -92,6 +89,9 @@ from agentbox.backends.podman._exitfile import wait_exited
 from agentbox.backends.podman._pool_slots import pool_holds
 from agentbox.backends.podman._sandbox import PodmanSandbox
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
+from agentbox.core.oci import HOST_KERNEL_RUNTIMES, PODMAN_RUNTIMES
 from agentbox.errors import AgentboxError, CommandError, CommandTimeout, ConfigError, SandboxError
 
 __all__ = [
@@ -305,7 +305,7 @@ class PodmanBackend(PodmanDetached):
     def interactive(self, spec: SandboxSpec, argv: Sequence[str]) -> int:
         """``podman run -it`` with the same hardening, on this terminal; returns the exit code.
 
-        The one place that does not go through ``agentbox._proc``: the child
+        The one place that does not go through ``agentbox.core.proc``: the child
         must own the terminal.
         """
         facts = check_spec(spec, subid_base=self.settings.sandbox_subid_base)

@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from agentbox._cgroups import ENTER_THEN_EXEC, UNIT_KEYS, cgroups_of, enter_then_exec
-from agentbox._cgroups import cgroup_mounts as _cgroup_mounts
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
+from agentbox.linux.cgroups import ENTER_THEN_EXEC, UNIT_KEYS, cgroups_of, enter_then_exec
+from agentbox.linux.cgroups import cgroup_mounts as _cgroup_mounts
 
 __all__ = ["born_outside", "cgroups_of", "place_conmon"]
 

@@ -47,8 +47,6 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.backends._detached import check_launch, detach_key
 from agentbox.backends._k8slog import LogReader, exit_marker, read_exit, write_exit
 from agentbox.backends._oci_args import (
@@ -85,6 +83,8 @@ from agentbox.backends.podman._exitfile import (
 )
 from agentbox.backends.podman._pool_view import pool_log, pool_view
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, CommandError, SandboxError, SandboxGone
 
 __all__ = [

@@ -28,9 +28,9 @@ from typing import Any
 
 import psutil
 
-from agentbox._log import get_logger
 from agentbox.backends._oci_cli import kill
 from agentbox.backends.base import Exited
+from agentbox.core.log import get_logger
 
 __all__ = ["CONMON_EXIT_WAIT", "exit_file_of", "read_exit_file", "wait_exited"]
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import psutil
 
-from agentbox._log import get_logger
 from agentbox.backends._oci_cli import conmon_cwd
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.podman._exitfile import read_owned_note
+from agentbox.core.log import get_logger
 
 __all__ = ["conmon_and_view", "container_id", "launched_view", "started_conmon", "with_pidfile"]
 

@@ -54,8 +54,6 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.backends._oci_args import check_spec, entry_argv, run_args
 from agentbox.backends._oci_cli import conmon_cwd, env_file, force_remove
 from agentbox.backends._uidslots import claim as claim_uid_slot
@@ -101,6 +99,8 @@ from agentbox.backends.podman._pool_view import (
     POOL_NAME_LABEL,
 )
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxError
 
 if TYPE_CHECKING:

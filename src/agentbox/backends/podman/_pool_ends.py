@@ -11,7 +11,6 @@ import shutil
 import time
 from pathlib import Path
 
-from agentbox import _proc
 from agentbox.backends._oci_cli import force_remove
 from agentbox.backends._uidslots import release as release_uid_slot
 from agentbox.backends.podman._detach import inspect
@@ -29,6 +28,7 @@ from agentbox.backends.podman._pool_slots import (
 )
 from agentbox.backends.podman._pool_view import claim_record
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError
 
 __all__ = ["drain", "release", "sweep"]

@@ -20,9 +20,9 @@ from typing import Any
 
 import psutil
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError
 
 __all__ = [

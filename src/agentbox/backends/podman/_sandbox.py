@@ -7,8 +7,6 @@ from collections.abc import Callable, Mapping
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.backends._oci_cli import (
     Capture,
     conmon_cwd,
@@ -20,6 +18,8 @@ from agentbox.backends._oci_cli import (
 from agentbox.backends._oci_posture import read_posture
 from agentbox.backends._oci_sandbox import OciSandbox, Ran
 from agentbox.backends.base import Posture, SandboxSpec
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import CommandError, CommandTimeout, SandboxError
 
 if TYPE_CHECKING:

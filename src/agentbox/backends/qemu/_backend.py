@@ -17,12 +17,13 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
-from agentbox import _host, _proc
 from agentbox.backends._microvm import _MicrovmBackend
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.qemu._detach import QemuDetached
 from agentbox.backends.qemu._sandbox import QemuSandbox
 from agentbox.config import Settings
+from agentbox.core import host as _host
+from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError, UnsupportedError
 from agentbox.microvm import Vm, VmConfig, ensure_snapshot
 from agentbox.microvm.kvm import probe_kvm

@@ -38,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from agentbox import _proc
-from agentbox._log import get_logger
 from agentbox.backends._detached import check_launch
 from agentbox.backends._k8slog import LogReader, exit_marker, read_exit, write_exit
 from agentbox.backends.base import (
@@ -58,6 +56,8 @@ from agentbox.backends.qemu._records import (
     record_path,
 )
 from agentbox.config import Settings
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError, SandboxGone
 
 __all__ = ["DEADLINE_GRACE", "LAUNCH_TIMEOUT", "QemuDetached"]

@@ -48,11 +48,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agentbox._log import get_logger
 from agentbox.backends._k8slog import format_record, write_exit
 from agentbox.backends.base import MAX_LOG_BYTES, Exited, SandboxSpec
 from agentbox.backends.qemu import QemuBackend
 from agentbox.backends.qemu import _records as detach
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, GuestError
 
 __all__ = ["RECORD_BYTES", "LogWriter", "main"]

@@ -34,12 +34,12 @@ from typing import Any
 
 import psutil
 
-from agentbox._cgroups import unit_hierarchies
-from agentbox._log import get_logger
 from agentbox.backends._detached import detach_key
 from agentbox.backends.base import SandboxSpec, data_dir_label
 from agentbox.config import Settings
+from agentbox.core.log import get_logger
 from agentbox.errors import SandboxGone
+from agentbox.linux.cgroups import unit_hierarchies
 
 __all__ = [
     "MONITOR_MODULE",

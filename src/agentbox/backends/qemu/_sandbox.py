@@ -18,7 +18,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentbox._log import get_logger
 from agentbox.backends._microvm._recover import replace_workspace, vmm_uid
 from agentbox.backends.base import (
     GATEWAY_SOCKET_NAME,
@@ -31,6 +30,7 @@ from agentbox.backends.base import (
     SandboxSpec,
 )
 from agentbox.backends.qemu._posture import read_posture
+from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, GuestError, SandboxError
 from agentbox.microvm import (
     Channel,

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentbox._wire import TokenUsage
+from agentbox.core.wire import TokenUsage
 
 __all__ = [
     "DEFAULT_OUTPUT_CHARS",

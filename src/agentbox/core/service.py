@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Self
 
-from agentbox._proc import kill_group
+from agentbox.core.proc import kill_group
 from agentbox.errors import AgentboxError
 
 __all__ = ["ServiceHandle", "wait_ready"]

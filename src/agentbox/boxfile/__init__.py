@@ -67,7 +67,7 @@ from pydantic import (
     model_validator,
 )
 
-from agentbox._boxfile_sections import (
+from agentbox.boxfile._sections import (
     MAX_BOXFILE_BYTES,
     DiskLimit,
     EnvPolicy,
@@ -78,8 +78,8 @@ from agentbox._boxfile_sections import (
     Setup,
     Strict,
 )
-from agentbox._invalid import nearest_key
 from agentbox.config import DEFAULT_IMAGE, Settings, parse_size, setting_source
+from agentbox.core.invalid import nearest_key
 from agentbox.errors import BoxfileError, PathRefused
 
 __all__ = [

@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from agentbox._transcript_model import (
+from agentbox.transcript._model import (
     DEFAULT_OUTPUT_CHARS,
     MAX_EVENTS,
     MAX_FILE_BYTES,

@@ -18,7 +18,7 @@ the gateway's usage file and its request ledger (``requests.jsonl``: one
 record per model request, keyed by the upstream's message id, which is the
 assistant message id in Claude Code's stream: each turn's first event carries
 that turn's tokens). Every string may hold what the agent chose:
-print it through :func:`agentbox._text.visible` (the CLI does), frame it for a
+print it through :func:`agentbox.core.text.visible` (the CLI does), frame it for a
 model (the MCP server does).
 """
 
@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentbox._transcript_model import (
+from agentbox.core.wire import TokenUsage
+from agentbox.transcript._model import (
     DEFAULT_OUTPUT_CHARS,
     MAX_EVENTS,
     MAX_FILE_BYTES,
@@ -42,8 +43,7 @@ from agentbox._transcript_model import (
     TranscriptPage,
     TurnTokens,
 )
-from agentbox._transcript_parse import cap, is_test_command, parse_agent_jsonl, read_lines
-from agentbox._wire import TokenUsage
+from agentbox.transcript._parse import cap, is_test_command, parse_agent_jsonl, read_lines
 
 __all__ = [
     "MAX_EVENTS",

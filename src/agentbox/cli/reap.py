@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 
 __all__ = ["END_SIGNALS", "GUARD_GRACE", "Terminated", "exit_on_signals", "guarded"]
 

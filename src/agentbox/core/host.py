@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentbox import _proc
+from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError
 
 __all__ = [

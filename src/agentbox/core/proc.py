@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentbox._log import get_logger
+from agentbox.core.log import get_logger
 from agentbox.errors import CommandError, CommandTimeout
 
 __all__ = ["Result", "kill_group", "run", "stream"]

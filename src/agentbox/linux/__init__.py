@@ -1,0 +1,1 @@
+"""Kernel plumbing said once: POSIX ACLs and the host's cgroup hierarchies."""
