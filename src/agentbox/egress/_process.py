@@ -65,9 +65,9 @@ def run_proxy(
     max_memory: int | None = DEFAULT_MAX_MEMORY,
 ) -> None:
     """Serve one task's proxy on ``socket_path`` until SIGTERM (what the child runs)."""
-    from agentbox.gateway._confine import confine, drop_bounding_set, limit_resources
-    from agentbox.gateway._run import drop_privileges
+    from agentbox.gateway._confine import confine, limit_resources
     from agentbox.gateway._serve import bind, parse_listen
+    from agentbox.linux.privdrop import drop_to
 
     try:
         record = EgressLog(log_path, max_bytes=policy.limits.max_log_bytes)
@@ -82,10 +82,8 @@ def run_proxy(
             import concurrent.futures.thread  # noqa: F401
 
             "x".encode("idna")
-            if os.geteuid() == 0:
-                drop_bounding_set()
             try:
-                drop_privileges(*run_as, own=[])
+                drop_to(*run_as)
                 confine()
             except GatewayError as exc:
                 raise EgressError(str(exc).replace("gateway", "egress proxy")) from exc

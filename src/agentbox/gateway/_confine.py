@@ -4,9 +4,8 @@ The gateway parses every byte the sandbox sends, so it must hold as little as
 possible while doing so. After its socket is bound and its token, key and
 script are read, :func:`confine` makes the process:
 
-- an unprivileged, dedicated uid/gid with no supplementary groups (the caller's
-  ``drop_privileges``); the capability bounding set is emptied first, so no
-  capability survives even an ``execve`` (which the filter below refuses anyway);
+- an unprivileged, dedicated uid/gid with no supplementary groups and no capability, not
+  even in its bounding set (the caller's :func:`agentbox.linux.privdrop.drop_to`);
 - ``no_new_privs`` (no setuid gain through exec);
 - under a **seccomp filter** (libseccomp through ctypes). It is a deny-list, not
   an allow-list of syscalls: CPython, glibc, asyncio, threads and OpenSSL use a
@@ -51,7 +50,6 @@ __all__ = ["DENIED_SYSCALLS", "confine", "install_seccomp", "limit_resources"]
 
 _M_ARENA_MAX = -8
 _PR_SET_NO_NEW_PRIVS = 38
-_PR_CAPBSET_DROP = 24
 _SCMP_ACT_ALLOW = 0x7FFF0000
 _SCMP_CMP_NE, _SCMP_CMP_LT, _SCMP_CMP_EQ, _SCMP_CMP_GT = 1, 2, 4, 6
 _SCMP_CMP_MASKED_EQ = 7
@@ -212,13 +210,6 @@ def install_seccomp() -> None:
 def _prctl(option: int, arg: int) -> int:
     libc = load_libc()
     return int(libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0))
-
-
-def drop_bounding_set() -> None:
-    """Empty the capability bounding set (needs CAP_SETPCAP: call before the uid change)."""
-    for cap in range(64):
-        if _prctl(_PR_CAPBSET_DROP, cap) != 0 and ctypes.get_errno() == errno.EINVAL:
-            break  # past the last capability this kernel knows
 
 
 def limit_resources(*, max_memory: int | None, max_file: int | None) -> None:

@@ -12,19 +12,19 @@ from typing import Any, NoReturn
 
 from agentbox.core.exit import end_process
 from agentbox.core.log import get_logger
-from agentbox.errors import ConfigError, PrivilegeDropError
+from agentbox.errors import ConfigError
 from agentbox.gateway._app import Gateway, GatewayConfig
-from agentbox.gateway._confine import confine, drop_bounding_set, limit_resources
+from agentbox.gateway._confine import confine, limit_resources
 from agentbox.gateway._conn import ConnLimits
 from agentbox.gateway._handshake import write_handshake
 from agentbox.gateway._replay import ReplayModel
 from agentbox.gateway._script import load_script
 from agentbox.gateway._serve import ServerGroup, bind, parse_listen, private_socket, serve
 from agentbox.gateway.registry import ModelEntry
+from agentbox.linux.privdrop import drop_to
 
 __all__ = [
     "build_gateway",
-    "drop_privileges",
     "parse_user",
     "read_token",
     "run_gateway",
@@ -143,27 +143,6 @@ def parse_user(spec: str) -> tuple[int, int]:
     return uid, int(gid_s) if gid_s else uid
 
 
-def drop_privileges(uid: int, gid: int, *, own: list[Path]) -> None:
-    """Become ``uid``/``gid`` with no supplementary groups (and so no capabilities).
-
-    Called once everything that needs the starting identity is done: the sockets
-    bound, the token, key and script read. ``own`` (the in-process replay model's
-    private directory and socket) is handed to the new identity first, so the
-    gateway can still reach it.
-    """
-    if os.geteuid() != 0:
-        if (os.getuid(), os.getgid()) == (uid, gid):
-            return
-        raise ConfigError("--user needs the gateway to start as root")
-    for path in own:
-        os.chown(path, uid, gid)
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-    if os.getuid() != uid or os.geteuid() != uid or os.getgid() != gid:
-        raise PrivilegeDropError(f"could not drop privileges to {uid}:{gid}")
-
-
 def run_gateway(
     *,
     listen: str,
@@ -199,9 +178,7 @@ def run_gateway(
             server.config.load()
         gateway.prepare_for_drop()
         own = [replay_dir, replay_dir / "replay.sock"] if replay_dir is not None else []
-        if os.geteuid() == 0:
-            drop_bounding_set()
-        drop_privileges(*run_as, own=own)
+        drop_to(*run_as, own=own)
         confine()
     limit_resources(max_memory=max_memory, max_file=max_file)
     log.info("gateway listening", listen=listen, model=gateway.cfg.entry.name)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from agentbox.core.log import get_logger
 from agentbox.errors import UnsupportedError
-from agentbox.mcp._privdrop import load_libc
+from agentbox.linux.libc import libc as load_libc
 
 __all__ = ["SCRATCH", "confine_filesystem", "needed_paths"]
 
