@@ -20,6 +20,7 @@ import pytest
 
 from agentbox.config import Settings
 from agentbox.core import host as _host
+from agentbox.linux import acl as _acl
 from git_helpers import git
 
 pytestmark = [
@@ -67,9 +68,12 @@ def test_run_takes_the_runtime_from_the_command_line() -> None:
         task = doc["task"]
         assert task["status"] == "done", (task["error"], r.stderr[-2000:])
         assert "def slugify" in git(repo, "show", f"{task['branch']}:textutil.py")
-        # Only a runsc task lets gVisor's gofer (the mapped root uid) reach the workspace.
-        workspace = base / "data" / "tasks" / task["id"] / "workspace"
-        assert _can_stat(Settings().subid_base, workspace)
+        # Only a runsc task lets gVisor's gofer (the mapped root of its uid slot, the one
+        # user its task dir's ACL names) reach the workspace.
+        root = base / "data" / "tasks" / task["id"]
+        named = [uid for tag, _perm, uid in _acl._read(root) or [] if tag == _acl._USER]
+        assert len(named) == 1 and named[0] >= Settings().subid_base, named
+        assert _can_stat(named[0], root / "workspace")
 
         # Refused up front, in the Boxfile's words, before anything starts.
         bad = subprocess.run(

@@ -225,6 +225,10 @@ def test_run_piped_prints_the_id_at_once_then_one_line_per_event(stack: Stack) -
             "--no-publish", "Run the tests"]  # fmt: skip
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
     lines = r.stderr.splitlines()
+    # The model is a replay entry: one note says so, before anything else.
+    notes = [ln for ln in lines if ln.startswith("note: model ")]
+    assert len(notes) == 1 and "is scripted" in notes[0], r.stderr
+    lines = [ln for ln in lines if ln not in notes]
     assert lines and re.match(r"task t-[0-9a-f]+ queued", lines[0]), r.stderr
     assert any("$ python3 -c" in ln for ln in lines), r.stderr
     assert MARKER in r.stderr and "running claude" in r.stderr, r.stderr

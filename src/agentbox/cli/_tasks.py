@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
             return
         cols = [
             Col("id", keep=True), Col("status", keep=True), Col("tokens", keep=True),
-            Col("cost", keep=True), Col("repo"), Col("created"), Col("time"), Col("task", ratio=1),
+            Col("cost"), Col("repo"), Col("created"), Col("time"), Col("task", ratio=1),
             Col("model"), Col("branch"),
         ]  # fmt: skip
         rows: list[list[RenderableType]] = [
