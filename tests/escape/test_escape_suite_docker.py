@@ -62,7 +62,10 @@ def test_every_probe_passes(suite_json: dict[str, Any], runtime: str) -> None:
 def test_not_applicable_is_said_and_explained(suite_json: dict[str, Any], runtime: str) -> None:
     na = [p for p in _run(suite_json, runtime)["probes"] if p["status"] == "n/a"]
     assert all(p["seen"] for p in na)
-    assert len(na) <= 12, [p["id"] for p in na]
+    # 12, plus what gVisor under docker cannot have by design: the host-side mount flags of
+    # /dev and the cgroup hierarchies (its Sentry serves them) and a uid range of its own
+    # (every docker gVisor gofer is the daemon's one remapped root): each said, with why.
+    assert len(na) <= 15, [p["id"] for p in na]
 
 
 def test_every_control_fires(suite_json: dict[str, Any]) -> None:
