@@ -110,7 +110,8 @@ def match_inputs(tree: Tree, globs: tuple[str, ...]) -> list[str]:
     return sorted(found)
 
 
-def _file_digest(tree: Tree, rel: bytes) -> bytes:
+def file_digest(tree: Tree, rel: bytes) -> bytes:
+    """SHA-256 of the file ``rel`` of ``tree``, read through the tree (no link followed)."""
     h = hashlib.sha256()
     fd = tree.open(rel)
     try:
@@ -131,7 +132,7 @@ def tree_digest(tree: Tree) -> str:
         h.update(b"\0" + e.path + b"\0" + e.kind.name.encode())
         if e.kind is Kind.FILE:
             h.update(b"x" if e.mode & stat.S_IXUSR else b"-")
-            h.update(_file_digest(tree, e.path))
+            h.update(file_digest(tree, e.path))
         elif e.kind is Kind.SYMLINK:
             h.update(tree.readlink(e.path))
     return h.hexdigest()

@@ -20,10 +20,10 @@ reading only those paths, beneath the workspace, with no link followed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
+from agentbox.env._key import file_digest
 from agentbox.errors import PathRefused
 from agentbox.safepath import Kind, Tree
 
@@ -39,14 +39,7 @@ def _digest(tree: Tree, rel: bytes, kind: Kind) -> str:
         return "link:" + target.hex()
     if kind is not Kind.FILE:
         return str(kind.value)
-    h = hashlib.sha256()
-    fd = tree.open(rel)
-    try:
-        while chunk := os.read(fd, 1 << 20):
-            h.update(chunk)
-    finally:
-        os.close(fd)
-    return "file:" + h.hexdigest()
+    return "file:" + file_digest(tree, rel).hex()
 
 
 def fingerprint(workspace: Path) -> dict[bytes, str]:
