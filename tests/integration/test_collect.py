@@ -363,8 +363,8 @@ def test_public_surface() -> None:
     import agentbox.safepath as s
 
     assert set(c.__all__) == {"Base", "Collected", "DiffStat", "Limits", "Report", "Skipped",
-                              "Tokens", "branch_name", "collect", "prepare", "publish",
-                              "user_git"}  # fmt: skip
+                              "Tokens", "apply_result", "branch_name", "collect", "prepare",
+                              "publish", "risky_reason", "user_git"}  # fmt: skip
     assert {"SafeWriter", "Tree", "openat2", "supported", "check_name"} <= set(s.__all__)
     assert all(hasattr(c, n) for n in c.__all__) and all(hasattr(s, n) for n in s.__all__)
 
