@@ -187,7 +187,13 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
 
     def _start(self, spec: SandboxSpec, image_id: str) -> DockerSandbox:
         binds = HostBinds(self.settings, spec.name)
+        gofer = self.bind_source_uid(spec.runtime)
         try:
+            if gofer is not None:
+                # gVisor's gofer opens the hardened bind points under the private data dir:
+                # let that one uid search the dirs above them, as the launcher does for a
+                # task's own (exec and the escape suite have no launcher to do it).
+                binds.let_through(gofer)
             body = container_body(self._bound(spec, binds), self.settings, self.facts(),
                                   image_id, unsafe_host_config=self.unsafe_host_config)  # fmt: skip
             made = self.client.api.create_container_from_config(body, name=spec.name)

@@ -20,6 +20,7 @@ from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError
+from agentbox.linux.acl import grant_search
 
 __all__ = ["HostBinds", "binds_root", "sweep"]
 
@@ -51,6 +52,13 @@ class HostBinds:
     def __init__(self, settings: Settings, name: str) -> None:
         self.dir = binds_root(settings) / name
         self.points: list[Path] = []
+
+    def let_through(self, uid: int) -> None:
+        """Give host ``uid`` search on the data dir and the bind points' dirs above them
+        (a named-user ACL entry: nobody else gains anything)."""
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        for d in (self.dir.parent.parent, self.dir.parent, self.dir):
+            grant_search(d, uid)
 
     def add(self, source: Path, *, read_only: bool, noexec: bool = False) -> Path:
         """Bind ``source`` to a new private point with ``nosuid,nodev`` (+ ro/noexec)."""
