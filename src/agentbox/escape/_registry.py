@@ -28,7 +28,7 @@ _U = "audit tools"
 _I11 = "issue 11"
 _I18 = "issue 18"
 _I12 = "issue 12"
-_I33 = "issue 33"
+_REVIEW = "security review"
 
 
 def _in(pid: str, tried: str, expected: str, source: str, control: str = "weak") -> ProbeSpec:
@@ -118,9 +118,9 @@ PROBES: tuple[ProbeSpec, ...] = (
     _in("dev.mknod", "mknod a block and a char device", "EPERM", _U),
     _ct("dev.host_disks_invisible", "block devices in /dev", "none", _U),
     _in("dev.no_kvm", "/dev/kvm", "absent", _B),
-    _ct("fs.cgroup_readonly", "mount options of every cgroup hierarchy", "all ro", _I33),
-    _ct("fs.sys_dev_block_masked", "list /sys/dev/block", "masked (empty)", _I33),
-    _ct("fs.dev_noexec", "options of every tmpfs it can write but /tmp, home", "noexec", _I33),
+    _ct("fs.cgroup_readonly", "mount options of every cgroup hierarchy", "all ro", _REVIEW),
+    _ct("fs.sys_dev_block_masked", "list /sys/dev/block", "masked (empty)", _REVIEW),
+    _ct("fs.dev_noexec", "options of every tmpfs it can write but /tmp, home", "noexec", _REVIEW),
     _in("tty.tiocsti", "TIOCSTI into every reachable terminal", "refused or none", _U, "tty"),
     _in("fd.no_leaked_fds", "fds of PID 1 and the agent vs an allow-list", "none leaked", _U, "fd"),
     _in("proc.host_processes_invisible", "find a host decoy process", "invisible", _U),
@@ -152,7 +152,7 @@ PROBES: tuple[ProbeSpec, ...] = (
         "host.uid_own_range",
         "host uids of every thread vs a neighbour sandbox's (started beside it, own slot)",
         "none shared: a range of its own",
-        _I33,
+        _REVIEW,
         "shared",
     ),
     _host("host.ns_net", "network namespace vs the host's", "its own", _B),
