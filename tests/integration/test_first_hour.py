@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,28 +19,21 @@ from agentbox.backends.fake import FakeBackend, FakeScript
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import BoxfileError
-from agentbox.launcher import Launcher, TaskRequest, _runner
+from agentbox.launcher import Launcher, TaskRequest
 from git_helpers import git
 
 sys.path.insert(0, str(Path(__file__).parent))
+import test_lifecycle_fake
 from test_cli_new_user import _cli
-from test_lifecycle_fake import _spawn_gateway
+
+#: The fake as the default backend with the stand-in gateway (test_lifecycle_fake.fake).
+fake = test_lifecycle_fake.fake
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the launcher chowns the workspace to the sandbox uid (root)"
 )
 
 SETUP_BOXFILE = '[setup]\nrun = ["python3 -m venv .venv"]\n'
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeBackend]]:
-    FakeBackend.reset()
-    monkeypatch.setattr(_runner, "spawn_gateway", _spawn_gateway)
-    with FakeBackend.installed_as("podman"):
-        yield FakeBackend
-    assert FakeBackend.live_names() == []
-    FakeBackend.reset()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,14 +24,17 @@ from agentbox.errors import UpstreamConnectError
 from agentbox.gateway._forward import UPSTREAM_DOWN_AFTER
 from agentbox.gateway._usage import Usage, write_usage
 from agentbox.gateway.registry import ModelEntry
-from agentbox.launcher import Launcher, TaskRequest, _runner
+from agentbox.launcher import Launcher, TaskRequest
 from agentbox.launcher._reach import check_local_upstream
 from agentbox.transcript import read_transcript
 from gateway_helpers import running_gateway
 from git_helpers import git
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_lifecycle_fake import _spawn_gateway
+import test_lifecycle_fake
+
+#: The fake as the default backend with the stand-in gateway (test_lifecycle_fake.fake).
+fake = test_lifecycle_fake.fake
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the launcher chowns the workspace to the sandbox uid (root)"
@@ -45,16 +47,6 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
     return port
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeBackend]]:
-    FakeBackend.reset()
-    monkeypatch.setattr(_runner, "spawn_gateway", _spawn_gateway)
-    with FakeBackend.installed_as("podman"):
-        yield FakeBackend
-    assert FakeBackend.live_names() == []
-    FakeBackend.reset()
 
 
 @pytest.fixture
