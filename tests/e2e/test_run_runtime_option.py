@@ -38,6 +38,28 @@ def _can_stat(uid: int, path: Path) -> bool:
     return subprocess.run(argv, capture_output=True, check=False).returncode == 0
 
 
+def _sample(base: Path, *, boxfile: str | None = None) -> tuple[Path, dict[str, str]]:
+    """The demo's sample repo committed under ``base/repos`` (with ``boxfile`` as its
+    committed ``.agentbox/Boxfile.toml``), and an environment whose data dir is ``base``'s."""
+    repo = base / "repos" / "proj"
+    shutil.copytree(ROOT / "demo" / "sample-repo", repo)
+    if boxfile is not None:
+        (repo / ".agentbox").mkdir()
+        (repo / ".agentbox" / "Boxfile.toml").write_text(boxfile)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/root"),
+        "AGENTBOX_DATA_DIR": str(base / "data"),
+        "AGENTBOX_REPOS_ROOT": str(base / "repos"),
+    }
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return repo, env
+
+
 def test_run_takes_the_runtime_from_the_command_line() -> None:
     fac = _host.podman_runtime("runsc")
     if not fac.ok:
@@ -45,19 +67,7 @@ def test_run_takes_the_runtime_from_the_command_line() -> None:
     base = Path(tempfile.mkdtemp(prefix="agentbox-e2e-runtime-", dir="/var/tmp"))
     base.chmod(0o711)
     try:
-        repo = base / "repos" / "proj"
-        shutil.copytree(ROOT / "demo" / "sample-repo", repo)
-        git(repo, "init", "-q", "-b", "main")
-        git(repo, "add", "-A")
-        git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": os.environ.get("HOME", "/root"),
-            "AGENTBOX_DATA_DIR": str(base / "data"),
-            "AGENTBOX_REPOS_ROOT": str(base / "repos"),
-        }
-        if "PYTHONPATH" in os.environ:
-            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        repo, env = _sample(base)
         argv = [sys.executable, "-m", "agentbox", "run", "--repo", str(repo), "--json"]
         argv += ["--runtime", "runsc", "Add a slugify helper with a test, and run the tests."]
         r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
@@ -94,23 +104,9 @@ def test_runtime_flag_keeps_the_committed_boxfile_and_repo_defaults_to_the_cwd()
     base = Path(tempfile.mkdtemp(prefix="agentbox-e2e-boxkeep-", dir="/var/tmp"))
     base.chmod(0o711)
     try:
-        repo = base / "repos" / "proj"
-        shutil.copytree(ROOT / "demo" / "sample-repo", repo)
-        (repo / ".agentbox").mkdir()
-        (repo / ".agentbox" / "Boxfile.toml").write_text(
-            '[setup]\nrun = ["mkdir -p .tools && echo ready > .tools/marker"]\n'
+        repo, env = _sample(
+            base, boxfile='[setup]\nrun = ["mkdir -p .tools && echo ready > .tools/marker"]\n'
         )
-        git(repo, "init", "-q", "-b", "main")
-        git(repo, "add", "-A")
-        git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "sample")
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": os.environ.get("HOME", "/root"),
-            "AGENTBOX_DATA_DIR": str(base / "data"),
-            "AGENTBOX_REPOS_ROOT": str(base / "repos"),
-        }
-        if "PYTHONPATH" in os.environ:
-            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         argv = [sys.executable, "-m", "agentbox", "run", "--json", "--runtime", "runc",
                 "Add a slugify helper with a test, and run the tests."]  # fmt: skip
         r = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True, timeout=900)
