@@ -43,7 +43,7 @@ fi
 
 .venv/bin/agentbox image build
 # podman, QEMU and Claude Code are installed by setup.sh: their tests must run, not skip.
-export AGENTBOX_REQUIRE=${AGENTBOX_REQUIRE-podman,qemu,claude,docker}
+export AGENTBOX_REQUIRE=${AGENTBOX_REQUIRE-podman,qemu,claude,docker,gitlfs}
 if [ $# -gt 0 ]; then
   .venv/bin/pytest --junitxml="$report/run.xml" "$@"
   exit

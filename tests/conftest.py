@@ -1,7 +1,7 @@
 """Shared fixtures: a scrubbed environment, settings in a temp data dir, facility skips,
 the leak guard of backend tests, and ResourceWarning strictness.
 
-A test marked ``podman``/``qemu``/``claude``/``kvm`` skips with the reason the
+A test marked ``podman``/``qemu``/``claude``/``docker``/``gitlfs`` skips with the reason the
 probe gave when the facility is missing. ``AGENTBOX_REQUIRE=podman,claude``
 (set by ``scripts/test.sh`` on machines where they must exist) turns such a
 skip into an error for the whole run, so security tests never skip silently where they matter.
@@ -33,6 +33,7 @@ import contextlib
 import gc
 import os
 import re
+import shutil
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -68,6 +69,11 @@ def _facility(marker: str) -> _host.Facility | None:
         from agentbox.backends.docker._facility import facility as docker_facility
 
         return docker_facility(Settings())
+    if marker == "gitlfs":
+        found = shutil.which("git-lfs")
+        return _host.Facility(
+            "git-lfs", found is not None, found or "not on PATH", "apt-get install git-lfs"
+        )
     return None
 
 
@@ -195,7 +201,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     required = _required()
     missing: list[str] = []
     for item in items:
-        for marker in ("podman", "qemu", "claude", "firecracker", "docker"):
+        for marker in ("podman", "qemu", "claude", "firecracker", "docker", "gitlfs"):
             if item.get_closest_marker(marker) is None:
                 continue
             fac = _facility(marker)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.server
 import os
-import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -25,7 +24,8 @@ from agentbox.collect._apply import apply_result
 from agentbox.errors import PolicyRefused, RefusedError
 from git_helpers import commit_repo, git
 
-pytestmark = pytest.mark.skipif(shutil.which("git-lfs") is None, reason="needs git-lfs")
+#: The host's real git-lfs must be there to prove it never runs (AGENTBOX_REQUIRE: gitlfs).
+pytestmark = pytest.mark.gitlfs
 
 POINTER = (
     "version https://git-lfs.github.com/spec/v1\n"
