@@ -206,3 +206,25 @@ def test_rendered_lines_show_controls_as_escapes(tmp_path: Path) -> None:
     res = next(e for e in t.events if e.kind == "tool_result")
     shown = event_lines(res, full=False)
     assert len(shown) == 1 + 1 + 12  # head, "… earlier lines", the last 12
+
+
+def test_agent_times_never_precede_the_launch(tmp_path: Path) -> None:
+    """The sandbox's clock (the agent can set it; a restored guest's can lag) said the
+    agent started an hour before its setup ran: ``logs`` showed "Claude Code started" at
+    a time before the setup phase. Agent events are shown no earlier than the launch."""
+    day = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC).timestamp()
+    stamp = time.strftime("%H:%M:%S", time.localtime(day + 60))
+    setup = time.strftime("%H:%M:%S", time.localtime(day))
+    init = {"type": "system", "subtype": "init", "model": "m", "tools": []}
+    early = {**json.loads(_bash("a", "ls")), "timestamp": "2026-12-01T11:00:00Z"}
+    root = _task(tmp_path, [json.dumps(init), json.dumps(early)])
+    (root / "logs" / "launcher.log").write_text(
+        f"{setup} setting up the environment\n{stamp} running claude in sandbox x\n"
+    )
+    events = read_transcript(root, created_at=day - 1).events
+    texts = [e.text for e in events]
+    started = next(e for e in events if e.text.startswith("Claude Code started"))
+    running = next(e for e in events if e.text.startswith("running claude"))
+    assert texts.index("setting up the environment") < texts.index(started.text)
+    assert started.time is not None and running.time is not None
+    assert started.time >= running.time

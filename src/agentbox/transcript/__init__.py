@@ -206,6 +206,11 @@ def read_transcript(
             e.time = last
         else:
             last = e.time
+        # The agent's times come from the sandbox's clock, which the agent can set (and a
+        # guest's can lag): nothing the agent did precedes the launch that started it, so
+        # no agent event is shown before the setup that ran first.
+        if start is not None and e.time is not None and e.time < start:
+            e.time = start
     # Launcher times are whole seconds: a phase after the agent started ("agent exited")
     # sorts at the end of its second, so it never lands before the agent's last events.
     # "After" is by the log's own order, not by time: the phases logged before "running"
