@@ -114,6 +114,26 @@ JSON
   docker_up || echo "setup.sh: dockerd did not answer; see /var/log/agentbox-dockerd.log" >&2
 fi
 
+# >>> private registries and git server for the tests (tests/private_servers.py) >>>
+# nginx + fcgiwrap serve `git http-backend` over TLS with basic auth; verdaccio 6.8 (6.10
+# wants Node 22) is a private npm registry; pypiserver comes with the dev extras.
+test_pkgs=()
+for p in nginx-light fcgiwrap; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || test_pkgs+=("$p")
+done
+if [ ${#test_pkgs[@]} -gt 0 ]; then
+  log "apt-get install ${test_pkgs[*]} (test servers)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${test_pkgs[@]}" >/dev/null \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${test_pkgs[@]}" >/dev/null; }
+fi
+verdaccio_dir=/opt/agentbox-test/verdaccio
+if [ ! -x "$verdaccio_dir/node_modules/.bin/verdaccio" ]; then
+  log "npm install verdaccio@6.8.0 (test registry) into $verdaccio_dir"
+  mkdir -p "$verdaccio_dir"
+  npm install --silent --no-audit --no-fund --prefix "$verdaccio_dir" verdaccio@6.8.0 >/dev/null
+fi
+# <<< private registries and git server for the tests <<<
+
 # Claude Code, pinned; the native binary lives in its platform package.
 ver=$(.venv/bin/python -c 'from agentbox.config import CLAUDE_CODE_VERSION as v; print(v)')
 cc=$(.venv/bin/python -c 'from agentbox.config import load_settings as l; print(l().claude_code_dir)')
