@@ -56,11 +56,40 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   echo "$want" > "$stamp"
 fi
 
+# --- BEGIN issue 29: agentbox for members of the group agentbox (not only root) ---
+# The project venv's interpreter may live in root's home (pyenv, 0700): a group member
+# could not even start the CLI. /opt/agentbox/venv is a venv of the system python3
+# (world-readable, root-owned) and /usr/local/bin/agentbox runs it. When this checkout
+# and its venv are readable by others, the venv sees them through a .pth (as the cluster's
+# /opt/agentbox/node-venv does: edits are live); else agentbox is installed into it.
+sdk_venv=/opt/agentbox/venv
+if [ ! -x "$sdk_venv/bin/python" ]; then
+  log "creating $sdk_venv (agentbox for members of the group agentbox)"
+  mkdir -p /opt/agentbox && chmod 0755 /opt/agentbox
+  /usr/bin/python3 -m venv --without-pip "$sdk_venv"
+fi
+sdk_site=$("$sdk_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+proj_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if runuser -u nobody -- test -r "$proj_site" -a -x "$proj_site" -a -r "$PWD/src/agentbox/__init__.py"; then
+  echo "import site; site.addsitedir('$proj_site')" > "$sdk_site/agentbox-main.pth"
+else
+  rm -f "$sdk_site/agentbox-main.pth"
+  if [ "$(cat "$sdk_venv/.agentbox-installed" 2>/dev/null)" != "$want" ]; then
+    log "installing agentbox into $sdk_venv"
+    /usr/bin/python3 -m venv --upgrade-deps "$sdk_venv" >/dev/null
+    "$sdk_venv/bin/pip" install -q "$PWD" && echo "$want" > "$sdk_venv/.agentbox-installed"
+  fi
+fi
+chmod -R go+rX,go-w "$sdk_venv"
+printf '#!/bin/sh\nexec %s/bin/python -m agentbox "$@"\n' "$sdk_venv" > /usr/local/bin/agentbox.new
+chmod 0755 /usr/local/bin/agentbox.new && mv -f /usr/local/bin/agentbox.new /usr/local/bin/agentbox
+# --- END issue 29 ---
+
 # Root's inotify limits: every podman sandbox's user namespace is owned by root, so the
 # kernel charges each sandbox's inotify use to root as well. Each sandbox is capped (an
-# OCI hook, backends/_userns_limits.py); root's limits must leave room for many of them.
+# OCI hook, backends/oci/_userns_limits.py); root's limits must leave room for many of them.
 # Only ever raised, persisted in /etc/sysctl.d; `agentbox doctor` checks them.
-.venv/bin/python -c 'from agentbox.backends._userns_limits import HOST_SYSCTLS as h
+.venv/bin/python -c 'from agentbox.backends.oci._userns_limits import HOST_SYSCTLS as h
 print("\n".join(f"{k} = {v}" for k, v in h.items()))' | while read -r key _ want; do
   have=$(sysctl -n "$key" 2>/dev/null || echo 0)
   if [ "$have" -lt "$want" ]; then
