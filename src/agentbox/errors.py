@@ -9,8 +9,11 @@ about it; every timeout is also an :class:`AgentboxTimeout`::
     AgentboxError
     ├── ConfigError            bad settings, Boxfile, model registry: fix the input
     │   ├── BoxfileError       names the offending key (key, path)
-    │   └── InvalidValue       plain data checked by hand (the gateway's registry entry, usage,
-    │                          replay script): (key, what) pairs (errors; also a ValueError)
+    │   ├── InvalidValue       plain data checked by hand (the gateway's registry entry, usage,
+    │   │                      replay script, a secret's name or value): (key, what) pairs
+    │   │                      (errors; also a ValueError)
+    │   └── SecretNotFound     a secret a task names is neither the user's nor shared by root:
+    │                          set it (name, uid)
     ├── RefusedError           a request that is well-formed but not allowed
     │   ├── PathRefused        a path outside its root, through a link, wrong owner (path)
     │   │   └── SizeRefused    a file, or the running total, over its size cap
@@ -19,7 +22,9 @@ about it; every timeout is also an :class:`AgentboxTimeout`::
     │   │   └── UncommittedChanges  a dirty repo delegated without its changes (each front
     │   │                      end names its own option: with_option)
     │   ├── PublishRefused     a branch agentbox did not write, or one checked out: kept as
-    │   │                      is (also a CollectError: the result is kept, unpublished)
+    │   │   │                  is (also a CollectError: the result is kept, unpublished)
+    │   │   └── PushRefused    the remote's branch is not an ancestor of the result (a push
+    │   │                      would need force): nothing pushed
     │   └── StoreUnreadable    the task store cannot be opened by this user (run as root)
     ├── UnsupportedError       the host lacks a facility (runtime, KVM, binary): install it (fix)
     ├── CommandError           a subprocess failed (argv, returncode, stderr tail)
@@ -39,6 +44,10 @@ about it; every timeout is also an :class:`AgentboxTimeout`::
     │   ├── BodyTooLarge       a request body over the configured cap
     │   └── PolicyViolation    a request the gateway's policy refuses (400; also a ValueError)
     ├── EgressError            the per-task egress proxy failed to start or serve
+    ├── SecretStoreError       the host's secret store cannot be read or written (not root's,
+    │                          not private, not a store): fix its dir or run as root
+    ├── ForgeError             a forge (GitHub, GitLab) API call failed or the remote is not
+    │                          a forge's: the branch stays pushed, no pull request (status)
     ├── CollectError           result collection failed; the workspace is kept
     └── TaskError              a task-level failure (task_id)
         └── TaskNotFound
@@ -71,6 +80,7 @@ __all__ = [
     "CommandTimeout",
     "ConfigError",
     "EgressError",
+    "ForgeError",
     "GatewayError",
     "GuestError",
     "GuestTimeout",
@@ -81,10 +91,13 @@ __all__ = [
     "PolicyViolation",
     "PrivilegeDropError",
     "PublishRefused",
+    "PushRefused",
     "Refusal",
     "RefusedError",
     "SandboxError",
     "SandboxGone",
+    "SecretNotFound",
+    "SecretStoreError",
     "SizeRefused",
     "StoreUnreadable",
     "TaskError",
@@ -275,6 +288,25 @@ class EgressError(AgentboxError):
     """The per-task egress proxy failed to start or to serve."""
 
 
+class SecretStoreError(AgentboxError):
+    """The host's secret store cannot be read or written: its dir is not root's or not
+    private, a file is not a store, or the caller is not root. Never carries a value."""
+
+
+class SecretNotFound(ConfigError):
+    """A secret a task (or a command) names is not set for its user, and root has not
+    shared one of that name; ``name`` and ``uid`` say which. The message says how to set it."""
+
+    def __init__(self, name: str, *, uid: int | None = None) -> None:
+        who = f" for uid {uid}" if uid is not None else ""
+        super().__init__(
+            f"secret {name} is not set{who} (set it with `agentbox secret set {name}`, "
+            "or ask root to share one with `agentbox secret set --shared`)"
+        )
+        self.name = name
+        self.uid = uid
+
+
 class CollectError(AgentboxError):
     """Result collection failed. The workspace is kept so it can be retried."""
 
@@ -282,6 +314,22 @@ class CollectError(AgentboxError):
 class PublishRefused(CollectError, RefusedError):
     """Publishing a result would overwrite a ref agentbox did not write (or a branch that is
     checked out). Nothing in the user's repo changed; the result is kept in the shadow dir."""
+
+
+class PushRefused(PublishRefused):
+    """Pushing a result would need force: the remote already has the branch at a commit
+    that is not an ancestor of the result (or one this repo does not have). Nothing was
+    pushed; the result is kept."""
+
+
+class ForgeError(AgentboxError):
+    """A forge's API (GitHub, GitLab) refused or failed a call, or a remote is not on a
+    forge agentbox knows; ``status`` is the HTTP status when there was one. The pushed
+    branch stays; no pull request was opened. Never carries a token."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class StoreUnreadable(RefusedError):
