@@ -25,9 +25,6 @@ __all__ = ["PROBES", "by_id"]
 _A = "seed A"
 _B = "seed B"
 _U = "audit tools"
-_I11 = "issue 11"
-_I18 = "issue 18"
-_I12 = "issue 12"
 _REVIEW = "security review"
 
 
@@ -72,7 +69,7 @@ PROBES: tuple[ProbeSpec, ...] = (
         "socket() for AF_VSOCK (also with high bits set), AF_PACKET, AF_KEY, AF_ALG, AF_XDP, "
         "AF_TIPC, AF_RDS, AF_CAN, AF_BLUETOOTH, netlink audit/uevent/generic/sock_diag",
         "all refused; unix, inet, netlink route still work",
-        _I11,
+        _REVIEW,
     ),
     # filesystem
     _in("fs.root_readonly", "create files in /, /etc, /var, /opt", "EROFS/EACCES", _B),
@@ -105,7 +102,7 @@ PROBES: tuple[ProbeSpec, ...] = (
     _in("kernel.sched_debug_readable", "sched_debug, or debugfs mountable", "refused", _U),
     _ct("kernel.keyring_syscalls", "add_key, request_key", "blocked", _U),
     _ct("kernel.proc_keys_readable", "read /proc/keys", "masked (empty)", _U),
-    _ct("kernel.compat_syscalls", "getpid through the i386 entry (int 0x80)", "refused", _I11),
+    _ct("kernel.compat_syscalls", "getpid through the i386 entry (int 0x80)", "refused", _REVIEW),
     # namespaces, devices, processes
     _in("ns.userns_creation", "unshare(CLONE_NEWUSER)", "refused", _U),
     _in(
@@ -133,13 +130,13 @@ PROBES: tuple[ProbeSpec, ...] = (
         "limits.disk",
         "statvfs /workspace, then fallocate 1 MiB more than is free",
         "<= the disk limit; ENOSPC",
-        _I11,
+        _REVIEW,
     ),
     _ct(
         "limits.userns_caps",
         "/proc/sys/user/max_* (inotify, fanotify, namespaces) of its user namespace",
         "<= agentbox's caps",
-        _I18,
+        _REVIEW,
     ),
     # host-side posture, read from the live sandbox's processes (every thread)
     _host("host.caps_effective", "CapEff/CapPrm of every sandbox thread", "0", _B),
@@ -177,40 +174,42 @@ PROBES: tuple[ProbeSpec, ...] = (
         "host.quota_inotify",
         "sandbox opens inotify instances until refused; root opens one meanwhile",
         "root never refused",
-        _I18,
+        _REVIEW,
     ),
     _host(
         "host.quota_mqueue",
         "sandbox creates POSIX message queues until refused; root creates one meanwhile",
         "root never refused",
-        _I18,
+        _REVIEW,
     ),
     _host(
         "host.quota_sigpending",
         "sandbox queues real-time signals until refused; root queues one meanwhile",
         "root never refused",
-        _I18,
+        _REVIEW,
     ),
     _host(
         "host.quota_aio",
         "sandbox reserves native AIO events (fs.aio-max-nr, host-wide) until refused; "
         "root sets up one context meanwhile",
         "root never refused",
-        _I18,
+        _REVIEW,
     ),
     # the gateway: the host spawns one as run_task does and reads every thread from /proc
-    _host("gateway.uid", "uids of every gateway thread", "only its dedicated uid, never 0", _I11),
-    _host("gateway.caps", "CapEff/CapPrm/CapBnd of every gateway thread", "all 0", _I11),
-    _host("gateway.no_new_privs", "NoNewPrivs of every gateway thread", "1", _I11),
-    _host("gateway.seccomp", "Seccomp mode of every gateway thread", "2 (filter)", _I11),
-    _host("gateway.memory_limit", "the gateway's RLIMIT_AS", "finite", _I11),
+    _host(
+        "gateway.uid", "uids of every gateway thread", "only its dedicated uid, never 0", _REVIEW
+    ),
+    _host("gateway.caps", "CapEff/CapPrm/CapBnd of every gateway thread", "all 0", _REVIEW),
+    _host("gateway.no_new_privs", "NoNewPrivs of every gateway thread", "1", _REVIEW),
+    _host("gateway.seccomp", "Seccomp mode of every gateway thread", "2 (filter)", _REVIEW),
+    _host("gateway.memory_limit", "the gateway's RLIMIT_AS", "finite", _REVIEW),
     # the egress proxy: the host starts a real one, the sandbox asks it for inner targets
     _host(
         "host.egress_proxy_inner",
         "through a real egress proxy, from inside: CONNECT/GET to localhost, a metadata name, "
         "and loopback, metadata and private address literals",
         "each refused for its address (403 ip-literal, address:*)",
-        _I12,
+        _REVIEW,
     ),
 )
 

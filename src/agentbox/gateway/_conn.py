@@ -3,7 +3,7 @@
 uvicorn's h11 protocol starts no timer on a new connection, and cancels its
 keep-alive timer on every byte received: a client that sends headers slowly,
 or never finishes them, holds its connection (and 16 KB of buffer) forever.
-Issue 18 item 4 measured 3,000 such connections all still open after 33 s; a
+A review measured 3,000 such connections all still open after 33 s; a
 podman sandbox can connect to the gateway's mounted socket directly, around
 the relay's 64-connection cap, with a nofile limit of 20,000.
 

@@ -1019,7 +1019,7 @@ def p_compat() -> Result:
 
 @probe("limits.userns_caps")
 def p_userns_caps() -> Result:
-    """The per-user counters of this sandbox's user namespace are capped (issue 18)."""
+    """The per-user counters of this sandbox's user namespace are capped."""
     want = CFG.get("userns_caps") or {}
     if not isinstance(want, dict) or not want:
         return result(None, "no caps given")
@@ -1512,7 +1512,7 @@ def forkbomb(n: int, hold: float) -> tuple[int, str, float]:
     return len(kids), first, took
 
 
-# -- per-user kernel counters (issue 18) -------------------------------------------------
+# -- per-user kernel counters -----------------------------------------------------------
 # ``--exhaust KIND`` spends one counter the kernel also charges to the owner of the
 # sandbox's user namespace, holds it for ``--hold`` seconds while the host tries to
 # spend one unit of it as root, then releases it. It never asks for more than

@@ -21,7 +21,7 @@ reparented to init, so CMD never has it as a child.
 The server is this program's C twin (``relay.c``, built static into the image
 as ``/opt/agentbox/relay``) when the image has it: the server process ``exec``s
 it with the listening socket (``--listen-fd``), so no Python interpreter stays
-resident in the sandbox (~6 MiB of PSS each, issue 15). Without it (an image
+resident in the sandbox (~6 MiB of PSS each). Without it (an image
 built before), this file serves.
 
 Each connection gets two pumps (one per direction), each copying through its
