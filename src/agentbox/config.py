@@ -98,6 +98,9 @@ _SETTING_FORMS = {
     "mount_roots": "a colon-separated list of directories, as PATH is",
     "egress_allow_cap": "a comma-separated list of host names",
     "egress_trusted_ranges": "a comma-separated list of CIDR ranges",
+    "egress_hosts": "a comma-separated list of NAME=ADDRESS",
+    "egress_upstream_ca": "a colon-separated list of CA files",
+    "forge_hosts": "a comma-separated list of HOST=github|gitlab[:API-URL]",
     "max_disk": "a size such as 100GiB",
     "models_file": "a TOML file",
 }
@@ -207,6 +210,53 @@ class Settings(BaseSettings):
     resolve to although private or reserved (a company mirror). Comma-separated."""
     egress_ca_bundle: Path | None = None
     """The CA bundle phases with egress trust; None: the host's system bundle."""
+    egress_hosts: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    """Names the egress proxy resolves to given addresses instead of asking DNS
+    (``{ "pypi.corp.example" = "10.1.2.3" }``; ``AGENTBOX_EGRESS_HOSTS="name=addr,…"``),
+    trusted like a registry's name (the address may be private). Root's config only."""
+    egress_upstream_ca: Annotated[tuple[Path, ...], NoDecode] = ()
+    """CA files the egress proxy trusts for upstreams it terminates TLS for, besides the
+    system bundle. Colon-separated in the environment, as PATH is."""
+    forge_hosts: Annotated[tuple[str, ...], NoDecode] = ()
+    """Forges besides github.com and gitlab.com that ``publish --pr`` opens pull requests
+    on, as ``HOST=github|gitlab[:API-URL]`` (GitHub Enterprise: ``ghe.corp=github:https://
+    ghe.corp/api/v3``; self-hosted GitLab: ``git.corp=gitlab``, API at ``https://HOST``).
+    An entry for github.com or gitlab.com replaces its API URL. Comma-separated."""
+
+    @field_validator("egress_hosts", mode="before")
+    @classmethod
+    def _hosts_map(cls, v: Any) -> Any:
+        # "name=addr,name=addr" in the environment, a table in the config file.
+        if isinstance(v, str):
+            out: dict[str, str] = {}
+            for item in (p.strip() for p in v.split(",")):
+                if not item:
+                    continue
+                name, sep, addr = item.partition("=")
+                if not sep:
+                    raise ValueError(f"{item!r:.80}: write NAME=ADDRESS")
+                out[name.strip()] = addr.strip()
+            return out
+        return v
+
+    @field_validator("egress_hosts")
+    @classmethod
+    def _hosts_valid(cls, v: dict[str, str]) -> dict[str, str]:
+        import ipaddress
+
+        from agentbox.egress._addr import normalize_host
+
+        out = {}
+        for name, addr in v.items():
+            out[normalize_host(name)] = str(ipaddress.ip_address(addr))
+        return out
+
+    @field_validator("egress_upstream_ca", mode="before")
+    @classmethod
+    def _ca_files(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return tuple(Path(p) for p in v.split(":") if p)
+        return v
 
     @field_validator("data_dir", "cache_dir", "repos_root")
     @classmethod
@@ -221,7 +271,7 @@ class Settings(BaseSettings):
             return tuple(Path(p).expanduser().resolve() for p in v.split(":") if p)
         return v
 
-    @field_validator("egress_allow_cap", "egress_trusted_ranges", mode="before")
+    @field_validator("egress_allow_cap", "egress_trusted_ranges", "forge_hosts", mode="before")
     @classmethod
     def _split_commas(cls, v: Any) -> Any:
         if isinstance(v, str):

@@ -38,6 +38,13 @@ Example::
     [network]                   # the agent phase's egress, through the per-task proxy
     allow = ["docs.example.org", "*.example.com"]   # within the host's egress cap
 
+    [[network.rule]]            # request-level: the proxy terminates TLS for this host
+    host = "pypi.corp.example"
+    methods = ["GET", "HEAD"]
+    paths = ["/simple/*", "/packages/*"]
+    inject = { header = "Authorization", value = "Bearer ${secret:CORP_PYPI_TOKEN}" }
+    phases = ["setup"]          # setup | agent (default: both)
+
 Unknown keys and bad values are refused with a :class:`BoxfileError` naming
 each key, all at once; a misspelt key with the key it likely meant (``[netwrok]
 unknown key (did you mean [network]?)``). Asking for capabilities or a network
@@ -58,7 +65,7 @@ import re
 import stat
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     Field,
@@ -81,6 +88,9 @@ from agentbox.boxfile._sections import (
 from agentbox.config import DEFAULT_IMAGE, Settings, parse_size, setting_source
 from agentbox.core.invalid import nearest_key
 from agentbox.errors import BoxfileError, PathRefused
+
+if TYPE_CHECKING:
+    from agentbox.egress.rules import NetworkRule
 
 __all__ = [
     "MAX_BOXFILE_BYTES",
@@ -144,6 +154,13 @@ class Boxfile(Strict):
     def egress_allow(self) -> tuple[str, ...]:
         """The hosts ``[network] allow`` names (empty: the agent phase has no egress)."""
         return self.network.allow if isinstance(self.network, NetworkPolicy) else ()
+
+    def network_rules(self, phase: str | None = None) -> tuple[NetworkRule, ...]:
+        """The ``[[network.rule]]`` rules (those of ``phase`` only, if given)."""
+        if not isinstance(self.network, NetworkPolicy):
+            return ()
+        rules = self.network.rules()
+        return rules if phase is None else tuple(r for r in rules if phase in r.phases)
 
     @field_validator("capabilities", mode="before")
     @classmethod
@@ -236,7 +253,7 @@ def _boxfile_error(exc: ValidationError, data: dict[str, Any], path: Path | None
             if near is not None:
                 msg += f" (did you mean [{'.'.join([*shown[:-1], near])[:200]}]?)"
         else:
-            msg = err["msg"]
+            msg = str(err["msg"]).removeprefix("Value error, ")
         parts.append((key, msg))
     first_key, first_msg = parts[0]
     if len(parts) == 1:

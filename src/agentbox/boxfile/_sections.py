@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import re
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     field_validator,
+    model_validator,
 )
 
 from agentbox.config import DEFAULT_DISK, Settings, Size
+
+if TYPE_CHECKING:
+    from agentbox.egress.rules import NetworkRule
 
 __all__ = [
     "BYTES_PER_INODE",
@@ -25,6 +29,7 @@ __all__ = [
     "ImageBuild",
     "Mount",
     "NetworkPolicy",
+    "NetworkRuleSpec",
     "Resources",
     "Setup",
     "Strict",
@@ -225,17 +230,94 @@ class Setup(Strict):
         return v
 
 
-class NetworkPolicy(Strict):
-    """``[network]``: host names the *agent* phase may reach through the egress proxy.
+MAX_NETWORK_RULES = 64
+_SECRET_OPEN = "${secret:"  # noqa: S105 (the syntax, not a secret)
 
-    Each entry is ``host`` or ``*.suffix``; IP literals are refused. The host's
-    ``egress_allow_cap`` setting bounds them (checked when a task is validated).
+
+def _no_secret(field: str, values: tuple[str, ...] | str) -> None:
+    for v in (values,) if isinstance(values, str) else values:
+        if _SECRET_OPEN in v:
+            raise ValueError(f"{field}: ${{secret:...}} is allowed only in inject.value")
+
+
+class InjectSpec(Strict):
+    """``inject = { header = "Authorization", value = "Bearer ${secret:NAME}" }``."""
+
+    model_config = ConfigDict(defer_build=True)
+
+    header: str = Field(min_length=1, max_length=128)
+    value: str = Field(min_length=1, max_length=4096)
+
+
+class NetworkRuleSpec(Strict):
+    """One ``[[network.rule]]``: requests to ``host`` that pass, per request, through the
+    proxy (which terminates TLS for the host), and a header it injects into them.
+
+    ``${secret:NAME}`` may appear only in ``inject.value``: a Boxfile names secrets, it
+    never reads them (the names are checked here, the values exist only on the host).
+    """
+
+    model_config = ConfigDict(defer_build=True)
+
+    host: str = Field(min_length=1, max_length=253)
+    methods: tuple[str, ...] = Field(default=("GET", "HEAD"), min_length=1, max_length=16)
+    paths: tuple[str, ...] = Field(default=("/*",), min_length=1, max_length=32)
+    inject: InjectSpec | None = None
+    phases: tuple[Literal["setup", "agent"], ...] = Field(
+        default=("setup", "agent"), min_length=1, max_length=2
+    )
+
+    @model_validator(mode="after")
+    def _valid(self) -> NetworkRuleSpec:
+        _no_secret("host", self.host)
+        _no_secret("methods", self.methods)
+        _no_secret("paths", self.paths)
+        if self.inject is not None:
+            _no_secret("inject.header", self.inject.header)
+        if any(len(p) > 1024 for p in self.paths):
+            raise ValueError("a path glob is at most 1024 characters")
+        name = self.host.lower().removesuffix(".")
+        if not _HOST_PATTERN.match(name) or name.rsplit(".", 1)[-1][:1].isdigit():
+            raise ValueError(
+                f"host: not a host name or '*.suffix' (no IP literals): {self.host!r:.80}"
+            )
+        self.to_rule(line=None)  # the proxy's own checks (methods, paths, inject, secret names)
+        return self
+
+    def to_rule(self, *, line: int | None) -> NetworkRule:
+        """This rule as the proxy's :class:`~agentbox.egress.rules.NetworkRule`."""
+        from agentbox.egress.rules import Inject, NetworkRule
+
+        inject = None if self.inject is None else Inject(self.inject.header, self.inject.value)
+        return NetworkRule(
+            host=self.host,
+            methods=self.methods,
+            paths=self.paths,
+            inject=inject,
+            phases=frozenset(self.phases),
+            origin="boxfile",
+            line=line,
+        )
+
+
+class NetworkPolicy(Strict):
+    """``[network]``: host names the *agent* phase may reach through the egress proxy,
+    and ``[[network.rule]]`` request-level rules (either phase).
+
+    Each ``allow`` entry is ``host`` or ``*.suffix``; IP literals are refused. The host's
+    ``egress_allow_cap`` setting bounds them and the rules' hosts (checked when a task is
+    validated).
     """
 
     # Built on first use (defer_build): a plain ``agentbox run`` never uses it.
     model_config = ConfigDict(defer_build=True)
 
     allow: tuple[str, ...] = Field(default=(), max_length=MAX_ALLOWED_HOSTS)
+    rule: tuple[NetworkRuleSpec, ...] = Field(default=(), max_length=MAX_NETWORK_RULES)
+
+    def rules(self) -> tuple[NetworkRule, ...]:
+        """The ``[[network.rule]]`` tables as rules, numbered from 1 in the Boxfile's order."""
+        return tuple(spec.to_rule(line=i) for i, spec in enumerate(self.rule, 1))
 
     @field_validator("allow")
     @classmethod

@@ -38,6 +38,8 @@ __all__ = [
     "Inject",
     "NetworkRule",
     "canonical_path",
+    "expand",
+    "host_has_rules",
     "match_rule",
     "path_matches",
     "rule_hosts",
@@ -52,7 +54,7 @@ ORIGINS = frozenset({"boxfile", "host-pip", "host-npm", "host-netrc", "git-fetch
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _SECRET_REF = re.compile(r"\$\{secret:([^}]*)\}")
-_SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_SECRET_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 #: Headers an injection may never set: framing, routing and hop-by-hop ones.
 _FORBIDDEN_INJECT = frozenset(
     [
@@ -73,16 +75,36 @@ _FORBIDDEN_INJECT = frozenset(
 
 
 def _find_refs(template: str) -> list[str]:
-    """Secret names a template references (``${secret:NAME}``); ValueError on a bad name."""
+    """Secret names a template references (``${secret:NAME}``); ValueError on a bad one."""
     try:
         from agentbox.secrets import find_refs
-    except ImportError:  # the secrets package is not there yet: the same grammar, here
+    except ImportError:  # the secrets package is not there: the same grammar, here
         names = _SECRET_REF.findall(template)
         for name in names:
-            if not _SECRET_NAME.match(name):
-                raise ValueError(f"bad secret name {name!r} in ${{secret:...}}") from None
+            if not _SECRET_NAME.fullmatch(name):
+                raise ValueError(f"bad secret name {name!r:.80} in ${{secret:...}}") from None
+        if _SECRET_REF.sub("", template).find("${secret:") >= 0:
+            raise ValueError("an unclosed ${secret: (write ${secret:NAME})") from None
         return list(dict.fromkeys(names))
-    return list(find_refs(template))
+    try:
+        return list(find_refs(template))
+    except ValueError:
+        raise
+    except Exception as exc:  # agentbox.errors.InvalidValue: a pydantic-friendly error
+        raise ValueError(str(exc)) from None
+
+
+def expand(template: str, values: Mapping[str, str]) -> str:
+    """``template`` with each ``${secret:NAME}`` replaced by ``values[NAME]`` (one pass).
+
+    KeyError naming a missing secret (never a value).
+    """
+    _find_refs(template)
+
+    def one(m: re.Match[str]) -> str:
+        return values[m.group(1)]
+
+    return _SECRET_REF.sub(one, template)
 
 
 @dataclass(frozen=True)
