@@ -1,4 +1,4 @@
-"""Real private servers for the credential-brokering tests: a PyPI index, an npm registry, a git remote.
+"""Real private servers for credential brokering tests: a PyPI index, an npm registry, a git remote.
 
 :func:`private_servers` starts, in a network namespace of its own (``ip netns`` and a
 veth pair on a ``10.213.N.0/24`` link; never loopback, which the egress proxy always
@@ -185,7 +185,7 @@ def make_ca(root: Path, names: list[str]) -> tuple[Path, Path, Path]:
                 decipher_only=False,
             ),
             critical=True,
-        )  # fmt: skip
+        )
         .add_extension(
             x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
         )
