@@ -17,9 +17,9 @@ saves their posture and logs under ``$AGENTBOX_TEST_ARTIFACTS`` (default
 
 ``scripts/test.sh`` runs the suite on several xdist workers (one module per worker,
 each with its own session: data dirs, task ids and sockets are per test or module),
-then the modules in :data:`SERIAL` (marked ``serial``) alone: they sweep or count what
-is host-wide, or kill a task's owner on purpose, and another worker's tasks would
-make them (or be made by them) fail.
+then the tests in :data:`SERIAL`, :data:`SERIAL_DIRS` and :data:`SERIAL_TESTS` (marked
+``serial``) alone: they sweep or count what is host-wide, and another worker's tasks
+would make them (or be made by them) fail.
 
 A leaked file, socket or subprocess pipe (``ResourceWarning``, or the
 ``PytestUnraisableExceptionWarning`` carrying one the garbage collector found) is
@@ -62,7 +62,7 @@ def _facility(marker: str) -> _host.Facility | None:
     if marker == "claude":
         return _host.claude_code(Settings().claude_binary)
     if marker == "firecracker":
-        from agentbox.backends.firecracker import facility
+        from agentbox.backends.microvm.firecracker import facility
 
         return facility(Settings())
     if marker == "docker":
@@ -141,48 +141,41 @@ def _leaky(item: pytest.Item) -> bool:
     return _rel(item) in LEAKY
 
 
-#: Modules that must not run beside others (``serial``): they sweep every dead owner's
-#: sandboxes on the host (``cleanup_orphans``), kill a launcher or owner on purpose and
-#: recover after it (another worker's sweep could take what they recover), count
-#: host-wide resources (kernel quotas, inotify, processes), or manage the shared
-#: image store and the default data dir. The escape suite probes host-wide quotas.
+#: What must not run beside other tests (``serial``), decided test by test from the code:
+#: a sweep of every dead owner's sandboxes on the host (the podman and docker
+#: ``cleanup_orphans`` verbs: another worker's test may hold a sandbox whose owner it
+#: killed on purpose and will recover), a count or limit of what is host-wide (kernel
+#: quotas, inotify, every Ray process of the node user), a probe another VMM on the host
+#: disturbs (``doctor``'s KVM probe), or the default data dir (the tutorials run verbatim).
+#: The escape suite probes host-wide quotas. Everything else keeps to its own data dir,
+#: task ids, sandbox names and labels (the launcher's own orphan sweep and a microVM's
+#: are per data dir), and runs on the xdist workers.
 SERIAL_DIRS = ("escape/",)
+#: Whole modules.
 SERIAL: set[str] = {
-    "integration/test_data_dir_private.py",
-    "integration/test_detached_podman.py",
-    "integration/test_detached_qemu.py",
-    "integration/test_docker_backend.py",
-    "integration/test_env_orphans.py",
-    "integration/test_image_build.py",
-    "integration/test_image_derived.py",
-    "integration/test_image_doctor.py",
-    "integration/test_cluster_ray.py",
-    "integration/test_live_restore_fake.py",
-    "integration/test_live_restore_paths.py",
-    "integration/test_mcp_launcher_restart.py",
-    "integration/test_owner_signals.py",
-    "integration/test_podman.py",
-    "integration/test_podman_cleanup.py",
-    "integration/test_podman_env.py",
+    "integration/test_cluster_ray.py",  # kills every Ray process of the node user
+    "integration/test_image_doctor.py",  # the KVM probe fails while another QEMU runs
     "integration/test_podman_kernel_quotas.py",
-    "integration/test_podman_pool.py",
-    "integration/test_qemu_backend.py",
     "integration/test_userns_hook_cost.py",
     "integration/test_userns_limits.py",
-    "integration/test_watchdog_reap.py",
-    "integration/test_wsdisk_settle.py",
-    "e2e/test_detach_resume.py",
-    "e2e/test_live_restore.py",
-    "e2e/test_run_converge.py",
-    "e2e/test_run_restart.py",
     "e2e/test_tutorials.py",
+}
+#: Single tests (``module::function``, every parametrization): each calls a backend's
+#: host-wide ``cleanup_orphans``.
+SERIAL_TESTS: set[str] = {
+    "integration/test_detached_podman.py"
+    "::test_an_orphan_sweep_never_settles_the_disk_of_a_running_detached_sandbox",
+    "integration/test_docker_backend.py::test_orphans_are_removed_and_live_ones_kept",
+    "integration/test_podman.py::test_cleanup_orphans_removes_sandboxes_whose_owner_died",
+    "integration/test_podman_env.py::test_a_sigkilled_podman_caller_leaves_no_env_on_disk",
 }
 
 
 def _serial(items: list[pytest.Item]) -> None:
     for item in items:
         rel = _rel(item)
-        if rel in SERIAL or rel.startswith(SERIAL_DIRS):
+        name = getattr(item, "originalname", item.name)
+        if rel in SERIAL or rel.startswith(SERIAL_DIRS) or f"{rel}::{name}" in SERIAL_TESTS:
             item.add_marker(pytest.mark.serial)
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends import Exited
-from agentbox.backends._oci_posture import read_posture
-from agentbox.backends.base import SandboxSpec
+from agentbox.backends.base import OWNER_DATA_LABEL, SandboxSpec, data_dir_label
+from agentbox.backends.oci._posture import read_posture
 from agentbox.backends.podman import PodmanBackend, PodmanSandbox
 from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
@@ -62,10 +62,13 @@ def _template(image: str, ws: Path, **kw: object) -> SandboxSpec:
     return SandboxSpec(name="template", image=image, workspace=ws, deadline=120, **kw)  # type: ignore[arg-type]
 
 
-def _containers(prefix: str) -> list[str]:
-    res = subprocess.run(
-        ["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True, check=True
-    )
+def _containers(prefix: str, settings: Settings | None = None) -> list[str]:
+    """Containers named ``prefix…``; with ``settings``, only those of its data dir (a
+    pool's slots carry its owner label: other workers' pools run beside this module)."""
+    argv = ["podman", "ps", "-a", "--format", "{{.Names}}"]
+    if settings is not None:
+        argv += ["--filter", f"label={OWNER_DATA_LABEL}={data_dir_label(settings.data_dir)}"]
+    res = subprocess.run(argv, capture_output=True, text=True, check=True)
     return [n for n in res.stdout.split() if n.startswith(prefix)]
 
 
@@ -120,7 +123,7 @@ def pool_mounted(settings: Settings) -> bool:
 def pool_left(settings: Settings) -> list[str]:
     slots = pool.pool_dir(settings) / "slots"
     left = [p.name for p in slots.iterdir()] if slots.is_dir() else []
-    return left + [n for n in _containers(pool.SLOT_PREFIX)]
+    return left + _containers(pool.SLOT_PREFIX, settings)
 
 
 def test_task_through_the_pool(
@@ -241,7 +244,7 @@ import json, sys, time
 from pathlib import Path
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.podman import PodmanBackend
-from agentbox.backends._oci_posture import read_posture
+from agentbox.backends.oci._posture import read_posture
 from agentbox.backends.podman import PodmanSandbox
 from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
@@ -329,7 +332,7 @@ def test_refill_drain_and_orphan_sweep(
     first = _fill(podman_boxes, backend, template, 2)
     assert len(first) == 2
     assert _fill(podman_boxes, backend, template, 2) == []  # full: nothing started
-    assert sorted(_containers(pool.SLOT_PREFIX)) == sorted(first)
+    assert sorted(_containers(pool.SLOT_PREFIX, settings)) == sorted(first)
     assert sorted(pool.drain(settings)) == sorted(first)
     assert not pool_left(settings)
     assert not pool_mounted(settings)
