@@ -42,6 +42,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "_escape",
     "_retention",
     "_env",
+    "_secret",
     "_batch",
 )
 

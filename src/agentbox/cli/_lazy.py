@@ -101,6 +101,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("_gateway", "The replay model and other model tools."),
     "image": ("_image", "Build, list and remove sandbox images."),
     "env": ("_env", "Frozen environments made by the setup phase (ls, rm, prune)."),
+    "secret": ("_secret", "Secrets on the host, injected by egress rules (set, ls, rm)."),
     "node": ("_batch", "Join this host to a Ray cluster as an agentbox node."),
     "batch": ("_batch", "Run batches of tasks on a Ray cluster."),
 }

@@ -209,6 +209,9 @@ def create_app(launcher: Launcher) -> Starlette:
         Route("/v1/tasks/{task_id}/transcript", _guard(transcript), methods=["GET"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
     ]
+    from agentbox.launcher._secretroutes import secret_routes
+
+    routes += secret_routes(launcher.settings, _guard, _json)
     return Starlette(routes=routes)
 
 

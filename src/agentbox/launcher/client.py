@@ -45,6 +45,8 @@ from agentbox.core.paths import validate_task_id
 from agentbox.core.uds import unix_transport
 from agentbox.core.wait import wait_until
 from agentbox.launcher.api import ModelInfo, ModelList, TaskInfo, TaskList, TaskRequest, TaskResult
+from agentbox.launcher.secretapi import SecretEntry, SecretList, SecretSet
+from agentbox.secrets import check_name
 from agentbox.transcript import TranscriptPage
 
 __all__ = ["LauncherClient"]
@@ -129,6 +131,24 @@ class LauncherClient:
         """The models a task may name."""
         data = self._call("GET", "/v1/models")
         return ModelList.model_validate(data, strict=False).models
+
+    # -- secrets (routes in agentbox.launcher.secretapi; the owner is this process's uid) --
+
+    def secret_list(self, *, all_users: bool = False) -> builtins.list[SecretEntry]:
+        """The secrets this caller's tasks can use (root with ``all_users``: everyone's)."""
+        data = self._call("GET", "/v1/secrets" + ("?all=1" if all_users else ""))
+        return SecretList.model_validate(data, strict=False).secrets
+
+    def secret_set(self, name: str, value: str, *, shared: bool = False) -> SecretEntry:
+        """Store ``value`` as this caller's secret ``name`` (``shared``: root only)."""
+        body = SecretSet(value=value, shared=shared).model_dump(mode="json")
+        data = self._call("PUT", f"/v1/secrets/{check_name(name)}", body=body)
+        return SecretEntry.model_validate(data, strict=False)
+
+    def secret_remove(self, name: str) -> SecretEntry:
+        """Remove this caller's secret ``name``; :class:`~agentbox.errors.SecretNotFound`."""
+        data = self._call("DELETE", f"/v1/secrets/{check_name(name)}")
+        return SecretEntry.model_validate(data, strict=False)
 
     def wait(self, task_id: str, timeout: float | None = None, *, poll: float = 0.5) -> TaskInfo:
         """Poll until the task is terminal; :class:`~agentbox.errors.TaskError` past ``timeout``."""
@@ -223,6 +243,9 @@ def _error_from(status: int, data: Any) -> errors.AgentboxError:
     name = data.get("error") if isinstance(data, dict) else None
     message = data.get("message") if isinstance(data, dict) else None
     message = str(message)[:4000] if message is not None else f"launcher answered {status}"
+    if name == "SecretNotFound" and isinstance(data.get("name"), str):
+        uid = data.get("uid")
+        return errors.SecretNotFound(data["name"][:64], uid=uid if isinstance(uid, int) else None)
     cls = _ERRORS.get(name) if isinstance(name, str) else None
     if cls is None:
         cls = errors.RefusedError if status in (400, 422) else errors.TaskError

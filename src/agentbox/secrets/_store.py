@@ -209,14 +209,19 @@ class SecretStore:
             self._write(owner_uid, entries)
         return SecretInfo(name, owner_uid, _user_name(owner_uid), now, bool(shared))
 
-    def remove(self, name: str, owner_uid: int) -> None:
-        """Remove ``owner_uid``'s secret ``name``; :class:`SecretNotFound` if it has none."""
+    def remove(self, name: str, owner_uid: int) -> SecretInfo:
+        """Remove ``owner_uid``'s secret ``name`` (what it was, without the value);
+        :class:`SecretNotFound` if it has none. Root's shared one is root's to remove."""
         check_name(name)
         with self._locked():
             entries = self._read(owner_uid)
-            if entries.pop(name, None) is None:
+            gone = entries.pop(name, None)
+            if gone is None:
                 raise SecretNotFound(name, uid=owner_uid)
             self._write(owner_uid, entries)
+        return SecretInfo(
+            name, owner_uid, _user_name(owner_uid), float(gone["set_at"]), bool(gone.get("shared"))
+        )
 
     def list(self, uid: int, *, all_users: bool = False) -> list[SecretInfo]:
         """The secrets ``uid``'s tasks can use (its own, then root's shared ones it does not
