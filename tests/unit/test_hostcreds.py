@@ -172,3 +172,15 @@ def test_git_fetch_refuses_a_non_https_remote(tmp_path: Path) -> None:
     repo = _repo(tmp_path, "git@git.corp.example:proj.git")
     with pytest.raises(PolicyRefused, match="not an https URL"):
         git_fetch(repo, UID, env=_home(tmp_path))
+
+
+def test_boxfile_git_section() -> None:
+    from agentbox.boxfile import loads_boxfile
+    from agentbox.errors import BoxfileError
+
+    box = loads_boxfile('[git]\nfetch = true\nsecret = "CORP_GIT_TOKEN"\n')
+    assert box.git.fetch and box.git.remote == "origin" and box.git.secret == "CORP_GIT_TOKEN"
+    assert not loads_boxfile("").git.fetch
+    for bad in ("[git]\npush = true\n", '[git]\nsecret = "AGENTBOX_GIT_FETCH"\n'):
+        with pytest.raises(BoxfileError):
+            loads_boxfile(bad)

@@ -45,6 +45,9 @@ Example::
     inject = { header = "Authorization", value = "Bearer ${secret:CORP_PYPI_TOKEN}" }
     phases = ["setup"]          # setup | agent (default: both)
 
+    [git]                       # the agent may fetch (never push) the repo's https remote
+    fetch = true                # upload-pack only, the host user's credential injected
+
 Unknown keys and bad values are refused with a :class:`BoxfileError` naming
 each key, all at once; a misspelt key with the key it likely meant (``[netwrok]
 unknown key (did you mean [network]?)``). Asking for capabilities or a network
@@ -78,6 +81,7 @@ from agentbox.boxfile._sections import (
     MAX_BOXFILE_BYTES,
     DiskLimit,
     EnvPolicy,
+    GitPolicy,
     ImageBuild,
     Mount,
     NetworkPolicy,
@@ -97,6 +101,7 @@ __all__ = [
     "Boxfile",
     "DiskLimit",
     "EnvPolicy",
+    "GitPolicy",
     "Mount",
     "NetworkPolicy",
     "Resources",
@@ -129,6 +134,7 @@ class Boxfile(Strict):
     # A string other than "none" exists only to be refused by name; a [network] table
     # names the hosts the agent phase may reach through the egress proxy.
     network: Literal["none"] | NetworkPolicy = "none"
+    git: GitPolicy = Field(default_factory=GitPolicy)
     # This exists only to refuse it by name (a clearer error than "unknown key").
     capabilities: tuple[()] = ()
 

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_BOXFILE_BYTES",
     "DiskLimit",
     "EnvPolicy",
+    "GitPolicy",
     "ImageBuild",
     "Mount",
     "NetworkPolicy",
@@ -333,6 +334,28 @@ class NetworkPolicy(Strict):
                 raise ValueError(f"not a host name or '*.suffix' (no IP literals): {h!r:.80}")
             out.append(name)
         return tuple(dict.fromkeys(out))
+
+
+class GitPolicy(Strict):
+    """``[git]``: ``fetch = true`` lets the agent ``git fetch``/``git pull`` the repo's own
+    https remote (``remote``, default ``origin``, as the user's repo on the host names it)
+    through the egress proxy: upload-pack only, with the host user's credential injected
+    (the secret ``secret`` as the password of ``user``, else the user's git credential
+    helper); ``git push`` (receive-pack) is refused: results are published from the host.
+    """
+
+    fetch: bool = False
+    remote: str = Field(default="origin", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    secret: str | None = Field(default=None, pattern=r"^[A-Z][A-Z0-9_]{0,63}$")
+    """An ``agentbox secret`` name: the password (token) sent for ``user``."""
+    user: str = Field(default="x-access-token", pattern=r"^[A-Za-z0-9._@+-]{1,128}$")
+
+    @field_validator("secret")
+    @classmethod
+    def _not_reserved(cls, v: str | None) -> str | None:
+        if v is not None and v.startswith("AGENTBOX_"):
+            raise ValueError("secret names starting with AGENTBOX_ are reserved")
+        return v
 
 
 class ImageBuild(Strict):
