@@ -16,10 +16,22 @@ if TYPE_CHECKING:
     from agentbox.boxfile import Boxfile, load_boxfile
     from agentbox.config import Settings, load_settings
     from agentbox.errors import AgentboxError
+    from agentbox.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 
 __version__ = "0.1.0"
 
-__all__ = ["AgentboxError", "Boxfile", "Settings", "__version__", "load_boxfile", "load_settings"]
+__all__ = [
+    "AgentboxError",
+    "AsyncClient",
+    "AsyncSandbox",
+    "Boxfile",
+    "Client",
+    "Sandbox",
+    "Settings",
+    "__version__",
+    "load_boxfile",
+    "load_settings",
+]
 
 _LAZY = {
     "Boxfile": "agentbox.boxfile",
@@ -27,6 +39,11 @@ _LAZY = {
     "Settings": "agentbox.config",
     "load_settings": "agentbox.config",
     "AgentboxError": "agentbox.errors",
+    # The SDK (docs/reference/sdk.md): imported only when named.
+    "Sandbox": "agentbox.sdk",
+    "AsyncSandbox": "agentbox.sdk",
+    "Client": "agentbox.sdk",
+    "AsyncClient": "agentbox.sdk",
 }
 
 

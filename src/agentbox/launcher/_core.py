@@ -241,6 +241,8 @@ class Launcher:
             shadow_git=str(paths.shadow_git) if paths.shadow_git.is_dir() else "",
             commit=row.commit_id or "",
             changed=row.changed,
+            tokens=(info := row.info()).tokens,
+            cost_usd=info.tokens.cost_usd,
         )
 
     def transcript(

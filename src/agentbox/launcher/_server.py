@@ -67,6 +67,7 @@ from agentbox.errors import (
     TaskError,
     TaskNotFound,
 )
+from agentbox.launcher._boxes import BoxKeeper
 from agentbox.launcher._core import Launcher, StopMode
 from agentbox.launcher._front import FrontKeeper, start_front
 from agentbox.launcher._peer import (
@@ -155,9 +156,9 @@ def _guard(fn: Endpoint) -> Handler:
     return wrapped
 
 
-def create_app(launcher: Launcher) -> Starlette:
-    """The Starlette app serving ``launcher``; it answers only peer-checked connections
-    (serve it with :func:`build_server`)."""
+def create_app(launcher: Launcher, boxes: BoxKeeper | None = None) -> Starlette:
+    """The Starlette app serving ``launcher`` (and the SDK's sandboxes of ``boxes``); it
+    answers only peer-checked connections (serve it with :func:`build_server`)."""
 
     async def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
@@ -187,6 +188,11 @@ def create_app(launcher: Launcher) -> Starlette:
     async def result(request: Request, caller: int) -> Response:
         return _json(await run(launcher.result, task_id(request), caller=caller))
 
+    async def publish(request: Request, caller: int) -> Response:
+        tid = task_id(request)
+        await run(launcher.get, tid, caller=caller)  # another user's task: 404, as unknown
+        return _json(await run(launcher.publish, tid))
+
     async def models(request: Request, caller: int) -> Response:
         return _json(ModelList(models=await run(launcher.models)))
 
@@ -206,20 +212,25 @@ def create_app(launcher: Launcher) -> Starlette:
         Route("/v1/tasks/{task_id}", _guard(get_task), methods=["GET"]),
         Route("/v1/tasks/{task_id}/cancel", _guard(cancel), methods=["POST"]),
         Route("/v1/tasks/{task_id}/result", _guard(result), methods=["GET"]),
+        Route("/v1/tasks/{task_id}/publish", _guard(publish), methods=["POST"]),
         Route("/v1/tasks/{task_id}/transcript", _guard(transcript), methods=["GET"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
     ]
+    if boxes is not None:
+        from agentbox.launcher._boxroutes import box_routes
+
+        routes += box_routes(boxes, _guard, _error, _json, MAX_BODY)
     from agentbox.launcher._secretroutes import secret_routes
 
     routes += secret_routes(launcher.settings, _guard, _json)
     return Starlette(routes=routes)
 
 
-def build_server(launcher: Launcher) -> uvicorn.Server:
+def build_server(launcher: Launcher, boxes: BoxKeeper | None = None) -> uvicorn.Server:
     """A uvicorn server for ``launcher`` whose every connection is peer-checked; run it
     with ``server.run(sockets=[bind_socket(path)])``."""
     config = uvicorn.Config(
-        create_app(launcher),
+        create_app(launcher, boxes),
         http=PeerCheckedProtocol,
         loop="asyncio",  # the transports the peer check was written and tested against
         log_level="warning",
@@ -375,6 +386,7 @@ def serve(
         raise
     sock_id: tuple[int, int] | None = None
     keeper: PoolKeeper | None = None
+    boxes: BoxKeeper | None = None
     front: FrontKeeper | None = None
     link_id: tuple[int, int] | None = None
     mode: list[StopMode] = ["leave"]
@@ -397,7 +409,8 @@ def serve(
         log.info("launcher serving", socket=str(path), pid=os.getpid())
         if on_listening is not None:
             on_listening(path)
-        server = build_server(launcher)
+        boxes = BoxKeeper(launcher.settings)  # the SDK's sandboxes (agentbox.sdk)
+        server = build_server(launcher, boxes)
         # uvicorn re-raises SIGTERM once it has shut down; make that an exit that
         # runs the clean-up below instead of the default kill.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -413,6 +426,8 @@ def serve(
         try:
             if front is not None:
                 front.stop()
+            if boxes is not None:
+                boxes.stop()  # the SDK's sandboxes end with the launcher that holds them
             if keeper is not None:
                 keeper.stop()  # unclaimed pooled sandboxes removed; claimed ones are tasks
             launcher.stop(mode[0])

@@ -12,8 +12,10 @@ and by the unix-socket HTTP API (``agentbox launcher serve``), whose routes are:
     GET  /v1/tasks                              -> TaskList
     GET  /v1/tasks/{id}                         -> TaskInfo
     POST /v1/tasks/{id}/cancel                  -> TaskInfo
+    POST /v1/tasks/{id}/publish                 -> TaskInfo
     GET  /v1/tasks/{id}/result                  -> TaskResult    (409 while not finished)
     GET  /v1/models                             -> ModelList
+    /v1/sandboxes/...                           (the SDK's sandboxes: agentbox.launcher.boxapi)
 
 Errors are ``{"error": "<ExceptionClass>", "message": "..."}`` with status 400
 (refused: bad id, repo, model, range), 403 (a connection that was not
@@ -175,6 +177,10 @@ class TaskResult(_Wire):
     changed: bool | None = None
     """As :attr:`TaskInfo.changed`: False means the agent changed nothing (no commit,
     no branch, an empty diff); None means nothing was collected."""
+    tokens: TokenUsage = Field(default_factory=TokenUsage)
+    """What the task used (as :attr:`TaskInfo.tokens`)."""
+    cost_usd: float | None = None
+    """Dollars at the model's registry prices; None: the price is unknown (never $0)."""
 
 
 class ModelInfo(_Wire):

@@ -32,7 +32,9 @@ import builtins
 import json
 import math
 import os
+import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -45,6 +47,17 @@ from agentbox.core.paths import validate_task_id
 from agentbox.core.uds import unix_transport
 from agentbox.core.wait import wait_until
 from agentbox.launcher.api import ModelInfo, ModelList, TaskInfo, TaskList, TaskRequest, TaskResult
+from agentbox.launcher.boxapi import (
+    SANDBOX_ID_PATTERN,
+    ExecEvent,
+    ExecRequest,
+    ExecState,
+    FileEntry,
+    FileList,
+    SandboxInfo,
+    SandboxList,
+    SandboxRequest,
+)
 from agentbox.launcher.secretapi import SecretEntry, SecretList, SecretSet
 from agentbox.secrets import check_name
 from agentbox.transcript import TranscriptPage
@@ -116,6 +129,11 @@ class LauncherClient:
         data = self._call("POST", f"/v1/tasks/{validate_task_id(task_id)}/cancel")
         return TaskInfo.model_validate(data, strict=False)
 
+    def publish(self, task_id: str) -> TaskInfo:
+        """Publish a finished task's kept result as ``agentbox/<id>`` in its repo."""
+        data = self._call("POST", f"/v1/tasks/{validate_task_id(task_id)}/publish", timeout=300.0)
+        return TaskInfo.model_validate(data, strict=False)
+
     def result(self, task_id: str) -> TaskResult:
         """The finished task's report and diff; TaskError while it is still running."""
         data = self._call("GET", f"/v1/tasks/{validate_task_id(task_id)}/result")
@@ -167,15 +185,114 @@ class LauncherClient:
             interval=poll,
         )
 
+    # -- sandboxes (agentbox.sdk; routes in agentbox.launcher.boxapi) --------
+
+    def sandbox_create(self, request: SandboxRequest) -> SandboxInfo:
+        """Start a sandbox held by this process (removed once it is gone, or at its deadline)."""
+        data = self._call("POST", "/v1/sandboxes", body=request.model_dump(mode="json"),
+                          timeout=300.0)  # fmt: skip
+        return SandboxInfo.model_validate(data, strict=False)
+
+    def sandbox_list(self) -> builtins.list[SandboxInfo]:
+        data = self._call("GET", "/v1/sandboxes")
+        return SandboxList.model_validate(data, strict=False).sandboxes
+
+    def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
+        data = self._call("GET", f"/v1/sandboxes/{_sid(sandbox_id)}")
+        return SandboxInfo.model_validate(data, strict=False)
+
+    def sandbox_connect(self, sandbox_id: str) -> SandboxInfo:
+        """Hold sandbox ``sandbox_id`` from this process too."""
+        data = self._call("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/connect")
+        return SandboxInfo.model_validate(data, strict=False)
+
+    def sandbox_remove(self, sandbox_id: str) -> SandboxInfo:
+        data = self._call("DELETE", f"/v1/sandboxes/{_sid(sandbox_id)}", timeout=300.0)
+        return SandboxInfo.model_validate(data, strict=False)
+
+    def sandbox_exec(self, sandbox_id: str, request: ExecRequest) -> Iterator[ExecEvent]:
+        """Run a command; its output chunks as they come, then its ``exit`` event."""
+        path = f"/v1/sandboxes/{_sid(sandbox_id)}/exec"
+        with self._http.stream("POST", path, json=request.model_dump(mode="json"),
+                               timeout=httpx.Timeout(30.0, read=None)) as resp:  # fmt: skip
+            if not resp.is_success:
+                resp.read()
+                raise self._answer_error(resp)
+            for line in resp.iter_lines():
+                if line.strip():
+                    yield ExecEvent.model_validate_json(line, strict=False)
+
+    def sandbox_start(self, sandbox_id: str, request: ExecRequest) -> ExecState:
+        """Run a command in the background (``request.background`` set)."""
+        data = self._call("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/exec",
+                          body=request.model_dump(mode="json"))  # fmt: skip
+        return ExecState.model_validate(data, strict=False)
+
+    def sandbox_exec_state(self, sandbox_id: str, exec_id: str) -> ExecState:
+        data = self._call("GET", f"/v1/sandboxes/{_sid(sandbox_id)}/exec/{_eid(exec_id)}")
+        return ExecState.model_validate(data, strict=False)
+
+    def sandbox_kill(self, sandbox_id: str, exec_id: str) -> ExecState:
+        data = self._call("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/exec/{_eid(exec_id)}/kill",
+                          timeout=120.0)  # fmt: skip
+        return ExecState.model_validate(data, strict=False)
+
+    def sandbox_write(self, sandbox_id: str, path: str, data: bytes) -> FileEntry:
+        got = self._call("PUT", f"/v1/sandboxes/{_sid(sandbox_id)}/files", content=data,
+                         params={"path": path}, timeout=300.0)  # fmt: skip
+        return FileEntry.model_validate(got, strict=False)
+
+    def sandbox_read(self, sandbox_id: str, path: str) -> bytes:
+        return self._bytes(f"/v1/sandboxes/{_sid(sandbox_id)}/files", path)
+
+    def sandbox_list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
+        got = self._call("GET", f"/v1/sandboxes/{_sid(sandbox_id)}/dir", params={"path": path})
+        return FileList.model_validate(got, strict=False).entries
+
+    def sandbox_upload(
+        self, sandbox_id: str, dest: str, archive: bytes
+    ) -> builtins.list[FileEntry]:
+        got = self._call("PUT", f"/v1/sandboxes/{_sid(sandbox_id)}/archive", content=archive,
+                         params={"path": dest}, timeout=900.0)  # fmt: skip
+        return FileList.model_validate(got, strict=False).entries
+
+    def sandbox_download(self, sandbox_id: str, path: str) -> bytes:
+        """A tar of ``path`` in the sandbox (unpack it with ``safepath.SafeWriter``)."""
+        return self._bytes(f"/v1/sandboxes/{_sid(sandbox_id)}/archive", path)
+
+    def _bytes(self, url: str, path: str) -> bytes:
+        resp = self._send("GET", url, params={"path": path}, timeout=900.0)
+        if not resp.is_success:
+            raise self._answer_error(resp)
+        return resp.content
+
+    def _answer_error(self, resp: httpx.Response) -> errors.AgentboxError:
+        try:
+            data = resp.json()
+        except (json.JSONDecodeError, ValueError):
+            data = None
+        return _error_from(resp.status_code, data)
+
     # -- plumbing ----------------------------------------------------------
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        content: bytes | None = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
         """Send, retrying what a launcher restart causes (see the module docstring)."""
         end = time.monotonic() + self.reconnect
         delay, dropped_retries = 0.05, 3
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         while True:
             try:
-                return self._http.request(method, path, json=body)
+                return self._http.request(method, path, json=body, content=content,
+                                          params=params, **extra)  # fmt: skip
             except httpx.ConnectError as exc:
                 if _eacces(exc) or time.monotonic() + delay > end:
                     raise
@@ -188,9 +305,41 @@ class LauncherClient:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _call(self, method: str, path: str, *, body: dict[str, Any] | None = None) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        content: bytes | None = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        resp = self._send(method, path, body=body, content=content, params=params,
+                          timeout=timeout)  # fmt: skip
         try:
-            resp = self._request(method, path, body)
+            data = resp.json()
+        except (json.JSONDecodeError, ValueError) as exc:
+            raise errors.TaskError(
+                f"launcher answered {resp.status_code} with a body that is not JSON"
+            ) from exc
+        if resp.is_success:
+            return data
+        raise _error_from(resp.status_code, data)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        content: bytes | None = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        try:
+            return self._request(method, path, body, content=content, params=params,
+                                 timeout=timeout)  # fmt: skip
         except httpx.TransportError as exc:
             hint = ""
             # EACCES on connect, or a connection the launcher dropped before answering
@@ -204,15 +353,18 @@ class LauncherClient:
             raise errors.TaskError(
                 f"cannot reach the launcher at {self.socket_path}: {exc}{hint}"
             ) from exc
-        try:
-            data = resp.json()
-        except (json.JSONDecodeError, ValueError) as exc:
-            raise errors.TaskError(
-                f"launcher answered {resp.status_code} with a body that is not JSON"
-            ) from exc
-        if resp.is_success:
-            return data
-        raise _error_from(resp.status_code, data)
+
+
+def _sid(sandbox_id: str) -> str:
+    if not re.fullmatch(SANDBOX_ID_PATTERN, sandbox_id):
+        raise errors.SandboxGone(f"no sandbox {sandbox_id[:40]!r}")
+    return sandbox_id
+
+
+def _eid(exec_id: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{16}", exec_id):
+        raise errors.SandboxGone(f"no command {exec_id[:40]!r}")
+    return exec_id
 
 
 def _eacces(exc: BaseException) -> bool:

@@ -1,0 +1,150 @@
+"""``Client``: hand tasks to the launcher from Python, follow them, take their results.
+
+::
+
+    c = Client()                                   # the local launcher; Client(address=…)
+    t = c.tasks.create(repo="~/src/proj", prompt="Fix the flaky test", model="sonnet")
+    for ev in t.events(): ...                      # transcript events, live
+    res = t.wait(timeout=3600)                     # res.status, .branch, .diff, .report, .cost_usd
+
+The objects are the launcher's wire models, the ones ``agentbox … --json`` prints
+and the MCP server answers with: :class:`~agentbox.launcher.api.TaskInfo` (a task's
+state), :class:`~agentbox.launcher.api.TaskResult` (what it left) and
+:class:`~agentbox.transcript.Event` (one transcript event, as ``agentbox logs --json``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+from agentbox.launcher.api import TaskInfo, TaskRequest, TaskResult
+from agentbox.launcher.client import LauncherClient
+from agentbox.sdk._transport import connect
+
+if TYPE_CHECKING:
+    from agentbox.transcript import Event
+
+__all__ = ["Client", "Task", "Tasks"]
+
+
+class Task:
+    """One task in the launcher; :attr:`info` is its state as last read."""
+
+    def __init__(self, client: LauncherClient, info: TaskInfo) -> None:
+        self._client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def status(self) -> str:
+        return self.info.status
+
+    def refresh(self) -> TaskInfo:
+        self.info = self._client.get(self.id)
+        return self.info
+
+    def events(self, *, since: int = 0, poll: float = 0.5) -> Iterator[Event]:
+        """Its transcript events (``agentbox logs --json``'s), as they come, until it ended."""
+        while True:
+            ended = self.refresh().terminal  # read first: its last events are written by then
+            page = self._client.transcript(self.id, since=since, limit=500)
+            yield from page.events
+            if page.next > since:
+                since = page.next
+                continue
+            if ended:
+                return
+            time.sleep(poll)
+
+    def wait(self, timeout: float | None = None, *, poll: float = 0.5) -> TaskResult:
+        """Until it ended (:class:`~agentbox.errors.TaskError` past ``timeout``); its result."""
+        self.info = self._client.wait(self.id, timeout, poll=poll)
+        return self._client.result(self.id)
+
+    def result(self) -> TaskResult:
+        """What it left (:class:`~agentbox.errors.TaskError` while it runs)."""
+        return self._client.result(self.id)
+
+    def cancel(self) -> TaskInfo:
+        """Stop it; its partial result is still collected."""
+        self.info = self._client.cancel(self.id)
+        return self.info
+
+    def publish(self, *, pr: bool = False) -> TaskInfo:
+        """Fetch its result branch ``agentbox/<id>`` into its repo (``pr``: not yet)."""
+        if pr:
+            from agentbox.errors import UnsupportedError
+
+            raise UnsupportedError("agentbox opens no pull requests yet; push the branch")
+        self.info = self._client.publish(self.id)
+        return self.info
+
+
+class Tasks:
+    """``client.tasks``."""
+
+    def __init__(self, client: LauncherClient) -> None:
+        self._client = client
+
+    def create(
+        self,
+        repo: str | os.PathLike[str],
+        prompt: str,
+        *,
+        model: str | None = None,
+        budget_usd: float | None = None,
+        budget_tokens: int | None = None,
+        deadline: float | None = None,
+        task_id: str | None = None,
+        include_uncommitted: bool = False,
+        publish: bool = True,
+    ) -> Task:
+        """Queue a task on ``repo`` (a git repo of yours under the repos root)."""
+        path = Path(repo).expanduser().absolute()
+        req = TaskRequest(repo=str(path), task=prompt, model=model, budget=budget_tokens,
+                          budget_usd=None if budget_usd is None else float(budget_usd),
+                          deadline=deadline, task_id=task_id,
+                          include_uncommitted=include_uncommitted, publish=publish)  # fmt: skip
+        return Task(self._client, self._client.submit(req))
+
+    def get(self, task_id: str) -> Task:
+        return Task(self._client, self._client.get(task_id))
+
+    def list(self) -> list[Task]:
+        """Your tasks (root: everyone's), newest first."""
+        return [Task(self._client, i) for i in self._client.list()]
+
+
+class Client:
+    """A client of the launcher (``agentbox launcher serve``) over its unix socket."""
+
+    def __init__(self, address: str | os.PathLike[str] | None = None) -> None:
+        self._client = connect(address)
+        self.tasks = Tasks(self._client)
+
+    @property
+    def transport(self) -> LauncherClient:
+        """The launcher client underneath (the same one the CLI and MCP use)."""
+        return self._client
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
