@@ -178,9 +178,10 @@ def test_boxfile_git_section() -> None:
     from agentbox.boxfile import loads_boxfile
     from agentbox.errors import BoxfileError
 
-    box = loads_boxfile('[git]\nfetch = true\nsecret = "CORP_GIT_TOKEN"\n')
+    here = Path("Boxfile")
+    box = loads_boxfile('[git]\nfetch = true\nsecret = "CORP_GIT_TOKEN"\n', path=here)
     assert box.git.fetch and box.git.remote == "origin" and box.git.secret == "CORP_GIT_TOKEN"
-    assert not loads_boxfile("").git.fetch
+    assert not loads_boxfile("", path=here).git.fetch
     for bad in ("[git]\npush = true\n", '[git]\nsecret = "AGENTBOX_GIT_FETCH"\n'):
         with pytest.raises(BoxfileError):
-            loads_boxfile(bad)
+            loads_boxfile(bad, path=here)
