@@ -34,17 +34,23 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.egress._addr import normalize_host
 from agentbox.egress.rules import PLACEHOLDER, Inject, NetworkRule, secret_names
 from agentbox.errors import PolicyRefused
 
+if TYPE_CHECKING:
+    from agentbox.boxfile import Boxfile
+
 __all__ = [
     "GIT_REFUSE_MESSAGE",
     "RESERVED_PREFIX",
     "Brokered",
+    "brokered_for_phase",
     "combine",
     "git_fetch",
     "host_credentials",
@@ -544,3 +550,40 @@ def git_fetch(
     note = f"git fetch from {host}{path}"
     note += f": the credential from {source} is brokered" if cred else ": no credential found"
     return Brokered(rules=rules, values=values, env=git_env, notes=(note,))
+
+
+def brokered_for_phase(
+    settings: Settings,
+    box: Boxfile,
+    *,
+    phase: str,
+    uid: int | None,
+    repo: Path | None,
+    proxy_url: str,
+    ca_path: str,
+) -> Brokered:
+    """What the host brokers for one phase of a task submitted by ``uid``.
+
+    Setup with ``network = "registries"``: the user's pip/npm credentials
+    (:func:`host_credentials`; the launcher's own environment counts only for root's
+    tasks). The agent phase with ``[git] fetch``: :func:`git_fetch` on ``repo``, the
+    credential from the ``[git] secret`` (resolved for ``uid``) if named.
+    """
+    owner = os.geteuid() if uid is None else uid
+    out = Brokered()
+    if phase == "setup" and box.setup is not None and box.setup.network == "registries":
+        out = out + host_credentials(owner, env=os.environ if owner == os.geteuid() else None)
+    if phase == "agent" and box.git.fetch:
+        if repo is None:
+            raise PolicyRefused("[git] fetch needs the task's repo")
+        secret = None
+        if box.git.secret is not None:
+            from agentbox.secrets import SecretStore
+
+            value = SecretStore(settings).resolve([box.git.secret], owner)[box.git.secret]
+            secret = (box.git.user, value)
+        out = out + git_fetch(
+            repo, owner, remote=box.git.remote, secret=secret, proxy_url=proxy_url,
+            ca_path=ca_path,
+        )  # fmt: skip
+    return out
