@@ -119,7 +119,11 @@ def test_query_must_equal_when_set() -> None:
         ("/simple/../admin", False),
         ("/simple/./x", False),
         ("/simple/%2e%2e/admin", False),
-        ("/simple/a%2Fb", False),
+        ("/simple/a%2Fb", True),  # npm: /@scope%2fname
+        ("/@corp%2fgreet", True),
+        ("/simple%2f..%2fadmin", False),
+        ("/simple/x%2f../admin", False),
+        ("/simple%2f%2fx", False),
         ("/simple//x", False),
         ("/simple\\x", False),
         ("/a b", False),

@@ -248,18 +248,22 @@ _DOT_SEGMENT = re.compile(r"(^|/)\.{1,2}(/|$)")
 def canonical_path(path: str) -> bool:
     """Whether a request path is plain enough to match globs on.
 
-    No dot segments, no empty segments, no backslash, no percent-encoded ``/``,
-    ``\\``, ``.`` or ``%`` (which a server would decode into a different path than
-    the one matched here), no control characters.
+    No dot segments, no empty segments, no backslash, no percent-encoded ``\\``,
+    ``.`` or ``%`` (which a server would decode into a different path than the one
+    matched here), no control characters. A percent-encoded ``/`` is allowed (npm asks
+    for a scoped package as ``/@scope%2fname``) when the path with it decoded passes
+    the same checks: a glob's ``*`` matches ``/`` too, so a server that decodes it
+    sees a path the glob matched as well.
     """
-    if not path.startswith("/") or "//" in path or "\\" in path:
+    if not path.startswith("/") or "\\" in path:
         return False
     if any(ord(c) < 0x21 or ord(c) > 0x7E for c in path):
         return False
     low = path.lower()
-    if any(enc in low for enc in ("%2f", "%5c", "%2e", "%25", "%00")):
+    if any(enc in low for enc in ("%5c", "%2e", "%25", "%00")):
         return False
-    return _DOT_SEGMENT.search(path) is None
+    decoded = low.replace("%2f", "/")
+    return "//" not in decoded and _DOT_SEGMENT.search(decoded) is None
 
 
 def match_rule(
