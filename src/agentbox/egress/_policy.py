@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Mapping
-from typing import Literal
+from functools import cached_property
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -21,6 +22,7 @@ from agentbox.egress._addr import (
     pattern_covers,
 )
 from agentbox.egress._hostcfg import host_registries
+from agentbox.egress.rules import NetworkRule, rule_hosts
 from agentbox.errors import PolicyRefused
 
 __all__ = ["AllowRule", "EgressLimits", "EgressPolicy", "Verdict"]
@@ -103,6 +105,26 @@ class EgressPolicy(BaseModel):
     limits: EgressLimits = EgressLimits()
     address_checks: bool = True
     """False only for the escape suite's positive control (a proxy that checks nothing)."""
+    request_rules: tuple[dict[str, Any], ...] = ()
+    """Request-level rules (:class:`~agentbox.egress.rules.NetworkRule` as dicts): a host
+    they name is reached only through TLS termination, request by request."""
+    phase: Literal["setup", "agent"] = "agent"
+    """The phase the proxy serves (rules name their phases)."""
+    hosts_map: dict[str, str] = Field(default_factory=dict)
+    """The host's ``egress_hosts`` setting: names resolved to these addresses, trusted."""
+    upstream_ca: tuple[str, ...] = ()
+    """CA files (the ``egress_upstream_ca`` setting) trusted for upstreams besides the system's."""
+
+    @cached_property
+    def network_rules(self) -> tuple[NetworkRule, ...]:
+        """``request_rules`` parsed, this phase's only."""
+        rules = (NetworkRule.from_dict(d) for d in self.request_rules)
+        return tuple(r for r in rules if self.phase in r.phases)
+
+    def with_rules(self, rules: Iterable[NetworkRule]) -> EgressPolicy:
+        """This policy with ``rules`` added (after its own)."""
+        extra = tuple(r.to_dict() for r in rules)
+        return self.model_copy(update={"request_rules": self.request_rules + extra})
 
     @field_validator("trusted_ranges")
     @classmethod
@@ -120,6 +142,16 @@ class EgressPolicy(BaseModel):
         ``host`` must already be normalized (:func:`._addr.normalize_host`). The first rule
         that names the host and the port wins; a trusted rule is preferred.
         """
+        if any(host_matches(r.host, host) for r in self.network_rules):
+            # Decided per request (TLS terminated); only CONNECT to 443 or a port an
+            # allow rule gives the host; never plain HTTP (an injected secret in clear).
+            ports = {443}.union(*(r.tls_ports for r in self.rules if host_matches(r.pattern, host)))
+            if not tls or port not in ports:
+                return Verdict(allowed=False, rule="port")
+            trusted = host in self.hosts_map or any(
+                r.trusted for r in self.rules if host_matches(r.pattern, host)
+            )
+            return Verdict(allowed=True, rule="rules", trusted=trusted)
         named = [r for r in self.rules if host_matches(r.pattern, host)]
         if not named:
             return Verdict(allowed=False, rule="not-allowed")
@@ -127,12 +159,14 @@ class EgressPolicy(BaseModel):
         if not fits:
             return Verdict(allowed=False, rule="port")
         best = next((r for r in fits if r.trusted), fits[0])
-        return Verdict(allowed=True, rule=best.name, trusted=best.trusted)
+        trusted = best.trusted or host in self.hosts_map
+        return Verdict(allowed=True, rule=best.name, trusted=trusted)
 
     @property
     def hosts(self) -> tuple[str, ...]:
-        """The allowed patterns, in order, without repeats."""
-        return tuple(dict.fromkeys(r.pattern for r in self.rules))
+        """The allowed patterns (rule hosts too), in order, without repeats."""
+        pats = [r.pattern for r in self.rules] + list(rule_hosts(self.network_rules))
+        return tuple(dict.fromkeys(pats))
 
     @classmethod
     def for_phase(
@@ -143,19 +177,23 @@ class EgressPolicy(BaseModel):
         registries: bool = False,
         limits: EgressLimits | None = None,
         env: Mapping[str, str] | None = None,
+        rules: Iterable[NetworkRule] = (),
+        phase: Literal["setup", "agent"] = "agent",
     ) -> EgressPolicy:
-        """The policy of one phase: the host's registries (``registries``) plus ``allow``.
+        """The policy of one phase: the host's registries (``registries``) plus ``allow``
+        plus request-level ``rules`` (those of ``phase``).
 
-        ``allow`` are a Boxfile's ``[network] allow`` entries; each must be covered by
-        the host's ``egress_allow_cap`` setting, else :class:`PolicyRefused` naming it.
-        ``env`` is the environment the host's clients are asked in (tests).
+        ``allow`` are a Boxfile's ``[network] allow`` entries; each, and each host a
+        Boxfile's rule names, must be covered by the host's ``egress_allow_cap`` setting,
+        else :class:`PolicyRefused` naming it (rules from the host's own configuration
+        need no cap). ``env`` is the environment the host's clients are asked in (tests).
         """
-        rules: list[AllowRule] = []
+        allows: list[AllowRule] = []
         if registries:
             for source, scheme, host, port in host_registries(env):
                 key = "tls_ports" if scheme == "https" else "http_ports"
                 ports = {port, 443 if scheme == "https" else 80}
-                rules.append(
+                allows.append(
                     AllowRule.model_validate(
                         {"pattern": host, "source": source, "trusted": True, key: ports}
                     )
@@ -173,9 +211,21 @@ class EgressPolicy(BaseModel):
                     f"[network] allow {pattern!r} is outside this host's egress cap "
                     f"(AGENTBOX_EGRESS_ALLOW_CAP={','.join(caps) or '(empty)'})"
                 )
-            rules.append(AllowRule(pattern=pattern, source="boxfile"))
+            allows.append(AllowRule(pattern=pattern, source="boxfile"))
+        mine = tuple(r for r in rules if phase in r.phases)
+        for rule in mine:
+            if rule.origin == "boxfile" and not any(pattern_covers(c, rule.host) for c in caps):
+                where = f"[[network.rule]] #{rule.line}" if rule.line else "[[network.rule]]"
+                raise PolicyRefused(
+                    f"{where} host {rule.host!r} is outside this host's egress cap "
+                    f"(AGENTBOX_EGRESS_ALLOW_CAP={','.join(caps) or '(empty)'})"
+                )
         return cls(
-            rules=tuple(rules),
+            rules=tuple(allows),
             trusted_ranges=settings.egress_trusted_ranges,
             limits=limits or EgressLimits(),
+            request_rules=tuple(r.to_dict() for r in mine),
+            phase=phase,
+            hosts_map=dict(settings.egress_hosts),
+            upstream_ca=tuple(str(p) for p in settings.egress_upstream_ca),
         )

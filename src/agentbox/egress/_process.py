@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 from agentbox.core.log import get_logger
 from agentbox.core.service import ServiceHandle, wait_ready
+from agentbox.egress._intercept import Interceptor
 from agentbox.egress._policy import EgressPolicy
 from agentbox.egress._proxy import EgressProxy
 from agentbox.egress._record import EgressLog
+from agentbox.egress.rules import NetworkRule, rule_hosts, secret_names
 from agentbox.errors import EgressError, GatewayError
 
 __all__ = ["DEFAULT_MAX_MEMORY", "ProxyHandle", "run_proxy", "spawn_proxy"]
@@ -55,6 +60,53 @@ async def _serve(proxy: EgressProxy, sock: socket.socket, ready_fd: int | None) 
         await proxy.aclose()
 
 
+def read_secrets(fd: int) -> dict[str, str]:
+    """The secret values the launcher wrote to the inherited ``fd`` (JSON), then closed."""
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(_MAX_POLICY + 1)
+    if len(data) > _MAX_POLICY:
+        raise EgressError("secret values larger than 1 MiB")
+    try:
+        values = json.loads(data or b"{}")
+    except ValueError:
+        raise EgressError("bad secret values on the inherited descriptor") from None
+    if not isinstance(values, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in values.items()
+    ):
+        raise EgressError("bad secret values on the inherited descriptor")
+    return values
+
+
+def make_interceptor(
+    policy: EgressPolicy, secret_values: dict[str, str], ca_out: Path | None
+) -> Interceptor | None:
+    """The request-level side (a task CA, the upstream check) when the policy has rules.
+
+    The CA's certificate is written to ``ca_out`` (its key stays in this process).
+    """
+    rules = policy.network_rules
+    if not rules:
+        return None
+    from agentbox.egress._tls import TaskCA, upstream_context
+
+    missing = [n for n in secret_names(rules) if n not in secret_values]
+    if missing:
+        raise EgressError(f"no value for the secret(s) {', '.join(missing)} the rules inject")
+    try:
+        upstream = upstream_context(policy.upstream_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise EgressError(f"cannot load egress_upstream_ca {policy.upstream_ca}: {exc}") from exc
+    ca = TaskCA(rule_hosts(rules))
+    if ca_out is not None:
+        fd = os.open(ca_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(ca.cert_pem)
+    try:
+        return Interceptor(rules, ca, upstream, secret_values, policy.phase)
+    except (ValueError, KeyError) as exc:
+        raise EgressError(f"cannot prepare the rules' headers: {exc}") from None
+
+
 def run_proxy(
     *,
     socket_path: Path,
@@ -63,17 +115,20 @@ def run_proxy(
     run_as: tuple[int, int] | None = None,
     ready_fd: int | None = None,
     max_memory: int | None = DEFAULT_MAX_MEMORY,
+    secret_values: dict[str, str] | None = None,
+    ca_out: Path | None = None,
 ) -> None:
     """Serve one task's proxy on ``socket_path`` until SIGTERM (what the child runs)."""
     from agentbox.gateway._confine import confine, limit_resources
     from agentbox.gateway._serve import bind, parse_listen
     from agentbox.linux.privdrop import drop_to
 
+    interceptor = make_interceptor(policy, secret_values or {}, ca_out)
     try:
         record = EgressLog(log_path, max_bytes=policy.limits.max_log_bytes)
     except OSError as exc:
         raise EgressError(f"cannot open the egress log {log_path}: {exc.strerror}") from exc
-    proxy = EgressProxy(policy, record)
+    proxy = EgressProxy(policy, record, interceptor=interceptor)
     try:
         sock = bind(parse_listen(f"unix:{socket_path}"))
         if run_as is not None:
@@ -110,6 +165,8 @@ class ProxyHandle(ServiceHandle):
     def __init__(self, proc: subprocess.Popen[bytes], *, socket_path: Path, log_path: Path):
         super().__init__(proc, socket_path=socket_path)
         self.log_path = log_path
+        self.ca_cert: bytes | None = None
+        """The task CA's certificate (PEM) when the proxy terminates TLS for rule hosts."""
 
 
 def spawn_proxy(
@@ -121,6 +178,8 @@ def spawn_proxy(
     stderr_file: Path | None = None,
     max_memory: int | None = DEFAULT_MAX_MEMORY,
     timeout: float = 20.0,
+    rules: Sequence[NetworkRule] = (),
+    secret_values: Mapping[str, str] | None = None,
 ) -> ProxyHandle:
     """Start a proxy for one task on ``socket_path`` and wait until it serves.
 
@@ -131,7 +190,22 @@ def spawn_proxy(
     dedicated identity). ``stderr_file`` receives the proxy's own diagnostics.
     Raises :class:`EgressError` (with the diagnostics' tail) if it does not serve
     within ``timeout`` seconds.
+
+    ``rules`` are added to the policy's request-level rules; with any, the proxy makes a
+    task CA (its certificate: ``handle.ca_cert``, written to ``<log_path>.ca.pem`` too) and
+    terminates TLS for the hosts they name. ``secret_values`` (name → value, the secrets
+    the rules inject) reach the proxy only through an inherited pipe, never argv, its
+    environment, a file or a log.
     """
+    if rules:
+        policy = policy.with_rules(rules)
+    values = dict(secret_values or {})
+    missing = [n for n in secret_names(policy.network_rules) if n not in values]
+    if missing:
+        raise EgressError(f"no value for the secret(s) {', '.join(missing)} the rules inject")
+    for name, value in values.items():
+        if any(c in value for c in "\r\n\0"):
+            raise EgressError(f"the secret {name} has a line break or NUL: not a header value")
     env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["MALLOC_ARENA_MAX"] = "2"  # under RLIMIT_AS: not one 64 MiB arena per resolver thread
@@ -141,6 +215,16 @@ def spawn_proxy(
     if run_as is not None:
         argv += ["--user", f"{run_as[0]}:{run_as[1]}"]
     argv += ["--max-memory", str(max_memory or 0)]
+    ca_out: Path | None = None
+    pass_fds = [ready_w]
+    secrets_r = secrets_w = -1
+    if policy.network_rules:
+        ca_out = log_path.with_name(log_path.name + ".ca.pem")
+        with contextlib.suppress(FileNotFoundError):
+            ca_out.unlink()
+        secrets_r, secrets_w = os.pipe()
+        pass_fds.append(secrets_r)
+        argv += ["--ca-out", str(ca_out), "--secrets-fd", str(secrets_r)]
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
     out: IO[bytes] | int = stderr_file.open("ab") if stderr_file is not None else subprocess.DEVNULL
@@ -154,10 +238,12 @@ def spawn_proxy(
             env=env,
             start_new_session=True,
             close_fds=True,
-            pass_fds=(ready_w,),
+            pass_fds=tuple(pass_fds),
         )
     finally:
         os.close(ready_w)
+        if secrets_r >= 0:
+            os.close(secrets_r)
         if not isinstance(out, int):
             out.close()
     handle = ProxyHandle(proc, socket_path=socket_path, log_path=log_path)
@@ -166,8 +252,16 @@ def spawn_proxy(
         with contextlib.suppress(BrokenPipeError):
             proc.stdin.write(policy.model_dump_json().encode())
             proc.stdin.close()
+        if secrets_w >= 0:
+            # The child reads it right after the policy; a pipe holds 64 KiB, and more
+            # is written while it reads. Never a file, argv or the environment.
+            with contextlib.suppress(BrokenPipeError), os.fdopen(secrets_w, "wb") as fh:
+                secrets_w = -1
+                fh.write(json.dumps(values).encode())
         # "ready" comes once the server accepts (and after the drop): no probe connection.
         _wait_ready(ready_r, timeout)
+        if ca_out is not None:
+            handle.ca_cert = ca_out.read_bytes()
     except (EgressError, OSError) as exc:
         handle.stop(grace=1.0)
         tail = ""
@@ -178,6 +272,8 @@ def spawn_proxy(
         raise EgressError(f"{exc}{tail}") from exc
     finally:
         os.close(ready_r)
+        if secrets_w >= 0:
+            os.close(secrets_w)
     return handle
 
 

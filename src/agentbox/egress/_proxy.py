@@ -30,9 +30,10 @@ from urllib.parse import urlsplit
 import h11
 
 from agentbox.core.log import get_logger
-from agentbox.egress._addr import check_address
+from agentbox.egress._addr import check_address, host_matches
+from agentbox.egress._intercept import Interceptor
 from agentbox.egress._pipe import Upstream
-from agentbox.egress._policy import EgressPolicy
+from agentbox.egress._policy import EgressPolicy, Verdict
 from agentbox.egress._record import EgressLog
 from agentbox.egress._request import (
     HOP,
@@ -58,9 +59,15 @@ class EgressProxy:
     """Serves one task's sandbox: ``await proxy.handle(reader, writer)`` per connection."""
 
     def __init__(
-        self, policy: EgressPolicy, log_file: EgressLog, *, resolver: Resolver | None = None
+        self,
+        policy: EgressPolicy,
+        log_file: EgressLog,
+        *,
+        resolver: Resolver | None = None,
+        interceptor: Interceptor | None = None,
     ) -> None:
         self.policy = policy
+        self.interceptor = interceptor
         self.limits = policy.limits
         self._log = log_file
         self._resolve = resolver or system_resolver
@@ -105,7 +112,8 @@ class EgressProxy:
             self._open -= 1
             if task is not None:
                 self._tasks.discard(task)
-            if att.end != "empty":  # a connect-and-close is no attempt
+            # A connect-and-close is no attempt; a terminated tunnel logged its requests.
+            if att.end != "empty" and not att.requests:
                 self._log.write(
                     conn=att.conn,
                     method=att.method,
@@ -183,6 +191,11 @@ class EgressProxy:
             att.host = safe(raw_host)
             host = checked_host(raw_host)
             att.host = host
+            icpt = self.interceptor
+            if icpt is not None and any(host_matches(r.host, host) for r in icpt.rules):
+                verdict = self._verdict(att, host, att.port, tls=True)
+                await icpt.serve(self, att, conn, reader, writer, host, att.port, verdict.trusted)
+                return
             upstream = await self._open_upstream(att, host, att.port, tls=True)
             await self._connect(att, conn, writer, reader, upstream)
         elif req.method in (b"GET", b"HEAD"):
@@ -219,7 +232,7 @@ class EgressProxy:
         path = parts.path or "/"
         return host, port, path + (f"?{parts.query}" if parts.query else "")
 
-    async def _open_upstream(self, att: Attempt, host: str, port: int, *, tls: bool) -> Upstream:
+    def _verdict(self, att: Attempt, host: str, port: int, *, tls: bool) -> Verdict:
         verdict = self.policy.decide(host, port, tls=tls)
         if not verdict.allowed:
             if verdict.rule == "port":
@@ -230,6 +243,14 @@ class EgressProxy:
         if self.bytes_down >= lim.max_bytes_down or self.bytes_up >= lim.max_bytes_up:
             raise _Refuse(403, "byte-cap", "this task's egress byte cap is used up")
         att.rule, att.decision = verdict.rule, "allowed"
+        return verdict
+
+    async def _addresses(self, att: Attempt, host: str, port: int, *, trusted: bool) -> list[Any]:
+        """``host``'s addresses, each checked; the ``egress_hosts`` setting's if it names it
+        (the host's own setting: its address is trusted as a registry's is)."""
+        fixed = self.policy.hosts_map.get(host)
+        if fixed is not None:
+            return [ipaddress.ip_address(fixed)]
         timeout = self.limits.connect_timeout
         try:
             addrs = await asyncio.wait_for(self._resolve(host, port), timeout)
@@ -244,9 +265,7 @@ class EgressProxy:
             except ValueError:
                 raise _Refuse(502, "resolve", f"{host}: resolver gave {safe(a)!r}") from None
             if self.policy.address_checks:
-                why = check_address(
-                    addr, trusted_name=verdict.trusted, trusted_ranges=self._networks
-                )
+                why = check_address(addr, trusted_name=trusted, trusted_ranges=self._networks)
                 if why is not None:
                     att.decision = "denied"
                     raise _Refuse(
@@ -256,6 +275,12 @@ class EgressProxy:
                         address=str(addr),
                     )
             parsed.append(addr)
+        return parsed
+
+    async def _open_upstream(self, att: Attempt, host: str, port: int, *, tls: bool) -> Upstream:
+        verdict = self._verdict(att, host, port, tls=tls)
+        parsed = await self._addresses(att, host, port, trusted=verdict.trusted)
+        timeout = self.limits.connect_timeout
         last: BaseException | None = None
         for addr in parsed:
             try:

@@ -35,6 +35,7 @@ REASONS = {
     403: "Forbidden",
     405: "Method Not Allowed",
     408: "Request Timeout",
+    421: "Misdirected Request",
     431: "Request Header Fields Too Large",
     502: "Bad Gateway",
     503: "Service Unavailable",
@@ -83,6 +84,8 @@ class Attempt:
     bytes_down: int = 0
     end: str = "closed"
     last: float = field(default=0.0)
+    requests: int = 0
+    """Requests logged on their own (a tunnel whose TLS the proxy terminated)."""
 
 
 def safe(text: str, limit: int = 200) -> str:
