@@ -171,6 +171,13 @@ if [ ! -x "$cc/node_modules/@anthropic-ai/claude-code-linux-x64/claude" ]; then
   mkdir -p "$cc"
   npm install --silent --no-audit --no-fund --prefix "$cc" "@anthropic-ai/claude-code@$ver" >/dev/null
 fi
+# GitHub's OpenAPI description (npm @octokit/openapi), pinned: the pull-request tests check
+# every request the GitHub client sends against it (tests/forge_servers.py).
+octo=.venv/share/octokit-openapi
+if [ ! -f "$octo/node_modules/@octokit/openapi/generated/api.github.com.json" ]; then
+  log "npm install @octokit/openapi (the pull-request tests' API description)"
+  npm install --silent --no-audit --no-fund --prefix "$octo" "@octokit/openapi@23.0.2" >/dev/null
+fi
 # `claude` on PATH (/usr/local/bin/claude runs the pinned binary) for your own Claude Code
 # (`claude mcp add agentbox …`); a claude you installed yourself is left alone.
 sh scripts/claude-wrapper.sh "$cc/node_modules/@anthropic-ai/claude-code-linux-x64/claude"

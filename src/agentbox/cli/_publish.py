@@ -1,4 +1,9 @@
-"""``agentbox publish ID [--branch NAME]``: put a finished task's kept result on a branch.
+"""``agentbox publish ID [--branch NAME] [--push [--remote R]] [--pr [--draft] [--base B]]``.
+
+Puts a finished task's kept result on a branch of its repo; ``--push`` pushes that
+branch to the repo's remote as the repo's owner (hooks off, never force), and
+``--pr`` (implies ``--push``) opens a pull request on GitHub or GitLab whose body is
+the task's report (:mod:`agentbox.forge`).
 
 For a ``--no-publish`` task, or one whose ``agentbox/<id>`` was refused at the
 end of the task (the user had a branch of that name, or had it checked out).
@@ -30,17 +35,49 @@ def register(app: typer.Typer) -> None:
         branch: str | None = typer.Option(
             None, "--branch", help="Branch to create in the task's repo (default agentbox/ID)."
         ),
+        push: bool = typer.Option(
+            False, "--push", help="Also push the branch to the repo's remote (never by force)."
+        ),
+        remote: str = typer.Option("origin", "--remote", help="The remote to push to."),
+        pr: bool = typer.Option(
+            False, "--pr", help="Open a pull request on GitHub or GitLab (implies --push)."
+        ),
+        draft: bool = typer.Option(False, "--draft", help="Open the pull request as a draft."),
+        base: str | None = typer.Option(
+            None, "--base", help="The pull request's target branch (default: the repo's default)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the task as JSON."),
     ) -> None:
-        """Publish a finished task's result into its repo as a new branch."""
+        """Publish a finished task's result into its repo as a new branch; push it, open a PR."""
+        import os
+
         from agentbox.core.paths import validate_task_id
         from agentbox.launcher import Launcher
 
+        if (draft or base) and not pr:
+            raise typer.BadParameter("--draft and --base go with --pr")
         launcher = Launcher(load_settings(), max_tasks=1)
         try:
-            info = launcher.publish(validate_task_id(task_id), branch=branch)
+            if push or pr:
+                from agentbox.launcher.pushapi import PushRequest
+
+                req = PushRequest(remote=remote, branch=branch, pr=pr, draft=draft, base=base)
+                pushed = launcher.push(validate_task_id(task_id), req, env=dict(os.environ))
+            else:
+                info = launcher.publish(validate_task_id(task_id), branch=branch)
         finally:
             launcher.close()
+        if push or pr:
+            if as_json:
+                print(json.dumps(pushed.model_dump(mode="json")))
+                return
+            how = "pushed" if pushed.pushed else "already on"
+            _out.print(Text(f"{how} {pushed.branch} {'to ' if pushed.pushed else ''}"
+                            f"{pushed.remote} ({pushed.remote_url})"), highlight=False)  # fmt: skip
+            if pushed.pull_request:
+                state = "already open" if pushed.existed else "opened"
+                _out.print(Text(f"pull request {state}: {pushed.pull_request}"), highlight=False)
+            return
         if as_json:
             print(json.dumps(info.model_dump(mode="json")))
             return

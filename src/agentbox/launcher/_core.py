@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 from agentbox.boxfile import Boxfile
@@ -49,6 +49,7 @@ from agentbox.launcher.api import (
     TaskResult,
     TokenUsage,
 )
+from agentbox.launcher.pushapi import PushInfo, PushRequest
 from agentbox.transcript import TranscriptPage
 from agentbox.transcript import page as transcript_page
 
@@ -263,6 +264,22 @@ class Launcher:
         from agentbox.launcher._publish import publish_task
 
         return publish_task(self.settings, self.store, task_id, branch=branch)
+
+    def push(
+        self,
+        task_id: str,
+        req: PushRequest,
+        *,
+        caller: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> PushInfo:
+        """Publish, push the result branch to ``req.remote`` as the repo's owner (never by
+        force) and, with ``req.pr``, open a pull request (see :mod:`agentbox.forge`).
+        ``env``: where a forge token may come from besides the submitter's secrets."""
+        from agentbox.launcher._publish import push_task
+
+        row = self._row(task_id, caller)
+        return push_task(self.settings, self.store, row.id, req, env=env)
 
     def wait(
         self, task_id: str, timeout: float | None = None, *, caller: int | None = None

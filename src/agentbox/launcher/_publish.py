@@ -1,4 +1,5 @@
-"""Publishing a finished task's kept result later: ``agentbox publish ID [--branch NAME]``.
+"""Publishing a finished task's kept result later: ``agentbox publish ID [--branch NAME]``,
+and pushing it to the repo's remote, with a pull request (``--push [--pr]``).
 
 The result commit stays in the task's trusted shadow git dir whether or not it
 was published: a ``--no-publish`` task, or one whose branch was refused (the
@@ -13,18 +14,21 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from agentbox.collect import publish
+from agentbox.collect._git import RepoDir, user_git
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.core.paths import TaskPaths, validate_task_id
-from agentbox.errors import TaskError
+from agentbox.errors import PublishRefused, TaskError
 from agentbox.launcher._finish import repo_at_use as _repo_at_use
 from agentbox.launcher._store import Store
 from agentbox.launcher.api import TaskInfo
+from agentbox.launcher.pushapi import PushInfo, PushRequest
 
-__all__ = ["publish_task"]
+__all__ = ["publish_task", "push_task"]
 
 log = get_logger(__name__)
 
@@ -70,6 +74,85 @@ def publish_task(
             tmp.replace(paths.report_file)
     log.info("published", task_id=row.id, branch=name, repo=str(repo))
     return store.get(row.id).info()
+
+
+def _public_url(url: str) -> str:
+    """``url`` without a user name or password (``https://user:token@host/…``)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if "://" not in url:
+        return url
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def push_task(
+    settings: Settings,
+    store: Store,
+    task_id: str,
+    req: PushRequest,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> PushInfo:
+    """Publish task ``task_id``'s result (as :func:`publish_task`), push it to ``req.remote``
+    as the repo's owner, and with ``req.pr`` open a pull request whose body is the report.
+
+    The forge and token are checked before anything is pushed (a remote on no known
+    forge, or no token, is a :class:`~agentbox.errors.ForgeError` with nothing sent).
+    The token is the submitter's ``agentbox secret`` of the forge's name, else one in
+    ``env`` (the environment of the user running ``publish``; the launcher passes none).
+    """
+    from agentbox import forge
+
+    info = None
+    # Refused: the branch is the user's now (they committed on it): the result itself is
+    # pushed when it is in the repo, under the branch name asked for.
+    with contextlib.suppress(PublishRefused):
+        info = publish_task(settings, store, task_id, branch=req.branch)
+    row = store.get(validate_task_id(task_id))
+    assert row.commit_id  # publish_task's checks (a refusal comes after them)
+    name = req.branch or (info.branch if info and info.branch else None) or f"agentbox/{row.id}"
+    repo = _repo_at_use(settings, row)
+    paths = TaskPaths(settings.data_dir, row.id)
+    with RepoDir.open(repo, root=settings.repos_root) as rd:
+        if user_git(rd, "cat-file", "-e", f"{row.commit_id}^{{commit}}", check=False).returncode:
+            raise PublishRefused(
+                f"{name} in {repo} is not agentbox's and the result {row.commit_id[:12]} is "
+                f"not in the repo: publish it first (`agentbox publish {row.id} --branch NAME`)"
+            )
+        url = forge.remote_url(rd, req.remote)
+        target = token = None
+        if req.pr:
+            target = forge.parse_remote(url, settings.forge_hosts)
+            uid = row.caller_uid if row.caller_uid is not None else rd.owner[0]
+            token = forge.forge_token(target.kind, settings, uid=uid, env=env)
+        pushed = forge.push_result(rd, remote=req.remote, branch=name, commit=row.commit_id)
+    _note(paths, f"pushed {name} to {req.remote}" if pushed else f"{name} already on {req.remote}")
+    out = PushInfo(task_id=row.id, branch=name, commit=row.commit_id, remote=req.remote,
+                   remote_url=_public_url(url), pushed=pushed)  # fmt: skip
+    if target is None or token is None:
+        return out
+    report: dict[str, object] = {}
+    with contextlib.suppress(OSError, ValueError):
+        loaded = json.loads(paths.report_file.read_text())
+        report = loaded if isinstance(loaded, dict) else {}
+    pr = forge.open_pull_request(
+        target, token, head=name, base=req.base, draft=req.draft,
+        title=forge.pr_title(row.task, row.id),
+        body=forge.pr_body(report, task=row.task, task_id=row.id),
+    )  # fmt: skip
+    _note(paths, f"pull request {pr.url}" + (" (already open)" if pr.existed else ""))
+    with contextlib.suppress(OSError, ValueError):
+        report["pull_request"] = pr.url
+        tmp = paths.report_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+        tmp.replace(paths.report_file)
+    log.info("pull request", task_id=row.id, url=pr.url, existed=pr.existed)
+    return out.model_copy(update={"pull_request": pr.url, "number": pr.number,
+                                  "existed": pr.existed})  # fmt: skip
 
 
 def _note(paths: TaskPaths, msg: str) -> None:

@@ -81,6 +81,7 @@ from agentbox.launcher._peer import (
 from agentbox.launcher._pool import PoolKeeper, start_pool
 from agentbox.launcher._workspace import ensure_private_dir
 from agentbox.launcher.api import ModelList, TaskList, TaskRequest
+from agentbox.launcher.pushapi import PushRequest
 
 __all__ = [
     "LINK_NAME",
@@ -193,6 +194,17 @@ def create_app(launcher: Launcher, boxes: BoxKeeper | None = None) -> Starlette:
         await run(launcher.get, tid, caller=caller)  # another user's task: 404, as unknown
         return _json(await run(launcher.publish, tid))
 
+    async def push(request: Request, caller: int) -> Response:
+        body = await request.body()
+        if len(body) > MAX_BODY:
+            return _error(413, "request body too large", "RefusedError")
+        try:
+            req = PushRequest.model_validate_json(body or b"{}")
+        except ValidationError as exc:
+            return _error(422, f"invalid push request: {exc}", "RefusedError")
+        # Another user's task: 404, as unknown. The forge token: the submitter's secret.
+        return _json(await run(launcher.push, task_id(request), req, caller=caller, env={}))
+
     async def models(request: Request, caller: int) -> Response:
         return _json(ModelList(models=await run(launcher.models)))
 
@@ -213,6 +225,7 @@ def create_app(launcher: Launcher, boxes: BoxKeeper | None = None) -> Starlette:
         Route("/v1/tasks/{task_id}/cancel", _guard(cancel), methods=["POST"]),
         Route("/v1/tasks/{task_id}/result", _guard(result), methods=["GET"]),
         Route("/v1/tasks/{task_id}/publish", _guard(publish), methods=["POST"]),
+        Route("/v1/tasks/{task_id}/push", _guard(push), methods=["POST"]),
         Route("/v1/tasks/{task_id}/transcript", _guard(transcript), methods=["GET"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
     ]

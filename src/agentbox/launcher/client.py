@@ -58,6 +58,7 @@ from agentbox.launcher.boxapi import (
     SandboxList,
     SandboxRequest,
 )
+from agentbox.launcher.pushapi import PushInfo, PushRequest
 from agentbox.launcher.secretapi import SecretEntry, SecretList, SecretSet
 from agentbox.secrets import check_name
 from agentbox.transcript import TranscriptPage
@@ -133,6 +134,14 @@ class LauncherClient:
         """Publish a finished task's kept result as ``agentbox/<id>`` in its repo."""
         data = self._call("POST", f"/v1/tasks/{validate_task_id(task_id)}/publish", timeout=300.0)
         return TaskInfo.model_validate(data, strict=False)
+
+    def push(self, task_id: str, req: PushRequest | None = None) -> PushInfo:
+        """Push a finished task's result branch to its repo's remote (as the repo's owner,
+        never by force) and, with ``req.pr``, open a pull request; see :mod:`agentbox.forge`."""
+        body = (req or PushRequest()).model_dump(mode="json")
+        data = self._call("POST", f"/v1/tasks/{validate_task_id(task_id)}/push", body=body,
+                          timeout=900.0)  # fmt: skip
+        return PushInfo.model_validate(data, strict=False)
 
     def result(self, task_id: str) -> TaskResult:
         """The finished task's report and diff; TaskError while it is still running."""
