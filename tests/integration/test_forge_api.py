@@ -9,12 +9,12 @@ checked against the documented fields (cited in forge_servers.py).
 from __future__ import annotations
 
 import pytest
-from forge_servers import ForgeServer
 
 from agentbox.errors import ForgeError
 from agentbox.forge import ForgeRepo, open_pull_request, parse_remote, pr_body
+from forge_servers import ForgeServer
 
-TOKEN = "ghp_forgetest_0123456789abcdef"  # noqa: S105 - a test token, not a secret
+TOKEN = "ghp_forgetest_0123456789abcdef"
 REPORT = {
     "status": "done",
     "model": "replay-demo",
@@ -26,7 +26,7 @@ REPORT = {
         "cache_creation": 0,
         "cache_read": 10,
         "cost_usd": 0.0123,
-    },  # fmt: skip
+    },
     "diffstat": {"files_changed": 2, "insertions": 5, "deletions": 1},
     "flagged": [{"path": ".envrc", "change": "added", "reason": "direnv runs it"}],
 }
