@@ -77,7 +77,9 @@ def push_result(repo: RepoDir, *, remote: str, branch: str, commit: str) -> bool
     _owner_check(repo)
     ref = f"refs/heads/{branch}"
     try:
-        out = user_git(repo, "ls-remote", "--refs", "--", remote, ref).stdout
+        # Where the push goes (``pushurl`` when set, else ``url``): asked there.
+        target = user_git(repo, "remote", "get-url", "--push", "--", remote).stdout.strip()
+        out = user_git(repo, "ls-remote", "--refs", "--", target, ref).stdout
     except CommandError as exc:
         raise CollectError(f"cannot read {remote}'s branches: {exc.stderr.strip()[-400:]}") from exc
     theirs = next((ln.split()[0] for ln in out.splitlines() if ln.endswith(f"\t{ref}")), "")
