@@ -143,6 +143,7 @@ class Env:
     upstream_log: Path
     ca: bytes
     dir: Path
+    settings: Settings
 
     def upstream(self) -> list[dict[str, Any]]:
         if not self.upstream_log.exists():
@@ -151,6 +152,15 @@ class Env:
 
     def records(self) -> list[dict[str, Any]]:
         return [json.loads(x) for x in self.log.read_text().splitlines()]
+
+    def record(self, pred: Any) -> dict[str, Any]:
+        """The last log record ``pred`` accepts (the proxy logs a request as it ends it)."""
+        for _ in range(100):
+            found = [x for x in self.records() if pred(x)]
+            if found:
+                return found[-1]
+            time.sleep(0.05)
+        raise AssertionError("no such egress log record")
 
 
 def _wait_listen(ns: str, addr: str, proc: subprocess.Popen[bytes]) -> None:
@@ -180,7 +190,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         try:
             _wait_listen(ns, addr, srv)
             settings = Settings(
-                egress_hosts={"up.test": addr, "other.test": addr}, egress_upstream_ca=(ca,)
+                egress_hosts={"up.test": addr, "other.test": addr},
+                egress_upstream_ca=(ca,),
+                data_dir=d / "data",
             )
             policy = EgressPolicy.for_phase(settings, rules=RULES)
             identity = gateway_identity(settings)
@@ -190,7 +202,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                 secret_values={"UP_TOKEN": SECRET},
             ) as proxy:  # fmt: skip
                 assert proxy.ca_cert is not None
-                yield Env(proxy, sock, log, upstream_log, proxy.ca_cert, task)
+                yield Env(proxy, sock, log, upstream_log, proxy.ca_cert, task, settings)
         finally:
             os.killpg(srv.pid, signal.SIGTERM)
             srv.wait(10)
@@ -213,10 +225,11 @@ class _Conn:
     """A sandbox-side client: CONNECT through the proxy's socket, then TLS, then requests."""
 
     def __init__(self, env: Env, host: str, *, sni: str | None = None,
-                 alpn: list[str] | None = None) -> None:  # fmt: skip
+                 alpn: list[str] | None = None, sock: Path | None = None,
+                 cafile: Path | None = None) -> None:  # fmt: skip
         raw = socket.socket(socket.AF_UNIX)
         raw.settimeout(30)
-        raw.connect(str(env.sock))
+        raw.connect(str(sock or env.sock))
         raw.sendall(f"CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n\r\n".encode())
         head = b""
         while b"\r\n\r\n" not in head:
@@ -227,6 +240,8 @@ class _Conn:
         ctx = ssl.create_default_context(cadata=env.ca.decode())
         if alpn:
             ctx.set_alpn_protocols(alpn)
+        if cafile is not None:
+            ctx = ssl.create_default_context(cafile=str(cafile))
         self.tls = ctx.wrap_socket(raw, server_hostname=sni or host)
         self.fp = self.tls.makefile("rb")
 
@@ -266,6 +281,7 @@ def test_injects_and_strips_what_the_sandbox_sent(env: Env) -> None:
     last = env.upstream()[-1]
     assert [v for k, v in last["headers"] if k.lower() == "authorization"] == [f"Bearer {SECRET}"]
     c.close()
+    env.record(lambda x: x.get("path") == "/headers")
     recs = [x for x in env.records() if x.get("path", "").startswith("/headers")]
     assert recs[0]["path"] == "/headers?x=…" and recs[0]["injected"] is True
     assert recs[0]["decision"] == "allowed" and recs[0]["status"] == 200
@@ -301,7 +317,7 @@ def test_redirect_to_another_host_carries_nothing(env: Env) -> None:
     assert seen["path"] == "/landing"
     values = [v for _, v in seen["headers"]]
     assert not any(SECRET in v for v in values)
-    rec = [x for x in env.records() if x.get("host") == "other.test"][-1]
+    rec = env.record(lambda x: x.get("host") == "other.test")
     assert rec["injected"] is False
 
 
@@ -325,8 +341,7 @@ def test_host_header_and_absolute_form_must_name_the_tunnel_host(env: Env) -> No
 def test_sni_must_name_the_connect_host(env: Env) -> None:
     with pytest.raises(ssl.SSLError):
         _Conn(env, "up.test", sni="other.test")
-    time.sleep(0.2)  # the proxy logs the refused tunnel as it closes
-    assert any(x.get("rule") == "sni-mismatch" for x in env.records())
+    env.record(lambda x: x.get("rule") == "sni-mismatch")
 
 
 def test_upgrade_and_http2_get_nothing(env: Env) -> None:
@@ -362,6 +377,7 @@ def test_refusals_deny_rule_and_suggestion(env: Env) -> None:
     c.close()
     assert r.status == 400
     assert env.upstream()[before:] == []
+    env.record(lambda x: x.get("path", "").startswith("/headers/"))
     recs = env.records()
     deny = next(x for x in recs if "git-receive-pack" in x.get("path", ""))
     assert deny["decision"] == "denied" and "git-receive-pack" in deny["rule"]
@@ -403,3 +419,41 @@ def test_a_missing_secret_stops_the_start(tmp_path: Path) -> None:
     with pytest.raises(EgressError, match="line break"):
         spawn_proxy(tmp_path / "s.sock", policy, tmp_path / "l.log",
                     secret_values={"UP_TOKEN": "a\r\nX-Evil: 1"})  # fmt: skip
+
+
+def test_start_egress_resolves_the_secret_and_trusts_the_task_ca(env: Env, tmp_path: Path) -> None:
+    """The launcher's path: the store's secret for the task's owner, the CA in the bundle."""
+    from agentbox.egress import host_ca_bundle
+    from agentbox.env._egress import rule_secrets, start_egress
+    from agentbox.secrets import SecretStore
+
+    SecretStore(env.settings).set("UP_TOKEN", SECRET, owner_uid=0)
+    root = tmp_path / "task"
+    root.mkdir(mode=0o711)
+    (root / "net").mkdir()
+    policy = EgressPolicy.for_phase(env.settings, rules=RULES, phase="setup")
+    values = rule_secrets(env.settings, policy.network_rules, 0)
+    assert values == {"UP_TOKEN": SECRET}
+    identity = gateway_identity(env.settings)
+    eg = start_egress(env.settings, policy, root / "net", root / "egress.jsonl", identity,
+                      secret_values=values)  # fmt: skip
+    try:
+        bundle = (root / "egress-ca" / "ca.pem").read_bytes()
+        assert eg.proxy.ca_cert is not None and bundle.endswith(eg.proxy.ca_cert)
+        assert bundle.startswith(host_ca_bundle(env.settings).read_bytes().rstrip(b"\n"))
+        assert eg.env["SSL_CERT_FILE"] == "/run/agentbox/ca/ca.pem"
+        before = len(env.upstream())
+        c = _Conn(env, "up.test", sock=root / "net" / "egress.sock",
+                  cafile=root / "egress-ca" / "ca.pem")  # fmt: skip
+        r = c.ask(_get("/headers"))
+        c.close()
+        assert r.status == 200
+        (seen,) = env.upstream()[before:]
+        assert [v for k, v in seen["headers"] if k.lower() == "authorization"] == [
+            f"Bearer {SECRET}"
+        ]
+    finally:
+        eg.proxy.stop()
+    for f in root.rglob("*"):
+        if f.is_file():
+            assert SECRET.encode() not in f.read_bytes(), f

@@ -109,9 +109,12 @@ def check_env_policy(box: Boxfile, settings: Settings) -> None:
     from agentbox.egress import EgressPolicy
     from agentbox.errors import UnsupportedError
 
-    if box.egress_allow:
-        EgressPolicy.for_phase(settings, allow=box.egress_allow)
-    if box.setup is None and not box.egress_allow:
+    if box.egress_allow or box.network_rules():
+        EgressPolicy.for_phase(settings, allow=box.egress_allow, rules=box.network_rules("agent"))
+        EgressPolicy.for_phase(
+            settings, rules=box.network_rules("setup"), phase="setup"
+        )  # each rule's host against the cap
+    if box.setup is None and not box.egress_allow and not box.network_rules():
         return
     why = backend_class(box.backend).environments_refused
     if why is None:

@@ -10,8 +10,9 @@ in front of the phase's command.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from agentbox.env._report import record_proxy
 
 if TYPE_CHECKING:
     from agentbox.egress import ProxyHandle
+    from agentbox.egress.rules import NetworkRule
 
 __all__ = [
     "CA_DIR_IN_SANDBOX",
@@ -31,6 +33,7 @@ __all__ = [
     "EGRESS_SOCKET_NAME",
     "Egress",
     "egress_argv",
+    "rule_secrets",
     "start_egress",
 ]
 
@@ -65,38 +68,85 @@ class Egress:
     mount: BindMount
 
 
+def rule_secrets(
+    settings: Settings,
+    rules: Sequence[NetworkRule],
+    owner_uid: int | None,
+    known: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The values of the secrets ``rules`` inject: ``known`` ones (the host's brokered
+    credentials) as given, the rest the task owner's (or root's shared) from the store.
+
+    :class:`~agentbox.errors.SecretNotFound` names one that is not set. The values go to
+    the proxy only (:func:`start_egress`).
+    """
+    from agentbox.egress.rules import secret_names
+
+    values = dict(known or {})
+    names = [n for n in secret_names(rules) if n not in values]
+    if not names:
+        return values
+    from agentbox.secrets import resolve_for_task
+
+    uid = os.getuid() if owner_uid is None else owner_uid
+    values.update(resolve_for_task(settings, uid, ["${secret:" + n + "}" for n in names]))
+    return values
+
+
+def _write_bundle(ca_dir: Path, data: bytes, host_uid: int) -> None:
+    """``ca_dir/ca.pem`` = ``data`` (0444, the sandbox uid's), replaced in one step."""
+    tmp = ca_dir / ".ca.pem.new"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.chown(tmp, host_uid, host_uid, follow_symlinks=False)
+    tmp.replace(ca_dir / "ca.pem")
+
+
 def start_egress(
     settings: Settings,
     policy: EgressPolicy,
     socket_dir: Path,
     log_path: Path,
     run_as: tuple[int, int] | None,
+    *,
+    secret_values: Mapping[str, str] | None = None,
 ) -> Egress:
     """Start a proxy on ``socket_dir/egress.sock`` (given to the sandbox uid).
 
     The host's CA bundle is copied next to ``socket_dir`` (``egress-ca/ca.pem``, 0444,
     the sandbox uid's: runsc's gofer can read it, and a host bundle replaced while the
-    task runs changes nothing) and that directory is mounted read-only.
+    task runs changes nothing) and that directory is mounted read-only. When the policy
+    has request-level rules, the proxy's task CA certificate is appended to that copy
+    (the sandbox trusts the proxy for the rules' hosts, and only for them: the CA is
+    name-constrained); ``secret_values`` are the secrets the rules inject
+    (:func:`rule_secrets`), handed to the proxy through an inherited pipe.
     """
     from agentbox.egress import spawn_proxy  # the proxy's side: only a task that starts one
 
     sock = socket_dir / EGRESS_SOCKET_NAME
     ca_dir = socket_dir.parent / "egress-ca"
-    ca_copy = ca_dir / "ca.pem"
     host_uid = settings.sandbox_host_uid
-    if not ca_copy.exists():
-        ca_dir.mkdir(mode=0o755, exist_ok=True)
-        os.chown(ca_dir, host_uid, host_uid, follow_symlinks=False)
-        data = host_ca_bundle(settings).read_bytes()
-        fd = os.open(ca_copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chown(ca_copy, host_uid, host_uid, follow_symlinks=False)
-    proxy = spawn_proxy(sock, policy, log_path, run_as, stderr_file=log_path.with_suffix(".stderr"))
+    ca_dir.mkdir(mode=0o755, exist_ok=True)
+    os.chown(ca_dir, host_uid, host_uid, follow_symlinks=False)
+    bundle = host_ca_bundle(settings).read_bytes()
+    proxy = spawn_proxy(
+        sock,
+        policy,
+        log_path,
+        run_as,
+        stderr_file=log_path.with_suffix(".stderr"),
+        secret_values=secret_values,
+    )
     try:
         # Recorded so a restarted launcher ends it if this one dies (release_task_env).
         record_proxy(socket_dir.parent, proxy.pid)
         os.chown(sock, host_uid, host_uid, follow_symlinks=False)
+        if proxy.ca_cert is not None:
+            bundle = bundle.rstrip(b"\n") + b"\n" + proxy.ca_cert
+        _write_bundle(ca_dir, bundle, host_uid)
     except BaseException:
         proxy.stop(grace=1.0)
         raise
