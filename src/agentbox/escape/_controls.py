@@ -194,6 +194,10 @@ def run_weak_controls(
         from agentbox.escape._egress import suite_outcome as escape_outcome
 
         got["host.egress_proxy_inner"] = escape_outcome(box, fx.gateway_dir, control=True)
+        # The secret planted where a careless broker would put it: the probe must find it.
+        from agentbox.escape._secret import suite_outcome as secret_outcome
+
+        got["host.secret_not_in_sandbox"] = secret_outcome(box, fx.gateway_dir, control=True)
         # The gateway unconfined, as root: what its confinement is measured against.
         from agentbox.escape._gateway import gateway_outcomes
 

@@ -211,6 +211,14 @@ PROBES: tuple[ProbeSpec, ...] = (
         "each refused for its address (403 ip-literal, address:*)",
         _REVIEW,
     ),
+    # a brokered secret: planted in a store, held by a real proxy whose rule injects it
+    _host(
+        "host.secret_not_in_sandbox",
+        "a secret a rule injects, held by a real egress proxy: searched for from inside in "
+        "the proxy's answers, every process's environ and cmdline, and the mounted files",
+        "found nowhere",
+        _REVIEW,
+    ),
 )
 
 _BY_ID = {p.id: p for p in PROBES}

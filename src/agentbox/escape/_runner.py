@@ -194,6 +194,10 @@ def run_real(
         from agentbox.escape._egress import suite_outcome as escape_outcome
 
         outcomes.append(escape_outcome(box, fx.gateway_dir, settings=settings, vm=vm))
+        # A brokered secret held by a real proxy: nowhere inside (environ, cmdline, files).
+        from agentbox.escape._secret import suite_outcome as secret_outcome
+
+        outcomes.append(secret_outcome(box, fx.gateway_dir, settings=settings, vm=vm))
         # The task's gateway, spawned as run_task spawns it (its posture, not the sandbox's).
         from agentbox.escape._gateway import gateway_outcomes
 
