@@ -40,10 +40,10 @@ from typing import Any
 import psutil
 
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.qemu import QemuBackend
+from agentbox.backends.microvm import boot_to_marker, ensure_root_disk
+from agentbox.backends.microvm.qemu import QemuBackend
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
-from agentbox.microvm import boot_to_marker, ensure_root_disk
 
 
 def mem_available() -> int:

@@ -60,9 +60,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentbox.backends._oci_args import entry_argv, image_facts, run_args
-from agentbox.backends._oci_cli import env_file
 from agentbox.backends._seccomp import profile_path
+from agentbox.backends.oci._args import entry_argv, image_facts, run_args
+from agentbox.backends.oci._cli import env_file
 from agentbox.backends.podman import PodmanBackend, _pool
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings

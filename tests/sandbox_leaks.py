@@ -46,7 +46,7 @@ from agentbox.config import Settings
 __all__ = ["ENV_MEMFD", "SandboxTracker", "active_trackers", "env_fds", "process_start"]
 
 ENV_MEMFD = "/memfd:agentbox-env"
-#: What a microVM's name adds to its sandbox's (``backends/_microvm``: ``token_hex(3)``).
+#: What a microVM's name adds to its sandbox's (``backends/microvm``: ``token_hex(3)``).
 _VM_SUFFIX = "[0-9a-f]{6}"
 _ACTIVE: list[SandboxTracker] = []
 

@@ -475,7 +475,7 @@ def test_a_launcher_kill_on_qemu_loses_no_task(world: World) -> None:
     checks the sealed record, re-adopts the task, follows it to its end, collects and
     publishes it. Nothing of the VM is left."""
     from agentbox.backends import get_backend
-    from agentbox.backends.qemu import _records as records
+    from agentbox.backends.microvm.qemu import _records as records
 
     env = {**world.env, "AGENTBOX_BACKEND": "qemu"}
     tid, name = "live-qemu", "agentbox-task-live-qemu"

@@ -153,7 +153,7 @@ def test_the_packed_source_runs_the_program_as_main() -> None:
 
 
 def test_kernel_surface_probes_fire_on_the_unconfined_host() -> None:
-    from agentbox.backends._userns_limits import SANDBOX_CAPS
+    from agentbox.backends.oci._userns_limits import SANDBOX_CAPS
 
     ids = "net.socket_families,kernel.compat_syscalls,limits.userns_caps"
     data = run_probe("--only", ids, config={"runtime": "runc", "userns_caps": SANDBOX_CAPS})

@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.qemu import QemuBackend, QemuSandbox, vmm_uid
-from agentbox.backends.qemu._posture import thread_status
+from agentbox.backends.microvm.qemu import QemuBackend, QemuSandbox, vmm_uid
+from agentbox.backends.microvm.qemu._posture import thread_status
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from sandbox_leaks import SandboxTracker
@@ -168,7 +168,7 @@ def test_killing_the_host_process_leaves_no_qemu(
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from agentbox.backends.qemu import QemuBackend
+        from agentbox.backends.microvm.qemu import QemuBackend
         from agentbox.backends.base import SandboxSpec
         from agentbox.boxfile import Resources
         from agentbox.config import Settings

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.backends._oci_args import _searchable_by
+from agentbox.backends.oci._args import _searchable_by
 from agentbox.linux.acl import acl_allows, grant_search
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")

@@ -36,8 +36,8 @@ import pytest
 from agentbox.backends import Exited
 from agentbox.backends._k8slog import read_exit
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.qemu import QemuBackend
-from agentbox.backends.qemu import _records as records
+from agentbox.backends.microvm.qemu import QemuBackend
+from agentbox.backends.microvm.qemu import _records as records
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.errors import SandboxGone
@@ -142,7 +142,7 @@ def _leftovers(settings: Settings, name: str, monitor: records.Identity) -> list
 
 _LAUNCHER = """
 import pickle, sys, time
-from agentbox.backends.qemu import QemuBackend
+from agentbox.backends.microvm.qemu import QemuBackend
 settings, rootfs, spec, argv, log, units = pickle.loads(sys.stdin.buffer.read())
 for procs in units:  # the launcher runs in a (emulated) systemd unit's cgroup
     with open(procs, "w") as fh:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.qemu import QemuBackend
+from agentbox.backends.microvm.qemu import QemuBackend
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from sandbox_leaks import SandboxTracker

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends.base import BindMount, SandboxSpec
-from agentbox.backends.qemu import QemuBackend, QemuSandbox
+from agentbox.backends.microvm.qemu import QemuBackend, QemuSandbox
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from sandbox_leaks import SandboxTracker
@@ -205,8 +205,8 @@ def test_a_dead_vms_disk_read_back_never_carries_the_layer(
     environment's layer like lost+found: the agent's writes into .venv stay out."""
     import subprocess
 
-    from agentbox.backends.qemu import vmm_uid
-    from agentbox.microvm._diskexport import export_disk
+    from agentbox.backends.microvm._diskexport import export_disk
+    from agentbox.backends.microvm.qemu import vmm_uid
 
     sb = box[0]
     assert _sh(sb, f"echo mine > {ENV}/layer-file && sync")[0] == 0

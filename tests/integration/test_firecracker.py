@@ -22,17 +22,7 @@ import psutil
 import pytest
 
 from agentbox.backends.base import BindMount, SandboxSpec
-from agentbox.backends.firecracker import (
-    FirecrackerBackend,
-    _vm_id,
-    facility,
-    fc_uid,
-    firecracker_binaries,
-)
-from agentbox.backends.qemu import vmm_uid
-from agentbox.config import Settings
-from agentbox.errors import AgentboxError, UnsupportedError
-from agentbox.microvm._firecracker import (
+from agentbox.backends.microvm._firecracker import (
     GUEST_CID,
     HOLDER,
     JAIL_FILES,
@@ -49,8 +39,18 @@ from agentbox.microvm._firecracker import (
     vcpu_count,
     vm_config,
 )
-from agentbox.microvm._jail import VMM_PIDS_MAX
-from agentbox.microvm._vm import VMM_OVERHEAD
+from agentbox.backends.microvm._jail import VMM_PIDS_MAX
+from agentbox.backends.microvm._vm import VMM_OVERHEAD
+from agentbox.backends.microvm.firecracker import (
+    FirecrackerBackend,
+    facility,
+    fc_uid,
+    firecracker_binaries,
+)
+from agentbox.backends.microvm.firecracker._backend import _vm_id
+from agentbox.backends.microvm.qemu import vmm_uid
+from agentbox.config import Settings
+from agentbox.errors import AgentboxError, UnsupportedError
 
 
 def _obj(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -365,7 +365,7 @@ def test_refusals_name_the_fix(tmp_path: Path) -> None:
 
 
 def test_a_recent_binary_still_needs_a_kvm_that_boots_the_guest(tmp_path: Path) -> None:
-    from agentbox.microvm.kvm import probe_kvm
+    from agentbox.backends.microvm.kvm import probe_kvm
 
     settings = _settings(_install(tmp_path, "1.10.1"))
     assert firecracker_binaries(settings)[0].name == "firecracker"
@@ -382,7 +382,7 @@ def test_a_recent_binary_still_needs_a_kvm_that_boots_the_guest(tmp_path: Path) 
 def test_declared_mounts_are_checked_as_in_qemu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentbox.backends import firecracker as mod
+    from agentbox.backends.microvm.firecracker import _backend as mod
     from agentbox.core import host as _host
 
     if os.geteuid() != 0:
@@ -435,7 +435,7 @@ def test_vm_ids_suit_the_jailer() -> None:
 
 _SPAWNER = """
 import sys, time
-from agentbox.microvm._jail import spawn
+from agentbox.backends.microvm._jail import spawn
 proc = spawn(sys.argv[1:], cgroup=None)
 time.sleep(300)
 """

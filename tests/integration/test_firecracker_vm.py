@@ -22,7 +22,18 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.firecracker import (
+from agentbox.backends.microvm._disks import make_data_disk
+from agentbox.backends.microvm._firecracker import (
+    JAIL_FILES,
+    VSOCK_MODULES,
+    ensure_vsock_modules,
+    place_files,
+)
+from agentbox.backends.microvm._guest import KernelFacts
+from agentbox.backends.microvm._initramfs import MARKER, ensure_initramfs
+from agentbox.backends.microvm._kernel import ensure_kernel
+from agentbox.backends.microvm._vm import Vm, VmConfig
+from agentbox.backends.microvm.firecracker import (
     FirecrackerBackend,
     FirecrackerSandbox,
     FirecrackerVm,
@@ -31,17 +42,6 @@ from agentbox.backends.firecracker import (
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.errors import GuestError
-from agentbox.microvm._disks import make_data_disk
-from agentbox.microvm._firecracker import (
-    JAIL_FILES,
-    VSOCK_MODULES,
-    ensure_vsock_modules,
-    place_files,
-)
-from agentbox.microvm._guest import KernelFacts
-from agentbox.microvm._initramfs import MARKER, ensure_initramfs
-from agentbox.microvm._kernel import ensure_kernel
-from agentbox.microvm._vm import Vm, VmConfig
 from sandbox_leaks import SandboxTracker
 
 RES = Resources(memory="1GiB", cpus=1)

@@ -176,7 +176,7 @@ def test_spawn_failure_is_an_oserror_with_the_errno(tmp_path: Path) -> None:
 
 
 def test_precompiled_agent_is_what_the_guest_imports(tmp_path: Path) -> None:
-    from agentbox.microvm._initramfs import AGENT_PARTS, _agent_bytecode
+    from agentbox.backends.microvm._initramfs import AGENT_PARTS, _agent_bytecode
 
     name, pyc = _agent_bytecode(AGENT.read_bytes())
     assert name == f"agent.{sys.implementation.cache_tag}.pyc"

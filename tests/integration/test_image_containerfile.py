@@ -163,7 +163,7 @@ def test_nodejs_from_debian_packages_is_hardened_and_runs(
 def test_nodejs_image_runs_on_qemu(
     node_image: tuple[str, str], sandbox_settings: Settings, sandbox_factory: Callable[..., object]
 ) -> None:
-    from agentbox.backends.qemu import QemuBackend
+    from agentbox.backends.microvm.qemu import QemuBackend
     from agentbox.boxfile import Resources
 
     name, _ = node_image

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.backends.microvm import kvm
+from agentbox.backends.microvm.kvm import boot_to_marker, probe_kvm
 from agentbox.config import Settings
-from agentbox.microvm import kvm
-from agentbox.microvm.kvm import boot_to_marker, probe_kvm
 
 pytestmark = pytest.mark.qemu
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from agentbox.backends.microvm._channel import Channel
+from agentbox.backends.microvm._guest import GuestSession, KernelFacts
 from agentbox.guest import agent as agent_module
 from agentbox.guest.agent import GW_WINDOW
-from agentbox.microvm._channel import Channel
-from agentbox.microvm._guest import GuestSession, KernelFacts
 
 NOBODY = 65534
 PYTHON = "/usr/bin/python3"

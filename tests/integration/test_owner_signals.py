@@ -157,14 +157,14 @@ def _sandbox_names(backend: str, world: World, owner: int) -> list[str]:
             rec = json.loads((d / "owner").read_text())
             if rec.get("pid") == owner and isinstance(rec.get(LABEL), str):
                 names.append(rec[LABEL])
-    from agentbox.backends.qemu import _records
+    from agentbox.backends.microvm.qemu import _records
 
     recs = (world.settings.data_dir / _records.RECORD_DIR).glob("*.json")
     return names + sorted(p.stem for p in recs)
 
 
 def _vmm_alive(vm: str) -> bool:
-    from agentbox.microvm._firecracker import cgroup_dirs
+    from agentbox.backends.microvm._firecracker import cgroup_dirs
 
     for d in cgroup_dirs(vm):
         with contextlib.suppress(OSError):
@@ -177,7 +177,7 @@ def _sandboxes(backend: str, world: World, owner: int) -> list[str]:
     if backend == "podman":
         return _containers(owner)
     # A launcher task's microVM runs detached: its monitor owns it (a sealed record).
-    from agentbox.backends.qemu import _records
+    from agentbox.backends.microvm.qemu import _records
 
     recs = (world.settings.data_dir / _records.RECORD_DIR).glob("*.json")
     return _vms(world.settings.data_dir, owner) + sorted(p.stem for p in recs)
@@ -197,8 +197,8 @@ def _cleanup(backend: str, world: World, owner: int, vms: list[str]) -> None:
     for name in _containers(owner) if backend == "podman" else []:
         be.kill(name)
     for vm in vms:
-        from agentbox.microvm._firecracker import cgroup_dirs
-        from agentbox.microvm._jail import Cgroup
+        from agentbox.backends.microvm._firecracker import cgroup_dirs
+        from agentbox.backends.microvm._jail import Cgroup
 
         cg = Cgroup.__new__(Cgroup)
         cg.name, cg.dirs = vm, cgroup_dirs(vm)

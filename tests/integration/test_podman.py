@@ -84,7 +84,7 @@ def test_missing_image_refused_before_anything(
 
 
 def test_default_image_missing_says_how_to_build_it(sandbox_settings: Settings) -> None:
-    from agentbox.backends import _oci_args
+    from agentbox.backends.oci import _args as _oci_args
 
     with pytest.raises(ImageError, match="agentbox image build"):
         _oci_args.image_facts("localhost/agentbox-default:latest-missing")

@@ -22,8 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agentbox.backends._oci_cli import ENV_MEMFD_NAME, env_file
 from agentbox.backends.base import SandboxSpec
+from agentbox.backends.oci._cli import ENV_MEMFD_NAME, env_file
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import ConfigError
@@ -111,7 +111,7 @@ def test_env_file_is_a_sealed_memfd_with_the_values() -> None:
 
 KILLED = r"""
 import os, signal, sys
-from agentbox.backends._oci_cli import env_file
+from agentbox.backends.oci._cli import env_file
 with env_file({"AB_TOKEN": sys.argv[1]}) as envf:
     print(envf.path, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -120,7 +120,7 @@ def test_sandbox_cannot_spend_roots_kernel_quotas(sandbox: Sandbox) -> None:
 
 @pytest.mark.parametrize("sandbox", ["runc"], indirect=True)
 def test_userns_caps_are_in_place_inside(sandbox: Sandbox) -> None:
-    from agentbox.backends._userns_limits import SANDBOX_CAPS
+    from agentbox.backends.oci._userns_limits import SANDBOX_CAPS
 
     data = run_probe_program(
         sandbox, {"userns_caps": SANDBOX_CAPS}, ["--only", "limits.userns_caps"], 60

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from agentbox.backends import Exited
-from agentbox.backends._oci_cli import conmon_cwd
 from agentbox.backends.base import SandboxSpec
+from agentbox.backends.oci._cli import conmon_cwd
 from agentbox.backends.podman import _detach
 from agentbox.config import Settings
 from sandbox_leaks import SandboxTracker

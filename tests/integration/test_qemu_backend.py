@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends.base import ExecResult, SandboxSpec
-from agentbox.backends.qemu import QemuBackend, QemuSandbox
+from agentbox.backends.microvm._guest import KernelFacts
+from agentbox.backends.microvm.qemu import QemuBackend, QemuSandbox
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.errors import GuestError
-from agentbox.microvm._guest import KernelFacts
 from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.qemu
@@ -389,7 +389,7 @@ def test_a_bad_exit_code_is_handled_like_a_crash(
     # A guest agent that reports {"op": "exit", "code": <not an exit code>}: the
     # real guest's exit message is rewritten on its way in, as a compromised agent
     # would send it. The run must end like a crash, with the work collected.
-    import agentbox.microvm._channel as channel
+    import agentbox.backends.microvm._channel as channel
 
     real = channel.decode_ctrl
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.firecracker import FirecrackerBackend
+from agentbox.backends.microvm.firecracker import FirecrackerBackend
 from agentbox.config import Settings
 from agentbox.errors import UnsupportedError
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends.base import BindMount, SandboxSpec
-from agentbox.backends.qemu import QemuBackend, QemuSandbox
+from agentbox.backends.microvm.qemu import QemuBackend, QemuSandbox
 from agentbox.boxfile import Resources
 from agentbox.config import Settings
 from agentbox.errors import UnsupportedError

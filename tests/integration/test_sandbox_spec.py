@@ -11,14 +11,14 @@ import psutil
 import pytest
 
 from agentbox.backends import get_backend
-from agentbox.backends._oci_args import (
+from agentbox.backends.base import GATEWAY_PORT, LABEL, SandboxSpec
+from agentbox.backends.oci._args import (
     ImageFacts,
     _searchable_by,
     check_spec,
     entry_argv,
     run_args,
 )
-from agentbox.backends.base import GATEWAY_PORT, LABEL, SandboxSpec
 from agentbox.boxfile import Boxfile
 from agentbox.config import DEFAULT_IMAGE, Settings
 from agentbox.errors import ConfigError, PathRefused, UnsupportedError

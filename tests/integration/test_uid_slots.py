@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends import _uidslots as slots
-from agentbox.backends._microvm import vmm_uid
-from agentbox.backends._oci_args import ImageFacts, run_args
+from agentbox.backends.microvm._recover import vmm_uid
+from agentbox.backends.oci._args import ImageFacts, run_args
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.errors import SandboxError

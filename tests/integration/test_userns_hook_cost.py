@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.backends._userns_limits import SANDBOX_CAPS, hooks_dir
+from agentbox.backends.oci._userns_limits import SANDBOX_CAPS, hooks_dir
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace"),

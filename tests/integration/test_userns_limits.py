@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.backends._userns_limits import (
+from agentbox.backends.oci._userns_limits import (
     HOOK_SCRIPT,
     HOST_SANDBOXES,
     HOST_SYSCTLS,

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.backends.microvm._channel import Channel
+from agentbox.backends.microvm._guest import GuestSession, KernelFacts, host_kernel
+from agentbox.backends.microvm._vsock import connect_vsock
 from agentbox.errors import GuestError
 from agentbox.guest import agent as agent_module
 from agentbox.guest.agent import transport_from_cmdline
-from agentbox.microvm._channel import Channel
-from agentbox.microvm._guest import GuestSession, KernelFacts, host_kernel
-from agentbox.microvm._vsock import connect_vsock
 
 NOBODY = 65534
 #: Debian's python3, as in the guest image (not a per-user shim nobody cannot run).

@@ -3,7 +3,7 @@
 No VMM is needed: a microVM sandbox is, to the host, a VM dir under
 ``data_dir/microvm`` whose owner file names it, and a cgroup holding its VMM.
 Here a ``sleep`` stands in for the VMM, in the very cgroup dirs Firecracker's
-jailer makes (:func:`agentbox.microvm._firecracker.cgroup_dirs`). The watchdog
+jailer makes (:func:`agentbox.backends.microvm._firecracker.cgroup_dirs`). The watchdog
 is the real one, spawned as the launcher and the CLI spawn it.
 """
 
@@ -33,8 +33,8 @@ class FakeVm:
     """A VM dir with an owner file, and a stand-in VMM in the VM's cgroup."""
 
     def __init__(self, data_dir: Path, sandbox: str, owner_pid: int) -> None:
-        from agentbox.microvm._firecracker import cgroup_dirs
-        from agentbox.microvm._jail import Cgroup
+        from agentbox.backends.microvm._firecracker import cgroup_dirs
+        from agentbox.backends.microvm._jail import Cgroup
 
         self.vm = f"{sandbox}-{os.urandom(3).hex()}"
         self.dir = data_dir / "microvm" / self.vm
@@ -194,8 +194,8 @@ def test_reap_saves_a_dead_owners_data_disk_into_its_workspace(
 ) -> None:
     """A restarted launcher reconciles a microVM task by reaping it (qemu and firecracker
     alike): the VMM dies, what the agent wrote on /data lands in the task workspace."""
+    from agentbox.backends.microvm._disks import make_data_disk
     from agentbox.launcher._watchdog import reap_sandbox
-    from agentbox.microvm._disks import make_data_disk
 
     data = tmp_path / "data"
     ws = data / "tasks" / "t1" / "workspace"

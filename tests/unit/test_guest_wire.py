@@ -18,7 +18,7 @@ from agentbox.guest import agent, wire
 
 def test_host_channel_does_not_import_the_guest_agent() -> None:
     code = (
-        "import sys, agentbox.microvm._channel, agentbox.microvm._guest; "
+        "import sys, agentbox.backends.microvm._channel, agentbox.backends.microvm._guest; "
         "print('agentbox.guest.agent' in sys.modules, 'agentbox.guest.wire' in sys.modules)"
     )
     out = subprocess.run(

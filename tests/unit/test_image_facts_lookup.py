@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agentbox.backends import _oci_args
+from agentbox.backends.oci import _args as _oci_args
 from agentbox.backends.podman import PodmanBackend
 from agentbox.config import Settings
 from agentbox.core import proc as _proc

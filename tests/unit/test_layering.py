@@ -16,7 +16,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "agentbox"
 
 #: (importing package, imported private module) edges not yet moved behind a facade.
-#: Empty: the microVM backends import agentbox.microvm's facade, the CLI image's.
+#: Empty: the microVM backends import agentbox.backends.microvm's facade, the CLI image's.
 PENDING: set[tuple[str, str]] = set()
 
 

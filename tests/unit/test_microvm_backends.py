@@ -1,10 +1,10 @@
 """The two microVM backends share one base, and the qemu backend is a package (issue 14).
 
-:class:`~agentbox.backends._microvm._MicrovmBackend` holds what qemu and firecracker
+:class:`~agentbox.backends.microvm._base._MicrovmBackend` holds what qemu and firecracker
 have in common (mount checks, the VM's shape, ``create``'s steps, ``run``, the verbs
 for a dead owner's sandbox); each backend only starts its own VMM. Neither backend
 class extends the other, so a change to QEMU's snapshots or accelerator probe cannot
-reach Firecracker by inheritance. ``agentbox.backends.qemu`` keeps its public names.
+reach Firecracker by inheritance. ``agentbox.backends.microvm.qemu`` keeps its public names.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import agentbox.backends.qemu as qemu_pkg
+import agentbox.backends.microvm.qemu as qemu_pkg
 from agentbox.backends import backend_class
-from agentbox.backends._microvm import _MicrovmBackend
 from agentbox.backends.base import LABEL
+from agentbox.backends.microvm._base import _MicrovmBackend
 from agentbox.config import Settings
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "agentbox" / "backends"
@@ -35,7 +35,7 @@ def test_qemu_and_firecracker_share_a_base_and_neither_extends_the_other() -> No
 
 
 def test_the_firecracker_backend_imports_nothing_of_the_qemu_backend_class() -> None:
-    tree = ast.parse((SRC / "firecracker.py").read_text())
+    tree = ast.parse((SRC / "microvm" / "firecracker" / "_backend.py").read_text())
     names = {
         (node.module, a.name)
         for node in ast.walk(tree)
@@ -46,7 +46,8 @@ def test_the_firecracker_backend_imports_nothing_of_the_qemu_backend_class() -> 
 
 
 def test_the_qemu_package_keeps_its_public_names() -> None:
-    assert (SRC / "qemu" / "__init__.py").is_file() and not (SRC / "qemu.py").exists()
+    assert (SRC / "microvm" / "qemu" / "__init__.py").is_file()
+    assert not (SRC / "qemu").exists() and not (SRC / "qemu.py").exists()
     want = {"QemuBackend", "QemuSandbox", "kill_sandbox", "probe_kvm", "recover_sandbox", "vmm_uid"}
     assert set(qemu_pkg.__all__) == want
     assert all(callable(getattr(qemu_pkg, name)) for name in want)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.backends.microvm._initramfs import INIT_SCRIPT, _has_interp, build_cpio
+from agentbox.backends.microvm._jail import JailSpec, jail_argv
+from agentbox.backends.microvm._kernel import Kernel, decompress_bzimage
+from agentbox.backends.microvm._vm import SANDBOX_FLAGS, VmConfig, qemu_argv
 from agentbox.errors import ImageError
-from agentbox.microvm._initramfs import INIT_SCRIPT, _has_interp, build_cpio
-from agentbox.microvm._jail import JailSpec, jail_argv
-from agentbox.microvm._kernel import Kernel, decompress_bzimage
-from agentbox.microvm._vm import SANDBOX_FLAGS, VmConfig, qemu_argv
 
 
 def _fake_bzimage(payload: bytes, setup_sects: int = 4) -> bytes:
@@ -122,7 +122,7 @@ def test_jail_argv_binds_only_declared_files(tmp_path: Path) -> None:
 def test_prune_cache_keeps_the_most_recently_used(tmp_path: Path) -> None:
     import os
 
-    from agentbox.microvm._disks import prune_cache
+    from agentbox.backends.microvm._disks import prune_cache
 
     for i in range(6):
         p = tmp_path / f"root-{i}.img"

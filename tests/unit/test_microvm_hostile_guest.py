@@ -21,6 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from agentbox.backends.microvm._channel import MAX_QUEUED_BYTES, Channel
+from agentbox.backends.microvm._guest import MAX_GATEWAY_HELD, GuestSession, KernelFacts
 from agentbox.errors import GuestError
 from agentbox.guest.agent import (
     CTRL,
@@ -33,8 +35,6 @@ from agentbox.guest.agent import (
     encode_frame,
     proof,
 )
-from agentbox.microvm._channel import MAX_QUEUED_BYTES, Channel
-from agentbox.microvm._guest import MAX_GATEWAY_HELD, GuestSession, KernelFacts
 
 FACTS = {"release": "6.1.0-guest", "boot_id": "guest-boot"}
 HOST = KernelFacts("HOST", "HOST-BOOT")

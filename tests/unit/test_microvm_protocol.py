@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.backends.microvm._channel import MAX_QUEUED_BYTES, MSG_OVERHEAD, Channel, GuestTimeout
+from agentbox.backends.microvm._guest import GuestSession, KernelFacts
 from agentbox.errors import GuestError
 from agentbox.guest.agent import (
     CTRL,
@@ -26,8 +28,6 @@ from agentbox.guest.agent import (
     encode_frame,
     proof,
 )
-from agentbox.microvm._channel import MAX_QUEUED_BYTES, MSG_OVERHEAD, Channel, GuestTimeout
-from agentbox.microvm._guest import GuestSession, KernelFacts
 
 
 def test_frames_roundtrip_in_any_chunking() -> None:
@@ -215,7 +215,7 @@ def test_kernel_and_nonce_check(
 def test_a_guest_that_stops_reading_cannot_wedge_a_send(
     guest: FakeGuest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import agentbox.microvm._channel as ch
+    import agentbox.backends.microvm._channel as ch
 
     monkeypatch.setattr(ch, "SEND_TIMEOUT", 0.5)
     t0 = time.monotonic()
@@ -227,7 +227,7 @@ def test_a_guest_that_stops_reading_cannot_wedge_a_send(
 
 
 def test_gateway_streams_are_capped(guest: FakeGuest, tmp_path: Path) -> None:
-    import agentbox.microvm._guest as g
+    import agentbox.backends.microvm._guest as g
 
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(tmp_path / "gw.sock"))

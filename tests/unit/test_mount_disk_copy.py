@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.backends.microvm._disks import _copy_tree
 from agentbox.errors import SandboxError
-from agentbox.microvm._disks import _copy_tree
 
 UID = 64000
 

@@ -1,4 +1,4 @@
-"""The part of a container sandbox podman and docker share (``backends/_oci_sandbox.py``),
+"""The part of a container sandbox podman and docker share (``backends/oci/_sandbox.py``),
 in milliseconds: a subclass whose "engine" runs real processes on the host.
 
 Only the engine's half is replaced (``_run``, ``_pack``, ``_init_pid``, ``_remove``);
@@ -19,10 +19,10 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from agentbox.backends import _oci_sandbox
-from agentbox.backends._oci_cli import Capture
-from agentbox.backends._oci_sandbox import OciSandbox, Ran
+from agentbox.backends.oci import _sandbox as _oci_sandbox
 from agentbox.backends.base import SandboxSpec
+from agentbox.backends.oci._cli import Capture
+from agentbox.backends.oci._sandbox import OciSandbox, Ran
 from agentbox.errors import ConfigError, SandboxError
 
 

@@ -2,8 +2,8 @@
 
 A monitor lives as long as its VM, one per task (our conmon), so every module it
 imports is paid once per task in memory. This runs a real monitor process, with the
-very command :meth:`~agentbox.backends.qemu._detach.QemuDetached.launch` starts
-(:func:`~agentbox.backends.qemu._records.monitor_argv`), hands it a request it
+very command :meth:`~agentbox.backends.microvm.qemu._detach.QemuDetached.launch` starts
+(:func:`~agentbox.backends.microvm.qemu._records.monitor_argv`), hands it a request it
 refuses at once (not a dict: exit 2, no VM), and reads the modules it held when it
 exited: the entry point, the backend and the records it runs with are all loaded.
 
@@ -20,7 +20,7 @@ import pickle
 import subprocess
 from pathlib import Path
 
-from agentbox.backends.qemu._records import MONITOR_MODULE, monitor_argv
+from agentbox.backends.microvm.qemu._records import MONITOR_MODULE, monitor_argv
 
 #: Never imported by a monitor: each is MiBs per task (rich ~5, click+typer ~6,
 #: httpx ~4, PyYAML ~1) or a part of agentbox it does not run with.
@@ -67,8 +67,8 @@ def test_a_monitor_imports_nothing_heavy(tmp_path: Path) -> None:
     imported = set(modules.read_text().split())
     # The probe works: it saw what the monitor runs with load.
     for needed in (
-        "agentbox.backends.qemu._backend",
-        "agentbox.microvm._guest",
+        "agentbox.backends.microvm.qemu._backend",
+        "agentbox.backends.microvm._guest",
         "agentbox.core.log",
     ):
         assert needed in imported

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agentbox.backends._k8slog import LogReader
-from agentbox.backends.qemu._monitor import RECORD_BYTES, LogWriter
+from agentbox.backends.microvm.qemu._monitor import RECORD_BYTES, LogWriter
 
 
 def _read(path: Path) -> tuple[bytes, bytes, int]:

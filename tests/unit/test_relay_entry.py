@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.backends._oci_args import RELAY_PATH, entry_argv
 from agentbox.backends.base import SandboxSpec
+from agentbox.backends.oci._args import RELAY_PATH, entry_argv
 from agentbox.image._relay import RELAY_BINARY, RELAY_SOURCE, compile_relay
 
 pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")

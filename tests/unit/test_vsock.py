@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.backends.microvm._vsock import MAX_REPLY, connect_vsock
 from agentbox.errors import GuestError, SandboxError
-from agentbox.microvm._vsock import MAX_REPLY, connect_vsock
 
 Reply = Callable[[socket.socket, int], None]
 """Handles one accepted connection; gets the connection and its 0-based index."""
@@ -206,7 +206,7 @@ def test_reply_cut_mid_line_fails(peer: Callable[..., Peer]) -> None:
 def test_silent_peer_is_retried_then_times_out(
     peer: Callable[..., Peer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentbox.microvm import _vsock
+    from agentbox.backends.microvm import _vsock
 
     monkeypatch.setattr(_vsock, "HANDSHAKE_TIMEOUT", 0.2)
     p = peer(lambda conn, i: time.sleep(0.5))  # accepts, never answers
@@ -232,7 +232,7 @@ def test_port_out_of_range(tmp_path: Path, port: int) -> None:
 def test_a_socket_path_longer_than_sun_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentbox.microvm import _vsock
+    from agentbox.backends.microvm import _vsock
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)

@@ -45,8 +45,8 @@ log = get_logger(__name__)
 #: Backend name → "module:ClassName"; the class is called as ``Class(settings, **kw)``.
 BACKENDS: dict[str, str] = {
     "podman": "agentbox.backends.podman:PodmanBackend",
-    "qemu": "agentbox.backends.qemu:QemuBackend",
-    "firecracker": "agentbox.backends.firecracker:FirecrackerBackend",
+    "qemu": "agentbox.backends.microvm.qemu:QemuBackend",
+    "firecracker": "agentbox.backends.microvm.firecracker:FirecrackerBackend",
     "docker": "agentbox.backends.docker:DockerBackend",
     "fake": "agentbox.backends.fake:FakeBackend",
 }

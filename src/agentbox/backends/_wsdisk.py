@@ -9,7 +9,7 @@ project quotas, so every sandbox with a workspace gets its own filesystem:
    the mount reachable), and ``mkfs.ext4 -d`` copies it into a fresh sparse
    image of the sandbox's disk limit (:meth:`Resources.disk_limit`: bytes and
    inodes), the very function that makes the microVM's ``/data`` disk
-   (:func:`agentbox.microvm._disks.make_data_disk`);
+   (:func:`agentbox.backends.microvm._disks.make_data_disk`);
 2. the image is loop-mounted ``nosuid,nodev`` *over* the workspace directory
    (through ``/proc/<pid>/fd/<fd>``: the path is not looked up again), with the
    directory's owner and mode; the container bind-mounts that path as usual;
@@ -56,7 +56,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from agentbox.backends._oci_cli import owner_start
 from agentbox.backends._wsdisk_copy import (
     MAX_COPY_DEPTH,
     copy_back,
@@ -65,13 +64,14 @@ from agentbox.backends._wsdisk_copy import (
     snapshot,
 )
 from agentbox.backends.base import SandboxSpec
+from agentbox.backends.microvm import make_data_disk
+from agentbox.backends.oci._cli import owner_start
 from agentbox.boxfile import DiskLimit
 from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
 from agentbox.linux.libc import libc as load_libc
-from agentbox.microvm import make_data_disk
 
 __all__ = ["MAX_COPY_DEPTH", "WorkspaceDisk", "disks_dir", "settle_orphan_disks", "workspace_disk"]
 

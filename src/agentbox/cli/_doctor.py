@@ -100,7 +100,7 @@ def _userns() -> _host.Facility:
 def _kernel_quotas() -> _host.Facility:
     """Root's host-wide inotify limits: every podman sandbox's user namespace is root's,
 
-    so each may spend up to its cap of them (see backends/_userns_limits.py).
+    so each may spend up to its cap of them (see backends/oci/_userns_limits.py).
     """
     from agentbox.backends.podman import (
         HOST_SANDBOXES,
@@ -142,7 +142,9 @@ def _kvm(settings: Settings) -> Check:
         )
     probe: Callable[[Settings], _host.Facility] | None = None
     try:
-        probe = getattr(importlib.import_module("agentbox.backends.qemu"), "probe_kvm", None)
+        probe = getattr(
+            importlib.import_module("agentbox.backends.microvm.qemu"), "probe_kvm", None
+        )
     except ImportError:
         probe = None
     if probe is None:
@@ -158,7 +160,7 @@ def _kvm(settings: Settings) -> Check:
 
 
 def _firecracker(settings: Settings) -> Check:
-    from agentbox.backends.firecracker import facility
+    from agentbox.backends.microvm.firecracker import facility
 
     return _row(facility(settings), present=settings.firecracker_binary is not None)
 

@@ -1,7 +1,7 @@
 """What a command run in a sandbox returns, and the callback its output streams to.
 
 Defined below both the backends (:mod:`agentbox.backends.base` re-exports them, part
-of the Protocol) and the microVM machinery (:mod:`agentbox.microvm`, whose guest
+of the Protocol) and the microVM machinery (:mod:`agentbox.backends.microvm`, whose guest
 channel builds them), so that the machinery never imports the backends it serves.
 """
 

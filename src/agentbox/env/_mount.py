@@ -134,7 +134,7 @@ class EnvMount:
         self.where.mkdir(mode=0o711)
         self.layer.mkdir(mode=0o700)
         if limit is not None:
-            from agentbox.microvm._disks import make_data_disk
+            from agentbox.backends.microvm._disks import make_data_disk
 
             image = self.where / "layer.img"
             make_data_disk(None, image, size=limit.size, inodes=limit.inodes, pad=False)

@@ -79,7 +79,7 @@ def image_id(image: str) -> str:
     """The id of local image ``image`` the podman backend will run (the key must change
     when the image does): the backend's own per-process inspection, so it is exactly
     the image the sandboxes get, and costs nothing more to the task's start."""
-    from agentbox.backends._oci_args import image_facts
+    from agentbox.backends.oci._args import image_facts
 
     return image_facts(image).id
 

@@ -2,7 +2,7 @@
 
 The kernel charges inotify instances, POSIX message-queue bytes and queued
 signals to the owner of the sandbox's user namespace as well (root, under
-podman); see :mod:`agentbox.backends._userns_limits`. Native AIO events come
+podman); see :mod:`agentbox.backends.oci._userns_limits`. Native AIO events come
 from one host-wide counter (``fs.aio-max-nr``). For each counter the
 sandbox runs the probe program with ``--exhaust KIND --hold S`` while a thread
 of this (root) process tries, every few milliseconds, to spend one unit of the

@@ -93,7 +93,7 @@ def real_spec(
 def vmm_uid(settings: Settings, isolation: str) -> int:
     """The host uid a microVM's VMM runs as: not yours under strict, yours under standard."""
     with contextlib.suppress(ImportError):
-        from agentbox.backends.qemu import vmm_uid as qemu_vmm_uid
+        from agentbox.backends.microvm.qemu import vmm_uid as qemu_vmm_uid
 
         return qemu_vmm_uid(settings, "strict" if isolation == "strict" else "standard")
     if isolation == "strict":

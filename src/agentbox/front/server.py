@@ -61,8 +61,8 @@ PRELOAD = (
     "agentbox.backends",
     "agentbox.backends.podman",
     "agentbox.backends.docker",  # the orphan sweep lists every backend's sandboxes
-    "agentbox.backends.qemu",
-    "agentbox.backends.firecracker",
+    "agentbox.backends.microvm.qemu",
+    "agentbox.backends.microvm.firecracker",
     "agentbox.backends.fake",
     "agentbox.collect",
     "agentbox.collect.report",

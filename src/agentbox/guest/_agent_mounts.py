@@ -150,7 +150,7 @@ class Mounts(Channel):
         # The overlays hold their layer dirs; an empty read-only tmpfs over the name
         # leaves the workload nothing to read, rename or fill there, and the layer is
         # skipped like a target when /workspace is copied out (the host's read of a
-        # dead VM's disk prunes it by name: agentbox.microvm._diskexport).
+        # dead VM's disk prunes it by name: agentbox.backends.microvm._diskexport).
         _mount("tmpfs", layer, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | 0x8, "size=4k,mode=0555")
         self.cow_targets.append(layer)
 

@@ -2,7 +2,7 @@
 
 Shared by both ends: the guest agent (:mod:`agentbox.guest.agent`, which runs in
 the guest on the image's stdlib ``python3``) imports it as a sibling module from
-the initramfs's read-only ``/opt/agentbox/vm``; the host (:mod:`agentbox.microvm`)
+the initramfs's read-only ``/opt/agentbox/vm``; the host (:mod:`agentbox.backends.microvm`)
 imports it from here without pulling in the agent. Like the agent it imports
 nothing of agentbox and only builtin C modules at import time (see
 tests/integration/test_guest_agent_lean.py).

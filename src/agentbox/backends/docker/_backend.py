@@ -13,9 +13,6 @@ from typing import Any
 import psutil
 
 from agentbox.backends._attached import AttachedOnly, NoPool
-from agentbox.backends._oci_cli import Capture, check_env, owner_start
-from agentbox.backends._oci_sandbox import start_on_disk, wait_relay_inside
-from agentbox.backends._userns_limits import HOOK_SCRIPT, SANDBOX_CAPS
 from agentbox.backends._wsdisk import settle_orphan_disks
 from agentbox.backends.base import (
     LABEL,
@@ -37,6 +34,9 @@ from agentbox.backends.docker._config import (
 )
 from agentbox.backends.docker._image import ensure_image, forget_images
 from agentbox.backends.docker._sandbox import DockerSandbox, status_of
+from agentbox.backends.oci._cli import Capture, check_env, owner_start
+from agentbox.backends.oci._sandbox import start_on_disk, wait_relay_inside
+from agentbox.backends.oci._userns_limits import HOOK_SCRIPT, SANDBOX_CAPS
 from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger

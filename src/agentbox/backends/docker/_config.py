@@ -1,7 +1,7 @@
 """The Engine JSON of a hardened sandbox container, and the daemon facts it depends on.
 
 Each field answers a line of the seed's "Agent container" list, like
-:func:`agentbox.backends._oci_args.run_args` does for podman; the comment
+:func:`agentbox.backends.oci._args.run_args` does for podman; the comment
 next to it says which threat it closes. Nothing here talks to the daemon.
 """
 
@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentbox.backends._oci_args import entry_argv
 from agentbox.backends._seccomp import profile_path
-from agentbox.backends._userns_limits import SANDBOX_RLIMITS
 from agentbox.backends.base import (
     GATEWAY_DIR_IN_SANDBOX,
     HOME_IN_SANDBOX,
@@ -25,6 +23,8 @@ from agentbox.backends.base import (
     SandboxSpec,
 )
 from agentbox.backends.docker._spawn import CLIENT, SPAWNER
+from agentbox.backends.oci._args import entry_argv
+from agentbox.backends.oci._userns_limits import SANDBOX_RLIMITS
 from agentbox.config import Settings
 
 __all__ = [

@@ -10,15 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agentbox.backends._oci_posture import (
-    NAMESPACES,
-    _check,
-    _inside_checks,
-    all_same,
-    expected_mounts,
-    probe_inside,
-    process_checks,
-)
 from agentbox.backends.base import Posture, PostureCheck, SandboxSpec
 from agentbox.backends.docker._config import (
     TINI,
@@ -26,6 +17,15 @@ from agentbox.backends.docker._config import (
     docker_runtime,
     nano_cpus,
     seccomp_json,
+)
+from agentbox.backends.oci._posture import (
+    NAMESPACES,
+    _check,
+    _inside_checks,
+    all_same,
+    expected_mounts,
+    probe_inside,
+    process_checks,
 )
 from agentbox.config import Settings
 

@@ -1,5 +1,5 @@
 """A live docker sandbox: the Engine API's half of
-:class:`~agentbox.backends._oci_sandbox.OciSandbox` (exec, pack, pid, stop, remove)."""
+:class:`~agentbox.backends.oci._sandbox.OciSandbox` (exec, pack, pid, stop, remove)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from collections.abc import Callable, Mapping
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from agentbox.backends._oci_cli import Capture, check_env
-from agentbox.backends._oci_sandbox import OciSandbox, Ran
 from agentbox.backends.base import Posture, SandboxSpec
 from agentbox.backends.docker._binds import HostBinds
 from agentbox.backends.docker._config import exec_argv
 from agentbox.backends.docker._exec import exec_stream
+from agentbox.backends.oci._cli import Capture, check_env
+from agentbox.backends.oci._sandbox import OciSandbox, Ran
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError
 

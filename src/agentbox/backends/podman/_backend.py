@@ -1,7 +1,7 @@
 """The podman backend: hardened OCI containers under runc, crun or runsc (gVisor).
 
 Every sandbox gets the seed's "Agent container" list (see
-:func:`agentbox.backends._oci_args.run_args` for the flags and why each is
+:func:`agentbox.backends.oci._args.run_args` for the flags and why each is
 there). Two ways to run:
 
 * :meth:`PodmanBackend.run`: one shot, the fastest path (``agentbox exec``, the
@@ -40,33 +40,6 @@ from typing import Any
 
 import psutil
 
-from agentbox.backends._oci_args import (
-    CONMON_GRACE,
-    ImageFacts,
-    check_spec,
-    entry_argv,
-    forget_image,
-    image_facts,
-    run_args,
-)
-from agentbox.backends._oci_cli import (
-    Capture,
-    conmon_cwd,
-    env_file,
-    force_remove,
-    kill,
-    owner_start,
-    podman_error,
-    stdin_fd,
-)
-from agentbox.backends._oci_posture import wait_relay
-from agentbox.backends._oci_sandbox import start_on_disk
-from agentbox.backends._userns_limits import (
-    HOST_SANDBOXES,
-    HOST_SYSCTLS,
-    SANDBOX_CAPS,
-    host_shortfall,
-)
 from agentbox.backends._wsdisk import settle_orphan_disks, workspace_disk
 from agentbox.backends.base import (
     LABEL,
@@ -76,6 +49,33 @@ from agentbox.backends.base import (
     OutputCallback,
     SandboxSpec,
     data_dir_label,
+)
+from agentbox.backends.oci._args import (
+    CONMON_GRACE,
+    ImageFacts,
+    check_spec,
+    entry_argv,
+    forget_image,
+    image_facts,
+    run_args,
+)
+from agentbox.backends.oci._cli import (
+    Capture,
+    conmon_cwd,
+    env_file,
+    force_remove,
+    kill,
+    owner_start,
+    podman_error,
+    stdin_fd,
+)
+from agentbox.backends.oci._posture import wait_relay
+from agentbox.backends.oci._sandbox import start_on_disk
+from agentbox.backends.oci._userns_limits import (
+    HOST_SANDBOXES,
+    HOST_SYSCTLS,
+    SANDBOX_CAPS,
+    host_shortfall,
 )
 from agentbox.backends.podman import _pool
 from agentbox.backends.podman._detach import (

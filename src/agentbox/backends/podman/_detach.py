@@ -1,7 +1,7 @@
 """Detached podman sandboxes: nothing of ours attached, re-adoptable by a new launcher.
 
 :meth:`~PodmanDetached.launch` is ``podman run -d`` (no ``--rm``) with the same
-hardening as ``run`` (:func:`~agentbox.backends._oci_args.run_args`); the podman
+hardening as ``run`` (:func:`~agentbox.backends.oci._args.run_args`); the podman
 client exits as soon as the container runs and **conmon alone holds it** (about
 2 MiB, against the attached client's 35 MiB). conmon is a daemon of its own
 (parent 1, its own session and process group) and its ``--timeout`` kills the
@@ -49,15 +49,6 @@ import psutil
 
 from agentbox.backends._detached import check_launch, detach_key
 from agentbox.backends._k8slog import LogReader, exit_marker, read_exit, write_exit
-from agentbox.backends._oci_args import (
-    check_spec,
-    entry_argv,
-    forget_image,
-    image_facts,
-    run_args,
-)
-from agentbox.backends._oci_cli import conmon_cwd, env_file, force_remove, kill
-from agentbox.backends._wake import Wake
 from agentbox.backends._wsdisk import WorkspaceDisk, settle_orphan_disks
 from agentbox.backends.base import (
     LABEL,
@@ -68,6 +59,14 @@ from agentbox.backends.base import (
     SandboxSpec,
     data_dir_label,
 )
+from agentbox.backends.oci._args import (
+    check_spec,
+    entry_argv,
+    forget_image,
+    image_facts,
+    run_args,
+)
+from agentbox.backends.oci._cli import conmon_cwd, env_file, force_remove, kill
 from agentbox.backends.podman import _launched
 from agentbox.backends.podman._cgroup import born_outside, place_conmon
 from agentbox.backends.podman._exitfile import (
@@ -82,6 +81,7 @@ from agentbox.backends.podman._exitfile import (
     wait_exited,
 )
 from agentbox.backends.podman._pool_view import pool_log, pool_view
+from agentbox.backends.podman._wake import Wake
 from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger

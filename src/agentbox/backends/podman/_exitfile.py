@@ -28,8 +28,8 @@ from typing import Any
 
 import psutil
 
-from agentbox.backends._oci_cli import kill
 from agentbox.backends.base import Exited
+from agentbox.backends.oci._cli import kill
 from agentbox.core.log import get_logger
 
 __all__ = ["CONMON_EXIT_WAIT", "exit_file_of", "read_exit_file", "wait_exited"]

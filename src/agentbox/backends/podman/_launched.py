@@ -7,7 +7,7 @@ libpod database and c/storage opened, a ``conmon --version``): 0.1 s on a quiet
 first, for the labels and start time it had just given podman):
 
 * conmon's pid comes from ``--conmon-pidfile`` (:func:`with_pidfile`): conmon, root,
-  writes it into our private directory (:func:`~agentbox.backends._oci_cli.conmon_cwd`)
+  writes it into our private directory (:func:`~agentbox.backends.oci._cli.conmon_cwd`)
   before ``podman run -d`` returns. :func:`started_conmon` trusts it only as a
   regular root-owned file holding a pid whose process is a ``conmon`` monitoring that
   very container id (its ``-c`` argument); anything else falls back to ``inspect``;
@@ -34,8 +34,8 @@ from typing import Any
 
 import psutil
 
-from agentbox.backends._oci_cli import conmon_cwd
 from agentbox.backends.base import SandboxSpec
+from agentbox.backends.oci._cli import conmon_cwd
 from agentbox.backends.podman._exitfile import read_owned_note
 from agentbox.core.log import get_logger
 

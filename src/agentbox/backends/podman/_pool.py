@@ -1,7 +1,7 @@
 """A warm pool of hardened podman sandboxes: started ahead, claimed by one task each.
 
 A pooled sandbox is started by :func:`fill` with the very flags of a fresh one
-(:func:`~agentbox.backends._oci_args.run_args`: uid 64000, no capabilities,
+(:func:`~agentbox.backends.oci._args.run_args`: uid 64000, no capabilities,
 read-only root, no network, the seccomp profile, the limits), detached under conmon
 like :meth:`~agentbox.backends.podman._detach.PodmanDetached.launch`, but before
 its task exists. Its slot, ``data_dir/pool/slots/<slot>/``, holds two empty
@@ -54,8 +54,6 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from agentbox.backends._oci_args import check_spec, entry_argv, run_args
-from agentbox.backends._oci_cli import conmon_cwd, env_file, force_remove
 from agentbox.backends._uidslots import claim as claim_uid_slot
 from agentbox.backends._uidslots import release as release_uid_slot
 from agentbox.backends._uidslots import reown, slot_base, transfer
@@ -67,6 +65,8 @@ from agentbox.backends.base import (
     SandboxSpec,
     data_dir_label,
 )
+from agentbox.backends.oci._args import check_spec, entry_argv, run_args
+from agentbox.backends.oci._cli import conmon_cwd, env_file, force_remove
 from agentbox.backends.podman._cgroup import born_outside, place_conmon
 from agentbox.backends.podman._detach import (
     DEADLINE_LABEL,

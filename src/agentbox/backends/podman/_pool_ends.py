@@ -11,8 +11,8 @@ import shutil
 import time
 from pathlib import Path
 
-from agentbox.backends._oci_cli import force_remove
 from agentbox.backends._uidslots import release as release_uid_slot
+from agentbox.backends.oci._cli import force_remove
 from agentbox.backends.podman._detach import inspect
 from agentbox.backends.podman._pool_slots import (
     SLOT_PREFIX,

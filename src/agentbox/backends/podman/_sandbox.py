@@ -1,5 +1,5 @@
 """A live podman sandbox: the ``podman`` CLI's half of
-:class:`~agentbox.backends._oci_sandbox.OciSandbox` (exec, pack, pid, stop, remove)."""
+:class:`~agentbox.backends.oci._sandbox.OciSandbox` (exec, pack, pid, stop, remove)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections.abc import Callable, Mapping
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
-from agentbox.backends._oci_cli import (
+from agentbox.backends.base import Posture, SandboxSpec
+from agentbox.backends.oci._cli import (
     Capture,
     conmon_cwd,
     env_file,
@@ -15,9 +16,8 @@ from agentbox.backends._oci_cli import (
     podman_error,
     stdin_fd,
 )
-from agentbox.backends._oci_posture import read_posture
-from agentbox.backends._oci_sandbox import OciSandbox, Ran
-from agentbox.backends.base import Posture, SandboxSpec
+from agentbox.backends.oci._posture import read_posture
+from agentbox.backends.oci._sandbox import OciSandbox, Ran
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import CommandError, CommandTimeout, SandboxError

@@ -1,0 +1,104 @@
+"""The qemu backend: every sandbox a QEMU microVM with its own kernel and a confined VMM.
+
+``QemuBackend(settings)`` boots sandboxes by restoring a snapshot of a guest
+that booted once to a ready agent (made on first use, per image and VM
+shape); ``QemuBackend(settings, cold=True)`` boots each one fresh. What it
+shares with the firecracker backend (mount checks, the VM's shape, VM dirs,
+``run`` and the verbs for a dead owner's sandbox) is
+:class:`~agentbox.backends.microvm._base._MicrovmBackend`'s. See
+docs/reference/qemu-backend.md and docs/explanation/microvm-isolation.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from agentbox.backends.base import SandboxSpec
+from agentbox.backends.microvm import Vm, VmConfig, ensure_snapshot
+from agentbox.backends.microvm._base import _MicrovmBackend
+from agentbox.backends.microvm.kvm import probe_kvm
+from agentbox.backends.microvm.qemu._detach import QemuDetached
+from agentbox.backends.microvm.qemu._sandbox import QemuSandbox
+from agentbox.config import Settings
+from agentbox.core import host as _host
+from agentbox.core import proc as _proc
+from agentbox.errors import AgentboxError, UnsupportedError
+
+__all__ = ["QemuBackend"]
+
+
+@functools.cache
+def _qemu_version(binary: str) -> str:
+    try:
+        return _proc.run([binary, "--version"], timeout=30).stdout.split("\n")[0]
+    except AgentboxError:
+        return "unknown"
+
+
+class QemuBackend(QemuDetached, _MicrovmBackend):  # detached verbs: qemu/_detach.py
+    """Makes QEMU microVM sandboxes (``name = "qemu"``)."""
+
+    name = "qemu"
+    snapshots = True
+    environments_refused: str | None = None  # the environment: a read-only disk under an overlay
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        cold: bool = False,
+        accel: Literal["auto", "kvm", "tcg"] = "auto",
+        rootfs: tuple[Path, str] | None = None,
+    ) -> None:
+        """``cold`` boots every sandbox fresh instead of restoring the snapshot.
+
+        ``rootfs`` (a root directory and its content hash) overrides the image
+        lookup; ``accel="auto"`` uses KVM only where :func:`probe_kvm` booted a guest.
+        """
+        super().__init__(settings, cold=cold, rootfs=rootfs)
+        self._accel = accel
+
+    def accel(self) -> str:
+        """``kvm`` if asked for or probed to work, else ``tcg``."""
+        if self._accel != "auto":
+            return self._accel
+        return "kvm" if probe_kvm(self.settings).ok else "tcg"
+
+    def check(self, spec: SandboxSpec) -> None:
+        """Refuse what a microVM cannot honour, before anything starts."""
+        fac = _host.qemu(self.settings.qemu_binary)
+        if not fac.ok:
+            raise UnsupportedError(fac.detail, fix=fac.fix)
+        for tool in ("bwrap", "setpriv", "mkfs.ext4", "busybox"):
+            if shutil.which(tool) is None:
+                raise UnsupportedError(f"{tool} not found", fix="scripts/setup.sh")
+        self._check_spec(spec)
+
+    def _vm(self, cfg: VmConfig, vm_dir: Path) -> Vm:
+        """QEMU in its jail (bwrap + setpriv) and cgroup, not started yet."""
+        del vm_dir
+        return Vm(cfg)
+
+    def _start(self, vm: Vm) -> None:
+        """Start QEMU: restoring the snapshot of a ready guest (made on first use for
+        this VM shape) unless the backend is cold."""
+        fd: int | None = None
+        if not self.cold:
+            state = ensure_snapshot(
+                self.settings.cache_dir, vm.cfg, _qemu_version(vm.cfg.qemu_binary)
+            )
+            fd = os.open(state, os.O_RDONLY)
+            vm.cfg.incoming_fd = fd
+        try:
+            vm.start()
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _sandbox(self, spec: SandboxSpec, vm: Vm, vm_dir: Path) -> QemuSandbox:
+        """A :class:`QemuSandbox`, restored from the snapshot unless cold."""
+        return QemuSandbox(self, spec, vm, vm_dir, restored=not self.cold)
