@@ -70,9 +70,26 @@ def env_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("setup", text))
         if isinstance(setup.get("egress"), dict):
             rows.append(("setup egress", _egress_text(setup["egress"])))
+            rows += _refused_rows(setup["egress"])
     egress = report.get("egress")
     if isinstance(egress, dict):
         rows.append(("egress", _egress_text(egress)))
+        rows += _refused_rows(egress)
+    return rows
+
+
+def _refused_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """A row per request a rule refused, with the ``[[network.rule]]`` that would allow it."""
+    rows = []
+    refused = summary.get("refused")
+    for r in refused[:10] if isinstance(refused, list) else []:
+        if not isinstance(r, dict):
+            continue
+        text = f"{r.get('method', '?')} {r.get('host', '?')}{r.get('path', '')}: "
+        text += str(r.get("reason") or r.get("rule") or "refused")
+        if isinstance(r.get("suggest"), str):
+            text += "\nto allow it, add to the Boxfile:\n" + str(r["suggest"])
+        rows.append(("refused", text))
     return rows
 
 
@@ -86,6 +103,8 @@ def _egress_text(summary: dict[str, Any]) -> str:
                 f"{_int(h.get('denied'))} denied, {_human(_int(h.get('bytes_down')))} in)"
             )
     head = f"{_int(summary.get('allowed'))} allowed, {_int(summary.get('denied'))} denied"
+    if _int(summary.get("injected")):
+        head += f", {_int(summary.get('injected'))} with an injected header"
     return head + (": " + "; ".join(parts) if parts else "")
 
 

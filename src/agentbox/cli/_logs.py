@@ -169,8 +169,42 @@ def print_logs(
     for e in t.events:
         for line in event_lines(e, full=full):
             console.print(line, soft_wrap=True)
-    for line in [*_footer(t), *_stderr_tail(task_root, full)]:
+    for line in [*_footer(t), *_stderr_tail(task_root, full), *_egress_lines(task_root, full)]:
         console.print(line, soft_wrap=True)
+
+
+def _egress_lines(task_root: Path, full: bool) -> list[Text]:
+    """The egress proxy's requests per phase (the last 30 of each, all with ``--full``)."""
+    import json
+
+    from agentbox.egress._record import format_record
+
+    out: list[Text] = []
+    for phase in ("setup", "agent"):
+        try:
+            with (task_root / "logs" / f"egress-{phase}.jsonl").open("rb") as fh:
+                data = fh.read(16 << 20)
+        except OSError:
+            continue
+        recs = []
+        for raw in data.splitlines():
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                recs.append(rec)
+        if not recs:
+            continue
+        shown = recs if full else recs[-30:]
+        out.append(Text(f"egress ({phase} phase, {len(recs)} lines):", style="bold"))
+        for rec in shown:
+            style = "yellow" if rec.get("decision") == "denied" else ""
+            out.append(Text(f"  {visible(format_record(rec))}", style=style))
+            if isinstance(rec.get("suggest"), str):
+                out.append(Text("    to allow it, add to the Boxfile:", style="dim"))
+                out += [Text(f"      {visible(x)}") for x in rec["suggest"].splitlines()]
+    return out
 
 
 def follow_logs(

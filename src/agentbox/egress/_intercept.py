@@ -106,8 +106,10 @@ def log_path(target: str) -> str:
     path, sep, query = target.partition("?")
     if not sep:
         return safe(path, 300)
-    keys = [safe(kv.partition("=")[0], 40) for kv in query.split("&") if kv][:10]
-    return safe(path, 250) + "?" + "&".join(f"{k}=…" for k in keys)
+    # A bare item (no "=") may be a value itself (``?TOKEN``): elided whole.
+    items = [kv.partition("=") for kv in query.split("&") if kv][:10]
+    shown = [f"{safe(k, 40)}=…" if eq else "…" for k, eq, _ in items]
+    return safe(path, 250) + "?" + "&".join(shown)
 
 
 @dataclass

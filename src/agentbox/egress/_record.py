@@ -7,7 +7,11 @@ number), ``method``, ``host``, ``port``, ``decision`` (``allowed``/``denied``),
 ``reason`` (words for a human), ``address`` (what the proxy connected to, or the
 address it refused), ``status`` (the HTTP status the proxy answered), ``bytes_up``,
 ``bytes_down``, ``duration`` (seconds) and ``end`` (why the connection ended:
-``closed``, ``idle``, ``time``, ``byte-cap``, ``error``). Everything in it that the
+``closed``, ``idle``, ``time``, ``byte-cap``, ``error``). A request inside a tunnel
+the proxy terminated (request-level rules) is a line of its own, with ``path`` (the
+query's values elided), ``injected`` (true/false; never the value), ``redacted`` (how
+many echoes of a secret were blanked) and, when no rule matched, ``suggest``: the
+``[[network.rule]]`` that would allow it. Everything in it that the
 sandbox chose (host, method) is bounded in length and JSON-escaped.
 
 The file is written through a descriptor opened before the proxy drops its
@@ -26,7 +30,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["EgressLog", "EgressSummary", "HostSummary", "summarize"]
+__all__ = [
+    "MAX_REFUSALS",
+    "EgressLog",
+    "EgressSummary",
+    "HostSummary",
+    "Refusal",
+    "format_record",
+    "summarize",
+]
 
 _MAX_FIELD = 300
 #: Room kept past the cap for the closing ``truncated`` line.
@@ -89,6 +101,22 @@ class HostSummary(BaseModel):
     bytes_down: int = 0
     denied_rules: list[str] = Field(default_factory=list)
     """Distinct reasons this host was denied (``not-allowed``, ``address:loopback`` …)."""
+    injected: int = 0
+    """Requests a rule added a header to (request-level rules)."""
+
+
+class Refusal(BaseModel):
+    """A request a request-level rule refused, and the rule that would allow it."""
+
+    model_config = ConfigDict(defer_build=True)
+
+    method: str
+    host: str
+    path: str
+    rule: str
+    reason: str = ""
+    suggest: str | None = None
+    """A ``[[network.rule]]`` table to paste into the Boxfile (no rule matched)."""
 
 
 class EgressSummary(BaseModel):
@@ -106,6 +134,10 @@ class EgressSummary(BaseModel):
     """Attempts past the log's size cap (counted, not logged)."""
     unreadable: int = 0
     """Lines that were not a well-formed record (a log is read defensively)."""
+    injected: int = 0
+    """Requests a rule added a header to."""
+    refused: list[Refusal] = Field(default_factory=list)
+    """Requests refused per request (the first :data:`MAX_REFUSALS`, distinct)."""
 
 
 def _int(value: object) -> int:
@@ -146,6 +178,9 @@ def summarize(log_path: Path, *, max_bytes: int = 64 << 20) -> EgressSummary:
         hs.bytes_down += down
         summary.bytes_up += up
         summary.bytes_down += down
+        if rec.get("injected") is True:
+            hs.injected += 1
+            summary.injected += 1
         if decision == "allowed":
             hs.allowed += 1
             summary.allowed += 1
@@ -155,5 +190,55 @@ def summarize(log_path: Path, *, max_bytes: int = 64 << 20) -> EgressSummary:
             rule = rec.get("rule")
             if isinstance(rule, str) and rule not in hs.denied_rules:
                 hs.denied_rules.append(rule)
+            _refusal(summary, rec, host)
     summary.hosts = sorted(per.values(), key=lambda h: (-h.allowed - h.denied, h.host))
     return summary
+
+
+#: Refused requests a summary keeps (distinct method, host, path and rule).
+MAX_REFUSALS = 20
+
+
+def _refusal(summary: EgressSummary, rec: dict[str, Any], host: str) -> None:
+    path, method, rule = rec.get("path"), rec.get("method"), rec.get("rule")
+    if not isinstance(path, str) or not isinstance(method, str) or not isinstance(rule, str):
+        return  # a tunnel-level refusal: the host summary says it
+    if len(summary.refused) >= MAX_REFUSALS:
+        return
+    if any(
+        (r.method, r.host, r.path, r.rule) == (method, host, path, rule) for r in summary.refused
+    ):
+        return
+    reason, suggest = rec.get("reason"), rec.get("suggest")
+    summary.refused.append(
+        Refusal(
+            method=method,
+            host=host,
+            path=path,
+            rule=rule,
+            reason=reason if isinstance(reason, str) else "",
+            suggest=suggest if isinstance(suggest, str) else None,
+        )
+    )
+
+
+def format_record(rec: dict[str, Any]) -> str:
+    """One egress log record as a line for ``agentbox logs`` (sanitize before printing)."""
+    if "truncated" in rec:
+        return f"({rec.get('truncated')} attempts past the log's cap not logged)"
+    when = str(rec.get("time", ""))[11:19]
+    what = f"{rec.get('method', '-')} {rec.get('host', '-')}"
+    if isinstance(rec.get("path"), str):
+        what += str(rec["path"])
+    elif rec.get("port") not in (None, 443, 80):
+        what += f":{rec.get('port')}"
+    status = rec.get("status")
+    out = f"{when} {what} → {status if status is not None else '-'} {rec.get('decision', '?')}"
+    out += f" [{rec.get('rule', '-')}]"
+    if rec.get("injected") is True:
+        out += " injected"
+    if rec.get("redacted"):
+        out += f" ({rec.get('redacted')} echoes redacted)"
+    if rec.get("decision") == "denied" and rec.get("reason"):
+        out += f": {rec.get('reason')}"
+    return out
