@@ -386,6 +386,8 @@ def _bad_calls(world: World) -> list[tuple[str, dict[str, object], str]]:
         ("status", {"id": "../../etc"}, "task id"),
         ("result", {"id": "A" * 65}, "id"),
         ("cancel", {"id": "Bad_Id"}, "task id"),
+        ("publish", {"task_id": "../x", "pr": True}, "task id"),
+        ("publish", {"task_id": "t-1", "remote": "-oops"}, "remote"),
         ("status", {}, "id"),
         ("no_such_tool", {}, "no_such_tool"),
     ]
@@ -397,7 +399,7 @@ async def _check_refusals(client: Client, world: World) -> None:
     async with client:
         names = {t.name for t in (await client.list_tools()).tools}
         assert names == {"delegate", "status", "result", "transcript", "cancel", "list_tasks",
-                         "models"}  # fmt: skip
+                         "models", "publish"}  # fmt: skip
         for name, args, needle in calls:
             with anyio.fail_after(20):  # reaching the silent placeholder launcher would hang
                 res = await client.call_tool(name, args)

@@ -47,6 +47,7 @@ from agentbox.launcher.api import (
     TaskResult,
 )
 from agentbox.launcher.client import LauncherClient
+from agentbox.launcher.pushapi import PushRequest
 from agentbox.mcp._fetch import branch_name, fetch_branch
 from agentbox.mcp._format import (
     STATE,
@@ -78,6 +79,8 @@ for a short task; for a long one, delegate without waiting and poll `status`, th
 `transcript` shows what the agent ran and what came back (each command with its output).
 To follow up on a finished task (fix what it missed, go on), `delegate` with
 continue_from=<its id>: the new task starts from its branch and resumes its session.
+When the user wants the result reviewed on GitHub or GitLab, `publish` with pr=true pushes
+the branch to the repo's remote (as the user) and opens a pull request with the report.
 """
 
 _T = TypeVar("_T")
@@ -316,6 +319,56 @@ class _Tools:
         info = await self._call(self.client.cancel, self._task_id(id))
         return info_json(info)
 
+    async def publish(
+        self,
+        task_id: Annotated[str, Field(max_length=64, description="A finished task's id.")],
+        pr: Annotated[
+            bool,
+            Field(
+                description="true: also open a pull request (GitHub) or merge request (GitLab) "
+                "whose body is the task's report; the token is your `agentbox secret` "
+                "GITHUB_TOKEN / GITLAB_TOKEN."
+            ),
+        ] = False,
+        draft: Annotated[bool, Field(description="Open the pull request as a draft.")] = False,
+        remote: Annotated[
+            str,
+            Field(
+                pattern=r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$",
+                description="The repo's remote to push to.",
+            ),
+        ] = "origin",
+        base: Annotated[
+            str | None,
+            Field(
+                max_length=200,
+                description="The pull request's target branch; omit for the repo's default.",
+            ),
+        ] = None,
+    ) -> str:
+        """Push a finished task's branch `agentbox/<id>` to the repo's remote (as you, the
+        repo's owner: your git credentials, hooks off, never by force: a remote branch that
+        is not an ancestor of the result is refused) and, with pr=true, open a pull request
+        whose body is the report. Returns where it went and the pull request's URL."""
+        info = await self._call(self.client.get, self._task_id(task_id))
+        if info.status not in TERMINAL:
+            raise ToolError(f"task {info.id} is still {info.status}; publish it once it is done")
+        res = await self._call(self.client.result, info.id)
+        fetched = await self._fetch(info, res)  # the branch in the repo first, as the user
+        if not fetched.startswith("branch agentbox/") or "NOT fetched" in fetched:
+            raise ToolError(f"cannot publish task {info.id}: {fetched}")
+        try:
+            req = PushRequest(remote=remote, pr=pr, draft=draft, base=base)
+        except ValueError as exc:
+            raise ToolError(f"invalid publish request: {exc}") from exc
+        got = await self._call(self.client.push, info.id, req)
+        how = "pushed to" if got.pushed else "already on"
+        lines = [f"branch {got.branch} (commit {got.commit}) {how} {got.remote} ({got.remote_url})"]
+        if got.pull_request:
+            state = "already open" if got.existed else "opened"
+            lines.append(f"pull request {state}: {got.pull_request}")
+        return "\n".join(lines)
+
     async def list_tasks(self) -> str:
         """Your tasks (newest first; root sees every task) with its state, repo and tokens."""
         tasks = await self._call(self.client.list)
@@ -392,7 +445,7 @@ class _Tools:
 
 
 def build_server(config: ServerConfig) -> MCPServer:
-    """The MCP server with agentbox's seven tools, talking to the launcher at ``config``."""
+    """The MCP server with agentbox's eight tools, talking to the launcher at ``config``."""
     tools = _Tools(config)
     server: MCPServer = MCPServer(
         "agentbox", instructions=INSTRUCTIONS, log_level="WARNING", warn_on_duplicate_tools=False
@@ -413,4 +466,11 @@ def build_server(config: ServerConfig) -> MCPServer:
     server.add_tool(tools.cancel, name="cancel", annotations=ToolAnnotations(destructive_hint=True))
     server.add_tool(tools.list_tasks, name="list_tasks", annotations=ro)
     server.add_tool(tools.models, name="models", annotations=ro)
+    server.add_tool(
+        tools.publish,
+        name="publish",
+        annotations=ToolAnnotations(
+            destructive_hint=False, idempotent_hint=True, open_world_hint=True
+        ),
+    )
     return server
