@@ -373,6 +373,10 @@ class BoxKeeper:
                                  on_stdout=lambda c: ex.keep(ex.out, c),
                                  on_stderr=lambda c: ex.keep(ex.err, c))  # fmt: skip
                 ex.exit_code = 137 if ex.killed else res.exit_code  # setsid says 9
+                if ex.killed:  # setsid's own word on it is noise
+                    kept = [x for x in ex.err.splitlines(keepends=True)
+                            if not x.startswith(b"setsid: child ")]  # fmt: skip
+                    ex.err[:] = b"".join(kept)
             except (AgentboxError, OSError) as exc:
                 ex.keep(ex.err, f"agentbox: {exc}\n".encode())
                 ex.exit_code = -1
@@ -399,7 +403,7 @@ class BoxKeeper:
             f = f"{_EXEC_DIR}/{exec_id}"
             script = (
                 f'p=$(cat {f} 2>/dev/null) && [ -n "$p" ] && '
-                '{ kill -s KILL -"$p" 2>/dev/null || kill -s KILL "$p"; }'
+                '{ pkill -KILL -g "$p" || kill -9 "$p"; }'  # the group: dash kill takes no -PGID
             )
             for _ in range(50):  # the pid file is written a moment after the start
                 if b.box.exec(["sh", "-c", script], timeout=30).exit_code == 0 or not ex.running:
