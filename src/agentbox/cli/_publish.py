@@ -14,6 +14,7 @@ reason, and nothing in the repo changes.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import typer
 from rich.text import Text
@@ -21,9 +22,22 @@ from rich.text import Text
 from agentbox.config import load_settings
 from agentbox.core.console import console as make_console
 
-__all__ = ["register"]
+if TYPE_CHECKING:
+    from agentbox.launcher.pushapi import PushInfo
+
+__all__ = ["print_push", "register"]
 
 _out = make_console()
+
+
+def print_push(pushed: PushInfo) -> None:
+    """Where the branch went, and the pull request (``publish --push/--pr``, ``run --pr``)."""
+    how = "pushed" if pushed.pushed else "already on"
+    _out.print(Text(f"{how} {pushed.branch} {'to ' if pushed.pushed else ''}"
+                    f"{pushed.remote} ({pushed.remote_url})"), highlight=False)  # fmt: skip
+    if pushed.pull_request:
+        state = "already open" if pushed.existed else "opened"
+        _out.print(Text(f"pull request {state}: {pushed.pull_request}"), highlight=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -71,12 +85,7 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 print(json.dumps(pushed.model_dump(mode="json")))
                 return
-            how = "pushed" if pushed.pushed else "already on"
-            _out.print(Text(f"{how} {pushed.branch} {'to ' if pushed.pushed else ''}"
-                            f"{pushed.remote} ({pushed.remote_url})"), highlight=False)  # fmt: skip
-            if pushed.pull_request:
-                state = "already open" if pushed.existed else "opened"
-                _out.print(Text(f"pull request {state}: {pushed.pull_request}"), highlight=False)
+            print_push(pushed)
             return
         if as_json:
             print(json.dumps(info.model_dump(mode="json")))

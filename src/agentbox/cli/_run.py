@@ -29,6 +29,7 @@ from agentbox.config import Settings, load_settings
 from agentbox.core.paths import validate_task_id
 from agentbox.errors import PolicyRefused
 from agentbox.launcher.api import TaskInfo, TaskRequest
+from agentbox.launcher.pushapi import PushRequest
 
 __all__ = ["register"]
 
@@ -81,10 +82,26 @@ def register(app: typer.Typer) -> None:
             None, "--runtime", help="OCI runtime: runc, crun or runsc (overrides the Boxfile)."
         ),
         detach: bool = typer.Option(False, "--detach", "-d", help=_DETACH_HELP),
+        pr: bool = typer.Option(
+            False,
+            "--pr",
+            help="When done with changes: push the branch to the repo's remote "
+            "and open a pull request with the report (as `agentbox publish ID --pr`).",
+        ),
+        draft: bool = typer.Option(False, "--draft", help="With --pr: a draft pull request."),
+        remote: str = typer.Option("origin", "--remote", help="With --pr: the remote."),
     ) -> None:
         """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
         text = _task_text(task, task_file)
         settings = load_settings()
+        if pr and (detach or no_publish):
+            raise PolicyRefused(
+                "--pr goes with a foreground run that publishes; for a detached or "
+                "--no-publish task, run `agentbox publish ID --pr` once it is done"
+            )
+        if draft and not pr:
+            raise typer.BadParameter("--draft goes with --pr")
+        push = _push_request(remote, draft) if pr else None
         if detach and (boxfile is not None or backend is not None or runtime is not None):
             raise PolicyRefused(
                 "--detach submits to the launcher service, which takes the sandbox from the "
@@ -102,7 +119,7 @@ def register(app: typer.Typer) -> None:
         )  # fmt: skip
         if detach:
             _detach(settings, req, as_json=as_json)
-        _foreground(req, box, as_json=as_json, overrides=overrides)
+        _foreground(req, box, as_json=as_json, overrides=overrides, push=push)
 
     @app.command("resume")
     def resume(
@@ -255,8 +272,10 @@ def _foreground(
     *,
     as_json: bool,
     overrides: dict[str, str] | None = None,
+    push: PushRequest | None = None,
 ) -> None:
-    """Run the task in this process and follow it.
+    """Run the task in this process and follow it; with ``push``, once it is done with a
+    result, push it and open the pull request (``run --pr``).
 
     The task is submitted first: what only following and printing need (rich, the
     report's views) is imported while its sandbox starts, and the orphan sweep
@@ -284,12 +303,37 @@ def _foreground(
     from agentbox.cli._view import dump, print_diff, report_text
 
     res = launcher.result(info.id)
+    pushed = None
+    if push is not None and info.status == "done" and res.changed and res.branch:
+        pushed = launcher.push(info.id, push, env=dict(os.environ))
     if as_json:
-        dump({"task": info.model_dump(mode="json"), "result": res.model_dump(mode="json")})
+        out = {"task": info.model_dump(mode="json"), "result": res.model_dump(mode="json")}
+        if pushed is not None:
+            out["push"] = pushed.model_dump(mode="json")
+        dump(out)
     else:
         report_text(info, res)
         print_diff(res)
+        if pushed is not None:
+            from agentbox.cli._publish import print_push
+
+            print_push(pushed)
+        elif push is not None:
+            sys.stderr.write(f"no pull request: task {info.id} {_no_pr_reason(info, res)}\n")
     raise typer.Exit(0 if info.status == "done" else 1)
+
+
+def _push_request(remote: str, draft: bool) -> PushRequest:
+    try:
+        return PushRequest(remote=remote, pr=True, draft=draft)
+    except ValidationError as exc:
+        raise typer.BadParameter(f"not a remote name: {remote!r:.80}") from exc
+
+
+def _no_pr_reason(info: TaskInfo, res: Any) -> str:
+    if info.status != "done":
+        return f"ended {info.status}"
+    return "changed nothing" if not res.changed else "has no published branch"
 
 
 def _say_scripted(model: str, settings: Settings) -> None:

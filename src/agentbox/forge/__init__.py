@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from agentbox.forge._body import MAX_BODY, pr_body, pr_title
 from agentbox.forge._clients import PullRequest, open_pull_request
+from agentbox.forge._flow import Shipped, ship
 from agentbox.forge._push import check_remote, push_result, remote_url
 from agentbox.forge._remote import ForgeRepo, parse_remote
 from agentbox.forge._token import TOKEN_NAMES, forge_token
@@ -23,6 +24,7 @@ __all__ = [
     "TOKEN_NAMES",
     "ForgeRepo",
     "PullRequest",
+    "Shipped",
     "check_remote",
     "forge_token",
     "open_pull_request",
@@ -31,4 +33,5 @@ __all__ = [
     "pr_title",
     "push_result",
     "remote_url",
+    "ship",
 ]

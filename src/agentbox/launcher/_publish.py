@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from agentbox.collect import publish
-from agentbox.collect._git import RepoDir, user_git
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.core.paths import TaskPaths, validate_task_id
@@ -117,33 +116,22 @@ def push_task(
     name = req.branch or (info.branch if info and info.branch else None) or f"agentbox/{row.id}"
     repo = _repo_at_use(settings, row)
     paths = TaskPaths(settings.data_dir, row.id)
-    with RepoDir.open(repo, root=settings.repos_root) as rd:
-        if user_git(rd, "cat-file", "-e", f"{row.commit_id}^{{commit}}", check=False).returncode:
-            raise PublishRefused(
-                f"{name} in {repo} is not agentbox's and the result {row.commit_id[:12]} is "
-                f"not in the repo: publish it first (`agentbox publish {row.id} --branch NAME`)"
-            )
-        url = forge.remote_url(rd, req.remote)
-        target = token = None
-        if req.pr:
-            target = forge.parse_remote(url, settings.forge_hosts)
-            uid = row.caller_uid if row.caller_uid is not None else rd.owner[0]
-            token = forge.forge_token(target.kind, settings, uid=uid, env=env)
-        pushed = forge.push_result(rd, remote=req.remote, branch=name, commit=row.commit_id)
-    _note(paths, f"pushed {name} to {req.remote}" if pushed else f"{name} already on {req.remote}")
-    out = PushInfo(task_id=row.id, branch=name, commit=row.commit_id, remote=req.remote,
-                   remote_url=_public_url(url), pushed=pushed)  # fmt: skip
-    if target is None or token is None:
-        return out
     report: dict[str, object] = {}
     with contextlib.suppress(OSError, ValueError):
         loaded = json.loads(paths.report_file.read_text())
         report = loaded if isinstance(loaded, dict) else {}
-    pr = forge.open_pull_request(
-        target, token, head=name, base=req.base, draft=req.draft,
-        title=forge.pr_title(row.task, row.id),
-        body=forge.pr_body(report, task=row.task, task_id=row.id),
+    done = forge.ship(
+        settings, repo, task_id=row.id, task=row.task, branch=name, commit=row.commit_id,
+        report=report, remote=req.remote, pr=req.pr, draft=req.draft, base=req.base,
+        uid=row.caller_uid, env=env, root=settings.repos_root,
     )  # fmt: skip
+    pushed = done.pushed
+    _note(paths, f"pushed {name} to {req.remote}" if pushed else f"{name} already on {req.remote}")
+    out = PushInfo(task_id=row.id, branch=name, commit=row.commit_id, remote=req.remote,
+                   remote_url=_public_url(done.remote_url), pushed=pushed)  # fmt: skip
+    pr = done.pull_request
+    if pr is None:
+        return out
     _note(paths, f"pull request {pr.url}" + (" (already open)" if pr.existed else ""))
     with contextlib.suppress(OSError, ValueError):
         report["pull_request"] = pr.url
