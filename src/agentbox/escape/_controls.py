@@ -182,6 +182,11 @@ def run_weak_controls(
     try:
         cfg = fx.probe_config(uid=uid, pids_max=512)
         got = {o.id: o for o in inside_outcomes(run_probe_program(box, cfg))}
+        # The secret planted where a careless broker would put it: the probe must find it
+        # (before the fork bomb, which may take the weak container down).
+        from agentbox.escape._secret import suite_outcome as secret_outcome
+
+        got["host.secret_not_in_sandbox"] = secret_outcome(box, fx.gateway_dir, control=True)
         view = HostView(runtime="runc", mapped_uid=mapped_uid, pids_max=512, memory=512 * 1024**2)
         pids = hc.cgroup_pids(box.pid())
         got.update({o.id: o for o in host_outcomes(pids, view)})
@@ -194,10 +199,6 @@ def run_weak_controls(
         from agentbox.escape._egress import suite_outcome as escape_outcome
 
         got["host.egress_proxy_inner"] = escape_outcome(box, fx.gateway_dir, control=True)
-        # The secret planted where a careless broker would put it: the probe must find it.
-        from agentbox.escape._secret import suite_outcome as secret_outcome
-
-        got["host.secret_not_in_sandbox"] = secret_outcome(box, fx.gateway_dir, control=True)
         # The gateway unconfined, as root: what its confinement is measured against.
         from agentbox.escape._gateway import gateway_outcomes
 

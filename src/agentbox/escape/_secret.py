@@ -194,6 +194,8 @@ def _verdict(data: Any) -> tuple[str, str]:
     )
     if found:
         return "fail", f"the secret is in the sandbox: {', '.join(found)}; {summary}"
+    if not any("HTTP/" in a for a in answers):
+        summary += " (no proxy answer to check)"
     if not scanned.get("files") or not scanned.get("procs"):
         return "error", f"the search did not run: {summary}"
     if answers and all("No such file" in a for a in answers):
@@ -311,4 +313,8 @@ def suite_outcome(
         )  # fmt: skip
     except AgentboxError as exc:
         status, seen = "error", f"the probe could not run: {exc}"
+    if control and status == "error":
+        # Only finding the planted value counts as firing: a control that could not
+        # search (a dead container) must not pass as one that found it.
+        status, seen = "pass", f"the control found nothing it could trust: {seen}"
     return done(status, seen)
