@@ -41,15 +41,41 @@ def register(app: typer.Typer) -> None:
     @group.command("serve")
     def serve(
         max_tasks: int = typer.Option(4, "--max-tasks", min=1, max=64),
+        metrics: str | None = typer.Option(
+            None,
+            "--metrics",
+            metavar="127.0.0.1:PORT",
+            help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics (loopback only).",
+        ),
     ) -> None:
         """Serve the launcher's API on <data_dir>/launcher.sock (used by the MCP server)."""
         from agentbox.config import load_settings
         from agentbox.launcher import Launcher
         from agentbox.launcher import serve as _serve
 
-        launcher = Launcher(load_settings(), max_tasks=max_tasks)
+        settings = load_settings()
+        exporter = None
+        if metrics is not None:
+            from agentbox.launcher.metrics import MetricsServer
+
+            exporter = MetricsServer(settings, metrics)  # a bad address fails before serving
+        launcher = Launcher(settings, max_tasks=max_tasks)
+
+        def listening(path: object) -> None:
+            from agentbox.launcher.metrics import note_launcher_start
+
+            note_launcher_start(settings)
+            _say(f"launcher listening on {path}")
+            if exporter is not None:
+                exporter.start()
+                _say(f"metrics at http://{exporter.address}/metrics")
+
         # Announced only once bound: a refused start (another launcher) prints no address.
-        _serve(launcher, on_listening=lambda p: _say(f"launcher listening on {p}"))
+        try:
+            _serve(launcher, on_listening=listening)
+        finally:
+            if exporter is not None:
+                exporter.stop()
 
     @group.command("stop")
     def stop(

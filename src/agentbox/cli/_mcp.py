@@ -63,13 +63,24 @@ def serve_cmd(
     ),
     user: str | None = typer.Option(None, "--user", help=_USER_HELP),
     max_pending: int = typer.Option(DEFAULT_MAX_PENDING, "--max-pending", min=1, max=1000),
+    metrics: str | None = typer.Option(
+        None, "--metrics", metavar="127.0.0.1:PORT", help="The launcher's Prometheus metrics."
+    ),
 ) -> None:
     """Run the launcher and the MCP HTTP server together; Ctrl-C stops both."""
     from agentbox.mcp import serve
 
     settings = load_settings()
+    if metrics is not None:
+        from agentbox.launcher.metrics import parse_listen
+
+        parse_listen(metrics)  # refused here, before anything starts
     code = serve(
-        settings, http, user=user or os.environ.get("AGENTBOX_MCP_USER"), max_pending=max_pending
+        settings,
+        http,
+        user=user or os.environ.get("AGENTBOX_MCP_USER"),
+        max_pending=max_pending,
+        metrics=metrics,
     )
     raise typer.Exit(code)
 

@@ -22,6 +22,7 @@ leaves less, and ``cost_usd + reserved_usd <= budget_usd`` holds as above.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from agentbox.errors import Refusal
@@ -53,6 +54,8 @@ class Reservation:
     """The request may write 1-hour cache entries (its worst-case input weighs more)."""
     asked: object = None
     """The ``model`` the client asked for (the request log records it)."""
+    started: float = field(default_factory=time.time)
+    """When the request arrived (the request log's ``started``: a trace's span start)."""
 
     @property
     def clamped(self) -> bool:

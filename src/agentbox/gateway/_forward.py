@@ -77,7 +77,7 @@ class Forwarding:
             cost = self.ledger.cost(count) if self.ledger.price is not None else None
             self._reqlog.append(message_id=meta[0], model=meta[1], counts=count, status=status,
                                 stop_reason=meta[2], complete=complete, asked=res.asked,
-                                cost_usd=cost)  # fmt: skip
+                                cost_usd=cost, started=res.started)  # fmt: skip
 
     def upstream_failed(self, error: str) -> None:
         """Count a failure of the upstream (no answer, a timeout, a 5xx); after

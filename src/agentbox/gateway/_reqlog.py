@@ -71,6 +71,8 @@ class RequestRecord:
     cost_usd: float | None = None
     """Dollars charged at the entry's prices; None: the price is unknown."""
     cache_creation_1h: int = 0
+    started: float | None = None
+    """When the request arrived (``time`` is when it was settled); None if unknown."""
 
 
 def _short(v: object) -> str | None:
@@ -113,6 +115,7 @@ class RequestLog:
         complete: bool,
         asked: object = None,
         cost_usd: float | None = None,
+        started: float | None = None,
     ) -> None:
         """Write one record (``counts``: a :class:`~._meter.TokenCount`, as charged)."""
         if self._fd < 0:
@@ -132,6 +135,8 @@ class RequestLog:
             "cost_usd": None if cost_usd is None else round(cost_usd, 9),
             "cache_creation_1h": counts.cache_creation_1h,
         }
+        if started is not None:
+            rec["started"] = round(started, 3)
         line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
         if self._records >= MAX_RECORDS or self._bytes + len(line) > MAX_BYTES:
             if not self._full_logged:
@@ -184,7 +189,14 @@ def _record(raw: bytes) -> RequestRecord | None:
         asked=_short(doc.get("asked")),
         cost_usd=_usd(doc.get("cost_usd")),
         cache_creation_1h=_int(doc.get("cache_creation_1h")) or 0,
+        started=_started(doc.get("started"), float(t)),
     )
+
+
+def _started(v: object, end: float) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= end:
+        return float(v)
+    return None
 
 
 def _usd(v: object) -> float | None:

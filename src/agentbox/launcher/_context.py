@@ -11,6 +11,7 @@ token, the gateway, the backend, the spec) stays that stage's argument.
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 import threading
 import time
@@ -20,6 +21,7 @@ from agentbox.config import Settings
 from agentbox.core.paths import TaskPaths
 from agentbox.errors import AgentboxError
 from agentbox.launcher._store import Store
+from agentbox.observe.phases import PHASES_FILE
 
 __all__ = ["TaskContext", "TaskLog"]
 
@@ -34,8 +36,12 @@ class TaskLog:
         self.task_id = paths.task_id
 
     def __call__(self, msg: str) -> None:
+        now = time.time()
         with contextlib.suppress(OSError), self.path.open("a") as fh:
-            fh.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+            fh.write(f"{time.strftime('%H:%M:%S', time.localtime(now))} {msg}\n")
+        # The same line with its exact time, for phase durations (metrics, traces).
+        with contextlib.suppress(OSError), (self.path.parent / PHASES_FILE).open("a") as fh:
+            fh.write(json.dumps({"t": round(now, 3), "msg": msg[:500]}) + "\n")
         with contextlib.suppress(AgentboxError, sqlite3.Error):
             self.store.update(self.task_id, phase=msg[:200])
 

@@ -45,6 +45,7 @@ from agentbox.launcher._usage_words import (
     upstream_down,
 )
 from agentbox.launcher.api import NO_CHANGES
+from agentbox.observe.traces import export_task, traces_enabled
 from agentbox.transcript import summary as transcript_summary
 
 __all__ = [
@@ -293,6 +294,9 @@ def collect_and_finish(
     # Its sandbox is gone: its host uid range may serve another one now.
     release_uid_slot(settings, sandbox_name(row.id))
     tlog(f"finished: {status}" + (f" ({error})" if error else ""))
+    if traces_enabled():  # an OTLP collector is configured: the task's trace (best effort)
+        with contextlib.suppress(AgentboxError):
+            export_task(settings.data_dir, store.get(row.id), report=data)
 
 
 #: A commit subject's length, as git tools show it (``git log --oneline``, GitHub).

@@ -282,7 +282,14 @@ def _wait_for_http(host: str, port: int, proc: subprocess.Popen[bytes], timeout:
     )
 
 
-def serve(settings: Settings, listen: str, *, user: str | None, max_pending: int) -> int:
+def serve(
+    settings: Settings,
+    listen: str,
+    *,
+    user: str | None,
+    max_pending: int,
+    metrics: str | None = None,
+) -> int:
     """Run the launcher and the MCP HTTP server together until SIGINT/SIGTERM.
 
     Binds the HTTP port first (:class:`ConfigError` naming it when taken: nothing
@@ -303,7 +310,10 @@ def serve(settings: Settings, listen: str, *, user: str | None, max_pending: int
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        launcher = subprocess.Popen(_agentbox_argv("launcher", "serve"), start_new_session=True)
+        extra = ["--metrics", metrics] if metrics else []
+        launcher = subprocess.Popen(
+            _agentbox_argv("launcher", "serve", *extra), start_new_session=True
+        )
         procs.append(launcher)
         _wait_for_socket(launcher_socket(settings), launcher, 60.0)
         fd = listener.fileno()
