@@ -1,9 +1,10 @@
-"""Live restore with the real parts (issue 19): a launcher killed at random moments loses
-no task, runs none twice and leaves nothing behind.
+"""Live restore with the real parts (issues 19, 32): a launcher killed at random moments
+loses no task, runs none twice and leaves nothing behind, on every backend.
 
 ``agentbox launcher serve`` runs as a real process; tasks are submitted through one
 :class:`LauncherClient` kept across every restart (it rides through them); the agent
-is the real Claude Code in a podman sandbox, its model the replay model. The
+is the real Claude Code in a sandbox of each backend (podman under runc and runsc,
+docker, qemu), its model the replay model. The
 launcher is killed with SIGKILL at random moments, each time one of:
 
 * ``pid``: the launcher process alone (as the OOM killer does);
@@ -18,8 +19,10 @@ each phase so that every phase has agents to hit. Kills are cheap (a short rando
 most do not wait for anything) but every fourth waits until one of its phase's agents
 runs (its sandbox launched), so each way hits running tasks whatever the seed; the
 table printed says how many each kill caught. Sizes come from the environment so CI
-stays bounded: ``AGENTBOX_CHAOS_WAYS`` (default ``pid:20,group:20,cgroup:4``: way and
-kills), ``AGENTBOX_CHAOS_KILLS`` (overrides every phase's count),
+stays bounded: ``AGENTBOX_CHAOS_WAYS`` (podman runc's phases, default
+``pid:20,group:20,cgroup:4``: way and kills; docker's are ``pid:6,group:6,cgroup:2``,
+runsc's ``pid:1``, qemu's ``pid:1,group:1``: TCG is slow), ``AGENTBOX_CHAOS_KILLS``
+(overrides every phase's count),
 ``AGENTBOX_CHAOS_TASKS`` (tasks per phase, default 2), ``AGENTBOX_CHAOS_SEED``
 (default: random, printed).
 
@@ -58,7 +61,6 @@ from mount_helpers import assert_no_mounts_under
 from sandbox_leaks import SandboxTracker
 
 pytestmark = [
-    pytest.mark.podman,
     pytest.mark.claude,
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
@@ -215,6 +217,12 @@ class Served:
                 self.proc.wait(10)
 
 
+#: docker's phases: fewer kills than podman's (every docker test shares one daemon).
+DOCKER_WAYS = [("pid", 6), ("group", 6), ("cgroup", 2)]
+#: qemu's: one of each, a kill waits for a running agent (TCG boots a VM in ~a minute).
+QEMU_WAYS = [("pid", 1), ("group", 1)]
+
+
 @dataclass
 class World:
     settings: Settings
@@ -279,31 +287,58 @@ def world(sandbox_factory: Callable[[Backend, Settings], SandboxTracker]) -> Ite
                 shutil.rmtree(base, ignore_errors=True)
 
 
-def _our_containers(settings: Settings) -> list[str]:
+#: The container engines (their CLI lists and counts containers); qemu keeps records.
+ENGINES = ("podman", "docker")
+
+
+def _our_containers(settings: Settings, engine: str = "podman") -> list[str]:
     out = subprocess.run(
-        ["podman", "ps", "-a", "--filter", f"label=io.agentbox.data={data_label(settings)}",
+        [engine, "ps", "-a", "--filter", f"label=io.agentbox.data={data_label(settings)}",
          "--format", "{{.Names}}"], capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     return out.split()
 
 
+def _owned(settings: Settings, backend: str) -> list[str]:
+    """The sandboxes of this data dir that ``backend`` still has (containers, VMs)."""
+    if backend in ENGINES:
+        return _our_containers(settings, backend)
+    from agentbox.backends import get_backend
+
+    return get_backend(backend, settings).owned()
+
+
 def _remove_leftovers(settings: Settings) -> None:
     from agentbox.launcher._watchdog import reap_sandbox
 
-    for name in _our_containers(settings):
-        reap_sandbox("podman", name, settings.data_dir)  # its workspace disk unmounted too
+    for engine in ENGINES:
+        if shutil.which(engine) is None:
+            continue
+        with contextlib.suppress(subprocess.CalledProcessError):
+            for name in _our_containers(settings, engine):
+                # Its workspace disk unmounted too.
+                reap_sandbox(engine, name, settings.data_dir)
     for _, gw in list_task_gateways(settings):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(gw.pid, signal.SIGKILL)
 
 
-def _created(since: str, prefix: str) -> list[str]:
+def _created(since: str, prefix: str, engine: str = "podman") -> list[str]:
     """The containers created since ``since`` whose name starts with ``prefix``."""
-    out = subprocess.run(
-        ["podman", "events", "--stream=false", "--since", since, "--filter", "event=create",
-         "--format", "{{.Name}}"], capture_output=True, text=True, check=True, timeout=60,
-    ).stdout  # fmt: skip
+    if engine == "docker":
+        args = ["docker", "events", "--since", since, "--until", str(int(time.time()) + 1),
+                "--filter", "event=create", "--format", "{{.Actor.Attributes.name}}"]  # fmt: skip
+    else:
+        args = ["podman", "events", "--stream=false", "--since", since, "--filter",
+                "event=create", "--format", "{{.Name}}"]  # fmt: skip
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
     return [n for n in out.split() if n.startswith(prefix)]
+
+
+def _launches(settings: Settings, tid: str) -> int:
+    """How many times a launcher started task ``tid``'s sandbox (its log says each)."""
+    log = (TaskPaths(settings.data_dir, tid).log_dir / "launcher.log").read_text()
+    return log.count("running claude in sandbox ")
 
 
 def _leftover_processes(settings: Settings, allowed: set[int]) -> list[str]:
@@ -338,10 +373,16 @@ def _until_an_agent_runs(settings: Settings, ids: list[str]) -> None:
 
 
 def _chaos(
-    world: World, *, tasks: int, phases: list[tuple[str, int]], runtime: str, seed: int
+    world: World,
+    *,
+    tasks: int,
+    phases: list[tuple[str, int]],
+    runtime: str,
+    seed: int,
+    backend: str = "podman",
 ) -> None:
     rng = random.Random(seed)
-    env = {**world.env, "AGENTBOX_RUNTIME": runtime}
+    env = {**world.env, "AGENTBOX_RUNTIME": runtime, "AGENTBOX_BACKEND": backend}
     unit = UnitCgroup(f"agentbox-chaos-{os.getpid()}.service")
     phases = [(w, n) for w, n in phases if w != "cgroup" or unit.dirs]
     served = Served(env, world.sock, unit)
@@ -353,7 +394,7 @@ def _chaos(
         with LauncherClient(world.sock, reconnect=90.0) as client:
             for p, (how, kills) in enumerate(phases):
                 batch = [f"chaos{seed % 1000}-{p}{i}" for i in range(tasks)]
-                world.track("podman", batch)
+                world.track(backend, batch)
                 for tid in batch:
                     client.submit(TaskRequest(repo=str(world.repo), task="write, work",
                                               model="replay-chaos", deadline=600.0,
@@ -375,10 +416,10 @@ def _chaos(
                 if kills:
                     hit = [row for row in table if row[1] == how and row[4]]
                     assert hit, f"no {how} kill hit a running agent: {table}"
-            print(f"chaos seed {seed}: {len(ids)} tasks, {len(table)} kills in "
+            print(f"chaos {backend}/{runtime} seed {seed}: {len(ids)} tasks, {len(table)} kills in "
                   f"{time.monotonic() - t0:.0f} s (n, way, t, running, agents launched): "
                   f"{table}")  # fmt: skip
-            end = time.monotonic() + 300
+            end = time.monotonic() + (1800 if backend == "qemu" else 300)
             infos = {}
             for tid in ids:
                 try:
@@ -400,36 +441,74 @@ def _chaos(
                 out = (TaskPaths(world.settings.data_dir, tid).log_dir / "agent.jsonl").read_text()
                 assert out.count('"subtype":"init"') == 1, tid
                 assert read_usage(TaskPaths(world.settings.data_dir, tid).usage_file).requests >= 3
-        # No task ran twice: each task's sandbox was created exactly once.
-        created = _created(world.since, prefix)
-        assert sorted(created) == sorted(f"agentbox-task-{t}" for t in ids), created
+                # No task ran twice: each task's sandbox was started once, by one launcher.
+                assert _launches(world.settings, tid) == 1, tid
+        # A kill that hit a running agent left its task to the next launcher to re-adopt.
+        logs = [(TaskPaths(world.settings.data_dir, t).log_dir / "launcher.log").read_text()
+                for t in ids]  # fmt: skip
+        assert any("re-adopted by launcher pid" in text for text in logs), logs
+        if backend in ENGINES:  # and the engine created each container exactly once
+            created = _created(world.since, prefix, backend)
+            assert sorted(created) == sorted(f"agentbox-task-{t}" for t in ids), created
+        kills = {how: sum(1 for row in table if row[1] == how) for how, _ in phases}
+        hits = {how: sum(1 for row in table if row[1] == how and row[4]) for how, _ in phases}
+        left = _owned(world.settings, backend)
+        print(f"chaos table {backend}/{runtime}: kills {len(table)} {kills}, hits on a "
+              f"running agent {hits}, tasks done {len(infos)}/{len(ids)}, sandboxes "
+              f"created {len(ids)} (once each), leftovers {len(left)}")  # fmt: skip
     finally:
         served.stop()
         unit.kill()
         unit.remove()
-    # Nothing orphaned: no container, no gateway, no watchdog of this data dir.
-    assert _our_containers(world.settings) == []
+    # Nothing orphaned: no container (VM), no gateway, no watchdog of this data dir.
+    assert _owned(world.settings, backend) == []
     assert _leftover_processes(world.settings, {os.getpid()}) == []
 
 
+def _seed() -> int:
+    return int(CHAOS_SEED or random.randrange(1 << 30))
+
+
+@pytest.mark.podman
 def test_random_launcher_kills_lose_no_task_and_run_none_twice(world: World) -> None:
-    seed = int(CHAOS_SEED or random.randrange(1 << 30))
-    _chaos(world, tasks=CHAOS_TASKS, phases=CHAOS_WAYS, runtime="runc", seed=seed)
+    _chaos(world, tasks=CHAOS_TASKS, phases=CHAOS_WAYS, runtime="runc", seed=_seed())
 
 
+@pytest.mark.podman
 def test_a_launcher_kill_on_runsc_loses_no_task(world: World) -> None:
     fac = _host.podman_runtime("runsc")
     if not fac.ok:
         pytest.skip(f"runsc: {fac.detail}")
-    _chaos(world, tasks=1, phases=[("pid", 1)], runtime="runsc", seed=random.randrange(1 << 30))
+    _chaos(world, tasks=1, phases=[("pid", 1)], runtime="runsc", seed=_seed())
 
 
-def test_a_deadline_that_passes_while_no_launcher_runs(world: World) -> None:
+@pytest.mark.docker
+def test_random_launcher_kills_on_docker_lose_no_task(world: World) -> None:
+    """Docker tasks outlive their launcher too (issue 32): the Engine holds the
+    container; the next launcher checks its seal and re-adopts it."""
+    ways = [(w, int(CHAOS_KILLS or n)) for w, n in DOCKER_WAYS]
+    _chaos(world, tasks=CHAOS_TASKS, phases=ways, runtime="runc", seed=_seed(), backend="docker")
+
+
+@pytest.mark.qemu
+def test_random_launcher_kills_on_qemu_lose_no_task(world: World) -> None:
+    """The chaos test on qemu, with fewer kills (TCG boots and runs a VM slowly)."""
+    _chaos(world, tasks=1, phases=QEMU_WAYS, runtime="runc", seed=_seed(), backend="qemu")
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [pytest.param("podman", marks=pytest.mark.podman),
+     pytest.param("docker", marks=pytest.mark.docker)],
+)  # fmt: skip
+def test_a_deadline_that_passes_while_no_launcher_runs(world: World, engine: str) -> None:
     """The launcher dies; no launcher runs while the deadline passes: the runtime kills
-    the sandbox on time; the next launcher follows it to that end: timed_out, collected."""
-    served = Served(world.env, world.sock)
+    the sandbox on time (podman: conmon's --timeout; docker: the container's own
+    ``timeout`` under tini); the next launcher follows it to that end: timed_out, collected."""
+    env = {**world.env, "AGENTBOX_BACKEND": engine}
+    served = Served(env, world.sock)
     name = "agentbox-task-live-deadline"
-    world.track("podman", ["live-deadline"])
+    world.track(engine, ["live-deadline"])
     try:
         with LauncherClient(world.sock) as client:
             info = client.submit(TaskRequest(repo=str(world.repo), task="write, then wait",
@@ -449,10 +528,10 @@ def test_a_deadline_that_passes_while_no_launcher_runs(world: World) -> None:
         # Nobody follows it now. The runtime (conmon) kills it at its deadline.
         while time.time() < started + 30.0 + 20.0:
             time.sleep(1.0)
-        running = subprocess.run(["podman", "inspect", "--format", "{{.State.Running}}", name],
+        running = subprocess.run([engine, "inspect", "--format", "{{.State.Running}}", name],
                                  capture_output=True, text=True).stdout.strip()  # fmt: skip
         assert running in ("false", ""), f"the sandbox outlived its deadline: {running!r}"
-        served = Served(world.env, world.sock)
+        served = Served(env, world.sock)
         with LauncherClient(world.sock) as client:
             info = client.wait("live-deadline", timeout=120)
             assert info.status == "timed_out", info
@@ -464,7 +543,7 @@ def test_a_deadline_that_passes_while_no_launcher_runs(world: World) -> None:
         assert "re-adopted by launcher pid" in log, log
     finally:
         served.stop()
-    assert _our_containers(world.settings) == []
+    assert _our_containers(world.settings, engine) == []
     assert _leftover_processes(world.settings, {os.getpid()}) == []
 
 

@@ -51,6 +51,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Iterator
@@ -314,7 +315,14 @@ def _alive(pid: int, start: str) -> bool:
 
 
 def _container_exists(name: str) -> bool:
+    """Whether podman, or docker (a detached docker sandbox's disk too), has ``name``."""
     res = _proc.run(["podman", "container", "exists", name], check=False, timeout=60)
+    if res.returncode == 0:
+        return True
+    if not Path("/var/run/docker.sock").exists() or shutil.which("docker") is None:
+        return False
+    res = _proc.run(["docker", "container", "inspect", "--format", "{{.Id}}", name],
+                    check=False, timeout=60)  # fmt: skip
     return res.returncode == 0
 
 

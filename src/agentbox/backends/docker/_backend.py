@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from agentbox.backends._attached import AttachedOnly, NoPool
+from agentbox.backends._attached import NoPool
 from agentbox.backends._wsdisk import settle_orphan_disks
 from agentbox.backends.base import (
     LABEL,
@@ -32,6 +32,7 @@ from agentbox.backends.docker._config import (
     daemon_facts,
     docker_runtime,
 )
+from agentbox.backends.docker._detach import DockerDetached, is_detached
 from agentbox.backends.docker._image import ensure_image, forget_images
 from agentbox.backends.docker._sandbox import DockerSandbox, status_of
 from agentbox.backends.oci._cli import Capture, check_env, owner_start
@@ -55,7 +56,7 @@ def _check_dir(path: Path, what: str) -> None:
         raise PathRefused(f"{what} is not an existing absolute directory", path=path)
 
 
-class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here yet
+class DockerBackend(DockerDetached, NoPool):
     """Hardened Docker containers under runc or runsc (gVisor); docs/reference/docker-backend.md.
 
     Used by the launcher only (it holds ``docker.sock``, which is root-equivalent);
@@ -233,12 +234,16 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
         pid = box.inspect().get("State", {}).get("Pid")
         if not isinstance(pid, int) or pid <= 1:
             raise SandboxError("no init pid to cap its user namespace", sandbox=box.name)
+        self._cap_pid(pid, box.name)
+
+    def _cap_pid(self, pid: int, name: str) -> None:
+        """Cap the user namespace of the sandbox whose init is host ``pid`` (see above)."""
         args = [f"{k}={v}" for k, v in sorted(SANDBOX_CAPS.items())]
         try:
             _proc.run(["/bin/sh", "-c", HOOK_SCRIPT, "hook", *args],
                       input=json.dumps({"pid": pid}), timeout=30)  # fmt: skip
         except AgentboxError as exc:
-            raise SandboxError(f"cannot cap its user namespace: {exc}", sandbox=box.name) from exc
+            raise SandboxError(f"cannot cap its user namespace: {exc}", sandbox=name) from exc
 
     def run(
         self,
@@ -297,7 +302,18 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
         No container: nothing is released. Its bind points may be the ones a launch is
         preparing this moment, before it creates the container (a cancel, repeated by
         the launcher's monitor, can come then); the owner releases them when its
-        sandbox ends or fails to start, :meth:`reap` when the owner is dead."""
+        sandbox ends or fails to start, :meth:`reap` when the owner is dead.
+
+        A detached sandbox is only killed: its follower reads the rest of its output,
+        records the end and removes it (and :meth:`reap` does when none follows)."""
+        try:
+            info = self.client.api.inspect_container(name)
+        except Exception:
+            info = None
+        labels = (info or {}).get("Config", {}).get("Labels") if isinstance(info, dict) else None
+        if isinstance(labels, dict) and is_detached(labels):
+            self.kill_container(name)
+            return [name]
         if not self.remove_container(name):
             return []
         HostBinds(self.settings, name).release_all()
@@ -343,6 +359,10 @@ class DockerBackend(AttachedOnly, NoPool):  # detached sandboxes: not built here
             names = _names(c)
             labels = c.get("Labels") or {}
             if not names or not isinstance(labels, dict) or _owner_alive(labels):
+                continue
+            if is_detached(labels):
+                # A detached sandbox outlives its launcher on purpose: its data dir's
+                # next launcher adopts it (follow) or reaps it (owned() lists it).
                 continue
             log.info("removing orphan sandbox", sandbox=names[0])
             self.remove_container(names[0])

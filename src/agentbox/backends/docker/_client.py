@@ -34,6 +34,7 @@ from agentbox.errors import SandboxError, UnsupportedError
 __all__ = [
     "ALLOWED",
     "API_VERSION",
+    "DETACHED",
     "LIFE",
     "GuardedClient",
     "connect",
@@ -56,6 +57,8 @@ LIFE = frozenset({
     "POST /containers/{id}/kill",
     "DELETE /containers/{id}",
 })  # fmt: skip
+#: A detached sandbox's (``launch``): its output, read from the start by each follower.
+DETACHED = frozenset({"GET /containers/{id}/logs"})
 #: Set-up (image import and inspect), doctor (ping, version, info) and the orphan sweep.
 SETUP = frozenset({
     "POST /images/create",
@@ -65,7 +68,7 @@ SETUP = frozenset({
     "GET /info",
     "GET /containers/json",
 })  # fmt: skip
-ALLOWED = LIFE | SETUP
+ALLOWED = LIFE | SETUP | DETACHED
 
 _VERSION = re.compile(r"^/v\d+\.\d+")
 _PATTERNS = (

@@ -191,12 +191,14 @@ def container_body(
     image_id: str,
     *,
     unsafe_host_config: dict[str, Any] | None = None,
+    command: list[str] | None = None,
 ) -> dict[str, Any]:
     """The ``POST /containers/create`` body: an idle sandbox whose own clock ends it.
 
     The main process is ``sleep`` for the deadline plus :data:`DEADLINE_GRACE` under
     tini (``Init``): when it ends, the container's pid namespace dies with every
     process in it, even if agentbox is gone. Commands are exec'd into it.
+    ``command``: a detached sandbox's own main command instead (see _detach.py).
     """
     res = spec.resources
     mem = int(res.memory)
@@ -259,7 +261,7 @@ def container_body(
     return {
         "Image": image_id,
         "Entrypoint": [TINI, "--"],  # tini as PID 1: reaps, forwards signals
-        "Cmd": entry_argv(spec, main_argv(spec)),
+        "Cmd": command if command is not None else entry_argv(spec, main_argv(spec)),
         "User": f"{spec.uid}:{spec.uid}",
         "WorkingDir": spec.workdir,
         "Env": [f"{k}={v}" for k, v in sorted(spec.env.items())],
