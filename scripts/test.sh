@@ -5,8 +5,10 @@
 #   scripts/test.sh           the whole suite (README command (b); .ci/run calls it): the
 #                             default image (cached by content hash), then every test not
 #                             marked `serial` on AGENTBOX_TEST_WORKERS xdist workers (default
-#                             3: sandboxes mostly wait), one module per worker, then the
-#                             `serial` ones alone (tests/conftest.py: SERIAL)
+#                             4 on 2 cores: sandboxes mostly wait, a podman module's pytest
+#                             tree used 5% of a core), one module per worker, the modules
+#                             with a `slow` test first, then the `serial` ones alone
+#                             (tests/conftest.py: SERIAL, SERIAL_TESTS, SERIAL_DIRS)
 #   scripts/test.sh --fast    the unit tier only (pure: no root, no sandbox, no service),
 #                             with ruff and mypy, on every core: under 2 minutes
 #   scripts/test.sh ARGS…     pytest ARGS… as given, serial (e.g. tests/unit -x)
@@ -15,6 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
+passes=""
 fast=0
 if [ "${1-}" = --fast ]; then fast=1; shift; fi
 
@@ -26,7 +29,7 @@ bt=$(mktemp -d /tmp/abt.XXXX)
 summary() {
   local rc=$?
   .venv/bin/python scripts/test_summary.py "$report"/*.xml 2>/dev/null || true
-  echo "[test.sh] total $((SECONDS - start)) s (exit $rc)"
+  echo "[test.sh] total $((SECONDS - start)) s (exit $rc)${passes:+: $passes}"
   rm -rf "$report" "$bt"
 }
 trap summary EXIT
@@ -48,13 +51,17 @@ if [ $# -gt 0 ]; then
   .venv/bin/pytest --junitxml="$report/run.xml" "$@"
   exit
 fi
-workers=${AGENTBOX_TEST_WORKERS-3}
+workers=${AGENTBOX_TEST_WORKERS-4}
 if [ "$workers" = 0 ]; then
   .venv/bin/pytest --junitxml="$report/run.xml"
   exit
 fi
 rc=0
+t=$SECONDS
 .venv/bin/pytest -n "$workers" --dist loadfile -m "not serial" --basetemp="$bt/p" \
   --junitxml="$report/parallel.xml" || rc=$?
+passes="parallel pass ($workers workers) $((SECONDS - t)) s"
+t=$SECONDS
 .venv/bin/pytest -m serial --junitxml="$report/serial.xml" || rc=$((rc ? rc : $?))
+passes+=", serial pass $((SECONDS - t)) s"
 exit $rc
