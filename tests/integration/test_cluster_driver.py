@@ -454,3 +454,75 @@ def test_batch_results_are_private_to_their_owner(
         import shutil
 
         shutil.rmtree(open_root, ignore_errors=True)
+
+
+def test_batch_pr_pushes_each_result_as_the_repo_owner_and_opens_pull_requests(
+    node: NodeService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``batch run --pr`` (issue 28 §5): each published result is pushed to its repo's remote
+    as the repo's owner and a pull request opened, on a local GitHub API server that checks
+    every request against GitHub's OpenAPI description."""
+    import pwd
+    import secrets as _secrets
+    import shutil
+    import tempfile
+
+    from forge_servers import ForgeServer
+
+    name = f"abxbp-{_secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                    name], check=True)  # fmt: skip
+    base = Path(tempfile.mkdtemp(prefix="agentbox-batchpr-", dir="/var/tmp"))
+    try:
+        base.chmod(0o755)
+        pw = pwd.getpwnam(name)
+        repo = _repo(base / "alpha")
+        remote = base / "remote.git"
+        subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+        git(repo, "remote", "add", "origin", "https://github.com/octo/hello.git")
+        git(repo, "remote", "set-url", "--push", "origin", f"file://{remote}")
+
+        def chown(p: Path) -> None:
+            subprocess.run(["chown", "-R", f"{pw.pw_uid}:{pw.pw_gid}", str(p)], check=True)
+
+        chown(remote)
+        with ForgeServer("github") as server:
+            monkeypatch.setenv("AGENTBOX_FORGE_HOSTS", f"github.com=github:{server.url}")
+            monkeypatch.setenv("GITHUB_TOKEN", "ghp_batchtest_0123456789")
+            events: list[BatchEvent] = []
+
+            def on_event(ev: BatchEvent) -> None:
+                # The driver reads the repo as root to bundle its base (root's repo, as the
+                # driver's other tests); from then on it is the user's, as a user's driver.
+                if ev.event == "batch":
+                    chown(repo)
+                events.append(ev)
+
+            with FakeBackend.scripted(_writes("out.txt", b"from the node\n")):
+                ex = LocalExecutor(node)
+                got = list(run_batch(_tasks([repo], 2), executor=ex, state_dir=base / "state",
+                                     batch_id="bp", on_event=on_event, pr=True,
+                                     draft=True))  # fmt: skip
+                ex.close()
+            assert sorted(r.status for r in got) == ["done", "done"], got
+            assert all(not r.error for r in got), [r.error for r in got]
+            assert server.errors == []
+            creates = [r for r in server.requests if r.method == "POST"]
+            assert sorted(c.body["head"] for c in creates) == ["agentbox/bp-t0", "agentbox/bp-t1"]
+            assert all(c.body["draft"] is True for c in creates)
+            urls = [e.detail for e in events if e.event == "pull_request"]
+            assert len(urls) == 2 and all(u.startswith("https://github.com/octo/hello/pull/")
+                                          for u in urls)  # fmt: skip
+        for b in ("agentbox/bp-t0", "agentbox/bp-t1"):
+            pushed = subprocess.run(
+                ["git", "--git-dir", str(remote), "rev-parse", b],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            assert pushed == git(repo, "rev-parse", b).strip()
+        owners = {p.stat().st_uid for p in (remote / "objects").rglob("*") if p.is_file()}
+        assert owners == {pw.pw_uid}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        subprocess.run(["userdel", name], check=False)

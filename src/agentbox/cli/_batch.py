@@ -195,8 +195,16 @@ def batch_run(
     boxfile: str | None = typer.Option(None, "--boxfile", help="A Boxfile (TOML) for all tasks."),
     state_dir: str | None = typer.Option(None, "--state-dir", help="Where batch state lives."),
     as_json: bool = typer.Option(False, "--json", help="One JSON event per line."),
+    pr: bool = typer.Option(
+        False, "--pr", help="Push each result to its repo's remote and open a pull request."
+    ),
+    draft: bool = typer.Option(False, "--draft", help="With --pr: draft pull requests."),
+    remote: str = typer.Option("origin", "--remote", help="With --pr: the remote to push to."),
 ) -> None:
-    """Run every task of TASKS on the cluster; each result lands as agentbox/<id> in its repo."""
+    """Run every task of TASKS on the cluster; each result lands as agentbox/<id> in its repo
+    (with --pr: pushed to the repo's remote, with a pull request)."""
+    if draft and not pr:
+        raise typer.BadParameter("--draft goes with --pr")
     cluster = _cluster()
     box: dict[str, Any] | None = None
     if boxfile is not None:
@@ -221,6 +229,9 @@ def batch_run(
         "deadline": deadline,
         "boxfile": box,
         "max_in_flight": max_in_flight,
+        "pr": pr,
+        "draft": draft,
+        "remote": remote,
     }
     exists = (cluster.batch_dir(kw["state_dir"], batch_id) / "batch.db").is_file()
     task_list = None if exists else list(cluster.read_tasks(Path(tasks)))

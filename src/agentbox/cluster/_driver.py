@@ -38,6 +38,7 @@ from agentbox.cluster._state import FINAL, BatchState, TaskRow, usd_or_none
 from agentbox.collect import publish, risky_reason
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ConfigError
+from agentbox.forge import check_remote
 from agentbox.launcher.api import DEFAULT_BUDGET, DEFAULT_DEADLINE
 
 __all__ = ["MAX_LOST", "Executor", "batch_dir", "new_batch_id", "run_batch"]
@@ -295,12 +296,47 @@ class _Run:
                 )
             except (AgentboxError, OSError) as exc:
                 error = f"{error}; not published: {exc}".lstrip("; ")[:4000]
+        pr_url = ""
+        if branch and self.opts.get("pr") and row.status == "done":
+            pr_url, why = self.open_pr(row, branch)
+            if why:
+                error = f"{error}; no pull request: {why}".lstrip("; ")[:4000]
         self.state.update(row.key, state="published", branch=branch, error=error)
         self.opts["timings"].setdefault(row.attempt_id, {})["publish"] = time.monotonic() - t0
         row = self.state.task(row.key)
         if branch:
             self.event("published", row, detail=branch)
+        if pr_url:
+            self.event("pull_request", row, detail=pr_url)
         return row
+
+    def open_pr(self, row: TaskRow, branch: str) -> tuple[str, str]:
+        """``batch run --pr``: push ``branch`` to the repo's remote as the repo's owner and
+        open a pull request with the attempt's report; (its URL, "") or ("", why not)."""
+        from agentbox.config import load_settings
+        from agentbox.forge import ship
+
+        opts = self.opts["pr"]
+        path = self.root / "results" / f"{row.attempt_id}.report.json"
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            report = {}
+        try:
+            done = ship(
+                load_settings(), Path(row.repo), task_id=row.attempt_id,
+                task=str(row.spec.get("task", "")), branch=branch, commit=row.commit,
+                report=report if isinstance(report, dict) else {}, remote=opts["remote"],
+                pr=True, draft=bool(opts.get("draft")), env=dict(os.environ),
+            )  # fmt: skip
+        except AgentboxError as exc:
+            log.warning("no pull request", attempt=row.attempt_id, error=str(exc))
+            return "", str(exc)[:1000]
+        url = done.pull_request.url if done.pull_request else ""
+        if isinstance(report, dict) and url:
+            report["pull_request"] = url
+            _write_private(path, json.dumps(report, default=str))
+        return url, ""
 
 
 def run_batch(
@@ -316,6 +352,9 @@ def run_batch(
     boxfile: dict[str, Any] | None = None,
     max_in_flight: int | None = None,
     on_event: Callable[[BatchEvent], None] | None = None,
+    pr: bool = False,
+    draft: bool = False,
+    remote: str = "origin",
 ) -> Iterator[BatchResult]:
     """Run ``tasks`` (``(key, task)`` pairs, as :func:`~agentbox.cluster.read_tasks`
     gives) and yield each task's result as it ends.
@@ -325,7 +364,11 @@ def run_batch(
     task that cannot be covered once nothing else runs is ``skipped``. ``deadline``
     is each task's (seconds). ``boxfile`` is a Boxfile's TOML table, re-validated by
     each node within its own settings. With ``batch_id`` of an existing batch under
-    ``state_dir``, the batch resumes (``tasks`` may then be None).
+    ``state_dir``, the batch resumes (``tasks`` may then be None). With ``pr``, each
+    published result of a task that ended done is pushed to ``remote`` of its repo (as
+    the repo's owner, never by force) and a pull request (``draft``) opened with its
+    report (:func:`agentbox.forge.ship`; the token from the environment, or as root the
+    repo owner's secret); a failure is in the task's error, not the batch's.
     """
     batch_id = batch_id or new_batch_id()
     root = _private_dir(batch_dir(state_dir, batch_id))
@@ -339,6 +382,7 @@ def run_batch(
             "task_budget": task_budget,
             "deadline": deadline,
             "boxfile": boxfile,
+            "pr": {"remote": check_remote(remote), "draft": draft} if pr else None,
         }
         if not state.init(batch_id, budget=budget, options=opts):
             opts = {**state.batch()["options"], "batch_id": batch_id}

@@ -117,7 +117,9 @@ class BatchResult(_Strict):
 class BatchEvent(_Strict):
     """One line of ``agentbox batch run --json``."""
 
-    event: Literal["batch", "placed", "finished", "lost", "published", "skipped", "end"]
+    event: Literal[
+        "batch", "placed", "finished", "lost", "published", "pull_request", "skipped", "end"
+    ]
     batch: str
     key: str = ""
     attempt_id: str = ""
