@@ -1,6 +1,6 @@
 """Egress proxy throughput against a direct download of the same files (target: >= 0.8x).
 
-Usage: .venv/bin/python bench/egress.py [--package pip] [--files 4] [--runs 3]
+Usage: .venv/bin/python bench/egress.py [--package pip] [--files 4] [--runs 3] [--latency 40]
 
 The files are real distribution files of ``--package`` from the index this host's
 pip uses (read from pip, as the proxy's allow-list is; no registry is named here).
@@ -11,9 +11,17 @@ Each file is downloaded, alternately in the same run:
   (``guest/relay.py`` on 127.0.0.1, run on the host here) → the proxy's unix socket →
   a spawned proxy process (dropped to the gateway's uid when run as root);
 * proxy only: httpcore speaking to the proxy's unix socket itself (no relay), to
-  tell the proxy's share from the relay's.
+  tell the proxy's share from the relay's;
+* intercepted: the same httpx through the relay to a second proxy that has a
+  request-level rule for the index's hosts (``[[network.rule]]`` with an injected
+  header): TLS terminated with the task CA, each request matched, the header added,
+  the answer scanned for the secret (target: >= 0.7x direct).
 
-Prints the median throughput (MB/s) of each way and the ratio proxied / direct.
+Then ``--latency`` small requests (``HEAD`` of each file, keep-alive) direct and
+intercepted: the added latency per request, p50 (target: <= 5 ms). Last, each proxy
+process's memory (RSS) after the runs.
+
+Prints the median throughput (MB/s) of each way and the ratio to direct.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ from pathlib import Path
 
 import httpcore
 import httpx
+import psutil
 
 from agentbox.config import Settings
 from agentbox.egress import EgressPolicy, host_ca_bundle, spawn_proxy, summarize
+from agentbox.egress.rules import Inject, NetworkRule
 from agentbox.gateway import gateway_identity
 
 RELAY = Path(__file__).resolve().parent.parent / "src/agentbox/guest/relay.py"
@@ -50,6 +60,12 @@ class _UnixBackend(httpcore.SyncBackend):
                     local_address: str | None = None, socket_options: object = None,
                     ) -> httpcore.NetworkStream:  # fmt: skip
         return self.connect_unix_socket(self.path, timeout)
+
+
+def _cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
 
 
 def _free_port() -> int:
@@ -88,6 +104,7 @@ def main() -> int:
     p.add_argument("--package", default="pip")
     p.add_argument("--files", type=int, default=4)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--latency", type=int, default=40, help="HEAD requests per way")
     args = p.parse_args()
     settings = Settings()
     policy = EgressPolicy.for_phase(settings, registries=True)
@@ -99,53 +116,111 @@ def main() -> int:
     ca = str(host_ca_bundle(settings))
     tmp = Path(tempfile.mkdtemp(prefix="agentbox-bench-egress-"))
     sock, log = tmp / "egress.sock", tmp / "egress.log"
-    port = _free_port()
+    isock, ilog = tmp / "intercept.sock", tmp / "intercept.log"
+    port, iport = _free_port(), _free_port()
     direct = httpx.Client(verify=ca, timeout=120, follow_redirects=True)
-    with spawn_proxy(sock, policy, log, gateway_identity(settings)):
-        relay = subprocess.Popen(
-            [sys.executable, str(RELAY), "--port", str(port), "--socket", str(sock)]
-        )
+    urls = _file_urls(direct, index, args.package, args.files)
+    hosts = sorted({httpx.URL(u).host for u in urls} | {pip[0].pattern})
+    rules = [
+        NetworkRule(host=h, inject=Inject("X-Agentbox-Bench", "Bearer ${secret:BENCH}"),
+                    origin="test")
+        for h in hosts
+    ]  # fmt: skip
+    ident = gateway_identity(settings)
+    relays: list[subprocess.Popen[bytes]] = []
+    with (
+        spawn_proxy(sock, policy, log, ident) as tunnel,
+        spawn_proxy(isock, policy, ilog, ident, rules=rules, stderr_file=tmp / "i.stderr",
+                    secret_values={"BENCH": "bench-not-a-secret-0123456789"}) as icpt,
+    ):  # fmt: skip
+        for s_, p_ in ((sock, port), (isock, iport)):
+            relays.append(subprocess.Popen(
+                [sys.executable, str(RELAY), "--port", str(p_), "--socket", str(s_)]
+            ))  # fmt: skip
         try:
             time.sleep(0.5)
+            assert icpt.ca_cert is not None
+            bundle = tmp / "bundle.pem"
+            bundle.write_bytes(Path(ca).read_bytes() + b"\n" + icpt.ca_cert)
             proxied = httpx.Client(
                 verify=ca, timeout=120, follow_redirects=True, proxy=f"http://127.0.0.1:{port}"
             )
+            intercepted = httpx.Client(
+                verify=str(bundle), timeout=120, follow_redirects=True,
+                proxy=f"http://127.0.0.1:{iport}",
+            )  # fmt: skip
             # The proxy alone: httpcore speaks to its unix socket directly (no relay).
             bare = httpcore.HTTPProxy(
                 proxy_url="http://egress-proxy/",
                 ssl_context=ssl.create_default_context(cafile=ca),
                 network_backend=_UnixBackend(str(sock)),
             )
-            urls = _file_urls(direct, index, args.package, args.files)
-            rates: dict[str, list[float]] = {"direct": [], "proxied": [], "proxy only": []}
+            rates: dict[str, list[float]] = {
+                "direct": [], "proxied": [], "proxy only": [], "intercepted": []
+            }  # fmt: skip
             total = 0
             ways: tuple[tuple[str, httpx.Client | httpcore.HTTPProxy], ...] = (
                 ("direct", direct),
                 ("proxied", proxied),
                 ("proxy only", bare),
+                ("intercepted", intercepted),
             )
+            pids = {"proxied": tunnel.pid, "intercepted": icpt.pid}
+            cpu = dict.fromkeys(pids, 0.0)
+            moved = dict.fromkeys(pids, 0)
             for _ in range(args.runs):
                 for url in urls:
                     for name, client in ways:
+                        c0 = _cpu(pids[name]) if name in pids else 0.0
                         n, secs = _download(client, url)
+                        if name in pids:
+                            cpu[name] += _cpu(pids[name]) - c0
+                            moved[name] += n
                         rates[name].append(n / secs / 1e6)
-                        total += n if name == "proxied" else 0
+                        total += n if name == "intercepted" else 0
+            lat: dict[str, list[float]] = {"direct": [], "intercepted": []}
+            for i in range(args.latency):
+                url = urls[i % len(urls)]
+                for name, cl in (("direct", direct), ("intercepted", intercepted)):
+                    t0 = time.perf_counter()
+                    cl.head(url).raise_for_status()
+                    lat[name].append((time.perf_counter() - t0) * 1000)
+            rss = {
+                "tunnel": psutil.Process(tunnel.pid).memory_info().rss,
+                "intercepting": psutil.Process(icpt.pid).memory_info().rss,
+            }
             proxied.close()
+            intercepted.close()
             bare.close()
         finally:
-            relay.terminate()
-            relay.wait(5)
+            for r in relays:
+                r.terminate()
+                r.wait(5)
     direct.close()
     s = summarize(log)
+    si = summarize(ilog)
     shutil.rmtree(tmp, ignore_errors=True)
     d, q = statistics.median(rates["direct"]), statistics.median(rates["proxied"])
     b = statistics.median(rates["proxy only"])
-    print(f"files: {len(urls)} of {args.package} x {args.runs} runs, {total / 1e6:.1f} MB proxied")
-    print(f"direct   median {d:8.1f} MB/s")
-    print(f"proxied  median {q:8.1f} MB/s  (relay -> unix socket -> proxy process)")
-    print(f"proxy    median {b:8.1f} MB/s  (unix socket -> proxy process, no relay)")
-    print(f"ratio proxied/direct: {q / d:.2f}x (target >= 0.8x); proxy only/direct {b / d:.2f}x")
-    print(f"egress log: {s.allowed} allowed, {s.denied} denied, {s.bytes_down / 1e6:.1f} MB down")
+    t = statistics.median(rates["intercepted"])
+    ld, li = statistics.median(lat["direct"]), statistics.median(lat["intercepted"])
+    print(f"files: {len(urls)} of {args.package} x {args.runs} runs, {total / 1e6:.1f} MB "
+          "intercepted")  # fmt: skip
+    print("| way | median MB/s | / direct |")
+    print("|---|---:|---:|")
+    print(f"| direct | {d:.1f} | 1.00 |")
+    print(f"| proxied (tunnel: relay -> socket -> proxy) | {q:.1f} | {q / d:.2f} |")
+    print(f"| proxy only (socket -> proxy, no relay) | {b:.1f} | {b / d:.2f} |")
+    print(f"| intercepted (TLS terminated, rule, injection) | {t:.1f} | {t / d:.2f} |")
+    print(f"latency, {args.latency} HEAD each (keep-alive): direct p50 {ld:.1f} ms, "
+          f"intercepted p50 {li:.1f} ms, added {li - ld:+.1f} ms (target <= 5 ms)")  # fmt: skip
+    print("proxy CPU seconds per 100 MB (the proxy process only; robust to a loaded host): "
+          f"tunnel {cpu['proxied'] / (moved['proxied'] / 1e8):.2f}, "
+          f"intercepting {cpu['intercepted'] / (moved['intercepted'] / 1e8):.2f}")  # fmt: skip
+    print(f"proxy RSS after the runs: tunnel {rss['tunnel'] / 2**20:.1f} MiB, "
+          f"intercepting {rss['intercepting'] / 2**20:.1f} MiB")  # fmt: skip
+    print(f"egress logs: tunnel {s.allowed} allowed, {s.denied} denied; intercepted "
+          f"{si.allowed} requests, {si.injected} injected, {si.denied} denied")  # fmt: skip
     return 0
 
 

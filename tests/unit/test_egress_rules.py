@@ -156,3 +156,17 @@ def test_suggestion_is_pasteable_toml() -> None:
     assert tomllib.loads(suggest_rule("a.example", "GET", "/"))["network"]["rule"][0]["paths"] == [
         "/"
     ]
+
+
+def test_policy_with_rules_decides_rule_hosts_per_request() -> None:
+    from agentbox.egress import EgressPolicy
+
+    base = EgressPolicy()
+    assert base.network_rules == ()  # computed (and cached) before with_rules
+    pol = base.with_rules([PYPI, WILD])
+    assert pol.network_rules == (WILD,)  # the default phase is "agent"; PYPI is setup-only
+    assert pol.decide("a.corp.example", 443, tls=True).rule == "rules"
+    assert pol.decide("a.corp.example", 80, tls=False).allowed is False  # never plain HTTP
+    assert pol.decide("other.example", 443, tls=True).rule == "not-allowed"
+    setup = EgressPolicy(phase="setup").with_rules([PYPI])
+    assert setup.network_rules == (PYPI,) and "pypi.corp.example" in setup.hosts

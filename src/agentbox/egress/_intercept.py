@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Interceptor", "Redactor", "log_path"]
 
-_CHUNK = 65536
+_CHUNK = 262144
 _MIN_REDACT = 4
 
 

@@ -124,7 +124,10 @@ class EgressPolicy(BaseModel):
     def with_rules(self, rules: Iterable[NetworkRule]) -> EgressPolicy:
         """This policy with ``rules`` added (after its own)."""
         extra = tuple(r.to_dict() for r in rules)
-        return self.model_copy(update={"request_rules": self.request_rules + extra})
+        # A new model, not model_copy: that would carry the cached ``network_rules``.
+        data = self.model_dump()
+        data["request_rules"] = self.request_rules + extra
+        return type(self).model_validate(data)
 
     @field_validator("trusted_ranges")
     @classmethod
