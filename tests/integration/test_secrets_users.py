@@ -227,3 +227,65 @@ def test_a_raw_request_cannot_name_an_owner_or_echo_a_value(
     store = SecretStore(served.settings)
     assert store.resolve(["A_TOKEN"], alice) == {"A_TOKEN": A_VALUE}
     assert [i.name for i in store.list(bob)] == []
+
+
+# -- a task resolves only its submitter's secrets (the real launcher and sandbox) ----------
+
+_BOXFILE = """\
+[[network.rule]]
+host = "pypi.corp.example"
+inject = { header = "Authorization", value = "Bearer ${secret:A_TOKEN}" }
+"""
+
+
+@pytest.mark.podman
+def test_a_task_uses_only_its_submitters_secrets(users: tuple[int, int]) -> None:
+    base = Path(tempfile.mkdtemp(prefix="agentbox-secrets-task-", dir="/var/tmp"))
+    base.chmod(0o755)  # the repos' owners run git in them: every user may reach them
+    try:
+        _task_scope(base, users)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _task_scope(tmp_path: Path, users: tuple[int, int]) -> None:
+    from agentbox.boxfile import load_boxfile
+    from agentbox.launcher import TaskRequest
+    from git_helpers import git
+
+    alice, bob = users
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        repos_root=tmp_path / "repos",
+        egress_allow_cap=("pypi.corp.example",),
+    )
+    settings.repos_root.mkdir()
+    SecretStore(settings).set("A_TOKEN", A_VALUE, alice)
+    (tmp_path / "Boxfile.toml").write_text(_BOXFILE)
+    box = load_boxfile(tmp_path / "Boxfile.toml", settings)
+    repos = {}
+    for who, uid in (("alice", alice), ("bob", bob)):
+        path = settings.repos_root / who
+        path.mkdir()
+        git(path, "init", "-q", "-b", "main")
+        (path / "README.md").write_text("hello\n")
+        git(path, "add", "-A")
+        git(path, "commit", "-q", "-m", "init")
+        subprocess.run(["chown", "-R", f"{uid}:{uid}", str(path)], check=True)
+        repos[uid] = path
+    with Launcher(settings, max_tasks=1) as la:
+        # The caller is what the launcher's socket reads from SO_PEERCRED.
+        mine = la.submit(TaskRequest(repo=str(repos[alice]), task="x"), caller=alice, boxfile=box)
+        theirs = la.submit(TaskRequest(repo=str(repos[bob]), task="x"), caller=bob, boxfile=box)
+        done_a = la.wait(mine.id, timeout=300)
+        done_b = la.wait(theirs.id, timeout=300)
+    assert done_a.status == "done", (done_a.error, done_a)
+    assert done_b.status == "failed", done_b
+    assert f"secret A_TOKEN is not set for uid {bob}" in (done_b.error or ""), done_b
+    # the value is in no answer and no file the tasks left (the store's own file aside)
+    for info in (done_a, done_b):
+        assert A_VALUE not in info.model_dump_json()
+    store_file = settings.data_dir / "secrets" / f"{alice}.json"
+    for path in settings.data_dir.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path != store_file:
+            assert A_VALUE.encode() not in path.read_bytes(), path
