@@ -77,7 +77,7 @@ def world() -> Iterator[tuple[Path, dict[str, str], str, Received]]:
         "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
     }
     with otlp_receiver() as (endpoint, received):
-        served = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+        served = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "AGENTBOX_POOL_SIZE": "1"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentbox", "launcher", "serve", "--metrics", "127.0.0.1:0"],
             env=served, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -112,7 +112,13 @@ def test_metrics_while_running_and_after_and_the_trace(
 ) -> None:
     base, env, url, received = world
     before = _samples(httpx.get(url, timeout=10).text)
-    assert before[("agentbox_launcher_starts_total", ())] >= 1
+    assert before[("agentbox_launcher_starts_total", ())] == 1
+    assert before[("agentbox_pool_claims_total", ())] == 0
+    end = time.monotonic() + 120  # the launcher's warm pool (size 1) fills
+    while before.get(("agentbox_pool_ready", ())) != 1 and time.monotonic() < end:
+        time.sleep(0.5)
+        before = _samples(httpx.get(url, timeout=10).text)
+    assert before[("agentbox_pool_ready", ())] == 1, before
     repo = base / "repos" / "r"
     repo.mkdir()
     git(repo, "init", "-q", "-b", "main")
@@ -151,6 +157,7 @@ def test_metrics_while_running_and_after_and_the_trace(
     assert after[("agentbox_task_duration_seconds_count", ())] == 1
     assert after[("agentbox_tokens_total", (("kind", "input"), ("model", "napper")))] > 0
     assert after[("agentbox_egress_requests_total", (("verdict", "allowed"),))] == 0
+    assert after[("agentbox_pool_claims_total", ())] == 1  # the task took the pooled sandbox
 
     # The trace: sent once the task ended (the launcher exports before `wait` returns
     # only if it was quick; give it the exporter's time).

@@ -12,6 +12,11 @@ import contextlib
 import os
 from pathlib import Path
 
+#: Under ``<data_dir>/run``: one byte per launcher start.
+LAUNCHER_STARTS = "launcher-starts.tally"
+#: Under ``<data_dir>/pool``: one byte per task served from the warm pool.
+POOL_CLAIMS = "claims.tally"
+
 
 def count_one(path: Path) -> None:
     """Add one to the tally at ``path`` (created 0600); never raises."""

@@ -34,7 +34,7 @@ from prometheus_client.core import (
 
 from agentbox.config import Settings
 from agentbox.core.paths import TaskPaths
-from agentbox.core.tally import count_one, tally
+from agentbox.core.tally import LAUNCHER_STARTS, POOL_CLAIMS, count_one, tally
 from agentbox.errors import PolicyRefused
 from agentbox.launcher._store import Store, TaskRow
 from agentbox.launcher.api import TERMINAL
@@ -42,10 +42,6 @@ from agentbox.observe.phases import PHASE_NAMES, task_phases
 
 #: Histogram buckets for task and phase durations, in seconds (a second to a day).
 BUCKETS = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 14400.0, 86400.0)
-#: One byte appended per launcher start (see :func:`note_launcher_start`).
-STARTS_FILE = "launcher-starts.tally"
-#: One byte appended per warm-pool claim (``backends/podman/_pool.py``).
-CLAIMS_FILE = "claims.tally"
 _MAX_JSON = 1 << 20
 
 
@@ -125,7 +121,7 @@ def note_launcher_start(settings: Settings) -> None:
     run = settings.data_dir / "run"
     with contextlib.suppress(OSError):
         run.mkdir(mode=0o700, exist_ok=True)
-    count_one(run / STARTS_FILE)
+    count_one(run / LAUNCHER_STARTS)
 
 
 class LauncherCollector:
@@ -279,11 +275,11 @@ class LauncherCollector:
             "agentbox_pool_claims",
             "Tasks served from the warm pool.",
             node,
-            tally(pool / CLAIMS_FILE),
+            tally(pool / POOL_CLAIMS),
         )
         yield _counter(
             "agentbox_launcher_starts", "Launcher starts on this data dir.", node,
-            tally(self.settings.data_dir / "run" / STARTS_FILE),
+            tally(self.settings.data_dir / "run" / LAUNCHER_STARTS),
         )  # fmt: skip
         yield _counter(
             "agentbox_task_readoptions", "Running tasks taken over by a new launcher.",

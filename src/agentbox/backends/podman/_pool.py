@@ -101,6 +101,7 @@ from agentbox.backends.podman._pool_view import (
 from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
+from agentbox.core.tally import POOL_CLAIMS, count_one
 from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxError
 
 if TYPE_CHECKING:
@@ -307,6 +308,7 @@ def claim(
         except _NotStarted as exc:  # nothing of the task ran: the fresh path instead
             log.warning("pool claim failed; starting fresh", sandbox=spec.name, error=str(exc))
             return False
+        count_one(root / POOL_CLAIMS)  # agentbox_pool_claims_total
         return True
     return False
 
