@@ -206,69 +206,66 @@ def test_setuid_capability_and_kept_package_manager_are_refused_by_name(
     assert _podman_names("localhost/agentbox-build-") == []
 
 
-def test_cache_hits_unchanged_and_misses_on_containerfile_or_context_change(
+@pytest.mark.timeout(1800)  # three builds and a removal: 15 min on a busy 2-core host
+def test_cache_hits_and_misses_then_ls_shows_and_rm_removes_exactly_one(
     base_image: str, made: list[str], tmp_path: Path
 ) -> None:
+    """The cache: an unchanged build is a hit (same hash, same podman image), a changed
+    Containerfile or context a miss; the first content built again under another tag is a
+    hit that tags it. Then ``image ls`` shows both tags, and ``image rm`` of one removes
+    exactly its tag, its content-hash tag and its kept root, and leaves the other and the
+    base. (One test: ls/rm reuse the cache's images, three builds instead of five.)"""
     settings = Settings()
-    (tmp_path / "data.txt").write_text(f"one {secrets.token_hex(8)}\n")
+    data = tmp_path / "data.txt"
+    one = f"one {secrets.token_hex(8)}\n"
+    data.write_text(one)
     cf = tmp_path / "Containerfile"
     cf.write_text(f"FROM {base_image}\nCOPY data.txt /opt/data.txt\n")
     tag = _tag(made, "cache")
 
-    def build() -> tuple[str, bool, str | None]:
-        info = build_containerfile(settings, cf, tag=tag)
+    def build(as_tag: str = tag) -> tuple[str, bool, str | None, Path]:
+        info = build_containerfile(settings, cf, tag=as_tag)
         made.append(info.name)
         made.append(f"{CUSTOM_REPO}:{info.hash}")
         assert info.hash is not None and info.rootfs is not None
-        return info.hash, info.cached, info.podman_id
+        return info.hash, info.cached, info.podman_id, info.rootfs
 
-    first, cached, pid = build()
+    first, cached, pid, root_first = build()
     assert not cached
-    again, cached, pid2 = build()
+    again, cached, pid2, _ = build()
     assert (again, cached, pid2) == (first, True, pid)
 
     cf.write_text(f"FROM {base_image}\nCOPY data.txt /opt/data.txt\nRUN true\n")
-    changed_cf, cached, _ = build()
+    changed_cf, cached, _, _ = build()
     assert changed_cf != first and not cached
 
-    (tmp_path / "data.txt").write_text(f"two {secrets.token_hex(8)}\n")
-    changed_ctx, cached, _ = build()
+    data.write_text(f"two {secrets.token_hex(8)}\n")
+    changed_ctx, cached, _, root_ctx = build()
     assert changed_ctx not in (first, changed_cf) and not cached
     root = resolve(settings, tag).rootfs
     assert root is not None and (root / "opt/data.txt").read_text().startswith("two ")
 
-
-def test_ls_shows_it_and_rm_removes_exactly_it(
-    base_image: str, made: list[str], tmp_path: Path
-) -> None:
-    settings = Settings()
-    ids = {}
-    for what in ("a", "b"):
-        d = tmp_path / what
-        d.mkdir()
-        (d / "f").write_text(f"{what} {secrets.token_hex(8)}\n")
-        (d / "Containerfile").write_text(f"FROM {base_image}\nCOPY f /opt/f\n")
-        tag = _tag(made, what)
-        info = build_containerfile(settings, d / "Containerfile", tag=tag)
-        made.append(f"{CUSTOM_REPO}:{info.hash}")
-        ids[what] = (tag, info.hash, info.rootfs)
+    # The first content again, under a second tag: a hit that names it.
+    cf.write_text(f"FROM {base_image}\nCOPY data.txt /opt/data.txt\n")
+    data.write_text(one)
+    other = _tag(made, "other")
+    back, cached, pid3, _ = build(other)
+    assert (back, cached, pid3) == (first, True, pid)
 
     res = _cli("ls", "--json")
     assert res.returncode == 0, res.stderr
     rows = {r["name"]: r for r in json.loads(res.stdout)}
-    for tag, key, _root in ids.values():
-        assert rows[tag]["hash"] == key and rows[tag]["kind"] == "containerfile"
+    for name, key in ((tag, changed_ctx), (other, first)):
+        assert rows[name]["hash"] == key and rows[name]["kind"] == "containerfile"
     assert BASE_IMAGE not in rows
 
-    tag_a, key_a, root_a = ids["a"]
-    res = _cli("rm", tag_a, "--json")
+    res = _cli("rm", tag, "--json")
     assert res.returncode == 0, res.stderr
     removed = json.loads(res.stdout)["removed"]
-    assert sorted(removed) == sorted([tag_a, f"{CUSTOM_REPO}:{key_a}", str(root_a.parent)])
-    assert not _exists(tag_a) and not _exists(f"{CUSTOM_REPO}:{key_a}")
-    assert root_a is not None and not root_a.parent.exists()
-    tag_b, key_b, root_b = ids["b"]
-    assert _exists(tag_b) and _exists(f"{CUSTOM_REPO}:{key_b}") and root_b.is_dir()
+    assert sorted(removed) == sorted([tag, f"{CUSTOM_REPO}:{changed_ctx}", str(root_ctx.parent)])
+    assert not _exists(tag) and not _exists(f"{CUSTOM_REPO}:{changed_ctx}")
+    assert not root_ctx.parent.exists()
+    assert _exists(other) and _exists(f"{CUSTOM_REPO}:{first}") and root_first.is_dir()
     assert _exists(BASE_IMAGE)
 
 
