@@ -364,7 +364,8 @@ def test_public_surface() -> None:
 
     assert set(c.__all__) == {"Base", "Collected", "DiffStat", "Limits", "Report", "Skipped",
                               "Tokens", "apply_result", "branch_name", "collect", "prepare",
-                              "publish", "risky_reason", "user_git"}  # fmt: skip
+                              "publish", "risky_reason", "user_git",
+                              "RepoDir", "as_owner", "repo_owner"}  # fmt: skip
     assert {"SafeWriter", "Tree", "openat2", "supported", "check_name"} <= set(s.__all__)
     assert all(hasattr(c, n) for n in c.__all__) and all(hasattr(s, n) for n in s.__all__)
 

@@ -16,7 +16,7 @@ See docs/explanation/result-collection.md for the threat model and decisions.
 
 from agentbox.collect._apply import apply_result
 from agentbox.collect._collect import branch_name, collect
-from agentbox.collect._git import user_git
+from agentbox.collect._git import RepoDir, as_owner, repo_owner, user_git
 from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
 from agentbox.collect._prepare import prepare
 from agentbox.collect._publish import publish
@@ -28,14 +28,17 @@ __all__ = [
     "Collected",
     "DiffStat",
     "Limits",
+    "RepoDir",
     "Report",
     "Skipped",
     "Tokens",
     "apply_result",
+    "as_owner",
     "branch_name",
     "collect",
     "prepare",
     "publish",
+    "repo_owner",
     "risky_reason",
     "user_git",
 ]

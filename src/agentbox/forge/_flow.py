@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentbox.collect._git import RepoDir, user_git
+from agentbox.collect import RepoDir, user_git
 from agentbox.config import Settings
 from agentbox.errors import PublishRefused
 from agentbox.forge._body import pr_body, pr_title

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 
-from agentbox.collect._git import RepoDir, as_owner, repo_owner, user_git
+from agentbox.collect import RepoDir, as_owner, repo_owner, user_git
 from agentbox.core.log import get_logger
 from agentbox.errors import CollectError, CommandError, PushRefused
 
