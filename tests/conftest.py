@@ -42,6 +42,7 @@ from typing import Any
 
 import pytest
 
+from agentbox.backends import registry
 from agentbox.backends.base import Backend
 from agentbox.config import Settings
 from agentbox.core import host as _host
@@ -54,21 +55,16 @@ def _required() -> set[str]:
     return {x for x in os.environ.get("AGENTBOX_REQUIRE", "").split(",") if x}
 
 
+#: A test marked with a registered backend's name needs that backend's facility.
+_BACKEND_MARKERS = tuple(r.name for r in registry.REGISTERED if r.probes)
+
+
 def _facility(marker: str) -> _host.Facility | None:
-    if marker == "podman":
-        return _host.podman()
-    if marker == "qemu":
-        return _host.qemu()
+    """The facility a marker needs: a registered backend's own probe, or a tool's."""
+    if registry.entry(marker) is not None:
+        return registry.facility(marker, Settings())
     if marker == "claude":
         return _host.claude_code(Settings().claude_binary)
-    if marker == "firecracker":
-        from agentbox.backends.microvm.firecracker import facility
-
-        return facility(Settings())
-    if marker == "docker":
-        from agentbox.backends.docker._facility import facility as docker_facility
-
-        return docker_facility(Settings())
     if marker == "gitlfs":
         found = shutil.which("git-lfs")
         return _host.Facility(
@@ -195,7 +191,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     required = _required()
     missing: list[str] = []
     for item in items:
-        for marker in ("podman", "qemu", "claude", "firecracker", "docker", "gitlfs"):
+        for marker in (*_BACKEND_MARKERS, "claude", "gitlfs"):
             if item.get_closest_marker(marker) is None:
                 continue
             fac = _facility(marker)
@@ -211,12 +207,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
+#: The longest modules of the parallel pass, longest first (CI's durations, 2026-12-07).
+HEAVIEST = (
+    "integration/test_image_containerfile.py",
+    "e2e/test_env_backends.py",
+    "e2e/test_env_node.py",
+    "e2e/test_env_python.py",
+    "e2e/test_live_restore.py",
+    "integration/test_qemu_backend.py",
+    "integration/test_owner_signals.py",
+)
+
+
 def _slow_modules_first(items: list[pytest.Item]) -> None:
-    """Modules with a test marked ``slow`` go first, in their order, then the rest: xdist
-    (``--dist loadfile``) hands out whole modules in this order, so a ten-minute module
-    starts at once rather than on a worker that is already busy at the end of the pass."""
+    """The :data:`HEAVIEST` modules go first, then those with a test marked ``slow``, then
+    the rest, each in its order: xdist (``--dist loadfile``) hands out whole modules in this
+    order, so a ten-minute module starts at once rather than on a worker that is already
+    busy at the end of the pass."""
     slow = {_rel(i) for i in items if i.get_closest_marker("slow") is not None}
-    items.sort(key=lambda i: _rel(i) not in slow)  # stable: the order within stays
+
+    def rank(item: pytest.Item) -> tuple[int, bool]:
+        rel = _rel(item)
+        heavy = HEAVIEST.index(rel) if rel in HEAVIEST else len(HEAVIEST)
+        return heavy, rel not in slow
+
+    items.sort(key=rank)  # stable: the order within stays
 
 
 @pytest.fixture(autouse=True)

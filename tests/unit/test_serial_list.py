@@ -35,11 +35,12 @@ def _functions(rel: str) -> set[str]:
     return {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
 
 
-def test_every_serial_entry_names_a_module_or_test_that_exists() -> None:
+def test_every_serial_and_heaviest_entry_names_a_module_or_test_that_exists() -> None:
     serial = _literal("SERIAL")
     tests = _literal("SERIAL_TESTS")
-    assert isinstance(serial, set) and isinstance(tests, set)
-    missing = [rel for rel in serial if not (TESTS / rel).is_file()]
+    heaviest = _literal("HEAVIEST")
+    assert isinstance(serial, set) and isinstance(tests, set) and isinstance(heaviest, tuple)
+    missing = [rel for rel in [*serial, *heaviest] if not (TESTS / rel).is_file()]
     for entry in tests:
         rel, _, func = entry.partition("::")
         if not (TESTS / rel).is_file() or func not in _functions(rel):
