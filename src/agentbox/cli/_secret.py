@@ -79,8 +79,8 @@ def _client(settings: Settings) -> Any:
     if not socket_accepts(path):
         raise RefusedError(
             f"no launcher answers at {path}: a user's secrets are kept by root's launcher "
-            "(ask root to run `agentbox launcher serve`, and set AGENTBOX_DATA_DIR to its "
-            "data dir, /var/lib/agentbox by default)"
+            "(ask root to run `agentbox launcher serve`; its data dir, /var/lib/agentbox by "
+            "default, is found from AGENTBOX_DATA_DIR or data_dir in /etc/agentbox/config.toml)"
         )
     return LauncherClient(path, timeout=30.0, reconnect=5.0)
 
