@@ -224,3 +224,54 @@ def test_a_remote_on_no_forge_is_refused_before_anything_is_pushed(
     finally:
         launcher.close()
     assert _remote_ref(remote, f"agentbox/{tid}") == ""
+
+
+def test_run_pr_pushes_and_opens_the_pull_request_when_the_task_is_done(
+    sandbox_settings: Settings, owner: pwd.struct_passwd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``agentbox run --pr`` in the foreground (the CLI in this process, the sandbox the
+    FakeBackend): the task ends done with a result, which is pushed as the repo's owner
+    and becomes a pull request whose body is its report."""
+    from test_lifecycle_fake import _spawn_gateway
+    from typer.testing import CliRunner
+
+    from agentbox.backends.fake import FakeBackend, FakeScript
+    from agentbox.cli import app
+    from agentbox.launcher import _runner
+
+    settings = sandbox_settings
+    repo = make_repo(settings.repos_root / "repo-run", FILES)
+    remote = settings.repos_root.parent / "remote-run.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    git(repo, "remote", "add", "origin", "https://github.com/octo/hello.git")
+    git(repo, "remote", "set-url", "--push", "origin", f"file://{remote}")
+    _chown(repo, owner)
+    _chown(remote, owner)
+    FakeBackend.reset()
+    monkeypatch.setattr(_runner, "spawn_gateway", _spawn_gateway)
+    with ForgeServer("github") as server:
+        for k, v in {"AGENTBOX_DATA_DIR": str(settings.data_dir),
+                     "AGENTBOX_REPOS_ROOT": str(settings.repos_root),
+                     "AGENTBOX_FORGE_HOSTS": f"github.com=github:{server.url}",
+                     "GITHUB_TOKEN": TOKEN}.items():  # fmt: skip
+            monkeypatch.setenv(k, v)
+        with (
+            FakeBackend.installed_as("podman"),
+            FakeBackend.scripted(FakeScript(files={"src/app.py": b"x = 3\n"})),
+        ):
+            res = CliRunner().invoke(app, ["run", "--repo", str(repo), "--id", "t-runpr",
+                                           "--pr", "--json", "set x to three"])  # fmt: skip
+        assert FakeBackend.live_names() == []
+        FakeBackend.reset()
+        assert res.exit_code == 0, (res.output, res.exception)
+        out = json.loads(res.stdout[res.stdout.index("{") :])
+        assert out["task"]["status"] == "done"
+        push = out["push"]
+        assert push["pushed"] and push["pull_request"] == "https://github.com/octo/hello/pull/1347"
+        assert server.errors == []
+        (create,) = [r for r in server.requests if r.method == "POST"]
+        assert create.body["head"] == "agentbox/t-runpr"
+        assert create.body["title"] == "set x to three [agentbox t-runpr]"
+    commit = git(repo, "rev-parse", "agentbox/t-runpr").strip()
+    assert _remote_ref(remote, "agentbox/t-runpr") == commit
+    assert TOKEN not in res.stdout
