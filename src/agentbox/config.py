@@ -74,6 +74,8 @@ def _check_size(size: int) -> int:
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 
+#: The backends a user may name: :data:`agentbox.backends.registry.NAMES`, written out for
+#: the type checker (tests/unit/test_backend_registry.py holds the two equal).
 Backend = Literal["podman", "qemu", "firecracker", "docker"]
 Runtime = Literal["runc", "crun", "runsc"]
 

@@ -1,10 +1,14 @@
-"""The backend Protocol's contract, parametrised over the backends present on this host.
+"""The backend Protocol's contract, run on every registered backend, under each of its
+runtimes.
 
-Every backend (podman under each usable OCI runtime; the qemu engineer adds
-qemu) must pass the same tests: one-shot run with exit code and separate
-streams, deadlines, create/exec/env/stdin, copy in and out without following
-links out, posture, idempotent destroy, and the gateway path (127.0.0.1:
-GATEWAY_PORT inside reaching ``gateway_dir/gateway.sock`` on the host).
+The cases come from the registry (:mod:`agentbox.backends.registry`): a backend added
+there is run here with no edit. Each case carries its backend's marker (a host without
+the backend skips it with the probed reason; ``AGENTBOX_REQUIRE`` makes that an error),
+and a runtime this host cannot use is skipped with its reason. Every backend must pass
+the same tests: one-shot run with exit code and separate streams, deadlines,
+create/exec/env/stdin, copy in and out without following links out, posture, idempotent
+destroy, and the gateway path (127.0.0.1:GATEWAY_PORT inside reaching
+``gateway_dir/gateway.sock`` on the host).
 
 "Nothing survived" is part of the contract: every sandbox here is made through
 a :class:`~sandbox_leaks.SandboxTracker` (the ``sandbox_factory`` fixture of
@@ -22,10 +26,11 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from agentbox.backends import get_backend
+from agentbox.backends import backend_class, get_backend, registry
 from agentbox.backends.base import (
     GATEWAY_PORT,
     GATEWAY_SOCKET_NAME,
@@ -40,19 +45,34 @@ from agentbox.errors import AgentboxError
 from agentbox.sandbox import spec_from_boxfile
 from sandbox_leaks import SandboxTracker
 
+#: Every case boots the default image, which is built in podman's storage.
 pytestmark = pytest.mark.podman
 
-CASES = [
-    pytest.param(("podman", rt), id=f"podman-{rt}")
-    for rt in ("runc", "runsc")
-    if _host.podman_runtime(rt).ok
-]
-CASES.append(pytest.param(("qemu", None), id="qemu", marks=pytest.mark.qemu))
-CASES.append(
-    pytest.param(
-        ("firecracker", None), id="firecracker", marks=[pytest.mark.qemu, pytest.mark.firecracker]
-    )
-)
+
+def _cases() -> list[Any]:
+    """(backend, runtime) for every registered backend a user may choose, each runtime of
+    its ``runtimes`` trait (or none), marked with the backend's facility marker."""
+    cases = []
+    for r in registry.REGISTERED:
+        if not r.selectable:
+            continue  # the fake runs no sandbox: tests/unit covers it
+        mark = getattr(pytest.mark, r.name)
+        for rt in backend_class(r.name).runtimes or (None,):
+            ident = f"{r.name}-{rt}" if rt else r.name
+            cases.append(pytest.param((r.name, rt), id=ident, marks=mark))
+    return cases
+
+
+CASES = _cases()
+
+
+def _runtime_refused(name: str, runtime: str | None) -> str | None:
+    """Why this host cannot run ``runtime`` under backend ``name`` (None: it can). Docker's
+    facility (its marker) already requires both its runtimes; podman's are probed one by one."""
+    if runtime is None or name != "podman":
+        return None
+    fac = _host.podman_runtime(runtime)
+    return None if fac.ok else f"{fac.name}: {fac.detail} (fix: {fac.fix})"
 
 
 class Case:
@@ -80,6 +100,9 @@ def case(
 ) -> Case:
     name, runtime = request.param
     settings = settings_factory()
+    refused = _runtime_refused(name, runtime)
+    if refused:
+        pytest.skip(refused)
     return Case(get_backend(name, settings), settings, runtime)
 
 

@@ -123,12 +123,12 @@ def test_hook_caps_a_real_user_namespace_from_outside(tmp_path: Path) -> None:
 
 
 def test_doctor_row_names_the_shortfall_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentbox.backends import podman
-    from agentbox.cli._doctor import _kernel_quotas
+    from agentbox.backends.podman import _doctor
+    from agentbox.backends.podman._doctor import _kernel_quotas
 
-    # The doctor reads it through the podman backend's facade.
+    # The podman backend's doctor rows read it.
     monkeypatch.setattr(
-        podman,
+        _doctor,
         "host_shortfall",
         lambda: {"fs.inotify.max_user_instances": (128, 8320)},
     )
@@ -136,7 +136,7 @@ def test_doctor_row_names_the_shortfall_and_the_fix(monkeypatch: pytest.MonkeyPa
     assert not fac.ok
     assert "max_user_instances=128" in fac.detail and "8320" in fac.detail
     assert "setup.sh" in fac.fix and "sysctl -w fs.inotify.max_user_instances=" in fac.fix
-    monkeypatch.setattr(podman, "host_shortfall", lambda: {})
+    monkeypatch.setattr(_doctor, "host_shortfall", lambda: {})
     assert _kernel_quotas().ok
 
 

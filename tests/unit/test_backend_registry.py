@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.backends import BACKENDS, backend_class, get_backend
+from agentbox.backends import BACKENDS, backend_class, get_backend, registry
 from agentbox.backends.base import Backend, Sandbox
 from agentbox.config import Settings
 from agentbox.errors import UnsupportedError
@@ -84,3 +84,51 @@ def test_a_broken_backend_module_is_an_unsupported_error(monkeypatch: pytest.Mon
     with pytest.raises(UnsupportedError, match="backend broken") as info:
         backend_class("broken")
     assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_the_backend_literals_are_the_registry_names() -> None:
+    """The names a user may choose (settings, Boxfile) are the registry's selectable ones."""
+    from typing import get_args
+
+    from agentbox.boxfile import Boxfile
+    from agentbox.config import Backend
+
+    assert set(get_args(Backend)) == set(registry.NAMES)
+    assert set(get_args(Boxfile.model_fields["backend"].annotation)) == set(registry.NAMES)
+    assert set(BACKENDS) == {r.name for r in registry.REGISTERED}
+    assert all(BACKENDS[r.name] == r.target for r in registry.REGISTERED)
+
+
+@pytest.mark.parametrize("name", [r.name for r in registry.REGISTERED])
+def test_every_registered_backend_names_its_probes(name: str) -> None:
+    """Each registered backend's package has the doctor's rows and the tests' facility."""
+    import importlib
+
+    found = registry.entry(name)
+    assert found is not None
+    pkg = importlib.import_module(found.package)
+    assert getattr(pkg, found.cls) is backend_class(name)
+    if found.probes:
+        assert callable(pkg.facility) and callable(pkg.doctor_rows)
+
+
+def test_a_registry_line_brings_the_doctor_rows_and_the_facility(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Adding a backend is its package and one registry line: the doctor's rows and the
+    test facility switch come from it, in registry order."""
+    import sys
+    import types
+
+    from agentbox.core.host import Facility
+
+    pkg = types.ModuleType("agentbox_test_newbackend")
+    here = Facility("newbackend", False, "not here", "install it")
+    pkg.facility = lambda settings: here  # type: ignore[attr-defined]
+    pkg.doctor_rows = lambda settings: [registry.DoctorRow(here, present=True)]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, pkg.__name__, pkg)
+    line = registry.Registered("newbackend", pkg.__name__, "NewBackend")
+    monkeypatch.setattr(registry, "REGISTERED", (line,))
+    assert registry.facility("newbackend", Settings()) is here
+    assert registry.facility("unknown", Settings()) is None
+    assert registry.doctor_rows(Settings()) == [registry.DoctorRow(here, present=True)]

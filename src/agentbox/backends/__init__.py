@@ -1,10 +1,12 @@
-"""Sandbox backends behind one Protocol (:mod:`agentbox.backends.base`).
+"""Sandbox backends behind one Protocol (:mod:`agentbox.backends.base`), by family:
+``oci/`` (what ``podman/`` and ``docker/`` share), ``microvm/`` (with ``qemu/`` and
+``firecracker/``), the in-process ``fake``.
 
-:data:`BACKENDS` is the registry, the one place backend names live: a new
-backend is a module (or package) under ``agentbox.backends`` plus one line
-here. :func:`get_backend` is the one way to get a backend by name; each
-backend's module is imported only when asked for, so a host without QEMU never
-imports the qemu backend. Callers outside this package never compare a
+:mod:`agentbox.backends.registry` is the one place backend names live: a new
+backend is a package under ``agentbox.backends`` plus one line there.
+:func:`get_backend` is the one way to get a backend by name; each backend's module
+is imported only when asked for, so a host without QEMU never imports the qemu
+backend. Callers outside this package never compare a
 backend's name: they ask its traits (``kind``, ``runtimes``,
 ``shares_host_kernel``) and call its verbs.
 """
@@ -21,6 +23,7 @@ from agentbox.backends._uidslots import claim as claim_uid_slot
 from agentbox.backends._uidslots import reap as reap_uid_slots
 from agentbox.backends._uidslots import release as release_uid_slot
 from agentbox.backends.base import Backend, Exited
+from agentbox.backends.registry import REGISTERED
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, UnsupportedError, map_exceptions
@@ -42,14 +45,9 @@ __all__ = [
 
 log = get_logger(__name__)
 
-#: Backend name → "module:ClassName"; the class is called as ``Class(settings, **kw)``.
-BACKENDS: dict[str, str] = {
-    "podman": "agentbox.backends.podman:PodmanBackend",
-    "qemu": "agentbox.backends.microvm.qemu:QemuBackend",
-    "firecracker": "agentbox.backends.microvm.firecracker:FirecrackerBackend",
-    "docker": "agentbox.backends.docker:DockerBackend",
-    "fake": "agentbox.backends.fake:FakeBackend",
-}
+#: Backend name → "module:ClassName" (from :mod:`agentbox.backends.registry`); the class is
+#: called as ``Class(settings, **kw)``. A test may register one more here for a while.
+BACKENDS: dict[str, str] = {r.name: r.target for r in REGISTERED}
 
 
 def slot_settings(name: str, settings: Settings, slot: int) -> Settings:

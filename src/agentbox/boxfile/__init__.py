@@ -89,7 +89,7 @@ from agentbox.boxfile._sections import (
     Setup,
     Strict,
 )
-from agentbox.config import DEFAULT_IMAGE, Settings, parse_size, setting_source
+from agentbox.config import DEFAULT_IMAGE, Backend, Settings, parse_size, setting_source
 from agentbox.core.invalid import nearest_key
 from agentbox.errors import BoxfileError, PathRefused
 
@@ -119,7 +119,7 @@ class Boxfile(Strict):
     image: str = DEFAULT_IMAGE
     # ``[image] containerfile = …`` (a table where ``image`` is a name) lands here.
     image_build: ImageBuild | None = None
-    backend: Literal["podman", "qemu", "firecracker", "docker"] = "podman"
+    backend: Backend = "podman"
     runtime: Literal["runc", "crun", "runsc"] = "runc"
     isolation: Literal["standard", "strict"] = "standard"
     deadline: float = Field(default=3600.0, gt=0, le=7 * 24 * 3600)

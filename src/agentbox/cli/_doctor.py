@@ -8,13 +8,9 @@ choice of backends and runtimes.
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -24,7 +20,6 @@ from rich.text import Text
 from agentbox.cli._table import Col, fit_table, print_table
 from agentbox.config import Settings, load_settings
 from agentbox.core import host as _host
-from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError
 
 __all__ = ["Check", "checks", "register"]
@@ -55,122 +50,6 @@ def _row(fac: _host.Facility, *, essential: bool = False, present: bool | None =
     if fac.ok:
         return Check(fac, essential, "ok")
     return Check(fac, essential, "refused" if present else "missing")
-
-
-def _cgroups() -> _host.Facility:
-    mode = _host.cgroup_mode()
-    if mode == "v2":
-        return _host.Facility("cgroups", True, "v2 (unified)")
-    return _host.Facility(
-        "cgroups",
-        True,
-        f"{mode}: runc works; crun needs the unified (v2) hierarchy",
-        "boot with systemd.unified_cgroup_hierarchy=1 for crun",
-    )
-
-
-def _userns() -> _host.Facility:
-    try:
-        limit = int(Path("/proc/sys/user/max_user_namespaces").read_text())
-    except (OSError, ValueError):
-        limit = -1
-    if limit == 0:
-        return _host.Facility(
-            "user namespaces",
-            False,
-            "max_user_namespaces is 0",
-            "sysctl user.max_user_namespaces=15000",
-        )
-    if shutil.which("unshare") is None:
-        return _host.Facility(
-            "user namespaces", False, "unshare not installed", "apt-get install util-linux"
-        )
-    try:
-        _proc.run(["unshare", "--user", "--map-root-user", "true"], timeout=15)
-    except AgentboxError as exc:
-        return _host.Facility(
-            "user namespaces",
-            False,
-            f"unshare -U failed: {str(exc).splitlines()[-1]}",
-            "enable user namespaces (sysctl kernel.unprivileged_userns_clone=1)",
-        )
-    return _host.Facility("user namespaces", True, f"unshare -U works (max {limit})")
-
-
-def _kernel_quotas() -> _host.Facility:
-    """Root's host-wide inotify limits: every podman sandbox's user namespace is root's,
-
-    so each may spend up to its cap of them (see backends/oci/_userns_limits.py).
-    """
-    from agentbox.backends.podman import (
-        HOST_SANDBOXES,
-        HOST_SYSCTLS,
-        SANDBOX_CAPS,
-        host_shortfall,
-    )
-
-    short = host_shortfall()
-    caps = (
-        f"per sandbox {SANDBOX_CAPS['max_inotify_instances']} inotify instances, "
-        f"{SANDBOX_CAPS['max_inotify_watches']} watches"
-    )
-    if not short:
-        return _host.Facility(
-            "kernel quotas", True, f"root's inotify limits leave room for {HOST_SANDBOXES} "
-            f"sandboxes at their caps ({caps})"
-        )  # fmt: skip
-    seen = ", ".join(f"{k}={have} (want >= {want})" for k, (have, want) in short.items())
-    fix = "scripts/setup.sh, or sysctl -w " + " ".join(f"{k}={v}" for k, v in HOST_SYSCTLS.items())
-    return _host.Facility(
-        "kernel quotas",
-        False,
-        f"{seen}: a few sandboxes at their caps ({caps}) could spend root's inotify quota",
-        fix,
-    )
-
-
-def _kvm(settings: Settings) -> Check:
-    dev = Path("/dev/kvm")
-    if not dev.exists():
-        fac = _host.Facility(
-            "kvm", False, "no /dev/kvm", "enable virtualisation (or nested) and load kvm_intel/amd"
-        )
-        return _row(fac)
-    if not os.access(dev, os.R_OK | os.W_OK):
-        return _row(
-            _host.Facility("kvm", False, "/dev/kvm not writable", "run as root"), present=True
-        )
-    probe: Callable[[Settings], _host.Facility] | None = None
-    try:
-        probe = getattr(
-            importlib.import_module("agentbox.backends.microvm.qemu"), "probe_kvm", None
-        )
-    except ImportError:
-        probe = None
-    if probe is None:
-        fac = _host.Facility(
-            "kvm", True, "/dev/kvm present (presence only: the qemu backend's boot probe is absent)"
-        )
-        return Check(fac, False, "partial")
-    try:
-        fac = probe(settings)
-    except Exception as exc:  # a probe must not take the whole report down
-        fac = _host.Facility("kvm", False, f"/dev/kvm present; boot probe failed: {exc}", "")
-    return _row(fac, present=True)
-
-
-def _firecracker(settings: Settings) -> Check:
-    from agentbox.backends.microvm.firecracker import facility
-
-    return _row(facility(settings), present=settings.firecracker_binary is not None)
-
-
-def _docker(settings: Settings) -> list[Check]:
-    """The docker backend's rows: daemon and version, runtimes, AppArmor, userns-remap."""
-    from agentbox.backends.docker import doctor_rows
-
-    present = shutil.which("dockerd") is not None or Path("/var/run/docker.sock").exists()
-    return [_row(fac, present=present) for fac in doctor_rows(settings)]
 
 
 def _binary(name: str, binary: str, package: str, *, what: str = "") -> _host.Facility:
@@ -227,27 +106,13 @@ def _models(settings: Settings) -> Check:
 
 def checks(settings: Settings) -> list[Check]:
     """Probe everything the doctor reports, in display order."""
-    from agentbox.backends import get_backend
+    from agentbox.backends.registry import doctor_rows
 
-    pod = _host.podman()
-    out = [_row(pod, essential=True)]
-    # The OCI runtimes the podman backend drives, asked of it: its first (the default)
-    # is essential; one that brings its own kernel (gVisor) says so.
-    podman = get_backend("podman", settings)
-    for i, rt in enumerate(podman.runtimes):
-        fac = _host.podman_runtime(rt)
-        if fac.ok and not podman.shares_host_kernel(rt):
-            fac = _host.Facility(
-                fac.name, True, f"{fac.detail} (gVisor; network off at the {rt} level)"
-            )
-        out.append(_row(fac, essential=i == 0, present=shutil.which(rt) is not None))
-    out.append(_row(_cgroups()))
-    out.append(_row(_userns()))
-    out.append(_row(_kernel_quotas(), present=True))
-    out.append(_kvm(settings))
-    out.append(_row(_host.qemu(settings.qemu_binary)))
-    out.append(_firecracker(settings))
-    out += _docker(settings)
+    out = [
+        Check(r.facility, r.essential, "partial") if r.partial and not r.facility.ok
+        else _row(r.facility, essential=r.essential, present=r.present)
+        for r in doctor_rows(settings)
+    ]  # fmt: skip
     out.append(_row(_binary("bubblewrap", "bwrap", "bubblewrap")))
     out.append(_row(_binary("mmdebstrap", "mmdebstrap", "mmdebstrap"), essential=True))
     out.append(_row(_apt_sources(), essential=True))

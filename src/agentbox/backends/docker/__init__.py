@@ -9,7 +9,7 @@ runs (:mod:`._image`). See docs/reference/docker-backend.md.
 from agentbox.backends.docker._backend import DockerBackend
 from agentbox.backends.docker._client import ALLOWED, LIFE, GuardedClient
 from agentbox.backends.docker._config import DaemonFacts
-from agentbox.backends.docker._facility import doctor_rows
+from agentbox.backends.docker._facility import doctor_rows, facility
 from agentbox.backends.docker._sandbox import DockerSandbox
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "DockerSandbox",
     "GuardedClient",
     "doctor_rows",
+    "facility",
 ]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 from agentbox.backends.docker._backend import DockerBackend
 from agentbox.backends.docker._config import RUNSC_GATEWAY_RUNTIME, DaemonFacts
+from agentbox.backends.registry import DoctorRow
 from agentbox.config import Settings
 from agentbox.core import host as _host
 from agentbox.errors import AgentboxError
-
-__all__ = ["doctor_rows", "facility"]
 
 _SETUP = "scripts/setup.sh (installs docker.io, starts dockerd, registers runsc)"
 
@@ -45,7 +47,13 @@ def facility(settings: Settings) -> _host.Facility:
     return _host.Facility("docker", True, f"Engine {facts.version}, {facts.userns_mode}")
 
 
-def doctor_rows(settings: Settings) -> list[_host.Facility]:
+def doctor_rows(settings: Settings) -> list[DoctorRow]:
+    """The doctor's rows: "refused" rather than "missing" once the daemon is installed."""
+    present = shutil.which("dockerd") is not None or Path("/var/run/docker.sock").exists()
+    return [DoctorRow(fac, present=present) for fac in _doctor_facilities(settings)]
+
+
+def _doctor_facilities(settings: Settings) -> list[_host.Facility]:
     """daemon and version, runtimes, AppArmor, userns-remap: each with its fix."""
     facts = _facts(settings)
     if isinstance(facts, _host.Facility):

@@ -21,6 +21,7 @@ from agentbox.backends.podman._backend import (
     host_shortfall,
     image_facts,
 )
+from agentbox.backends.podman._doctor import doctor_rows, facility
 
 __all__ = [
     "HOST_SANDBOXES",
@@ -29,6 +30,8 @@ __all__ = [
     "PodmanBackend",
     "PodmanSandbox",
     "conmon_cwd",
+    "doctor_rows",
+    "facility",
     "host_shortfall",
     "image_facts",
 ]

@@ -65,6 +65,7 @@ from agentbox.backends.microvm._base import _MicrovmBackend
 from agentbox.backends.microvm._recover import vmm_uid
 from agentbox.backends.microvm.kvm import probe_kvm
 from agentbox.backends.microvm.qemu import QemuSandbox
+from agentbox.backends.registry import DoctorRow
 from agentbox.config import Settings
 from agentbox.core import host as _host
 from agentbox.core.log import get_logger
@@ -135,6 +136,11 @@ def facility(settings: Settings) -> _host.Facility:
     if not kvm.ok:
         return _host.Facility("firecracker", False, f"{where}; needs KVM: {_kvm_why(kvm)}", kvm.fix)
     return _host.Facility("firecracker", True, f"{where} with its jailer; KVM boots the guest")
+
+
+def doctor_rows(settings: Settings) -> list[DoctorRow]:
+    """One row: :func:`facility`, "refused" rather than "missing" once a binary is set."""
+    return [DoctorRow(facility(settings), present=settings.firecracker_binary is not None)]
 
 
 def _kvm_why(kvm: _host.Facility) -> str:

@@ -21,6 +21,16 @@ from __future__ import annotations
 from agentbox.backends.microvm._recover import kill_sandbox, recover_sandbox, vmm_uid
 from agentbox.backends.microvm.kvm import probe_kvm
 from agentbox.backends.microvm.qemu._backend import QemuBackend
+from agentbox.backends.microvm.qemu._doctor import doctor_rows, facility
 from agentbox.backends.microvm.qemu._sandbox import QemuSandbox
 
-__all__ = ["QemuBackend", "QemuSandbox", "kill_sandbox", "probe_kvm", "recover_sandbox", "vmm_uid"]
+__all__ = [
+    "QemuBackend",
+    "QemuSandbox",
+    "doctor_rows",
+    "facility",
+    "kill_sandbox",
+    "probe_kvm",
+    "recover_sandbox",
+    "vmm_uid",
+]
