@@ -457,3 +457,33 @@ def test_start_egress_resolves_the_secret_and_trusts_the_task_ca(env: Env, tmp_p
     for f in root.rglob("*"):
         if f.is_file():
             assert SECRET.encode() not in f.read_bytes(), f
+
+
+class _HostBox:
+    """The escape probe's client run on this host (the suite runs it in a sandbox)."""
+
+    def exec(self, argv: list[str], *, timeout: float | None = None, **_: object) -> Any:
+        assert argv[0] == "python3"
+        return subprocess.run([sys.executable, *argv[1:]], capture_output=True, timeout=timeout)
+
+
+def test_escape_probe_injection_scope_and_its_control(tmp_path: Path) -> None:
+    from agentbox.escape._inject import inject_probe
+
+    class _Res:
+        def __init__(self, p: subprocess.CompletedProcess[bytes]) -> None:
+            self.stdout, self.exit_code = p.stdout, p.returncode
+
+    class Box(_HostBox):
+        def exec(self, argv: list[str], **kw: Any) -> Any:  # type: ignore[override]
+            return _Res(super().exec(argv, **kw))
+
+    shared = tmp_path / "gw"
+    shared.mkdir()
+    status, seen = inject_probe(Box(), shared, str(shared), run_as=None)
+    assert status == "pass", seen
+    assert "redirect was not followed" not in seen
+    # The control: the injecting rule widened to *.invalid; the redirect carries the header.
+    status, seen = inject_probe(Box(), shared, str(shared), run_as=None, widened=True)
+    assert status == "fail", seen
+    assert "other-probe.invalid" in seen

@@ -199,6 +199,10 @@ def run_weak_controls(
         from agentbox.escape._egress import suite_outcome as escape_outcome
 
         got["host.egress_proxy_inner"] = escape_outcome(box, fx.gateway_dir, control=True)
+        # The injecting rule widened to every probe host: the redirect carries the header.
+        from agentbox.escape._inject import suite_outcome as inject_outcome
+
+        got["host.egress_injection_scope"] = inject_outcome(box, fx.gateway_dir, control=True)
         # The gateway unconfined, as root: what its confinement is measured against.
         from agentbox.escape._gateway import gateway_outcomes
 

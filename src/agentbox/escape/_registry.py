@@ -211,6 +211,15 @@ PROBES: tuple[ProbeSpec, ...] = (
         "each refused for its address (403 ip-literal, address:*)",
         _REVIEW,
     ),
+    # a request rule's injected header: only its own host's requests carry it
+    _host(
+        "host.egress_injection_scope",
+        "through a real proxy whose rule injects a header for one host: a redirect to another "
+        "host, the other name in SNI, Host and an absolute URL, Upgrade and HTTP/2",
+        "the header reaches only the rule host's own requests; the mismatches never reach "
+        "the upstream",
+        _REVIEW,
+    ),
     # a brokered secret: planted in a store, held by a real proxy whose rule injects it
     _host(
         "host.secret_not_in_sandbox",

@@ -194,6 +194,10 @@ def run_real(
         from agentbox.escape._egress import suite_outcome as escape_outcome
 
         outcomes.append(escape_outcome(box, fx.gateway_dir, settings=settings, vm=vm))
+        # A rule's injected header: only its host's own requests carry it.
+        from agentbox.escape._inject import suite_outcome as inject_outcome
+
+        outcomes.append(inject_outcome(box, fx.gateway_dir, settings=settings, vm=vm))
         # A brokered secret held by a real proxy: nowhere inside (environ, cmdline, files).
         from agentbox.escape._secret import suite_outcome as secret_outcome
 
