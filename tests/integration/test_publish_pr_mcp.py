@@ -120,6 +120,12 @@ def test_mcp_publish_pr_pushes_as_the_owner_and_opens_the_pull_request(base: Pat
                     return res.is_error, " ".join(getattr(c, "text", "") for c in res.content)
 
             is_error, text = anyio.run(call)
+            # The SDK (as root here) on the same launcher: nothing pushed twice, the open
+            # pull request returned.
+            from agentbox.sdk import Client as SdkClient
+
+            with SdkClient(sock) as sdk:
+                again = sdk.tasks.get(tid).push(pr=True)
         finally:
             with launcher:
                 launcher.send_signal(signal.SIGTERM)
@@ -137,3 +143,5 @@ def test_mcp_publish_pr_pushes_as_the_owner_and_opens_the_pull_request(base: Pat
     owners = {p.stat().st_uid for p in (remote / "objects").rglob("*") if p.is_file()}
     assert owners == {OWNER}
     assert TOKEN not in text
+    assert not again.pushed and again.existed
+    assert again.pull_request == "https://github.com/octo/hello/pull/1347"

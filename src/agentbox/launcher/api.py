@@ -13,6 +13,7 @@ and by the unix-socket HTTP API (``agentbox launcher serve``), whose routes are:
     GET  /v1/tasks/{id}                         -> TaskInfo
     POST /v1/tasks/{id}/cancel                  -> TaskInfo
     POST /v1/tasks/{id}/publish                 -> TaskInfo
+    POST /v1/tasks/{id}/push      PushRequest  -> PushInfo      (agentbox.launcher.pushapi)
     GET  /v1/tasks/{id}/result                  -> TaskResult    (409 while not finished)
     GET  /v1/models                             -> ModelList
     /v1/sandboxes/...                           (the SDK's sandboxes: agentbox.launcher.boxapi)

@@ -26,6 +26,7 @@ import anyio.to_thread
 
 from agentbox.launcher.api import TaskInfo, TaskResult
 from agentbox.launcher.boxapi import ExecState, FileEntry, SandboxInfo
+from agentbox.launcher.pushapi import PushInfo
 from agentbox.sdk._sandbox import (
     CommandHandle,
     CommandResult,
@@ -253,8 +254,12 @@ class AsyncTask:
     async def cancel(self) -> TaskInfo:
         return await _thread(self.sync.cancel)
 
-    async def publish(self, *, pr: bool = False) -> TaskInfo:
-        return await _thread(self.sync.publish, pr=pr)
+    async def publish(self, *, pr: bool = False, draft: bool = False) -> TaskInfo:
+        return await _thread(self.sync.publish, pr=pr, draft=draft)
+
+    async def push(self, **kwargs: Any) -> PushInfo:
+        """As :meth:`agentbox.sdk.Task.push`."""
+        return await _thread(self.sync.push, **kwargs)
 
 
 class AsyncTasks:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Self
 
 from agentbox.launcher.api import TaskInfo, TaskRequest, TaskResult
 from agentbox.launcher.client import LauncherClient
+from agentbox.launcher.pushapi import PushInfo, PushRequest
 from agentbox.sdk._transport import connect
 
 if TYPE_CHECKING:
@@ -78,14 +79,29 @@ class Task:
         self.info = self._client.cancel(self.id)
         return self.info
 
-    def publish(self, *, pr: bool = False) -> TaskInfo:
-        """Fetch its result branch ``agentbox/<id>`` into its repo (``pr``: not yet)."""
+    def publish(self, *, pr: bool = False, draft: bool = False) -> TaskInfo:
+        """Fetch its result branch ``agentbox/<id>`` into its repo; ``pr``: also push it and
+        open a pull request (as :meth:`push`; its URL is in the report's ``pull_request``)."""
         if pr:
-            from agentbox.errors import UnsupportedError
-
-            raise UnsupportedError("agentbox opens no pull requests yet; push the branch")
+            self.push(pr=True, draft=draft)
+            self.info = self._client.get(self.id)
+            return self.info
         self.info = self._client.publish(self.id)
         return self.info
+
+    def push(
+        self,
+        *,
+        pr: bool = False,
+        draft: bool = False,
+        remote: str = "origin",
+        base: str | None = None,
+    ) -> PushInfo:
+        """Publish it, push the branch to the repo's ``remote`` as the repo's owner (hooks
+        off, never by force) and, with ``pr``, open a pull request whose body is the report,
+        with your ``agentbox secret`` GITHUB_TOKEN / GITLAB_TOKEN."""
+        req = PushRequest(remote=remote, pr=pr, draft=draft, base=base)
+        return self._client.push(self.id, req)
 
 
 class Tasks:
