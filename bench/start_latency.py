@@ -213,6 +213,8 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=0.5, help="pause before each step (s)")
     ap.add_argument("--no-docker", action="store_true", help="skip the docker rows")
     ap.add_argument("--quick", action="store_true", help="no docker rows, no CLI row")
+    ap.add_argument("--sdk", action="store_true",
+                    help="only raw podman run and the SDK's Sandbox.create() (bench/_sdk_step.py)")
     args = ap.parse_args()
 
     settings = Settings()
@@ -329,9 +331,18 @@ def main() -> None:
         rows["agentbox exec -- true: start -> exit"].append(time.perf_counter() - t0)
 
     steps: list[Callable[[], None]] = [raw, ours, launch_fresh, launch_pooled]
-    if not args.quick:
+    if not args.quick and not args.sdk:
         steps.append(cli)
-    docker = None if args.no_docker or args.quick else docker_steps(settings, box, ws, rows)
+    sdk = None
+    if args.sdk:  # Sandbox.create() -> first output, warm, against the same raw podman run
+        from _sdk_step import SdkLauncher
+
+        for name in [n for n in rows if not n.startswith("raw podman run")]:
+            del rows[name]
+        sdk = SdkLauncher(root)
+        steps = [raw, sdk.step(rows)]
+    skip_docker = args.no_docker or args.quick or args.sdk
+    docker = None if skip_docker else docker_steps(settings, box, ws, rows)
     if docker is not None:
         steps += docker
     warm = None
@@ -377,6 +388,8 @@ def main() -> None:
                 time.sleep(args.settle)
                 step()
     finally:
+        if sdk is not None:
+            sdk.stop()
         if warm is not None:
             warm.destroy()
         remove_made(settings)

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,24 @@ HANDSHAKE = (
 )
 
 
+def wait_for_spare() -> None:
+    """Until the launcher's warm spare waits (at most 120 s; it starts with the launcher)."""
+    from agentbox.sdk._transport import connect
+
+    with connect() as c:
+        for _ in range(600):
+            if c.sandbox_listing().spare_ready:
+                return
+            time.sleep(0.2)
+
+
 def sync_mode() -> dict[str, Any]:
     out: dict[str, Any] = {"uid": os.getuid()}
     work = Path(tempfile.mkdtemp(prefix="sdk-"))
+    wait_for_spare()
     with Sandbox.create(timeout=600) as sb:
         out["id"] = sb.id
+        out["warm"] = sb.info.warm  # its first command: the exec started ahead (podman)
         r = sb.commands.run("python3 -c 'print(6*7)'; echo oops >&2; exit 3")
         out["run"] = [r.exit_code, r.stdout, r.stderr]
         out["argv"] = sb.commands.run(["printf", "%s|", "a b", "c"]).stdout

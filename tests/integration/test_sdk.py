@@ -149,6 +149,7 @@ def test_sync_sandbox_as_a_member(stack: Stack, launcher: subprocess.Popen[str])
     """Output and exit codes, streaming, background kill, files, trees both ways, links."""
     got = run_as(stack, UID_A, "sync")
     assert got["uid"] == UID_A
+    assert got["warm"] is True  # the first command below ran in the spare's primed exec
     assert got["run"] == [3, "42\n", "oops\n"]
     assert got["argv"] == "a b|c|"
     assert got["stream"] == ["a\nb\n", 0]  # "b" only once the client saw "a" mid-command

@@ -49,6 +49,7 @@ from agentbox.backends.base import Sandbox
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ConfigError, RefusedError, SandboxError, SandboxGone
+from agentbox.launcher._primed import Primed
 from agentbox.launcher.boxapi import (
     MAX_ARCHIVE,
     MAX_FILE,
@@ -108,6 +109,9 @@ class _Box:
     uid: int = 0
     deadline_at: float = 0.0
     warm: bool = False
+    spec: Any = None
+    primed: Primed | None = None
+    """A first command's exec started ahead (a podman spare); see :mod:`._primed`."""
     holders: dict[int, int] = field(default_factory=dict)  # pid -> pidfd
     execs: dict[str, _Exec] = field(default_factory=dict)
 
@@ -152,6 +156,10 @@ class BoxKeeper:
         self._reaper = threading.Thread(target=self._reap_loop, name="agentbox-sdk-reaper",
                                         daemon=True)  # fmt: skip
         self._reaper.start()
+        if settings.pool_size > 0:  # the warm spare, from the start
+            threading.Thread(
+                target=self._fill_spare, name="agentbox-sdk-spare", daemon=True
+            ).start()
 
     # -- making and removing --------------------------------------------------------------
 
@@ -199,7 +207,7 @@ class BoxKeeper:
             stack.close()
             raise
         sid = f"sb-{secrets.token_hex(8)}"
-        return _Box(sid, sb, stack, box.backend, spec.image, time.time())
+        return _Box(sid, sb, stack, box.backend, spec.image, time.time(), spec=spec)
 
     def create(self, req: SandboxRequest, *, caller: int, pid: int) -> SandboxInfo:
         """Start a sandbox for ``caller``, held by process ``pid``."""
@@ -240,6 +248,12 @@ class BoxKeeper:
 
             shape = Boxfile.from_dict({}, path=None, settings=self.settings)
             spare: _Box | None = self._start(shape, SPARE_TTL + 24 * 3600)
+            if spare is not None and spare.backend == "podman":
+                tmp = self.settings.data_dir / "tmp"
+                tmp.mkdir(mode=0o700, exist_ok=True)
+                primed = Primed(spare.box.name, spare.spec.uid, spare.spec.workdir, tmp)
+                spare.primed = primed
+                spare.stack.callback(primed.close)  # before the sandbox goes (LIFO)
             with self._lock:
                 if self._spare is None and not self._stop.is_set():
                     self._spare, spare = spare, None
@@ -313,6 +327,11 @@ class BoxKeeper:
     def get(self, sid: str, *, caller: int) -> SandboxInfo:
         return self._get(sid, caller).info()
 
+    @property
+    def spare_ready(self) -> bool:
+        with self._lock:
+            return self._spare is not None
+
     def list(self, *, caller: int) -> list[SandboxInfo]:
         with self._lock:
             boxes = list(self._boxes.values())
@@ -343,6 +362,19 @@ class BoxKeeper:
     ) -> tuple[int, bool]:
         """Run one command (foreground), streaming its output; (exit code, timed out)."""
         b = self._get(sid, caller)
+        with self._lock:
+            primed, b.primed = b.primed, None
+        if primed is not None and primed.alive() and not req.env:
+            argv = self._argv(req)
+            if req.timeout is not None:  # as the backend's exec: coreutils timeout, inside
+                argv = ["timeout", "--kill-after=2", f"{max(req.timeout, 0.1):g}", *argv]
+            started = time.monotonic()
+            rc = primed.run(argv, stdin=None if req.stdin is None else req.stdin.encode(),
+                            on_stdout=on_stdout, on_stderr=on_stderr)  # fmt: skip
+            late = req.timeout is not None and time.monotonic() - started >= req.timeout
+            return rc, late and rc in (124, 137)
+        if primed is not None:
+            primed.close()
         res = b.box.exec(self._argv(req), env=req.env, timeout=req.timeout,
                          stdin=None if req.stdin is None else req.stdin.encode(),
                          on_stdout=on_stdout, on_stderr=on_stderr)  # fmt: skip

@@ -98,7 +98,8 @@ def box_routes(keeper: BoxKeeper, guard: Guard, error: ErrorFn, as_json: Callabl
         return as_json(await run(keeper.create, req, caller=caller, pid=pid(request)), 201)
 
     async def list_(request: Request, caller: int) -> Response:
-        return as_json(SandboxList(sandboxes=await run(keeper.list, caller=caller)))
+        found = await run(keeper.list, caller=caller)
+        return as_json(SandboxList(sandboxes=found, spare_ready=keeper.spare_ready))
 
     async def get(request: Request, caller: int) -> Response:
         return as_json(await run(keeper.get, sid(request), caller=caller))

@@ -90,6 +90,8 @@ class SandboxInfo(_Wire):
 
 class SandboxList(_Wire):
     sandboxes: list[SandboxInfo]
+    spare_ready: bool = False
+    """Whether the launcher's warm spare waits (the next default ``create`` takes it)."""
 
 
 class ExecRequest(_Wire):

@@ -203,8 +203,12 @@ class LauncherClient:
         return SandboxInfo.model_validate(data, strict=False)
 
     def sandbox_list(self) -> builtins.list[SandboxInfo]:
+        return self.sandbox_listing().sandboxes
+
+    def sandbox_listing(self) -> SandboxList:
+        """The caller's sandboxes, and whether a warm spare waits."""
         data = self._call("GET", "/v1/sandboxes")
-        return SandboxList.model_validate(data, strict=False).sandboxes
+        return SandboxList.model_validate(data, strict=False)
 
     def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
         data = self._call("GET", f"/v1/sandboxes/{_sid(sandbox_id)}")
