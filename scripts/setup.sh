@@ -108,6 +108,26 @@ done
 # runsc-gw with gVisor's network off) when there is none, and dockerd without iptables
 # or a bridge (sandboxes have no network).
 docker_up() { .venv/bin/python -c 'import docker; docker.APIClient(version="1.41", timeout=5).ping()' >/dev/null 2>&1; }
+# dockerd's live-restore: detached sandboxes outlive a daemon restart (run-as-a-service.md).
+# Added to a daemon.json of ours (userns-remap dockremap) written before it; a running
+# dockerd reloads it on SIGHUP, without a restart.
+live_restore() {
+  [ -e /etc/docker/daemon.json ] || return 0
+  .venv/bin/python - <<'PY' || return 0
+import json, sys
+p = "/etc/docker/daemon.json"
+d = json.load(open(p))
+if d.get("userns-remap") != "dockremap" or "live-restore" in d:
+    sys.exit(1)
+d["live-restore"] = True
+open(p + ".tmp", "w").write(json.dumps(d, indent=2) + "\n")
+__import__("os").replace(p + ".tmp", p)
+PY
+  log "docker: live-restore added to /etc/docker/daemon.json"
+  pid=$(pidof dockerd || true)
+  [ -z "$pid" ] || kill -HUP $pid
+}
+live_restore
 if docker_up; then
   :
 elif command -v dockerd >/dev/null && ! dpkg -S "$(command -v dockerd)" 2>/dev/null | grep -q '^docker.io:'; then
@@ -130,6 +150,7 @@ else
     cat > /etc/docker/daemon.json <<JSON
 {
   "userns-remap": "dockremap",
+  "live-restore": true,
   "runtimes": {
     "runsc": {"path": "$runsc", "runtimeArgs": ["--network=none", "--platform=ptrace", "--oci-seccomp"]},
     "runsc-gw": {"path": "$runsc", "runtimeArgs": ["--network=none", "--platform=ptrace", "--oci-seccomp", "--host-uds=open"]}

@@ -590,3 +590,80 @@ def test_a_launcher_kill_on_qemu_loses_no_task(world: World) -> None:
     assert not list((world.settings.data_dir / "microvm").glob("*"))
     assert not list((world.settings.data_dir / records.RECORD_DIR).glob("*.json"))
     assert _leftover_processes(world.settings, {os.getpid()}) == []
+
+
+def _dockerd() -> psutil.Process | None:
+    """The running dockerd, if there is exactly one."""
+    found = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "dockerd"]
+    return found[0] if len(found) == 1 else None
+
+
+def _docker_state(name: str) -> str:
+    return subprocess.run(
+        ["docker", "inspect", "--format", "{{.State.Running}} {{.State.Pid}} {{.State.StartedAt}}",
+         name], capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+
+
+def _restart_dockerd(proc: psutil.Process) -> None:
+    """Stop dockerd (SIGTERM, as a service manager does) and start it again with the same
+    command line and log, as scripts/setup.sh starts it; back once it answers."""
+    argv = proc.cmdline()
+    proc.terminate()
+    proc.wait(60)
+    with Path("/var/log/agentbox-dockerd.log").open("ab") as log:
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                         start_new_session=True)  # fmt: skip
+    end = time.monotonic() + 60
+    while subprocess.run(["docker", "version"], capture_output=True).returncode != 0:
+        assert time.monotonic() < end, "dockerd did not come back"
+        time.sleep(0.2)
+
+
+@pytest.mark.docker
+def test_a_dockerd_restart_with_live_restore_loses_no_task(world: World) -> None:
+    """dockerd restarts while a docker task's agent runs (its launcher stays): with the
+    daemon's live-restore (scripts/setup.sh sets it) the container runs on, the same
+    process, and the follower reconnects its log stream and wait: the task ends done,
+    its output whole, its sandbox created once. The restart is kept short (other docker
+    tests share the daemon: this module runs in the serial pass)."""
+    info = subprocess.run(["docker", "info", "--format", "{{.LiveRestoreEnabled}}"],
+                          capture_output=True, text=True, timeout=60).stdout.strip()  # fmt: skip
+    dockerd = _dockerd()
+    if info != "true" or dockerd is None:
+        pytest.skip(f"dockerd's live-restore is {info or 'unknown'} (scripts/setup.sh sets it)")
+    env = {**world.env, "AGENTBOX_BACKEND": "docker"}
+    tid, name = "live-dockerd", "agentbox-task-live-dockerd"
+    world.track("docker", [tid])
+    served = Served(env, world.sock)
+    try:
+        with LauncherClient(world.sock, reconnect=90.0) as client:
+            req = TaskRequest(repo=str(world.repo), task="write, work", model="replay-chaos",
+                              deadline=600.0, task_id=tid)  # fmt: skip
+            client.submit(req)
+            paths = TaskPaths(world.settings.data_dir, tid)
+            end = time.monotonic() + 300
+            while True:  # the agent runs: it has asked the model already
+                with contextlib.suppress(Exception):
+                    if read_usage(paths.usage_file).requests >= 1:
+                        break
+                assert client.get(tid).status in ("queued", "running"), client.get(tid)
+                assert time.monotonic() < end, "the agent never came to run"
+                time.sleep(0.2)
+            before = _docker_state(name)
+            assert before.startswith("true "), before
+            _restart_dockerd(dockerd)
+            assert _docker_state(name) in (before, ""), "the container did not live on"
+            info = client.wait(tid, timeout=300)
+            assert info.status == "done", (info.status, info.error)
+            res = client.result(tid)
+        assert _git(world.repo, "show", f"{res.branch}:chaos.txt") == "made by the agent\n"
+        out = (paths.log_dir / "agent.jsonl").read_text()
+        assert out.count('"subtype":"init"') == 1 and '"type":"result"' in out
+        log = (paths.log_dir / "launcher.log").read_text()
+        assert "re-adopted" not in log, log  # the same launcher followed it throughout
+        assert _created(world.since, "agentbox-task-live-dockerd", "docker") == [name]
+    finally:
+        served.stop()
+    assert _our_containers(world.settings, "docker") == []
+    assert _leftover_processes(world.settings, {os.getpid()}) == []

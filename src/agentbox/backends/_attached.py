@@ -1,4 +1,4 @@
-"""The verbs of a backend that cannot detach (docker, firecracker) or keeps no warm pool.
+"""The verbs of a backend that cannot detach (firecracker) or keeps no warm pool.
 
 One mixin instead of the same four refusing methods in each such backend: ``detaches``
 is False, and ``launch``/``follow``/``adoptable`` raise the contract's

@@ -256,9 +256,11 @@ class DockerDetached:
                 code = _wait(be, cid, max(1.0, min(left, _WAIT_SLICE)) if not killed else 5.0)
                 if code is not None:
                     break
-                now = _inspect(be, cid)
+                now = _inspect_quiet(be, cid)
                 if now is None or _state(now).get("Running") is not True:
                     break  # ended (or removed by another follower): read below
+                if now.get("Id") is None:  # the daemon does not answer (restarting)
+                    time.sleep(1.0)
             streamer.join(_DRAIN)
             copy.stop()
             streamer.join(5.0)
@@ -547,7 +549,7 @@ def _inspect_quiet(be: DockerBackend, ident: str) -> dict[str, Any] | None:
     try:
         return _inspect(be, ident)
     except SandboxError:
-        return {"State": {"Running": True}}
+        return {"Id": None, "State": {"Running": True}}
 
 
 def _state(info: Mapping[str, Any]) -> dict[str, Any]:
