@@ -3,7 +3,8 @@ secrets, it never reads them.
 
 An AST walk of the package: the store (``SecretStore``, ``resolve_for_task``) is reached
 only from the modules that run as root on the host for a known user (the CLI as root, the
-launcher, the egress credential broker, the forge token), and ``expand`` only from the
+launcher, the egress phases and credential broker, the forge token; and the escape probe's
+throwaway store), and ``expand`` only from the
 egress package (inject values, in the proxy). The Boxfile package imports neither.
 """
 
@@ -22,6 +23,8 @@ STORE_USERS = {
     "launcher/_secretroutes.py",  # the caller's, by SO_PEERCRED
     "launcher/_secrets.py",  # the task's submitter's
     "egress/_hostcreds.py",  # [git] secret, for the task's user
+    "env/_egress.py",  # rule_secrets: a phase's rules, for the task's owner
+    "escape/_secret.py",  # the escape probe's own throwaway store
     "forge/_token.py",  # the publishing user's forge token
 }
 
