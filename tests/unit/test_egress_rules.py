@@ -170,3 +170,28 @@ def test_policy_with_rules_decides_rule_hosts_per_request() -> None:
     assert pol.decide("other.example", 443, tls=True).rule == "not-allowed"
     setup = EgressPolicy(phase="setup").with_rules([PYPI])
     assert setup.network_rules == (PYPI,) and "pypi.corp.example" in setup.hosts
+
+
+def test_egress_hosts_address_is_checked_like_a_registry_name(tmp_path: object) -> None:
+    import asyncio
+
+    from agentbox.egress import EgressPolicy
+    from agentbox.egress._proxy import EgressProxy
+    from agentbox.egress._request import Attempt, _Refuse
+
+    class _NoLog:
+        def write(self, **_: object) -> None:
+            pass
+
+    pol = EgressPolicy(hosts_map={"corp.example": "10.1.2.3", "lo.example": "127.0.0.1",
+                                  "md.example": "169.254.169.254"})  # fmt: skip
+    proxy = EgressProxy(pol, _NoLog())  # type: ignore[arg-type]
+
+    async def addrs(host: str) -> object:
+        return await proxy._addresses(Attempt(conn=1, start=0.0), host, 443, trusted=False)
+
+    assert [str(a) for a in asyncio.run(addrs("corp.example"))] == ["10.1.2.3"]  # type: ignore[attr-defined]
+    for host, why in (("lo.example", "loopback"), ("md.example", "metadata")):
+        with pytest.raises(_Refuse) as err:
+            asyncio.run(addrs(host))
+        assert err.value.rule == f"address:{why}"

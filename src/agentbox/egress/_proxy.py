@@ -250,7 +250,13 @@ class EgressProxy:
         (the host's own setting: its address is trusted as a registry's is)."""
         fixed = self.policy.hosts_map.get(host)
         if fixed is not None:
-            return [ipaddress.ip_address(fixed)]
+            addr = ipaddress.ip_address(fixed)
+            # Trusted like a registry's name: private is fine, loopback or metadata never.
+            why = check_address(addr, trusted_name=True, trusted_ranges=self._networks)
+            if why is not None and self.policy.address_checks:
+                raise _Refuse(403, f"address:{why}", f"{host} is set to {addr} ({why})",
+                              address=str(addr))  # fmt: skip
+            return [addr]
         timeout = self.limits.connect_timeout
         try:
             addrs = await asyncio.wait_for(self._resolve(host, port), timeout)
