@@ -23,7 +23,7 @@ from test_collect_support import git, make_repo
 
 from agentbox.config import Settings
 from agentbox.core.paths import TaskPaths
-from agentbox.errors import ForgeError, PushRefused
+from agentbox.errors import CollectError, ForgeError, PushRefused
 from agentbox.launcher import Launcher
 from agentbox.launcher.pushapi import PushRequest
 from forge_servers import ForgeServer
@@ -275,3 +275,57 @@ def test_run_pr_pushes_and_opens_the_pull_request_when_the_task_is_done(
     commit = git(repo, "rev-parse", "agentbox/t-runpr").strip()
     assert _remote_ref(remote, "agentbox/t-runpr") == commit
     assert TOKEN not in res.stdout
+
+
+def test_push_over_https_uses_the_owners_own_credential_helper(
+    sandbox_settings: Settings, tmp_path: Path
+) -> None:
+    """The push to a real smart-HTTP remote (``git http-backend`` behind nginx with TLS and
+    basic auth, tests/private_servers.py) authenticates with the repo owner's own git
+    credential helper, read from their HOME as them: without it the push fails, with it
+    the branch lands, and the password is in no launcher log or report."""
+    from private_servers import GIT_HOST, missing, private_servers
+
+    if missing(npm=False):
+        pytest.skip(f"private servers need {missing(npm=False)} (scripts/setup.sh)")
+    name = f"abxph-{secrets.token_hex(3)}"
+    home = sandbox_settings.repos_root.parent / "home"
+    home.mkdir()
+    subprocess.run(["useradd", "--system", "--home-dir", str(home), "--shell",
+                    "/usr/sbin/nologin", name], check=True)  # fmt: skip
+    try:
+        pw = pwd.getpwnam(name)
+        tid = "t-https"
+        repo, _, commit = _finished(sandbox_settings, tid, pw)
+        with private_servers(tmp_path / "srv", npm=False) as srv:
+            git(repo, "remote", "set-url", "origin", srv.git_url)
+            # The owner's own git config: the test CA, the name's address, a credential store.
+            (home / "ca.pem").write_bytes(srv.ca_path.read_bytes())
+            (home / ".gitconfig").write_text(
+                f"[http]\n\tsslCAInfo = {home / 'ca.pem'}\n"
+                f"\tcurloptResolve = {GIT_HOST}:443:{srv.addresses[GIT_HOST]}\n"
+                "[credential]\n\thelper = store\n"
+            )
+            _chown(home, pw)
+            _chown(repo, pw)
+            launcher = Launcher(sandbox_settings, max_tasks=1)
+            try:
+                with pytest.raises(CollectError, match=r"Username|Authentication|401"):
+                    launcher.push(tid, PushRequest())  # no credential yet: refused by nginx
+                creds = home / ".git-credentials"
+                creds.write_text(f"https://{srv.user}:{srv.password}@{GIT_HOST}\n")
+                creds.chmod(0o600)
+                _chown(home, pw)
+                got = launcher.push(tid, PushRequest())
+            finally:
+                launcher.close()
+            assert got.pushed and got.remote_url == srv.git_url
+            out = subprocess.run(["git", "--git-dir", str(srv.git_dir), "rev-parse",
+                                  f"agentbox/{tid}"], capture_output=True, text=True)  # fmt: skip
+            assert out.stdout.strip() == commit
+            paths = TaskPaths(sandbox_settings.data_dir, tid)
+            for f in (paths.log_dir / "launcher.log", paths.report_file):
+                for value in srv.secrets():
+                    assert value not in f.read_text()
+    finally:
+        subprocess.run(["userdel", name], check=False)
