@@ -653,6 +653,7 @@ def test_a_dockerd_restart_with_live_restore_loses_no_task(world: World) -> None
             before = _docker_state(name)
             assert before.startswith("true "), before
             _restart_dockerd(dockerd)
+            # The same process, started once: it lived on (or ended since, and was removed).
             assert _docker_state(name) in (before, ""), "the container did not live on"
             info = client.wait(tid, timeout=300)
             assert info.status == "done", (info.status, info.error)
@@ -662,7 +663,8 @@ def test_a_dockerd_restart_with_live_restore_loses_no_task(world: World) -> None
         assert out.count('"subtype":"init"') == 1 and '"type":"result"' in out
         log = (paths.log_dir / "launcher.log").read_text()
         assert "re-adopted" not in log, log  # the same launcher followed it throughout
-        assert _created(world.since, "agentbox-task-live-dockerd", "docker") == [name]
+        # Started once (dockerd's event history does not outlive its restart).
+        assert _launches(world.settings, tid) == 1
     finally:
         served.stop()
     assert _our_containers(world.settings, "docker") == []
