@@ -185,6 +185,10 @@ def task_mode(repo: str) -> dict[str, Any]:
         res = t.wait(timeout=900)
         listed = [x.id for x in c.tasks.list()]
         again = c.tasks.get(t.id)
+        # a task kept unpublished, then published from Python
+        kept = c.tasks.create(repo=repo, prompt="Write greet.py", model="quick", publish=False)
+        kept_res = kept.wait(timeout=900)
+        published = kept.publish()
     return {
         "status": res.status,
         "branch": res.branch,
@@ -193,6 +197,9 @@ def task_mode(repo: str) -> dict[str, Any]:
         "events": len(kinds),
         "listed": t.id in listed,
         "get": again.status,
+        "kept_branch": kept_res.branch,
+        "published_branch": published.branch,
+        "published_id": kept.id,
     }
 
 

@@ -226,3 +226,4 @@ def test_a_task_from_python_as_a_member(stack: Stack, launcher: subprocess.Popen
     assert got["branch"].startswith("agentbox/"), got
     assert got["diff_has_greet"] and got["events"] > 0
     assert got["listed"] and got["get"] == "done"
+    assert got["kept_branch"] == "" and got["published_branch"] == f"agentbox/{got['published_id']}"

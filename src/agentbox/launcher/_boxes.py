@@ -69,6 +69,8 @@ log = get_logger(__name__)
 REAP_EVERY = 0.5
 #: Output kept per background command (the tail).
 MAX_KEPT = 1024 * 1024
+#: Live sandboxes one non-root uid may hold at once.
+MAX_PER_USER = 16
 #: How long a spare may wait before it is replaced (its backend deadline is a day).
 SPARE_TTL = 3600.0
 _EXEC_DIR = "/tmp/.agentbox-exec"
@@ -212,6 +214,8 @@ class BoxKeeper:
     def create(self, req: SandboxRequest, *, caller: int, pid: int) -> SandboxInfo:
         """Start a sandbox for ``caller``, held by process ``pid``."""
         box = self._boxfile(req, caller)
+        if caller != 0 and len(self.list(caller=caller)) >= MAX_PER_USER:
+            raise RefusedError(f"{MAX_PER_USER} sandboxes of yours are live; remove one first")
         default = not (req.image or req.backend or req.boxfile)
         made: _Box | None = None
         if default and self.settings.pool_size > 0:
