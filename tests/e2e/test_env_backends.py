@@ -7,7 +7,15 @@ Per backend, two tasks on one launcher: ``cold`` (a miss: setup installs attrs a
 pytest from the registry this host's pip uses, through the proxy; the real Claude Code,
 driven by a replay script, runs ``.venv/bin/pytest`` with no network; the branch holds
 only the agent's file) and ``warm`` (a hit: no setup, no proxy, the same tests pass).
-QEMU runs under TCG here (~20x slower): one task and one cache hit, marked ``slow``.
+
+QEMU runs under TCG here (~20x slower), so its setup keeps only what is qemu's own: the
+download goes out through setup's egress socket, which the guest agent serves; what
+setup made is frozen and comes back to both tasks as a copy-on-write disk in the guest;
+and the agent in the guest runs the tests from it with no network. It fetches the five
+pinned wheels the tests need and unpacks them into a ``--without-pip`` venv (a small
+script, :data:`FETCH`) instead of running ensurepip and pip's resolver under TCG: pip
+itself, the cache logic and the proxy's rules are the same code on every backend and
+run for real on podman (``runsc`` here, runc in ``test_env_python.py``).
 """
 
 from __future__ import annotations
@@ -62,6 +70,28 @@ REGISTRY_CMD = (
 )
 
 
+#: QEMU's setup: the pinned wheels of attrs and pytest (and pytest's dependencies on
+#: Python 3.11), fetched from the index through setup's proxy and unpacked into the venv,
+#: with a ``.venv/bin/pytest`` that runs them.
+FETCH = """\
+import io, re, sys, urllib.parse, urllib.request, zipfile
+from pathlib import Path
+
+WHEELS = ["attrs-25.3.0", "pytest-8.3.5", "pluggy-1.5.0", "iniconfig-2.0.0", "packaging-24.2"]
+site = next(Path(".venv/lib").glob("python3*/site-packages"))
+for wheel in WHEELS:
+    page_url = urllib.parse.urljoin(sys.argv[1], wheel.split("-")[0] + "/")
+    page = urllib.request.urlopen(page_url, timeout=300).read().decode()
+    href = re.search(r'href="([^"#]*' + re.escape(wheel) + r'-py3-none-any[.]whl)', page)
+    data = urllib.request.urlopen(urllib.parse.urljoin(page_url, href[1]), timeout=300).read()
+    zipfile.ZipFile(io.BytesIO(data)).extractall(site)
+    print("installed", wheel, len(data))
+pytest = Path(".venv/bin/pytest")
+pytest.write_text('#!/bin/sh\\nexec "$(dirname "$0")/python" -m pytest "$@"\\n')
+pytest.chmod(0o755)
+"""
+
+
 @pytest.fixture(scope="module", params=["qemu", "runsc"])
 def runs(
     request: pytest.FixtureRequest, env_lab: Callable[..., EnvLab]
@@ -71,15 +101,24 @@ def runs(
     index, _ = pip_index()
     command = json.dumps(REGISTRY_CMD.replace("__INDEX__", index))
     lab = env_lab(f"envb-{name}", SCRIPT.replace("__REGISTRY_CMD__", command))
+    files = {"requirements.txt": f"attrs\npytest\n# {name} {NONCE}\n"}
+    if name == "qemu":
+        files["fetch_wheels.py"] = FETCH
+        run = (
+            '["python3 -m venv --without-pip .venv",'
+            f' "python3 fetch_wheels.py {index.removesuffix("attrs/")}"]'
+        )
+    else:
+        run = (
+            '["python3 -m venv .venv", ".venv/bin/pip install -q --no-compile -r requirements.txt"]'
+        )
     boxfile = (
-        f"{BACKEND_HEADS[name]}\n[setup]\n"
-        # --no-compile: byte-compiling every installed file is most of pip's time under TCG.
-        'run = ["python3 -m venv .venv",'
-        ' ".venv/bin/pip install -q --no-compile -r requirements.txt"]\n'
-        'inputs = ["requirements.txt"]\nnetwork = "registries"\ndeadline = 2400\n'
+        f"{BACKEND_HEADS[name]}\n[setup]\nrun = {run}\n"
+        f"inputs = {json.dumps(sorted(files))}\n"
+        'network = "registries"\ndeadline = 2400\n'
     )
     repo = lab.repo("proj", {
-        "requirements.txt": f"attrs\npytest\n# {name} {NONCE}\n", "test_point.py": PY_TEST_FILE,
+        **files, "test_point.py": PY_TEST_FILE,
         ".gitignore": ".venv/\n", ".agentbox/Boxfile.toml": boxfile,
     })  # fmt: skip
     out = {task: lab.run(f"envb-{name}-{task}", repo, 2400.0) for task in ("cold", "warm")}
