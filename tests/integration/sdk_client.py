@@ -178,6 +178,15 @@ def other_mode(sid: str) -> dict[str, Any]:
     return out
 
 
+def connect_mode(sid: str) -> dict[str, Any]:
+    """The owner, from another process: re-attach, run, leave (the sandbox stays)."""
+    with Sandbox.connect(sid) as sb:
+        r = sb.commands.run("echo $((6*7))")
+        holders = sb.refresh().holders
+    return {"out": r.stdout, "holders": holders,
+            "alive_after_with": sid in [i.id for i in Sandbox.list()]}  # fmt: skip
+
+
 def task_mode(repo: str) -> dict[str, Any]:
     with Client() as c:
         t = c.tasks.create(repo=repo, prompt="Write greet.py", model="quick")
@@ -214,6 +223,8 @@ def main() -> None:
         out = asyncio.run(async_body())
     elif mode == "other":
         out = other_mode(sys.argv[2])
+    elif mode == "connect":
+        out = connect_mode(sys.argv[2])
     elif mode == "task":
         out = task_mode(sys.argv[2])
     else:

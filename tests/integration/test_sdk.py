@@ -189,6 +189,9 @@ def test_another_users_sandbox_is_unreachable(
                        "read": "gone", "write": "gone", "download": "gone",
                        "remove": "gone"}, got  # fmt: skip
         assert sid in root_ids(stack)
+        # Its owner reaches it from another process (Sandbox.connect), which holds it too.
+        mine = run_as(stack, UID_A, "connect", sid)
+        assert mine == {"out": "42\n", "holders": 2, "alive_after_with": True}, mine
     finally:
         release(proc)
 
