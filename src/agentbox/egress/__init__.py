@@ -34,6 +34,8 @@ Public API::
   raises :class:`~agentbox.errors.EgressError` if it does not start;
 - :func:`summarize` ``(log_path) -> EgressSummary``;
 - :func:`host_ca_bundle` ``(settings) -> Path``; :func:`proxy_env` ``(port, ca_path)``;
+- :func:`brokered_for_phase` (the host user's registry and git credentials as rules, with
+  their values for the proxy only), :func:`combine` (those with a Boxfile's, in order);
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentbox.egress._env import host_ca_bundle, proxy_env
 from agentbox.egress._hostcfg import host_registries
+from agentbox.egress._hostcreds import Brokered, brokered_for_phase, combine
 from agentbox.egress._policy import AllowRule, EgressLimits, EgressPolicy
 from agentbox.egress._record import EgressSummary, HostSummary, summarize
 
@@ -50,11 +53,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AllowRule",
+    "Brokered",
     "EgressLimits",
     "EgressPolicy",
     "EgressSummary",
     "HostSummary",
     "ProxyHandle",
+    "brokered_for_phase",
+    "combine",
     "host_ca_bundle",
     "host_registries",
     "proxy_env",

@@ -34,7 +34,6 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from agentbox.config import Settings
@@ -42,20 +41,6 @@ from agentbox.core.log import get_logger
 from agentbox.egress._addr import normalize_host
 from agentbox.egress.rules import PLACEHOLDER, Inject, NetworkRule, secret_names
 from agentbox.errors import PolicyRefused
-
-if TYPE_CHECKING:
-    from agentbox.boxfile import Boxfile
-
-__all__ = [
-    "GIT_REFUSE_MESSAGE",
-    "RESERVED_PREFIX",
-    "Brokered",
-    "brokered_for_phase",
-    "combine",
-    "git_fetch",
-    "host_credentials",
-    "strip_userinfo",
-]
 
 log = get_logger(__name__)
 
@@ -177,11 +162,15 @@ _PASS_ENV = ("PIP_", "NPM_CONFIG_", "npm_config_", "NETRC", "XDG_", "PIP_CONFIG_
 
 def _user_env(uid: int, env: Mapping[str, str] | None) -> dict[str, str]:
     """The environment the reader runs in."""
-    pw = pwd.getpwuid(uid)
+    try:
+        pw = pwd.getpwuid(uid)
+        home, name = pw.pw_dir, pw.pw_name
+    except KeyError:  # a bare uid (no passwd entry): no home, no config files
+        home, name = "/nonexistent", str(uid)
     base = {
-        "HOME": pw.pw_dir,
-        "USER": pw.pw_name,
-        "LOGNAME": pw.pw_name,
+        "HOME": home,
+        "USER": name,
+        "LOGNAME": name,
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "LANG": "C.UTF-8",
     }
@@ -197,7 +186,10 @@ def _run_as(
     uid: int, argv: list[str], env: dict[str, str], stdin: str = "", cwd: str = "/"
 ) -> subprocess.CompletedProcess[str]:
     """``argv`` as ``uid`` (its primary group, no other groups) unless that is us."""
-    pw = pwd.getpwuid(uid)
+    try:
+        gid = pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        gid = uid
     other = uid != os.geteuid()
     return subprocess.run(
         argv,
@@ -208,7 +200,7 @@ def _run_as(
         cwd=cwd,
         timeout=_READ_TIMEOUT,
         user=uid if other else None,
-        group=pw.pw_gid if other else None,
+        group=gid if other else None,
         extra_groups=[] if other else None,
     )
 
@@ -554,36 +546,41 @@ def git_fetch(
 
 def brokered_for_phase(
     settings: Settings,
-    box: Boxfile,
     *,
     phase: str,
     uid: int | None,
     repo: Path | None,
+    registries: bool,
+    git_remote: str | None,
+    git_secret: str | None = None,
+    git_user: str = "x-access-token",
     proxy_url: str,
     ca_path: str,
 ) -> Brokered:
     """What the host brokers for one phase of a task submitted by ``uid``.
 
-    Setup with ``network = "registries"``: the user's pip/npm credentials
-    (:func:`host_credentials`; the launcher's own environment counts only for root's
-    tasks). The agent phase with ``[git] fetch``: :func:`git_fetch` on ``repo``, the
-    credential from the ``[git] secret`` (resolved for ``uid``) if named.
+    Setup with ``registries`` (``[setup] network = "registries"``): the user's pip/npm
+    credentials (:func:`host_credentials`; the launcher's own environment counts only
+    for root's tasks). The agent phase with ``git_remote`` (``[git] fetch``'s remote):
+    :func:`git_fetch` on ``repo``, the credential from the secret ``git_secret``
+    (resolved for ``uid``, sent as the password of ``git_user``) if named.
     """
     owner = os.geteuid() if uid is None else uid
+    own_env = os.environ if owner == os.geteuid() else None
     out = Brokered()
-    if phase == "setup" and box.setup is not None and box.setup.network == "registries":
-        out = out + host_credentials(owner, env=os.environ if owner == os.geteuid() else None)
-    if phase == "agent" and box.git.fetch:
+    if phase == "setup" and registries:
+        out = out + host_credentials(owner, env=own_env)
+    if phase == "agent" and git_remote is not None:
         if repo is None:
             raise PolicyRefused("[git] fetch needs the task's repo")
         secret = None
-        if box.git.secret is not None:
+        if git_secret is not None:
             from agentbox.secrets import SecretStore
 
-            value = SecretStore(settings).resolve([box.git.secret], owner)[box.git.secret]
-            secret = (box.git.user, value)
+            value = SecretStore(settings).resolve([git_secret], owner)[git_secret]
+            secret = (git_user, value)
         out = out + git_fetch(
-            repo, owner, remote=box.git.remote, secret=secret, proxy_url=proxy_url,
-            ca_path=ca_path,
+            repo, owner, remote=git_remote, secret=secret, proxy_url=proxy_url,
+            ca_path=ca_path, env=own_env,
         )  # fmt: skip
     return out

@@ -19,6 +19,7 @@ Public API::
 
 from __future__ import annotations
 
+from agentbox.env._brokered import brokered_rules, sandbox_config
 from agentbox.env._committed import (
     COMMITTED_BOXFILE,
     check_env_policy,
@@ -31,6 +32,7 @@ from agentbox.env._egress import (
     EGRESS_SOCKET_NAME,
     Egress,
     egress_argv,
+    rule_secrets,
     start_egress,
 )
 from agentbox.env._key import env_key
@@ -51,6 +53,7 @@ __all__ = [
     "EnvPlan",
     "EnvStore",
     "SetupReport",
+    "brokered_rules",
     "check_env_policy",
     "committed_boxfile",
     "egress_argv",
@@ -59,6 +62,8 @@ __all__ = [
     "prepare_env",
     "release_task_env",
     "report_fields",
+    "rule_secrets",
+    "sandbox_config",
     "save_setup_report",
     "setup_sandbox_name",
     "start_egress",

@@ -29,6 +29,7 @@ the repo and empty mount points only: the diff and branch never carry
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
@@ -47,7 +48,8 @@ from agentbox.config import Settings
 from agentbox.core.exitwords import kill_cause, oom_kills
 from agentbox.core.log import get_logger
 from agentbox.egress import EgressPolicy, summarize
-from agentbox.env._egress import Egress, egress_argv, start_egress
+from agentbox.env._brokered import brokered_rules, sandbox_config
+from agentbox.env._egress import Egress, egress_argv, rule_secrets, start_egress
 from agentbox.env._key import KeyScope, env_key, repo_identity
 from agentbox.env._model import EnvInfo, SetupReport
 from agentbox.env._mount import KEEP_DIR, EnvMount, make_mountpoint
@@ -56,8 +58,6 @@ from agentbox.env._tracked import MAX_NAMED, changes, fingerprint
 from agentbox.errors import PathRefused
 from agentbox.safepath import Kind, Tree, check_name, openat2
 from agentbox.sandbox import spec_from_boxfile
-
-__all__ = ["EnvPlan", "image_id", "prepare_env", "setup_sandbox_name"]
 
 log = get_logger(__name__)
 
@@ -270,6 +270,14 @@ def _watch(
             return
 
 
+def _key_hosts(policy: EgressPolicy) -> list[str]:
+    """What of the egress policy keys the environment: the allowed hosts and the rules
+    (never a secret's value: a rule names its secrets)."""
+    out = [r.model_dump_json() for r in policy.rules]
+    out += [json.dumps(r, sort_keys=True) for r in policy.request_rules]
+    return out
+
+
 def prepare_env(
     settings: Settings,
     box: Boxfile,
@@ -304,9 +312,15 @@ def prepare_env(
     spec0 = spec_from_boxfile(box, settings, name=f"agentbox-setup-{task_id}")
     img = image_id(spec0.image)
     policy = None
-    if setup.network == "registries" or box.egress_allow:
+    # The host user's registry credentials: rules for the proxy, never the sandbox.
+    brokered, rules = brokered_rules(settings, box, phase="setup", uid=user, repo=repo)
+    if setup.network == "registries" or box.egress_allow or rules:
         policy = EgressPolicy.for_phase(
-            settings, allow=box.egress_allow, registries=setup.network == "registries"
+            settings,
+            allow=box.egress_allow,
+            registries=setup.network == "registries",
+            rules=rules,
+            phase="setup",
         )
     owner = None if settings.env_shared_across_users else user
     scope = KeyScope(
@@ -314,7 +328,7 @@ def prepare_env(
         repo=repo_identity(repo) if repo is not None else "",
         env=spec0.env,
         mounts=[(str(m.source), m.target, m.read_only) for m in spec0.mounts],
-        hosts=[] if policy is None else [r.model_dump_json() for r in policy.rules],
+        hosts=[] if policy is None else _key_hosts(policy),
         resumed=resumed,
     )
     key, inputs = env_key(img, setup, workspace, scope)
@@ -345,8 +359,13 @@ def prepare_env(
     argv = ["/bin/sh", "-c", _script(setup)]
     if policy is not None:
         net_dir.mkdir(mode=0o755)
-        egress = start_egress(settings, policy, net_dir, egress_log, proxy_identity)
-        env = dict(egress.env)
+        values = rule_secrets(settings, policy.network_rules, user, known=brokered.values)
+        egress = start_egress(
+            settings, policy, net_dir, egress_log, proxy_identity, secret_values=values
+        )
+        env = {**egress.env, **sandbox_config(settings, egress, brokered)}
+        for note in brokered.notes:
+            tlog(note)
         extra_mounts = (egress.mount,)
         argv = egress_argv(argv)
         tlog(f"setup egress through the proxy: {', '.join(policy.hosts) or 'no hosts'}")

@@ -14,7 +14,7 @@ The order matters and each step is refused or recorded before the next:
    a grace, launcher or not;
 3. the sandbox runs ``claude -p …`` (the argv and environment checked against
    policy) under the backend's own deadline. On a backend that detaches
-   (podman), the sandbox is *launched* (stage ``launched``, everything a new
+   (podman, docker, qemu), the sandbox is *launched* (stage ``launched``, everything a new
    launcher needs to re-adopt it recorded first) and *followed*
    (:mod:`agentbox.launcher._follow`): nothing of ours holds it, so the launcher
    may die and a new one re-adopts it. Other backends run it attached, with a
@@ -39,7 +39,15 @@ from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.core.paths import TaskPaths
 from agentbox.egress import EgressPolicy
-from agentbox.env import Egress, EnvPlan, egress_argv, start_egress
+from agentbox.env import (
+    Egress,
+    EnvPlan,
+    brokered_rules,
+    egress_argv,
+    rule_secrets,
+    sandbox_config,
+    start_egress,
+)
 from agentbox.errors import AgentboxError, GatewayError, PathRefused, PolicyRefused
 from agentbox.gateway import GatewayHandle, gateway_identity, spawn_gateway
 from agentbox.launcher import _session
@@ -48,23 +56,16 @@ from agentbox.launcher._context import TaskContext
 from agentbox.launcher._finish import (
     NEVER_STARTED,
     cancelled_early,
-    commit_subject,
-    finish_orphan,
-    read_diff,
     repo_at_use,
     save_base,
     settle,
     share_gid,
     stop_gateway,
 )
-from agentbox.launcher._follow import MAX_LOG_BYTES, Ended, ended, follow_sandbox
+from agentbox.launcher._follow import Ended, ended, follow_sandbox
 from agentbox.launcher._follow import monitor as _monitor
 from agentbox.launcher._follow import sink as _sink
 from agentbox.launcher._names import (
-    SANDBOX_LABEL,
-    kill_gateway,
-    list_task_gateways,
-    list_task_sandboxes,
     sandbox_labels,
     sandbox_name,
 )
@@ -79,19 +80,6 @@ from agentbox.launcher._workspace import (
     write_token,
 )
 from agentbox.sandbox import image_of, spec_from_boxfile
-
-__all__ = [
-    "MAX_LOG_BYTES",
-    "SANDBOX_LABEL",
-    "commit_subject",
-    "finish_orphan",
-    "kill_gateway",
-    "list_task_gateways",
-    "list_task_sandboxes",
-    "read_diff",
-    "run_task",
-    "sandbox_name",
-]
 
 log = get_logger(__name__)
 
@@ -273,17 +261,29 @@ def _run_sandbox(
         )
         backend = get_backend(box.backend, settings)
         ours = plan.mounts if plan is not None else ()
-        if box.egress_allow:
-            # The agent phase reaches only the hosts [network] allow names; without it
-            # there is no proxy and no socket in the sandbox at all.
-            policy = EgressPolicy.for_phase(settings, allow=box.egress_allow)
+        # [git] fetch: the repo's remote, upload-pack only, the user's credential brokered.
+        brokered, agent_rules = brokered_rules(
+            settings, box, phase="agent", uid=row.caller_uid, repo=Path(row.repo)
+        )
+        if box.egress_allow or agent_rules:
+            # The agent phase reaches only the hosts [network] allow and its rules name;
+            # without them there is no proxy and no socket in the sandbox at all.
+            policy = EgressPolicy.for_phase(
+                settings, allow=box.egress_allow, rules=agent_rules, phase="agent"
+            )
             egress = start_egress(
                 settings,
                 policy,
                 paths.gateway_dir,
                 paths.log_dir / "egress-agent.jsonl",
                 gateway_identity(settings),
+                secret_values=rule_secrets(
+                    settings, policy.network_rules, row.caller_uid, known=brokered.values
+                ),
             )
+            egress.env.update(sandbox_config(settings, egress, brokered))
+            for note in brokered.notes:
+                tlog(note)
             ours = (*ours, egress.mount)
             tlog(f"agent egress through the proxy: {', '.join(policy.hosts)}")
         spec = spec_from_boxfile(
@@ -293,7 +293,7 @@ def _run_sandbox(
             workspace=paths.workspace,
             gateway_dir=paths.gateway_dir,
             extra_env={
-                **agent_env(token, model_id(settings, row.model)),
+                **agent_env(token, model_id(settings, row.model), attempt=row.attempt),
                 **(egress.env if egress is not None else {}),
             },
             labels=sandbox_labels(settings, task_id),
