@@ -132,6 +132,20 @@ class PrivateServers:
             "npm_token": self.npm_token,
         }
 
+    def shell_env(self) -> str:
+        """``export`` lines: the host settings the proxy needs, and the user's credentials."""
+        lines = {
+            "AGENTBOX_EGRESS_HOSTS": self.egress_hosts_env,
+            "AGENTBOX_EGRESS_UPSTREAM_CA": str(self.ca_path),
+            "CORP_USER": self.user,
+            "CORP_PASSWORD": self.password,
+            "CORP_CA": str(self.ca_path),
+            "CORP_GIT_DIR": str(self.git_dir),
+            "CORP_GIT_ADDR": self.addresses[GIT_HOST],
+            "CORP_PYPI_ADDR": self.addresses[PYPI_HOST],
+        }
+        return "".join(f"export {k}='{v}'\n" for k, v in lines.items())
+
     def get(self, host: str, path: str, *, auth: str | None = None) -> tuple[int, bytes]:
         """A GET from the host to ``host`` (verified against the CA), for checks."""
         ctx = ssl.create_default_context(cafile=str(self.ca_path))
@@ -574,7 +588,8 @@ def private_servers(root: Path, *, npm: bool = True) -> Iterator[PrivateServers]
 
 
 def main() -> None:
-    """``python -m tests.private_servers DIR [--no-npm]``: serve until SIGTERM or SIGINT."""
+    """``python3 tests/private_servers.py DIR [--no-npm]``: serve until SIGTERM or SIGINT
+    (``DIR.pid`` holds this process's pid while it serves)."""
     root = Path(sys.argv[1])
     stop = {"now": False}
 
@@ -583,11 +598,18 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, _on)
     signal.signal(signal.SIGINT, _on)
-    with private_servers(root, npm="--no-npm" not in sys.argv) as srv:
-        (root / "facts.json").write_text(json.dumps(srv.facts(), indent=2))
-        print("private servers ready", flush=True)
-        while not stop["now"]:
-            time.sleep(0.5)
+    pid = root.parent / f"{root.name}.pid"
+    pid.write_text(f"{os.getpid()}\n")
+    try:
+        with private_servers(root, npm="--no-npm" not in sys.argv) as srv:
+            (root / "facts.json").write_text(json.dumps(srv.facts(), indent=2))
+            (root / "env.sh").write_text(srv.shell_env())
+            print("private servers ready", flush=True)
+            while not stop["now"]:
+                time.sleep(0.5)
+    finally:
+        pid.unlink(missing_ok=True)
+    print("private servers stopped", flush=True)
 
 
 if __name__ == "__main__":
