@@ -41,17 +41,6 @@ from agentbox.errors import AgentboxError, PolicyRefused
 if TYPE_CHECKING:
     from agentbox.config import Settings
 
-__all__ = [
-    "AGENT_FLAGS",
-    "CLAUDE_CONFIG_IN_WORKSPACE",
-    "agent_argv",
-    "agent_env",
-    "check_agent_argv",
-    "check_env",
-    "forced_settings",
-    "model_id",
-]
-
 #: Claude Code's config and session dir, relative to the workspace: in the agent's own
 #: ``.git``, never collected, and kept with the task (for ``agentbox resume``).
 CLAUDE_CONFIG_IN_WORKSPACE = ".git/agentbox/claude"
@@ -80,6 +69,9 @@ MODEL_ENV_NAMES = (
     "CLAUDE_CODE_SUBAGENT_MODEL",
 )
 
+#: The variable telling an attempt of a best-of-N group its index (1-based).
+ATTEMPT_ENV = "AGENTBOX_ATTEMPT"
+
 #: Variables the launcher itself sets in every agent sandbox.
 LAUNCHER_ENV_NAMES = frozenset(
     {
@@ -93,6 +85,8 @@ LAUNCHER_ENV_NAMES = frozenset(
         "DISABLE_ERROR_REPORTING",
         "HOME",
         "PYTHONDONTWRITEBYTECODE",
+        # Best-of-N: which attempt of its group the task is (1-based); set only there.
+        ATTEMPT_ENV,
     }
 )
 
@@ -184,12 +178,16 @@ def check_agent_argv(argv: Sequence[str]) -> None:
         )
 
 
-def agent_env(token: str, model_id: str | None = None) -> dict[str, str]:
+def agent_env(
+    token: str, model_id: str | None = None, *, attempt: int | None = None
+) -> dict[str, str]:
     """What the launcher adds to the Boxfile's allow-listed environment; ``model_id``: the
-    task's upstream model id (a replay entry's name), set in :data:`MODEL_ENV_NAMES`."""
+    task's upstream model id (a replay entry's name), set in :data:`MODEL_ENV_NAMES`;
+    ``attempt``: a best-of-N attempt's index, as :data:`ATTEMPT_ENV`."""
     models = dict.fromkeys(MODEL_ENV_NAMES, model_id) if model_id else {}
     return {
         **models,
+        **({ATTEMPT_ENV: str(int(attempt))} if attempt is not None else {}),
         "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{GATEWAY_PORT}",
         "ANTHROPIC_API_KEY": token,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",

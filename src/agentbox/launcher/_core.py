@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -31,11 +32,18 @@ from typing import Literal
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
-from agentbox.core.paths import TaskPaths, private_data_dir, validate_task_id
+from agentbox.core.paths import TaskPaths, new_task_id, private_data_dir, validate_task_id
 from agentbox.env import COMMITTED_BOXFILE, check_env_policy, committed_boxfile, with_overrides
-from agentbox.errors import AgentboxError, PathRefused, RefusedError, TaskError, TaskNotFound
+from agentbox.errors import (
+    AgentboxError,
+    PathRefused,
+    RefusedError,
+    TaskError,
+    TaskIdRefused,
+    TaskNotFound,
+)
 from agentbox.gateway import load_registry, read_usage
-from agentbox.launcher import _runner, _session
+from agentbox.launcher import _finish, _session
 from agentbox.launcher._adopt import adopt, take_over
 from agentbox.launcher._cancel import cancel_task
 from agentbox.launcher._reach import check_local_upstream
@@ -49,11 +57,20 @@ from agentbox.launcher.api import (
     TaskResult,
     TokenUsage,
 )
+from agentbox.launcher.attempts import (
+    MAX_ATTEMPTS,
+    GroupView,
+    attempt_id,
+    budget_share,
+    pick,
+    score,
+)
 from agentbox.launcher.pushapi import PushInfo, PushRequest
 from agentbox.transcript import TranscriptPage
 from agentbox.transcript import page as transcript_page
 
-__all__ = ["Launcher"]
+#: In a group's first attempt's dir: the commits agentbox wrote to ``agentbox/<group>``.
+_GROUP_RECORD = "group-published.json"
 
 log = get_logger(__name__)
 
@@ -129,8 +146,13 @@ class Launcher:
         boxfile: Boxfile | None = None,
         caller: int | None = None,
         overrides: dict[str, str] | None = None,
+        attempt: tuple[str, int, int] | None = None,
     ) -> TaskInfo:
         """Validate ``request`` and queue it. Refused requests create nothing.
+
+        ``attempt`` ``(group, k, n)``: the task is attempt ``k`` of ``n`` of a best-of-N
+        group (:meth:`submit_group`): its token and dollar budgets are the group's
+        (as validated) divided by ``n``.
 
         ``boxfile`` (Python API and CLI only; never over the socket) chooses the
         image, runtime, resources and read-only mounts, within the settings.
@@ -163,6 +185,11 @@ class Launcher:
                     path=v.repo,
                 )
         box = boxfile or Boxfile.from_dict({}, settings=self.settings)
+        if attempt is not None:
+            # Split: each attempt gets 1/n of the group's budget, so n never exceed it.
+            shares = budget_share(v.budget, attempt[2])
+            usd = v.budget_usd / attempt[2] if v.budget_usd is not None else None
+            v = dataclasses.replace(v, budget=shares[attempt[1] - 1], budget_usd=usd)
         if v.budget_usd != box.budget_usd:
             # Recorded with the Boxfile, which the runner reads back (no new column).
             box = box.model_copy(update={"budget_usd": v.budget_usd})
@@ -188,11 +215,59 @@ class Launcher:
             owner_pid=self._owner.pid,
             owner_start=self._owner.start,
             caller_uid=os.geteuid() if caller is None else caller,
+            group_id=attempt[0] if attempt is not None else None,
+            attempt=attempt[1] if attempt is not None else None,
         )
         _session.record(self.settings, v.task_id, cont)
         log.info("task queued", task_id=v.task_id, repo=str(v.repo), model=v.model, caller=caller)
         self._enqueue(v.task_id)
         return self.get(v.task_id)
+
+    def submit_group(
+        self,
+        request: TaskRequest,
+        attempts: int,
+        *,
+        boxfile: Boxfile | None = None,
+        caller: int | None = None,
+        overrides: dict[str, str] | None = None,
+    ) -> builtins.list[TaskInfo]:
+        """Queue ``attempts`` (1..8) attempts of ``request`` as one best-of-N group whose id
+        is ``request.task_id`` (or a fresh one): tasks ``<group>-a1`` … ``-aN``, each with
+        its own sandbox, gateway and branch, sharing the base commit's copy rules and the
+        frozen environment (its key is the same for all). The group's budget is split
+        (``budget // N`` tokens each). The attempts are validated alike: a request
+        refused is refused at the first, before any is queued."""
+        if not 1 <= attempts <= MAX_ATTEMPTS:
+            raise RefusedError(f"--attempts must be 1..{MAX_ATTEMPTS}, got {attempts}")
+        group = validate_task_id(request.task_id) if request.task_id else new_task_id()
+        if len(group) > 60:
+            raise RefusedError("a group id is at most 60 characters (its attempts add -aN)")
+        if self.store.group(group) or self.store.exists(group):
+            raise TaskIdRefused(f"a task or group with the id {group} exists")
+        infos: builtins.list[TaskInfo] = []
+        for k in range(1, attempts + 1):
+            req = request.model_copy(update={"task_id": attempt_id(group, k)})
+            infos.append(
+                self.submit(
+                    req,
+                    boxfile=boxfile,
+                    caller=caller,
+                    overrides=overrides,
+                    attempt=(group, k, attempts),
+                )
+            )
+        return infos
+
+    def group(self, group: str, *, caller: int | None = None) -> builtins.list[TaskInfo]:
+        """The attempts of ``group`` (TaskNotFound: none the caller may see)."""
+        rows = [
+            r for r in self.store.group(validate_task_id(group))
+            if caller in (None, 0) or r.caller_uid == caller
+        ]  # fmt: skip
+        if not rows:
+            raise TaskNotFound("no such group", task_id=group)
+        return [r.info(self._live_tokens(r)) for r in rows]
 
     def get(self, task_id: str, *, caller: int | None = None) -> TaskInfo:
         """The task's state; live token counts while it runs."""
@@ -231,7 +306,7 @@ class Launcher:
             loaded = json.loads(paths.report_file.read_text())
             if isinstance(loaded, dict):
                 report = loaded
-        diff, truncated = _runner.read_diff(paths)
+        diff, truncated = _finish.read_diff(paths)
         return TaskResult(
             task_id=row.id,
             status=row.status,  # type: ignore[arg-type]
@@ -264,6 +339,42 @@ class Launcher:
         from agentbox.launcher._publish import publish_task
 
         return publish_task(self.settings, self.store, task_id, branch=branch)
+
+    def group_view(self, group: str, *, by: str = "tests", caller: int | None = None) -> GroupView:
+        """The group's attempts scored, and its pick by rule ``by``
+        (:func:`agentbox.launcher.attempts.pick`; ``branch``: ``agentbox/<group>`` once
+        a pick was published)."""
+        scores = []
+        for info in self.group(group, caller=caller):
+            res = None
+            if info.terminal:
+                with contextlib.suppress(AgentboxError):
+                    res = self.result(info.id, caller=caller)
+            scores.append(score(info.attempt or 0, info, res))
+        chosen = pick(scores, by)
+        record = TaskPaths(self.settings.data_dir, attempt_id(group, 1)).root / _GROUP_RECORD
+        return GroupView(
+            group=group,
+            repo=self.group(group, caller=caller)[0].repo,
+            pick_by=by,
+            attempts=scores,
+            pick=chosen.attempt if chosen else None,
+            pick_id=chosen.id if chosen else None,
+            branch=f"agentbox/{group}" if record.exists() else None,
+        )
+
+    def publish_pick(self, group: str, k: int, *, caller: int | None = None) -> TaskInfo:
+        """Publish attempt ``k`` of ``group`` as ``agentbox/<group>`` (its own
+        ``agentbox/<group>-aK`` stays); a later call with another ``k`` moves the branch
+        (never a ref agentbox did not write)."""
+        from agentbox.launcher._publish import publish_task
+
+        task_id = attempt_id(group, k)
+        self._row(task_id, caller)  # TaskNotFound for another user's
+        record = TaskPaths(self.settings.data_dir, attempt_id(group, 1)).root / _GROUP_RECORD
+        return publish_task(
+            self.settings, self.store, task_id, branch=f"agentbox/{group}", record=record
+        )
 
     def push(
         self,

@@ -27,15 +27,22 @@ from agentbox.launcher._store import Store
 from agentbox.launcher.api import TaskInfo
 from agentbox.launcher.pushapi import PushInfo, PushRequest
 
-__all__ = ["publish_task", "push_task"]
-
 log = get_logger(__name__)
 
 
 def publish_task(
-    settings: Settings, store: Store, task_id: str, *, branch: str | None = None
+    settings: Settings,
+    store: Store,
+    task_id: str,
+    *,
+    branch: str | None = None,
+    record: Path | None = None,
 ) -> TaskInfo:
     """Publish task ``task_id``'s result commit as ``branch`` (default ``agentbox/<id>``).
+
+    ``record``: the file listing the commits agentbox wrote to the branch (default: the
+    task's own); a best-of-N group's pick uses one file for the group, so a later
+    ``publish GROUP --pick K`` may move ``agentbox/<group>`` from one attempt to another.
 
     Raises :class:`~agentbox.errors.TaskError` when the task is not finished or
     has no result commit, :class:`~agentbox.errors.PublishRefused` when the
@@ -59,9 +66,12 @@ def publish_task(
         task_id=row.id,
         commit=row.commit_id,
         branch=branch,
-        record=paths.root / "published.json",
+        record=record or paths.root / "published.json",
         root=settings.repos_root,
     )
+    if record is not None:  # a group's pick: the task keeps its own branch
+        _note(paths, f"published {name} (agentbox publish, the group's pick)")
+        return store.get(row.id).info().model_copy(update={"branch": name})
     store.update(row.id, branch=name)
     _note(paths, f"published {name} (agentbox publish)")
     with contextlib.suppress(OSError, ValueError):

@@ -19,7 +19,8 @@ transaction; a database of a *newer* version is refused (a downgraded launcher
 would misread it). Version 0 is every database made before versioning (columns
 were then added ad hoc), 1 that schema complete, 2 adds what re-adopting a
 running task needs (:attr:`TaskRow.stage`, the sandbox's labels and log, the
-deadline as an epoch), 3 the count of re-adoptions.
+deadline as an epoch), 3 the count of re-adoptions, 4 a task's group and attempt
+index (best-of-N: :mod:`agentbox.launcher.attempts`).
 """
 
 from __future__ import annotations
@@ -45,10 +46,8 @@ from agentbox.errors import (
 )
 from agentbox.launcher.api import TaskInfo, TokenUsage
 
-__all__ = ["NOTES", "SCHEMA_VERSION", "Owner", "Stage", "Store", "TaskRow"]
-
 #: The schema this code reads and writes (``PRAGMA user_version``).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Columns that are progress notes only (``phase``: the transcript's last line, rewritten
 #: at every step of a task). An update of notes alone is committed without waiting for
@@ -123,8 +122,15 @@ def _to_v3(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX IF NOT EXISTS tasks_created ON tasks (created_at)")
 
 
+def _to_v4(db: sqlite3.Connection) -> None:
+    # Best-of-N: the group a task is an attempt of, and its index (1-based) in it.
+    db.execute("ALTER TABLE tasks ADD COLUMN group_id TEXT")
+    db.execute("ALTER TABLE tasks ADD COLUMN attempt INTEGER")
+    db.execute("CREATE INDEX IF NOT EXISTS tasks_group ON tasks (group_id)")
+
+
 #: ``_MIGRATIONS[v]`` takes a database from version ``v`` to ``v + 1``.
-_MIGRATIONS = (_to_v1, _to_v2, _to_v3)
+_MIGRATIONS = (_to_v1, _to_v2, _to_v3, _to_v4)
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -224,6 +230,10 @@ class TaskRow:
     """How the agent ended (JSON), recorded before collection (re-collected from it)."""
     adoptions: int = 0
     """How many launchers re-adopted it after the one running it died."""
+    group_id: str | None = None
+    """The group it is an attempt of (best-of-N), or None."""
+    attempt: int | None = None
+    """Its index (1-based) in that group."""
 
     def info(self, tokens: TokenUsage | None = None) -> TaskInfo:
         """The public view of this row (``tokens`` overrides the stored totals)."""
@@ -245,6 +255,8 @@ class TaskRow:
             error=self.error,
             phase=self.phase,
             uid=self.caller_uid,
+            group=self.group_id,
+            attempt=self.attempt,
             **self.placement(),
         )
 
@@ -317,6 +329,8 @@ def _row(r: sqlite3.Row) -> TaskRow:
         deadline_at=r["deadline_at"],
         outcome=r["outcome"],
         adoptions=r["adoptions"] or 0,
+        group_id=r["group_id"],
+        attempt=r["attempt"],
     )
 
 
@@ -448,6 +462,14 @@ class Store:
                     "SELECT * FROM tasks WHERE caller_uid = ? ORDER BY created_at DESC",
                     (caller_uid,),
                 ).fetchall()
+        return [_row(r) for r in rows]
+
+    def group(self, group_id: str) -> list[TaskRow]:
+        """The attempts of group ``group_id`` (best-of-N), by attempt index; [] if none."""
+        with self._conn() as db:
+            rows = db.execute(
+                "SELECT * FROM tasks WHERE group_id = ? ORDER BY attempt", (group_id,)
+            ).fetchall()
         return [_row(r) for r in rows]
 
     def update(

@@ -146,6 +146,10 @@ class TaskInfo(_Wire):
     runtime: str | None = None
     """The OCI runtime of a podman or docker sandbox (runc, crun, runsc); None on a
     microVM backend, which runs none."""
+    group: str | None = None
+    """Best-of-N: the group this task is an attempt of (``agentbox run --attempts N``)."""
+    attempt: int | None = None
+    """Its index (1-based) in the group; its id is ``<group>-a<attempt>``."""
 
     @property
     def terminal(self) -> bool:
