@@ -156,14 +156,16 @@ SERIAL: set[str] = {
     "integration/test_userns_limits.py",
     "e2e/test_tutorials.py",
 }
-#: Single tests (``module::function``, every parametrization): each calls a backend's
-#: host-wide ``cleanup_orphans``.
+#: Single tests (``module::function``, every parametrization): each but the last calls a
+#: backend's host-wide ``cleanup_orphans``; the last races a launcher's restart against a
+#: waiter's 10 s patience (``START_AFTER``), which a loaded worker loses.
 SERIAL_TESTS: set[str] = {
     "integration/test_detached_podman.py"
     "::test_an_orphan_sweep_never_settles_the_disk_of_a_running_detached_sandbox",
     "integration/test_docker_backend.py::test_orphans_are_removed_and_live_ones_kept",
     "integration/test_podman.py::test_cleanup_orphans_removes_sandboxes_whose_owner_died",
     "integration/test_podman_env.py::test_a_sigkilled_podman_caller_leaves_no_env_on_disk",
+    "e2e/test_detach_resume.py::test_wait_rides_through_a_launcher_restart",
 }
 
 
