@@ -25,8 +25,6 @@ from agentbox.core.console import console as make_console
 if TYPE_CHECKING:
     from agentbox.launcher.pushapi import PushInfo
 
-__all__ = ["print_push", "register"]
-
 _out = make_console()
 
 
@@ -61,12 +59,46 @@ def register(app: typer.Typer) -> None:
             None, "--base", help="The pull request's target branch (default: the repo's default)."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the task as JSON."),
+        pick: int | None = typer.Option(
+            None,
+            "--pick",
+            min=1,
+            max=8,
+            help="For a best-of-N GROUP: publish attempt K as agentbox/GROUP "
+            "(default: the group's pick).",
+        ),
     ) -> None:
-        """Publish a finished task's result into its repo as a new branch; push it, open a PR."""
+        """Publish a finished task's result into its repo as a new branch; push it, open a PR.
+
+        For a best-of-N GROUP: its pick (or attempt --pick K) as agentbox/GROUP."""
         import os
 
         from agentbox.core.paths import validate_task_id
         from agentbox.launcher import Launcher
+        from agentbox.launcher.attempts import group_of
+
+        if pick is not None or group_of(task_id) is None:
+            from agentbox.cli._client import in_process
+
+            probe = in_process(1)
+            try:
+                is_group = not probe.store.exists(task_id) and bool(probe.store.group(task_id))
+            finally:
+                probe.close()
+            if is_group:
+                if push or pr or branch:
+                    raise typer.BadParameter(
+                        "a group's pick is published as agentbox/GROUP; push that branch with "
+                        "`agentbox publish GROUP-aK --push` (K: the pick)"
+                    )
+                from agentbox.cli._attempts import publish_group
+
+                publish_group(validate_task_id(task_id), pick, pick_by="tests", as_json=as_json)
+                return
+            if pick is not None:
+                raise typer.BadParameter(
+                    f"{task_id} is not a group of attempts", param_hint="--pick"
+                )
 
         if (draft or base) and not pr:
             raise typer.BadParameter("--draft and --base go with --pr")

@@ -31,8 +31,6 @@ from agentbox.errors import PolicyRefused
 from agentbox.launcher.api import TaskInfo, TaskRequest
 from agentbox.launcher.pushapi import PushRequest
 
-__all__ = ["register"]
-
 _TASK_ARG = typer.Argument(help="What the agent should do; '-' reads it from stdin.")
 _DETACH_HELP = (
     "Submit to the launcher service (started if none runs), print the task id and exit; "
@@ -90,6 +88,25 @@ def register(app: typer.Typer) -> None:
         ),
         draft: bool = typer.Option(False, "--draft", help="With --pr: a draft pull request."),
         remote: str = typer.Option("origin", "--remote", help="With --pr: the remote."),
+        attempts: int | None = typer.Option(
+            None,
+            "--attempts",
+            min=1,
+            max=8,
+            help="Best-of-N: run N attempts (1..8) as one group, score them, publish the pick "
+            "as agentbox/GROUP (each also as agentbox/GROUP-aK); --id names the group.",
+        ),
+        budget_split: str = typer.Option(
+            "split",
+            "--budget-split",
+            help="With --attempts: 'split' (each attempt gets budget/N; the only mode so far).",
+        ),
+        pick_by: str = typer.Option(
+            "tests",
+            "--pick-by",
+            help="With --attempts: tests (first passing, then smallest diff), diff, tokens, "
+            "cost or time.",
+        ),
     ) -> None:
         """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
         text = _task_text(task, task_file)
@@ -117,6 +134,24 @@ def register(app: typer.Typer) -> None:
             budget_usd=budget_usd, deadline=deadline, task_id=task_id,
             include_uncommitted=include_uncommitted, publish=not no_publish,
         )  # fmt: skip
+        if attempts is not None:
+            from agentbox.cli._attempts import run_group
+            from agentbox.launcher.attempts import PICK_RULES
+
+            if budget_split != "split":
+                raise PolicyRefused(
+                    f"--budget-split {budget_split!r}: only 'split' (budget/N per attempt) "
+                    "is implemented; a shared budget needs one gateway meter for N attempts"
+                )
+            if pick_by not in PICK_RULES:
+                raise typer.BadParameter(f"one of {', '.join(PICK_RULES)}", param_hint="--pick-by")
+            if detach or pr:
+                raise PolicyRefused(
+                    "--attempts runs in the foreground; publish the pick with --pr later "
+                    "(`agentbox publish GROUP --pick K --pr` is not there yet: push agentbox/GROUP)"
+                )
+            run_group(req, box, attempts=attempts, pick_by=pick_by, as_json=as_json,
+                      overrides=overrides)  # fmt: skip
         if detach:
             _detach(settings, req, as_json=as_json)
         _foreground(req, box, as_json=as_json, overrides=overrides, push=push)

@@ -36,8 +36,6 @@ from agentbox.cli._view import (
 )
 from agentbox.launcher.api import TaskInfo
 
-__all__ = ["register"]
-
 _STATUS_HELP = f"Only tasks in this status ({', '.join(STYLE)}); repeatable."
 
 
@@ -92,8 +90,13 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json"),
         no_diff: bool = typer.Option(False, "--no-diff"),
     ) -> None:
-        """Show a task's report and diff."""
+        """Show a task's report and diff; for a best-of-N GROUP, its attempts compared."""
         launcher = in_process(1)
+        if not launcher.store.exists(task_id) and launcher.store.group(task_id):
+            from agentbox.cli._attempts import print_group
+
+            print_group(launcher.group_view(task_id), as_json=as_json)
+            return
         info = launcher.get(task_id)
         if not info.terminal:
             info = _settle_if_orphaned(launcher, info, quiet=as_json)

@@ -1,0 +1,178 @@
+"""Best-of-N end to end: ``agentbox run --attempts 3 --json`` with the real Claude Code in
+podman, each attempt through its own gateway, driven by one replay script whose attempts
+differ: the agent echoes ``$AGENTBOX_ATTEMPT`` (set by the launcher in each attempt's
+sandbox) and the script branches on it: attempt 1 writes a wrong fix (its tests fail),
+attempt 2 the right fix, attempt 3 the right fix with more lines. The pick is attempt 2
+(tests passed, then the smallest diff), published as ``agentbox/<group>``; every attempt
+also exists as ``agentbox/<group>-aK``. Then ``show GROUP`` and ``publish GROUP --pick 3``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentbox.config import Settings
+from git_helpers import git
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.claude,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
+]
+
+MODULE = "def double(x: int) -> int:\n    return x * 3\n"
+TESTS = (
+    "import unittest\n\nfrom mathx import double\n\n\n"
+    "class T(unittest.TestCase):\n    def test_double(self) -> None:\n"
+    "        self.assertEqual(double(2), 4)\n        self.assertEqual(double(5), 10)\n"
+)
+
+SCRIPT = r"""
+name: attempts
+turns:
+  - text: "Which attempt am I, and what does the module say?"
+    tool_use:
+      - name: Bash
+        input: {command: "echo attempt-number-$AGENTBOX_ATTEMPT", description: "Attempt"}
+      - name: Read
+        input: {file_path: "{{cwd}}/mathx.py"}
+  - branches:
+      - match: "attempt-number-1\\b"
+        text: "Fixing it (wrongly)."
+        tool_use:
+          - name: Edit
+            input: {file_path: "{{cwd}}/mathx.py", old_string: "x * 3", new_string: "x + 2"}
+      - match: "attempt-number-2\\b"
+        text: "Fixing it."
+        tool_use:
+          - name: Edit
+            input: {file_path: "{{cwd}}/mathx.py", old_string: "x * 3", new_string: "x * 2"}
+      - match: "attempt-number-3\\b"
+        text: "Fixing it, with a docstring."
+        tool_use:
+          - name: Edit
+            input:
+              file_path: "{{cwd}}/mathx.py"
+              old_string: "    return x * 3\n"
+              new_string: "    \"\"\"Twice x.\n\n    Doubles it.\n    \"\"\"\n    return x * 2\n"
+  - text: "Running the tests."
+    tool_use:
+      - name: Bash
+        input: {command: "cd {{cwd}} && python3 -m unittest -v 2>&1", description: "Tests"}
+  - text: "Done."
+"""
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[tuple[Path, dict[str, str]]]:
+    from agentbox.image import build_default
+
+    build_default(Settings())
+    base = Path(tempfile.mkdtemp(prefix="agentbox-e2e-attempts-", dir="/var/tmp"))
+    base.chmod(0o711)
+    for sub in ("data", "repos"):
+        (base / sub).mkdir()
+    (base / "script.yaml").write_text(SCRIPT)
+    (base / "models.toml").write_text(
+        f'[models.replay-attempts]\nkind = "replay"\nupstream = "{base / "script.yaml"}"\n'
+    )
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/root"),
+        "AGENTBOX_DATA_DIR": str(base / "data"),
+        "AGENTBOX_REPOS_ROOT": str(base / "repos"),
+        "AGENTBOX_MODELS_FILE": str(base / "models.toml"),
+        "COLUMNS": "200",
+    }
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    try:
+        yield base, env
+    finally:
+        if not os.environ.get("E2E_KEEP_DIRS"):
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentbox", *args],
+        env=env, capture_output=True, text=True, timeout=1200, check=False,
+    )  # fmt: skip
+
+
+def _json(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        raise AssertionError(f"not JSON (rc {r.returncode}):\n{r.stdout}\n{r.stderr}") from None
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_best_of_three_picks_the_passing_attempt(lab: tuple[Path, dict[str, str]]) -> None:
+    base, env = lab
+    repo = base / "repos" / "proj"
+    repo.mkdir()
+    (repo / "mathx.py").write_text(MODULE)
+    (repo / "test_mathx.py").write_text(TESTS)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "bug")
+    r = _cli(env, "run", "--repo", str(repo), "--model", "replay-attempts", "--attempts", "3",
+             "--budget", "3000000", "--id", "bo3", "--json", "Fix double(): tests pass.")  # fmt: skip
+    doc = _json(r)
+    assert r.returncode == 0, (doc, r.stderr[-3000:])
+    assert doc["group"] == "bo3" and [a["id"] for a in doc["attempts"]] == [
+        "bo3-a1",
+        "bo3-a2",
+        "bo3-a3",
+    ]
+    by = {a["attempt"]: a for a in doc["attempts"]}
+    assert all(a["status"] == "done" for a in by.values()), doc
+    # Each attempt ran its tests in its own sandbox: 1 failed, 2 and 3 passed.
+    assert [by[k]["tests_passed"] for k in (1, 2, 3)] == [False, True, True], doc
+    assert by[1]["test_exit"] != 0 and "unittest" in by[1]["test_command"]
+    assert by[3]["diff_lines"] > by[2]["diff_lines"]
+    assert all(by[k]["tokens"]["input"] > 0 for k in (1, 2, 3))
+    # The pick: tests passed, then the smallest diff.
+    assert doc["pick"] == 2 and doc["pick_id"] == "bo3-a2" and doc["branch"] == "agentbox/bo3"
+    for k in (1, 2, 3):
+        assert by[k]["branch"] == f"agentbox/bo3-a{k}"
+    picked = git(repo, "rev-parse", "agentbox/bo3").strip()
+    assert picked == git(repo, "rev-parse", "agentbox/bo3-a2").strip()
+    assert "x * 2" in git(repo, "show", "agentbox/bo3:mathx.py")
+    assert "x + 2" in git(repo, "show", "agentbox/bo3-a1:mathx.py")
+    # Split budget: each attempt had a third of the group's.
+    tasks = _json(_cli(env, "show", "bo3-a1", "--json", "--no-diff"))
+    assert tasks["task"]["budget"] == 1_000_000 and tasks["task"]["group"] == "bo3"
+
+    # show GROUP: the comparison table.
+    shown = _cli(env, "show", "bo3")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert any("bo3-a1" in ln and "FAIL" in ln for ln in lines), shown.stdout
+    assert any("bo3-a2" in ln and "pass" in ln for ln in lines), shown.stdout
+    assert "pick: attempt 2" in shown.stdout
+
+    # publish GROUP --pick 3 moves agentbox/bo3 (a ref agentbox wrote) to attempt 3.
+    moved = _json(_cli(env, "publish", "bo3", "--pick", "3", "--json"))
+    assert moved == {"group": "bo3", "pick": 3, "id": "bo3-a3", "branch": "agentbox/bo3"}
+    assert git(repo, "rev-parse", "agentbox/bo3") == git(repo, "rev-parse", "agentbox/bo3-a3")
+    assert "Twice x" in git(repo, "show", "agentbox/bo3:mathx.py")
+    # Nothing of the attempts is left running.
+    left = subprocess.run(
+        ["podman", "ps", "-a", "--filter", "name=bo3-a", "--format", "{{.Names}}"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    assert left == "", left
