@@ -129,8 +129,9 @@ def test_best_of_three_picks_the_passing_attempt(lab: tuple[Path, dict[str, str]
     git(repo, "init", "-q", "-b", "main")
     git(repo, "add", "-A")
     git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "bug")
+    task = "Fix double(): its tests must pass."
     r = _cli(env, "run", "--repo", str(repo), "--model", "replay-attempts", "--attempts", "3",
-             "--budget", "3000000", "--id", "bo3", "--json", "Fix double(): tests pass.")  # fmt: skip
+             "--budget", "3000000", "--id", "bo3", "--json", task)  # fmt: skip
     doc = _json(r)
     assert r.returncode == 0, (doc, r.stderr[-3000:])
     assert doc["group"] == "bo3" and [a["id"] for a in doc["attempts"]] == [
