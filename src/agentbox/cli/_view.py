@@ -29,18 +29,6 @@ from agentbox.core.console import console as make_console
 from agentbox.core.text import visible
 from agentbox.launcher.api import NO_CHANGES, TaskInfo, TaskResult
 
-__all__ = [
-    "STYLE",
-    "console",
-    "dump",
-    "elapsed",
-    "err",
-    "print_diff",
-    "progress_line",
-    "report_text",
-    "safe",
-]
-
 console = make_console()
 err = make_console(stderr=True)
 
@@ -124,6 +112,10 @@ def report_text(info: TaskInfo, res: TaskResult) -> None:
     from agentbox.gateway import format_usd
 
     table.add_row("cost", format_usd(t.cost_usd))
+    from agentbox.observe.resources import resources_words
+
+    if (used := resources_words(rep.get("resources") or info.resources)) is not None:
+        table.add_row("resources", used)
     stat = rep.get("diffstat")
     if info.changed is False and info.status == "done":
         table.add_row("changes", f"[yellow]{NO_CHANGES}[/]")

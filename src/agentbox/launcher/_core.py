@@ -66,6 +66,7 @@ from agentbox.launcher.attempts import (
     score,
 )
 from agentbox.launcher.pushapi import PushInfo, PushRequest
+from agentbox.observe.resources import read_resources
 from agentbox.transcript import TranscriptPage
 from agentbox.transcript import page as transcript_page
 
@@ -267,17 +268,24 @@ class Launcher:
         ]  # fmt: skip
         if not rows:
             raise TaskNotFound("no such group", task_id=group)
-        return [r.info(self._live_tokens(r)) for r in rows]
+        return [self._info(r) for r in rows]
 
     def get(self, task_id: str, *, caller: int | None = None) -> TaskInfo:
         """The task's state; live token counts while it runs."""
-        row = self._row(task_id, caller)
-        return row.info(self._live_tokens(row))
+        return self._info(self._row(task_id, caller))
 
     def list(self, *, caller: int | None = None) -> builtins.list[TaskInfo]:
         """Every task ``caller`` may see, newest first."""
         rows = self.store.all() if caller in (None, 0) else self.store.all(caller_uid=caller)
-        return [r.info(self._live_tokens(r)) for r in rows]
+        return [self._info(r) for r in rows]
+
+    def _info(self, row: TaskRow) -> TaskInfo:
+        """The row's public view, with live tokens and what its sandbox used."""
+        info = row.info(self._live_tokens(row))
+        if row.status == "queued":
+            return info
+        used = read_resources(TaskPaths(self.settings.data_dir, row.id).root)
+        return info.model_copy(update={"resources": used}) if used is not None else info
 
     def _live_tokens(self, row: TaskRow) -> TokenUsage | None:
         """A running task's tokens from its gateway's usage file (the row has them at the end)."""

@@ -34,7 +34,7 @@ from agentbox.env import release_task_env
 from agentbox.env import report_fields as env_report_fields
 from agentbox.errors import AgentboxError, PathRefused, PublishRefused
 from agentbox.gateway import GatewayHandle, read_usage
-from agentbox.launcher._context import TaskContext, TaskLog
+from agentbox.launcher._context import TaskContext
 from agentbox.launcher._names import sandbox_name
 from agentbox.launcher._store import Store, TaskRow
 from agentbox.launcher._usage_words import (
@@ -45,28 +45,9 @@ from agentbox.launcher._usage_words import (
     upstream_down,
 )
 from agentbox.launcher.api import NO_CHANGES
+from agentbox.observe.resources import final_resources
 from agentbox.observe.traces import export_task, traces_enabled
 from agentbox.transcript import summary as transcript_summary
-
-__all__ = [
-    "NEVER_STARTED",
-    "SHARE_GROUP",
-    "TaskContext",
-    "TaskLog",
-    "budget_error",
-    "cancelled_early",
-    "collect_and_finish",
-    "commit_subject",
-    "finish_orphan",
-    "load_base",
-    "read_diff",
-    "recorded_outcome",
-    "repo_at_use",
-    "save_base",
-    "settle",
-    "share_gid",
-    "stop_gateway",
-]
 
 log = get_logger(__name__)
 
@@ -274,6 +255,7 @@ def collect_and_finish(
         data["untracked_note"] = base.untracked_note
     data.update(row.placement())  # backend, runtime
     data.update(env_report_fields(paths.root, paths.log_dir))
+    data["resources"] = final_resources(paths.root, data)  # cpu, memory, disk, egress
     tmp = paths.report_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
     tmp.replace(paths.report_file)

@@ -22,8 +22,7 @@ from agentbox.backends.base import Backend
 from agentbox.core.log import get_logger
 from agentbox.launcher._context import TaskContext
 from agentbox.launcher._watchdog import kill_sandbox
-
-__all__ = ["KILL_AGAIN_AFTER", "MAX_LOG_BYTES", "Ended", "follow_sandbox", "monitor", "sink"]
+from agentbox.observe.resources import watch as watch_resources
 
 log = get_logger(__name__)
 
@@ -142,6 +141,7 @@ def follow_sandbox(
         with (
             (paths.log_dir / "agent.jsonl").open("wb") as out,
             (paths.log_dir / "agent.stderr").open("wb") as err,
+            watch_resources(paths.root, backend_name, name, paths.workspace),
         ):
             exited = backend.follow(
                 name, log=paths.log_dir / "sandbox.log", on_stdout=sink(out), on_stderr=sink(err)

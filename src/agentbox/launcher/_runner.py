@@ -79,6 +79,7 @@ from agentbox.launcher._workspace import (
     let_gofer_through,
     write_token,
 )
+from agentbox.observe.resources import watch as watch_resources
 from agentbox.sandbox import image_of, spec_from_boxfile
 
 log = get_logger(__name__)
@@ -350,6 +351,7 @@ def _run_sandbox(
             with (
                 (paths.log_dir / "agent.jsonl").open("ab") as out,
                 (paths.log_dir / "agent.stderr").open("ab") as err,
+                watch_resources(paths.root, box.backend, spec.name, paths.workspace),
             ):
                 res = backend.run(spec, run_argv, on_stdout=_sink(out), on_stderr=_sink(err))
             agent_ran = True

@@ -150,6 +150,10 @@ class TaskInfo(_Wire):
     """Best-of-N: the group this task is an attempt of (``agentbox run --attempts N``)."""
     attempt: int | None = None
     """Its index (1-based) in the group; its id is ``<group>-a<attempt>``."""
+    resources: dict[str, Any] | None = None
+    """What its sandbox used (CPU seconds, peak memory, disk written, processes, egress
+    bytes): live while it runs (``live`` true), final once it ended; None: not sampled.
+    See :mod:`agentbox.observe.resources` and ``docs/reference/report.md``."""
 
     @property
     def terminal(self) -> bool:

@@ -18,16 +18,6 @@ from agentbox.mcp._fetch import branch_name
 from agentbox.mcp._untrusted import frame
 from agentbox.transcript import TranscriptPage, event_text
 
-__all__ = [
-    "MAX_REPORT_CHARS",
-    "MAX_TRANSCRIPT_CHARS",
-    "STATE",
-    "format_result",
-    "info_dict",
-    "info_json",
-    "transcript_text",
-]
-
 MAX_REPORT_CHARS = 16_000
 #: The most characters of transcript text in one tool answer.
 MAX_TRANSCRIPT_CHARS = 40_000
@@ -95,12 +85,20 @@ def format_result(info: TaskInfo, res: TaskResult, fetched: str, max_diff: int) 
     head = (
         f"task {info.id}: {res.status} (exit code {info.exit_code}), "
         f"{info.tokens.total} tokens ({_usd(info.tokens.cost_usd)}); "
-        f"{_tests_word(res.report)}\n{fetched}\n"
+        f"{_tests_word(res.report)}\n{_used_line(res.report)}{fetched}\n"
     )
     error = f"error: {info.error}\n\n" if info.error else ""
     body = f"{error}report:\n{report}\n\ndiff:\n{diff or '(no changes)'}\n"
     what = "the task's report (with the agent's final message) and the diff of its files"
     return f"{head}{_flagged_text(res.report)}\n{frame(body, what)}{note.lstrip()}\n"
+
+
+def _used_line(report: dict[str, Any]) -> str:
+    """What the sandbox used, measured by the launcher ("" if not measured)."""
+    from agentbox.observe.resources import resources_words
+
+    words = resources_words(report.get("resources"))
+    return f"resources: {words}\n" if words else ""
 
 
 def _tests_word(report: dict[str, Any]) -> str:

@@ -1,0 +1,508 @@
+"""What a task's sandbox used: CPU seconds, peak memory, disk written and its peak,
+processes, egress bytes (issue 30 §3).
+
+A container's cgroup disappears with the container, so the figures are *sampled* while
+it runs (:class:`Sampler`, a thread of the launcher that follows the sandbox) and the
+maxima kept; ``<task dir>/resources.json`` is rewritten every :data:`WRITE_EVERY`
+seconds (``agentbox tasks --json`` and ``show`` read it while the task runs) and once
+more when the sandbox has ended. Where each figure comes from:
+
+- ``cpu_s``: the container's cgroup, cgroup v1 ``cpuacct.usage`` (ns) or v2
+  ``cpu.stat`` ``usage_usec``; the last sample (at most :data:`SAMPLE_EVERY` seconds
+  before the end: the cgroup is removed with the container);
+- ``memory_peak_bytes``: v1 ``memory.max_usage_in_bytes``, v2 ``memory.peak`` (the
+  kernel's own maximum, page cache of the sandbox's writes included);
+  ``memory_anon_peak_bytes``: the largest sampled anonymous memory (v1 ``memory.stat``
+  ``total_rss``, v2 ``anon``);
+- ``disk_written_bytes``: sectors written to the workspace's loop device
+  (``/sys/block/loopN/stat``, field 7, times 512) since the first sample, read once more after
+  the disk's unmount (which flushes what writeback had not yet written);
+  ``disk_peak_bytes``: the largest sampled used size of the workspace filesystem
+  (``statvfs``; the repo copy included);
+- ``processes_peak``: the most processes seen at once in the cgroup (``cgroup.procs``,
+  sampled): cgroups keep no fork counter, so **processes started** is not known;
+  ``tasks_peak``: the kernel's ``pids.peak`` (threads included) where it has one, else
+  the largest sampled ``pids.current``;
+- ``egress_bytes``: up plus down of the agent's and setup's egress proxies (from the
+  report's ``egress`` and ``setup.egress`` summaries), at the end only.
+
+Every host file here is read defensively (a size cap, no link followed where a path
+could be the sandbox's, unparsable text → no figure): the sandbox's processes choose
+what these counters say, never what is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentbox.core.log import get_logger
+
+log = get_logger(__name__)
+
+RESOURCES_FILE = "resources.json"
+#: Seconds between two samples of the cgroup files, and between two writes of the file.
+SAMPLE_EVERY = 1.0
+WRITE_EVERY = 2.0
+#: Seconds between two tries to find the sandbox's init process (the engine's inspect).
+FIND_EVERY = 2.0
+_MAX_READ = 64 << 10
+_SECTOR = 512
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+# -- pure parsers (fixture-tested) -----------------------------------------------------
+
+
+def parse_int(text: str) -> int | None:
+    """A counter file's one non-negative integer (``max`` or junk: None)."""
+    word = text.strip()
+    if not word.isdigit() or len(word) > 30:
+        return None
+    return int(word)
+
+
+def parse_keyed(text: str) -> dict[str, int]:
+    """``key value`` lines (``cpu.stat``, ``memory.stat``); bad lines skipped."""
+    out: dict[str, int] = {}
+    for line in text.splitlines()[:500]:
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and len(parts[1]) <= 30:
+            out.setdefault(parts[0], int(parts[1]))
+    return out
+
+
+def parse_proc_cgroup(text: str) -> dict[str, str]:
+    """``/proc/<pid>/cgroup`` as controller → path: each v1 controller of a line
+    (``4:cpu,cpuacct:/x`` gives ``cpu`` and ``cpuacct``), ``0`` for the unified one."""
+    out: dict[str, str] = {}
+    for line in text.splitlines()[:64]:
+        parts = line.split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/"):
+            continue
+        num, ctrls, path = parts
+        if num == "0" and ctrls == "":
+            out["0"] = path
+            continue
+        for ctrl in ctrls.split(","):
+            if ctrl:
+                out.setdefault(ctrl, path)
+    return out
+
+
+def parse_sectors_written(text: str) -> int | None:
+    """``/sys/block/<dev>/stat``: field 7 (sectors written)."""
+    fields = text.split()
+    if len(fields) < 7 or not fields[6].isdigit():
+        return None
+    return int(fields[6])
+
+
+def mount_source(mountinfo: str, mount_point: str) -> str | None:
+    """The source of the last mount at ``mount_point`` (the one on top) in mountinfo text."""
+    found = None
+    for line in mountinfo.splitlines():
+        pre, sep, post = line.partition(" - ")
+        fields, tail = pre.split(), post.split()
+        if not sep or len(fields) < 5 or len(tail) < 2:
+            continue
+        if _unescape(fields[4]) == mount_point:
+            found = tail[1]
+    return found
+
+
+def _unescape(path: str) -> str:
+    """mountinfo's octal escapes (``\\040`` for a space)."""
+    if "\\" not in path:
+        return path
+    out, i = [], 0
+    while i < len(path):
+        if path[i] == "\\" and path[i + 1 : i + 4].isdigit():
+            out.append(chr(int(path[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(path[i])
+            i += 1
+    return "".join(out)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, _MAX_READ).decode("ascii", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+# -- the cgroup of one sandbox ------------------------------------------------------------
+
+
+@dataclass
+class Cgroup:
+    """The directories of one process's cgroups (v1: per controller; v2: one)."""
+
+    cpu: Path | None = None
+    memory: Path | None = None
+    pids: Path | None = None
+    v2: bool = False
+
+    @classmethod
+    def of_pid(cls, pid: int, root: Path = _CGROUP_ROOT) -> Cgroup | None:
+        text = _read(Path(f"/proc/{pid}/cgroup"))
+        return None if text is None else cls.from_paths(parse_proc_cgroup(text), root)
+
+    @classmethod
+    def from_paths(cls, paths: Mapping[str, str], root: Path = _CGROUP_ROOT) -> Cgroup | None:
+        def under(base: Path, rel: str) -> Path | None:
+            if ".." in rel.split("/"):
+                return None
+            return base / rel.lstrip("/")
+
+        if "cpuacct" in paths or "memory" in paths:  # v1 (hybrid or not)
+            cg = cls(
+                cpu=under(root / "cpuacct", paths["cpuacct"]) if "cpuacct" in paths else None,
+                memory=under(root / "memory", paths["memory"]) if "memory" in paths else None,
+                pids=under(root / "pids", paths["pids"]) if "pids" in paths else None,
+            )
+            return cg if cg.cpu or cg.memory or cg.pids else None
+        if "0" in paths:
+            base = under(root, paths["0"])
+            if base is None or not (base / "cgroup.controllers").exists():
+                base = under(root / "unified", paths["0"])
+            return cls(cpu=base, memory=base, pids=base, v2=True) if base is not None else None
+        return None
+
+    def cpu_ns(self) -> int | None:
+        if self.cpu is None:
+            return None
+        if self.v2:
+            usec = parse_keyed(_read(self.cpu / "cpu.stat") or "").get("usage_usec")
+            return None if usec is None else usec * 1000
+        return parse_int(_read(self.cpu / "cpuacct.usage") or "")
+
+    def memory_peak(self) -> int | None:
+        if self.memory is None:
+            return None
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        return parse_int(_read(self.memory / name) or "")
+
+    def memory_anon(self) -> int | None:
+        if self.memory is None:
+            return None
+        stat = parse_keyed(_read(self.memory / "memory.stat") or "")
+        return stat.get("anon" if self.v2 else "total_rss")
+
+    def processes(self) -> set[int] | None:
+        if self.pids is None:
+            return None
+        text = _read(self.pids / "cgroup.procs")
+        if text is None:
+            return None
+        return {int(w) for w in text.split()[:100_000] if w.isdigit() and len(w) < 12}
+
+    def tasks_peak(self) -> int | None:
+        if self.pids is None:
+            return None
+        peak = parse_int(_read(self.pids / "pids.peak") or "")
+        return peak if peak is not None else parse_int(_read(self.pids / "pids.current") or "")
+
+
+# -- the figures ----------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    """A task's resource figures (None: not measured); see the module docstring."""
+
+    cpu_s: float | None = None
+    memory_peak_bytes: int | None = None
+    memory_anon_peak_bytes: int | None = None
+    disk_written_bytes: int | None = None
+    disk_peak_bytes: int | None = None
+    processes_peak: int | None = None
+    processes_started: int | None = None
+    """Always None on a cgroup (no fork counter); kept so a reader sees it is unknown."""
+    processes_seen: int | None = None
+    """Distinct processes seen across the samples (a lower bound of those started)."""
+    tasks_peak: int | None = None
+    egress_bytes: int | None = None
+    source: str = ""
+    live: bool = False
+    samples: int = 0
+    updated_at: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+class Sampler:
+    """Samples the sandbox ``name``'s cgroup and workspace disk on a thread until
+    :meth:`stop`; writes ``resources.json`` in ``task_root`` as it goes."""
+
+    def __init__(self, task_root: Path, backend: str, name: str, workspace: Path) -> None:
+        self.task_root, self.backend, self.name = task_root, backend, name
+        self.workspace = workspace
+        self.usage = Usage(source=f"{backend} cgroup", live=True)
+        self._stop = threading.Event()
+        self._cg: Cgroup | None = None
+        self._pid_start: str | None = None
+        self._seen: set[int] = set()
+        self._loop: str | None = None
+        self._backing: str | None = None
+        self._sectors0: int | None = None
+        self._ws_dev: int | None = None
+        self._next_find = 0.0
+        self._written0 = 0
+        self._seed(read_resources(task_root))
+        self._thread = threading.Thread(
+            target=self._run, name=f"agentbox-resources-{name}", daemon=True
+        )
+
+    def _seed(self, prior: Mapping[str, Any] | None) -> None:
+        """A re-adopted sandbox: the dead launcher's figures are where this one starts
+        (the cgroup's counters are cumulative; the disk's are counted from here on top)."""
+        if not prior:
+            return
+        u = self.usage
+        for key in (
+            "memory_peak_bytes",
+            "memory_anon_peak_bytes",
+            "disk_peak_bytes",
+            "processes_peak",
+            "processes_seen",
+            "tasks_peak",
+        ):
+            v = prior.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                setattr(u, key, v)
+        cpu = prior.get("cpu_s")
+        if isinstance(cpu, int | float) and not isinstance(cpu, bool) and cpu >= 0:
+            u.cpu_s = float(cpu)
+        written = prior.get("disk_written_bytes")
+        if isinstance(written, int) and not isinstance(written, bool) and written >= 0:
+            self._written0 = u.disk_written_bytes = written
+            u.notes.append("re-adopted: disk writes while no launcher watched are not counted")
+
+    def start(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> Usage:
+        """Stop sampling (the sandbox has ended), read the disk once more, write the file."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        with contextlib.suppress(OSError, ValueError):
+            self._disk(final=True)
+        self.usage.live = False
+        self._write()
+        return self.usage
+
+    # -- internals
+
+    def _run(self) -> None:
+        last_write = 0.0
+        while not self._stop.is_set():
+            try:
+                self._sample()
+            except Exception as exc:  # a sampler never fails its task
+                log.debug("resource sample failed", sandbox=self.name, error=str(exc)[-200:])
+            now = time.monotonic()
+            if now - last_write >= WRITE_EVERY:
+                self._write()
+                last_write = now
+            self._stop.wait(SAMPLE_EVERY)
+
+    def _sample(self) -> None:
+        u = self.usage
+        if self._cg is None and time.monotonic() >= self._next_find:
+            self._next_find = time.monotonic() + FIND_EVERY
+            self._cg = self._find()
+        if self._cg is not None:
+            cpu = self._cg.cpu_ns()
+            if cpu is None and self._cg.memory_peak() is None:
+                self._cg = None  # the cgroup is gone (the sandbox ended): nothing more
+            else:
+                if cpu is not None:
+                    u.cpu_s = round(max(u.cpu_s or 0.0, cpu / 1e9), 3)
+                u.memory_peak_bytes = _max(u.memory_peak_bytes, self._cg.memory_peak())
+                u.memory_anon_peak_bytes = _max(u.memory_anon_peak_bytes, self._cg.memory_anon())
+                procs = self._cg.processes()
+                if procs is not None:
+                    self._seen |= procs
+                    u.processes_peak = _max(u.processes_peak, len(procs))
+                    u.processes_seen = len(self._seen)
+                u.tasks_peak = _max(u.tasks_peak, self._cg.tasks_peak())
+                u.samples += 1
+        self._disk(final=False)
+
+    def _find(self) -> Cgroup | None:
+        """The cgroup of the sandbox's init process (the engine's ``inspect``)."""
+        if self.backend not in ("podman", "docker"):
+            return None
+        from agentbox.core import proc as _proc
+        from agentbox.errors import AgentboxError
+
+        try:
+            res = _proc.run(
+                [self.backend, "inspect", "--format", "{{.State.Pid}}", self.name],
+                timeout=30,
+                check=False,
+            )
+        except AgentboxError:
+            return None
+        pid = parse_int(res.stdout) if res.returncode == 0 else None
+        if not pid:
+            return None
+        return Cgroup.of_pid(pid)
+
+    def _disk(self, *, final: bool) -> None:
+        u = self.usage
+        if self._loop is None and not final:
+            info = None
+            with contextlib.suppress(OSError):
+                info = Path("/proc/self/mountinfo").read_text()
+            src = mount_source(info or "", str(self.workspace))
+            if src is None or not src.startswith("/dev/loop") or not src[9:].isdigit():
+                return
+            self._loop = src[5:]
+            self._backing = _read(Path(f"/sys/block/{self._loop}/loop/backing_file"))
+            self._sectors0 = parse_sectors_written(_read(self._stat_path()) or "")
+            with contextlib.suppress(OSError):
+                self._ws_dev = self.workspace.stat().st_dev
+        if self._loop is None or self._sectors0 is None:
+            return
+        backing = _read(Path(f"/sys/block/{self._loop}/loop/backing_file"))
+        # Detached (after the unmount: the stats stay, cumulative) or still ours; a loop
+        # device another mount took since is not read.
+        if backing is not None and backing != self._backing:
+            if final:
+                u.notes.append("disk written: the last writes after the unmount not read")
+            return
+        sectors = parse_sectors_written(_read(self._stat_path()) or "")
+        if sectors is not None and sectors >= self._sectors0:
+            written = self._written0 + (sectors - self._sectors0) * _SECTOR
+            u.disk_written_bytes = _max(u.disk_written_bytes, written)
+        if not final and self._ws_dev is not None:
+            with contextlib.suppress(OSError):
+                if self.workspace.stat().st_dev == self._ws_dev:
+                    st = os.statvfs(self.workspace)
+                    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+                    u.disk_peak_bytes = _max(u.disk_peak_bytes, used)
+
+    def _stat_path(self) -> Path:
+        return Path(f"/sys/block/{self._loop}/stat")
+
+    def _write(self) -> None:
+        self.usage.updated_at = round(time.time(), 3)
+        write_resources(self.task_root, self.usage.as_json())
+
+
+def write_resources(task_root: Path, data: Mapping[str, Any]) -> None:
+    """``resources.json`` in the task dir, atomically."""
+    tmp = task_root / (RESOURCES_FILE + ".tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps(data))
+        tmp.replace(task_root / RESOURCES_FILE)
+
+
+def read_resources(task_root: Path) -> dict[str, Any] | None:
+    """The task's ``resources.json`` (None: none, or unreadable)."""
+    text = _read(task_root / RESOURCES_FILE)
+    if text is None:
+        return None
+    with contextlib.suppress(ValueError):
+        data = json.loads(text)
+        if isinstance(data, dict):
+            return data
+    return None
+
+
+@contextlib.contextmanager
+def watch(task_root: Path, backend: str, name: str, workspace: Path) -> Iterator[Sampler]:
+    """Sample the sandbox ``name`` while the block runs (it runs or follows the sandbox)."""
+    sampler = Sampler(task_root, backend, name, workspace).start()
+    try:
+        yield sampler
+    finally:
+        with contextlib.suppress(Exception):
+            sampler.stop()
+
+
+def _egress_bytes(summary: object) -> int | None:
+    if not isinstance(summary, dict):
+        return None
+    total = 0
+    for key in ("bytes_up", "bytes_down"):
+        v = summary.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            total += v
+    return total
+
+
+def final_resources(task_root: Path, report: Mapping[str, Any]) -> dict[str, Any]:
+    """The report's ``resources``: the sampler's last figures plus the egress bytes from
+    the report's summaries (0 when no proxy ran: nothing could leave), written back to
+    ``resources.json`` so that ``show``/``tasks --json`` say the same."""
+    data = (
+        read_resources(task_root) or Usage(source="none: the sandbox was never sampled").as_json()
+    )
+    setup = report.get("setup")
+    parts = [_egress_bytes(report.get("egress"))]
+    if isinstance(setup, dict):
+        parts.append(_egress_bytes(setup.get("egress")))
+    data["egress_bytes"] = sum(p for p in parts if p is not None)
+    data["live"] = False
+    write_resources(task_root, data)
+    return data
+
+
+def _size(n: object) -> str | None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return None
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return None  # pragma: no cover
+
+
+def resources_words(data: object) -> str | None:
+    """One line for ``show`` and MCP: ``cpu 3.2 s · memory peak 142.0 MB · …`` (None:
+    nothing measured). Our own figures only: no text the sandbox chose."""
+    if not isinstance(data, dict):
+        return None
+    parts = []
+    cpu = data.get("cpu_s")
+    if isinstance(cpu, int | float) and not isinstance(cpu, bool):
+        parts.append(f"cpu {cpu:.1f} s")
+    if (mem := _size(data.get("memory_peak_bytes"))) is not None:
+        parts.append(f"memory peak {mem}")
+    if (written := _size(data.get("disk_written_bytes"))) is not None:
+        peak = _size(data.get("disk_peak_bytes"))
+        parts.append(f"disk written {written}" + (f" (used at most {peak})" if peak else ""))
+    procs = data.get("processes_peak")
+    if isinstance(procs, int) and not isinstance(procs, bool):
+        parts.append(f"processes at once {procs}")
+    if (egress := _size(data.get("egress_bytes"))) is not None:
+        parts.append(f"egress {egress}")
+    if not parts:
+        return None
+    return " · ".join(parts) + (" (live)" if data.get("live") is True else "")
