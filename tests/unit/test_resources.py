@@ -1,0 +1,200 @@
+"""The resource sampler's parsers and file handling (pure: fixture text, tmp dirs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from agentbox.observe.resources import (
+    Cgroup,
+    Sampler,
+    final_resources,
+    mount_source,
+    parse_int,
+    parse_keyed,
+    parse_proc_cgroup,
+    parse_sectors_written,
+    read_resources,
+    resources_words,
+    write_resources,
+)
+
+V1_PROC_CGROUP = """\
+12:pids:/libpod_parent/libpod-abc
+11:cpu,cpuacct:/libpod_parent/libpod-abc
+9:memory:/libpod_parent/libpod-abc
+1:name=systemd:/libpod_parent/libpod-abc
+0::/libpod_parent/libpod-abc
+"""
+
+V2_PROC_CGROUP = "0::/machine.slice/libpod-abc.scope/container\n"
+
+CPU_STAT_V2 = """\
+usage_usec 3210000
+user_usec 3000000
+system_usec 210000
+nr_periods 0
+"""
+
+MEMORY_STAT_V1 = """\
+cache 52428800
+rss 104857600
+total_cache 52428800
+total_rss 110000000
+"""
+
+BLOCK_STAT = (
+    "   21408      582   156347    12539    75570   106481 177405205   112290        0"
+    "    75184   174525        0        0        0        0    16295    49695\n"
+)
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+98 22 7:3 / /var/lib/agentbox/tasks/t1/workspace rw,nosuid,nodev - ext4 /dev/loop3 rw
+99 22 7:4 / /var/lib/agentbox/tasks/t\\0402/workspace rw - ext4 /dev/loop4 rw
+100 98 0:50 / /var/lib/agentbox/tasks/t1/workspace rw - tmpfs evil rw
+"""
+
+
+def test_parse_int_takes_one_counter_and_refuses_the_rest() -> None:
+    assert parse_int("104857600\n") == 104857600
+    assert parse_int("max\n") is None
+    assert parse_int("-1") is None
+    assert parse_int("12 13") is None
+    assert parse_int("") is None
+    assert parse_int("9" * 40) is None
+
+
+def test_parse_keyed_reads_stat_files_and_skips_junk() -> None:
+    assert parse_keyed(CPU_STAT_V2)["usage_usec"] == 3210000
+    got = parse_keyed(MEMORY_STAT_V1 + "garbage line here\nrss -5\n")
+    assert got["total_rss"] == 110000000 and got["rss"] == 104857600
+
+
+def test_proc_cgroup_v1_gives_each_controller_v2_the_unified_one() -> None:
+    v1 = parse_proc_cgroup(V1_PROC_CGROUP)
+    assert v1["cpuacct"] == v1["cpu"] == v1["memory"] == v1["pids"] == "/libpod_parent/libpod-abc"
+    assert v1["0"] == "/libpod_parent/libpod-abc"
+    assert parse_proc_cgroup(V2_PROC_CGROUP) == {"0": "/machine.slice/libpod-abc.scope/container"}
+    assert parse_proc_cgroup("nonsense\n3:cpu:relative\n") == {}
+
+
+def test_cgroup_dirs_from_paths(tmp_path: Path) -> None:
+    cg = Cgroup.from_paths(parse_proc_cgroup(V1_PROC_CGROUP), tmp_path)
+    assert cg is not None and not cg.v2
+    assert cg.cpu == tmp_path / "cpuacct/libpod_parent/libpod-abc"
+    assert cg.memory == tmp_path / "memory/libpod_parent/libpod-abc"
+    assert cg.pids == tmp_path / "pids/libpod_parent/libpod-abc"
+    # a path that climbs out of the hierarchy is not followed
+    climbing = Cgroup.from_paths({"memory": "/../../etc"}, tmp_path)
+    assert climbing is None
+    (tmp_path / "machine.slice/x").mkdir(parents=True)
+    (tmp_path / "machine.slice/x/cgroup.controllers").write_text("cpu memory pids\n")
+    v2 = Cgroup.from_paths({"0": "/machine.slice/x"}, tmp_path)
+    assert v2 is not None and v2.v2 and v2.cpu == tmp_path / "machine.slice/x"
+
+
+def test_cgroup_v1_files_read_as_figures(tmp_path: Path) -> None:
+    cg = Cgroup.from_paths(parse_proc_cgroup(V1_PROC_CGROUP), tmp_path)
+    assert cg is not None and cg.cpu and cg.memory and cg.pids
+    for d in (cg.cpu, cg.memory, cg.pids):
+        d.mkdir(parents=True)
+    assert cg.cpu_ns() is None and cg.memory_peak() is None  # not there (yet, or any more)
+    (cg.cpu / "cpuacct.usage").write_text("3500000000\n")
+    (cg.memory / "memory.max_usage_in_bytes").write_text("157286400\n")
+    (cg.memory / "memory.stat").write_text(MEMORY_STAT_V1)
+    (cg.pids / "cgroup.procs").write_text("1\n7\n12\n")
+    (cg.pids / "pids.current").write_text("9\n")
+    assert cg.cpu_ns() == 3_500_000_000
+    assert cg.memory_peak() == 157286400 and cg.memory_anon() == 110000000
+    assert cg.processes() == {1, 7, 12}
+    assert cg.tasks_peak() == 9
+    (cg.pids / "pids.peak").write_text("14\n")
+    assert cg.tasks_peak() == 14  # the kernel's own peak where it keeps one
+    # a link planted where a counter file is expected is not followed
+    (cg.cpu / "cpuacct.usage").unlink()
+    (cg.cpu / "cpuacct.usage").symlink_to(cg.memory / "memory.max_usage_in_bytes")
+    assert cg.cpu_ns() is None
+
+
+def test_cgroup_v2_files(tmp_path: Path) -> None:
+    d = tmp_path / "s"
+    d.mkdir()
+    (d / "cgroup.controllers").write_text("cpu memory pids\n")
+    (d / "cpu.stat").write_text(CPU_STAT_V2)
+    (d / "memory.peak").write_text("200000000\n")
+    (d / "memory.stat").write_text("anon 120000000\nfile 5\n")
+    cg = Cgroup.from_paths({"0": "/s"}, tmp_path)
+    assert cg is not None
+    assert cg.cpu_ns() == 3_210_000_000
+    assert cg.memory_peak() == 200000000 and cg.memory_anon() == 120000000
+
+
+def test_block_stat_field_7_is_sectors_written() -> None:
+    assert parse_sectors_written(BLOCK_STAT) == 177405205
+    assert parse_sectors_written("1 2 3") is None
+    assert parse_sectors_written("1 2 3 4 5 6 x") is None
+
+
+def test_mount_source_is_the_mount_on_top() -> None:
+    ws = "/var/lib/agentbox/tasks/t1/workspace"
+    assert mount_source(MOUNTINFO, ws) == "evil"  # the last mount there is the one seen
+    assert mount_source(MOUNTINFO, "/var/lib/agentbox/tasks/t 2/workspace") == "/dev/loop4"
+    assert mount_source(MOUNTINFO, "/nowhere") is None
+
+
+def test_sampler_without_a_sandbox_samples_nothing_and_writes_the_file(tmp_path: Path) -> None:
+    s = Sampler(tmp_path, "fake", "agentbox-nothing", tmp_path / "workspace").start()
+    used = s.stop()
+    assert used.cpu_s is None and used.samples == 0 and used.live is False
+    assert read_resources(tmp_path) == used.as_json()
+
+
+def test_a_readopting_sampler_starts_from_the_dead_launchers_figures(tmp_path: Path) -> None:
+    write_resources(
+        tmp_path,
+        {"cpu_s": 2.5, "memory_peak_bytes": 100, "disk_written_bytes": 4096, "live": True},
+    )
+    s = Sampler(tmp_path, "fake", "x", tmp_path / "workspace").start()
+    used = s.stop()
+    assert used.cpu_s == 2.5 and used.memory_peak_bytes == 100
+    assert used.disk_written_bytes == 4096 and used.notes
+
+
+def test_final_resources_adds_egress_from_the_reports_summaries(tmp_path: Path) -> None:
+    write_resources(tmp_path, {"cpu_s": 1.0, "live": True})
+    report = {
+        "egress": {"bytes_up": 100, "bytes_down": 900},
+        "setup": {"egress": {"bytes_up": 5, "bytes_down": True}},  # a bool is no count
+    }
+    got = final_resources(tmp_path, report)
+    assert got["egress_bytes"] == 1005 and got["live"] is False and got["cpu_s"] == 1.0
+    assert json.loads((tmp_path / "resources.json").read_text()) == got
+    none = final_resources(tmp_path / "missing", {})
+    assert none["egress_bytes"] == 0 and none["cpu_s"] is None
+
+
+def test_resources_file_read_defensively(tmp_path: Path) -> None:
+    (tmp_path / "resources.json").write_text("[1, 2]")
+    assert read_resources(tmp_path) is None
+    (tmp_path / "resources.json").write_text("{not json")
+    assert read_resources(tmp_path) is None
+
+
+def test_resources_words() -> None:
+    words = resources_words(
+        {
+            "cpu_s": 3.21,
+            "memory_peak_bytes": 157_286_400,
+            "disk_written_bytes": 52_428_800,
+            "disk_peak_bytes": 60_000_000,
+            "processes_peak": 4,
+            "egress_bytes": 0,
+            "live": True,
+        }
+    )
+    assert words == (
+        "cpu 3.2 s · memory peak 157.3 MB · disk written 52.4 MB (used at most 60.0 MB) · "
+        "processes at once 4 · egress 0 B (live)"
+    )
+    assert resources_words({}) is None and resources_words(None) is None
