@@ -348,6 +348,13 @@ def _netns() -> Iterator[tuple[str, str, list[str]]]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies (even by SIGKILL)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _start(
     ns: str, argv: list[str], log: Path, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
@@ -359,6 +366,7 @@ def _start(
             stderr=subprocess.STDOUT,
             env=env or {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(log.parent)},
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
 
