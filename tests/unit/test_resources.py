@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psutil
+
 from agentbox.observe.resources import (
     Cgroup,
     Sampler,
+    Usage,
+    VmProcess,
     final_resources,
     mount_source,
     parse_int,
     parse_keyed,
     parse_proc_cgroup,
     parse_sectors_written,
+    parse_status_kb,
     read_resources,
     resources_words,
     write_resources,
@@ -198,3 +203,31 @@ def test_resources_words() -> None:
         "processes at once 4 · egress 0 B (live)"
     )
     assert resources_words({}) is None and resources_words(None) is None
+
+
+def test_status_kb_fields() -> None:
+    status = "Name:\tqemu-system-x86\nVmPeak:\t 2000 kB\nVmHWM:\t  153600 kB\nVmRSS:\t 1 kB\n"
+    assert parse_status_kb(status, "VmHWM") == 153600 * 1024
+    assert parse_status_kb(status, "VmSwap") is None
+    assert parse_status_kb("VmHWM:\tlots kB\n", "VmHWM") is None
+
+
+def test_a_vm_process_is_sampled_by_its_own_figures(tmp_path: Path) -> None:
+    me = psutil.Process()
+    vm = VmProcess(me.pid, me.create_time())
+    used = Usage()
+    sum(i * i for i in range(200_000))  # some CPU of its own
+    assert vm.sample(used)
+    assert used.cpu_s is not None and used.cpu_s > 0
+    assert used.memory_peak_bytes is not None and used.memory_peak_bytes > 1_000_000
+    assert used.disk_written_bytes is not None and used.samples == 1
+    # a pid whose start time is not the recorded one (reused) is not sampled
+    assert not VmProcess(me.pid, me.create_time() - 100).sample(Usage())
+    # the record must name a live QEMU: this process is none
+    (tmp_path / "microvm-detached").mkdir()
+    record = {"vm": ["vm-x", me.pid, me.create_time()]}
+    (tmp_path / "microvm-detached" / "agentbox-x.json").write_text(json.dumps(record))
+    assert VmProcess.of_record(tmp_path, "agentbox-x") is None
+    (tmp_path / "microvm-detached" / "agentbox-y.json").write_text('{"vm": "junk"}')
+    assert VmProcess.of_record(tmp_path, "agentbox-y") is None
+    assert VmProcess.of_record(tmp_path, "agentbox-none") is None
