@@ -177,3 +177,40 @@ def test_best_of_three_picks_the_passing_attempt(lab: tuple[Path, dict[str, str]
         capture_output=True, text=True, check=False,
     ).stdout.strip()  # fmt: skip
     assert left == "", left
+
+
+BOXFILE = """\
+[setup]
+run = ["mkdir -p toolchain && echo built > toolchain/marker"]
+"""
+
+
+def test_a_group_sets_up_once(lab: tuple[Path, dict[str, str]]) -> None:
+    """Two attempts with a [setup]: the first builds and freezes the environment, the
+    second reuses it (the group's setups run one at a time; without that both miss)."""
+    base, env = lab
+    repo = base / "repos" / "withsetup"
+    repo.mkdir()
+    (repo / "mathx.py").write_text(MODULE)
+    (repo / "test_mathx.py").write_text(TESTS)
+    (repo / ".gitignore").write_text("toolchain/\n")
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "bug")
+    (base / "Boxfile.toml").write_text(BOXFILE)
+    r = _cli(env, "run", "--repo", str(repo), "--model", "replay-attempts", "--attempts", "2",
+             "--boxfile", str(base / "Boxfile.toml"), "--id", "su2", "--json",
+             "Fix double().")  # fmt: skip
+    doc = _json(r)
+    assert doc["pick"] == 2, (doc, r.stderr[-3000:])
+    caches = []
+    for k in (1, 2):
+        shown = _json(_cli(env, "show", f"su2-a{k}", "--json", "--no-diff"))
+        caches.append(shown["result"]["report"]["setup"]["cache"])
+    assert sorted(caches) == ["hit", "miss"], caches
+    from agentbox.env import EnvStore
+
+    settings = Settings(data_dir=base / "data", repos_root=base / "repos")
+    store = EnvStore(settings)
+    for entry in store.list():
+        store.remove(entry.key, force=True)

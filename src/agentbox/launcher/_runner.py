@@ -26,6 +26,7 @@ The order matters and each step is refused or recorded before the next:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
@@ -219,10 +220,25 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         return
     plan = None
     if box.setup is not None:
-        plan = setup_phase(ctx, box, gateway_future)
+        # Best-of-N: the attempts of a group set up one at a time, so the first builds
+        # and freezes the environment and the others reuse it (the key is the same).
+        with _group_lock(row.group_id):
+            plan = setup_phase(ctx, box, gateway_future)
         if plan is None:
             return
     _run_sandbox(ctx, store.get(task_id), box, token, gateway_future, plan)
+
+
+_GROUP_LOCKS: dict[str, threading.Lock] = {}
+_GROUP_LOCKS_GUARD = threading.Lock()
+
+
+def _group_lock(group: str | None) -> contextlib.AbstractContextManager[object]:
+    """The lock of a best-of-N group's ``[setup]`` in this launcher (none for a lone task)."""
+    if group is None:
+        return contextlib.nullcontext()
+    with _GROUP_LOCKS_GUARD:
+        return _GROUP_LOCKS.setdefault(group, threading.Lock())
 
 
 def _warm(backend: Backend, image: str, task_id: str) -> None:
