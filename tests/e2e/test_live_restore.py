@@ -611,9 +611,9 @@ def _restart_dockerd(proc: psutil.Process) -> None:
     argv = proc.cmdline()
     proc.terminate()
     proc.wait(60)
-    with Path("/var/log/agentbox-dockerd.log").open("ab") as log:
-        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                         start_new_session=True)  # fmt: skip
+    # As setup.sh does: its own session, its parent gone at once (init reaps it).
+    subprocess.run(["sh", "-c", 'setsid nohup "$@" >>/var/log/agentbox-dockerd.log 2>&1 '
+                    "</dev/null &", "sh", *argv], check=True, timeout=60)  # fmt: skip
     end = time.monotonic() + 60
     while subprocess.run(["docker", "version"], capture_output=True).returncode != 0:
         assert time.monotonic() < end, "dockerd did not come back"
