@@ -243,6 +243,34 @@ def test_a_task_that_changes_nothing_says_so_over_stdio(stack: Stack) -> None:
     anyio.run(_delegate_no_change, stack.stdio_client(), stack)
 
 
+async def _delegate_attempts(client: Client, stack: Stack) -> None:
+    repo = stack.new_repo()
+    async with client:
+        res = await client.call_tool(
+            "delegate",
+            {"repo": str(repo), "task": "Add a greet function", "model": "quick",
+             "wait": True, "attempts": 2, "budget": 2_000_000},
+        )  # fmt: skip
+        text = _text(res)
+        assert not res.is_error, text
+        m = re.search(r"Group (\S+) ended", text)
+        assert m, text
+        group = m.group(1)
+        # Both done with the same diff and no test run: the lower index is the pick.
+        assert '"pick": 1' in text and f'"pick_id": "{group}-a1"' in text, text
+        assert f"task {group}-a1: done" in text and "+def greet(name):" in text, text
+        for k in (1, 2):
+            status = _text(await client.call_tool("status", {"id": f"{group}-a{k}"}))
+            assert '"status": "done"' in status and '"budget": 1000000' in status, status
+            assert f'"group": "{group}"' in status and f'"attempt": {k}' in status, status
+
+
+def test_delegate_attempts_over_stdio(stack: Stack) -> None:
+    """delegate(attempts=2): one group through the launcher's /v1/groups, split budget,
+    the scores and the pick's report and diff."""
+    anyio.run(_delegate_attempts, stack.stdio_client(), stack)
+
+
 @dataclass
 class Http:
     proc: subprocess.Popen[bytes]

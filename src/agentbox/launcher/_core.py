@@ -384,6 +384,23 @@ class Launcher:
             self.settings, self.store, task_id, branch=f"agentbox/{group}", record=record
         )
 
+    def _group_ended(self, task_id: str) -> None:
+        """When the last attempt of a best-of-N group that publishes has ended: publish its
+        pick (by ``tests``) as ``agentbox/<group>``, once (a detached group, an MCP
+        ``delegate(attempts=N)``). Never the task's failure: logged."""
+        try:
+            row = self.store.get(task_id)
+            if row.group_id is None or not row.publish:
+                return
+            rows = self.store.group(row.group_id)
+            if not all(r.info().terminal for r in rows):
+                return
+            view = self.group_view(row.group_id)
+            if view.pick is not None and view.branch is None:
+                self.publish_pick(row.group_id, view.pick)
+        except (AgentboxError, OSError) as exc:
+            log.warning("publishing a group's pick failed", task_id=task_id, error=str(exc))
+
     def push(
         self,
         task_id: str,
@@ -572,6 +589,7 @@ class Launcher:
             log.error("task crashed", task_id=task_id, error=repr(exc))
             self.store.finish(task_id, "failed", error=f"launcher error: {exc!r}"[:2000])
         finally:
+            self._group_ended(task_id)
             with self._lock:
                 self._cancel.pop(task_id, None)
                 self._active.discard(task_id)

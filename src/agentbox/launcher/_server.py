@@ -72,31 +72,15 @@ from agentbox.launcher._core import Launcher, StopMode
 from agentbox.launcher._front import FrontKeeper, start_front
 from agentbox.launcher._peer import (
     PEER_KEY,
-    Peer,
     PeerCheckedProtocol,
     group_gid,
-    may_connect,
-    peer_of,
 )
 from agentbox.launcher._pool import PoolKeeper, start_pool
 from agentbox.launcher._workspace import ensure_private_dir
 from agentbox.launcher.api import ModelList, TaskList, TaskRequest
+from agentbox.launcher.attempts import PICK_RULES
 from agentbox.launcher.pushapi import PushRequest
-
-__all__ = [
-    "LINK_NAME",
-    "SOCKET_NAME",
-    "STOP_SIGNALS",
-    "Peer",
-    "PeerCheckedProtocol",
-    "bind_socket",
-    "build_server",
-    "create_app",
-    "may_connect",
-    "peer_of",
-    "serve",
-    "socket_path",
-]
+from agentbox.linux.peer import Peer
 
 log = get_logger(__name__)
 
@@ -218,6 +202,39 @@ def create_app(launcher: Launcher, boxes: BoxKeeper | None = None) -> Starlette:
                          caller=caller)  # fmt: skip
         return _json(page)
 
+    async def submit_group(request: Request, caller: int) -> Response:
+        from agentbox.launcher.api import GroupRequest
+
+        body = await request.body()
+        if len(body) > MAX_BODY:
+            return _error(413, "request body too large", "RefusedError")
+        try:
+            req = GroupRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _error(422, f"invalid group request: {exc}", "RefusedError")
+        infos = await run(launcher.submit_group, req.request, req.attempts, caller=caller)
+        return _json(TaskList(tasks=infos), 201)
+
+    async def get_group(request: Request, caller: int) -> Response:
+        gid = validate_task_id(request.path_params["group"])
+        by = request.query_params.get("by", "tests")[:16]
+        if by not in PICK_RULES:
+            return _error(400, f"by must be one of {', '.join(PICK_RULES)}", "RefusedError")
+        return _json(await run(launcher.group_view, gid, by=by, caller=caller))
+
+    async def publish_group(request: Request, caller: int) -> Response:
+        gid = validate_task_id(request.path_params["group"])
+        raw = request.query_params.get("pick")
+        if raw is None:
+            k = (await run(launcher.group_view, gid, caller=caller)).pick
+            if k is None:
+                return _error(409, "no attempt qualifies: choose one with ?pick=K", "TaskError")
+        elif raw.isdigit() and 1 <= int(raw) <= 8:
+            k = int(raw)
+        else:
+            return _error(400, "pick must be 1..8", "RefusedError")
+        return _json(await run(launcher.publish_pick, gid, k, caller=caller))
+
     routes = [
         Route("/v1/tasks", _guard(submit), methods=["POST"]),
         Route("/v1/tasks", _guard(list_tasks), methods=["GET"]),
@@ -227,6 +244,9 @@ def create_app(launcher: Launcher, boxes: BoxKeeper | None = None) -> Starlette:
         Route("/v1/tasks/{task_id}/publish", _guard(publish), methods=["POST"]),
         Route("/v1/tasks/{task_id}/push", _guard(push), methods=["POST"]),
         Route("/v1/tasks/{task_id}/transcript", _guard(transcript), methods=["GET"]),
+        Route("/v1/groups", _guard(submit_group), methods=["POST"]),
+        Route("/v1/groups/{group}", _guard(get_group), methods=["GET"]),
+        Route("/v1/groups/{group}/publish", _guard(publish_group), methods=["POST"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
     ]
     if boxes is not None:

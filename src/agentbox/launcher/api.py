@@ -14,6 +14,9 @@ and by the unix-socket HTTP API (``agentbox launcher serve``), whose routes are:
     POST /v1/tasks/{id}/cancel                  -> TaskInfo
     POST /v1/tasks/{id}/publish                 -> TaskInfo
     POST /v1/tasks/{id}/push      PushRequest  -> PushInfo      (agentbox.launcher.pushapi)
+    POST /v1/groups               GroupRequest -> TaskList      (201: the attempts, best-of-N)
+    GET  /v1/groups/{id}[?by=R]                -> GroupView     (agentbox.launcher.attempts)
+    POST /v1/groups/{id}/publish[?pick=K]      -> TaskInfo      (the pick as agentbox/<id>)
     GET  /v1/tasks/{id}/result                  -> TaskResult    (409 while not finished)
     GET  /v1/models                             -> ModelList
     /v1/sandboxes/...                           (the SDK's sandboxes: agentbox.launcher.boxapi)
@@ -50,6 +53,7 @@ __all__ = [
     "MIN_DEADLINE",
     "NO_CHANGES",
     "TERMINAL",
+    "GroupRequest",
     "ModelInfo",
     "ModelList",
     "TaskInfo",
@@ -109,6 +113,14 @@ class TaskRequest(_Wire):
     """A finished task of the same repo to continue: the workspace starts from its result
     commit (which must be in the repo: published, or fetched by the MCP server), and the
     agent is given its task, transcript and last message."""
+
+
+class GroupRequest(_Wire):
+    """A best-of-N group: ``attempts`` attempts of ``request`` (``POST /v1/groups``); the
+    request's ``task_id`` names the group (its attempts are ``<group>-aK``)."""
+
+    request: TaskRequest
+    attempts: int = Field(ge=1, le=8)
 
 
 class TaskInfo(_Wire):

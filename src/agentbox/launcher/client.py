@@ -47,6 +47,7 @@ from agentbox.core.paths import validate_task_id
 from agentbox.core.uds import unix_transport
 from agentbox.core.wait import wait_until
 from agentbox.launcher.api import ModelInfo, ModelList, TaskInfo, TaskList, TaskRequest, TaskResult
+from agentbox.launcher.attempts import GroupView
 from agentbox.launcher.boxapi import (
     SANDBOX_ID_PATTERN,
     ExecEvent,
@@ -153,6 +154,28 @@ class LauncherClient:
         path = f"/v1/tasks/{validate_task_id(task_id)}/transcript?since={int(since)}"
         data = self._call("GET", f"{path}&limit={int(limit)}")
         return TranscriptPage.model_validate(data, strict=False)
+
+    def submit_group(self, request: TaskRequest, attempts: int) -> builtins.list[TaskInfo]:
+        """Queue a best-of-N group of ``attempts`` attempts (ids ``<group>-aK``; the group id
+        is ``request.task_id`` or generated); when the last ends, the launcher publishes
+        the pick as ``agentbox/<group>``."""
+        from agentbox.launcher.api import GroupRequest
+
+        body = GroupRequest(request=request, attempts=attempts).model_dump(mode="json")
+        data = self._call("POST", "/v1/groups", body=body)
+        return TaskList.model_validate(data, strict=False).tasks
+
+    def group(self, group: str, *, by: str = "tests") -> GroupView:
+        """The group's attempts scored and its pick by rule ``by``."""
+        data = self._call("GET", f"/v1/groups/{validate_task_id(group)}?by={by}")
+        return GroupView.model_validate(data, strict=False)
+
+    def publish_pick(self, group: str, pick: int | None = None) -> TaskInfo:
+        """Publish the group's pick (or attempt ``pick``) as ``agentbox/<group>``."""
+        query = "" if pick is None else f"?pick={int(pick)}"
+        data = self._call("POST", f"/v1/groups/{validate_task_id(group)}/publish{query}",
+                          timeout=300.0)  # fmt: skip
+        return TaskInfo.model_validate(data, strict=False)
 
     def models(self) -> builtins.list[ModelInfo]:
         """The models a task may name."""

@@ -60,8 +60,6 @@ from agentbox.mcp._format import info_dict as _info_dict  # noqa: F401 (tests im
 from agentbox.mcp._repo import validate_repo
 from agentbox.mcp._untrusted import frame
 
-__all__ = ["DEFAULT_MAX_DIFF_CHARS", "DEFAULT_MAX_PENDING", "ServerConfig", "build_server"]
-
 log = get_logger(__name__)
 
 DEFAULT_MAX_PENDING = 4
@@ -201,6 +199,17 @@ class _Tools:
                 "and last message. The new branch stacks on the previous one.",
             ),
         ] = None,
+        attempts: Annotated[
+            int,
+            Field(
+                ge=1,
+                le=8,
+                description="Best-of-N: run this many attempts of the task at once (each its "
+                "own sandbox; the budget split between them), scored by their tests and diff "
+                "size; with wait=true the result is the group's scores and the picked attempt's "
+                "report and diff.",
+            ),
+        ] = 1,
     ) -> str:
         """Delegate a coding task to a sandboxed Claude Code working on a copy of `repo`.
 
@@ -229,6 +238,8 @@ class _Tools:
             publish=False,
             continue_from=continue_from,
         )
+        if attempts > 1:
+            return await self._delegate_group(request, attempts, wait, ctx)
         async with self._submit_lock:
             tasks = await self._call(self.client.list)
             pending = [t for t in tasks if t.status not in TERMINAL]
@@ -250,6 +261,42 @@ class _Tools:
             )
         info = await self._wait(info, ctx)
         return note + await self._result_text(info)
+
+    async def _delegate_group(
+        self, request: TaskRequest, attempts: int, wait: bool, ctx: Context
+    ) -> str:
+        """``delegate(attempts=N)``: one best-of-N group; with ``wait`` the scores (numbers,
+        ids and statuses only: the agents' test command lines are left out) and the pick's
+        result text."""
+        async with self._submit_lock:
+            tasks = await self._call(self.client.list)
+            pending = [t for t in tasks if t.status not in TERMINAL]
+            if len(pending) + attempts > self.config.max_pending:
+                raise ToolError(
+                    f"queue full: {len(pending)} tasks are queued or running and {attempts} "
+                    f"attempts would pass the limit ({self.config.max_pending}); wait or cancel"
+                )
+            infos = await self._call(self.client.submit_group, request, attempts)
+        group = infos[0].group
+        ids = [i.id for i in infos]
+        log.info("delegated a group", group=group, attempts=len(ids))
+        note = await self._scripted_note(infos[0].model)
+        if not wait:
+            return note + (
+                f"Group {group}: {len(ids)} attempts {', '.join(ids)} are queued (budget "
+                f"{infos[0].budget} tokens each). Follow each with `status` and read each "
+                "with `result`; the pick is the first whose tests passed, then the smallest diff."
+            )
+        for info in infos:
+            await self._wait(info, ctx)
+        view = await self._call(self.client.group, group)
+        scores = [a.model_copy(update={"test_command": None}) for a in view.attempts]
+        shown = view.model_copy(update={"attempts": scores}).model_dump_json(indent=1)
+        text = f"Group {group} ended; scores and pick (JSON):\n{shown}\n"
+        if view.pick_id is None:
+            return note + text + "No attempt qualifies (none ended done with passing tests)."
+        picked = await self._call(self.client.get, view.pick_id)
+        return note + text + f"The pick, attempt {view.pick}:\n" + await self._result_text(picked)
 
     async def _scripted_note(self, model: str) -> str:
         """One line when the task's model is scripted (the replay model), else ""."""
