@@ -21,21 +21,11 @@ from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, BindMount
 from agentbox.config import Settings
 from agentbox.egress import EgressPolicy, host_ca_bundle, proxy_env
 from agentbox.env._report import record_proxy
+from agentbox.errors import PolicyRefused
 
 if TYPE_CHECKING:
     from agentbox.egress import ProxyHandle
     from agentbox.egress.rules import NetworkRule
-
-__all__ = [
-    "CA_DIR_IN_SANDBOX",
-    "CA_IN_SANDBOX",
-    "EGRESS_PORT",
-    "EGRESS_SOCKET_NAME",
-    "Egress",
-    "egress_argv",
-    "rule_secrets",
-    "start_egress",
-]
 
 #: Loopback port inside a sandbox that reaches the task's egress proxy.
 EGRESS_PORT = 3128
@@ -88,8 +78,12 @@ def rule_secrets(
         return values
     from agentbox.secrets import resolve_for_task
 
-    uid = os.getuid() if owner_uid is None else owner_uid
-    values.update(resolve_for_task(settings, uid, ["${secret:" + n + "}" for n in names]))
+    if owner_uid is None:  # never the launcher's own (root's) secrets by default
+        raise PolicyRefused(
+            f"the task's submitter is not recorded, so its secrets ({', '.join(names)}) "
+            "cannot be resolved: submit it again"
+        )
+    values.update(resolve_for_task(settings, owner_uid, ["${secret:" + n + "}" for n in names]))
     return values
 
 
