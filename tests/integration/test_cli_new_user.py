@@ -194,7 +194,7 @@ def test_tasks_table_never_cuts_the_id_and_filters(
 
 
 def test_commit_subject_is_a_short_summary() -> None:
-    from agentbox.launcher._runner import commit_subject
+    from agentbox.launcher._finish import commit_subject
 
     task = "Add a slugify helper with a unit test, and run the tests afterwards please"
     s = commit_subject("t-0123456789ab", task)

@@ -448,7 +448,7 @@ def _in_long_command(world: World, task_id: str) -> bool:
 
 
 def _task_gateways(world: World, task_id: str) -> list[int]:
-    from agentbox.launcher._runner import list_task_gateways
+    from agentbox.launcher._names import list_task_gateways
 
     return [o.pid for t, o in list_task_gateways(world.settings) if t == task_id]
 

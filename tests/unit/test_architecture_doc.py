@@ -53,7 +53,8 @@ def _resolves(dotted: str) -> bool:
 def test_the_page_names_many_things() -> None:
     """Positive control: the extraction finds the packages of the component table."""
     names = set(_dotted())
-    for pkg in ("cli", "launcher", "backends", "gateway", "collect", "mcp", "backends.microvm", "guest"):
+    pkgs = ("cli", "launcher", "backends", "gateway", "collect", "mcp", "backends.microvm", "guest")
+    for pkg in pkgs:
         assert f"agentbox.{pkg}" in names, pkg
     assert len(names) > 30
 

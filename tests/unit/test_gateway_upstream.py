@@ -10,15 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.errors import ConfigError
+from agentbox.errors import ConfigError, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from agentbox.gateway._plain import tls_context
-from agentbox.gateway._upstream import (
-    PlainPool,
-    UpstreamConnectError,
-    UpstreamError,
-    UpstreamTimeout,
-    make_pool,
-)
+from agentbox.gateway._upstream import PlainPool, make_pool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

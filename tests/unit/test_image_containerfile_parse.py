@@ -14,11 +14,11 @@ import pytest
 
 from agentbox.errors import ImageError
 from agentbox.image import verify
+from agentbox.image._cfkey import context_digest
 from agentbox.image._containerfile import (
     _checked_tag,
     _user_env,
     containerfile_key,
-    context_digest,
     from_images,
 )
 from agentbox.image._harden import harden

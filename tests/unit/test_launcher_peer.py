@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import socket
 
-from agentbox.launcher._server import Peer, may_connect, peer_of
+from agentbox.launcher._peer import may_connect
+from agentbox.linux.peer import Peer, peer_of
 
 
 def test_peer_of_reads_the_kernels_record_of_the_other_end() -> None:

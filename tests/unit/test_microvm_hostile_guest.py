@@ -22,7 +22,8 @@ import psutil
 import pytest
 
 from agentbox.backends.microvm._channel import MAX_QUEUED_BYTES, Channel
-from agentbox.backends.microvm._guest import MAX_GATEWAY_HELD, GuestSession, KernelFacts
+from agentbox.backends.microvm._guest import GuestSession, KernelFacts
+from agentbox.backends.microvm._gwstreams import MAX_GATEWAY_HELD
 from agentbox.errors import GuestError
 from agentbox.guest.agent import (
     CTRL,

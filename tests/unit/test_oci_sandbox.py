@@ -19,8 +19,8 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from agentbox.backends.oci import _sandbox as _oci_sandbox
 from agentbox.backends.base import SandboxSpec
+from agentbox.backends.oci import _sandbox as _oci_sandbox
 from agentbox.backends.oci._cli import Capture
 from agentbox.backends.oci._sandbox import OciSandbox, Ran
 from agentbox.errors import ConfigError, SandboxError

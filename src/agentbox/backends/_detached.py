@@ -12,8 +12,6 @@ from pathlib import Path
 from agentbox.config import Settings
 from agentbox.errors import ConfigError
 
-__all__ = ["check_launch", "detach_key"]
-
 
 def detach_key(settings: Settings) -> bytes:
     """``<data_dir>/detach.key`` (32 random bytes, 0600), made on first use.

@@ -36,8 +36,6 @@ from agentbox.errors import ConfigError, SandboxError, SandboxGone
 if TYPE_CHECKING:
     from agentbox.backends.fake import FakeSandbox
 
-__all__ = ["FakeDetached"]
-
 
 class FakeDetached:
     """Mixed into :class:`~agentbox.backends.fake.FakeBackend`: the detached verbs."""

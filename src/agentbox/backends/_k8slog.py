@@ -37,16 +37,6 @@ from pathlib import Path
 
 from agentbox.backends.base import Exited, OutputCallback
 
-__all__ = [
-    "MAX_RECORD",
-    "LogReader",
-    "exit_marker",
-    "format_output",
-    "format_record",
-    "read_exit",
-    "write_exit",
-]
-
 #: A record longer than this is not conmon's (its content is at most 8 KiB): skipped.
 MAX_RECORD = 256 * 1024
 _READ = 1 << 20

@@ -9,8 +9,6 @@ from typing import Self
 
 from agentbox.errors import SandboxError
 
-__all__ = ["BaseSandbox"]
-
 
 class BaseSandbox:
     """The small concrete base of a sandbox: the context manager and a verified destroy.

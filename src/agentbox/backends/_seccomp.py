@@ -58,8 +58,6 @@ from typing import Any
 
 from agentbox.errors import UnsupportedError
 
-__all__ = ["ALLOWED_FAMILIES", "DEFAULT_PROFILE", "NETLINK_ROUTE", "REFUSED", "profile_path"]
-
 DEFAULT_PROFILE = Path("/usr/share/containers/seccomp.json")
 CLONE_NEWUSER = 0x10000000
 _ENOSYS = 38

@@ -33,19 +33,6 @@ from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError
 
-__all__ = [
-    "SLOT_IDS",
-    "claim",
-    "held",
-    "reap",
-    "release",
-    "reown",
-    "slot_base",
-    "slot_of",
-    "slots_dir",
-    "transfer",
-]
-
 log = get_logger(__name__)
 
 #: Ids in one slot: a container's whole 65536-id user namespace.

@@ -58,7 +58,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agentbox.backends._wsdisk_copy import (
-    MAX_COPY_DEPTH,
     copy_back,
     load_snapshot,
     save_snapshot,
@@ -73,8 +72,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
 from agentbox.linux.libc import libc as load_libc
-
-__all__ = ["MAX_COPY_DEPTH", "WorkspaceDisk", "disks_dir", "settle_orphan_disks", "workspace_disk"]
 
 log = get_logger(__name__)
 

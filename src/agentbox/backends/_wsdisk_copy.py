@@ -22,15 +22,6 @@ from pathlib import Path
 
 from agentbox.core.log import get_logger
 
-__all__ = [
-    "MAX_COPY_DEPTH",
-    "MAX_SNAPSHOT",
-    "copy_back",
-    "load_snapshot",
-    "save_snapshot",
-    "snapshot",
-]
-
 log = get_logger(__name__)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

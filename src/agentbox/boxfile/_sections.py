@@ -20,22 +20,6 @@ from agentbox.config import DEFAULT_DISK, Settings, Size
 if TYPE_CHECKING:
     from agentbox.egress.rules import NetworkRule
 
-__all__ = [
-    "BYTES_PER_INODE",
-    "FORBIDDEN_ENV",
-    "MAX_BOXFILE_BYTES",
-    "DiskLimit",
-    "EnvPolicy",
-    "GitPolicy",
-    "ImageBuild",
-    "Mount",
-    "NetworkPolicy",
-    "NetworkRuleSpec",
-    "Resources",
-    "Setup",
-    "Strict",
-]
-
 #: Host environment variables that may never be passed into a sandbox.
 FORBIDDEN_ENV = re.compile(
     r"(?i)^(ANTHROPIC_.*|.*_API_KEY|.*TOKEN.*|.*SECRET.*|.*PASSWORD.*|AWS_.*|SSH_AUTH_SOCK|"

@@ -19,8 +19,6 @@ from agentbox.boxfile import Boxfile
 from agentbox.launcher.api import TaskRequest
 from agentbox.launcher.attempts import AttemptScore, GroupView
 
-__all__ = ["print_group", "publish_group", "run_group"]
-
 
 def run_group(
     req: TaskRequest,

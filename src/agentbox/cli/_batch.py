@@ -31,8 +31,6 @@ from agentbox.config import load_settings
 from agentbox.core.console import console as make_console
 from agentbox.errors import ConfigError
 
-__all__ = ["Tally", "register"]
-
 _out = make_console()
 _err = make_console(stderr=True)
 

@@ -33,15 +33,6 @@ from agentbox.errors import AgentboxError, TaskError
 if TYPE_CHECKING:
     from agentbox.launcher.client import LauncherClient
 
-__all__ = [
-    "RESTART_WINDOW",
-    "SERVICE_LOG",
-    "Riding",
-    "ensure_service",
-    "in_process",
-    "service_socket",
-]
-
 log = get_logger(__name__)
 
 #: The on-demand launcher service's log, in the data dir.

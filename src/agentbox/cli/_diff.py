@@ -31,8 +31,6 @@ from agentbox.collect import user_git
 from agentbox.core.paths import validate_task_id
 from agentbox.errors import PolicyRefused
 
-__all__ = ["diffstat", "register"]
-
 _FILE = re.compile(r"^diff --git a/(.*) b/(.*)$")
 
 

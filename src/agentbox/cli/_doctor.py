@@ -22,8 +22,6 @@ from agentbox.config import Settings, load_settings
 from agentbox.core import host as _host
 from agentbox.errors import AgentboxError
 
-__all__ = ["Check", "checks", "register"]
-
 
 @dataclass(frozen=True)
 class Check:

@@ -20,8 +20,6 @@ from agentbox.core.console import console as make_console
 from agentbox.core.text import visible
 from agentbox.env import EnvStore
 
-__all__ = ["env_rows", "register", "setup_tail"]
-
 console = make_console(highlight=False)
 
 

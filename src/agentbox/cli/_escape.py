@@ -13,8 +13,6 @@ from typing import Any
 
 import typer
 
-__all__ = ["register"]
-
 BackendOpt = typer.Option("podman", "--backend", "-b", help="podman, qemu, …")
 RuntimeOpt = typer.Option(
     None,

@@ -27,8 +27,6 @@ from agentbox.core.text import visible
 from agentbox.launcher.api import TaskInfo
 from agentbox.transcript import Event, TranscriptPage
 
-__all__ = ["PageTail", "Tail", "follow", "quiet_print"]
-
 
 class Tail(Protocol):
     """New transcript lines since the last call, and the tool call in flight."""

@@ -12,8 +12,6 @@ from rich.console import Console
 from agentbox.config import load_settings
 from agentbox.gateway import gateway_command as gateway
 
-__all__ = ["register"]
-
 model_app = typer.Typer(help="The replay model and other model tools.", no_args_is_help=True)
 
 

@@ -14,8 +14,6 @@ from rich.table import Table
 from agentbox.config import load_settings
 from agentbox.core.console import console as make_console
 
-__all__ = ["register"]
-
 image_app = typer.Typer(help="Build, list and remove sandbox images.", no_args_is_help=True)
 
 _out = make_console()

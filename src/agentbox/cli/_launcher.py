@@ -24,8 +24,6 @@ from typing import Literal
 
 import typer
 
-__all__ = ["register"]
-
 
 def _say(message: str) -> None:
     from rich.console import Console

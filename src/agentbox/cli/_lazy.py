@@ -24,8 +24,6 @@ import typer.core
 import typer.main
 from typer import _click
 
-__all__ = ["COMMANDS", "LazyGroup", "app_options"]
-
 #: Top-level command -> (the module under agentbox.cli whose ``register(app)`` adds it,
 #: its help's first paragraph). In the order ``agentbox --help`` lists them: the
 #: modules' plain commands, then their groups, each in module order.

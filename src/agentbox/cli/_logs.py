@@ -22,15 +22,6 @@ from rich.text import Text
 from agentbox.core.text import visible
 from agentbox.transcript import Event, Transcript, read_transcript
 
-__all__ = [
-    "FULL_OUTPUT_CHARS",
-    "TAIL_LINES",
-    "EventTail",
-    "event_lines",
-    "follow_logs",
-    "print_logs",
-]
-
 #: Lines of a tool's output shown by default (``--full``: all).
 TAIL_LINES = 12
 #: The cap of a tool's output with ``--full`` (the rest stays in agent.jsonl).

@@ -8,8 +8,6 @@ import typer
 
 from agentbox.config import load_settings
 
-__all__ = ["register"]
-
 # The MCP SDK is imported inside the commands: at module level it would add ~0.5 s
 # to every other agentbox command. Kept equal to agentbox.mcp._server.DEFAULT_MAX_PENDING
 # (a unit test pins it).

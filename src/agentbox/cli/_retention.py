@@ -20,8 +20,6 @@ from agentbox.core.console import console as make_console
 from agentbox.errors import AgentboxError
 from agentbox.launcher import Removal, Store, data_usage, parse_age, prune, remove_task
 
-__all__ = ["register"]
-
 console = make_console(highlight=False)
 
 KeepBranches = typer.Option(

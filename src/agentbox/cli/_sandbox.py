@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from agentbox.backends.base import SandboxSpec
     from agentbox.config import Settings
 
-__all__ = ["register"]
-
 _CTX = {"allow_extra_args": False, "ignore_unknown_options": False}
 
 CmdArg = typer.Argument(..., help="The command (after --)")

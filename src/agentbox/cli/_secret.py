@@ -26,8 +26,6 @@ from agentbox.core.text import visible
 from agentbox.errors import InvalidValue, RefusedError
 from agentbox.secrets import MAX_VALUE, SecretStore, check_name, check_value
 
-__all__ = ["read_value", "register"]
-
 console = make_console(highlight=False)
 
 

@@ -22,8 +22,6 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["FOLD_MIN", "Col", "fit_table", "print_table"]
-
 #: The narrowest a folding column (paths, free text) is allowed to get.
 FOLD_MIN = 16
 

@@ -30,8 +30,6 @@ from agentbox.config import load_settings
 from agentbox.core.paths import validate_task_id
 from agentbox.launcher.api import TaskInfo
 
-__all__ = ["EXIT_CODES", "WAIT_TIMEOUT", "exit_code", "register"]
-
 #: ``wait``'s exit code per final status (the worst task's wins).
 EXIT_CODES = {"done": 0, "failed": 1, "timed_out": 5, "cancelled": 6}
 #: ``wait``'s exit code when ``--timeout`` passed first.

@@ -41,8 +41,6 @@ from agentbox.errors import AgentboxError, ConfigError
 from agentbox.forge import check_remote
 from agentbox.launcher.api import DEFAULT_BUDGET, DEFAULT_DEADLINE
 
-__all__ = ["MAX_LOST", "Executor", "batch_dir", "new_batch_id", "run_batch"]
-
 log = get_logger(__name__)
 
 #: Attempts of one task that may die with their node before it is failed.

@@ -23,15 +23,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.proc import Result
 from agentbox.errors import CommandError, TaskError
 
-__all__ = [
-    "add_result",
-    "bundle_base",
-    "bundle_result",
-    "changed_paths",
-    "ensure_shadow",
-    "unbundle",
-]
-
 _SHA = re.compile(r"[0-9a-f]{40}")
 #: No attribute-driven program either (the result's ``.gitattributes`` is agent-written):
 #: no attributes file but the tree's, and the drivers of the global config are off anyway.

@@ -34,8 +34,6 @@ from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.errors import CommandError, ConfigError, RefusedError
 
-__all__ = ["NODE_RAY_TMP", "join", "leave", "node_tmp"]
-
 log = get_logger(__name__)
 
 _TLS_VARS = ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")

@@ -13,8 +13,6 @@ from typing import Any
 from agentbox.cluster._node import NodeService
 from agentbox.cluster._spec import Attempt
 
-__all__ = ["LocalExecutor"]
-
 
 class LocalExecutor:
     """Runs attempts on one :class:`~agentbox.cluster.NodeService` in this process."""

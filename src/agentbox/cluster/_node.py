@@ -42,8 +42,6 @@ from agentbox.launcher.client import LauncherClient
 if TYPE_CHECKING:
     from agentbox.launcher import Launcher
 
-__all__ = ["NodeService", "node_problems"]
-
 log = get_logger(__name__)
 
 

@@ -45,8 +45,6 @@ from agentbox.config import load_settings
 from agentbox.core.log import get_logger
 from agentbox.errors import ConfigError, RefusedError
 
-__all__ = ["NAMESPACE", "SLOT", "NodeActor", "RayExecutor", "actor_name", "start_node"]
-
 log = get_logger(__name__)
 
 #: Ray namespace of the node actors.

@@ -46,23 +46,6 @@ from pathlib import Path
 
 from agentbox.errors import ConfigError, RefusedError, UnsupportedError
 
-__all__ = [
-    "NODE_HOME",
-    "NODE_USER",
-    "NODE_VENV",
-    "TOKEN_NAME",
-    "ClusterSecrets",
-    "cluster_is_open",
-    "ensure_node_user",
-    "keygen",
-    "load_secrets",
-    "node_key",
-    "proof",
-    "ray_env",
-    "secrets_dir",
-    "write_node_key",
-]
-
 #: The unprivileged user every Ray process of a node runs as (group ``agentbox``).
 NODE_USER = "agentbox-node"
 #: Its home (0700): the node keys and Ray's temp dir live here.

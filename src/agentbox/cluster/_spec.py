@@ -19,16 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from agentbox.errors import ConfigError
 from agentbox.launcher.api import MAX_BUDGET, MAX_DEADLINE, MAX_TASK_CHARS, MIN_DEADLINE
 
-__all__ = [
-    "MAX_RESULT_BUNDLE",
-    "Attempt",
-    "BatchEvent",
-    "BatchResult",
-    "BatchTask",
-    "NodeOutcome",
-    "read_tasks",
-]
-
 #: The largest result bundle a driver accepts from a node (bytes).
 MAX_RESULT_BUNDLE = 256 * 1024 * 1024
 #: The largest tasks file line (characters).

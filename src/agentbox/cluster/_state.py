@@ -30,8 +30,6 @@ from typing import Any
 
 from agentbox.errors import ConfigError, TaskError
 
-__all__ = ["BatchState", "TaskRow", "usd_or_none"]
-
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch (
   id TEXT PRIMARY KEY, created_at REAL NOT NULL, budget INTEGER,

@@ -26,8 +26,6 @@ from pathlib import Path
 from agentbox.collect._git import user_git
 from agentbox.errors import CommandError, PolicyRefused, RefusedError
 
-__all__ = ["Applied", "apply_result", "clobbered", "lfs_pointers"]
-
 
 @dataclass
 class Applied:

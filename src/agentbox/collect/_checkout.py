@@ -32,8 +32,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import CollectError, CommandError
 from agentbox.safepath import NO_CLONE, SafeWriter, Tree, openat2
 
-__all__ = ["Checkout", "chown_tree", "write_workspace"]
-
 log = get_logger(__name__)
 
 _SUBMODULE = 0o160000

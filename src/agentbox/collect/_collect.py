@@ -54,8 +54,6 @@ from agentbox.core.paths import validate_task_id
 from agentbox.errors import CollectError, CommandError, PathRefused
 from agentbox.safepath import SizeRefused, Tree
 
-__all__ = ["branch_name", "collect"]
-
 log = get_logger(__name__)
 
 

@@ -41,20 +41,6 @@ from agentbox.safepath import (
     openat2,
 )
 
-__all__ = [
-    "NO_AUTO_MAINTENANCE",
-    "SAFE_CONFIG",
-    "SEALED_ENV",
-    "RepoDir",
-    "ShadowGit",
-    "as_owner",
-    "clean_env",
-    "init_repo",
-    "owner_tempdir",
-    "repo_owner",
-    "user_git",
-]
-
 #: ``-c`` options on every git command line we run (the threats they answer:
 #: hooks, an fsmonitor command, a stale untracked cache, symlinks written as files).
 SAFE_CONFIG: tuple[str, ...] = (

@@ -23,8 +23,6 @@ from pathlib import Path
 
 from agentbox.errors import CollectError
 
-__all__ = ["fill_stat"]
-
 _STAT = struct.Struct(">10I")
 _M32 = 0xFFFFFFFF
 

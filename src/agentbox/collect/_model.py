@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["Base", "Collected", "DiffStat", "Limits", "Skipped"]
-
 
 class Base(BaseModel):
     """The trusted starting point of a task, recorded by :func:`prepare`.

@@ -15,8 +15,6 @@ import tempfile
 import zlib
 from pathlib import Path
 
-__all__ = ["BlobWriter"]
-
 
 class BlobWriter:
     """Stores blobs as loose objects in ``git_dir/objects`` for one object format."""

@@ -50,8 +50,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import CollectError, CommandError, PathRefused, RefusedError
 from agentbox.safepath import Kind, Tree
 
-__all__ = ["prepare"]
-
 log = get_logger(__name__)
 
 _HEX = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")

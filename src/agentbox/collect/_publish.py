@@ -31,8 +31,6 @@ from agentbox.collect._git import (
 from agentbox.core import proc as _proc
 from agentbox.errors import CollectError, CommandError, PublishRefused, RefusedError
 
-__all__ = ["check_branch", "publish"]
-
 _HEX = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
 #: Branch names we publish under: plain ASCII, no option look-alike, no control characters.
 _BRANCH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]{0,199}")

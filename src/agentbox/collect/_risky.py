@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import unicodedata
 
-__all__ = ["FLAG_NOTE", "flag_change", "flag_note", "risky_reason"]
-
 #: Reasons of the walk's notes that mark a flagged path (``"<FLAG_NOTE> added"``).
 FLAG_NOTE = "runs code when opened or merged:"
 

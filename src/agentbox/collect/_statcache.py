@@ -36,19 +36,6 @@ from typing import Any
 from agentbox.errors import CollectError
 from agentbox.safepath import Tree
 
-__all__ = [
-    "MODES",
-    "BaseListing",
-    "Snapshot",
-    "dir_key",
-    "key_mode",
-    "load_keys",
-    "load_racy",
-    "save",
-    "snapshot",
-    "stat_key",
-]
-
 #: Mode codes of the ``.tree`` sidecar.
 MODES = (0o100644, 0o100755, 0o120000, 0o160000)
 _CODE = {m: i for i, m in enumerate(MODES)}

@@ -21,8 +21,6 @@ from agentbox.collect._git import ShadowGit
 from agentbox.collect._objects import BlobWriter
 from agentbox.errors import CollectError
 
-__all__ = ["Trees", "build_tree", "prefetch", "write_commit", "write_ref"]
-
 _TREE = 0o40000
 
 

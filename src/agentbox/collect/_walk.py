@@ -23,8 +23,6 @@ from agentbox.collect._statcache import MODES, BaseListing, dir_key, stat_key
 from agentbox.errors import PathRefused
 from agentbox.safepath import MAX_NAME, Tree, openat2, show
 
-__all__ = ["Walk", "judge_reported", "walk"]
-
 # C0, DEL and C1: a C1 0x9b is a CSI to terminals that read 8-bit controls.
 _CONTROL = {chr(c) for c in [*range(0x20), *range(0x7F, 0xA0)]}
 # Code points HFS+ ignores: ".g\u200cit" is ".git" there (git's is_hfs_dotgit).

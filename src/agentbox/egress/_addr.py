@@ -10,18 +10,6 @@ from __future__ import annotations
 import ipaddress
 import re
 
-__all__ = [
-    "ALWAYS_DENIED",
-    "Address",
-    "address_class",
-    "canonical",
-    "check_address",
-    "host_matches",
-    "normalize_host",
-    "normalize_pattern",
-    "pattern_covers",
-]
-
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 

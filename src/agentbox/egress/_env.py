@@ -14,8 +14,6 @@ from pathlib import Path
 from agentbox.config import Settings
 from agentbox.errors import ConfigError
 
-__all__ = ["CA_ENV_VARS", "host_ca_bundle", "proxy_env"]
-
 #: Variables naming the CA bundle for Python (ssl, pip, requests), curl, git, Node and npm.
 CA_ENV_VARS = (
     "SSL_CERT_FILE",

@@ -42,8 +42,6 @@ from agentbox.core.log import get_logger
 from agentbox.egress._addr import normalize_host
 from agentbox.errors import CommandError
 
-__all__ = ["CACHE_TTL", "RegistryURL", "client_fingerprint", "host_registries"]
-
 log = get_logger(__name__)
 
 #: (source, scheme, host, port) of one configured index.

@@ -57,8 +57,6 @@ if TYPE_CHECKING:
     from agentbox.egress._proxy import EgressProxy
     from agentbox.egress._tls import TaskCA
 
-__all__ = ["Interceptor", "Redactor", "log_path"]
-
 _CHUNK = 262144
 _MIN_REDACT = 4
 

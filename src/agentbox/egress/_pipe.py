@@ -19,8 +19,6 @@ import contextlib
 from collections.abc import Callable
 from typing import cast
 
-__all__ = ["Upstream"]
-
 #: Bytes the client's transport may hold before the upstream is paused.
 CLIENT_HIGH_WATER = 1 << 20
 #: Bytes kept from the upstream before a client is attached (a server that speaks first).

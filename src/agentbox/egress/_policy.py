@@ -25,8 +25,6 @@ from agentbox.egress._hostcfg import host_registries
 from agentbox.egress.rules import NetworkRule, rule_hosts
 from agentbox.errors import PolicyRefused
 
-__all__ = ["AllowRule", "EgressLimits", "EgressPolicy", "Verdict"]
-
 
 class AllowRule(BaseModel):
     """One allowed name (``host`` or ``*.suffix``), where it came from, and its ports."""

@@ -33,8 +33,6 @@ from agentbox.egress._record import EgressLog
 from agentbox.egress.rules import NetworkRule, rule_hosts, secret_names
 from agentbox.errors import EgressError, GatewayError
 
-__all__ = ["DEFAULT_MAX_MEMORY", "ProxyHandle", "run_proxy", "spawn_proxy"]
-
 log = get_logger(__name__)
 
 #: ``RLIMIT_AS`` of the proxy process: an interpreter, its resolver threads and

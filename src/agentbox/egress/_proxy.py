@@ -48,8 +48,6 @@ from agentbox.egress._request import (
     system_resolver,
 )
 
-__all__ = ["EgressProxy", "Resolver", "system_resolver"]
-
 log = get_logger(__name__)
 
 _CHUNK = 262144

@@ -30,16 +30,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = [
-    "MAX_REFUSALS",
-    "EgressLog",
-    "EgressSummary",
-    "HostSummary",
-    "Refusal",
-    "format_record",
-    "summarize",
-]
-
 _MAX_FIELD = 300
 #: Room kept past the cap for the closing ``truncated`` line.
 _TAIL = 64

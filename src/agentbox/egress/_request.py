@@ -14,19 +14,6 @@ from dataclasses import dataclass, field
 
 from agentbox.egress._addr import normalize_host
 
-__all__ = [
-    "HOP",
-    "REASONS",
-    "Attempt",
-    "Resolver",
-    "_Closed",
-    "_Refuse",
-    "checked_host",
-    "safe",
-    "split_authority",
-    "system_resolver",
-]
-
 #: ``(host, port) -> addresses``; the default asks the host's resolver (getaddrinfo).
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 

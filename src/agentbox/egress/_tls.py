@@ -31,8 +31,6 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["ALPN", "TaskCA", "upstream_context"]
-
 #: The only application protocol offered either way: HTTP/2 is never intercepted.
 ALPN = ["http/1.1"]
 _LEAF_CACHE = 256

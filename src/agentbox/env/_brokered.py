@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from agentbox.egress.rules import NetworkRule
     from agentbox.env._egress import Egress
 
-__all__ = ["NPMRC_IN_SANDBOX", "brokered_rules", "sandbox_config"]
-
 #: The credential-free npmrc a phase with brokered npm registries gets.
 NPMRC_IN_SANDBOX = f"{CA_DIR_IN_SANDBOX}/npmrc"
 

@@ -21,8 +21,6 @@ from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.errors import BoxfileError, CommandError
 
-__all__ = ["COMMITTED_BOXFILE", "check_env_policy", "committed_boxfile", "with_overrides"]
-
 #: Where a repo commits its Boxfile.
 COMMITTED_BOXFILE = ".agentbox/Boxfile.toml"
 

@@ -40,17 +40,6 @@ from agentbox.boxfile import Setup
 from agentbox.errors import PathRefused
 from agentbox.safepath import Kind, Tree
 
-__all__ = [
-    "KEY_VERSION",
-    "MAX_INPUT_BYTES",
-    "MAX_INPUT_FILES",
-    "KeyScope",
-    "env_key",
-    "match_inputs",
-    "repo_identity",
-    "tree_digest",
-]
-
 #: Bumped when what the key covers changes, so old environments are never reused wrongly.
 KEY_VERSION = 2
 #: One input file may hold at most this much (lock files are well under it).

@@ -6,8 +6,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["EnvInfo", "SetupReport"]
-
 
 class EnvInfo(BaseModel):
     """One frozen environment as ``agentbox env ls`` shows it."""

@@ -38,8 +38,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, PathRefused
 from agentbox.safepath import check_name, openat2
 
-__all__ = ["EnvMount", "make_mountpoint"]
-
 log = get_logger(__name__)
 
 #: Where setup's ``[setup] keep`` paths are frozen, inside the environment's tree.

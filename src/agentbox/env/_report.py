@@ -13,8 +13,6 @@ from agentbox.egress import summarize
 from agentbox.env._model import SetupReport
 from agentbox.env._mount import EnvMount
 
-__all__ = ["record_proxy", "release_task_env", "report_fields", "save_setup_report"]
-
 log = get_logger(__name__)
 
 _SETUP_FILE = "setup.json"

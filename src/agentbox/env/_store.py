@@ -25,8 +25,6 @@ from agentbox.core.log import get_logger
 from agentbox.env._model import EnvInfo
 from agentbox.errors import AgentboxError, PathRefused
 
-__all__ = ["EnvStore", "tree_size"]
-
 log = get_logger(__name__)
 
 _KEY_CHARS = frozenset("0123456789abcdef")

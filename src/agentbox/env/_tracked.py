@@ -27,8 +27,6 @@ from agentbox.env._key import file_digest
 from agentbox.errors import PathRefused
 from agentbox.safepath import Kind, Tree
 
-__all__ = ["MAX_NAMED", "changes", "fingerprint"]
-
 #: At most this many changed files are named in a report.
 MAX_NAMED = 50
 

@@ -38,28 +38,11 @@ from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, CommandError, SandboxError
 from agentbox.escape import _hostcheck as hc
 from agentbox.escape._fixtures import RO_TARGET, TOKEN_ENV, Fixture
+from agentbox.escape._hostview import HostView, host_outcomes, kernel_outcome
+from agentbox.escape._meters import forkbomb_outcomes, latency_outcome, quota_outcomes
 from agentbox.escape._model import Outcome, ProbeSpec, Status
+from agentbox.escape._probeio import _parse_json, inside_outcomes, probe_source, run_probe_program
 from agentbox.escape._registry import PROBES
-from agentbox.escape._runner import (
-    HostView,
-    _parse_json,
-    forkbomb_outcomes,
-    host_outcomes,
-    inside_outcomes,
-    kernel_outcome,
-    latency_outcome,
-    probe_source,
-    quota_outcomes,
-    run_probe_program,
-)
-
-__all__ = [
-    "WeakContainer",
-    "control_outcome",
-    "exec_controls",
-    "run_weak_controls",
-    "stall_control",
-]
 
 log = get_logger(__name__)
 

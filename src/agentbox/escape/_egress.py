@@ -34,15 +34,6 @@ from agentbox.escape._probeio import _Execs
 if TYPE_CHECKING:
     from agentbox.escape import Outcome
 
-__all__ = [
-    "CLIENT_SOURCE",
-    "PROBE_ID",
-    "egress_probe",
-    "probe_policy",
-    "probe_targets",
-    "suite_outcome",
-]
-
 PROBE_ID = "host.egress_proxy_inner"
 _SOCKET = "egress-probe.sock"
 _METADATA_NAME = "metadata.google.internal"

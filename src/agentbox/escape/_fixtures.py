@@ -32,8 +32,6 @@ from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX, GATEWAY_SOCKET_NAME
 from agentbox.backends.podman import SANDBOX_CAPS
 from agentbox.core.log import get_logger
 
-__all__ = ["TOKEN_ENV", "TOKEN_REGEX", "Fixture"]
-
 log = get_logger(__name__)
 
 #: The fake token's shape: the probe searches for the pattern, so the token itself

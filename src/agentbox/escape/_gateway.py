@@ -24,8 +24,6 @@ from agentbox.escape._registry import by_id
 from agentbox.gateway import gateway_identity, spawn_gateway
 from agentbox.gateway.registry import DEFAULT_MODEL
 
-__all__ = ["GATEWAY_CHECKS", "gateway_outcomes"]
-
 #: The probe ids, in the order :func:`gateway_posture` returns them.
 GATEWAY_CHECKS = (
     "gateway.uid",

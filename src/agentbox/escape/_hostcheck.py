@@ -17,16 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = [
-    "LatencyMeter",
-    "ThreadStatus",
-    "cgroup_dir",
-    "cgroup_pids",
-    "gateway_posture",
-    "namespace_differs",
-    "read_threads",
-]
-
 _PROC = Path("/proc")
 
 

@@ -47,8 +47,6 @@ from agentbox.escape._probeio import _Execs
 if TYPE_CHECKING:
     from agentbox.escape import Outcome
 
-__all__ = ["CLIENT_SOURCE", "PROBE_ID", "inject_probe", "suite_outcome"]
-
 PROBE_ID = "host.egress_injection_scope"
 _SOCKET = "inject-probe.sock"
 RULE_HOST = "inject-probe.invalid"

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-__all__ = ["Outcome", "ProbeSpec", "Report", "Status"]
-
 #: ``pass``: confinement held. ``fail``: the probe found a way out (on a control run
 #: that is what we want: the control "fired"). ``n/a``: the probe does not apply to this
 #: backend or kernel, said explicitly. ``error``: the probe could not run (counts as fail).

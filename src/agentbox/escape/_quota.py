@@ -28,8 +28,6 @@ from typing import Any
 
 from agentbox.linux.libc import libc
 
-__all__ = ["KINDS", "QuotaWatcher", "exhaust_config", "root_limit", "try_once"]
-
 #: Counter -> the host probe id that reports it.
 KINDS = {
     "inotify": "host.quota_inotify",

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from agentbox.escape._model import ProbeSpec
 
-__all__ = ["PROBES", "by_id"]
-
 _A = "seed A"
 _B = "seed B"
 _U = "audit tools"

@@ -9,8 +9,6 @@ from rich.table import Table
 
 from agentbox.escape._model import Outcome, Report
 
-__all__ = ["print_report", "report_json"]
-
 _STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "n/a": "yellow"}
 
 

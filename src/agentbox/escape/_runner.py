@@ -30,10 +30,7 @@ from agentbox.errors import SandboxError, UnsupportedError
 from agentbox.escape._fixtures import RO_TARGET, Fixture
 from agentbox.escape._hostview import HostView, host_outcomes, kernel_outcome, sandbox_pids
 from agentbox.escape._meters import (
-    FORKBOMB_TARGET,
-    LATENCY_LIMIT,
     forkbomb_outcomes,
-    latency_outcome,
     quota_outcomes,
 )
 from agentbox.escape._model import Outcome
@@ -49,22 +46,6 @@ from agentbox.escape._registry import PROBES
 
 #: Where a microVM gets the suite's declared mount (its root is read-only).
 VM_RO_TARGET = "/home/agent/declared"
-
-__all__ = [
-    "FORKBOMB_TARGET",
-    "LATENCY_LIMIT",
-    "HostView",
-    "forkbomb_outcomes",
-    "host_outcomes",
-    "inside_outcomes",
-    "kernel_outcome",
-    "latency_outcome",
-    "probe_source",
-    "quota_outcomes",
-    "run_probe_program",
-    "run_real",
-    "sandbox_pids",
-]
 
 log = get_logger(__name__)
 

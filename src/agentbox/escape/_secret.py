@@ -39,8 +39,6 @@ from agentbox.escape._probeio import _Execs
 if TYPE_CHECKING:
     from agentbox.escape import Outcome
 
-__all__ = ["CLIENT_SOURCE", "PROBE_ID", "SECRET_NAME", "secret_probe", "suite_outcome"]
-
 PROBE_ID = "host.secret_not_in_sandbox"
 SECRET_NAME = "ABX_ESCAPE_PROBE"  # noqa: S105 (a name; its value is made per run)
 RULE_HOST = "secret-probe.invalid"

@@ -15,8 +15,6 @@ from agentbox.escape._registry import PROBES
 from agentbox.escape._runner import real_spec, run_real
 from agentbox.escape._uidrange import shared_range_control
 
-__all__ = ["run_suite"]
-
 
 def _exec_controls_on_podman(settings: Settings, fx: Fixture, image: str) -> list[Outcome]:
     spec = real_spec(fx, settings, image, "runc", "standard").replace(

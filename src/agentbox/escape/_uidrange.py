@@ -18,8 +18,6 @@ from agentbox.escape._model import Outcome, Status
 from agentbox.escape._probeio import _outcome
 from agentbox.escape._registry import by_id
 
-__all__ = ["neighbour_outcome", "shared_range_control"]
-
 PROBE = "host.uid_own_range"
 #: gVisor's Sentry: runsc started as root runs it as the host's nobody in a user namespace
 #: of its own, with that one id mapped (hard-coded in runsc's sandbox start); every

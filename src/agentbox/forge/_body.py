@@ -23,8 +23,6 @@ from typing import Any
 from agentbox.collect.report import tests_line
 from agentbox.core.text import visible
 
-__all__ = ["MAX_BODY", "pr_body", "pr_title"]
-
 #: GitHub refuses a body over 65,536 characters; GitLab takes 1,048,576. Room for the tail.
 MAX_BODY = 60_000
 _MAX_MESSAGE = 20_000

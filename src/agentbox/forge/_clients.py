@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from agentbox.errors import ForgeError
 from agentbox.forge._remote import ForgeRepo
 
-__all__ = ["PullRequest", "open_pull_request"]
-
 #: Seconds a forge call may take before it is a ForgeError.
 TIMEOUT = 30
 

@@ -17,8 +17,6 @@ from agentbox.forge._push import push_result, remote_url
 from agentbox.forge._remote import parse_remote
 from agentbox.forge._token import forge_token
 
-__all__ = ["Shipped", "ship"]
-
 
 @dataclass(frozen=True)
 class Shipped:

@@ -21,8 +21,6 @@ from agentbox.collect import RepoDir, as_owner, repo_owner, user_git
 from agentbox.core.log import get_logger
 from agentbox.errors import CollectError, CommandError, PushRefused
 
-__all__ = ["check_remote", "push_result", "remote_url"]
-
 log = get_logger(__name__)
 
 #: A remote's name as ``git remote add`` makes them; no option look-alike.

@@ -18,8 +18,6 @@ from urllib.parse import urlsplit
 
 from agentbox.errors import ForgeError
 
-__all__ = ["ForgeRepo", "parse_remote"]
-
 Kind = Literal["github", "gitlab"]
 
 _KNOWN: dict[str, tuple[Kind, str]] = {

@@ -16,8 +16,6 @@ from agentbox.config import Settings
 from agentbox.errors import ForgeError, SecretNotFound, SecretStoreError
 from agentbox.forge._remote import Kind
 
-__all__ = ["TOKEN_NAMES", "forge_token"]
-
 TOKEN_NAMES: dict[str, tuple[str, ...]] = {
     "github": ("GITHUB_TOKEN", "GH_TOKEN"),
     "gitlab": ("GITLAB_TOKEN",),

@@ -26,8 +26,6 @@ from typing import Any, NoReturn
 from agentbox.front._wire import RequestError
 from agentbox.linux.libc import libc as load_libc
 
-__all__ = ["Request", "become"]
-
 #: The most argv entries and environment variables a request may carry.
 MAX_ITEMS = 100_000
 

@@ -23,8 +23,6 @@ from typing import Any
 
 from agentbox.linux.peer import Peer, peer_of
 
-__all__ = ["alive", "own_rights", "pinned_peer", "posture_of", "same_rights"]
-
 #: The lines of /proc/<pid>/status that are a process's rights.
 RIGHTS = (
     "Uid",

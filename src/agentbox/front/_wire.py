@@ -20,16 +20,6 @@ TYPE_CHECKING = False  # the client's start: no typing
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = [
-    "MAX_FDS",
-    "MAX_REQUEST",
-    "RequestError",
-    "WireError",
-    "read_message",
-    "recv_request",
-    "send_message",
-]
-
 #: The largest request: argv (a task may be given inline) and the environment.
 MAX_REQUEST = 8 << 20
 #: stdin, stdout, stderr and the working directory.

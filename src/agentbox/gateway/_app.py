@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.core.log import get_logger
-from agentbox.gateway._budget import Ledger, Refusal
+from agentbox.errors import BodyTooLarge, PolicyViolation, Refusal
+from agentbox.gateway._budget import Ledger
 from agentbox.gateway._forward import Forwarding, clamp, printable, serialise
-from agentbox.gateway._policy import PolicyViolation, check_request, filter_betas
+from agentbox.gateway._policy import check_request, filter_betas
 from agentbox.gateway._reqlog import RequestLog
 from agentbox.gateway._upstream import Pool, make_pool
 from agentbox.gateway._usage import write_bytes_atomic, write_usage
 from agentbox.gateway._wire import (
-    BodyTooLarge,
     Receive,
     Scope,
     Send,
@@ -50,8 +50,6 @@ from agentbox.gateway._wire import (
     send_error,
 )
 from agentbox.gateway.registry import ModelEntry
-
-__all__ = ["Gateway", "GatewayConfig"]
 
 log = get_logger(__name__)
 

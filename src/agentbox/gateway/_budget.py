@@ -30,8 +30,6 @@ from agentbox.gateway._meter import TokenCount
 from agentbox.gateway._price import PER, Price, format_usd
 from agentbox.gateway._usage import Usage
 
-__all__ = ["MIN_OUTPUT_TOKENS", "Ledger", "Refusal", "Reservation"]
-
 #: The fewest output tokens a clamped request is given; below that it is refused.
 #: More than 1,024 so that extended thinking's minimum budget still fits under it.
 MIN_OUTPUT_TOKENS = 2048

@@ -11,8 +11,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUILTIN", "DEMO_SCRIPT", "RETIRED_MODELS"]
-
 #: The demo replay script shipped with agentbox (used by the offline demo).
 DEMO_SCRIPT = Path(__file__).parent / "demo" / "demo.yaml"
 

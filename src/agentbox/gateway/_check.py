@@ -20,22 +20,6 @@ from typing import Any
 
 from agentbox.errors import InvalidValue
 
-__all__ = [
-    "Checker",
-    "Errors",
-    "Invalid",
-    "boolean",
-    "choice",
-    "fields",
-    "integer",
-    "mapping_of",
-    "number",
-    "optional",
-    "sequence_of",
-    "text",
-    "tuple_of",
-]
-
 #: ``(key, what is wrong)`` pairs, in the order found.
 Errors = list[tuple[str, str]]
 Checker = Callable[[Any, str, Errors], Any]

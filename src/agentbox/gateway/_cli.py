@@ -11,8 +11,6 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["gateway"]
-
 
 def gateway(
     listen: Annotated[

@@ -46,8 +46,6 @@ from typing import Any
 from agentbox.errors import GatewayError
 from agentbox.linux.libc import libc as load_libc
 
-__all__ = ["DENIED_SYSCALLS", "confine", "install_seccomp", "limit_resources"]
-
 _M_ARENA_MAX = -8
 _PR_SET_NO_NEW_PRIVS = 38
 _SCMP_ACT_ALLOW = 0x7FFF0000

@@ -33,8 +33,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentbox.core.log import get_logger
 
-__all__ = ["ConnLimits", "GuardedH11Protocol"]
-
 log = get_logger(__name__)
 
 

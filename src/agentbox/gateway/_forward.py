@@ -15,10 +15,11 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from agentbox.core.log import get_logger
+from agentbox.errors import UpstreamError, UpstreamTimeout
 from agentbox.gateway._budget import Ledger, Reservation
 from agentbox.gateway._meter import StreamMeter, TokenCount, message_meta, usage_from_message
 from agentbox.gateway._reqlog import RequestLog
-from agentbox.gateway._upstream import Pool, UpstreamError, UpstreamResponse, UpstreamTimeout
+from agentbox.gateway._upstream import Pool, UpstreamResponse
 from agentbox.gateway._wire import Receive, Scope, Send, error_body, header, send_error, send_json
 
 log = get_logger(__name__)
@@ -30,8 +31,6 @@ UPSTREAM_DOWN_AFTER = 4
 
 if TYPE_CHECKING:
     from agentbox.gateway._app import GatewayConfig
-
-__all__ = ["Forwarding", "clamp", "printable", "serialise"]
 
 _DEFAULT_VERSION = "2023-06-01"
 #: Upstream response headers passed back to the client (nothing else is).

@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HANDSHAKE_FILE", "HANDSHAKE_VERSION", "Handshake", "read_handshake", "write_handshake"]
-
 #: Bumped when what a launcher relies on in a running gateway changes (its files,
 #: its signals, its command line); a launcher adopts versions up to its own.
 HANDSHAKE_VERSION = 1

@@ -18,8 +18,6 @@ from pathlib import Path
 
 from agentbox.errors import ConfigError
 
-__all__ = ["LISTEN_FD_ENV", "inherited_listener"]
-
 #: The environment variable naming the inherited listening descriptor.
 LISTEN_FD_ENV = "AGENTBOX_GATEWAY_LISTEN_FD"
 

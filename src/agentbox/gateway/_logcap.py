@@ -17,8 +17,6 @@ import os
 import stat
 import sys
 
-__all__ = ["DEFAULT_LOG_CAP", "CappedLog", "cap_log", "log_file_limit"]
-
 #: gateway.log stops growing here (the truncation note comes on top).
 DEFAULT_LOG_CAP = 8 << 20
 _ENV = "AGENTBOX_GATEWAY_LOG_CAP"

@@ -13,8 +13,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StreamMeter", "TokenCount", "message_meta", "usage_from_message"]
-
 _INTERESTING = (b"message_start", b"message_delta", b"message_stop", b"error")
 #: An SSE event bigger than this is not buffered for metering (deltas only; usage is tiny).
 _MAX_EVENT = 1 << 20

@@ -49,8 +49,6 @@ from agentbox.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 if TYPE_CHECKING:
     from agentbox.gateway._upstream import UpstreamResponse
 
-__all__ = ["PlainPool", "tls_context"]
-
 _MAX_HEAD = 64 << 10
 _READ = 1 << 16
 _IDLE_EXPIRY = 4.0  # below the 5 s keep-alive most servers use: no reuse of a closing socket

@@ -32,18 +32,6 @@ from typing import Any
 
 from agentbox.errors import PolicyViolation
 
-__all__ = [
-    "CLAUDE_CODE_BETAS",
-    "NETWORK_BETA_PREFIXES",
-    "NETWORK_BLOCK_TYPES",
-    "NETWORK_FIELDS",
-    "Admitted",
-    "PolicyViolation",
-    "RequestPolicy",
-    "check_request",
-    "filter_betas",
-]
-
 #: Top-level fields that make the upstream reach the network (or data outside the body).
 NETWORK_FIELDS: dict[str, str] = {
     "mcp_servers": "it makes the upstream connect to MCP servers",

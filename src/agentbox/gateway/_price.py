@@ -12,8 +12,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PER", "Price", "format_usd"]
-
 #: Prices are per this many tokens.
 PER = 1_000_000
 

@@ -34,17 +34,6 @@ from agentbox.gateway._listenfd import LISTEN_FD_ENV
 from agentbox.gateway.registry import load_registry
 from agentbox.linux.cgroups import enter_then_exec, unit_hierarchies
 
-__all__ = [
-    "GATEWAY_CGROUP",
-    "GATEWAY_UID_OFFSET",
-    "LISTEN_FD_ENV",
-    "GatewayHandle",
-    "gateway_identity",
-    "leave_unit_cgroup",
-    "spawn_gateway",
-    "wait_for_socket",
-]
-
 log = get_logger(__name__)
 
 #: Environment variables the gateway child inherits (plus the upstream key variable).

@@ -8,8 +8,6 @@ from pathlib import Path
 
 from agentbox.errors import ConfigError
 
-__all__ = ["MAX_REGISTRY_BYTES", "check_script", "read_registry_file"]
-
 #: A models file larger than this is refused (a registry is a few KB; this is a config
 #: file, not a place for data, and a huge one should not stall whoever reads it).
 MAX_REGISTRY_BYTES = 1 << 20

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.core.log import get_logger
+from agentbox.errors import BodyTooLarge
 from agentbox.gateway._replay_answer import Answer, signature, sse
 from agentbox.gateway._script import Block, InjectedError, ReplayScript, Turn
 from agentbox.gateway._wire import (
-    BodyTooLarge,
     Receive,
     Scope,
     Send,
@@ -38,8 +38,6 @@ from agentbox.gateway._wire import (
     send_error,
     send_json,
 )
-
-__all__ = ["ReplayModel"]
 
 log = get_logger(__name__)
 

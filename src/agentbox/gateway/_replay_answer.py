@@ -7,8 +7,6 @@ from typing import Any
 
 from agentbox.gateway._wire import new_id
 
-__all__ = ["Answer", "signature", "sse"]
-
 
 def signature(thinking: str) -> str:
     """A stable stand-in for the API's opaque thinking signature (base64, like the real)."""

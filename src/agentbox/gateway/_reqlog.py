@@ -30,15 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "LEDGER_NAME",
-    "MAX_BYTES",
-    "MAX_RECORDS",
-    "RequestLog",
-    "RequestRecord",
-    "read_requests",
-]
-
 #: The ledger's file name, in the directory of the usage file the gateway writes.
 LEDGER_NAME = "requests.jsonl"
 #: The most records written (a long task makes a few hundred requests).

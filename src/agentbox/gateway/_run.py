@@ -23,14 +23,6 @@ from agentbox.gateway._serve import ServerGroup, bind, parse_listen, private_soc
 from agentbox.gateway.registry import ModelEntry
 from agentbox.linux.privdrop import drop_to
 
-__all__ = [
-    "build_gateway",
-    "parse_user",
-    "read_token",
-    "run_gateway",
-    "run_replay",
-]
-
 log = get_logger(__name__)
 
 

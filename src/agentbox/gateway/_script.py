@@ -32,17 +32,6 @@ from agentbox.gateway._check import (
     text,
 )
 
-__all__ = [
-    "Block",
-    "InjectedError",
-    "ReplayScript",
-    "ToolUse",
-    "Turn",
-    "TurnUsage",
-    "check_script",
-    "load_script",
-]
-
 
 @dataclass(frozen=True)
 class ToolUse:

@@ -27,8 +27,6 @@ from agentbox.errors import ConfigError, PolicyRefused
 from agentbox.gateway._conn import ConnLimits, GuardedH11Protocol
 from agentbox.gateway._listenfd import inherited_listener
 
-__all__ = ["Listen", "ServerGroup", "bind", "parse_listen", "private_socket", "serve"]
-
 log = get_logger(__name__)
 
 

@@ -14,18 +14,8 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from agentbox.errors import ConfigError, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from agentbox.errors import ConfigError
 from agentbox.gateway._plain import PlainPool
-
-__all__ = [
-    "PlainPool",
-    "Pool",
-    "UpstreamConnectError",
-    "UpstreamError",
-    "UpstreamResponse",
-    "UpstreamTimeout",
-    "make_pool",
-]
 
 
 class UpstreamResponse(Protocol):

@@ -30,8 +30,6 @@ from agentbox.gateway._check import (
     text,
 )
 
-__all__ = ["Usage", "read_usage", "write_bytes_atomic", "write_usage"]
-
 
 @dataclass
 class Usage:

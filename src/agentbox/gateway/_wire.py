@@ -15,22 +15,6 @@ from typing import Any
 
 from agentbox.errors import BodyTooLarge
 
-__all__ = [
-    "ERROR_TYPES",
-    "BodyTooLarge",
-    "Receive",
-    "Scope",
-    "Send",
-    "error_body",
-    "header",
-    "json_cost",
-    "new_id",
-    "parse_json_object",
-    "read_body",
-    "send_error",
-    "send_json",
-]
-
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]

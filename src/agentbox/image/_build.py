@@ -36,15 +36,6 @@ from agentbox.image import _harden, _keys, _podman
 from agentbox.image._rootfs import safe_rmtree
 from agentbox.image._types import HASH_LABEL, ImageInfo
 
-__all__ = [
-    "BASE_LABEL",
-    "DEFAULT_REPO",
-    "Progress",
-    "build_default",
-    "images_dir",
-    "podman_changes",
-]
-
 log = get_logger(__name__)
 
 Progress = Callable[[str], None]

@@ -19,8 +19,6 @@ from pathlib import Path
 from agentbox.errors import ImageError
 from agentbox.image import _keys
 
-__all__ = ["CONTAINERFILE_VERSION", "containerfile_key", "context_digest", "from_images"]
-
 #: Bump when the way a Containerfile image is made changes.
 CONTAINERFILE_VERSION = "1"
 _MAX_CONTEXT_FILES = 200_000

@@ -53,23 +53,10 @@ from agentbox.image._build import (
 )
 from agentbox.image._cfkey import (
     containerfile_key,
-    context_digest,
     from_images,
 )
 from agentbox.image._rootfs import safe_rmtree
 from agentbox.image._types import HASH_LABEL, ImageInfo
-
-__all__ = [
-    "BASE_IMAGE",
-    "CUSTOM_REPO",
-    "KIND_LABEL",
-    "build_containerfile",
-    "build_for_boxfile",
-    "containerfile_key",
-    "context_digest",
-    "ensure_base_image",
-    "from_images",
-]
 
 log = get_logger(__name__)
 

@@ -24,18 +24,6 @@ from agentbox.errors import ImageError
 from agentbox.image._relay import RELAY_BINARY, RELAY_SOURCE, compile_relay
 from agentbox.image._rootfs import resolve_in, resolve_parent_in, walk
 
-__all__ = [
-    "CLAUDE_PATH",
-    "FORBIDDEN_ON_PATH",
-    "GUEST_DIR",
-    "IMAGE_PATH",
-    "forbidden_name",
-    "harden",
-    "install",
-    "packaged_paths",
-    "verify",
-]
-
 CLAUDE_PATH = "/usr/local/bin/claude"
 GUEST_DIR = "/opt/agentbox"
 AGENT_NAME = "agent"

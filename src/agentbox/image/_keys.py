@@ -23,21 +23,6 @@ from pathlib import Path
 
 from agentbox.errors import ImageError
 
-__all__ = [
-    "BUILDER_VERSION",
-    "DPKG_OPTIONS",
-    "HARDENING_VERSION",
-    "PACKAGES",
-    "SUITE",
-    "AptSources",
-    "base_key",
-    "file_digest",
-    "final_key",
-    "guest_dir",
-    "guest_files",
-    "host_apt_sources",
-]
-
 #: Bump when the way the base root is built changes (options, hooks).
 BUILDER_VERSION = "1"
 #: Bump when hardening, the added files or the podman config change.

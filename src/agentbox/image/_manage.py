@@ -23,8 +23,6 @@ from agentbox.image._build import DEFAULT_REPO, build_lock, images_dir
 from agentbox.image._rootfs import safe_rmtree
 from agentbox.image._types import HASH_LABEL, ImageInfo
 
-__all__ = ["list_images", "remove", "resolve"]
-
 _HASH_RE = re.compile(r"[0-9a-f]{16}")
 
 

@@ -15,16 +15,6 @@ from typing import Any
 from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError, CommandError, ImageError
 
-__all__ = [
-    "check_reference",
-    "import_tarball",
-    "inspect",
-    "list_labelled",
-    "remove_names",
-    "tag",
-    "valid_reference",
-]
-
 # A podman/OCI image reference: registry/path:tag or @digest, or a bare image id.
 _REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,255}")
 

@@ -19,8 +19,6 @@ from pathlib import Path
 from agentbox.core import proc as _proc
 from agentbox.errors import CommandError, ImageError
 
-__all__ = ["RELAY_BINARY", "RELAY_SOURCE", "compile_relay"]
-
 #: The guest source file, and the name of the program built from it (next to relay.py).
 RELAY_SOURCE = "relay.c"
 RELAY_BINARY = "relay"

@@ -18,8 +18,6 @@ from pathlib import Path
 from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError, ImageError
 
-__all__ = ["resolve_in", "resolve_parent_in", "safe_rmtree", "walk"]
-
 _MAX_LINKS = 40
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HASH_LABEL", "ImageInfo"]
-
 #: Label put on every image agentbox builds; its value is the image's content hash.
 HASH_LABEL = "io.agentbox.image.hash"
 

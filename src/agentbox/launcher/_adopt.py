@@ -64,18 +64,6 @@ from agentbox.launcher._retention import remove_tree
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._watchdog import reap_sandbox, stop_watchdog
 
-__all__ = [
-    "adopt",
-    "adopt_refusal",
-    "gateway_refusal",
-    "never_started",
-    "remove_orphans",
-    "requeue",
-    "settle_orphan",
-    "stop_gateway",
-    "take_over",
-]
-
 log = get_logger(__name__)
 
 

@@ -61,8 +61,6 @@ from agentbox.launcher.boxapi import (
     SandboxRequest,
 )
 
-__all__ = ["BoxKeeper"]
-
 log = get_logger(__name__)
 
 #: How often the reaper looks at deadlines and holders.

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from agentbox.errors import AgentboxError, SandboxGone
 from agentbox.launcher._boxes import BoxKeeper
-from agentbox.launcher._peer import PEER_KEY, Peer
+from agentbox.launcher._peer import PEER_KEY
 from agentbox.launcher.boxapi import (
     MAX_ARCHIVE,
     MAX_FILE,
@@ -30,8 +30,7 @@ from agentbox.launcher.boxapi import (
     SandboxList,
     SandboxRequest,
 )
-
-__all__ = ["box_routes"]
+from agentbox.linux.peer import Peer
 
 _SID = re.compile(r"sb-[0-9a-f]{16}")
 _EID = re.compile(r"[0-9a-f]{16}")

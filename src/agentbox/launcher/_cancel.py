@@ -33,8 +33,6 @@ from agentbox.launcher._finish import NEVER_STARTED
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._watchdog import kill_sandbox
 
-__all__ = ["cancel_task"]
-
 log = get_logger(__name__)
 
 

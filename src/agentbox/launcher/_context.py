@@ -23,8 +23,6 @@ from agentbox.errors import AgentboxError
 from agentbox.launcher._store import Store
 from agentbox.observe.phases import PHASES_FILE
 
-__all__ = ["TaskContext", "TaskLog"]
-
 
 class TaskLog:
     """Timestamped lines in ``logs/launcher.log`` (for ``agentbox logs``); each is also the

@@ -22,8 +22,6 @@ from pathlib import Path
 from agentbox.core.frontend import SOCKET_NAME, mode
 from agentbox.core.log import get_logger
 
-__all__ = ["FrontKeeper", "start_front"]
-
 log = get_logger(__name__)
 
 #: Seconds between the service's start and the server's: its imports (~1.5 s of CPU)

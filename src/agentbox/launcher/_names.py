@@ -17,19 +17,6 @@ from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError
 from agentbox.launcher._store import Owner
 
-__all__ = [
-    "DATA_LABEL",
-    "LABELS_VERSION",
-    "SANDBOX_LABEL",
-    "VERSION_LABEL",
-    "data_label",
-    "kill_gateway",
-    "list_task_gateways",
-    "list_task_sandboxes",
-    "sandbox_labels",
-    "sandbox_name",
-]
-
 #: Label naming the task a sandbox belongs to (orphans are found by it).
 SANDBOX_LABEL = "io.agentbox.task"
 #: Label naming the data dir (hashed) whose launcher owns the sandbox.

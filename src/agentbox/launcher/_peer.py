@@ -21,16 +21,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from agentbox.core.log import get_logger
 from agentbox.linux.peer import Peer, peer_of
 
-__all__ = [
-    "PEER_KEY",
-    "SOCKET_GROUP",
-    "Peer",
-    "PeerCheckedProtocol",
-    "group_gid",
-    "may_connect",
-    "peer_of",
-]
-
 log = get_logger(__name__)
 
 SOCKET_GROUP = "agentbox"

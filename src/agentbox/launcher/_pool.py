@@ -23,8 +23,6 @@ from agentbox.errors import AgentboxError
 from agentbox.launcher.api import DEFAULT_DEADLINE
 from agentbox.sandbox import spec_from_boxfile
 
-__all__ = ["PoolKeeper", "drain_leftovers", "start_pool"]
-
 log = get_logger(__name__)
 
 #: How often the keeper tops the pool up (a claim takes one; cheap when full).

@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["Primed"]
-
 _SCRIPT = (
     'IFS= read -r line || exit 125; mapfile -d "" -t a < <(printf %s "$line" | base64 -d); '
     '[ "${#a[@]}" -gt 0 ] || exit 125; exec "${a[@]}"'

@@ -15,8 +15,6 @@ from urllib.parse import urlsplit
 from agentbox.errors import UpstreamConnectError
 from agentbox.gateway.registry import ModelEntry
 
-__all__ = ["check_local_upstream"]
-
 #: How long a connect to a loopback upstream may take (nothing listening is refused at once).
 CONNECT_TIMEOUT = 2.0
 

@@ -46,19 +46,6 @@ from agentbox.errors import PathRefused, PolicyRefused, TaskNotFound
 from agentbox.launcher import _session
 from agentbox.launcher._store import Store, TaskRow
 
-__all__ = [
-    "MAX_DEPTH",
-    "TERMINAL",
-    "DataUsage",
-    "Removal",
-    "TaskUsage",
-    "data_usage",
-    "parse_age",
-    "prune",
-    "remove_task",
-    "remove_tree",
-]
-
 log = get_logger(__name__)
 
 #: Statuses after which a task never changes again: only these are removed.

@@ -22,8 +22,6 @@ from agentbox.errors import SecretNotFound
 from agentbox.launcher.secretapi import SecretEntry, SecretList, SecretSet
 from agentbox.secrets import SecretInfo, SecretStore
 
-__all__ = ["secret_routes"]
-
 Endpoint = Callable[[Request, int], Awaitable[Response]]
 Guard = Callable[[Endpoint], Callable[[Request], Awaitable[Response]]]
 

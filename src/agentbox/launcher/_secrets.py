@@ -16,8 +16,6 @@ from agentbox.errors import PolicyRefused
 from agentbox.launcher._store import TaskRow
 from agentbox.secrets import resolve_for_task
 
-__all__ = ["task_secrets"]
-
 
 def task_secrets(settings: Settings, row: TaskRow, templates: Iterable[str]) -> dict[str, str]:
     """Every ``${secret:NAME}`` the ``templates`` (the rules' inject values) name, with

@@ -45,16 +45,6 @@ from agentbox.launcher._agent import CLAUDE_CONFIG_IN_WORKSPACE, SESSION_ID
 from agentbox.launcher._store import TaskRow
 from agentbox.launcher._validate import git_readonly
 
-__all__ = [
-    "PREVIOUS_FILE",
-    "Continuation",
-    "agent_task",
-    "base_commit",
-    "plan",
-    "resume_session",
-    "seed",
-]
-
 log = get_logger(__name__)
 
 #: Where, in the workspace, the agent finds the previous task (inside its own .git).

@@ -24,8 +24,6 @@ from agentbox.launcher._context import TaskContext
 from agentbox.launcher._finish import load_base, stop_gateway
 from agentbox.launcher._names import sandbox_labels
 
-__all__ = ["setup_phase"]
-
 log = get_logger(__name__)
 
 

@@ -15,8 +15,6 @@ from agentbox.errors import RefusedError, TaskError
 from agentbox.launcher._core import StopMode
 from agentbox.launcher._server import LOCK_NAME, RUN_DIR, STOP_SIGNALS
 
-__all__ = ["serving_pid", "stop_launcher"]
-
 
 def serving_pid(lock: Path) -> int | None:
     """The pid of the launcher holding ``lock``, or None when none holds it."""

@@ -21,8 +21,6 @@ from agentbox.launcher._names import sandbox_name
 from agentbox.launcher._runner import run_task
 from agentbox.launcher._store import Store
 
-__all__ = ["run_in_slot"]
-
 
 def run_in_slot(settings: Settings, store: Store, task_id: str, cancel: threading.Event) -> None:
     """:func:`~agentbox.launcher._runner.run_task` with settings for the task's uid slot."""

@@ -12,8 +12,6 @@ from agentbox.errors import AgentboxError
 from agentbox.gateway import Usage, read_usage
 from agentbox.launcher.api import TokenUsage
 
-__all__ = ["budget_error", "model_error", "model_fields", "task_tokens", "upstream_down"]
-
 
 def task_tokens(paths: TaskPaths) -> tuple[TokenUsage, dict[str, Any]]:
     try:

@@ -39,8 +39,6 @@ from agentbox.launcher.api import (
     TaskRequest,
 )
 
-__all__ = ["Validated", "git_readonly", "validate"]
-
 
 @dataclass(frozen=True)
 class Validated:

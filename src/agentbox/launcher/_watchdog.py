@@ -43,15 +43,6 @@ import time
 from pathlib import Path
 from typing import Literal
 
-__all__ = [
-    "kill_sandbox",
-    "main",
-    "process_start",
-    "reap_sandbox",
-    "spawn_watchdog",
-    "stop_watchdog",
-]
-
 _MODULE = "agentbox.launcher._watchdog"
 #: How the script shows in a process's command line (``is_watchdog``).
 _SCRIPT_TAIL = "agentbox/launcher/_watchdog.py"

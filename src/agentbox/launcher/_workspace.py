@@ -23,8 +23,6 @@ from agentbox.errors import PathRefused
 from agentbox.launcher._context import TaskLog
 from agentbox.linux.acl import grant_search
 
-__all__ = ["check_owner", "give_to_sandbox", "let_gofer_through", "write_token"]
-
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 

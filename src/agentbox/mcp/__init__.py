@@ -7,6 +7,7 @@ unprivileged: started as root it drops to an ordinary uid with no
 capabilities, and talks to the launcher only through its unix socket.
 """
 
+from agentbox.linux.privdrop import process_posture
 from agentbox.mcp._auth import (
     GateMiddleware,
     check_bind,
@@ -15,7 +16,7 @@ from agentbox.mcp._auth import (
     token_path,
 )
 from agentbox.mcp._fetch import branch_name, fetch_branch
-from agentbox.mcp._privdrop import Identity, drop_privileges, process_posture, resolve_identity
+from agentbox.mcp._privdrop import Identity, drop_privileges, resolve_identity
 from agentbox.mcp._repo import validate_repo
 from agentbox.mcp._run import (
     Prepared,

@@ -23,8 +23,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentbox.errors import PathRefused, PolicyRefused
 
-__all__ = ["GateMiddleware", "check_bind", "load_or_create_token", "parse_listen", "token_path"]
-
 TOKEN_BYTES = 32
 
 

@@ -31,8 +31,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import UnsupportedError
 from agentbox.linux.libc import libc as load_libc
 
-__all__ = ["SCRATCH", "confine_filesystem", "needed_paths"]
-
 log = get_logger(__name__)
 
 CLONE_NEWNS = 0x00020000

@@ -30,8 +30,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.paths import validate_task_id
 from agentbox.errors import CommandError, PathRefused, PublishRefused, TaskError
 
-__all__ = ["branch_name", "fetch_branch"]
-
 
 def branch_name(task_id: str) -> str:
     """The result branch of a task: ``agentbox/<id>``."""

@@ -16,9 +16,7 @@ from pathlib import Path
 
 from agentbox.core.log import get_logger
 from agentbox.errors import PolicyRefused, PrivilegeDropError
-from agentbox.linux.privdrop import drop_to, process_posture
-
-__all__ = ["Identity", "drop_privileges", "process_posture", "resolve_identity"]
+from agentbox.linux.privdrop import drop_to
 
 log = get_logger(__name__)
 

@@ -18,8 +18,6 @@ from pathlib import Path
 from agentbox.config import setting_source
 from agentbox.errors import PathRefused
 
-__all__ = ["MAX_PATH_CHARS", "validate_repo"]
-
 MAX_PATH_CHARS = 4096
 
 

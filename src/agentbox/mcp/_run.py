@@ -42,19 +42,6 @@ from agentbox.mcp._confine import confine_filesystem
 from agentbox.mcp._privdrop import Identity, drop_privileges, resolve_identity
 from agentbox.mcp._server import DEFAULT_MAX_PENDING, ServerConfig, build_server
 
-__all__ = [
-    "Prepared",
-    "adopt_listener",
-    "bind_listener",
-    "claude_add_command",
-    "launcher_socket",
-    "mcp_url",
-    "prepare",
-    "run_http",
-    "run_stdio",
-    "serve",
-]
-
 log = get_logger(__name__)
 
 

@@ -17,8 +17,6 @@ import secrets
 
 from agentbox.core.text import visible
 
-__all__ = ["frame"]
-
 
 def frame(content: str, what: str) -> str:
     """``content`` between unforgeable markers, after a line saying it is untrusted data.

@@ -39,17 +39,6 @@ from agentbox.sdk._tasks import Client, Task
 if TYPE_CHECKING:
     from agentbox.transcript import Event
 
-__all__ = [
-    "AsyncClient",
-    "AsyncCommandHandle",
-    "AsyncCommandStream",
-    "AsyncCommands",
-    "AsyncFiles",
-    "AsyncSandbox",
-    "AsyncTask",
-    "AsyncTasks",
-]
-
 P = ParamSpec("P")
 T = TypeVar("T")
 _END = object()

@@ -40,16 +40,6 @@ from agentbox.launcher.boxapi import (
 from agentbox.launcher.client import LauncherClient
 from agentbox.sdk._transport import connect
 
-__all__ = [
-    "CommandHandle",
-    "CommandResult",
-    "CommandStream",
-    "Commands",
-    "Files",
-    "OutputChunk",
-    "Sandbox",
-]
-
 #: Size caps of a download unpacked on this host.
 MAX_DOWNLOAD_FILE = 64 * 1024 * 1024
 MAX_DOWNLOAD_TOTAL = 256 * 1024 * 1024

@@ -30,8 +30,6 @@ from agentbox.sdk._transport import connect
 if TYPE_CHECKING:
     from agentbox.transcript import Event
 
-__all__ = ["Client", "Task", "Tasks"]
-
 
 class Task:
     """One task in the launcher; :attr:`info` is its state as last read."""

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from agentbox.launcher.client import LauncherClient
 
-__all__ = ["connect", "default_address"]
-
 #: An environment variable naming the launcher's socket (else the data dir's).
 ADDRESS_ENV = "AGENTBOX_LAUNCHER_SOCKET"
 

@@ -8,21 +8,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentbox.core.wire import TokenUsage
 
-__all__ = [
-    "DEFAULT_OUTPUT_CHARS",
-    "MAX_EVENTS",
-    "MAX_FILE_BYTES",
-    "MAX_INPUT_CHARS",
-    "MAX_LINE_BYTES",
-    "MAX_PAGE",
-    "Event",
-    "Kind",
-    "TestCommand",
-    "Transcript",
-    "TranscriptPage",
-    "TurnTokens",
-]
-
 #: The most of ``agent.jsonl`` read (its head; a longer file is marked truncated).
 MAX_FILE_BYTES = 64 << 20
 #: A longer line is skipped (counted in ``skipped_lines``).

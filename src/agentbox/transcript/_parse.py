@@ -24,8 +24,6 @@ from agentbox.transcript._model import (
     TestCommand,
 )
 
-__all__ = ["cap", "is_test_command", "parse_agent_jsonl", "read_lines"]
-
 #: Commands that look like running tests (matched on a Bash command line).
 _TEST_RE = re.compile(
     r"(?:^|[\s;&|(/])(?:"

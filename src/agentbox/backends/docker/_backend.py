@@ -43,8 +43,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ConfigError, PathRefused, SandboxError, UnsupportedError
 
-__all__ = ["DEFAULT_HOST", "DockerBackend"]
-
 log = get_logger(__name__)
 
 DEFAULT_HOST = "unix:///var/run/docker.sock"

@@ -22,8 +22,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError
 from agentbox.linux.acl import grant_search
 
-__all__ = ["HostBinds", "binds_root", "sweep"]
-
 log = get_logger(__name__)
 
 

@@ -31,16 +31,6 @@ from typing import Any
 from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError, UnsupportedError
 
-__all__ = [
-    "ALLOWED",
-    "API_VERSION",
-    "DETACHED",
-    "LIFE",
-    "GuardedClient",
-    "connect",
-    "endpoint_of",
-]
-
 log = get_logger(__name__)
 
 #: Engine 20.10's API; newer daemons accept it, so no ``GET /version`` negotiation.

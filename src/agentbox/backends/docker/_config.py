@@ -27,22 +27,6 @@ from agentbox.backends.oci._args import entry_argv
 from agentbox.backends.oci._userns_limits import SANDBOX_RLIMITS
 from agentbox.config import Settings
 
-__all__ = [
-    "DEADLINE_GRACE",
-    "MASKED_PATHS",
-    "RUNSC_GATEWAY_RUNTIME",
-    "TINI",
-    "DaemonFacts",
-    "cgroup_hierarchies",
-    "container_body",
-    "daemon_facts",
-    "docker_runtime",
-    "exec_argv",
-    "main_argv",
-    "nano_cpus",
-    "readonly_paths",
-]
-
 #: The container's own clock (its idle ``sleep``) ends it this long after our watchdog
 #: should have: the deadline holds even if agentbox died (podman: conmon's --timeout).
 DEADLINE_GRACE = 5

@@ -76,17 +76,6 @@ from agentbox.errors import AgentboxError, SandboxError, SandboxGone
 if TYPE_CHECKING:
     from agentbox.backends.docker._backend import DockerBackend
 
-__all__ = [
-    "DEADLINE_LABEL",
-    "DETACHED_LABEL",
-    "GATE",
-    "SEAL_LABEL",
-    "DockerDetached",
-    "detached_argv",
-    "is_detached",
-    "seal",
-]
-
 log = get_logger(__name__)
 
 #: Set ("1") on a detached sandbox: orphan sweeps leave it to its data dir's launcher.

@@ -20,8 +20,6 @@ from agentbox.backends.base import OutputCallback
 from agentbox.backends.docker._client import GuardedClient
 from agentbox.errors import SandboxError
 
-__all__ = ["ExecOutcome", "exec_stream"]
-
 _MAX_FRAME = 16 * 1024 * 1024
 
 

@@ -21,8 +21,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, CommandError, ImageError
 
-__all__ = ["DOCKER_REPO", "ensure_image"]
-
 log = get_logger(__name__)
 
 DOCKER_REPO = "localhost/agentbox-docker"

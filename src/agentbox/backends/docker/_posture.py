@@ -32,8 +32,6 @@ from agentbox.config import Settings
 if TYPE_CHECKING:
     from agentbox.backends.docker._sandbox import DockerSandbox
 
-__all__ = ["inspect_checks", "read_posture"]
-
 #: Checks of podman's that do not apply (none: the userns caps are set from the host).
 _NOT_HERE: set[str] = set()
 

@@ -20,8 +20,6 @@ from agentbox.errors import AgentboxError, SandboxError
 if TYPE_CHECKING:
     from agentbox.backends.docker._backend import DockerBackend
 
-__all__ = ["DockerSandbox", "status_of"]
-
 log = get_logger(__name__)
 
 

@@ -16,8 +16,6 @@ the filter itself and commands are exec'd directly.
 
 from __future__ import annotations
 
-__all__ = ["CLIENT", "SOCKET", "SPAWNER"]
-
 #: Abstract socket name (leading NUL), in the container's own network namespace.
 SOCKET = "agentbox-spawn"
 

@@ -66,8 +66,6 @@ from agentbox.errors import GuestError, ImageError, SandboxError, UnsupportedErr
 if TYPE_CHECKING:
     from agentbox.backends.microvm.qemu._sandbox import QemuSandbox
 
-__all__ = ["_MicrovmBackend"]
-
 log = get_logger(__name__)
 
 #: Guest tmpfs mounts under which a mount target may be made at start.

@@ -41,8 +41,6 @@ from agentbox.guest.wire import (
     encode_frame,
 )
 
-__all__ = ["Channel", "DataHandler", "GuestTimeout"]
-
 log = get_logger(__name__)
 
 #: Control bytes queued for the host's readers, all streams together, before the

@@ -24,8 +24,6 @@ from agentbox.core import proc as _proc
 from agentbox.errors import CollectError, PathRefused
 from agentbox.safepath import Kind, SafeWriter, Tree
 
-__all__ = ["export_disk"]
-
 EXPORT_TIMEOUT = 900.0
 
 

@@ -37,11 +37,6 @@ from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.errors import CommandError, ImageError, SandboxError
 
-__all__ = [
-    "DATA_DISK_BYTES", "DATA_LABEL", "MAX_MOUNTS", "MOUNT_DISK_BYTES", "cached_mount_disk",
-    "ensure_root_disk", "make_data_disk", "make_mount_disk", "mount_label", "prune_cache",
-]  # fmt: skip
-
 DATA_LABEL = "agentbox-data"
 #: Size of every ``/data`` device (sparse: only what is written takes space); the
 #: ext4 on it is the disk limit, at most this.

@@ -24,8 +24,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import PathRefused
 from agentbox.safepath import SafeWriter
 
-__all__ = ["MAX_EXPORT_BYTES", "MAX_EXPORT_FILE", "write_tar"]
-
 log = get_logger(__name__)
 
 #: Total bytes a copy-out may write (the /data disk's size, the largest disk limit).

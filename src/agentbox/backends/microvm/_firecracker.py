@@ -64,29 +64,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ImageError, UnsupportedError
 
-__all__ = [
-    "GUEST_CID",
-    "JAIL_FILES",
-    "MIN_VERSION",
-    "PARENT_CGROUP",
-    "VSOCK_MODULES",
-    "VSOCK_UDS",
-    "FcSpec",
-    "boot_args",
-    "cgroup_dirs",
-    "cgroup_version",
-    "check_versions",
-    "chroot_dir",
-    "ensure_vsock_modules",
-    "jail_entries",
-    "jailer_argv",
-    "parse_version",
-    "place_files",
-    "vcpu_count",
-    "version_output",
-    "vm_config",
-]
-
 log = get_logger(__name__)
 
 #: First release that describes virtio-mmio devices to x86_64 guests via ACPI (#4428).

@@ -29,18 +29,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from agentbox.backends.microvm._channel import Channel, GuestTimeout
+from agentbox.backends.microvm._channel import Channel
 from agentbox.backends.microvm._gwstreams import (
-    MAX_GATEWAY_HELD,
-    MAX_GATEWAY_STREAMS,
     GatewayStreams,
 )
 from agentbox.core.execution import ExecResult, OutputCallback
 from agentbox.core.log import get_logger
-from agentbox.errors import GuestError
+from agentbox.errors import GuestError, GuestTimeout
 from agentbox.guest.wire import FILE, MAX_PAYLOAD, STDERR, STDIN, STDOUT, proof
-
-__all__ = ["MAX_GATEWAY_HELD", "MAX_GATEWAY_STREAMS", "GuestSession", "KernelFacts", "host_kernel"]
 
 log = get_logger(__name__)
 

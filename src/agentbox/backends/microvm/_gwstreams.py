@@ -26,8 +26,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import GuestError
 from agentbox.guest.wire import GW, GW_WINDOW
 
-__all__ = ["MAX_GATEWAY_HELD", "MAX_GATEWAY_STREAMS", "GatewayStreams"]
-
 log = get_logger(__name__)
 
 #: Gateway connections a guest may hold open at once; more are refused (EOF at once),

@@ -32,8 +32,6 @@ from agentbox.config import Settings
 from agentbox.errors import ImageError
 from agentbox.guest import wire as wire_module
 
-__all__ = ["INIT_SCRIPT", "MARKER", "build_cpio", "ensure_initramfs"]
-
 MARKER = "AGENTBOX-GUEST-MARKER"
 ROOT_LABEL = "agentbox-root"
 

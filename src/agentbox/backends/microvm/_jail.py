@@ -41,8 +41,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError, UnsupportedError
 from agentbox.linux.libc import libc
 
-__all__ = ["Cgroup", "JailSpec", "jail_argv", "spawn"]
-
 log = get_logger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -24,8 +24,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ImageError
 
-__all__ = ["OVERLAY_MODULES", "Kernel", "decompress_bzimage", "ensure_kernel", "ensure_modules"]
-
 log = get_logger(__name__)
 
 METAPACKAGE = "linux-image-cloud-amd64"

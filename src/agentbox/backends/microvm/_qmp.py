@@ -17,8 +17,6 @@ from typing import Any
 from agentbox.backends.microvm._sockpath import connectable
 from agentbox.errors import SandboxError
 
-__all__ = ["run_qmp", "wait_loaded", "wait_migration"]
-
 
 async def _session(path: Path, commands: list[tuple[str, dict[str, Any] | None]]) -> list[Any]:
     from qemu.qmp import QMPClient

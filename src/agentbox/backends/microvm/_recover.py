@@ -26,19 +26,6 @@ from agentbox.core.log import get_logger
 from agentbox.core.paths import check_inside
 from agentbox.errors import AgentboxError
 
-__all__ = [
-    "cgroup_dirs",
-    "export_into",
-    "kill_sandbox",
-    "pid_alive",
-    "recover_sandbox",
-    "replace_workspace",
-    "settle",
-    "vm_dirs",
-    "vmm_uid",
-    "write_owner",
-]
-
 log = get_logger(__name__)
 
 

@@ -42,8 +42,6 @@ from agentbox.backends.microvm._vm import TCG_CPU, Vm, VmConfig
 from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError
 
-__all__ = ["ensure_snapshot", "snapshot_key", "wait_incoming"]
-
 log = get_logger(__name__)
 
 BOOT_TIMEOUT = 180.0

@@ -16,8 +16,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["MAX_SUN_PATH", "connectable"]
-
 #: Longest path ``connect`` takes on Linux (``sun_path`` is 108 bytes with its NUL).
 MAX_SUN_PATH = 107
 

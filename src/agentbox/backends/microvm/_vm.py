@@ -29,8 +29,6 @@ from agentbox.backends.microvm._sockpath import connectable
 from agentbox.core.log import get_logger
 from agentbox.errors import GuestError, SandboxError
 
-__all__ = ["SANDBOX_FLAGS", "Vm", "VmConfig", "host_tsc_khz", "qemu_argv"]
-
 log = get_logger(__name__)
 
 #: QEMU's seccomp filter with every optional deny turned on.

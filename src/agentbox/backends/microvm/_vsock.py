@@ -26,8 +26,6 @@ from pathlib import Path
 from agentbox.core.log import get_logger
 from agentbox.errors import GuestError, SandboxError
 
-__all__ = ["HANDSHAKE_TIMEOUT", "MAX_REPLY", "connect_vsock", "handshake"]
-
 log = get_logger(__name__)
 
 #: Longest reply accepted, newline included (``OK 4294967295\n`` is 14 bytes).

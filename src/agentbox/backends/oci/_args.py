@@ -31,18 +31,6 @@ from agentbox.core import proc as _proc
 from agentbox.errors import CommandError, ImageError, PathRefused, UnsupportedError
 from agentbox.linux.acl import acl_allows
 
-__all__ = [
-    "CONMON_GRACE",
-    "RELAY_PATH",
-    "RUNTIMES",
-    "ImageFacts",
-    "check_spec",
-    "entry_argv",
-    "image_facts",
-    "podman_global_args",
-    "run_args",
-]
-
 #: Where the image carries our relay shim (see agentbox/guest/relay.py).
 RELAY_PATH = "/opt/agentbox/relay.py"
 RUNTIMES = ("runc", "crun", "runsc")

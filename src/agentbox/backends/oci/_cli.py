@@ -25,21 +25,6 @@ from agentbox.backends.base import OutputCallback
 from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxError
 
-__all__ = [
-    "MAX_CAPTURE",
-    "MAX_COPY_OUT",
-    "Capture",
-    "EnvFile",
-    "cgroup_pids",
-    "conmon_cwd",
-    "env_file",
-    "force_remove",
-    "kill",
-    "owner_start",
-    "podman_error",
-    "stdin_fd",
-]
-
 #: Output kept in memory per stream when no callback is given; the rest is dropped.
 MAX_CAPTURE = 64 * 1024 * 1024
 #: copy_out refuses archives bigger than this (the sandbox controls their size).

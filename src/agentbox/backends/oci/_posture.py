@@ -46,17 +46,6 @@ from agentbox.errors import CommandError, SandboxError
 if TYPE_CHECKING:
     from agentbox.backends.podman._sandbox import PodmanSandbox
 
-__all__ = [
-    "PROBE",
-    "all_same",
-    "expected_mounts",
-    "host_processes",
-    "probe_inside",
-    "process_checks",
-    "read_posture",
-    "wait_relay",
-]
-
 #: Runs inside the sandbox (``python3 -I -S -c PROBE``); prints one JSON object.
 PROBE = r"""
 import ctypes, json, os

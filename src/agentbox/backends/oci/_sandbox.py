@@ -41,8 +41,6 @@ from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ConfigError, SandboxError
 
-__all__ = ["RELAY_WAIT", "OciSandbox", "start_on_disk", "wait_relay_inside"]
-
 #: What :meth:`OciSandbox._run` gives back: the exit code and whether the sandbox's
 #: deadline killed the command; None when the host gave up waiting for it.
 Ran = tuple[int, bool] | None

@@ -45,16 +45,6 @@ from pathlib import Path
 
 from agentbox.errors import UnsupportedError
 
-__all__ = [
-    "HOOK_SCRIPT",
-    "HOST_SANDBOXES",
-    "HOST_SYSCTLS",
-    "SANDBOX_CAPS",
-    "SANDBOX_RLIMITS",
-    "hooks_dir",
-    "host_shortfall",
-]
-
 #: Written into each sandbox's own user namespace (``/proc/sys/user/NAME``).
 #: inotify: node's and Claude Code's watchers need a handful of instances and a watch
 #: per watched directory; each watch is charged to the sandbox's memory cgroup.

@@ -11,17 +11,17 @@ workspace disk (``backends._wsdisk``) and the ``k8s-file`` log reader
 (``backends._k8slog``).
 """
 
-from agentbox.backends.podman._backend import (
+from agentbox.backends.oci._args import image_facts
+from agentbox.backends.oci._cli import conmon_cwd
+from agentbox.backends.oci._userns_limits import (
     HOST_SANDBOXES,
     HOST_SYSCTLS,
     SANDBOX_CAPS,
-    PodmanBackend,
-    PodmanSandbox,
-    conmon_cwd,
     host_shortfall,
-    image_facts,
 )
+from agentbox.backends.podman._backend import PodmanBackend
 from agentbox.backends.podman._doctor import doctor_rows, facility
+from agentbox.backends.podman._sandbox import PodmanSandbox
 
 __all__ = [
     "HOST_SANDBOXES",

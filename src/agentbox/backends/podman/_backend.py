@@ -71,13 +71,7 @@ from agentbox.backends.oci._cli import (
 )
 from agentbox.backends.oci._posture import wait_relay
 from agentbox.backends.oci._sandbox import start_on_disk
-from agentbox.backends.oci._userns_limits import (
-    HOST_SANDBOXES,
-    HOST_SYSCTLS,
-    SANDBOX_CAPS,
-    host_shortfall,
-)
-from agentbox.backends.podman import _pool
+from agentbox.backends.podman import _pool, _pool_ends
 from agentbox.backends.podman._detach import (
     DETACHED_LABEL,
     PodmanDetached,
@@ -93,17 +87,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.core.oci import HOST_KERNEL_RUNTIMES, PODMAN_RUNTIMES
 from agentbox.errors import AgentboxError, CommandError, CommandTimeout, ConfigError, SandboxError
-
-__all__ = [
-    "HOST_SANDBOXES",
-    "HOST_SYSCTLS",
-    "SANDBOX_CAPS",
-    "PodmanBackend",
-    "PodmanSandbox",
-    "conmon_cwd",
-    "host_shortfall",
-    "image_facts",
-]
 
 log = get_logger(__name__)
 
@@ -171,10 +154,10 @@ class PodmanBackend(PodmanDetached):
 
     def drain_pool(self, *, everything: bool = True) -> list[str]:
         """Remove unclaimed pooled sandboxes (all, or only expired and dead ones)."""
-        return _pool.sweep(self.settings, everything=everything)
+        return _pool_ends.sweep(self.settings, everything=everything)
 
     def _settle(self, name: str, conmon: psutil.Process | None) -> None:
-        _pool.release(self.settings, name)  # a pooled sandbox's slot binds first
+        _pool_ends.release(self.settings, name)  # a pooled sandbox's slot binds first
         super()._settle(name, conmon)
 
     def run(
@@ -376,7 +359,7 @@ class PodmanBackend(PodmanDetached):
         done = [name]
         if conmon is not None:
             wait_exited(conmon, 15)  # exited, not reaped: a late-reaping init costs seconds
-        _pool.release(self.settings, name)
+        _pool_ends.release(self.settings, name)
         for disk in settle_orphan_disks(self.settings, name):
             log.info("settled the workspace disk of a dead owner", sandbox=disk)
         return done

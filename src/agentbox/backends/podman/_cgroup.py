@@ -32,8 +32,6 @@ from agentbox.core.log import get_logger
 from agentbox.linux.cgroups import ENTER_THEN_EXEC, UNIT_KEYS, cgroups_of, enter_then_exec
 from agentbox.linux.cgroups import cgroup_mounts as _cgroup_mounts
 
-__all__ = ["born_outside", "cgroups_of", "place_conmon"]
-
 logger = get_logger(__name__)
 
 #: The shell step of :func:`born_outside` (shared with the gateway's start).

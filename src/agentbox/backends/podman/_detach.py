@@ -87,16 +87,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, CommandError, SandboxError, SandboxGone
 
-__all__ = [
-    "DEADLINE_LABEL",
-    "DETACHED_LABEL",
-    "SEAL_LABEL",
-    "PodmanDetached",
-    "conmon_of",
-    "inspect",
-    "is_detached",
-]
-
 logger = get_logger(__name__)
 
 #: Set ("1") on a detached sandbox: orphan sweeps leave it to its data dir's launcher.

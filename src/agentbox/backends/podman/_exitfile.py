@@ -32,8 +32,6 @@ from agentbox.backends.base import Exited
 from agentbox.backends.oci._cli import kill
 from agentbox.core.log import get_logger
 
-__all__ = ["CONMON_EXIT_WAIT", "exit_file_of", "read_exit_file", "wait_exited"]
-
 logger = get_logger(__name__)
 
 #: How long a follower waits for conmon to go after the container is removed.

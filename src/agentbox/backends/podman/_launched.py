@@ -39,8 +39,6 @@ from agentbox.backends.oci._cli import conmon_cwd
 from agentbox.backends.podman._exitfile import read_owned_note
 from agentbox.core.log import get_logger
 
-__all__ = ["conmon_and_view", "container_id", "launched_view", "started_conmon", "with_pidfile"]
-
 log = get_logger(__name__)
 
 _ID = re.compile(r"[0-9a-f]{64}")

@@ -77,7 +77,6 @@ from agentbox.backends.podman._detach import (
     seal,
 )
 from agentbox.backends.podman._launched import container_id, started_conmon, with_pidfile
-from agentbox.backends.podman._pool_ends import drain, release, sweep
 from agentbox.backends.podman._pool_slots import (
     SLOT_PREFIX,
     alive,
@@ -106,8 +105,6 @@ from agentbox.errors import AgentboxError, CommandError, ConfigError, SandboxErr
 
 if TYPE_CHECKING:
     from agentbox.backends.podman._backend import PodmanBackend
-
-__all__ = ["SLOT_PREFIX", "claim", "drain", "fill", "pool_dir", "pool_key", "release", "sweep"]
 
 log = get_logger(__name__)
 

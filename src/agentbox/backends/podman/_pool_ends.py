@@ -31,8 +31,6 @@ from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError
 
-__all__ = ["drain", "release", "sweep"]
-
 
 def release(settings: Settings, name: str) -> bool:
     """Once sandbox ``name`` (a task's, or a slot's) is gone: unmount its slot's binds,

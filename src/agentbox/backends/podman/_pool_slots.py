@@ -25,25 +25,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError
 
-__all__ = [
-    "SLOT_PREFIX",
-    "alive",
-    "bind",
-    "discard",
-    "filler",
-    "filler_alive",
-    "is_mount",
-    "locked",
-    "pool_dir",
-    "pool_holds",
-    "share",
-    "slot_log",
-    "slots",
-    "unbind",
-    "unmount_if_empty",
-    "write",
-]
-
 #: Pool sandboxes are named ``agentbox-pool-<hex>`` until claimed.
 SLOT_PREFIX = "agentbox-pool-"
 

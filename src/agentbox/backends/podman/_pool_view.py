@@ -22,16 +22,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "POOL_DIR_LABEL",
-    "POOL_LABEL",
-    "POOL_LOG_KEY",
-    "POOL_NAME_LABEL",
-    "claim_record",
-    "pool_log",
-    "pool_view",
-]
-
 #: The pool key (shape hash) of a pooled sandbox.
 POOL_LABEL = "io.agentbox.pool"
 #: The pool's directory (``data_dir/pool``): where its claim records are.

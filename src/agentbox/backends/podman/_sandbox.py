@@ -25,8 +25,6 @@ from agentbox.errors import CommandError, CommandTimeout, SandboxError
 if TYPE_CHECKING:
     from agentbox.backends.podman import PodmanBackend
 
-__all__ = ["PodmanSandbox"]
-
 log = get_logger(__name__)
 
 

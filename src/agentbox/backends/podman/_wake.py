@@ -20,8 +20,6 @@ from pathlib import Path
 from agentbox.core.log import get_logger
 from agentbox.linux.libc import libc as load_libc
 
-__all__ = ["Wake"]
-
 log = get_logger(__name__)
 
 _IN_CLOSE_WRITE = 0x00000008

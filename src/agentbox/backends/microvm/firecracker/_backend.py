@@ -72,15 +72,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import SandboxError, UnsupportedError
 from agentbox.guest.agent import VSOCK_PORT
 
-__all__ = [
-    "FirecrackerBackend",
-    "FirecrackerSandbox",
-    "FirecrackerVm",
-    "facility",
-    "fc_uid",
-    "firecracker_binaries",
-]
-
 log = get_logger(__name__)
 
 

@@ -28,8 +28,6 @@ from agentbox.core import host as _host
 from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError, UnsupportedError
 
-__all__ = ["QemuBackend"]
-
 
 @functools.cache
 def _qemu_version(binary: str) -> str:

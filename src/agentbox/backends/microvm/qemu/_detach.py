@@ -60,8 +60,6 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError, SandboxGone
 
-__all__ = ["DEADLINE_GRACE", "LAUNCH_TIMEOUT", "QemuDetached"]
-
 logger = get_logger(__name__)
 
 #: How long launch() waits for the VM to run (a first snapshot template takes long).

@@ -55,8 +55,6 @@ from agentbox.backends.microvm.qemu import _records as detach
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, GuestError
 
-__all__ = ["RECORD_BYTES", "LogWriter", "main"]
-
 log = get_logger(__spec__.name if __spec__ else __name__)
 
 #: Content bytes per k8s-file record at most (conmon's read buffer: 8 KiB).

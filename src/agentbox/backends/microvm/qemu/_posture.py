@@ -21,8 +21,6 @@ from agentbox.errors import AgentboxError
 if TYPE_CHECKING:
     from agentbox.backends.microvm.qemu._sandbox import QemuSandbox
 
-__all__ = ["ThreadStatus", "read_posture", "thread_status", "vmm_checks"]
-
 NAMESPACES = ("mnt", "pid", "ipc", "uts", "net")
 
 

@@ -41,19 +41,6 @@ from agentbox.core.log import get_logger
 from agentbox.errors import SandboxGone
 from agentbox.linux.cgroups import unit_hierarchies
 
-__all__ = [
-    "MONITOR_MODULE",
-    "RECORD_DIR",
-    "Identity",
-    "born_outside",
-    "drop_record",
-    "monitor_argv",
-    "monitor_of",
-    "read_record",
-    "record_path",
-    "write_record",
-]
-
 logger = get_logger(__name__)
 
 MONITOR_MODULE = "agentbox.backends.microvm.qemu._monitor"

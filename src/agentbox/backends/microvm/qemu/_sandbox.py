@@ -46,8 +46,6 @@ from agentbox.errors import AgentboxError, GuestError, SandboxError
 if TYPE_CHECKING:
     from agentbox.backends.microvm._base import _MicrovmBackend
 
-__all__ = ["BOOT_TIMEOUT", "CGROUP_SETTLE", "QemuSandbox"]
-
 log = get_logger(__name__)
 
 BOOT_TIMEOUT = 180.0
