@@ -214,3 +214,34 @@ def test_a_group_sets_up_once(lab: tuple[Path, dict[str, str]]) -> None:
     store = EnvStore(settings)
     for entry in store.list():
         store.remove(entry.key, force=True)
+
+
+def test_a_detached_group_is_picked_by_the_service(lab: tuple[Path, dict[str, str]]) -> None:
+    """``run --attempts 2 --detach``: the launcher service runs the group and, when the
+    last attempt ends, publishes the pick as agentbox/GROUP by itself."""
+    import time
+
+    base, env = lab
+    repo = base / "repos" / "detached"
+    repo.mkdir()
+    (repo / "mathx.py").write_text(MODULE)
+    (repo / "test_mathx.py").write_text(TESTS)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "bug")
+    try:
+        r = _cli(env, "run", "--repo", str(repo), "--model", "replay-attempts", "--attempts",
+                 "2", "--detach", "--id", "dg2", "--json", "Fix double().")  # fmt: skip
+        assert _json(r) == {"group": "dg2", "attempts": ["dg2-a1", "dg2-a2"]}, r.stderr
+        waited = _cli(env, "wait", "dg2-a1", "dg2-a2")
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+        view: dict[str, Any] = {}
+        for _ in range(120):  # the pick is published just after the last attempt ends
+            view = _json(_cli(env, "show", "dg2", "--json"))
+            if view.get("branch"):
+                break
+            time.sleep(0.5)
+        assert view["pick"] == 2 and view["branch"] == "agentbox/dg2", view
+        assert git(repo, "rev-parse", "agentbox/dg2") == git(repo, "rev-parse", "agentbox/dg2-a2")
+    finally:
+        _cli(env, "launcher", "stop")

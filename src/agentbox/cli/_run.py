@@ -145,11 +145,13 @@ def register(app: typer.Typer) -> None:
                 )
             if pick_by not in PICK_RULES:
                 raise typer.BadParameter(f"one of {', '.join(PICK_RULES)}", param_hint="--pick-by")
-            if detach or pr:
+            if pr:
                 raise PolicyRefused(
-                    "--attempts runs in the foreground; publish the pick with --pr later "
-                    "(`agentbox publish GROUP --pick K --pr` is not there yet: push agentbox/GROUP)"
+                    "--pr goes with one task; for a group, push its pick once it is done: "
+                    "`agentbox publish GROUP-aK --pr` (K: the pick, `agentbox show GROUP`)"
                 )
+            if detach:
+                _detach_group(settings, req, attempts, as_json=as_json)
             run_group(req, box, attempts=attempts, pick_by=pick_by, as_json=as_json,
                       overrides=overrides)  # fmt: skip
         if detach:
@@ -298,6 +300,28 @@ def _detach(settings: Settings, req: TaskRequest, *, as_json: bool) -> None:
                 f"task {info.id} {info.status}: agentbox watch {info.id} · agentbox wait {info.id}"
             )
         )
+    raise typer.Exit(0)
+
+
+def _detach_group(settings: Settings, req: TaskRequest, attempts: int, *, as_json: bool) -> None:
+    """``run --attempts N --detach``: the group to the launcher service, which publishes
+    its pick when the last attempt ends; print the group id (``{"group", "attempts"}``)."""
+    from agentbox.cli._client import ensure_service
+    from agentbox.cli._view import dump, err, safe
+
+    say = (lambda m: None) if as_json else (lambda m: err.print(safe(m)))
+    client = ensure_service(settings, say=say)
+    try:
+        infos = client.submit_group(req, attempts)
+    finally:
+        client.close()
+    group = infos[0].group or ""
+    if as_json:
+        dump({"group": group, "attempts": [i.id for i in infos]})
+    else:
+        sys.stdout.write(group + "\n")
+        sys.stdout.flush()
+        err.print(safe(f"group {group}: {len(infos)} attempts queued: agentbox show {group}"))
     raise typer.Exit(0)
 
 
