@@ -6,6 +6,11 @@
   (``agentbox.backends.docker._facility`` as much as ``agentbox.gateway._run``): it
   imports the package's facade (its ``__init__``) or a public module. The few edges
   still pending are listed with the reason, so the list can only shrink.
+* ``backends/`` is by family: ``oci/`` (what podman and docker share), ``podman/``,
+  ``docker/``, ``microvm/`` (the machinery) with ``microvm/qemu/`` and
+  ``microvm/firecracker/``; a family imports only the root's shared modules, its own
+  family's shared part, and nothing of a sibling; outside ``backends/`` only the root
+  and the backends' facades are imported.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "agentbox"
 
 #: (importing package, imported private module) edges not yet moved behind a facade.
-#: Empty: the microVM backends import agentbox.backends.microvm's facade, the CLI image's.
+#: Empty.
 PENDING: set[tuple[str, str]] = set()
 
 
@@ -178,3 +183,93 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycle(graph) == []
     graph["image"] = {"backends"}
     assert _cycle(graph) == ["backends", "image", "backends"]
+
+
+#: backends/ families: what each may import besides itself and the backends root.
+FAMILIES: dict[str, set[str]] = {
+    "oci": set(),
+    "podman": {"oci"},
+    "docker": {"oci"},
+    "microvm": set(),
+    "microvm/qemu": {"microvm"},
+    # its sandbox is the qemu backend's live VM (QemuSandbox), another VMM below it
+    "microvm/firecracker": {"microvm", "microvm/qemu"},
+    # the workspace disk: a loop mount (oci._cli runs its tools) or a microVM data disk
+    "root": {"oci", "microvm"},
+}
+
+#: Edges made for type annotations only (``if TYPE_CHECKING``): the shared part names the
+#: sandbox class it serves.
+TYPE_ONLY = {("oci", "podman"), ("microvm", "microvm/qemu")}
+
+
+def _family_of_path(path: Path) -> str:
+    rel = path.relative_to(SRC / "backends").parts
+    if len(rel) == 1:
+        return "root"
+    if rel[0] == "microvm" and len(rel) > 2:
+        return f"microvm/{rel[1]}"
+    return rel[0]
+
+
+def _family_of_module(mod: str) -> tuple[str, bool] | None:
+    """The family ``mod`` belongs to, and whether ``mod`` is that family's facade."""
+    parts = mod.split(".")
+    if parts[:2] != ["agentbox", "backends"] or len(parts) < 3:
+        return None
+    if parts[2] in ("oci", "podman", "docker"):
+        return parts[2], len(parts) == 3 or not parts[3].startswith("_")
+    if parts[2] == "microvm":
+        if len(parts) > 3 and parts[3] in ("qemu", "firecracker"):
+            return f"microvm/{parts[3]}", len(parts) == 4 or not parts[4].startswith("_")
+        return "microvm", len(parts) == 3 or not parts[3].startswith("_")
+    return "root", True
+
+
+def _family_edges() -> tuple[set[tuple[str, str]], set[tuple[str, str, str]]]:
+    """(family, family) edges inside backends/; (package, family, module) from outside."""
+    inside: set[tuple[str, str]] = set()
+    outside: set[tuple[str, str, str]] = set()
+    for path in SRC.rglob("*.py"):
+        within = (SRC / "backends") in path.parents
+        for mod in _imports(path):
+            found = _family_of_module(mod)
+            if found is None:
+                continue
+            fam, facade = found
+            if within:
+                src = _family_of_path(path)
+                if fam != src:
+                    inside.add((src, fam))
+            elif not facade:
+                outside.add((_package(path), fam, mod))
+    return inside, outside
+
+
+def test_backend_families_import_only_what_they_build_on() -> None:
+    inside, _ = _family_edges()
+    assert set(FAMILIES) >= {a for a, _ in inside} | {b for _, b in inside}
+    bad = sorted(
+        f"{a} imports {b}" for a, b in inside - TYPE_ONLY if b != "root" and b not in FAMILIES[a]
+    )
+    assert not bad, "backend families reaching sideways:\n" + "\n".join(bad)
+
+
+def test_outside_backends_only_the_root_and_the_facades_are_imported() -> None:
+    _, outside = _family_edges()
+    bad = sorted(f"{p}: {m}" for p, fam, m in outside if p not in PENDING_PACKAGES)
+    assert not bad, "backend internals imported from outside backends/:\n" + "\n".join(bad)
+    # The families named are the tree's folders (a new folder needs a rule above).
+    folders = {p.parent for p in (SRC / "backends").rglob("__init__.py")}
+    named = {_family_of_path(f / "__init__.py") for f in folders if f != SRC / "backends"}
+    assert named == set(FAMILIES) - {"root"}
+
+
+def test_the_family_check_fires() -> None:
+    """Positive control: a sideways edge and a private one from outside are seen."""
+    assert _family_of_module("agentbox.backends.podman._pool") == ("podman", False)
+    assert _family_of_module("agentbox.backends.microvm.qemu") == ("microvm/qemu", True)
+    assert _family_of_module("agentbox.backends.microvm._disks") == ("microvm", False)
+    assert _family_of_module("agentbox.backends.oci") == ("oci", True)
+    assert _family_of_module("agentbox.backends._uidslots") == ("root", True)
+    assert "docker" not in FAMILIES["podman"] and "oci" not in FAMILIES["microvm/qemu"]
