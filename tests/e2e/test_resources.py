@@ -147,7 +147,10 @@ def test_a_tasks_cpu_memory_disk_and_egress() -> None:
         assert used["cpu_s"] >= 2, used
         assert used["memory_peak_bytes"] >= 100 * MB, used
         assert used["memory_anon_peak_bytes"] >= 100 * MB, used
-        assert used["disk_written_bytes"] >= 50 * MB, used
+        # the processes' own writes: the 50 MB, not the filesystem's lazy init of its
+        # inode tables (which the loop device's figure carries too)
+        assert 50 * MB <= used["disk_written_bytes"] < 150 * MB, used
+        assert used["disk_device_written_bytes"] >= 50 * MB, used
         assert used["disk_peak_bytes"] >= 50 * MB, used
         assert used["processes_peak"] >= 2 and used["processes_seen"] >= 3, used
         assert used["processes_started"] is None  # no fork counter: not claimed

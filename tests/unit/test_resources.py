@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import psutil
@@ -15,6 +16,7 @@ from agentbox.observe.resources import (
     final_resources,
     mount_source,
     parse_int,
+    parse_io_written,
     parse_keyed,
     parse_proc_cgroup,
     parse_sectors_written,
@@ -22,6 +24,7 @@ from agentbox.observe.resources import (
     read_resources,
     resources_words,
     write_resources,
+    written_by,
 )
 
 V1_PROC_CGROUP = """\
@@ -158,12 +161,19 @@ def test_sampler_without_a_sandbox_samples_nothing_and_writes_the_file(tmp_path:
 def test_a_readopting_sampler_starts_from_the_dead_launchers_figures(tmp_path: Path) -> None:
     write_resources(
         tmp_path,
-        {"cpu_s": 2.5, "memory_peak_bytes": 100, "disk_written_bytes": 4096, "live": True},
+        {
+            "cpu_s": 2.5,
+            "memory_peak_bytes": 100,
+            "disk_written_bytes": 4096,
+            "disk_device_written_bytes": 8192,
+            "live": True,
+        },
     )
     s = Sampler(tmp_path, "fake", "x", tmp_path / "workspace").start()
     used = s.stop()
     assert used.cpu_s == 2.5 and used.memory_peak_bytes == 100
-    assert used.disk_written_bytes == 4096 and used.notes
+    assert used.disk_written_bytes == 4096 and used.disk_device_written_bytes == 8192
+    assert used.notes
 
 
 def test_final_resources_adds_egress_from_the_reports_summaries(tmp_path: Path) -> None:
@@ -231,3 +241,23 @@ def test_a_vm_process_is_sampled_by_its_own_figures(tmp_path: Path) -> None:
     (tmp_path / "microvm-detached" / "agentbox-y.json").write_text('{"vm": "junk"}')
     assert VmProcess.of_record(tmp_path, "agentbox-y") is None
     assert VmProcess.of_record(tmp_path, "agentbox-none") is None
+
+
+PROC_IO = """\
+rchar: 6976
+wchar: 52428800
+syscr: 10
+syscw: 50
+read_bytes: 0
+write_bytes: 52428800
+cancelled_write_bytes: 4096
+"""
+
+
+def test_proc_io_write_bytes(tmp_path: Path) -> None:
+    assert parse_io_written(PROC_IO) == 52428800
+    assert parse_io_written("write_bytes: lots\n") is None
+    assert parse_io_written("") is None
+    # the live processes' figures are summed; a pid that is gone counts nothing
+    mine = parse_io_written(Path("/proc/self/io").read_text()) or 0
+    assert written_by({os.getpid(), 999_999_999}) >= mine

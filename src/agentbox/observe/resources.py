@@ -14,9 +14,13 @@ more when the sandbox has ended. Where each figure comes from:
   kernel's own maximum, page cache of the sandbox's writes included);
   ``memory_anon_peak_bytes``: the largest sampled anonymous memory (v1 ``memory.stat``
   ``total_rss``, v2 ``anon``);
-- ``disk_written_bytes``: sectors written to the workspace's loop device
-  (``/sys/block/loopN/stat``, field 7, times 512) since the first sample, read once more after
-  the disk's unmount (which flushes what writeback had not yet written);
+- ``disk_written_bytes``: what the sandbox's processes wrote to storage (the sum of
+  ``write_bytes`` of ``/proc/<pid>/io`` over the cgroup's processes: each one's figure
+  holds its reaped children's, so the container's init holds the dead ones'), sampled;
+  ``disk_device_written_bytes``: sectors written to the workspace's loop device
+  (``/sys/block/loopN/stat``, field 7, times 512) since the first sample, read once more
+  after the disk's unmount (which flushes what writeback had held back): the
+  filesystem's own writes included (journal, ext4's lazy inode-table init);
   ``disk_peak_bytes``: the largest sampled used size of the workspace filesystem
   (``statvfs``; the repo copy included);
 - ``processes_peak``: the most processes seen at once in the cgroup (``cgroup.procs``,
@@ -107,6 +111,26 @@ def parse_status_kb(text: str, key: str) -> int | None:
                 return int(words[0]) * 1024
             return None
     return None
+
+
+def parse_io_written(text: str) -> int | None:
+    """``/proc/<pid>/io``: ``write_bytes`` (bytes it sent, or will send, to storage:
+    counted when a page is dirtied, its reaped children's included)."""
+    return parse_keyed(text.replace(":", " ")).get("write_bytes")
+
+
+#: The most processes whose ``io`` one sample reads (a fork bomb costs no more).
+MAX_IO_READS = 512
+
+
+def written_by(pids: set[int]) -> int:
+    """What the live processes ``pids`` wrote to storage (each one's own and its reaped
+    descendants': a process's figure holds its waited-for children's)."""
+    total = 0
+    for pid in sorted(pids)[:MAX_IO_READS]:
+        got = parse_io_written(_read(Path(f"/proc/{pid}/io")) or "")
+        total += got or 0
+    return total
 
 
 def parse_sectors_written(text: str) -> int | None:
@@ -291,6 +315,9 @@ class Usage:
     memory_peak_bytes: int | None = None
     memory_anon_peak_bytes: int | None = None
     disk_written_bytes: int | None = None
+    disk_device_written_bytes: int | None = None
+    """What reached the workspace's loop device: with the filesystem's own writes
+    (journal, ext4's lazy inode-table init after the mount)."""
     disk_peak_bytes: int | None = None
     processes_peak: int | None = None
     processes_started: int | None = None
@@ -361,9 +388,13 @@ class Sampler:
         cpu = prior.get("cpu_s")
         if isinstance(cpu, int | float) and not isinstance(cpu, bool) and cpu >= 0:
             u.cpu_s = float(cpu)
-        written = prior.get("disk_written_bytes")
+        for key in ("disk_written_bytes",):
+            v = prior.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                u.disk_written_bytes = v
+        written = prior.get("disk_device_written_bytes")
         if isinstance(written, int) and not isinstance(written, bool) and written >= 0:
-            self._written0 = u.disk_written_bytes = written
+            self._written0 = u.disk_device_written_bytes = written
             u.notes.append("re-adopted: disk writes while no launcher watched are not counted")
 
     def start(self) -> Sampler:
@@ -416,6 +447,7 @@ class Sampler:
                 u.memory_anon_peak_bytes = _max(u.memory_anon_peak_bytes, self._cg.memory_anon())
                 procs = self._cg.processes()
                 if procs is not None:
+                    u.disk_written_bytes = _max(u.disk_written_bytes, written_by(procs))
                     self._seen |= procs
                     u.processes_peak = _max(u.processes_peak, len(procs))
                     u.processes_seen = len(self._seen)
@@ -479,7 +511,7 @@ class Sampler:
         sectors = parse_sectors_written(_read(self._stat_path()) or "")
         if sectors is not None and sectors >= self._sectors0:
             written = self._written0 + (sectors - self._sectors0) * _SECTOR
-            u.disk_written_bytes = _max(u.disk_written_bytes, written)
+            u.disk_device_written_bytes = _max(u.disk_device_written_bytes, written)
         if not final and self._ws_dev is not None:
             with contextlib.suppress(OSError):
                 if self.workspace.stat().st_dev == self._ws_dev:
