@@ -18,7 +18,8 @@ APT_PKGS=(podman runc crun runsc bubblewrap uidmap mmdebstrap qemu-system-x86 qe
           xfsprogs   # xfsprogs: the reflink-workspace test's XFS loop filesystem
           strace     # the per-task git process budget test counts execve calls
           git-lfs    # the apply test proves agent-written LFS config never makes the host's git-lfs run
-          gcc libc6-dev)  # the image build compiles the in-sandbox relay (guest/relay.c), static
+          gcc libc6-dev   # the image build compiles the in-sandbox relay (guest/relay.c), static
+          chromium chromium-driver)  # the web view's browser tests (tests/e2e/test_ui_browser.py)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

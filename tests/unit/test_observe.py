@@ -73,7 +73,7 @@ def test_hostile_or_missing_files_give_no_phases(tmp_path: Path) -> None:
 
 def test_metrics_listen_only_on_loopback() -> None:
     assert parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
-    assert parse_listen("localhost:0") == ("127.0.0.1", 0)
+    assert parse_listen("[::1]:0") == ("::1", 0)
     for bad in (
         "0.0.0.0:9464",
         "10.0.0.1:80",

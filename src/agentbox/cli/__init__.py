@@ -29,6 +29,7 @@ app = typer.Typer(cls=LazyGroup, **app_options())
 #: commands are listed (each imported when one of its commands runs: see _lazy.COMMANDS).
 COMMAND_MODULES: tuple[str, ...] = (
     "_mcp",
+    "_ui",
     "_tasks",
     "_launcher",
     "_run",

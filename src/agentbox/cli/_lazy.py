@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Run the MCP server (stdio by default: claude mcp add agentbox -- agentbox mcp).",
     ),
     "serve": ("_mcp", "Run the launcher and the MCP HTTP server together; Ctrl-C stops both."),
+    "ui": ("_ui", "Serve a web view of your tasks on 127.0.0.1; prints its login link first."),
     "tasks": ("_tasks", "List tasks, newest first (running ones with their live token counts)."),
     "show": ("_tasks", "Show a task's report and diff."),
     "cancel": ("_tasks", "Cancel a task (its partial result is still collected)."),

@@ -64,6 +64,9 @@ def serve_cmd(
     metrics: str | None = typer.Option(
         None, "--metrics", metavar="127.0.0.1:PORT", help="The launcher's Prometheus metrics."
     ),
+    ui: str | None = typer.Option(
+        None, "--ui", metavar="127.0.0.1:PORT", help="Also serve the web view (agentbox ui)."
+    ),
 ) -> None:
     """Run the launcher and the MCP HTTP server together; Ctrl-C stops both."""
     from agentbox.mcp import serve
@@ -73,12 +76,17 @@ def serve_cmd(
         from agentbox.launcher.metrics import parse_listen
 
         parse_listen(metrics)  # refused here, before anything starts
+    if ui is not None:
+        from agentbox.core.listen import parse_loopback
+
+        parse_loopback(ui, flag="--ui", who="the web view")
     code = serve(
         settings,
         http,
         user=user or os.environ.get("AGENTBOX_MCP_USER"),
         max_pending=max_pending,
         metrics=metrics,
+        ui=ui,
     )
     raise typer.Exit(code)
 

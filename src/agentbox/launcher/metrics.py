@@ -33,9 +33,9 @@ from prometheus_client.core import (
 )
 
 from agentbox.config import Settings
+from agentbox.core.listen import parse_loopback
 from agentbox.core.paths import TaskPaths
 from agentbox.core.tally import LAUNCHER_STARTS, POOL_CLAIMS, count_one, tally
-from agentbox.errors import PolicyRefused
 from agentbox.launcher._store import Store, TaskRow
 from agentbox.launcher.api import TERMINAL
 from agentbox.observe.phases import PHASE_NAMES, task_phases
@@ -329,15 +329,6 @@ class MetricsServer:
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
-    """``127.0.0.1:PORT`` (or ``localhost:PORT``) → (host, port); anything else is
-    refused: metrics name repos' tasks and models, for this host's operators only."""
-    host, sep, port_s = listen.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-        raise PolicyRefused(f"--metrics wants 127.0.0.1:PORT, got {listen!r:.80}")
-    if host not in ("127.0.0.1", "localhost"):
-        raise PolicyRefused(
-            f"--metrics: refusing to listen on {host!r:.60}: only loopback is allowed "
-            "(scrape it through an SSH tunnel or a local agent)"
-        )
-    return "127.0.0.1", int(port_s)
+    """``127.0.0.1:PORT`` → (host, port); anything but a loopback address is refused:
+    metrics name models and task counts, for this host's operators only."""
+    return parse_loopback(listen, flag="--metrics", who="the metrics endpoint")

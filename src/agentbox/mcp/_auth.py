@@ -12,7 +12,6 @@ link in its place is refused rather than read.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import os
 import secrets
@@ -21,7 +20,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from agentbox.errors import PathRefused, PolicyRefused
+from agentbox.core.listen import check_loopback, parse_loopback
+from agentbox.errors import PathRefused
 
 TOKEN_BYTES = 32
 
@@ -33,34 +33,12 @@ def token_path(data_dir: Path) -> Path:
 
 def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:PORT`` for IPv6) → (host, port), loopback only."""
-    host, sep, port_s = value.rpartition(":")
-    if not sep or not port_s.isdigit():
-        raise PolicyRefused(f"--http wants HOST:PORT, got {value!r}")
-    host = host.removeprefix("[").removesuffix("]")
-    port = int(port_s)
-    if not 0 <= port <= 65535:
-        raise PolicyRefused(f"port out of range: {port}")
-    check_bind(host)
-    return host, port
+    return parse_loopback(value, flag="--http", who="the MCP server")
 
 
 def check_bind(host: str) -> None:
-    """Refuse any bind address that is not a loopback IP literal.
-
-    Names are refused too (even ``localhost``): what a name resolves to is not
-    ours to trust at start-up.
-    """
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
-        raise PolicyRefused(
-            f"the MCP server binds to a loopback address only (127.0.0.1 or ::1), not {host!r}"
-        ) from None
-    if not addr.is_loopback:
-        raise PolicyRefused(
-            f"the MCP server binds to a loopback address only (127.0.0.1 or ::1), not {host}: "
-            "it would be reachable from other machines"
-        )
+    """Refuse any bind address that is not a loopback IP literal (names too)."""
+    check_loopback(host, who="the MCP server")
 
 
 def load_or_create_token(path: Path) -> str:

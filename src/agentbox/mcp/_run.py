@@ -276,6 +276,7 @@ def serve(
     user: str | None,
     max_pending: int,
     metrics: str | None = None,
+    ui: str | None = None,
 ) -> int:
     """Run the launcher and the MCP HTTP server together until SIGINT/SIGTERM.
 
@@ -312,9 +313,16 @@ def serve(
         procs.insert(0, mcp)
         _wait_for_http(host, port, mcp, 60.0)
         listener.close()  # the child holds it now
+        web = ""
+        if ui:
+            view = subprocess.Popen(_agentbox_argv("ui", "--listen", ui), start_new_session=True,
+                                    stdout=subprocess.PIPE)  # fmt: skip
+            procs.insert(0, view)
+            assert view.stdout is not None
+            web = f"  web view:   {view.stdout.readline().decode(errors='replace').strip()}\n"
         print(
             f"agentbox is serving.\n  MCP URL:    {mcp_url(host, port)}\n"
-            f"  token file: {tok_file}\n  launcher:   {launcher_socket(settings)}\n\n"
+            f"  token file: {tok_file}\n  launcher:   {launcher_socket(settings)}\n{web}\n"
             f"Add it to Claude Code with:\n  {claude_add_command(host, port, token)}\n",
             flush=True,
         )
