@@ -256,8 +256,11 @@ class AsyncTasks:
         self._c = client
 
     async def create(self, repo: str | os.PathLike[str], prompt: str, **kwargs: Any) -> AsyncTask:
-        """As :meth:`agentbox.sdk.Tasks.create`."""
-        return AsyncTask(await _thread(self._c.tasks.create, repo, prompt, **kwargs))
+        """As :meth:`agentbox.sdk.Tasks.create`, one task (a best-of-N group, ``attempts=``:
+        the sync client's ``tasks.create`` for now)."""
+        if kwargs.get("attempts") is not None:
+            raise TypeError("attempts=: AsyncClient has no groups yet; use Client().tasks.create")
+        return AsyncTask(await _thread(lambda: self._c.tasks.create(repo, prompt, **kwargs)))
 
     async def get(self, task_id: str) -> AsyncTask:
         return AsyncTask(await _thread(self._c.tasks.get, task_id))

@@ -20,9 +20,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Self, overload
 
 from agentbox.launcher.api import TaskInfo, TaskRequest, TaskResult
+from agentbox.launcher.attempts import GroupView
 from agentbox.launcher.client import LauncherClient
 from agentbox.launcher.pushapi import PushInfo, PushRequest
 from agentbox.sdk._transport import connect
@@ -102,17 +103,62 @@ class Task:
         return self._client.push(self.id, req)
 
 
+class TaskGroup:
+    """A best-of-N group (``tasks.create(…, attempts=N)``): :attr:`tasks` are its attempts
+    ``<id>-a1`` …; the launcher publishes the pick as ``agentbox/<id>`` when all ended."""
+
+    def __init__(self, client: LauncherClient, infos: list[TaskInfo]) -> None:
+        self._client = client
+        self.id: str = infos[0].group or ""
+        self.tasks = [Task(client, i) for i in infos]
+
+    def view(self, *, by: str = "tests") -> GroupView:
+        """The attempts scored (tests, status, diff size, flagged, tokens, cost, time) and
+        the pick by rule ``by`` (``tests``: the first that passed, then the smallest diff)."""
+        return self._client.group(self.id, by=by)
+
+    def wait(self, timeout: float | None = None, *, poll: float = 0.5) -> GroupView:
+        """Until every attempt ended (:class:`~agentbox.errors.TaskError` past ``timeout``,
+        counted for the whole group); the group's view."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for t in self.tasks:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            t.info = self._client.wait(t.id, left, poll=poll)
+        return self.view()
+
+    def publish(self, pick: int | None = None) -> TaskInfo:
+        """The pick (or attempt ``pick``) as ``agentbox/<id>`` in the repo."""
+        return self._client.publish_pick(self.id, pick)
+
+
 class Tasks:
     """``client.tasks``."""
 
     def __init__(self, client: LauncherClient) -> None:
         self._client = client
 
+    @overload
+    def create(
+        self, repo: str | os.PathLike[str], prompt: str, *, attempts: None = None,
+        model: str | None = None, budget_usd: float | None = None,
+        budget_tokens: int | None = None, deadline: float | None = None,
+        task_id: str | None = None, include_uncommitted: bool = False, publish: bool = True,
+    ) -> Task: ...  # fmt: skip
+
+    @overload
+    def create(
+        self, repo: str | os.PathLike[str], prompt: str, *, attempts: int,
+        model: str | None = None, budget_usd: float | None = None,
+        budget_tokens: int | None = None, deadline: float | None = None,
+        task_id: str | None = None, include_uncommitted: bool = False, publish: bool = True,
+    ) -> TaskGroup: ...  # fmt: skip
+
     def create(
         self,
         repo: str | os.PathLike[str],
         prompt: str,
         *,
+        attempts: int | None = None,
         model: str | None = None,
         budget_usd: float | None = None,
         budget_tokens: int | None = None,
@@ -120,14 +166,46 @@ class Tasks:
         task_id: str | None = None,
         include_uncommitted: bool = False,
         publish: bool = True,
-    ) -> Task:
-        """Queue a task on ``repo`` (a git repo of yours under the repos root)."""
-        path = Path(repo).expanduser().absolute()
-        req = TaskRequest(repo=str(path), task=prompt, model=model, budget=budget_tokens,
-                          budget_usd=None if budget_usd is None else float(budget_usd),
-                          deadline=deadline, task_id=task_id,
-                          include_uncommitted=include_uncommitted, publish=publish)  # fmt: skip
+    ) -> Task | TaskGroup:
+        """Queue a task on ``repo`` (a git repo of yours under the repos root); with
+        ``attempts=N``, N attempts of it as one best-of-N group (:class:`TaskGroup`)."""
+        req = self._request(repo, prompt, model, budget_usd, budget_tokens, deadline, task_id,
+                            include_uncommitted, publish)  # fmt: skip
+        if attempts is not None:
+            return TaskGroup(self._client, self._client.submit_group(req, attempts))
         return Task(self._client, self._client.submit(req))
+
+    def create_group(
+        self,
+        repo: str | os.PathLike[str],
+        prompt: str,
+        *,
+        attempts: int,
+        model: str | None = None,
+        budget_usd: float | None = None,
+        budget_tokens: int | None = None,
+        deadline: float | None = None,
+        task_id: str | None = None,
+        include_uncommitted: bool = False,
+        publish: bool = True,
+    ) -> TaskGroup:
+        """Queue ``attempts`` (1..8) attempts of the task as one best-of-N group; each gets
+        the budgets divided by ``attempts``; ``task_id`` names the group."""
+        req = self._request(repo, prompt, model, budget_usd, budget_tokens, deadline, task_id,
+                            include_uncommitted, publish)  # fmt: skip
+        return TaskGroup(self._client, self._client.submit_group(req, attempts))
+
+    @staticmethod
+    def _request(
+        repo: str | os.PathLike[str], prompt: str, model: str | None, budget_usd: float | None,
+        budget_tokens: int | None, deadline: float | None, task_id: str | None,
+        include_uncommitted: bool, publish: bool,
+    ) -> TaskRequest:  # fmt: skip
+        path = Path(repo).expanduser().absolute()
+        return TaskRequest(repo=str(path), task=prompt, model=model, budget=budget_tokens,
+                           budget_usd=None if budget_usd is None else float(budget_usd),
+                           deadline=deadline, task_id=task_id,
+                           include_uncommitted=include_uncommitted, publish=publish)  # fmt: skip
 
     def get(self, task_id: str) -> Task:
         return Task(self._client, self._client.get(task_id))
