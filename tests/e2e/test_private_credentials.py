@@ -33,13 +33,13 @@ from agentbox.launcher.pushapi import PushRequest
 from agentbox.secrets import SecretStore
 from env_helpers import EnvLab, commit
 from git_helpers import git
-from private_servers import GIT_HOST, PYPI_HOST, missing, private_servers
+from private_servers import GIT_HOST, NPM_HOST, NPM_PACKAGE, PYPI_HOST, missing, private_servers
 
 pytestmark = [
     pytest.mark.podman,
     pytest.mark.claude,
     pytest.mark.slow,
-    pytest.mark.skipif(bool(missing(npm=False)), reason=f"needs {missing(npm=False)}"),
+    pytest.mark.skipif(bool(missing()), reason=f"needs {missing()}"),
 ]
 
 IMAGE = "localhost/agentbox-test-pyvenv:brokered"
@@ -109,7 +109,7 @@ turns:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    with private_servers(tmp_path_factory.mktemp("corp") / "srv", npm=False) as srv:
+    with private_servers(tmp_path_factory.mktemp("corp") / "srv") as srv:
         yield srv
 
 
@@ -236,3 +236,68 @@ def test_private_index_git_fetch_and_the_secret_nowhere(
     assert f"refs/heads/{branch} {pushed.commit}" in heads
     for s in secrets:
         assert s not in pushed.model_dump_json()
+
+
+NODE_IMAGE = "localhost/agentbox-test-node:brokered"
+NODE_CONTAINERFILE = (
+    "FROM localhost/agentbox-base\n"
+    "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y"
+    " --no-install-recommends nodejs npm\n"
+)
+NODE_BOXFILE = f"""\
+image = "{NODE_IMAGE}"
+
+[setup]
+run = [
+  "npm install --no-audit --no-fund --no-save {NPM_PACKAGE}",
+  "node -e \\"console.log('GREETING', require('{NPM_PACKAGE}')())\\"",
+]
+inputs = ["package.json"]
+network = "registries"
+deadline = 600
+"""
+DONE_SCRIPT = """\
+name: brokered-npm
+turns:
+  - text: "Nothing to do: the environment is ready."
+"""
+
+
+def test_private_npm_registry_in_setup(
+    env_lab: Callable[..., EnvLab], servers: object, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    srv = servers
+    secrets: list[str] = srv.secrets()  # type: ignore[attr-defined]
+    assert srv.npm_token in secrets  # type: ignore[attr-defined]
+    # Root's own npm configuration: a scoped registry and its token.
+    npmrc = tmp_path / "npmrc"
+    npmrc.write_text(
+        f"@corp:registry=https://{NPM_HOST}/\n//{NPM_HOST}/:_authToken={srv.npm_token}\n"  # type: ignore[attr-defined]
+    )
+    monkeypatch.setenv("NPM_CONFIG_USERCONFIG", str(npmrc))
+    lab = env_lab(
+        "brokered-npm", DONE_SCRIPT,
+        egress_hosts=dict(srv.addresses),  # type: ignore[attr-defined]
+        egress_upstream_ca=(srv.ca_path,),  # type: ignore[attr-defined]
+    )  # fmt: skip
+    lab.image(NODE_CONTAINERFILE, NODE_IMAGE)
+    repo = lab.repo("web", {
+        "package.json": '{"name": "web", "version": "1.0.0", "private": true}\n',
+        ".gitignore": "node_modules/\n", ".agentbox/Boxfile.toml": NODE_BOXFILE,
+    })  # fmt: skip
+    run = lab.run("brokered-npm", repo, 900.0)
+    assert run.info.status == "done", (run.info, run.setup)
+    assert run.setup.get("exit_code") == 0, run.setup
+    logs = run.task_dir / "logs"
+    assert "GREETING hello from corp" in (logs / "setup.log").read_text()
+    setup_log = [json.loads(x) for x in (logs / "egress-setup.jsonl").read_text().splitlines()]
+    assert any(x["host"] == NPM_HOST and x.get("injected") for x in setup_log), setup_log
+    assert "brokered" in (logs / "launcher.log").read_text()
+    assert _grep(secrets, run.task_dir) == []
+    for text in (
+        lab.launcher.result(run.info.id).model_dump_json(),
+        lab.launcher.get(run.info.id).model_dump_json(),
+    ):
+        for s in secrets:
+            assert s not in text
