@@ -274,6 +274,17 @@ def make_app(
         new = await call("submit", TaskRequest(repo=prev.repo, task=text, continue_from=tid))
         return RedirectResponse(f"/tasks/{new.id}", status_code=303)
 
+    async def group_page(request: Request) -> Response:
+        gid = _task_id(request)
+        view = await call("group", gid)
+        return page("group", g=view, rows=r.group_rows(view), csrf=session.csrf(request))
+
+    async def group_publish(request: Request) -> Response:
+        gid = _task_id(request)
+        await _form_ok(request)
+        await call("publish_pick", gid)
+        return RedirectResponse(f"/groups/{gid}", status_code=303)
+
     async def static(request: Request) -> Response:
         got = _STATIC.get(request.path_params["name"])
         if got is None:
@@ -289,6 +300,8 @@ def make_app(
         Route("/tasks/{task_id}/cancel", guarded(cancel, change=True), methods=["POST"]),
         Route("/tasks/{task_id}/publish", guarded(publish, change=True), methods=["POST"]),
         Route("/tasks/{task_id}/resume", guarded(resume, change=True), methods=["POST"]),
+        Route("/groups/{task_id}", guarded(group_page), methods=["GET"]),
+        Route("/groups/{task_id}/publish", guarded(group_publish, change=True), methods=["POST"]),
         Route("/static/{name}", guarded(static, login=True), methods=["GET"]),
     ]
     return Starlette(routes=routes), session

@@ -61,6 +61,7 @@ def task_view(info: Any, report: dict[str, Any] | None = None) -> dict[str, Any]
     flagged = (report or {}).get("flagged")
     return {
         "id": info.id,
+        "group": getattr(info, "group", None),
         "status": info.status,
         "text": visible(info.task[:300] + ("…" if len(info.task) > 300 else "")),
         "model": visible(info.model),
@@ -151,4 +152,20 @@ def report_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(
             ("egress", f"allowed {egress.get('allowed', 0)}, refused {egress.get('denied', 0)}")
         )
+    return rows
+
+
+def group_rows(view: Any) -> list[dict[str, Any]]:
+    """A best-of-N group's attempts as the comparison table shows them."""
+    rows = []
+    for a in view.attempts:
+        tests = "not run" if a.tests_passed is None else ("passed" if a.tests_passed else
+                                                          f"failed ({a.test_exit})")  # fmt: skip
+        rows.append({
+            "attempt": a.attempt, "id": a.id, "status": a.status, "tests": tests,
+            "diff_lines": a.diff_lines, "files": a.files_changed, "flagged": a.flagged,
+            "tokens": f"{a.tokens.total:,}", "cost": money(a.cost_usd),
+            "time": "-" if a.duration_s is None else f"{a.duration_s:.1f}s",
+            "picked": a.attempt == view.pick,
+        })  # fmt: skip
     return rows
