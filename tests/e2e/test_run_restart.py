@@ -10,6 +10,7 @@ new launcher collects what the agent wrote, publishes it and marks the task.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -193,6 +194,9 @@ def test_launcher_killed_mid_task_is_reconciled(
         # The sandbox's environment (its one-time gateway token) was never on disk, so
         # the SIGKILL left none behind.
         assert _env_traces(settings.data_dir) == env_before
+        # What it used so far, as the dead launcher's sampler last wrote it (issue 30 §3).
+        before = json.loads((paths.root / "resources.json").read_text())
+        assert before["live"] is True and before["samples"] > 0 and before["cpu_s"] > 0
 
         # A gateway of this data dir that no task row names (a crash between its
         # spawn and the row update) is an orphan too.
@@ -215,6 +219,11 @@ def test_launcher_killed_mid_task_is_reconciled(
             assert info.status == "cancelled", info
             res = client.result("restart-1")
         assert "re-adopted by launcher pid" in (paths.log_dir / "launcher.log").read_text()
+        # The re-adopting launcher sampled on from the dead one's figures.
+        used = res.report["resources"]
+        assert used["live"] is False and used["samples"] > before["samples"], (before, used)
+        assert used["cpu_s"] >= before["cpu_s"] and used["updated_at"] > before["updated_at"]
+        assert any("re-adopted" in n for n in used["notes"]), used
         assert res.branch == "agentbox/restart-1"
         assert (
             _git(repo, "show", f"{res.branch}:partial.txt") == "written before the launcher died\n"

@@ -381,6 +381,7 @@ class Sampler:
             "processes_peak",
             "processes_seen",
             "tasks_peak",
+            "samples",
         ):
             v = prior.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
