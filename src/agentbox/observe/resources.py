@@ -352,7 +352,6 @@ class Sampler:
         self._stop = threading.Event()
         self._cg: Cgroup | None = None
         self._vm: VmProcess | None = None
-        self._pid_start: str | None = None
         self._seen: set[int] = set()
         self._loop: str | None = None
         self._backing: str | None = None
@@ -422,7 +421,9 @@ class Sampler:
             except Exception as exc:  # a sampler never fails its task
                 log.debug("resource sample failed", sandbox=self.name, error=str(exc)[-200:])
             now = time.monotonic()
-            if now - last_write >= WRITE_EVERY:
+            # Never after a stop: the final file is stop()'s (a slow inspect may outlast
+            # its join).
+            if now - last_write >= WRITE_EVERY and not self._stop.is_set():
                 self._write()
                 last_write = now
             self._stop.wait(SAMPLE_EVERY)
@@ -473,7 +474,7 @@ class Sampler:
         try:
             res = _proc.run(
                 [self.backend, "inspect", "--format", "{{.State.Pid}}", self.name],
-                timeout=30,
+                timeout=10,
                 check=False,
             )
         except AgentboxError:
