@@ -265,7 +265,8 @@ def test_an_old_schema_is_migrated_and_its_running_task_adopted(
         db.execute(V1_SCHEMA)
         for sql in V2_ALTER:
             db.execute(sql)
-        cols = [c for c in old if c != "adoptions"]
+        # Columns of later versions: adoptions (3), group_id and attempt (4).
+        cols = [c for c in old if c not in ("adoptions", "group_id", "attempt")]
         db.execute(f"INSERT INTO tasks ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
                    [old[c] for c in cols])  # fmt: skip
         db.close()
@@ -277,6 +278,7 @@ def test_an_old_schema_is_migrated_and_its_running_task_adopted(
             info = la2.wait(tid, timeout=30)
     assert info.status == "done", info.error
     assert la2.store.get(tid).adoptions == 1
+    assert (la2.store.get(tid).group_id, la2.store.get(tid).attempt) == (None, None)
     assert git(repo, "show", f"{la2.result(tid).branch}:m.txt").strip() == "m"
 
 
