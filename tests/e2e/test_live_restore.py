@@ -355,15 +355,26 @@ def _leftover_processes(settings: Settings, allowed: set[int]) -> list[str]:
 
 
 def _agents_running(settings: Settings, ids: list[str]) -> int:
-    """How many of ``ids`` have a launched sandbox (their agent runs), from the store."""
+    """How many of ``ids`` have their agent running: a launched sandbox (the store) whose
+    agent has asked the model (its gateway's usage), so the sandbox surely exists."""
     store = Store(settings.data_dir / "state.db")
     rows = [store.get(t) for t in ids]
-    return sum(1 for r in rows if r.status == "running" and r.stage == "launched")
+    return sum(
+        1
+        for r in rows
+        if r.status == "running" and r.stage == "launched" and _asked(settings, r.id)
+    )
+
+
+def _asked(settings: Settings, tid: str) -> bool:
+    with contextlib.suppress(Exception):
+        return read_usage(TaskPaths(settings.data_dir, tid).usage_file).requests >= 1
+    return False
 
 
 def _until_an_agent_runs(settings: Settings, ids: list[str]) -> None:
     """Wait (bounded) until one of ``ids`` has its agent running (or every one ended)."""
-    end = time.monotonic() + 300
+    end = time.monotonic() + 900  # a qemu VM boots under TCG
     while _agents_running(settings, ids) == 0:
         store = Store(settings.data_dir / "state.db")
         if all(store.get(t).info().terminal for t in ids):
