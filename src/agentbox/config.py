@@ -246,7 +246,7 @@ class Settings(BaseSettings):
     def _hosts_valid(cls, v: dict[str, str]) -> dict[str, str]:
         import ipaddress
 
-        from agentbox.egress._addr import normalize_host
+        from agentbox.core.hostname import normalize_host
 
         out = {}
         for name, addr in v.items():

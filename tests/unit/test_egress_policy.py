@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from agentbox.config import Settings
+from agentbox.core.hostname import normalize_host
 from agentbox.egress import AllowRule, EgressPolicy, host_registries, proxy_env
 from agentbox.egress._addr import (
     address_class,
     check_address,
     host_matches,
-    normalize_host,
     pattern_covers,
 )
 from agentbox.egress._env import CA_ENV_VARS, host_ca_bundle

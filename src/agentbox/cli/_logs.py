@@ -168,7 +168,7 @@ def _egress_lines(task_root: Path, full: bool) -> list[Text]:
     """The egress proxy's requests per phase (the last 30 of each, all with ``--full``)."""
     import json
 
-    from agentbox.egress._record import format_record
+    from agentbox.egress import format_record
 
     out: list[Text] = []
     for phase in ("setup", "agent"):

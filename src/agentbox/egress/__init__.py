@@ -46,7 +46,7 @@ from agentbox.egress._env import host_ca_bundle, proxy_env
 from agentbox.egress._hostcfg import host_registries
 from agentbox.egress._hostcreds import Brokered, brokered_for_phase, combine
 from agentbox.egress._policy import AllowRule, EgressLimits, EgressPolicy
-from agentbox.egress._record import EgressSummary, HostSummary, summarize
+from agentbox.egress._record import EgressSummary, HostSummary, format_record, summarize
 
 if TYPE_CHECKING:
     from agentbox.egress._process import ProxyHandle, spawn_proxy
@@ -61,6 +61,7 @@ __all__ = [
     "ProxyHandle",
     "brokered_for_phase",
     "combine",
+    "format_record",
     "host_ca_bundle",
     "host_registries",
     "proxy_env",

@@ -38,8 +38,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from agentbox.core import proc as _proc
+from agentbox.core.hostname import normalize_host
 from agentbox.core.log import get_logger
-from agentbox.egress._addr import normalize_host
 from agentbox.errors import CommandError
 
 log = get_logger(__name__)

@@ -37,8 +37,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from agentbox.config import Settings
+from agentbox.core.hostname import normalize_host
 from agentbox.core.log import get_logger
-from agentbox.egress._addr import normalize_host
 from agentbox.egress.rules import PLACEHOLDER, Inject, NetworkRule, secret_names
 from agentbox.errors import PolicyRefused
 

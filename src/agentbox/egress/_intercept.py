@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import h11
 
-from agentbox.egress._addr import normalize_host
+from agentbox.core.hostname import normalize_host
 from agentbox.egress._request import HOP, REASONS, Attempt, _Closed, _Refuse, safe
 from agentbox.egress.rules import (
     NetworkRule,

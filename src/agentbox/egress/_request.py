@@ -12,7 +12,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from agentbox.egress._addr import normalize_host
+from agentbox.core.hostname import normalize_host
 
 #: ``(host, port) -> addresses``; the default asks the host's resolver (getaddrinfo).
 Resolver = Callable[[str, int], Awaitable[list[str]]]

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from agentbox.egress._addr import host_matches, normalize_host, normalize_pattern
+from agentbox.core.hostname import normalize_host
+from agentbox.egress._addr import host_matches, normalize_pattern
 
 __all__ = [
     "ORIGINS",
