@@ -211,7 +211,12 @@ class Gateway(Forwarding):
     def _write_again(self) -> None:
         self._writing = False
         if self._dirty:
-            self.usage_changed()
+            try:
+                self.usage_changed()
+            except RuntimeError:
+                # The loop's executor is shut down (the gateway is stopping): aclose
+                # writes the final state itself.
+                self._writing = False
 
     @property
     def usage_settled(self) -> bool:

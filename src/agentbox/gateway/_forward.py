@@ -285,12 +285,28 @@ class Forwarding:
             (b"cache-control", b"no-cache"),
             *self._reply_headers(resp),
         ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        head: dict[str, Any] | None = {"type": "http.response.start", "status": 200,
+                                       "headers": headers}  # fmt: skip
+        ended = False
+
+        async def begin() -> None:
+            # The head goes out with the first chunk (one write: CoalescingTransport).
+            nonlocal head
+            if head is not None:
+                start, head = head, None
+                await send(start)
 
         async def pump() -> None:
+            nonlocal ended
             async for chunk in resp.aiter_bytes():
                 meter.feed(chunk)
+                await begin()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if meter.finished:
+                # A whole message: end the response in the turn that sent its last chunk,
+                # so the terminator leaves in the same write.
+                ended = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def client_gone() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -307,7 +323,10 @@ class Forwarding:
         complete = meter.finished and meter.delta_seen and meter.count.input is not None
         meta = (meter.message_id, meter.model, meter.stop_reason)
         self.settle(res, meter.count, complete=complete, status=resp.status, meta=meta)
+        if ended:
+            return
         if pumping in done:
+            await begin()
             broke = pumping.exception() is not None or not meter.finished
             if broke and meter.error is None:
                 # The upstream broke off: tell the client in the stream's own terms.

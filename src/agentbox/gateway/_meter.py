@@ -10,10 +10,12 @@ are treated as unknown: the budget then charges the worst case.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
-_INTERESTING = (b"message_start", b"message_delta", b"message_stop", b"error")
+#: One C-level search per event (a generator over four names cost ~3 % of the gateway's CPU).
+_INTERESTING = re.compile(rb"message_start|message_delta|message_stop|error")
 #: An SSE event bigger than this is not buffered for metering (deltas only; usage is tiny).
 _MAX_EVENT = 1 << 20
 
@@ -125,7 +127,7 @@ class StreamMeter:
         self._buf = rest
 
     def _event(self, raw: bytes) -> None:
-        if not any(name in raw for name in _INTERESTING):
+        if _INTERESTING.search(raw) is None:
             return
         data_lines = []
         for line in raw.split(b"\n"):
