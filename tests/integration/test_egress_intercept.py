@@ -487,3 +487,27 @@ def test_escape_probe_injection_scope_and_its_control(tmp_path: Path) -> None:
     status, seen = inject_probe(Box(), shared, str(shared), run_as=None, widened=True)
     assert status == "fail", seen
     assert "other-probe.invalid" in seen
+
+
+def test_escape_probe_push_refused_and_its_control(tmp_path: Path) -> None:
+    """``host.egress_push_refused``: under a task's ``[git] fetch`` rules (the same builder)
+    the fetch arrives with the credential and no route to ``git-receive-pack`` reaches the
+    remote; its control (one rule letting everything through) must fire."""
+    from agentbox.escape._inject import push_probe
+
+    class _Res:
+        def __init__(self, p: subprocess.CompletedProcess[bytes]) -> None:
+            self.stdout, self.exit_code = p.stdout, p.returncode
+
+    class Box(_HostBox):
+        def exec(self, argv: list[str], **kw: Any) -> Any:  # type: ignore[override]
+            return _Res(super().exec(argv, **kw))
+
+    shared = tmp_path / "gw"
+    shared.mkdir()
+    status, seen = push_probe(Box(), shared, str(shared), run_as=None)
+    assert status == "pass", seen
+    assert "7 push requests were refused" in seen, seen
+    status, seen = push_probe(Box(), shared, str(shared), run_as=None, widened=True)
+    assert status == "fail", seen
+    assert "git-receive-pack" in seen.lower(), seen

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentbox.egress._env import host_ca_bundle, proxy_env
 from agentbox.egress._hostcfg import host_registries
-from agentbox.egress._hostcreds import Brokered, brokered_for_phase, combine
+from agentbox.egress._hostcreds import Brokered, brokered_for_phase, combine, git_fetch_rules
 from agentbox.egress._policy import AllowRule, EgressLimits, EgressPolicy
 from agentbox.egress._record import EgressSummary, HostSummary, format_record, summarize
 
@@ -62,6 +62,7 @@ __all__ = [
     "brokered_for_phase",
     "combine",
     "format_record",
+    "git_fetch_rules",
     "host_ca_bundle",
     "host_registries",
     "proxy_env",

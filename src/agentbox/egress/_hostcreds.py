@@ -462,6 +462,32 @@ def _credential_fill(
     return got.get("username", ""), got["password"]
 
 
+def git_fetch_rules(host: str, path: str, inject: Inject | None) -> tuple[NetworkRule, ...]:
+    """The agent phase's rules for ``[git] fetch`` of ``https://host/path``: the smart-HTTP
+    upload-pack requests, with ``inject``; receive-pack (a push), refused with
+    :data:`GIT_REFUSE_MESSAGE`. The escape suite's push probe uses these very rules."""
+    agent = frozenset({"agent"})
+    return (
+        NetworkRule(
+            host=host, methods=("GET", "HEAD"),
+            paths=(f"{path}/info/refs",), phases=agent,
+            refuse_message=GIT_REFUSE_MESSAGE, origin="git-fetch", query="service=git-receive-pack",
+        ),
+        NetworkRule(
+            host=host, methods=("POST",), paths=(f"{path}/git-receive-pack",), phases=agent,
+            refuse_message=GIT_REFUSE_MESSAGE, origin="git-fetch",
+        ),
+        NetworkRule(
+            host=host, methods=("GET",), paths=(f"{path}/info/refs",), inject=inject,
+            phases=agent, origin="git-fetch", query="service=git-upload-pack",
+        ),
+        NetworkRule(
+            host=host, methods=("POST",), paths=(f"{path}/git-upload-pack",), inject=inject,
+            phases=agent, origin="git-fetch",
+        ),
+    )  # fmt: skip
+
+
 def git_fetch(
     repo: Path,
     uid: int,
@@ -509,26 +535,7 @@ def git_fetch(
         name = f"{RESERVED_PREFIX}GIT_FETCH"
         values[name] = _basic(*cred)
         inject = Inject("Authorization", f"${{secret:{name}}}")
-    agent = frozenset({"agent"})
-    rules = (
-        NetworkRule(
-            host=host, methods=("GET", "HEAD"),
-            paths=(f"{path}/info/refs",), phases=agent,
-            refuse_message=GIT_REFUSE_MESSAGE, origin="git-fetch", query="service=git-receive-pack",
-        ),
-        NetworkRule(
-            host=host, methods=("POST",), paths=(f"{path}/git-receive-pack",), phases=agent,
-            refuse_message=GIT_REFUSE_MESSAGE, origin="git-fetch",
-        ),
-        NetworkRule(
-            host=host, methods=("GET",), paths=(f"{path}/info/refs",), inject=inject,
-            phases=agent, origin="git-fetch", query="service=git-upload-pack",
-        ),
-        NetworkRule(
-            host=host, methods=("POST",), paths=(f"{path}/git-upload-pack",), inject=inject,
-            phases=agent, origin="git-fetch",
-        ),
-    )  # fmt: skip
+    rules = git_fetch_rules(host, path, inject)
     config = {
         f"remote.{remote}.url": clean,
         f"remote.{remote}.fetch": f"+refs/heads/*:refs/remotes/{remote}/*",

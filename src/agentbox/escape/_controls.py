@@ -170,6 +170,18 @@ def run_weak_controls(
         from agentbox.escape._secret import suite_outcome as secret_outcome
 
         got["host.secret_not_in_sandbox"] = secret_outcome(box, fx.gateway_dir, control=True)
+        # The egress controls, before the fork bomb too.
+        # The egress proxy with its address checks off: localhost must get through.
+        from agentbox.escape._egress import suite_outcome as escape_outcome
+
+        got["host.egress_proxy_inner"] = escape_outcome(box, fx.gateway_dir, control=True)
+        # The injecting rule widened to every probe host: the redirect carries the header.
+        from agentbox.escape._inject import PUSH_PROBE_ID
+        from agentbox.escape._inject import suite_outcome as inject_outcome
+
+        got["host.egress_injection_scope"] = inject_outcome(box, fx.gateway_dir, control=True)
+        # [git] fetch's rules replaced by one that lets everything through: a push arrives.
+        got[PUSH_PROBE_ID] = inject_outcome(box, fx.gateway_dir, control=True, probe=PUSH_PROBE_ID)
         view = HostView(runtime="runc", mapped_uid=mapped_uid, pids_max=512, memory=512 * 1024**2)
         pids = hc.cgroup_pids(box.pid())
         got.update({o.id: o for o in host_outcomes(pids, view)})
@@ -178,14 +190,6 @@ def run_weak_controls(
         got.update({o.id: o for o in forkbomb_outcomes(box, view, pids[0] if pids else 0)})
         # Own kernel: a runc container shares the host's kernel, so the comparison must say so.
         got["host.own_kernel"] = kernel_outcome(box, "control", shares_host_kernel=False)
-        # The egress proxy with its address checks off: localhost must get through.
-        from agentbox.escape._egress import suite_outcome as escape_outcome
-
-        got["host.egress_proxy_inner"] = escape_outcome(box, fx.gateway_dir, control=True)
-        # The injecting rule widened to every probe host: the redirect carries the header.
-        from agentbox.escape._inject import suite_outcome as inject_outcome
-
-        got["host.egress_injection_scope"] = inject_outcome(box, fx.gateway_dir, control=True)
         # The gateway unconfined, as root: what its confinement is measured against.
         from agentbox.escape._gateway import gateway_outcomes
 

@@ -51,13 +51,17 @@ PROBE_ID = "host.egress_injection_scope"
 _SOCKET = "inject-probe.sock"
 RULE_HOST = "inject-probe.invalid"
 OTHER_HOST = "other-probe.invalid"
+#: The push probe (:data:`PUSH_PROBE_ID`): a smart-HTTP remote under ``[git] fetch`` rules.
+PUSH_PROBE_ID = "host.egress_push_refused"
+GIT_HOST = "git-probe.invalid"
+GIT_REPO = "/team/repo.git"
 _HEADER = "X-Agentbox-Probe"
 _SECRET = "ABX_INJECT_PROBE"  # noqa: S105 (a secret's name, not a value)
 #: Paths the checks the proxy must refuse use: none may reach the upstream.
 _REFUSED_PATHS = ("/sni", "/hostmm", "/absolute", "/upgrade", "/h2")
 
 #: Runs inside the sandbox (``python3 -I -S -c``): standard library only.
-CLIENT_SOURCE = r"""
+_CLIENT_LIB = r"""
 import json, socket, ssl, sys
 cfg = json.loads(sys.argv[1])
 port, rule, other = cfg["port"], cfg["rule_host"], cfg["other_host"]
@@ -125,6 +129,11 @@ def step(name, fn):
     out.append(rec)
     return rec
 
+"""
+
+CLIENT_SOURCE = (
+    _CLIENT_LIB
+    + r"""
 step("ok", lambda: ask(tunnel(rule, rule),
      get("/ok", rule, "%s: agentbox-brokered\r\n" % cfg["header"])))
 red = step("redirect", lambda: ask(tunnel(rule, rule), get("/redirect", rule)))
@@ -139,6 +148,32 @@ step("h2", lambda: ask(tunnel(rule, rule, ["h2"]),
      b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + get("/h2", rule)))
 print(json.dumps({"results": out}))
 """
+)
+
+#: The push probe's client: a fetch (must arrive, with the credential), then every way
+#: to a push it can think of (none may reach the remote).
+GIT_CLIENT_SOURCE = (
+    _CLIENT_LIB
+    + r"""
+g, r = cfg["git_host"], cfg["repo"]
+
+def post(path, body=b"0000"):
+    head = ("POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/x-git-receive-pack-request"
+            "\r\nContent-Length: %d\r\nConnection: close\r\n\r\n") % (path, g, len(body))
+    return head.encode() + body
+
+step("fetch", lambda: ask(tunnel(g, g), get(r + "/info/refs?service=git-upload-pack", g)))
+step("push_refs", lambda: ask(tunnel(g, g), get(r + "/info/refs?service=git-receive-pack", g)))
+step("push", lambda: ask(tunnel(g, g), post(r + "/git-receive-pack")))
+step("push_two_queries", lambda: ask(tunnel(g, g),
+     get(r + "/info/refs?service=git-upload-pack&service=git-receive-pack", g)))
+step("push_case", lambda: ask(tunnel(g, g), post(r + "/GIT-RECEIVE-PACK")))
+step("push_encoded", lambda: ask(tunnel(g, g), post(r + "/git%2dreceive-pack")))
+step("push_dots", lambda: ask(tunnel(g, g), post(r + "/git-upload-pack/../git-receive-pack")))
+step("push_slashes", lambda: ask(tunnel(g, g), post(r + "//git-receive-pack")))
+print(json.dumps({"results": out}))
+"""
+)
 
 
 class _Seen:
@@ -171,7 +206,8 @@ def _make_certs(d: Path) -> tuple[Path, Path, Path]:
         .issuer_name(name).public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(hours=6))
         .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName(RULE_HOST), x509.DNSName(OTHER_HOST)]), critical=False)
+            [x509.DNSName(RULE_HOST), x509.DNSName(OTHER_HOST), x509.DNSName(GIT_HOST)]),
+            critical=False)
         .sign(ca_key, hashes.SHA256())
     )  # fmt: skip
     paths = d / "ca.pem", d / "server.pem", d / "server.key"
@@ -198,8 +234,14 @@ def _upstream(d: Path, seen: _Seen) -> Any:
         def log_message(self, format: str, *args: object) -> None:
             pass
 
+        def do_POST(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(min(n, 1 << 16))
+            self.do_GET()
+
         def do_GET(self) -> None:
             rec = {
+                "method": self.command,
                 "host": self.headers.get("Host", ""),
                 "path": self.path,
                 "header": self.headers.get(_HEADER),
@@ -290,14 +332,83 @@ def inject_probe(
     widened: bool = False,
 ) -> tuple[str, str]:
     """Run the probe against ``box``: (``pass``/``fail``/``error``, what was seen)."""
+    return _run(box, shared_dir, inside_dir, run_as=run_as, source=CLIENT_SOURCE,
+                policy=lambda port, ca: probe_policy(port, ca, widened=widened),
+                verdict=_verdict)  # fmt: skip
+
+
+def push_probe(
+    box: _Execs,
+    shared_dir: Path,
+    inside_dir: str,
+    *,
+    run_as: tuple[int, int] | None,
+    widened: bool = False,
+) -> tuple[str, str]:
+    """The push probe against ``box``: (``pass``/``fail``/``error``, what was seen)."""
+    return _run(box, shared_dir, inside_dir, run_as=run_as, source=GIT_CLIENT_SOURCE,
+                policy=lambda port, ca: git_policy(port, ca, widened=widened),
+                verdict=_push_verdict)  # fmt: skip
+
+
+def git_policy(port: int, ca_file: Path, *, widened: bool = False) -> EgressPolicy:
+    """The push probe's proxy: the ``[git] fetch`` rules of a task (the same builder),
+    injecting the probe's value; ``widened`` (the control): one rule letting every
+    request to the remote through, with the value."""
+    from agentbox.egress import git_fetch_rules
+
+    inject = Inject(_HEADER, "${secret:" + _SECRET + "}")
+    wide = NetworkRule(host=GIT_HOST, methods=("GET", "POST"), inject=inject, origin="test")
+    rules = (wide,) if widened else git_fetch_rules(GIT_HOST, GIT_REPO, inject)
+    return EgressPolicy(
+        rules=(AllowRule(pattern=GIT_HOST, source="test", tls_ports=frozenset({port})),),
+        limits=EgressLimits(connect_timeout=5.0, header_timeout=10.0, idle_timeout=10.0),
+        trusted_ranges=("127.0.0.0/8",),
+        hosts_map={GIT_HOST: "127.0.0.1"},
+        upstream_ca=(str(ca_file),),
+    ).with_rules(rules)
+
+
+def _push_verdict(requests: list[dict[str, Any]], value: str, results: Any) -> tuple[str, str]:
+    """(status, seen): a push that reached the remote fires; a fetch that did not arrive
+    with the credential means nothing was exercised."""
+    from urllib.parse import unquote
+
+    pushed = [
+        f"{r.get('method')} {r.get('path')}"
+        for r in requests
+        if "receive-pack" in unquote(str(r.get("path", ""))).lower()
+    ]
+    if pushed:
+        return "fail", "a push reached the remote: " + "; ".join(pushed)[:300]
+    fetched = [r for r in requests if "service=git-upload-pack" in str(r.get("path", ""))]
+    if not any(r.get("header") == value for r in fetched):
+        steps = json.dumps(results)[:200] if results is not None else "no results"
+        return "error", f"the fetch did not arrive with the credential: {steps}"
+    refused = [r.get("status") for r in results or [] if str(r.get("step", "")).startswith("push")]
+    return "pass", (
+        f"the fetch arrived with the credential; {len(refused)} push requests were refused "
+        f"(statuses {sorted({str(x) for x in refused})}) and none reached the remote"
+    )
+
+
+def _run(
+    box: _Execs,
+    shared_dir: Path,
+    inside_dir: str,
+    *,
+    run_as: tuple[int, int] | None,
+    source: str,
+    policy: Any,
+    verdict: Any,
+) -> tuple[str, str]:
     sock = shared_dir / _SOCKET
     tmp = Path(tempfile.mkdtemp(prefix="agentbox-inject-probe-"))
     value = "abx-" + secrets.token_hex(16)
     seen = _Seen()
     try:
-        with _upstream(tmp, seen) as port:
-            policy = probe_policy(port, tmp / "ca.pem", widened=widened)
-            with spawn_proxy(sock, policy, tmp / "egress.log", run_as,
+        with _upstream(tmp, seen) as port:  # noqa: SIM117 - the proxy needs the port
+            with spawn_proxy(sock, policy(port, tmp / "ca.pem"), tmp / "egress.log", run_as,
                              secret_values={_SECRET: value}) as proxy:  # fmt: skip
                 sock.chmod(0o666)
                 assert proxy.ca_cert is not None
@@ -306,12 +417,12 @@ def inject_probe(
                     "port": port,
                     "rule_host": RULE_HOST,
                     "other_host": OTHER_HOST,
+                    "git_host": GIT_HOST,
+                    "repo": GIT_REPO,
                     "header": _HEADER,
                     "ca": proxy.ca_cert.decode(),
                 }
-                res = box.exec(
-                    ["python3", "-I", "-S", "-c", CLIENT_SOURCE, json.dumps(cfg)], timeout=180
-                )
+                res = box.exec(["python3", "-I", "-S", "-c", source, json.dumps(cfg)], timeout=180)
         raw = res.stdout[-65536:].decode(errors="replace").strip().splitlines()
         try:
             data = json.loads(raw[-1]) if raw else None
@@ -328,7 +439,8 @@ def inject_probe(
             return "n/a", "the proxy's socket is not visible inside: no shared gateway dir"
         with seen.lock:
             requests = list(seen.requests)
-        return _verdict(requests, value, results)
+        status, seen_text = verdict(requests, value, results)
+        return str(status), str(seen_text)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
@@ -342,13 +454,15 @@ def suite_outcome(
     settings: Settings | None = None,
     vm: bool = False,
     control: bool = False,
+    probe: str = PROBE_ID,
 ) -> Outcome:
-    """The suite's :data:`PROBE_ID` outcome on ``box`` (``control``: the widened rule)."""
+    """The suite's ``probe`` outcome on ``box`` (:data:`PROBE_ID` or :data:`PUSH_PROBE_ID`;
+    ``control``: the widened rule)."""
     from agentbox.backends.base import GATEWAY_DIR_IN_SANDBOX
     from agentbox.escape import PROBES, Outcome
     from agentbox.gateway import gateway_identity
 
-    spec = next(p for p in PROBES if p.id == PROBE_ID)
+    spec = next(p for p in PROBES if p.id == probe)
 
     def done(status: str, seen: str) -> Outcome:
         return Outcome(spec.id, spec.where, spec.tried, spec.expected, seen[:400], status)  # type: ignore[arg-type]
@@ -359,9 +473,8 @@ def suite_outcome(
     if settings is not None and os.geteuid() == 0:
         run_as = gateway_identity(settings)
     try:
-        status, seen = inject_probe(
-            box, gateway_dir, GATEWAY_DIR_IN_SANDBOX, run_as=run_as, widened=control
-        )
+        run = push_probe if probe == PUSH_PROBE_ID else inject_probe
+        status, seen = run(box, gateway_dir, GATEWAY_DIR_IN_SANDBOX, run_as=run_as, widened=control)
     except AgentboxError as exc:
         status, seen = "error", f"the probe could not run: {exc}"
     return done(status, seen)

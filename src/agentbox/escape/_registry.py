@@ -218,6 +218,14 @@ PROBES: tuple[ProbeSpec, ...] = (
         "the upstream",
         _REVIEW,
     ),
+    # [git] fetch's rules: the remote's upload-pack with the credential, never a push
+    _host(
+        "host.egress_push_refused",
+        "through a real proxy holding a task's [git] fetch rules: a fetch, then a push by "
+        "every route (receive-pack refs and POST, two service queries, case, %2d, dots, //)",
+        "the fetch arrives with the credential; no receive-pack request reaches the remote",
+        _REVIEW,
+    ),
     # a brokered secret: planted in a store, held by a real proxy whose rule injects it
     _host(
         "host.secret_not_in_sandbox",

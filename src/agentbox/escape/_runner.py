@@ -176,9 +176,14 @@ def run_real(
 
         outcomes.append(escape_outcome(box, fx.gateway_dir, settings=settings, vm=vm))
         # A rule's injected header: only its host's own requests carry it.
+        from agentbox.escape._inject import PUSH_PROBE_ID
         from agentbox.escape._inject import suite_outcome as inject_outcome
 
         outcomes.append(inject_outcome(box, fx.gateway_dir, settings=settings, vm=vm))
+        # [git] fetch's rules: a fetch gets through with the credential, a push never.
+        outcomes.append(
+            inject_outcome(box, fx.gateway_dir, settings=settings, vm=vm, probe=PUSH_PROBE_ID)
+        )
         # A brokered secret held by a real proxy: nowhere inside (environ, cmdline, files).
         from agentbox.escape._secret import suite_outcome as secret_outcome
 
