@@ -203,17 +203,19 @@ def test_a_group_sets_up_once(lab: tuple[Path, dict[str, str]]) -> None:
              "Fix double().")  # fmt: skip
     doc = _json(r)
     assert doc["pick"] == 2, (doc, r.stderr[-3000:])
-    caches = []
+    caches, keys = [], set()
     for k in (1, 2):
         shown = _json(_cli(env, "show", f"su2-a{k}", "--json", "--no-diff"))
-        caches.append(shown["result"]["report"]["setup"]["cache"])
-    assert sorted(caches) == ["hit", "miss"], caches
+        setup = shown["result"]["report"]["setup"]
+        caches.append(setup["cache"])
+        keys.add(setup["key"])
     from agentbox.env import EnvStore
 
-    settings = Settings(data_dir=base / "data", repos_root=base / "repos")
-    store = EnvStore(settings)
-    for entry in store.list():
-        store.remove(entry.key, force=True)
+    store = EnvStore(Settings())  # the host's cache: remove this test's environment only
+    for key in keys:
+        store.remove(key, force=True)
+    assert sorted(caches) == ["hit", "miss"], caches
+    assert len(keys) == 1, keys
 
 
 def test_a_detached_group_is_picked_by_the_service(lab: tuple[Path, dict[str, str]]) -> None:
