@@ -208,3 +208,12 @@ def test_network_allow_gives_the_agent_phase_that_host_through_its_proxy(
     assert egress["allowed"] >= 1 and egress["denied"] == 0
     assert [h["host"] for h in egress["hosts"]] == [runs[0].egress_allow_cap[0]]
     assert (run.task_dir / "logs" / "egress-agent.jsonl").is_file()
+    # What it used (issue 30 §3): its egress is both proxies' bytes; its sandbox ran
+    # attached (agent egress) and was sampled all the same.
+    setup_egress = run.result.report["setup"]["egress"]
+    used = run.result.report["resources"]
+    assert used["egress_bytes"] == (
+        egress["bytes_up"] + egress["bytes_down"]
+        + setup_egress["bytes_up"] + setup_egress["bytes_down"]
+    ) > 0, used  # fmt: skip
+    assert used["samples"] > 0 and used["cpu_s"] > 0 and used["memory_peak_bytes"] > 0, used
