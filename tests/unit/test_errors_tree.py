@@ -127,13 +127,13 @@ def test_every_error_field_is_set_by_a_caller() -> None:
     assert unset == [], f"error fields no caller sets: {unset}"
 
 
-def test_gateway_errors_keep_their_old_names_and_behaviour() -> None:
-    from agentbox.gateway import _budget, _policy, _upstream, _wire
-
-    assert _upstream.UpstreamTimeout is errors.UpstreamTimeout
-    assert _budget.Refusal("budget_exhausted", "no").reason == "budget_exhausted"
-    assert _wire.BodyTooLarge is errors.BodyTooLarge
-    assert issubclass(_policy.PolicyViolation, ValueError)  # callers catch ValueError
+def test_gateway_errors_live_in_the_error_tree_and_keep_their_behaviour() -> None:
+    """The gateway's failures are classes of :mod:`agentbox.errors`, imported from there
+    (no gateway module passes them on)."""
+    for cls in (errors.UpstreamTimeout, errors.Refusal, errors.BodyTooLarge):
+        assert cls.__module__ == "agentbox.errors"
+    assert errors.Refusal("budget_exhausted", "no").reason == "budget_exhausted"
+    assert issubclass(errors.PolicyViolation, ValueError)  # callers catch ValueError
 
 
 def test_map_exceptions_translates_at_the_boundary() -> None:

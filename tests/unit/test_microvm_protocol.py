@@ -227,7 +227,7 @@ def test_a_guest_that_stops_reading_cannot_wedge_a_send(
 
 
 def test_gateway_streams_are_capped(guest: FakeGuest, tmp_path: Path) -> None:
-    import agentbox.backends.microvm._guest as g
+    import agentbox.backends.microvm._gwstreams as g
 
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(tmp_path / "gw.sock"))
