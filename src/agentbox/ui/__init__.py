@@ -19,8 +19,6 @@ from agentbox.errors import TaskError
 def serve_ui(settings: Settings, listen: str, *, say: Callable[[str], None]) -> None:
     """Serve the view on ``listen`` (``127.0.0.1:PORT``; 0 picks a port) until interrupted.
     ``say`` gets the login link first, then anything else worth a line."""
-    import getpass
-
     import uvicorn
 
     from agentbox.core.listen import parse_loopback
@@ -41,7 +39,7 @@ def serve_ui(settings: Settings, listen: str, *, say: Callable[[str], None]) -> 
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     app, session = make_app(
-        lambda: LauncherClient(path, timeout=60.0), f"{shown}:{port}", getpass.getuser()
+        lambda: LauncherClient(path, timeout=60.0), f"{shown}:{port}", _who()
     )
     say(f"http://{shown}:{port}/login?token={session.token}")
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
@@ -50,3 +48,14 @@ def serve_ui(settings: Settings, listen: str, *, say: Callable[[str], None]) -> 
         server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+def _who() -> str:
+    """This process's user as the page names it (a uid without a passwd entry: its number)."""
+    import os
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return f"uid {os.getuid()}"

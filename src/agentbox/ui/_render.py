@@ -59,7 +59,11 @@ def task_view(info: Any, report: dict[str, Any] | None = None) -> dict[str, Any]
         code = last.get("exit_code")
         tests = "not returned" if code is None else ("passed" if code == 0 else f"failed ({code})")
     flagged = (report or {}).get("flagged")
+    from agentbox.observe.resources import resources_words
+
+    used = resources_words((report or {}).get("resources") or getattr(info, "resources", None))
     return {
+        "resources": visible(used or ""),
         "id": info.id,
         "group": getattr(info, "group", None),
         "status": info.status,
