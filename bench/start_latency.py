@@ -213,8 +213,11 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=0.5, help="pause before each step (s)")
     ap.add_argument("--no-docker", action="store_true", help="skip the docker rows")
     ap.add_argument("--quick", action="store_true", help="no docker rows, no CLI row")
-    ap.add_argument("--sdk", action="store_true",
-                    help="only raw podman run and the SDK's Sandbox.create() (bench/_sdk_step.py)")
+    ap.add_argument(
+        "--sdk",
+        action="store_true",
+        help="only raw podman run and the SDK's Sandbox.create() (bench/_sdk_step.py)",
+    )
     args = ap.parse_args()
 
     settings = Settings()
