@@ -257,7 +257,8 @@ class TaskRow:
             uid=self.caller_uid,
             group=self.group_id,
             attempt=self.attempt,
-            **self.placement(),
+            backend=(where := self.placement())["backend"],
+            runtime=where["runtime"],
         )
 
     def placement(self) -> dict[str, str | None]:
