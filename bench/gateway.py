@@ -378,7 +378,7 @@ def main() -> None:
                               f"http://127.0.0.1:{gw_up_port}", tmp / "usage.json"))  # fmt: skip
         procs.append(gw)
         waits = [(up_port, up), (gw_up_port, gw_up), (gw_port, gw)]
-        old = None
+        old = old_up = None
         if args.compare_src is not None:
             env = {**os.environ, "PYTHONPATH": str(args.compare_src.resolve())}
             old_up, old_up_port = replay()
@@ -471,6 +471,10 @@ def main() -> None:
             # replay models, the gateway), so what is left of the added latency is the
             # gateway's own work with no queueing in front of any hop.
             boosted = [gw.pid] + ([os.getpid(), up.pid, gw_up.pid] if how == "path" else [])
+            if old is not None:
+                # The compared gateway (and, for ``path``, its replay model) gets the same
+                # boost for its own rounds, so the control rows compare like with like.
+                boosted += [old.pid] + ([old_up.pid] if how == "path" else [])
             for pid in boosted:
                 boost(pid, "fifo" if how == "path" else how)
             try:
