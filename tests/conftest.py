@@ -156,9 +156,10 @@ SERIAL: set[str] = {
     "integration/test_userns_limits.py",
     "e2e/test_tutorials.py",
 }
-#: Single tests (``module::function``, every parametrization): each but the last calls a
-#: backend's host-wide ``cleanup_orphans``; the last races a launcher's restart against a
-#: waiter's 10 s patience (``START_AFTER``), which a loaded worker loses.
+#: Single tests (``module::function``, every parametrization): the first four call a
+#: backend's host-wide ``cleanup_orphans``; the fifth races a launcher's restart against a
+#: waiter's 10 s patience (``START_AFTER``), which a loaded worker loses; the last
+#: restarts the host's dockerd.
 SERIAL_TESTS: set[str] = {
     "integration/test_detached_podman.py"
     "::test_an_orphan_sweep_never_settles_the_disk_of_a_running_detached_sandbox",
@@ -166,6 +167,8 @@ SERIAL_TESTS: set[str] = {
     "integration/test_podman.py::test_cleanup_orphans_removes_sandboxes_whose_owner_died",
     "integration/test_podman_env.py::test_a_sigkilled_podman_caller_leaves_no_env_on_disk",
     "e2e/test_detach_resume.py::test_wait_rides_through_a_launcher_restart",
+    # restarts the host's one dockerd: every other docker test would lose its daemon
+    "e2e/test_live_restore_docker.py::test_a_dockerd_restart_with_live_restore_loses_no_task",
 }
 
 
@@ -216,6 +219,8 @@ HEAVIEST = (
     "e2e/test_env_node.py",
     "e2e/test_env_python.py",
     "e2e/test_live_restore.py",
+    "e2e/test_live_restore_qemu.py",
+    "e2e/test_live_restore_docker.py",
     "integration/test_qemu_backend.py",
     "integration/test_owner_signals.py",
 )

@@ -9,7 +9,11 @@ import agentbox.errors as errors
 def test_top_level_all() -> None:
     assert sorted(agentbox.__all__) == [
         "AgentboxError",
+        "AsyncClient",
+        "AsyncSandbox",
         "Boxfile",
+        "Client",
+        "Sandbox",
         "Settings",
         "__version__",
         "load_boxfile",

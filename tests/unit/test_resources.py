@@ -237,7 +237,9 @@ def test_a_vm_process_is_sampled_by_its_own_figures(tmp_path: Path) -> None:
     (tmp_path / "microvm-detached").mkdir()
     record = {"vm": ["vm-x", me.pid, me.create_time()]}
     (tmp_path / "microvm-detached" / "agentbox-x.json").write_text(json.dumps(record))
-    assert VmProcess.of_record(tmp_path, "agentbox-x") is None
+    assert VmProcess.of_record(tmp_path, "agentbox-x", "qemu") is None
+    got = VmProcess.of_record(tmp_path, "agentbox-x")  # no VMM name to check: pid and start
+    assert got is not None and got.pid == me.pid
     (tmp_path / "microvm-detached" / "agentbox-y.json").write_text('{"vm": "junk"}')
     assert VmProcess.of_record(tmp_path, "agentbox-y") is None
     assert VmProcess.of_record(tmp_path, "agentbox-none") is None

@@ -35,7 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("_mcp", "Run the launcher and the MCP HTTP server together; Ctrl-C stops both."),
     "ui": ("_ui", "Serve a web view of your tasks on 127.0.0.1; prints its login link first."),
     "tasks": ("_tasks", "List tasks, newest first (running ones with their live token counts)."),
-    "show": ("_tasks", "Show a task's report and diff."),
+    "show": (
+        "_tasks",
+        "Show a task's report and diff; for a best-of-N GROUP, its attempts compared.",
+    ),
     "cancel": ("_tasks", "Cancel a task (its partial result is still collected)."),
     "logs": (
         "_tasks",
@@ -64,7 +67,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "_diff",
         "Apply a task's result onto the current branch of its repo (or check it out).",
     ),
-    "publish": ("_publish", "Publish a finished task's result into its repo as a new branch."),
+    "publish": (
+        "_publish",
+        "Publish a finished task's result into its repo as a new branch; push it, open a PR.",
+    ),
     "gateway": ("_gateway", "Run one task's model gateway until SIGTERM."),
     "models": (
         "_gateway",

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from agentbox.backends import backend_class
 from agentbox.backends.base import Sandbox
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
@@ -250,7 +251,7 @@ class BoxKeeper:
 
             shape = Boxfile.from_dict({}, path=None, settings=self.settings)
             spare: _Box | None = self._start(shape, SPARE_TTL + 24 * 3600)
-            if spare is not None and spare.backend == "podman":
+            if spare is not None and getattr(backend_class(spare.backend), "primes_exec", False):
                 tmp = self.settings.data_dir / "tmp"
                 tmp.mkdir(mode=0o700, exist_ok=True)
                 primed = Primed(spare.box.name, spare.spec.uid, spare.spec.workdir, tmp)

@@ -1,5 +1,5 @@
 """What a task's sandbox used: CPU seconds, peak memory, disk written and its peak,
-processes, egress bytes (issue 30 §3).
+processes, egress bytes (docs/reference/report.md).
 
 A container's cgroup disappears with the container, so the figures are *sampled* while
 it runs (:class:`Sampler`, a thread of the launcher that follows the sandbox) and the
@@ -267,7 +267,7 @@ class VmProcess:
     start: float
 
     @classmethod
-    def of_record(cls, data_dir: Path, name: str) -> VmProcess | None:
+    def of_record(cls, data_dir: Path, name: str, vmm: str | None = None) -> VmProcess | None:
         """From the detached VM's record (``vm``: [name, pid, start]), checked to be that
         very process (its start time) and a QEMU."""
         import psutil
@@ -277,7 +277,9 @@ class VmProcess:
             vm = json.loads(text or "").get("vm")
             pid, start = int(vm[1]), float(vm[2])
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - start) > 0.01 or "qemu" not in proc.name():
+            if abs(proc.create_time() - start) > 0.01:  # that very process, not a reused pid
+                return None
+            if vmm is not None and vmm not in proc.name():  # and the backend's VMM
                 return None
         except (ValueError, TypeError, AttributeError, IndexError, KeyError, psutil.Error):
             return None
@@ -340,6 +342,29 @@ def _max(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else max(a, b)
 
 
+def _kind(backend: str) -> str:
+    """The backend's kind (container, microvm, process); "" for a name not registered."""
+    from agentbox.backends import backend_class
+    from agentbox.errors import AgentboxError
+
+    try:
+        return str(backend_class(backend).kind)
+    except AgentboxError:
+        return ""
+
+
+def _vmm(backend: str) -> str | None:
+    """What the name of the backend's VMM process contains (``vmm_process``), if it says."""
+    from agentbox.backends import backend_class
+    from agentbox.errors import AgentboxError
+
+    try:
+        got = getattr(backend_class(backend), "vmm_process", None)
+    except AgentboxError:
+        return None
+    return got if isinstance(got, str) else None
+
+
 class Sampler:
     """Samples the sandbox ``name``'s cgroup and workspace disk on a thread until
     :meth:`stop`; writes ``resources.json`` in ``task_root`` as it goes."""
@@ -347,7 +372,9 @@ class Sampler:
     def __init__(self, task_root: Path, backend: str, name: str, workspace: Path) -> None:
         self.task_root, self.backend, self.name = task_root, backend, name
         self.workspace = workspace
-        what = "the QEMU process" if backend == "qemu" else f"the {backend} container's cgroup"
+        self.kind = _kind(backend)
+        self._vmm = _vmm(backend)
+        what = "the VM's process" if self.kind == "microvm" else f"the {backend} container's cgroup"
         self.usage = Usage(source=what, live=True)
         self._stop = threading.Event()
         self._cg: Cgroup | None = None
@@ -430,7 +457,7 @@ class Sampler:
 
     def _sample(self) -> None:
         u = self.usage
-        if self.backend == "qemu":
+        if self.kind == "microvm":
             self._sample_vm()
             return
         if self._cg is None and not self._cg_gone and time.monotonic() >= self._next_find:
@@ -460,13 +487,13 @@ class Sampler:
     def _sample_vm(self) -> None:
         if self._vm is None and not self._cg_gone and time.monotonic() >= self._next_find:
             self._next_find = time.monotonic() + FIND_EVERY
-            self._vm = VmProcess.of_record(self.task_root.parent.parent, self.name)
+            self._vm = VmProcess.of_record(self.task_root.parent.parent, self.name, self._vmm)
         if self._vm is not None and not self._vm.sample(self.usage):
             self._vm, self._cg_gone = None, True
 
     def _find(self) -> Cgroup | None:
         """The cgroup of the sandbox's init process (the engine's ``inspect``)."""
-        if self.backend not in ("podman", "docker"):
+        if self.kind != "container":
             return None
         from agentbox.core import proc as _proc
         from agentbox.errors import AgentboxError
@@ -487,7 +514,7 @@ class Sampler:
     def _disk(self, *, final: bool) -> None:
         u = self.usage
         if self._loop is None and not final:
-            if self.backend not in ("podman", "docker") or time.monotonic() < self._next_disk:
+            if self.kind != "container" or time.monotonic() < self._next_disk:
                 return  # a loop-mounted workspace is theirs; looked for every 2 s
             self._next_disk = time.monotonic() + FIND_EVERY
             info = None

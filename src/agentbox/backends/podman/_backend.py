@@ -101,6 +101,9 @@ class PodmanBackend(PodmanDetached):
 
     name = "podman"
     kind: BackendKind = "container"
+    #: An SDK sandbox's first command can be a ``podman exec -i`` started ahead (the
+    #: launcher's spare, ``launcher/_primed.py``).
+    primes_exec = True
     runtimes: tuple[str, ...] = PODMAN_RUNTIMES
     snapshots = False
     environments_refused: str | None = None  # the environment: a host overlay bind-mounted

@@ -41,6 +41,8 @@ class QemuBackend(QemuDetached, _MicrovmBackend):  # detached verbs: qemu/_detac
     """Makes QEMU microVM sandboxes (``name = "qemu"``)."""
 
     name = "qemu"
+    #: What its VMM process's name contains (the resource sampler checks a record with it).
+    vmm_process = "qemu"
     snapshots = True
     environments_refused: str | None = None  # the environment: a read-only disk under an overlay
 
