@@ -296,7 +296,8 @@ def test_nothing_is_imported_after_the_drop() -> None:
     code = textwrap.dedent(
         """
         import asyncio, sys
-        from agentbox.gateway._upstream import UpstreamError, make_pool
+        from agentbox.errors import UpstreamError
+        from agentbox.gateway._upstream import make_pool
         pool = make_pool("https://localhost:9", None, connect_timeout=5, read_timeout=5)
         pool.prepare()
         before = set(sys.modules)
