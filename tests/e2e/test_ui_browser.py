@@ -381,3 +381,38 @@ def _agentbox_gid() -> int:
     import grp
 
     return grp.getgrnam("agentbox").gr_gid
+
+
+def test_a_batchs_per_node_table(world: World, browser: webdriver.Chrome) -> None:
+    """A batch's state (as the driver keeps it under the data dir): the batches list links
+    it, its page counts tasks per node, and a node's error text stays text."""
+    from agentbox.cluster import BatchState
+
+    d = world.base / "data" / "batches" / "b1"
+    d.mkdir(parents=True, mode=0o700)
+    st = BatchState(d / "batch.db")
+    try:
+        st.init("b1", budget=None, options={})
+        rows = [("k1", "node-a", "done", 100, ""), ("k2", "node-a", "failed", 50,
+                 "<script>alert(7)</script>"), ("k3", "node-b", "done", 70, ""),
+                ("k4", "", "", 0, "")]  # fmt: skip
+        for seq, (key, node, status, tokens, error) in enumerate(rows):
+            st.add_task(key, seq, {"task": "t"}, "/r", "0" * 40)
+            if node:
+                st.place(key, f"{key}-a1", 10, None)
+                st.update(key, node=node, status=status, tokens=tokens, error=error)
+    finally:
+        st.close()
+    browser.get(world.login)
+    browser.get(world.ui_url + "/batches")
+    browser.find_element(By.LINK_TEXT, "b1").click()
+    cells = [
+        [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+        for tr in browser.find_elements(By.CSS_SELECTOR, "table.nodes tbody tr")
+    ]
+    assert any(c[:6] == ["node-a", "2", "1", "1", "0", "150"] for c in cells), cells
+    assert any(c[:6] == ["node-b", "1", "1", "0", "0", "70"] for c in cells), cells
+    assert "<script>alert(7)</script>" in browser.find_element(By.TAG_NAME, "body").text
+    with pytest.raises(NoAlertPresentException):
+        _ = browser.switch_to.alert.text
+    _shot(browser, "batch")

@@ -38,7 +38,9 @@ def serve_ui(settings: Settings, listen: str, *, say: Callable[[str], None]) -> 
     sock.listen(64)
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    app, session = make_app(lambda: LauncherClient(path, timeout=60.0), f"{shown}:{port}", _who())
+    app, session = make_app(
+        lambda: LauncherClient(path, timeout=60.0), f"{shown}:{port}", _who(), settings.data_dir
+    )
     say(f"http://{shown}:{port}/login?token={session.token}")
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)

@@ -13,8 +13,10 @@ What it shows: exactly what the launcher answers this process's user over its so
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import secrets
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -81,7 +83,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def make_app(
-    client_factory: Callable[[], Any], address: str, who: str
+    client_factory: Callable[[], Any], address: str, who: str, data_dir: Path
 ) -> tuple[Starlette, Session]:
     """The app for a view at ``address`` (``127.0.0.1:PORT``, what the browser's ``Host``
     must say); ``client_factory()`` makes a launcher client (one per call: it is used
@@ -285,6 +287,60 @@ def make_app(
         await call("publish_pick", gid)
         return RedirectResponse(f"/groups/{gid}", status_code=303)
 
+    def _batches_dir() -> Path:
+        return data_dir / "batches"
+
+    async def batches(request: Request) -> Response:
+        def read() -> list[dict[str, Any]]:
+            from agentbox.cluster import BatchState
+
+            out = []
+            with contextlib.suppress(OSError):
+                for d in sorted(_batches_dir().iterdir()):
+                    db = d / "batch.db"
+                    if d.is_symlink() or not db.is_file() or db.is_symlink():
+                        continue
+                    try:
+                        st = BatchState(db)
+                        try:
+                            meta, rows = st.batch(), st.tasks()
+                        finally:
+                            st.close()
+                    except (AgentboxError, OSError, sqlite3.Error):
+                        continue  # not ours to read, or not a batch
+                    out.append({
+                        "id": visible(d.name), "created": r.when(meta.get("created_at")),
+                        "tasks": len(rows), "done": sum(1 for x in rows if x.status == "done"),
+                        "nodes": len({x.node for x in rows if x.node}),
+                    })  # fmt: skip
+            return out
+
+        listed = await anyio.to_thread.run_sync(read)
+        return page("batches", batches=listed, where=visible(str(_batches_dir())))
+
+    async def batch_page(request: Request) -> Response:
+        from agentbox.cluster import BatchState, batch_dir
+
+        try:
+            path = batch_dir(_batches_dir(), request.path_params["batch_id"]) / "batch.db"
+        except AgentboxError:
+            raise TaskNotFound("no such batch") from None
+
+        def read() -> tuple[dict[str, Any], list[Any], int]:
+            if path.is_symlink() or not path.is_file():
+                raise TaskNotFound("no such batch")
+            try:
+                st = BatchState(path)
+                try:
+                    return st.batch(), st.tasks(), st.committed()
+                finally:
+                    st.close()
+            except (OSError, sqlite3.Error):
+                raise TaskNotFound("no such batch") from None
+
+        meta, rows, committed = await anyio.to_thread.run_sync(read)
+        return page("batch", **r.batch_view(meta, rows, committed))
+
     async def static(request: Request) -> Response:
         got = _STATIC.get(request.path_params["name"])
         if got is None:
@@ -301,6 +357,8 @@ def make_app(
         Route("/tasks/{task_id}/publish", guarded(publish, change=True), methods=["POST"]),
         Route("/tasks/{task_id}/resume", guarded(resume, change=True), methods=["POST"]),
         Route("/groups/{task_id}", guarded(group_page), methods=["GET"]),
+        Route("/batches", guarded(batches), methods=["GET"]),
+        Route("/batches/{batch_id}", guarded(batch_page), methods=["GET"]),
         Route("/groups/{task_id}/publish", guarded(group_publish, change=True), methods=["POST"]),
         Route("/static/{name}", guarded(static, login=True), methods=["GET"]),
     ]

@@ -173,3 +173,48 @@ def group_rows(view: Any) -> list[dict[str, Any]]:
             "picked": a.attempt == view.pick,
         })  # fmt: skip
     return rows
+
+
+def batch_view(meta: dict[str, Any], rows: list[Any], committed: int) -> dict[str, Any]:
+    """A batch's page: per node (tasks, done, failed, running, tokens, cost) and per task."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        n = nodes.setdefault(r.node or "-", {"node": visible(r.node or "-"), "tasks": 0,
+                                             "done": 0, "failed": 0, "running": 0,
+                                             "tokens": 0, "usd": 0.0, "priced": True})  # fmt: skip
+        n["tasks"] += 1
+        n["tokens"] += r.tokens
+        if r.status == "done":
+            n["done"] += 1
+        elif r.status:
+            n["failed"] += 1
+        else:
+            n["running"] += 1
+        if r.status and r.cost_usd is None:
+            n["priced"] = False
+        n["usd"] += r.cost_usd or 0.0
+    for n in nodes.values():
+        n["cost"] = money(n["usd"] if n["priced"] else None)
+        n["tokens"] = f"{n['tokens']:,}"
+    return {
+        "id": visible(str(meta.get("id", ""))),
+        "created": when(
+            meta.get("created_at") if isinstance(meta.get("created_at"), float | int) else None
+        ),
+        "cancel": bool(meta.get("cancel_requested")),
+        "committed": f"{committed:,}",
+        "nodes": sorted(nodes.values(), key=lambda n: str(n["node"])),
+        "rows": [
+            {
+                "key": visible(r.key),
+                "state": visible(r.state),
+                "status": visible(r.status or "-"),
+                "node": visible(r.node or "-"),
+                "tokens": f"{r.tokens:,}",
+                "cost": money(r.cost_usd) if r.status else "-",
+                "branch": visible(r.branch or "-"),
+                "error": visible(r.error[:300]),
+            }
+            for r in rows
+        ],
+    }
