@@ -35,6 +35,7 @@ from agentbox.backends.oci._posture import read_posture
 from agentbox.backends.podman import PodmanBackend, PodmanSandbox
 from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
+from agentbox.backends.podman import _pool_ends as pool_ends
 from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
 from agentbox.collect._checkout import chown_tree
@@ -111,7 +112,7 @@ def pooled(
     for name in names:
         with contextlib.suppress(Exception):
             backend.reap(name)
-    pool.drain(settings)
+    pool_ends.drain(settings)
     assert not pool_left(settings), pool_left(settings)
     assert_no_mounts_under(settings.data_dir)
 
@@ -248,6 +249,7 @@ from agentbox.backends.oci._posture import read_posture
 from agentbox.backends.podman import PodmanSandbox
 from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
+from agentbox.backends.podman import _pool_ends as pool_ends
 from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
 from agentbox.escape._fixtures import Fixture
@@ -333,7 +335,7 @@ def test_refill_drain_and_orphan_sweep(
     assert len(first) == 2
     assert _fill(podman_boxes, backend, template, 2) == []  # full: nothing started
     assert sorted(_containers(pool.SLOT_PREFIX, settings)) == sorted(first)
-    assert sorted(pool.drain(settings)) == sorted(first)
+    assert sorted(pool_ends.drain(settings)) == sorted(first)
     assert not pool_left(settings)
     assert not pool_mounted(settings)
     # another launcher's reconcile (a foreground `agentbox run` beside the service)

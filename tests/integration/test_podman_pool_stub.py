@@ -23,6 +23,7 @@ from agentbox.backends import Exited
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.podman import PodmanBackend
 from agentbox.backends.podman import _pool as pool
+from agentbox.backends.podman import _pool_ends as pool_ends
 from agentbox.backends.podman._detach import conmon_of, inspect
 from agentbox.config import Settings
 from mount_helpers import assert_no_mounts_under
@@ -38,7 +39,7 @@ pytestmark = [
 def pooled(sandbox_settings: Settings) -> Iterator[tuple[PodmanBackend, Settings]]:
     settings = sandbox_settings.model_copy(update={"pool_size": 1})
     yield PodmanBackend(settings), settings
-    pool.drain(settings)
+    pool_ends.drain(settings)
     assert_no_mounts_under(settings.data_dir)
 
 

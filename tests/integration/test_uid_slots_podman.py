@@ -18,6 +18,7 @@ from agentbox.backends import _uidslots as slots
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.podman import PodmanBackend
 from agentbox.backends.podman import _pool as pool
+from agentbox.backends.podman import _pool_ends as pool_ends
 from agentbox.config import Settings
 from sandbox_leaks import SandboxTracker
 
@@ -71,6 +72,6 @@ def test_a_pooled_sandbox_hands_its_slot_to_the_task(
         # The task's name holds the pooled slot now; its own first slot is free.
         assert slots.held(settings) == {}  # and released once the sandbox is gone
     finally:
-        pool.drain(settings)
+        pool_ends.drain(settings)
         for owner in ("agentbox-pooluid-task",):
             slots.release(settings, owner)

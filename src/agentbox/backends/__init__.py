@@ -38,6 +38,7 @@ __all__ = [
     "owned_sandboxes",
     "reap_uid_slots",
     "release_uid_slot",
+    "settle_dead_disks",
     "slot_settings",
     "sweep_pools",
     "uid_slot",
@@ -131,3 +132,12 @@ def sweep_pools(settings: Settings) -> list[str]:
         except (AgentboxError, OSError, ImportError) as exc:
             log.debug("backend swept no pool here", backend=name, error=str(exc))
     return removed
+
+
+def settle_dead_disks(settings: Settings) -> list[str]:
+    """Copy back and unmount every workspace disk of this data dir whose owner process is
+    gone and whose detached container (if any) is gone too (a launcher killed while it
+    held an SDK sandbox or its warm spare); return their sandbox names."""
+    from agentbox.backends._wsdisk import settle_orphan_disks
+
+    return settle_orphan_disks(settings)

@@ -35,6 +35,7 @@ from agentbox.backends import (
     get_backend,
     owned_sandboxes,
     reap_uid_slots,
+    settle_dead_disks,
     sweep_pools,
 )
 from agentbox.config import Settings
@@ -363,6 +364,10 @@ def remove_orphans(settings: Settings, store: Store, *, keep: Collection[str] = 
     # is gone and whose holder died (a launcher killed mid-task) is freed.
     for slot in reap_uid_slots(settings, {n for _, n in sandboxes if n in live}):
         log.info("freed the uid range of a sandbox that is gone", slot=slot)
+    # Workspace disks still mounted for a sandbox no process holds any more (an SDK
+    # sandbox or spare of a launcher that was killed: not a task's, so not listed above).
+    for name in settle_dead_disks(settings):
+        log.warning("settled the workspace disk of a sandbox whose owner is gone", sandbox=name)
     # Warm pools: not in what the backends list above; a dead keeper's entries go here.
     for name in sweep_pools(settings):
         log.warning("removed a pooled sandbox whose keeper is gone", sandbox=name)

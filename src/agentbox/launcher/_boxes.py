@@ -46,7 +46,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from agentbox.backends import backend_class
-from agentbox.backends.base import Sandbox
+from agentbox.backends.base import OWNER_DATA_LABEL, Sandbox, data_dir_label
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, ConfigError, RefusedError, SandboxError, SandboxGone
@@ -154,13 +154,18 @@ class BoxKeeper:
         self._spare: _Box | None = None
         self._spare_wanted = False
         self._filling = threading.Lock()
+        self._fillers: list[threading.Thread] = []
         self._reaper = threading.Thread(target=self._reap_loop, name="agentbox-sdk-reaper",
                                         daemon=True)  # fmt: skip
         self._reaper.start()
         if settings.pool_size > 0:  # the warm spare, from the start
-            threading.Thread(
-                target=self._fill_spare, name="agentbox-sdk-spare", daemon=True
-            ).start()
+            self._fill_in_background()
+
+    def _fill_in_background(self) -> None:
+        t = threading.Thread(target=self._fill_spare, name="agentbox-sdk-spare", daemon=True)
+        with self._lock:
+            self._fillers = [f for f in self._fillers if f.is_alive()] + [t]
+        t.start()
 
     # -- making and removing --------------------------------------------------------------
 
@@ -200,6 +205,10 @@ class BoxKeeper:
             if os.geteuid() == 0:
                 os.chown(ws, settings.sandbox_host_uid, settings.sandbox_host_uid)
             spec = spec_from_boxfile(box, settings, workspace=ws).replace(deadline=deadline)
+            # Labelled with the data dir, as a task's: a launcher that starts after this one
+            # was killed lists it among its orphans and reaps it (and settles its disk).
+            mine = {OWNER_DATA_LABEL: data_dir_label(self.settings.data_dir)}
+            spec = spec.replace(labels={**spec.labels, **mine})
             be = get_backend(box.backend, settings)
             be.check(spec)
             sb = be.create(spec)
@@ -223,9 +232,7 @@ class BoxKeeper:
                 self._spare_wanted = True
             if made is not None:
                 made.warm = True
-            threading.Thread(
-                target=self._fill_spare, name="agentbox-sdk-spare", daemon=True
-            ).start()
+            self._fill_in_background()
         if made is None:
             made = self._start(box, req.timeout + 30)
         made.uid = caller
@@ -308,8 +315,14 @@ class BoxKeeper:
                     stale.stack.close()
 
     def stop(self) -> None:
-        """Remove every sandbox (the launcher is going away); idempotent."""
+        """Remove every sandbox (the launcher is going away); idempotent. A spare being
+        started is waited for (it removes itself once it sees the stop), so the launcher
+        never exits with half a sandbox behind it."""
         self._stop.set()
+        with self._lock:
+            fillers = list(self._fillers)
+        for t in fillers:
+            t.join(timeout=120)
         with self._lock:
             ids = list(self._boxes)
             spare, self._spare = self._spare, None

@@ -57,6 +57,8 @@ SAMPLE_EVERY = 1.0
 WRITE_EVERY = 2.0
 #: Seconds between two tries to find the sandbox's init process (the engine's inspect).
 FIND_EVERY = 2.0
+#: Finds made a second apart before backing off (a sandbox's start under load).
+EAGER_FINDS = 20
 _MAX_READ = 64 << 10
 _SECTOR = 512
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -461,8 +463,11 @@ class Sampler:
             self._sample_vm()
             return
         if self._cg is None and not self._cg_gone and time.monotonic() >= self._next_find:
-            # Backing off (2, 4, 8 … 30 s): an inspect costs a podman process.
-            self._next_find = time.monotonic() + min(FIND_EVERY * 2**self._finds, 30.0)
+            # Every second while a sandbox is likely starting (a short attached task must
+            # not be missed), then backing off (2, 4, 8 … 30 s): an inspect costs a process.
+            late = self._finds - EAGER_FINDS
+            wait = 1.0 if late < 0 else FIND_EVERY * 2**late
+            self._next_find = time.monotonic() + min(wait, 30.0)
             self._finds += 1
             self._cg = self._find()
         if self._cg is not None:

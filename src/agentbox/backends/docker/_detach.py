@@ -493,8 +493,15 @@ def _open_gate(be: DockerBackend, cid: str, uid: int, name: str) -> None:
 
 
 def _gate_open(be: DockerBackend, cid: str) -> bool:
-    """Whether :data:`GO_FILE` exists in the container (its command started)."""
-    return _in(be, cid, 65534, ["test", "-e", GO_FILE]) == 0
+    """Whether :data:`GO_FILE` exists in the container (its command started). A container
+    that stopped meanwhile needs no gate: its command ran (or it was killed) already."""
+    try:
+        return _in(be, cid, 65534, ["test", "-e", GO_FILE]) == 0
+    except SandboxError:
+        info = _inspect(be, cid)
+        if info is None or _state(info).get("Running") is not True:
+            return True
+        raise
 
 
 def _process_start(pid: object) -> tuple[int, str]:
