@@ -167,6 +167,9 @@ SERIAL_TESTS: set[str] = {
     "integration/test_podman.py::test_cleanup_orphans_removes_sandboxes_whose_owner_died",
     "integration/test_podman_env.py::test_a_sigkilled_podman_caller_leaves_no_env_on_disk",
     "e2e/test_detach_resume.py::test_wait_rides_through_a_launcher_restart",
+    # checks that no loop device holds its disk: a podman conmon another worker starts
+    # while the disk is mounted can hold it (mount propagation into conmon's namespace)
+    "e2e/test_run_disk_limit.py::test_a_task_that_fills_its_disk_is_still_collected",
     # restarts the host's one dockerd: every other docker test would lose its daemon
     "e2e/test_live_restore_docker.py::test_a_dockerd_restart_with_live_restore_loses_no_task",
 }

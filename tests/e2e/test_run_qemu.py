@@ -76,7 +76,7 @@ def test_a_task_in_a_microvm(base: Path) -> None:
     assert info.tokens.input > 0 and info.tokens.output > 0
     # What it used: the QEMU process's own figures (issue 30 §3).
     used = result.report["resources"]
-    assert used["source"] == "the QEMU process" and used["samples"] > 0, used
+    assert used["source"] == "the VM's process" and used["samples"] > 0, used
     assert used["cpu_s"] > 1 and used["memory_peak_bytes"] > 50_000_000, used
     assert used["disk_written_bytes"] > 0 and used["egress_bytes"] == 0, used
     assert used["processes_peak"] is None  # the guest's processes are not seen from here
