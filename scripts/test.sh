@@ -46,7 +46,7 @@ fi
 
 .venv/bin/agentbox image build
 # podman, QEMU and Claude Code are installed by setup.sh: their tests must run, not skip.
-export AGENTBOX_REQUIRE=${AGENTBOX_REQUIRE-podman,qemu,claude,docker,gitlfs}
+export AGENTBOX_REQUIRE=${AGENTBOX_REQUIRE-podman,qemu,claude,docker,gitlfs,chromium}
 if [ $# -gt 0 ]; then
   .venv/bin/pytest --junitxml="$report/run.xml" "$@"
   exit

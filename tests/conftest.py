@@ -70,6 +70,12 @@ def _facility(marker: str) -> _host.Facility | None:
         return _host.Facility(
             "git-lfs", found is not None, found or "not on PATH", "apt-get install git-lfs"
         )
+    if marker == "chromium":
+        got = [p for p in ("/usr/bin/chromium", "/usr/bin/chromedriver") if Path(p).exists()]
+        return _host.Facility(
+            "chromium", len(got) == 2, ", ".join(got) or "not installed",
+            "apt-get install chromium chromium-driver",
+        )  # fmt: skip
     return None
 
 
