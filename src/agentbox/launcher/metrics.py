@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import threading
 from collections.abc import Iterable, Iterator
@@ -33,6 +32,7 @@ from prometheus_client.core import (
 )
 
 from agentbox.config import Settings
+from agentbox.core.files import read_regular
 from agentbox.core.listen import parse_loopback
 from agentbox.core.paths import TaskPaths
 from agentbox.core.tally import LAUNCHER_STARTS, POOL_CLAIMS, count_one, tally
@@ -81,16 +81,11 @@ def _edge(v: float) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    raw = read_regular(path, _MAX_JSON)
     try:
-        fd = os.open(path, flags)
-    except OSError:
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
         return {}
-    with os.fdopen(fd, "rb") as fh:
-        try:
-            data = json.loads(fh.read(_MAX_JSON))
-        except (OSError, ValueError):
-            return {}
     return data if isinstance(data, dict) else {}
 
 

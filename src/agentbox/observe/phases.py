@@ -18,10 +18,10 @@ it is still read like untrusted data: no link followed, a size cap, bad lines sk
 from __future__ import annotations
 
 import json
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+from agentbox.core.files import read_regular
 
 PHASES_FILE = "phases.jsonl"
 MAX_BYTES = 1 << 20
@@ -56,18 +56,9 @@ class TaskPhases:
 
 def read_phase_lines(log_dir: Path) -> list[tuple[float, str]]:
     """``(time, message)`` of each well-formed line; [] when there is no file."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-    try:
-        fd = os.open(log_dir / PHASES_FILE, flags)
-    except OSError:
+    data = read_regular(log_dir / PHASES_FILE, MAX_BYTES)
+    if data is None:
         return []
-    with os.fdopen(fd, "rb") as fh:
-        try:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                return []
-            data = fh.read(MAX_BYTES)
-        except OSError:
-            return []
     out: list[tuple[float, str]] = []
     for raw in data.split(b"\n"):
         try:
