@@ -12,6 +12,7 @@ the shadow dir and ``agentbox publish ID --branch NAME`` publishes it later.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -228,6 +229,9 @@ def _publish(
             user_git(repo, "update-ref", "--no-deref", "-m", f"agentbox: task {task_id}",
                      ref, commit, current)  # fmt: skip
         except CommandError as exc:
+            with contextlib.suppress(CommandError):
+                if _current(repo, ref)[0] == commit:
+                    return name  # another publisher of the same result won the race
             raise PublishRefused(
                 f"{name} in {repo} changed while it was being published "
                 f"({exc.stderr.strip()[-300:]}): left as it is; the result {commit[:12]} is kept"

@@ -127,6 +127,7 @@ class Launcher:
         self._cancel: dict[str, threading.Event] = {}
         self._active: set[str] = set()
         self._lock = threading.Lock()
+        self._picks = threading.RLock()
         # Notified when a task this launcher ran ends (``wait`` wakes at once, not at its
         # next poll); a task another process runs is still polled.
         self._ended = threading.Condition(self._lock)
@@ -380,9 +381,10 @@ class Launcher:
         task_id = attempt_id(group, k)
         self._row(task_id, caller)  # TaskNotFound for another user's
         record = TaskPaths(self.settings.data_dir, attempt_id(group, 1)).root / _GROUP_RECORD
-        return publish_task(
-            self.settings, self.store, task_id, branch=f"agentbox/{group}", record=record
-        )
+        with self._picks:  # one publisher of a group's branch at a time
+            return publish_task(
+                self.settings, self.store, task_id, branch=f"agentbox/{group}", record=record
+            )
 
     def _group_ended(self, task_id: str) -> None:
         """When the last attempt of a best-of-N group that publishes has ended: publish its
@@ -395,9 +397,10 @@ class Launcher:
             rows = self.store.group(row.group_id)
             if not all(r.info().terminal for r in rows):
                 return
-            view = self.group_view(row.group_id)
-            if view.pick is not None and view.branch is None:
-                self.publish_pick(row.group_id, view.pick)
+            with self._picks:  # the last two attempts may end together, beside a client's call
+                view = self.group_view(row.group_id)
+                if view.pick is not None and view.branch is None:
+                    self.publish_pick(row.group_id, view.pick)
         except (AgentboxError, OSError) as exc:
             log.warning("publishing a group's pick failed", task_id=task_id, error=str(exc))
 
