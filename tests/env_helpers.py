@@ -5,6 +5,8 @@ tasks run on one launcher, the pip index this host uses, the sandbox kinds under
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -76,13 +78,18 @@ class EnvLab:
         return path
 
     def image(self, containerfile: str, tag: str) -> str:
-        """``agentbox image build --containerfile`` of ``containerfile`` as ``tag`` (removed
-        at the end); the build is cached by content, so later modules reuse it."""
+        """``agentbox image build --containerfile`` of ``containerfile`` as ``tag`` (the tag
+        is removed at the end). The build is cached by content and the cached image stays
+        for the session: modules that build the same Containerfile (on any xdist worker)
+        build it once, the others wait for that build on a lock named by the content."""
         from agentbox.image import build_containerfile
 
         ctx = Path(tempfile.mkdtemp(prefix="ctx-", dir=self.base))
         (ctx / "Containerfile").write_text(containerfile)
-        info = build_containerfile(Settings(), ctx / "Containerfile", tag=tag)
+        digest = hashlib.sha256(containerfile.encode()).hexdigest()[:16]
+        with open(f"/var/tmp/agentbox-test-image-{digest}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            info = build_containerfile(Settings(), ctx / "Containerfile", tag=tag)
         self.images.append((tag, info.hash))
         return tag
 

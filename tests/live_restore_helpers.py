@@ -41,7 +41,7 @@ CHAOS_WAYS = [
     (way, int(CHAOS_KILLS or n))
     for way, _, n in (
         w.partition(":")
-        for w in os.environ.get("AGENTBOX_CHAOS_WAYS", "pid:20,group:20,cgroup:4").split(",")
+        for w in os.environ.get("AGENTBOX_CHAOS_WAYS", "pid:8,group:8,cgroup:4").split(",")
     )
 ]
 

@@ -2,7 +2,8 @@
 
 ``env_lab``: the environment scenarios' (issue 12) common ground, one per test module
 (see tests/env_helpers.py): a factory of labs, each a private data dir, a replay model and
-one launcher, cleaned at the module's end with the frozen environments and images made.
+one launcher, cleaned at the module's end with the frozen environments and image tags made
+(the images themselves stay as the session's content-addressed cache).
 """
 
 from __future__ import annotations
@@ -55,26 +56,14 @@ def env_lab() -> Iterator[Callable[..., EnvLab]]:
     try:
         yield make
     finally:
-        from agentbox.errors import ImageError
-        from agentbox.image import remove
-
         for lab in labs:
             lab.launcher.close()
             store = EnvStore(lab.settings)
             for key in lab.keys:
                 store.remove(key, force=True)
-            for tag, digest in lab.images:
-                try:
-                    remove(Settings(), tag)
-                except ImageError:
-                    subprocess.run(["podman", "rmi", "-f", tag], check=False, capture_output=True)
-                if digest and shutil.which("docker"):  # the docker backend's imported copy
-                    from agentbox.backends.docker._image import DOCKER_REPO
-
-                    subprocess.run(
-                        ["docker", "rmi", f"{DOCKER_REPO}:{digest}"],
-                        check=False,
-                        capture_output=True,
-                    )
+            for tag, _digest in lab.images:
+                # The tag only: the content-addressed image (and docker's copy, named by
+                # its hash) is the session's cache for the next module that builds it.
+                subprocess.run(["podman", "untag", tag], check=False, capture_output=True)
             if not os.environ.get("E2E_KEEP_DIRS"):
                 shutil.rmtree(lab.base, ignore_errors=True)

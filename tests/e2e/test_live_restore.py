@@ -20,7 +20,7 @@ most do not wait for anything) but every fourth waits until one of its phase's a
 runs (its sandbox launched), so each way hits running tasks whatever the seed; the
 table printed says how many each kill caught. Sizes come from the environment so CI
 stays bounded: ``AGENTBOX_CHAOS_WAYS`` (podman runc's phases, default
-``pid:20,group:20,cgroup:4``: way and kills; docker's are ``pid:6,group:6,cgroup:2``,
+``pid:8,group:8,cgroup:4``: way and kills; docker's are ``pid:6,group:6,cgroup:2``,
 runsc's ``pid:1``, qemu's ``pid:1,group:1``: TCG is slow), ``AGENTBOX_CHAOS_KILLS``
 (overrides every phase's count),
 ``AGENTBOX_CHAOS_TASKS`` (tasks per phase, default 2), ``AGENTBOX_CHAOS_SEED``
