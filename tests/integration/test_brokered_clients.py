@@ -9,6 +9,7 @@ read by :mod:`agentbox.egress._hostcreds`; the proxy injects them. Push is refus
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from agentbox.egress._hostcreds import (
     git_fetch,
     host_credentials,
 )
+from keyring_helpers import keyring_home
 from net_helpers import free_port
 from private_servers import GIT_HOST, NPM_HOST, NPM_PACKAGE, PYPI_HOST, missing, private_servers
 
@@ -155,6 +157,47 @@ def test_setup_pip_and_npm_through_brokered_credentials(tmp_path: Path, servers:
         srv.secrets(),  # type: ignore[attr-defined]
         box_home, target, proj, proxy.log,
         texts=(pip.stdout, pip.stderr, npm.stdout, npm.stderr, json.dumps(dict(brokered.env))),
+    )  # fmt: skip
+
+
+def test_setup_pip_with_the_password_in_the_users_keyring(tmp_path: Path, servers: object) -> None:
+    """pip's keyring pattern: the index URL names the user, the user's keyring (the real
+    library, a file backend chosen by keyringrc.cfg) holds the password; read as the
+    user, injected by the proxy, nowhere in what the sandbox gets or sees."""
+    srv = servers
+    home = tmp_path / "home"
+    (home / ".config" / "pip").mkdir(parents=True)
+    (home / ".config" / "pip" / "pip.conf").write_text(
+        f"[global]\nindex-url = https://{srv.user}@{PYPI_HOST}/simple/\n"  # type: ignore[attr-defined]
+    )
+    user_env = {"HOME": str(home), "PATH": os.environ["PATH"]}
+    keyring_home(user_env, {(f"https://{PYPI_HOST}/simple/", srv.user): srv.password})  # type: ignore[attr-defined]
+    stored = (home / ".local/share/python_keyring/keyring_pass.cfg").read_bytes()
+    assert base64.b64encode(srv.password.encode()) in stored  # type: ignore[attr-defined]
+    brokered = host_credentials(os.geteuid(), env=user_env)
+    assert [r.origin for r in brokered.rules] == ["host-keyring"]
+    proxy = Proxy(tmp_path, srv, "setup", brokered)
+    box_home = tmp_path / "box-home"
+    box_home.mkdir()
+    try:
+        env = proxy.env(box_home) | dict(brokered.env)
+        target = tmp_path / "site"
+        pip = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--target", str(target),
+             "corp-util==1.0"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert pip.returncode == 0, pip.stdout + pip.stderr
+        assert (target / "corp_util.py").read_text() == "VALUE = 42\n"
+    finally:
+        proxy.close()
+    lines = proxy.lines()
+    assert any(x.get("host") == PYPI_HOST and x.get("injected") for x in lines), lines
+    _nowhere(
+        srv.secrets(),  # type: ignore[attr-defined]
+        box_home, target, proxy.log,
+        texts=(pip.stdout, pip.stderr, json.dumps(dict(brokered.env)), " ".join(brokered.notes),
+               repr(brokered.rules)),
     )  # fmt: skip
 
 

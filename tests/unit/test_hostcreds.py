@@ -18,6 +18,7 @@ from agentbox.egress._hostcreds import (
 )
 from agentbox.egress.rules import Inject, NetworkRule, expand, match_rule
 from agentbox.errors import PolicyRefused
+from keyring_helpers import keyring_home
 
 UID = os.geteuid()
 
@@ -80,6 +81,45 @@ def test_pip_env_and_netrc(tmp_path: Path) -> None:
         "PIP_EXTRA_INDEX_URL": "https://extra.corp.example/simple/",
     }
     _secret_free(b, "netrc-pass", "extra-pass")
+
+
+def test_pip_password_from_the_users_keyring(tmp_path: Path) -> None:
+    env = _home(tmp_path)
+    # pip's own pattern: the index URL names the user, the keyring holds the password
+    # (under the index URL, or under its host as the second index does).
+    Path(env["HOME"], ".config/pip/pip.conf").write_text(
+        "[global]\nindex-url = https://corp@pypi.corp.example/simple/\n"
+        "extra-index-url = https://bot@extra.corp.example/simple/ https://none.corp.example/s/\n"
+    )
+    keyring_home(env, {
+        ("https://pypi.corp.example/simple/", "corp"): "kr-pass-1",
+        ("extra.corp.example", "bot"): "kr-pass-2",
+    })  # fmt: skip
+    b = host_credentials(UID, env=env)
+    assert _injected(b, "pypi.corp.example", "/simple/x/") == (
+        "Basic " + base64.b64encode(b"corp:kr-pass-1").decode()
+    )
+    assert _injected(b, "extra.corp.example", "/simple/x/") == (
+        "Basic " + base64.b64encode(b"bot:kr-pass-2").decode()
+    )
+    assert _injected(b, "none.corp.example", "/s/") is None
+    assert {r.origin for r in b.rules} == {"host-keyring"}
+    assert any("keyring" in n for n in b.notes)
+    assert b.env["PIP_INDEX_URL"] == "https://pypi.corp.example/simple/"
+    _secret_free(b, "kr-pass-1", "kr-pass-2")
+
+
+def test_a_password_in_the_url_wins_over_the_keyring(tmp_path: Path) -> None:
+    env = _home(tmp_path)
+    Path(env["HOME"], ".config/pip/pip.conf").write_text(
+        "[global]\nindex-url = https://corp:url-pass@pypi.corp.example/simple/\n"
+    )
+    keyring_home(env, {("https://pypi.corp.example/simple/", "corp"): "kr-pass"})
+    b = host_credentials(UID, env=env)
+    assert _injected(b, "pypi.corp.example", "/simple/") == (
+        "Basic " + base64.b64encode(b"corp:url-pass").decode()
+    )
+    assert {r.origin for r in b.rules} == {"host-pip"}
 
 
 def test_npmrc_tokens_and_scopes(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """The host user's own registry and git credentials, as request rules the proxy injects.
 
 A team's pip and npm already hold its credentials (pip's ``index-url`` with
-``user:pass@``, ``~/.netrc``, ``PIP_INDEX_URL``; npm's ``.npmrc``
-``//host/:_authToken=``, ``_auth``, ``username``/``_password``, scoped registries),
+``user:pass@``, ``~/.netrc``, the user's keyring (:mod:`._keyring`), ``PIP_INDEX_URL``;
+npm's ``.npmrc`` ``//host/:_authToken=``, ``_auth``, ``username``/``_password``, scoped registries),
 and its git remote has a credential helper. :func:`host_credentials` and
 :func:`git_fetch` read them **as the submitting user** (a child process with that
 user's uid, gid and no other groups: what the user can read, nothing more, so a
@@ -39,6 +39,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from agentbox.config import Settings
 from agentbox.core.hostname import normalize_host
 from agentbox.core.log import get_logger
+from agentbox.egress._keyring import keyring_credentials, keyring_env, owner_runner
 from agentbox.egress.rules import PLACEHOLDER, Inject, NetworkRule, secret_names
 from agentbox.errors import PolicyRefused
 
@@ -157,7 +158,10 @@ for k, v in os.environ.items():
 json.dump(out, sys.stdout)
 """
 
-_PASS_ENV = ("PIP_", "NPM_CONFIG_", "npm_config_", "NETRC", "XDG_", "PIP_CONFIG_FILE")
+_PASS_ENV = (
+    "PIP_", "NPM_CONFIG_", "npm_config_", "NETRC", "XDG_", "PIP_CONFIG_FILE",
+    "PYTHON_KEYRING_BACKEND", "DBUS_SESSION_BUS_ADDRESS",
+)  # fmt: skip
 
 
 def _user_env(uid: int, env: Mapping[str, str] | None) -> dict[str, str]:
@@ -183,7 +187,12 @@ def _user_env(uid: int, env: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def _run_as(
-    uid: int, argv: list[str], env: dict[str, str], stdin: str = "", cwd: str = "/"
+    uid: int,
+    argv: list[str],
+    env: dict[str, str],
+    stdin: str = "",
+    cwd: str = "/",
+    timeout: float = _READ_TIMEOUT,
 ) -> subprocess.CompletedProcess[str]:
     """``argv`` as ``uid`` (its primary group, no other groups) unless that is us."""
     try:
@@ -198,7 +207,7 @@ def _run_as(
         text=True,
         env=env,
         cwd=cwd,
-        timeout=_READ_TIMEOUT,
+        timeout=timeout,
         user=uid if other else None,
         group=gid if other else None,
         extra_groups=[] if other else None,
@@ -254,6 +263,26 @@ def _registry_host(url: str) -> tuple[str, str, str | None, str | None] | None:
     user = unquote(parts.username) if parts.username else None
     password = unquote(parts.password) if parts.password is not None else None
     return host, strip_userinfo(url), user, password
+
+
+def _pip_keyring(
+    uid: int, env: Mapping[str, str] | None, urls: Sequence[str], netrc: Mapping[str, object]
+) -> dict[str, tuple[str, str]]:
+    """What the user's keyring holds for the https index URLs that carry no password
+    (and no ``~/.netrc`` entry): ``clean URL -> (user, password)``, asked as pip asks."""
+    asks: list[tuple[str, str, str | None]] = []
+    for url in urls:
+        reg = _registry_host(url)
+        if reg is None:
+            continue
+        host, clean, user, password = reg
+        if password is not None or (user is None and host in netrc):
+            continue
+        asks.append((clean, urlsplit(clean).netloc, user))
+    if not asks:
+        return {}
+    run_env = keyring_env(uid, _user_env(uid, env))
+    return keyring_credentials(asks, run_env, owner_runner(uid, _run_as))
 
 
 # ---------------------------------------------------------------- npm
@@ -372,6 +401,7 @@ def host_credentials(
     clean_extra: list[str] = []
     n = 1
     seen: set[str] = set()
+    from_keyring = _pip_keyring(uid, env, index + extra, netrc)
     for which, urls in (("index", index), ("extra", extra)):
         for url in urls:
             reg = _registry_host(url)
@@ -383,6 +413,9 @@ def host_credentials(
             if user is None and host in netrc:
                 user, password = netrc[host]
                 origin, source = "host-netrc", "~/.netrc"
+            if password is None and clean in from_keyring:
+                user, password = from_keyring[clean]
+                origin, source = "host-keyring", "the user's keyring"
             if user is None or host in seen:
                 continue
             seen.add(host)

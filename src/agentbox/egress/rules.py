@@ -6,7 +6,7 @@ header the proxy adds on the way out (its value a template that may name secrets
 ``${secret:NAME}``). A rule with ``refuse_message`` is a deny rule: a request it
 matches is refused with that message. Rules come from a Boxfile's
 ``[[network.rule]]`` tables (``origin="boxfile"``) and from the host's own client
-configuration (``host-pip``, ``host-npm``, ``host-netrc``, ``git-fetch``).
+configuration (``host-pip``, ``host-npm``, ``host-netrc``, ``host-keyring``, ``git-fetch``).
 
 For a host some rule names, the proxy terminates TLS and decides per request with
 :func:`match_rule` (the first rule that matches wins); nothing here does I/O.
@@ -51,7 +51,9 @@ __all__ = [
 #: What the sandbox may send where a tool insists on a token; the proxy replaces it.
 PLACEHOLDER = "agentbox-brokered"
 PHASES = frozenset({"setup", "agent"})
-ORIGINS = frozenset({"boxfile", "host-pip", "host-npm", "host-netrc", "git-fetch", "test"})
+ORIGINS = frozenset(
+    {"boxfile", "host-pip", "host-npm", "host-netrc", "host-keyring", "git-fetch", "test"}
+)
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _SECRET_REF = re.compile(r"\$\{secret:([^}]*)\}")
