@@ -3,10 +3,11 @@ tests/e2e/test_env_python.py on **qemu** (the frozen environment as a copy-on-wr
 disk, setup's egress socket served by the guest agent) and on **podman + runsc**
 (gVisor's gofer opening the environment's overlay as another uid).
 
-Per backend, two tasks on one launcher: ``cold`` (a miss: setup installs attrs and
-pytest from the registry this host's pip uses, through the proxy; the real Claude Code,
-driven by a replay script, runs ``.venv/bin/pytest`` with no network; the branch holds
-only the agent's file) and ``warm`` (a hit: no setup, no proxy, the same tests pass).
+Per backend, two tasks on one launcher (qemu: the first only): ``cold`` (a miss: setup
+installs attrs and pytest from the registry this host's pip uses, through the proxy; the
+real Claude Code, driven by a replay script, runs ``.venv/bin/pytest`` with no network;
+the branch holds only the agent's file) and ``warm`` (a hit: no setup, no proxy, the same
+tests pass).
 
 QEMU runs under TCG here (~20x slower), so its setup keeps only what is qemu's own: the
 download goes out through setup's egress socket, which the guest agent serves; what
@@ -121,7 +122,11 @@ def runs(
         **files, "test_point.py": PY_TEST_FILE,
         ".gitignore": ".venv/\n", ".agentbox/Boxfile.toml": boxfile,
     })  # fmt: skip
-    out = {task: lab.run(f"envb-{name}-{task}", repo, 2400.0) for task in ("cold", "warm")}
+    # qemu runs the cold task only: what a hit adds (the store's lookup, no setup) is the
+    # same code on every backend, and the frozen environment already comes back to the
+    # cold task's agent as a copy-on-write disk; a second VM under TCG is two minutes.
+    tasks = ("cold",) if name == "qemu" else ("cold", "warm")
+    out = {task: lab.run(f"envb-{name}-{task}", repo, 2400.0) for task in tasks}
     return name, lab.settings, out
 
 
@@ -146,6 +151,8 @@ def test_cold_task_sets_up_and_the_agent_runs_the_tests(
 
 def test_second_task_is_a_cache_hit(runs: tuple[str, Settings, dict[str, EnvRun]]) -> None:
     name, settings, out = runs
+    if "warm" not in out:
+        pytest.skip(f"{name}: the hit path is podman's (runsc here, runc in test_env_python)")
     cold, warm = out["cold"], out["warm"]
     assert warm.info.status == "done", (name, warm.info.error)
     setup = warm.result.report["setup"]
