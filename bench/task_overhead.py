@@ -158,7 +158,7 @@ PHASES = (
     "  last output -> container exit",
     "  exit -> seen by the follower",
     "  seen -> podman rm starts (conmon, inspect)",
-    "  podman rm",
+    "  podman rm (off the path: overlaps what follows)",
     "  conmon gone + disk copy-back",
     "    of which copy-back + umount",
     "  gateway stop",
@@ -173,7 +173,7 @@ PHASES = (
 def _timed_calls(marks: dict[str, float]) -> Iterator[None]:
     """Record start/end wall times of the launcher's and the backend's own calls (see
     PHASES): each is wrapped in place for the bench's run and restored after."""
-    from agentbox.backends.podman import _backend, _detach
+    from agentbox.backends.podman import _backend, _detach, _removals
     from agentbox.gateway import GatewayHandle
 
     seen: dict[str, Any] = {}
@@ -230,6 +230,7 @@ def _timed_calls(marks: dict[str, float]) -> Iterator[None]:
         (_detach, "inspect", lambda f: inspect),
         (_detach, "pool_log", lambda f: pool_log),
         (_detach, "force_remove", lambda f: force_remove),
+        (_removals, "force_remove", lambda f: force_remove),
         (_detach, "read_exit_file", lambda f: read_exit_file),
     ]
     targets = [t for t in targets if hasattr(t[0], t[1])]  # an older tree lacks some

@@ -26,7 +26,7 @@ import pytest
 from agentbox.backends import Exited
 from agentbox.backends._k8slog import read_exit
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.podman import PodmanBackend
+from agentbox.backends.podman import PodmanBackend, _removals
 from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman._exitfile import exit_file_of
 from agentbox.config import Settings
@@ -87,6 +87,7 @@ def test_the_end_is_recorded_from_the_exit_file_while_conmon_still_runs(
         assert not follower.is_alive(), "follow hung"
         assert box["ended"] == Exited(3, False)
         assert box["out"] == b"up\n"
+        assert _removals.wait(name, 120), "the container's removal did not end"
         assert subprocess.run(["podman", "container", "exists", name]).returncode == 1
         assert not os.path.ismount(ws), "the workspace disk was not settled"
     finally:

@@ -25,8 +25,9 @@ start), woken by conmon's pidfd or its exit file (:mod:`._exitfile`), never a
 fixed poll; past the deadline it kills the sandbox itself too. The end is read
 from conmon's exit file the moment the container exits (a ``podman inspect``
 only when conmon died without one); the follower records how (``<log>.exit``),
-then, once conmon has finished podman's cleanup and gone, removes the container
-while it settles the workspace disk (copied back, unmounted) beside it.
+then, once conmon has finished podman's cleanup and gone, settles the workspace disk
+(copied back, unmounted) and returns while the container is removed off the caller's
+path (:mod:`._removals`).
 :meth:`~PodmanDetached.adoptable` checks name, labels, the data dir and a seal
 only this data dir's key makes.
 """
@@ -39,7 +40,6 @@ import hashlib
 import hmac
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -67,7 +67,7 @@ from agentbox.backends.oci._args import (
     run_args,
 )
 from agentbox.backends.oci._cli import conmon_cwd, env_file, force_remove, kill
-from agentbox.backends.podman import _launched
+from agentbox.backends.podman import _launched, _removals
 from agentbox.backends.podman._cgroup import born_outside, place_conmon
 from agentbox.backends.podman._exitfile import (
     CONMON_EXIT_WAIT,
@@ -231,6 +231,7 @@ class PodmanDetached:
                 reader.pump()
                 if time.time() >= started + deadline and not killed:
                     log_event("deadline passed; killing", name)
+                    _removals.await_rename(name)
                     kill(name)
                     killed = True
                 if conmon is not None and _running(conmon):
@@ -275,7 +276,10 @@ class PodmanDetached:
         ended = _ended(exit_code, finished, started, deadline, killed=killed)
         with self._final(log):
             write_exit(log, ended)
-            force_remove(name)
+            if conmon is not None:  # it exited (its conmon is gone): off the caller's path
+                _removals.remove_later(name)
+            else:  # an orphan's: removed first, then its disk is settled
+                force_remove(name)
             self._settle(name, conmon)
         log_event("followed to its end", name, exit_code=ended.exit_code, timed_out=ended.timed_out)
         return ended
@@ -347,25 +351,11 @@ class PodmanDetached:
             log_event("workspace disk copied back", done)
 
     def _remove_and_settle(self, name: str, conmon: psutil.Process | None) -> None:
-        """``podman rm`` on a thread while the disk is copied back once conmon is gone:
-        neither needs the other (the sandbox has exited; the copy never reads the
-        container). The first error of either is raised once both are done."""
-        failed: list[BaseException] = []
-
-        def remove() -> None:
-            try:
-                force_remove(name)
-            except BaseException as exc:  # handed to the caller below
-                failed.append(exc)
-
-        remover = threading.Thread(target=remove, name=f"agentbox-rm-{name}", daemon=True)
-        remover.start()
-        try:
-            self._settle(name, conmon)
-        finally:
-            remover.join()
-        if failed:
-            raise failed[0]
+        """Start ``podman rm`` off the caller's path (:mod:`._removals`), then copy the disk
+        back once conmon is gone: neither needs the other (the sandbox has exited; the
+        copy never reads the container), and nothing of the task needs the container."""
+        _removals.remove_later(name)
+        self._settle(name, conmon)
 
 
 def log_event(what: str, name: str, **kw: object) -> None:
@@ -381,6 +371,7 @@ def seal(settings: Settings, name: str) -> str:
 
 def inspect(name: str) -> dict[str, Any] | None:
     """``podman container inspect`` of ``name``; None when there is no such container."""
+    _removals.await_rename(name)  # a claim of this process names it (see _removals)
     res = _proc.run(
         ["podman", "container", "inspect", "--format", "json", name], timeout=60, check=False
     )
