@@ -23,8 +23,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ from agentbox.backends.podman import PodmanBackend, PodmanSandbox
 from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
 from agentbox.backends.podman import _pool_ends as pool_ends
+from agentbox.backends.podman import _removals as removals
 from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
 from agentbox.collect._checkout import chown_tree
@@ -473,3 +475,45 @@ def test_escape_probes_pooled_as_fresh(
     assert {i: o.status for i, o in pooled_out.items()} == {
         i: o.status for i, o in fresh_out.items()
     }
+
+
+def test_a_claim_returns_before_its_rename(
+    pooled: tuple[PodmanBackend, Settings],
+    default_image: str,
+    make_workspace,
+    tmp_path: Path,
+    podman_boxes: SandboxTracker,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The claim's ``podman rename`` is off the task's path (``_removals``): the task's
+    command runs and the claim returns while it is held back; a kill by the task's name
+    waits for it, then ends the task; the follower removes the renamed container."""
+    backend, _ = pooled
+    ws = make_workspace()
+    slot = _fill(podman_boxes, backend, _template(default_image, ws), 1)[0]
+    gate = threading.Event()
+    real = removals.rename_later
+
+    def gated(name: str, cid: str, rename: Callable[[], object]) -> None:
+        real(name, cid, lambda: (gate.wait(120), rename()))
+
+    monkeypatch.setattr(removals, "rename_later", gated)
+    spec = _template(default_image, ws).replace(name=f"agentbox-poolrn-{os.getpid()}")
+    podman_boxes.track(spec.name)
+    log = tmp_path / "sandbox.log"
+    try:
+        backend.launch(spec, ["sh", "-c", "echo up; exec sleep 300"], log=log)
+        end = time.monotonic() + 60  # a bound for a hang, not a speed target
+        while b"up" not in (log.read_bytes() if log.exists() else b""):
+            assert time.monotonic() < end, "the task's command did not run before the rename"
+            time.sleep(0.05)
+        assert _containers(slot) == [slot] and not _containers(spec.name), "renamed already"
+        threading.Timer(1.0, gate.set).start()
+        assert backend.kill(spec.name) == [spec.name], "the kill did not wait for the rename"
+        assert gate.is_set()
+        ended = backend.follow(spec.name, log=log, on_stdout=None, on_stderr=None, poll=0.05)
+        assert ended.exit_code == 137
+    finally:
+        gate.set()
+    assert removals.wait(spec.name, 120)
+    assert not _containers(spec.name) and not _containers(slot)

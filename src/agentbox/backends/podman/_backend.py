@@ -71,7 +71,7 @@ from agentbox.backends.oci._cli import (
 )
 from agentbox.backends.oci._posture import wait_relay
 from agentbox.backends.oci._sandbox import start_on_disk
-from agentbox.backends.podman import _pool, _pool_ends
+from agentbox.backends.podman import _pool, _pool_ends, _removals
 from agentbox.backends.podman._detach import (
     DETACHED_LABEL,
     PodmanDetached,
@@ -341,6 +341,7 @@ class PodmanBackend(PodmanDetached):
         A detached sandbox is only killed: its follower (``follow``) then returns exit
         137, records the end, and removes it as after any other end. No container: nothing
         to remove (a ``podman rm`` now could remove one a launch is creating this moment)."""
+        _removals.await_rename(name)  # a pool claim of this process names it
         kill(name)  # the module-level helper of _oci_cli
         info = inspect(name)
         if info is None:
@@ -355,7 +356,7 @@ class PodmanBackend(PodmanDetached):
         what the agent wrote is copied back into the workspace directory, where the
         owner would have collected it, and the disk unmounted (see _wsdisk.py).
         A detached sandbox's disk is settled once its conmon, its recorded owner, is gone."""
-        info = inspect(name)
+        info = inspect(name)  # after a pool claim's rename to it (see _removals)
         conmon = conmon_of(info) if info is not None else None
         kill(name)
         force_remove(name)

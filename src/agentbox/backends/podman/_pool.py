@@ -19,8 +19,9 @@ workspace disk as ``launch`` does, binds the task's gateway directory onto the s
 (``nosuid,nodev,noexec``), writes the go-file (argv behind the relay, environment,
 workdir), and last binds the workspace onto the slot's (``nosuid,nodev``). The mount
 propagates into the sandbox and hides the go-file: then the stub ``chdir``\\ s into
-the new ``/workspace`` and ``exec``\\ s the task's command. ``launch`` returns once
-the rename is done; from there the sandbox is a detached one: ``follow``, adoption,
+the new ``/workspace`` and ``exec``\\ s the task's command. ``launch`` returns then,
+the rename going on off the task's path (:mod:`._removals`: this process's by-name
+calls wait for it); from there the sandbox is a detached one: ``follow``, adoption,
 ``kill`` and ``reap`` work on it by name.
 
 Single use: a claimed sandbox ends with its task; its slot is released (binds
@@ -45,9 +46,9 @@ import json
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,7 @@ from agentbox.backends.base import (
 )
 from agentbox.backends.oci._args import check_spec, entry_argv, run_args
 from agentbox.backends.oci._cli import conmon_cwd, env_file, force_remove
+from agentbox.backends.podman import _removals
 from agentbox.backends.podman._cgroup import born_outside, place_conmon
 from agentbox.backends.podman._detach import (
     DEADLINE_LABEL,
@@ -384,10 +386,23 @@ def _bind_task(
         }
         write(record, rec, mode=0o600)
         # The rename (a podman client, the slowest step) runs while the disk is made and
-        # the command starts: a name in use fails it, and the claim is undone (the disk
-        # check below refuses the usual case, a task launched twice, before any start).
-        ex = ThreadPoolExecutor(1, thread_name_prefix="agentbox-pool")
-        rename = ex.submit(_proc.run, ["podman", "rename", slot, spec.name], timeout=60)
+        # the command starts, and goes on after the claim returns (``_removals``): a name
+        # in use fails it, and the claim is undone (the disk check below refuses the usual
+        # case, a task launched twice, before any start).
+        done = threading.Event()
+        failed: list[CommandError] = []
+
+        def rename() -> None:
+            try:
+                _proc.run(["podman", "rename", slot, spec.name], timeout=60)
+            except CommandError as exc:
+                failed.append(exc)
+                if triggered:  # the task's command may run: rename_later ends it
+                    raise SandboxError(f"podman rename failed: {exc}", sandbox=spec.name) from exc
+            finally:
+                done.set()
+
+        _removals.rename_later(spec.name, str(ready["id"]) or slot, rename)
         try:
             disk.mount()
             if spec.gateway_dir is not None:
@@ -397,21 +412,21 @@ def _bind_task(
                 stale.unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # another filesystem: copied at release
                 os.link(slot_log(root, slot), log_path)
+            if failed:  # nothing of the task ran yet: the fresh path instead
+                raise SandboxError(f"podman rename failed: {failed[0]}", sandbox=spec.name)
             go = {"argv": entry_argv(spec, argv), "env": dict(spec.env), "workdir": spec.workdir}
             write(sdir / "ws" / ready["go"], go, mode=0o644)
             triggered = True  # from here the task may run: never started again elsewhere
             stage = _stage(settings, slot, "ws")
             bind(spec.workspace, sdir / "ws", "nosuid,nodev", stage=stage)
-        finally:
-            try:
-                rename.result()
-                renamed = True
-            except CommandError as exc:
-                raise SandboxError(
-                    f"could not claim a pooled sandbox: {exc}", sandbox=spec.name
-                ) from exc
-            finally:
-                ex.shutdown()
+        except BaseException:
+            done.wait(120)  # the undo below removes it by id, under whichever name
+            renamed = not failed
+            raise
+        if done.is_set() and failed:  # failed before the command was triggered
+            raise SandboxError(
+                f"could not claim a pooled sandbox: {failed[0]}", sandbox=spec.name
+            ) from failed[0]
         disk.hand_over(int(ready["conmon"]), f"{float(ready['conmon_start']):.0f}")
     except (AgentboxError, OSError) as exc:
         with contextlib.suppress(AgentboxError):
