@@ -247,3 +247,72 @@ def test_a_detached_group_is_picked_by_the_service(lab: tuple[Path, dict[str, st
         assert git(repo, "rev-parse", "agentbox/dg2") == git(repo, "rev-parse", "agentbox/dg2-a2")
     finally:
         _cli(env, "launcher", "stop")
+
+
+#: Every turn of SHARED_SCRIPT declares this many input tokens (below the gateway's
+#: estimate of a Claude Code request, ~50 KB of body: the ledger's invariant holds).
+SHARED_TURN_INPUT = 30_000
+SHARED_SCRIPT = f"""
+name: greedy
+turns:
+  - text: "Looking."
+    usage: {{input_tokens: {SHARED_TURN_INPUT}, output_tokens: 20}}
+    tool_use:
+      - name: Read
+        input: {{file_path: "{{{{cwd}}}}/mathx.py"}}
+  - text: "Fixing it."
+    usage: {{input_tokens: {SHARED_TURN_INPUT}, output_tokens: 20}}
+    tool_use:
+      - name: Edit
+        input: {{file_path: "{{{{cwd}}}}/mathx.py", old_string: "x * 3", new_string: "x * 2"}}
+  - text: "Running the tests."
+    usage: {{input_tokens: {SHARED_TURN_INPUT}, output_tokens: 20}}
+    tool_use:
+      - name: Bash
+        input: {{command: "cd {{{{cwd}}}} && python3 -m unittest -v 2>&1", description: "Tests"}}
+  - text: "Done."
+    usage: {{input_tokens: {SHARED_TURN_INPUT}, output_tokens: 20}}
+"""
+
+
+def test_a_shared_budget_is_never_passed_by_the_group(lab: tuple[Path, dict[str, str]]) -> None:
+    """``--budget-split shared``: two attempts that each want ~120k tokens (240k together)
+    draw from one 180k budget. Each gateway is given the whole 180k and charges the
+    group's ledger under its lock: the attempts' totals together stay within 180k, and
+    the gateways refused what would have passed it."""
+    from agentbox.core.paths import TaskPaths
+    from agentbox.gateway import read_usage
+
+    base, env = lab
+    (base / "greedy.yaml").write_text(SHARED_SCRIPT)
+    models = base / "models-greedy.toml"
+    models.write_text(f'[models.greedy]\nkind = "replay"\nupstream = "{base / "greedy.yaml"}"\n')
+    repo = base / "repos" / "shared"
+    repo.mkdir()
+    (repo / "mathx.py").write_text(MODULE)
+    (repo / "test_mathx.py").write_text(TESTS)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-q", "-m", "bug")
+    budget = 180_000
+    wanted = 2 * 4 * SHARED_TURN_INPUT
+    assert wanted > budget  # the two attempts would overspend
+    r = _cli({**env, "AGENTBOX_MODELS_FILE": str(models)}, "run", "--repo", str(repo),
+             "--model", "greedy", "--attempts", "2", "--budget-split", "shared", "--budget",
+             str(budget), "--id", "sh2", "--json", "Fix double().")  # fmt: skip
+    doc = _json(r)
+    assert doc["budget_split"] == "shared", (doc, r.stderr[-3000:])
+    data = Path(env["AGENTBOX_DATA_DIR"])
+    totals, refused = [], 0
+    for k in (1, 2):
+        shown = _json(_cli(env, "show", f"sh2-a{k}", "--json", "--no-diff"))
+        assert shown["task"]["budget"] == budget  # each gateway had the group's budget
+        usage = read_usage(TaskPaths(data, f"sh2-a{k}").usage_file)
+        assert usage.reserved == 0
+        totals.append(usage.weighted_total)
+        refused += sum(usage.refusals.get(w, 0) for w in ("over_budget", "budget_exhausted"))
+    print(f"shared budget {budget}: attempts charged {totals}, {refused} refused")
+    assert sum(totals) <= budget, totals
+    assert doc["group_spent"] is not None and abs(doc["group_spent"] - sum(totals)) < 1, doc
+    assert sum(totals) > 0, totals
+    assert refused >= 1, totals  # and what would have passed it was refused

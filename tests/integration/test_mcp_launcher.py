@@ -249,7 +249,7 @@ async def _delegate_attempts(client: Client, stack: Stack) -> None:
         res = await client.call_tool(
             "delegate",
             {"repo": str(repo), "task": "Add a greet function", "model": "quick",
-             "wait": True, "attempts": 2, "budget": 2_000_000},
+             "wait": True, "attempts": 2, "budget": 2_000_000, "budget_split": "shared"},
         )  # fmt: skip
         text = _text(res)
         assert not res.is_error, text
@@ -258,16 +258,18 @@ async def _delegate_attempts(client: Client, stack: Stack) -> None:
         group = m.group(1)
         # Both done with the same diff and no test run: the lower index is the pick.
         assert '"pick": 1' in text and f'"pick_id": "{group}-a1"' in text, text
+        assert '"budget_split": "shared"' in text, text
         assert f"task {group}-a1: done" in text and "+def greet(name):" in text, text
         for k in (1, 2):
             status = _text(await client.call_tool("status", {"id": f"{group}-a{k}"}))
-            assert '"status": "done"' in status and '"budget": 1000000' in status, status
+            # Shared: each attempt's gateway had the whole budget, charged to one ledger.
+            assert '"status": "done"' in status and '"budget": 2000000' in status, status
             assert f'"group": "{group}"' in status and f'"attempt": {k}' in status, status
 
 
 def test_delegate_attempts_over_stdio(stack: Stack) -> None:
-    """delegate(attempts=2): one group through the launcher's /v1/groups, split budget,
-    the scores and the pick's report and diff."""
+    """delegate(attempts=2, budget_split="shared"): one group through the launcher's
+    /v1/groups, one budget for both, the scores and the pick's report and diff."""
     anyio.run(_delegate_attempts, stack.stdio_client(), stack)
 
 

@@ -129,3 +129,23 @@ def test_a_hostile_report_scores_nothing() -> None:
     s = score(1, _info(), res)
     assert s.test_command is None and s.tests_passed is None
     assert (s.diff_lines, s.flagged) == (0, 0)
+
+
+def test_a_group_request_names_its_budget_split() -> None:
+    """``split`` is the default (and left out of the body: a launcher that predates the
+    field still answers); ``shared`` is sent; anything else is refused before sending."""
+    from pydantic import ValidationError
+
+    from agentbox.errors import RefusedError
+    from agentbox.launcher._groupbudget import check_split
+    from agentbox.launcher.api import GroupRequest, TaskRequest
+
+    req = TaskRequest(repo="/r", task="t")
+    assert GroupRequest(request=req, attempts=2).budget_split == "split"
+    shared = GroupRequest.model_validate({"request": req, "attempts": 2, "budget_split": "shared"})
+    assert shared.budget_split == "shared"
+    with pytest.raises(ValidationError):
+        GroupRequest.model_validate({"request": req, "attempts": 2, "budget_split": "half"})
+    assert check_split("shared") == "shared" and check_split("split") == "split"
+    with pytest.raises(RefusedError):
+        check_split("half")

@@ -3,8 +3,9 @@
 ``run --attempts N`` (N 1..8) queues one group of N attempts in an in-process
 launcher (:meth:`agentbox.launcher.Launcher.submit_group`: ids ``<group>-a1`` …,
 each its own sandbox, gateway and branch ``agentbox/<group>-aK``, the budget split
-``budget // N`` each), runs them at once, waits for all, scores them
-(:mod:`agentbox.launcher.attempts`) and publishes the pick as ``agentbox/<group>``.
+``budget // N`` each or, ``--budget-split shared``, drawn by all from one ledger),
+runs them at once, waits for all, scores them (:mod:`agentbox.launcher.attempts`)
+and publishes the pick as ``agentbox/<group>``.
 Ctrl-C cancels every attempt (their partial results are still collected).
 """
 
@@ -28,9 +29,11 @@ def run_group(
     pick_by: str,
     as_json: bool,
     overrides: dict[str, str] | None = None,
+    budget_split: str = "split",
 ) -> None:
     """Run ``attempts`` attempts of ``req`` in the foreground; print the group; exit 0 when
-    an attempt was picked, 1 when none qualified."""
+    an attempt was picked, 1 when none qualified. ``budget_split``: ``split`` (each
+    attempt ``budget // N``) or ``shared`` (one budget for all, never passed in total)."""
     from agentbox.cli._client import in_process
     from agentbox.cli._view import err, safe
     from agentbox.cli.reap import exit_on_signals
@@ -38,7 +41,8 @@ def run_group(
     launcher = in_process(max(1, attempts))
     with exit_on_signals():
         try:
-            infos = launcher.submit_group(req, attempts, boxfile=box, overrides=overrides)
+            infos = launcher.submit_group(req, attempts, boxfile=box, overrides=overrides,
+                                          budget_split=budget_split)  # fmt: skip
             group = infos[0].group
             assert group is not None
             if not as_json:

@@ -99,7 +99,8 @@ def register(app: typer.Typer) -> None:
         budget_split: str = typer.Option(
             "split",
             "--budget-split",
-            help="With --attempts: 'split' (each attempt gets budget/N; the only mode so far).",
+            help="With --attempts: 'split' (each attempt gets budget/N) or 'shared' (the "
+            "attempts draw from the one budget, never passed in total).",
         ),
         pick_by: str = typer.Option(
             "tests",
@@ -138,11 +139,8 @@ def register(app: typer.Typer) -> None:
             from agentbox.cli._attempts import run_group
             from agentbox.launcher.attempts import PICK_RULES
 
-            if budget_split != "split":
-                raise PolicyRefused(
-                    f"--budget-split {budget_split!r}: only 'split' (budget/N per attempt) "
-                    "is implemented; a shared budget needs one gateway meter for N attempts"
-                )
+            if budget_split not in ("split", "shared"):
+                raise typer.BadParameter("split or shared", param_hint="--budget-split")
             if pick_by not in PICK_RULES:
                 raise typer.BadParameter(f"one of {', '.join(PICK_RULES)}", param_hint="--pick-by")
             if pr:
@@ -151,9 +149,9 @@ def register(app: typer.Typer) -> None:
                     "`agentbox publish GROUP-aK --pr` (K: the pick, `agentbox show GROUP`)"
                 )
             if detach:
-                _detach_group(settings, req, attempts, as_json=as_json)
+                _detach_group(settings, req, attempts, as_json=as_json, split=budget_split)
             run_group(req, box, attempts=attempts, pick_by=pick_by, as_json=as_json,
-                      overrides=overrides)  # fmt: skip
+                      overrides=overrides, budget_split=budget_split)  # fmt: skip
         if detach:
             _detach(settings, req, as_json=as_json)
         _foreground(req, box, as_json=as_json, overrides=overrides, push=push)
@@ -303,7 +301,9 @@ def _detach(settings: Settings, req: TaskRequest, *, as_json: bool) -> None:
     raise typer.Exit(0)
 
 
-def _detach_group(settings: Settings, req: TaskRequest, attempts: int, *, as_json: bool) -> None:
+def _detach_group(
+    settings: Settings, req: TaskRequest, attempts: int, *, as_json: bool, split: str = "split"
+) -> None:
     """``run --attempts N --detach``: the group to the launcher service, which publishes
     its pick when the last attempt ends; print the group id (``{"group", "attempts"}``)."""
     from agentbox.cli._client import ensure_service
@@ -312,7 +312,7 @@ def _detach_group(settings: Settings, req: TaskRequest, attempts: int, *, as_jso
     say = (lambda m: None) if as_json else (lambda m: err.print(safe(m)))
     client = ensure_service(settings, say=say)
     try:
-        infos = client.submit_group(req, attempts)
+        infos = client.submit_group(req, attempts, budget_split=split)
     finally:
         client.close()
     group = infos[0].group or ""

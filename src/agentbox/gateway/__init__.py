@@ -16,6 +16,7 @@ What the launcher calls::
 
 from typing import TYPE_CHECKING, Any
 
+from agentbox.gateway._budget import GROUP_BUDGET_FILE as GROUP_BUDGET_FILE
 from agentbox.gateway._handshake import HANDSHAKE_VERSION as HANDSHAKE_VERSION
 from agentbox.gateway._handshake import read_handshake as read_handshake
 from agentbox.gateway._price import Price as Price

@@ -34,7 +34,7 @@ from typing import Any
 
 from agentbox.core.log import get_logger
 from agentbox.errors import BodyTooLarge, PolicyViolation, Refusal
-from agentbox.gateway._budget import Ledger
+from agentbox.gateway._budget import Ledger, open_group_share
 from agentbox.gateway._forward import Forwarding, clamp, printable, serialise
 from agentbox.gateway._policy import check_request, filter_betas
 from agentbox.gateway._reqlog import RequestLog
@@ -128,6 +128,8 @@ class Gateway(Forwarding):
                 cfg.usage_file.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
             )
             self._reqlog = RequestLog(self._usage_dir_fd, cfg.usage_file.parent)
+            # A best-of-N group's shared budget, linked here by the launcher (held open).
+            self.ledger.shared = open_group_share(self._usage_dir_fd)
         self.write_usage()
 
     # -- lifecycle ---------------------------------------------------------------------

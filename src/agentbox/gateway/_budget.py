@@ -17,12 +17,26 @@ A task may also have a dollar budget (``budget_usd``), kept the same way at the
 model's :class:`~agentbox.gateway._price.Price`: each request reserves its worst case
 in dollars beside its worst case in tokens, ``max_tokens`` is clamped to whichever
 leaves less, and ``cost_usd + reserved_usd <= budget_usd`` holds as above.
+
+A best-of-N group with a shared budget (``--budget-split shared``) gives every
+attempt's gateway the group's budget and a :class:`GroupShare`: a small file that
+every gateway of the group holds open (the launcher links it into each gateway's
+state directory as :data:`GROUP_BUDGET_FILE`), one slot per gateway with what that
+gateway has charged and holds. A reservation is checked and taken under the
+file's ``flock``, against the group's budget minus every slot, so the invariant
+above holds for the group's total.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import math
+import os
+import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from agentbox.errors import Refusal
@@ -33,6 +47,82 @@ from agentbox.gateway._usage import Usage
 #: The fewest output tokens a clamped request is given; below that it is refused.
 #: More than 1,024 so that extended thinking's minimum budget still fits under it.
 MIN_OUTPUT_TOKENS = 2048
+#: The name of a shared group budget's file in a gateway's state directory.
+GROUP_BUDGET_FILE = "group-budget.json"
+#: The most a group budget file may hold (8 attempts' slots are ~1 KiB).
+_GROUP_FILE_MAX = 64 * 1024
+
+
+class GroupShare:
+    """One gateway's view of its group's shared budget file (see the module's docs).
+
+    The file is ``{"budget": B, "budget_usd": U, "slots": {KEY: [charged, reserved,
+    charged_usd, reserved_usd]}}``; this gateway writes only its own slot (a random
+    key), and reads the others' under the same lock. A gateway that ended leaves its
+    slot: what it charged stays spent, what it held stays held (never less than spent).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.key = secrets.token_hex(8)
+        self.others = (0.0, 0.0, 0.0, 0.0)
+        """The other slots' sums (charged, reserved, charged_usd, reserved_usd), as last read."""
+        with self.locked():
+            pass
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the file's lock; :attr:`others` read fresh inside."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            self.others = self._read_others()
+            yield
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def _doc(self) -> dict[str, object]:
+        raw = os.pread(self.fd, _GROUP_FILE_MAX + 1, 0)
+        try:
+            doc = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            doc = None
+        if len(raw) > _GROUP_FILE_MAX or not isinstance(doc, dict):
+            # Never guess a total: a file that cannot be read spends the whole budget.
+            return {"slots": {"unreadable": [math.inf, 0.0, math.inf, 0.0]}}
+        return doc
+
+    def _read_others(self) -> tuple[float, float, float, float]:
+        slots = self._doc().get("slots")
+        sums = [0.0, 0.0, 0.0, 0.0]
+        if isinstance(slots, dict):
+            for key, vals in slots.items():
+                if key == self.key or not isinstance(vals, list) or len(vals) != 4:
+                    continue
+                for i, v in enumerate(vals):
+                    ok = isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+                    sums[i] += float(v) if ok else math.inf
+        return sums[0], sums[1], sums[2], sums[3]
+
+    def write(self, u: Usage) -> None:
+        """Put this gateway's totals in its slot (call with :meth:`locked` held)."""
+        doc = self._doc()
+        slots = doc.get("slots")
+        if not isinstance(slots, dict):
+            slots = doc["slots"] = {}
+        slots[self.key] = [u.weighted_total, u.reserved, u.cost_usd or 0.0, u.reserved_usd]
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        os.pwrite(self.fd, data, 0)
+        os.ftruncate(self.fd, len(data))
+
+
+def open_group_share(dir_fd: int) -> GroupShare | None:
+    """The group budget file in the gateway's state directory ``dir_fd`` (opened now,
+    before the gateway drops its privileges), or None when the task has none."""
+    try:
+        fd = os.open(GROUP_BUDGET_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    return GroupShare(fd)
 
 
 @dataclass
@@ -77,6 +167,8 @@ class Ledger:
     covers at least one byte, and the JSON body holds all of the prompt's text."""
     overhead_tokens: int = 512
     """Added to every input estimate: tokens the API adds (tool-use system prompt …)."""
+    shared: GroupShare | None = None
+    """A best-of-N group's shared budget: the other attempts' totals count too."""
     usage: Usage = field(init=False)
     _in_flight: int = field(init=False, default=0)
 
@@ -133,30 +225,53 @@ class Ledger:
         """Dollars neither charged nor reserved; None without a dollar budget."""
         if self.budget_usd is None:
             return None
-        return self.budget_usd - (self.usage.cost_usd or 0.0) - self.usage.reserved_usd
+        o = self.shared.others if self.shared is not None else (0.0, 0.0, 0.0, 0.0)
+        spent = (self.usage.cost_usd or 0.0) + o[2]
+        return self.budget_usd - spent - self.usage.reserved_usd - o[3]
 
     def exhausted_refusal(self) -> Refusal | None:
         """The refusal every request gets once a budget is spent, or None."""
         u = self.usage
-        if u.weighted_total >= self.budget:
+        o = self.shared.others if self.shared is not None else (0.0, 0.0, 0.0, 0.0)
+        whose = "the group's " if self.shared is not None else ""
+        if u.weighted_total + o[0] >= self.budget:
             u.exhausted = True
             return Refusal(
                 "budget_exhausted",
-                f"token budget exhausted: {u.weighted_total:.0f} of {self.budget} tokens used",
+                f"{whose}token budget exhausted: {u.weighted_total + o[0]:.0f} of "
+                f"{self.budget} tokens used",
             )
-        if self.budget_usd is not None and (u.cost_usd or 0.0) >= self.budget_usd:
+        if self.budget_usd is not None and (u.cost_usd or 0.0) + o[2] >= self.budget_usd:
             u.exhausted = True
             return Refusal(
                 "budget_exhausted",
-                f"dollar budget exhausted: {format_usd(u.cost_usd)} of "
+                f"{whose}dollar budget exhausted: {format_usd((u.cost_usd or 0.0) + o[2])} of "
                 f"{format_usd(self.budget_usd)} used",
             )
         return None
 
+    def _nothing_held(self) -> bool:
+        """No request in flight, here or (shared) in another attempt, could free budget."""
+        others = self.shared.others[1] if self.shared is not None else 0.0
+        return self.usage.reserved == 0 and others == 0
+
     @property
     def remaining(self) -> float:
-        """Budget neither charged nor reserved."""
-        return self.budget - self.usage.weighted_total - self.usage.reserved
+        """Budget neither charged nor reserved (shared: by any attempt of the group)."""
+        o = self.shared.others if self.shared is not None else (0.0, 0.0, 0.0, 0.0)
+        return self.budget - self.usage.weighted_total - self.usage.reserved - o[0] - o[1]
+
+    @contextlib.contextmanager
+    def _group(self) -> Iterator[None]:
+        """Shared: the group file's lock, the others read fresh, this slot written at the end."""
+        if self.shared is None:
+            yield
+            return
+        with self.shared.locked():
+            try:
+                yield
+            finally:
+                self.shared.write(self.usage)
 
     # -- the two steps -----------------------------------------------------------------
     def reserve(
@@ -168,6 +283,12 @@ class Ledger:
         counted by the request policy), added to the estimate. ``long_cache``: the
         request may write 1-hour cache entries.
         """
+        with self._group():
+            return self._reserve(body_len, max_tokens, extra_input, long_cache)
+
+    def _reserve(
+        self, body_len: int, max_tokens: int, extra_input: int, long_cache: bool
+    ) -> Reservation:
         if (spent := self.exhausted_refusal()) is not None:
             raise spent
         est = self.estimate_input(body_len) + extra_input
@@ -178,7 +299,7 @@ class Ledger:
         granted = max_tokens
         if max_tokens > room:
             if room < MIN_OUTPUT_TOKENS:
-                if self.usage.reserved == 0:
+                if self._nothing_held():
                     # Nothing else in flight could free budget: this task cannot go on.
                     self.usage.exhausted = True
                 raise Refusal(
@@ -216,7 +337,7 @@ class Ledger:
         granted = min(max_tokens, room)
         if granted < max_tokens and room < MIN_OUTPUT_TOKENS:
             u = self.usage
-            if u.reserved == 0:
+            if self._nothing_held():
                 u.exhausted = True
             raise Refusal(
                 "over_budget",
@@ -237,6 +358,10 @@ class Ledger:
         """
         if r.settled:
             return 0.0
+        with self._group():
+            return self._settle(r, count, complete)
+
+    def _settle(self, r: Reservation, count: TokenCount | None, complete: bool) -> float:
         r.settled = True
         self._unhold(r)
         if count is None:
@@ -261,8 +386,9 @@ class Ledger:
         u.weighted_total = round(u.weighted_total + charge, 3)
         if u.cost_usd is not None:
             u.cost_usd = u.cost_usd + self.cost(count) + max(extra_usd, 0.0)
-        if u.weighted_total >= self.budget or (
-            self.budget_usd is not None and (u.cost_usd or 0.0) >= self.budget_usd
+        o = self.shared.others if self.shared is not None else (0.0, 0.0, 0.0, 0.0)
+        if u.weighted_total + o[0] >= self.budget or (
+            self.budget_usd is not None and (u.cost_usd or 0.0) + o[2] >= self.budget_usd
         ):
             u.exhausted = True
         return charge
@@ -271,7 +397,8 @@ class Ledger:
         """Give back a reservation for a request the upstream refused (not billed)."""
         if not r.settled:
             r.settled = True
-            self._unhold(r)
+            with self._group():
+                self._unhold(r)
 
     def _unhold(self, r: Reservation) -> None:
         u = self.usage

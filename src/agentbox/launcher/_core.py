@@ -46,6 +46,7 @@ from agentbox.gateway import load_registry, read_usage
 from agentbox.launcher import _finish, _session
 from agentbox.launcher._adopt import adopt, take_over
 from agentbox.launcher._cancel import cancel_task
+from agentbox.launcher._groupbudget import check_split, group_spent, is_shared, make_budget_file
 from agentbox.launcher._reach import check_local_upstream
 from agentbox.launcher._store import Owner, Store, TaskRow
 from agentbox.launcher._uidslot import run_in_slot
@@ -149,12 +150,14 @@ class Launcher:
         caller: int | None = None,
         overrides: dict[str, str] | None = None,
         attempt: tuple[str, int, int] | None = None,
+        budget_split: str = "split",
     ) -> TaskInfo:
         """Validate ``request`` and queue it. Refused requests create nothing.
 
         ``attempt`` ``(group, k, n)``: the task is attempt ``k`` of ``n`` of a best-of-N
-        group (:meth:`submit_group`): its token and dollar budgets are the group's
-        (as validated) divided by ``n``.
+        group (:meth:`submit_group`): with ``budget_split`` ``split`` its token and dollar
+        budgets are the group's (as validated) divided by ``n``; ``shared``: the whole
+        group's, charged to one ledger with the other attempts (:mod:`._groupbudget`).
 
         ``boxfile`` (Python API and CLI only; never over the socket) chooses the
         image, runtime, resources and read-only mounts, within the settings.
@@ -187,7 +190,10 @@ class Launcher:
                     path=v.repo,
                 )
         box = boxfile or Boxfile.from_dict({}, settings=self.settings)
-        if attempt is not None:
+        if attempt is not None and budget_split == "shared":
+            if attempt[1] == 1:  # one ledger for the group, made with its first attempt
+                make_budget_file(self.settings, attempt[0], v.budget, v.budget_usd)
+        elif attempt is not None:
             # Split: each attempt gets 1/n of the group's budget, so n never exceed it.
             shares = budget_share(v.budget, attempt[2])
             usd = v.budget_usd / attempt[2] if v.budget_usd is not None else None
@@ -233,15 +239,18 @@ class Launcher:
         boxfile: Boxfile | None = None,
         caller: int | None = None,
         overrides: dict[str, str] | None = None,
+        budget_split: str = "split",
     ) -> builtins.list[TaskInfo]:
         """Queue ``attempts`` (1..8) attempts of ``request`` as one best-of-N group whose id
         is ``request.task_id`` (or a fresh one): tasks ``<group>-a1`` … ``-aN``, each with
         its own sandbox, gateway and branch, sharing the base commit's copy rules and the
         frozen environment (its key is the same for all). The group's budget is split
-        (``budget // N`` tokens each). The attempts are validated alike: a request
-        refused is refused at the first, before any is queued."""
+        (``budget // N`` tokens each) or, ``budget_split="shared"``, one budget all the
+        attempts draw from, never passed in total. The attempts are validated alike: a
+        request refused is refused at the first, before any is queued."""
         if not 1 <= attempts <= MAX_ATTEMPTS:
             raise RefusedError(f"--attempts must be 1..{MAX_ATTEMPTS}, got {attempts}")
+        check_split(budget_split)
         group = validate_task_id(request.task_id) if request.task_id else new_task_id()
         if len(group) > 60:
             raise RefusedError("a group id is at most 60 characters (its attempts add -aN)")
@@ -257,6 +266,7 @@ class Launcher:
                     caller=caller,
                     overrides=overrides,
                     attempt=(group, k, attempts),
+                    budget_split=budget_split,
                 )
             )
         return infos
@@ -370,6 +380,8 @@ class Launcher:
             pick=chosen.attempt if chosen else None,
             pick_id=chosen.id if chosen else None,
             branch=f"agentbox/{group}" if record.exists() else None,
+            budget_split="shared" if is_shared(self.settings, group) else "split",
+            group_spent=group_spent(self.settings, group),
         )
 
     def publish_pick(self, group: str, k: int, *, caller: int | None = None) -> TaskInfo:

@@ -66,6 +66,7 @@ from agentbox.launcher._finish import (
 from agentbox.launcher._follow import Ended, ended, follow_sandbox
 from agentbox.launcher._follow import monitor as _monitor
 from agentbox.launcher._follow import sink as _sink
+from agentbox.launcher._groupbudget import link_for_gateway as link_group_budget
 from agentbox.launcher._names import (
     sandbox_labels,
     sandbox_name,
@@ -161,7 +162,8 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
     token = write_token(paths.root / "token")
     ensure_private_dir(paths.gateway_dir, 0o755)
     dollars = f", budget ${box.budget_usd:g}" if box.budget_usd is not None else ""
-    tlog(f"starting the gateway (model {row.model}, budget {row.budget}{dollars})")
+    shared = " shared by the group" if link_group_budget(settings, paths, row.group_id) else ""
+    tlog(f"starting the gateway (model {row.model}, budget {row.budget}{dollars}{shared})")
     starter = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"gw-{task_id}")
     gateway_future = starter.submit(
         spawn_gateway,

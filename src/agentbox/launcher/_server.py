@@ -212,7 +212,8 @@ def create_app(launcher: Launcher, boxes: BoxKeeper | None = None) -> Starlette:
             req = GroupRequest.model_validate_json(body)
         except ValidationError as exc:
             return _error(422, f"invalid group request: {exc}", "RefusedError")
-        infos = await run(launcher.submit_group, req.request, req.attempts, caller=caller)
+        infos = await run(launcher.submit_group, req.request, req.attempts, caller=caller,
+                          budget_split=req.budget_split)  # fmt: skip
         return _json(TaskList(tasks=infos), 201)
 
     async def get_group(request: Request, caller: int) -> Response:

@@ -121,6 +121,9 @@ class GroupRequest(_Wire):
 
     request: TaskRequest
     attempts: int = Field(ge=1, le=8)
+    budget_split: Literal["split", "shared"] = "split"
+    """``split``: each attempt gets the budget divided by ``attempts``; ``shared``: the
+    attempts draw from the one budget, never passed in total."""
 
 
 class TaskInfo(_Wire):

@@ -193,3 +193,7 @@ class GroupView(BaseModel):
     pick_id: str | None = None
     branch: str | None = None
     """``agentbox/<group>`` once the pick is published."""
+    budget_split: Literal["split", "shared"] = "split"
+    """``split``: each attempt had ``budget // N``; ``shared``: all drew from one budget."""
+    group_spent: float | None = None
+    """Shared: the weighted tokens the attempts charged together (never over the budget)."""

@@ -155,13 +155,18 @@ class LauncherClient:
         data = self._call("GET", f"{path}&limit={int(limit)}")
         return TranscriptPage.model_validate(data, strict=False)
 
-    def submit_group(self, request: TaskRequest, attempts: int) -> builtins.list[TaskInfo]:
+    def submit_group(
+        self, request: TaskRequest, attempts: int, *, budget_split: str = "split"
+    ) -> builtins.list[TaskInfo]:
         """Queue a best-of-N group of ``attempts`` attempts (ids ``<group>-aK``; the group id
-        is ``request.task_id`` or generated); when the last ends, the launcher publishes
-        the pick as ``agentbox/<group>``."""
+        is ``request.task_id`` or generated; ``budget_split`` ``split`` or ``shared``); when
+        the last ends, the launcher publishes the pick as ``agentbox/<group>``."""
         from agentbox.launcher.api import GroupRequest
 
-        body = GroupRequest(request=request, attempts=attempts).model_dump(mode="json")
+        req = {"request": request, "attempts": attempts, "budget_split": budget_split}
+        body = GroupRequest.model_validate(req).model_dump(mode="json")
+        if budget_split == "split":
+            del body["budget_split"]  # the default: a launcher that predates it still answers
         data = self._call("POST", "/v1/groups", body=body)
         return TaskList.model_validate(data, strict=False).tasks
 

@@ -17,13 +17,14 @@ listed above it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -210,6 +211,14 @@ class _Tools:
                 "report and diff.",
             ),
         ] = 1,
+        budget_split: Annotated[
+            Literal["split", "shared"],
+            Field(
+                description="With attempts > 1: 'split' gives each attempt the budget divided "
+                "by attempts; 'shared' lets them draw from the one budget (never passed in "
+                "total: a greedy attempt leaves less for the others).",
+            ),
+        ] = "split",
     ) -> str:
         """Delegate a coding task to a sandboxed Claude Code working on a copy of `repo`.
 
@@ -239,7 +248,7 @@ class _Tools:
             continue_from=continue_from,
         )
         if attempts > 1:
-            return await self._delegate_group(request, attempts, wait, ctx)
+            return await self._delegate_group(request, attempts, wait, ctx, budget_split)
         async with self._submit_lock:
             tasks = await self._call(self.client.list)
             pending = [t for t in tasks if t.status not in TERMINAL]
@@ -263,8 +272,9 @@ class _Tools:
         return note + await self._result_text(info)
 
     async def _delegate_group(
-        self, request: TaskRequest, attempts: int, wait: bool, ctx: Context
-    ) -> str:
+        self, request: TaskRequest, attempts: int, wait: bool, ctx: Context,
+        budget_split: str = "split",
+    ) -> str:  # fmt: skip
         """``delegate(attempts=N)``: one best-of-N group; with ``wait`` the scores (numbers,
         ids and statuses only: the agents' test command lines are left out) and the pick's
         result text."""
@@ -276,7 +286,10 @@ class _Tools:
                     f"queue full: {len(pending)} tasks are queued or running and {attempts} "
                     f"attempts would pass the limit ({self.config.max_pending}); wait or cancel"
                 )
-            infos = await self._call(self.client.submit_group, request, attempts)
+            infos = await self._call(
+                functools.partial(self.client.submit_group, budget_split=budget_split),
+                request, attempts,
+            )  # fmt: skip
         group = infos[0].group
         ids = [i.id for i in infos]
         log.info("delegated a group", group=group, attempts=len(ids))
@@ -284,7 +297,8 @@ class _Tools:
         if not wait:
             return note + (
                 f"Group {group}: {len(ids)} attempts {', '.join(ids)} are queued (budget "
-                f"{infos[0].budget} tokens each). Follow each with `status` and read each "
+                f"{infos[0].budget} tokens {'shared' if budget_split == 'shared' else 'each'}). "
+                "Follow each with `status` and read each "
                 "with `result`; the pick is the first whose tests passed, then the smallest diff."
             )
         for info in infos:
