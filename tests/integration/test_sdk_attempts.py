@@ -13,10 +13,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
-from agentbox.sdk import Client
+from agentbox.sdk import AsyncClient, AsyncTaskGroup, Client
 from gateway_helpers import greet_script
 from git_helpers import git
 
@@ -25,6 +27,27 @@ pytestmark = [
     pytest.mark.claude,
     pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root"),
 ]
+
+
+async def _async_side(sock: Path, repo: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with AsyncClient(address=sock) as c:
+        old = await c.tasks.group("sg2")
+        out["ids"] = [t.id for t in old.tasks]
+        moved = await old.publish(pick=1)
+        out["moved"] = (moved.id, moved.branch)
+        g = await c.tasks.create(repo, "Add a greet function", model="quick", attempts=1,
+                                 budget_tokens=2_000_000, task_id="as1",
+                                 budget_split="shared")  # fmt: skip
+        assert isinstance(g, AsyncTaskGroup)
+        out["new"] = (g.id, [t.id for t in g.tasks], g.tasks[0].info.budget)
+        view = await g.wait(timeout=600)
+        if view.branch is None and view.pick is not None:
+            await g.publish()
+            view = await g.view()
+        out.update(split=view.budget_split, pick=view.pick, spent=view.group_spent,
+                   status=[a.status for a in view.attempts])  # fmt: skip
+    return out
 
 
 def test_sdk_group_of_two() -> None:
@@ -74,6 +97,15 @@ def test_sdk_group_of_two() -> None:
             moved = group.publish(pick=2)
             assert moved.id == "sg2-a2" and moved.branch == "agentbox/sg2"
         assert git(repo, "rev-parse", "agentbox/sg2") == git(repo, "rev-parse", "agentbox/sg2-a2")
+        # The async client: the same group found by id, moved back to its pick; then a new
+        # group (one attempt, a shared budget) created, waited for and published.
+        got = anyio.run(_async_side, sock, repo)
+        assert got["moved"] == ("sg2-a1", "agentbox/sg2") and got["ids"] == ["sg2-a1", "sg2-a2"]
+        assert git(repo, "rev-parse", "agentbox/sg2") == git(repo, "rev-parse", "agentbox/sg2-a1")
+        assert got["new"] == ("as1", ["as1-a1"], 2_000_000), got
+        assert got["split"] == "shared" and got["pick"] == 1 and got["status"] == ["done"], got
+        assert got["spent"] is not None and 0 < got["spent"] <= 2_000_000, got
+        assert git(repo, "rev-parse", "agentbox/as1") == git(repo, "rev-parse", "agentbox/as1-a1")
     finally:
         serve.send_signal(signal.SIGTERM)
         try:

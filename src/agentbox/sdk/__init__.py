@@ -18,6 +18,7 @@ from agentbox.sdk._async import (
     AsyncFiles,
     AsyncSandbox,
     AsyncTask,
+    AsyncTaskGroup,
     AsyncTasks,
 )
 from agentbox.sdk._sandbox import (
@@ -29,7 +30,7 @@ from agentbox.sdk._sandbox import (
     OutputChunk,
     Sandbox,
 )
-from agentbox.sdk._tasks import Client, Task, Tasks
+from agentbox.sdk._tasks import Client, Task, TaskGroup, Tasks
 from agentbox.sdk._transport import default_address
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "AsyncFiles",
     "AsyncSandbox",
     "AsyncTask",
+    "AsyncTaskGroup",
     "AsyncTasks",
     "Client",
     "CommandHandle",
@@ -53,6 +55,7 @@ __all__ = [
     "Sandbox",
     "SandboxInfo",
     "Task",
+    "TaskGroup",
     "TaskInfo",
     "TaskResult",
     "Tasks",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Self, TypeVar, overlo
 import anyio.to_thread
 
 from agentbox.launcher.api import TaskInfo, TaskResult
+from agentbox.launcher.attempts import GroupView
 from agentbox.launcher.boxapi import ExecState, FileEntry, SandboxInfo
 from agentbox.launcher.pushapi import PushInfo
 from agentbox.sdk._sandbox import (
@@ -34,7 +35,7 @@ from agentbox.sdk._sandbox import (
     OutputChunk,
     Sandbox,
 )
-from agentbox.sdk._tasks import Client, Task
+from agentbox.sdk._tasks import Client, Task, TaskGroup
 
 if TYPE_CHECKING:
     from agentbox.transcript import Event
@@ -251,16 +252,50 @@ class AsyncTask:
         return await _thread(self.sync.push, **kwargs)
 
 
+class AsyncTaskGroup:
+    """:class:`~agentbox.sdk.TaskGroup` (a best-of-N group) with ``async``/``await``."""
+
+    def __init__(self, group: TaskGroup) -> None:
+        self.sync = group
+        self.id = group.id
+        self.tasks = [AsyncTask(t) for t in group.tasks]
+
+    async def view(self, *, by: str = "tests") -> GroupView:
+        return await _thread(self.sync.view, by=by)
+
+    async def wait(self, timeout: float | None = None) -> GroupView:  # noqa: ASYNC109 (the sync API's timeout)
+        return await _thread(self.sync.wait, timeout)
+
+    async def publish(self, pick: int | None = None) -> TaskInfo:
+        return await _thread(self.sync.publish, pick)
+
+
 class AsyncTasks:
     def __init__(self, client: Client) -> None:
         self._c = client
 
-    async def create(self, repo: str | os.PathLike[str], prompt: str, **kwargs: Any) -> AsyncTask:
-        """As :meth:`agentbox.sdk.Tasks.create`, one task (a best-of-N group, ``attempts=``:
-        the sync client's ``tasks.create`` for now)."""
-        if kwargs.get("attempts") is not None:
-            raise TypeError("attempts=: AsyncClient has no groups yet; use Client().tasks.create")
+    @overload
+    async def create(self, repo: str | os.PathLike[str], prompt: str, *,
+                     attempts: None = None, **kwargs: Any) -> AsyncTask: ...  # fmt: skip
+    @overload
+    async def create(self, repo: str | os.PathLike[str], prompt: str, *,
+                     attempts: int, **kwargs: Any) -> AsyncTaskGroup: ...  # fmt: skip
+
+    async def create(
+        self, repo: str | os.PathLike[str], prompt: str, *, attempts: int | None = None,
+        **kwargs: Any,
+    ) -> AsyncTask | AsyncTaskGroup:  # fmt: skip
+        """As :meth:`agentbox.sdk.Tasks.create`: one task, or with ``attempts=N`` a
+        best-of-N group (:class:`AsyncTaskGroup`)."""
+        if attempts is not None:
+            n = attempts
+            return AsyncTaskGroup(await _thread(
+                lambda: self._c.tasks.create(repo, prompt, attempts=n, **kwargs)))  # fmt: skip
         return AsyncTask(await _thread(lambda: self._c.tasks.create(repo, prompt, **kwargs)))
+
+    async def group(self, group_id: str) -> AsyncTaskGroup:
+        """A group of yours by its id (its attempts as they are now)."""
+        return AsyncTaskGroup(await _thread(self._c.tasks.group, group_id))
 
     async def get(self, task_id: str) -> AsyncTask:
         return AsyncTask(await _thread(self._c.tasks.get, task_id))

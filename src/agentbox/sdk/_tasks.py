@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Self, overload
+from typing import TYPE_CHECKING, Literal, Self, overload
 
 from agentbox.launcher.api import TaskInfo, TaskRequest, TaskResult
 from agentbox.launcher.attempts import GroupView
@@ -151,6 +151,7 @@ class Tasks:
         model: str | None = None, budget_usd: float | None = None,
         budget_tokens: int | None = None, deadline: float | None = None,
         task_id: str | None = None, include_uncommitted: bool = False, publish: bool = True,
+        budget_split: Literal["split", "shared"] = "split",
     ) -> TaskGroup: ...  # fmt: skip
 
     def create(
@@ -166,13 +167,19 @@ class Tasks:
         task_id: str | None = None,
         include_uncommitted: bool = False,
         publish: bool = True,
+        budget_split: Literal["split", "shared"] = "split",
     ) -> Task | TaskGroup:
         """Queue a task on ``repo`` (a git repo of yours under the repos root); with
-        ``attempts=N``, N attempts of it as one best-of-N group (:class:`TaskGroup`)."""
+        ``attempts=N``, N attempts of it as one best-of-N group (:class:`TaskGroup`)
+        whose budget is ``budget_split``: ``split`` (each attempt the budgets divided by
+        N) or ``shared`` (all draw from the one budget, never passed in total)."""
         req = self._request(repo, prompt, model, budget_usd, budget_tokens, deadline, task_id,
                             include_uncommitted, publish)  # fmt: skip
         if attempts is not None:
-            return TaskGroup(self._client, self._client.submit_group(req, attempts))
+            return TaskGroup(self._client, self._client.submit_group(
+                req, attempts, budget_split=budget_split))  # fmt: skip
+        if budget_split != "split":
+            raise TypeError("budget_split= goes with attempts=")
         return Task(self._client, self._client.submit(req))
 
     def create_group(
@@ -188,12 +195,15 @@ class Tasks:
         task_id: str | None = None,
         include_uncommitted: bool = False,
         publish: bool = True,
+        budget_split: Literal["split", "shared"] = "split",
     ) -> TaskGroup:
         """Queue ``attempts`` (1..8) attempts of the task as one best-of-N group; each gets
-        the budgets divided by ``attempts``; ``task_id`` names the group."""
+        the budgets divided by ``attempts`` (``budget_split="shared"``: all draw from the
+        one budget); ``task_id`` names the group."""
         req = self._request(repo, prompt, model, budget_usd, budget_tokens, deadline, task_id,
                             include_uncommitted, publish)  # fmt: skip
-        return TaskGroup(self._client, self._client.submit_group(req, attempts))
+        return TaskGroup(self._client, self._client.submit_group(
+            req, attempts, budget_split=budget_split))  # fmt: skip
 
     @staticmethod
     def _request(
@@ -209,6 +219,11 @@ class Tasks:
 
     def get(self, task_id: str) -> Task:
         return Task(self._client, self._client.get(task_id))
+
+    def group(self, group_id: str) -> TaskGroup:
+        """A best-of-N group of yours by its id, its attempts as they are now."""
+        view = self._client.group(group_id)
+        return TaskGroup(self._client, [self._client.get(a.id) for a in view.attempts])
 
     def list(self) -> list[Task]:
         """Your tasks (root: everyone's), newest first."""
