@@ -526,3 +526,45 @@ def test_batch_pr_pushes_each_result_as_the_repo_owner_and_opens_pull_requests(
     finally:
         shutil.rmtree(base, ignore_errors=True)
         subprocess.run(["userdel", name], check=False)
+
+
+def test_a_best_of_n_line_runs_a_group_on_its_node_and_reports_its_pick(
+    node: NodeService, repos: list[Path], tmp_path: Path
+) -> None:
+    """A line with ``"attempts": 2`` is one group on the node: two attempts, each its own
+    sandbox; the node publishes the pick (no tests ran: the smaller diff, attempt 2) as the
+    line's branch, and the driver reports the group and its pick."""
+
+    def act(box: FakeSandbox, argv: Sequence[str]) -> None:
+        tid = box.name.removeprefix("agentbox-task-")
+        text = "one line\n" if tid.endswith("-a2") else "two\nlines\n"
+        ws = TaskPaths(box.backend.settings.data_dir, tid).workspace
+        (ws / "out.txt").write_text(f"{tid}\n{text}")
+
+    events: list[BatchEvent] = []
+    lines = [("g", BatchTask(repo=str(repos[0]), task="best of two", attempts=2)),
+             ("s", BatchTask(repo=str(repos[1]), task="alone"))]  # fmt: skip
+    with FakeBackend.scripted(FakeScript(action=act)):
+        ex = LocalExecutor(node)
+        got = {r.key: r for r in run_batch(lines, executor=ex, state_dir=tmp_path / "batches",
+                                           batch_id="bn", on_event=events.append)}  # fmt: skip
+        ex.close()
+    g, s = got["g"], got["s"]
+    assert g.status == "done" and g.branch == "agentbox/bn-g", g
+    assert g.pick == 2 and g.group is not None, g
+    assert g.group["group"] == "bn-g" and g.group["pick_id"] == "bn-g-a2"
+    assert [a["id"] for a in g.group["attempts"]] == ["bn-g-a1", "bn-g-a2"]
+    assert [a["status"] for a in g.group["attempts"]] == ["done", "done"]
+    assert "repo" not in g.group and all("test_command" not in a for a in g.group["attempts"])
+    assert git(repos[0], "show", "agentbox/bn-g:out.txt") == "bn-g-a2\none line\n"
+    # Each attempt ran in a sandbox of its own and wrote its own result.
+    assert {n for _, n in FakeBackend.events if "bn-g-a" in n} >= {
+        "agentbox-task-bn-g-a1",
+        "agentbox-task-bn-g-a2",
+    }, FakeBackend.events
+    # A line of one attempt is as before: no group, no pick.
+    assert s.status == "done" and s.pick is None and s.group is None
+    grouped = [e for e in events if e.event == "group"]
+    assert [e.key for e in grouped] == ["g"] and json.loads(grouped[0].detail)["pick"] == 2
+    assert any(e.event == "finished" and e.key == "g" and "pick 2 of 2" in e.detail
+               for e in events)  # fmt: skip

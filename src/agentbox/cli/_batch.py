@@ -255,10 +255,21 @@ def batch_run(
             kw["on_event"] = show
             results = list(cluster.run_batch(task_list, **kw))
         for r in results:
-            line = f"{r.key}\t{r.status}\t{r.branch or '-'}\t{r.error[:200]}"
+            line = f"{r.key}\t{r.status}\t{r.branch or '-'}\t{_pick(r)}{r.error[:200]}"
             _out.print(Text(line.rstrip()), highlight=False, soft_wrap=True)
     if any(r.status != "done" for r in results):
         raise typer.Exit(1)
+
+
+def _pick(r: Any) -> str:
+    """A best-of-N line's group: ``pick K of N (id status tests, …)`` and a tab; "" else."""
+    if not r.group:
+        return ""
+    words = {None: "-", True: "pass", False: "FAIL"}
+    rows = [f"{a.get('id')} {a.get('status')} {words.get(a.get('tests_passed'), '-')}"
+            for a in r.group.get("attempts", [])]  # fmt: skip
+    head = f"pick {r.pick}" if r.pick else "no pick"
+    return f"{head} of {len(rows)} ({', '.join(rows)})\t"
 
 
 @batch_app.command("status")

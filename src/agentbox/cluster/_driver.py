@@ -114,6 +114,29 @@ def _flag(changes: list[tuple[str, str]]) -> list[dict[str, str]]:
     return sorted(out, key=lambda f: f["path"])
 
 
+def _checked_group(out: NodeOutcome, row: TaskRow) -> dict[str, Any] | None:
+    """The node's group view (untrusted): re-validated, and its ids those of this attempt's
+    group, or None (logged)."""
+    if out.group is None:
+        return None
+    from agentbox.launcher.attempts import GroupView, attempt_id
+
+    try:
+        view = GroupView.model_validate(out.group)
+    except ValidationError as exc:
+        log.warning("a node's group view is malformed", attempt=row.attempt_id, error=str(exc))
+        return None
+    ids = [a.id for a in view.attempts]
+    if view.group != row.attempt_id or ids != [attempt_id(row.attempt_id, k)
+                                               for k in range(1, len(ids) + 1)]:  # fmt: skip
+        log.warning("a node's group view names other tasks", attempt=row.attempt_id)
+        return None
+    keep = view.model_dump(mode="json", exclude={"repo"})  # the node's path means nothing here
+    for a in keep["attempts"]:
+        a.pop("test_command", None)  # the agent's text: not the driver's to show
+    return keep
+
+
 def _attempt_id(batch_id: str, key: str, n: int) -> str:
     return f"{batch_id}-{key}" + (f"-r{n}" if n else "")
 
@@ -159,8 +182,20 @@ class _Run:
         got = report.get("flagged") if isinstance(report, dict) else None
         return tuple(str(f["path"]) for f in got or () if isinstance(f, dict) and "path" in f)
 
+    def group(self, row: TaskRow) -> dict[str, Any] | None:
+        """A best-of-N task's group as the driver checked and kept it (None: one attempt)."""
+        try:
+            got = json.loads((self.root / "results" / f"{row.attempt_id}.group.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return got if isinstance(got, dict) else None
+
     def result(self, row: TaskRow, *, resumed: bool = False) -> BatchResult:
+        group = self.group(row)
+        pick = group.get("pick") if group is not None else None
         return BatchResult(
+            pick=pick if isinstance(pick, int) and not isinstance(pick, bool) else None,
+            group=group,
             flagged=self.flagged(row),
             key=row.key,
             attempt_id=row.attempt_id,
@@ -185,6 +220,8 @@ class _Run:
             deadline=spec.deadline or self.opts["deadline"] or DEFAULT_DEADLINE,
             base=row.base,
             boxfile=self.opts["boxfile"],
+            attempts=spec.attempts or 1,
+            budget_split=spec.budget_split,
         )
 
     def task_budget(self, row: TaskRow) -> int:
@@ -219,6 +256,9 @@ class _Run:
         report["flagged"] = None
         _write_private(res / f"{row.attempt_id}.report.json", json.dumps(report, default=str))
         _write_private(res / f"{row.attempt_id}.transcript.json", out.transcript)
+        group = _checked_group(out, row)
+        if group is not None:
+            _write_private(res / f"{row.attempt_id}.group.json", json.dumps(group))
         t = self.opts["timings"].setdefault(row.attempt_id, {})
         t.update(out.timings)
         if row.attempt_id in self.placed_at:
@@ -238,7 +278,14 @@ class _Run:
             error=out.error,
         )
         row = self.state.task(row.key)
-        self.event("finished", row, status=out.status, tokens=out.tokens, detail=out.error[:300])
+        detail = out.error[:300]
+        if group is not None:
+            n = len(group["attempts"])
+            pick = f"pick {group['pick']} of {n}" if group["pick"] else f"no pick of {n}"
+            detail = f"{pick}; {detail}".rstrip("; ")
+        self.event("finished", row, status=out.status, tokens=out.tokens, detail=detail)
+        if group is not None:  # best-of-N: the group's scores and pick, as one JSON line
+            self.event("group", row, status=out.status, detail=json.dumps(group))
         return self.publish(row)
 
     def check_flagged(self, row: TaskRow, flagged: list[dict[str, str]]) -> str:

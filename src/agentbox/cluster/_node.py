@@ -37,6 +37,7 @@ from agentbox.core import host as _host
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, RefusedError, TaskNotFound
 from agentbox.launcher.api import TaskRequest
+from agentbox.launcher.attempts import GroupView, attempt_id
 from agentbox.launcher.client import LauncherClient
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class NodeService:
         timings: dict[str, float] = {"received_at": time.time()}
         with gate:  # two calls with one id: the second waits for the first to submit
             try:
-                self.launcher.get(aid)
+                self._known(aid, attempt.attempts)
                 log.info("attempt already known: not started again", attempt=aid)
             except TaskNotFound:
                 t0 = time.monotonic()
@@ -159,28 +160,88 @@ class NodeService:
                             "a batch --boxfile is not taken by a node over the launcher "
                             "socket: commit it as .agentbox/Boxfile.toml in the repo"
                         ) from None
-                    self.launcher.submit(request)
+                    if attempt.attempts > 1:
+                        self.launcher.submit_group(request, attempt.attempts,
+                                                   budget_split=attempt.budget_split)  # fmt: skip
+                    else:
+                        self.launcher.submit(request)
                 else:
                     box = (
                         Boxfile.from_dict(attempt.boxfile, settings=self.settings)
                         if attempt.boxfile
                         else None
                     )
-                    self.launcher.submit(request, boxfile=box)
+                    if attempt.attempts > 1:
+                        self.launcher.submit_group(request, attempt.attempts, boxfile=box,
+                                                   budget_split=attempt.budget_split)  # fmt: skip
+                    else:
+                        self.launcher.submit(request, boxfile=box)
         t0 = time.monotonic()
+        if attempt.attempts > 1:
+            return self._group_outcome(attempt, timings, t0)
         self.launcher.wait(aid)
         timings["run"] = time.monotonic() - t0
         return self.outcome(aid, base=attempt.base, timings=timings)
 
-    def outcome(self, aid: str, *, base: str, timings: dict[str, float]) -> NodeOutcome:
-        """The finished attempt's outcome: its branch as a bundle, report, transcript tail."""
+    def _known(self, aid: str, attempts: int) -> None:
+        """TaskNotFound when this node never took ``aid`` (a task, or a group's id)."""
+        if attempts <= 1:
+            self.launcher.get(aid)
+        else:
+            self.launcher.group(aid)  # both the launcher and its client: TaskNotFound
+
+    def _group_view(self, group: str) -> GroupView:
+        if isinstance(self.launcher, LauncherClient):
+            return self.launcher.group(group)
+        return self.launcher.group_view(group)
+
+    def _group_outcome(self, attempt: Attempt, timings: dict[str, float], t0: float) -> NodeOutcome:
+        """A best-of-N attempt: wait for every attempt of the group, publish its pick as
+        ``agentbox/<aid>`` in the node's repo (once: the launcher may have already), and
+        send that branch back with the pick's report and the group's scores."""
+        aid = attempt.attempt_id
+        for k in range(1, attempt.attempts + 1):
+            self.launcher.wait(attempt_id(aid, k))
+        view = self._group_view(aid)
+        if view.pick is not None and view.branch is None:
+            try:
+                self.launcher.publish_pick(aid, view.pick)
+            except AgentboxError as exc:
+                log.warning("publishing a group's pick failed", group=aid, error=str(exc))
+            view = self._group_view(aid)
+        timings["run"] = time.monotonic() - t0
+        group = view.model_dump(mode="json")
+        tokens = sum(a.tokens.total for a in view.attempts)
+        if view.pick_id is None or view.branch is None:
+            why = "no attempt qualifies (none ended done with its tests passing)"
+            if view.pick_id is not None:
+                why = f"the pick (attempt {view.pick}) could not be published on the node"
+            return NodeOutcome(attempt_id=aid, node=self.name, status="failed", tokens=tokens,
+                               error=f"best-of-{attempt.attempts}: {why}", group=group,
+                               timings=timings)  # fmt: skip
+        out = self.outcome(view.pick_id, base=attempt.base, timings=timings, repo_of=aid,
+                           branch=view.branch)  # fmt: skip
+        return out.model_copy(update={"attempt_id": aid, "tokens": tokens, "group": group})
+
+    def outcome(
+        self,
+        aid: str,
+        *,
+        base: str,
+        timings: dict[str, float],
+        repo_of: str | None = None,
+        branch: str | None = None,
+    ) -> NodeOutcome:
+        """The finished attempt's outcome: its branch as a bundle, report, transcript tail
+        (``repo_of``/``branch``: a group's pick, whose repo is the group's and whose branch
+        there is ``agentbox/<group>``)."""
         info = self.launcher.get(aid)
         res = self.launcher.result(aid)
         data = b""
         error = info.error or ""
         t0 = time.monotonic()
         if res.commit and res.branch:
-            data = bundle_result(self.repo_dir(aid), res.branch, base)
+            data = bundle_result(self.repo_dir(repo_of or aid), branch or res.branch, base)
             if len(data) > MAX_RESULT_BUNDLE:
                 data, error = b"", f"result bundle over {MAX_RESULT_BUNDLE} bytes: not sent"
         elif res.commit:

@@ -41,6 +41,11 @@ class BatchTask(_Strict):
     deadline: float | None = Field(default=None, ge=MIN_DEADLINE, le=MAX_DEADLINE)
     key: str | None = Field(default=None, pattern=r"^[0-9a-z][0-9a-z-]{0,23}$")
     """A name for the task inside the batch (default: its line number)."""
+    attempts: int | None = Field(default=None, ge=1, le=8)
+    """Best-of-N: run this many attempts of the task on its node as one group; the
+    group's pick is the task's result (``agentbox/<attempt>``)."""
+    budget_split: Literal["split", "shared"] = "split"
+    """With ``attempts``: the task's budget divided between them, or shared by them."""
 
 
 class Attempt(_Strict):
@@ -54,6 +59,9 @@ class Attempt(_Strict):
     base: str = Field(pattern=r"^[0-9a-f]{40}$")
     """The base commit, inside the input bundle."""
     boxfile: dict[str, Any] | None = None
+    attempts: int = Field(default=1, ge=1, le=8)
+    """More than 1: a best-of-N group on the node, whose pick is the outcome."""
+    budget_split: Literal["split", "shared"] = "split"
 
 
 class NodeOutcome(_Strict):
@@ -70,6 +78,9 @@ class NodeOutcome(_Strict):
     transcript: str = Field(default="", max_length=8 * 1024 * 1024)
     """The tail of the transcript (JSON of a TranscriptPage)."""
     error: str = Field(default="", max_length=4000)
+    group: dict[str, Any] | None = None
+    """A best-of-N attempt: the node's group view (:class:`~agentbox.launcher.attempts.
+    GroupView` as JSON: every attempt's score and the pick), re-validated by the driver."""
     timings: dict[str, float] = Field(default_factory=dict)
     """Seconds per phase on the node: ``unbundle``; ``queued`` (submitted until the sandbox
     started: the launcher's queue, the workspace, the gateway); ``task`` (the sandbox started
@@ -93,6 +104,11 @@ class BatchResult(_Strict):
     """Attempts that died with their node; their partial results were discarded."""
     resumed: bool = False
     """Finished in an earlier run of the same batch (not re-run, not re-fetched)."""
+    pick: int | None = None
+    """A best-of-N task: the attempt (1-based) the node's group picked; None: none, or a
+    task of one attempt."""
+    group: dict[str, Any] | None = None
+    """A best-of-N task: its group (ids, statuses, tests, diff sizes, tokens, the pick)."""
     flagged: tuple[str, ...] = ()
     """Paths of the published branch that make other tools run code (``.envrc``,
     ``.claude/`` …), found by the driver in the fetched tree, never taken from the node."""
@@ -108,7 +124,8 @@ class BatchEvent(_Strict):
     """One line of ``agentbox batch run --json``."""
 
     event: Literal[
-        "batch", "placed", "finished", "lost", "published", "pull_request", "skipped", "end"
+        "batch", "placed", "finished", "group", "lost", "published", "pull_request", "skipped",
+        "end",
     ]
     batch: str
     key: str = ""
