@@ -93,6 +93,22 @@ def test_restore_argv_differs_only_by_incoming(tmp_path: Path) -> None:
     assert warm[len(cold) :] == ["-S", "-incoming", "fd:7"]
 
 
+def test_template_and_restore_map_the_snapshot_ram(tmp_path: Path) -> None:
+    tmpl = qemu_argv(_cfg(tmp_path, ram_file=tmp_path / "ram.img"))
+    warm = qemu_argv(_cfg(tmp_path, incoming_fd=7, ram_fd=9))
+    for argv in (tmpl, warm):
+        assert "memory-backend=ram" in argv[argv.index("-M") + 1]
+        assert argv[argv.index("-m") + 1] == "512M"
+    backend = {a for a in tmpl + warm if a.startswith("memory-backend-file")}
+    # the template writes its RAM into its file (bound in the jail); a restore maps the
+    # passed memfd private: its writes never reach the file another VM reads
+    assert backend == {
+        "memory-backend-file,id=ram,size=512M,mem-path=/vm/ram,share=on",
+        "memory-backend-file,id=ram,size=512M,mem-path=/proc/self/fd/9,share=off",
+    }
+    assert warm[-3:] == ["-S", "-incoming", "defer"]  # x-ignore-shared is set first, over QMP
+
+
 def test_kvm_argv(tmp_path: Path) -> None:
     argv = qemu_argv(_cfg(tmp_path, accel="kvm"))
     assert argv[argv.index("-accel") + 1] == "kvm"

@@ -44,7 +44,8 @@ from agentbox.backends.microvm._kernel import (
     ensure_kernel,
     ensure_modules,
 )
-from agentbox.backends.microvm._snapshot import ensure_snapshot, wait_incoming
+from agentbox.backends.microvm._snapram import snapshot_ram
+from agentbox.backends.microvm._snapshot import Snapshot, ensure_snapshot, wait_incoming
 from agentbox.backends.microvm._vm import SANDBOX_FLAGS, Vm, VmConfig, qemu_argv
 from agentbox.backends.microvm._vsock import connect_vsock
 from agentbox.backends.microvm.kvm import boot_to_marker, probe_kvm
@@ -61,6 +62,7 @@ __all__ = [
     "FcSpec",
     "GuestSession",
     "Kernel",
+    "Snapshot",
     "Vm",
     "VmConfig",
     "boot_to_marker",
@@ -86,6 +88,7 @@ __all__ = [
     "place_files",
     "probe_kvm",
     "qemu_argv",
+    "snapshot_ram",
     "spawn",
     "version_output",
     "wait_incoming",

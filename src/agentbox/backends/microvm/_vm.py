@@ -6,6 +6,13 @@ a fresh ``/data`` disk: only the host file bound at ``/vm/data.img`` differs.
 Declared read-only mounts are disks too, bound at ``/vm/m<i>.img`` and
 attached ``readonly=on`` (the guest sees a read-only block device: not even
 its root can write to it or mount it read-write).
+
+Guest RAM is anonymous memory on a cold boot. A snapshot template maps it from a
+file (``ram_file``, shared, so the file holds the RAM when it is saved) and a
+restored VM maps that RAM private from a sealed memfd (``ram_fd``): its reads
+share the page cache with every VM restored from the same snapshot, its writes
+are copied into its own pages. Both migrate with ``x-ignore-shared`` (set over
+QMP), so the saved state carries the devices but not the RAM.
 """
 
 from __future__ import annotations
@@ -73,6 +80,10 @@ class VmConfig:
     qemu_binary: str = "qemu-system-x86_64"
     marker: bool = False
     incoming_fd: int | None = None
+    #: A template's RAM: this host file, bound at ``/vm/ram`` and mapped shared.
+    ram_file: Path | None = None
+    #: A restored VM's RAM: this sealed memfd (passed in), mapped private (copy-on-write).
+    ram_fd: int | None = None
     cmdline_extra: tuple[str, ...] = ()
     use_cgroup: bool = True
     jail: bool = True
@@ -94,9 +105,22 @@ def qemu_argv(cfg: VmConfig, *, in_jail: bool = True) -> list[str]:
         append.append("agentbox_marker=1")
     cpu = "host" if cfg.accel == "kvm" else TCG_CPU
     accel = "kvm" if cfg.accel == "kvm" else f"tcg,tb-size={TCG_TB_MIB}"
+    machine = "microvm,isa-serial=on,rtc=on,pic=off,pit=on"
+    ram: list[str] = []
+    if cfg.ram_fd is not None or cfg.ram_file is not None:
+        if cfg.ram_fd is not None:  # private: the guest's writes never reach the memfd
+            where, share = f"/proc/self/fd/{cfg.ram_fd}", "off"
+        else:
+            assert cfg.ram_file is not None
+            where, share = p(cfg.ram_file, "/vm/ram"), "on"
+        machine += ",memory-backend=ram"
+        ram = [
+            "-object", f"memory-backend-file,id=ram,size={cfg.memory_mib}M,mem-path={where},"
+                       f"share={share}",
+        ]  # fmt: skip
     argv = [
         cfg.qemu_binary,
-        "-M", "microvm,isa-serial=on,rtc=on,pic=off,pit=on",
+        "-M", machine, *ram,
         "-accel", accel, "-cpu", cpu,
         "-m", f"{cfg.memory_mib}M", "-smp", str(cfg.cpus),
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
@@ -129,7 +153,8 @@ def qemu_argv(cfg: VmConfig, *, in_jail: bool = True) -> list[str]:
     ]  # fmt: skip
     argv += ["-serial", "stdio"] if cfg.marker else ["-serial", "none"]
     if cfg.incoming_fd is not None:
-        argv += ["-S", "-incoming", f"fd:{cfg.incoming_fd}"]
+        # deferred: x-ignore-shared (QEMU 7.2 has no -global for it) is set first over QMP
+        argv += ["-S", "-incoming", "defer" if cfg.ram_fd is not None else f"fd:{cfg.incoming_fd}"]
     return argv + list(cfg.extra_args)
 
 
@@ -160,6 +185,8 @@ class Vm:
               (c.root_disk, "/vm/root.img")]  # fmt: skip
         ro += [(disk, f"/vm/m{i}.img") for i, disk in enumerate(c.mount_disks)]
         rw = [(c.run_dir, "/vm/run")]
+        if c.ram_file is not None:
+            rw.append((c.ram_file, "/vm/ram"))
         if c.data_disk is not None:
             rw.append((c.data_disk, "/vm/data.img"))
         devs = ("/dev/kvm",) if c.accel == "kvm" else ()
@@ -188,7 +215,7 @@ class Vm:
         if c.use_cgroup:
             mem = c.memory_mib * 1024**2 + VMM_OVERHEAD
             self.cgroup = Cgroup(c.name, pids_max=VMM_PIDS_MAX, memory_bytes=mem)
-        fds = (c.incoming_fd,) if c.incoming_fd is not None else ()
+        fds = tuple(fd for fd in (c.incoming_fd, c.ram_fd) if fd is not None)
         with self.log_path.open("ab") as logf:
             self.proc = spawn(
                 argv,

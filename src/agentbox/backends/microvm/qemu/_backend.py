@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.microvm import Vm, VmConfig, ensure_snapshot
+from agentbox.backends.microvm import Vm, VmConfig, ensure_snapshot, snapshot_ram
 from agentbox.backends.microvm._base import _MicrovmBackend
 from agentbox.backends.microvm.kvm import probe_kvm
 from agentbox.backends.microvm.qemu._detach import QemuDetached
@@ -88,10 +88,11 @@ class QemuBackend(QemuDetached, _MicrovmBackend):  # detached verbs: qemu/_detac
         this VM shape) unless the backend is cold."""
         fd: int | None = None
         if not self.cold:
-            state = ensure_snapshot(
+            snap = ensure_snapshot(
                 self.settings.cache_dir, vm.cfg, _qemu_version(vm.cfg.qemu_binary)
             )
-            fd = os.open(state, os.O_RDONLY)
+            vm.cfg.ram_fd = snapshot_ram(snap.ram, vm.cfg.memory_mib * 1024**2)
+            fd = os.open(snap.state, os.O_RDONLY)
             vm.cfg.incoming_fd = fd
         try:
             vm.start()
