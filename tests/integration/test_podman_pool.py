@@ -89,6 +89,7 @@ def _run(
     ended = backend.follow(
         spec.name, log=log, on_stdout=out.append, on_stderr=err.append, poll=0.05
     )
+    assert removals.wait(spec.name, 120), "the container's removal (off the path) hung"
     return ended, b"".join(out), b"".join(err)
 
 

@@ -156,3 +156,5 @@ def test_a_removal_cut_short_is_reaped_by_the_orphan_sweep(
         if child.poll() is None:
             child.kill()
             child.wait(30)
+        if child.stdout is not None:
+            child.stdout.close()

@@ -247,13 +247,16 @@ def _umount(path: Path) -> None:
 
 
 def settle_orphan_disks(
-    settings: Settings, name: str | None = None, *, exited: bool = False
+    settings: Settings, name: str | None = None, *, exited: bool = False, ended: bool = False
 ) -> list[str]:
     """Copy back and unmount workspace disks whose owner process is gone (only sandbox
     ``name``'s, if given); return their sandbox names.
 
     ``exited``: the caller knows sandbox ``name`` has exited (its follower saw the end
-    and its conmon gone), so its container need not be removed first.
+    and its conmon gone), so its container need not be removed first. ``ended``: more
+    than that, the caller read the runtime's record of the end (conmon's exit file,
+    written once the sandbox's init, and so every process of its pid namespace, is
+    gone): the disk is settled while its owner (conmon, running podman's cleanup) runs.
 
     Call it once the sandbox's container is gone. One settler at a time per data dir
     (:func:`_settling`); the directory under the mount is reached through a detached
@@ -263,10 +266,13 @@ def settle_orphan_disks(
     if not base.is_dir():
         return []
     with _settling(base):
-        return _settle_records(base, name, exited=exited and name is not None)
+        one = name is not None
+        return _settle_records(base, name, exited=(exited or ended) and one, ended=ended and one)
 
 
-def _settle_records(base: Path, name: str | None, *, exited: bool = False) -> list[str]:
+def _settle_records(
+    base: Path, name: str | None, *, exited: bool = False, ended: bool = False
+) -> list[str]:
     settled = []
     pattern = "*.json" if name is None else f"{name}.json"
     for rec_path in sorted(base.glob(pattern)):
@@ -275,7 +281,7 @@ def _settle_records(base: Path, name: str | None, *, exited: bool = False) -> li
             ws, pid, start = Path(rec["workspace"]), int(rec["pid"]), str(rec["start"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if _alive(pid, start):
+        if _alive(pid, start) and not ended:
             continue
         if rec.get("detached") is True and not exited and _container_exists(rec_path.stem):
             # Its container runs on without the process that mounted the disk (a launcher

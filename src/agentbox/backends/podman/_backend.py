@@ -159,9 +159,9 @@ class PodmanBackend(PodmanDetached):
         """Remove unclaimed pooled sandboxes (all, or only expired and dead ones)."""
         return _pool_ends.sweep(self.settings, everything=everything)
 
-    def _settle(self, name: str, conmon: psutil.Process | None) -> None:
+    def _settle(self, name: str, conmon: psutil.Process | None, *, ended: bool = False) -> None:
         _pool_ends.release(self.settings, name)  # a pooled sandbox's slot binds first
-        super()._settle(name, conmon)
+        super()._settle(name, conmon, ended=ended)
 
     def run(
         self,

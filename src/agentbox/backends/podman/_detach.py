@@ -258,8 +258,9 @@ class PodmanDetached:
                 ended = _ended(early[0], early[1], started, deadline, killed=killed)
                 with self._final(log):
                     write_exit(log, ended)  # a caller's stop steps may start (the gateway's)
-                    if conmon is not None:
-                        wait_exited(conmon, CONMON_EXIT_WAIT)  # its cleanup ends; output drained
+                    # conmon drains the output into the log before it writes the exit file,
+                    # then runs podman's cleanup (a podman process) and exits: neither the
+                    # rest of the log nor the disk waits for that; the removal does.
                     reader.pump()
                     self._remove_and_settle(name, conmon)
                 log_event("followed to its end", name, exit_code=ended.exit_code, early=True)
@@ -341,21 +342,23 @@ class PodmanDetached:
         finally:
             os.close(fd)
 
-    def _settle(self, name: str, conmon: psutil.Process | None) -> None:
-        if conmon is not None:
+    def _settle(self, name: str, conmon: psutil.Process | None, *, ended: bool = False) -> None:
+        """Settle the workspace disk once the end was seen. ``ended``: from conmon's exit
+        file (every process of the sandbox gone): conmon's own exit is not waited for."""
+        if conmon is not None and not ended:
             wait_exited(conmon, CONMON_EXIT_WAIT)
         # Called once the end was seen: with its conmon gone too, the sandbox has exited
         # and its disk is settled whether or not its container is removed yet.
         exited = conmon is not None and not _running(conmon)
-        for done in settle_orphan_disks(self.settings, name, exited=exited):
+        for done in settle_orphan_disks(self.settings, name, exited=exited, ended=ended):
             log_event("workspace disk copied back", done)
 
     def _remove_and_settle(self, name: str, conmon: psutil.Process | None) -> None:
-        """Start ``podman rm`` off the caller's path (:mod:`._removals`), then copy the disk
-        back once conmon is gone: neither needs the other (the sandbox has exited; the
-        copy never reads the container), and nothing of the task needs the container."""
-        _removals.remove_later(name)
-        self._settle(name, conmon)
+        """After the exit file: ``podman rm`` off the caller's path (:mod:`._removals`,
+        once conmon has run podman's cleanup and gone) while the disk is copied back now:
+        neither needs the other, and nothing of the task needs the container."""
+        _removals.remove_later(name, after=conmon)
+        self._settle(name, conmon, ended=True)
 
 
 def log_event(what: str, name: str, **kw: object) -> None:

@@ -35,7 +35,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import psutil
+
 from agentbox.backends.oci._cli import force_remove
+from agentbox.backends.podman._exitfile import CONMON_EXIT_WAIT, wait_exited
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError
 
@@ -46,11 +49,14 @@ _pending: dict[str, threading.Thread] = {}
 _renames: dict[str, threading.Thread] = {}
 
 
-def remove_later(name: str) -> None:
-    """Start removing container ``name`` (``podman rm --force``) on a tracked thread."""
+def remove_later(name: str, *, after: psutil.Process | None = None) -> None:
+    """Start removing container ``name`` (``podman rm --force``) on a tracked thread,
+    once process ``after`` (its conmon, finishing podman's cleanup) has exited."""
 
     def remove() -> None:
         try:
+            if after is not None:
+                wait_exited(after, CONMON_EXIT_WAIT)
             await_rename(name)
             force_remove(name)
         except AgentboxError as exc:
