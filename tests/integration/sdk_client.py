@@ -134,6 +134,34 @@ async def async_body() -> dict[str, Any]:
         got = await sb.download("/workspace/x.txt", work)
         out["download"] = got.read_text()
         out["id"] = sb.id
+        # fork: two copies of its files now (workspace and tmpfs), each its own sandbox
+        await sb.files.write("/tmp/t.txt", "tmpfs\n")
+        forks = await sb.fork(2, timeout=300)
+        try:
+            f1, f2 = forks
+            out["fork_ids"] = len({sb.id, f1.id, f2.id})
+            out["fork_uids"] = [f.info.uid for f in forks]
+            out["fork_deadlines"] = [round(f.info.deadline_at - time.time()) for f in forks]
+            out["fork_parent_deadline"] = round(sb.info.deadline_at - time.time())
+            out["fork_seen"] = [[await f.files.read("/workspace/x.txt"),
+                                 await f.files.read("/tmp/t.txt")] for f in forks]  # fmt: skip
+            # the fork's files are its own uid's: it appends to one and makes new ones
+            r = await f1.commands.run("echo one >> /workspace/x.txt && echo 1 > /workspace/only1")
+            out["fork_write"] = r.exit_code
+            out["fork_after"] = {
+                "f1": await f1.files.read("/workspace/x.txt"),
+                "f2": await f2.files.read("/workspace/x.txt"),
+                "parent": await sb.files.read("/workspace/x.txt"),
+                "f2_only1": (await f2.commands.run("test -e /workspace/only1")).exit_code,
+                "parent_only1": (await sb.commands.run("test -e /workspace/only1")).exit_code,
+            }
+            out["fork_listed"] = sorted(i.id for i in await AsyncSandbox.list()) == sorted(
+                [sb.id, f1.id, f2.id]
+            )
+        finally:
+            for f in forks:
+                await f.close()
+        out["forks_gone"] = not {f.id for f in forks} & {i.id for i in await AsyncSandbox.list()}
     out["gone_after_with"] = out["id"] not in [i.id for i in await AsyncSandbox.list()]
     return out
 

@@ -175,6 +175,17 @@ def test_async_sandbox_as_a_member(stack: Stack, launcher: subprocess.Popen[str]
     assert got["killed"] == 137
     assert got["read"] == "async\n" and "x.txt" in got["list"]
     assert got["download"] == "async\n"
+    # Sandbox.fork(2): two sandboxes of A's with their own deadlines, each starting from
+    # the parent's files (workspace and tmpfs); a write in one is in neither the other
+    # nor the parent.
+    assert got["fork_ids"] == 3 and got["fork_uids"] == [UID_A, UID_A], got
+    assert all(290 <= d <= 300 for d in got["fork_deadlines"]), got
+    assert got["fork_parent_deadline"] > 500, got
+    assert got["fork_seen"] == [["async\n", "tmpfs\n"]] * 2, got
+    assert got["fork_write"] == 0, got
+    assert got["fork_after"] == {"f1": "async\none\n", "f2": "async\n", "parent": "async\n",
+                                 "f2_only1": 1, "parent_only1": 1}, got  # fmt: skip
+    assert got["fork_listed"] is True and got["forks_gone"] is True, got
     assert got["gone_after_with"] is True
 
 

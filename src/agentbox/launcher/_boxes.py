@@ -113,6 +113,10 @@ class _Box:
     spec: Any = None
     primed: Primed | None = None
     """A first command's exec started ahead (a podman spare); see :mod:`._primed`."""
+    boxfile: Any = None
+    """The Boxfile it was made from (its forks are made from it too)."""
+    host_uid: int = -1
+    """The host uid its sandbox uid is (its uid slot's); the owner of its workspace."""
     holders: dict[int, int] = field(default_factory=dict)  # pid -> pidfd
     execs: dict[str, _Exec] = field(default_factory=dict)
 
@@ -191,7 +195,12 @@ class BoxKeeper:
             raise RefusedError("build the image first (`agentbox image build`), then name it")
         return box
 
-    def _start(self, box: Any, deadline: float) -> _Box:
+    def _start(
+        self,
+        box: Any,
+        deadline: float,
+        prepare: Callable[[Path, Settings], None] | None = None,
+    ) -> _Box:
         from agentbox.backends import get_backend, uid_slot
         from agentbox.sandbox import spec_from_boxfile
 
@@ -204,6 +213,8 @@ class BoxKeeper:
             stack.callback(shutil.rmtree, ws, ignore_errors=True)
             if os.geteuid() == 0:
                 os.chown(ws, settings.sandbox_host_uid, settings.sandbox_host_uid)
+            if prepare is not None:  # a fork: its parent's files, before anything sees them
+                prepare(ws, settings)
             spec = spec_from_boxfile(box, settings, workspace=ws).replace(deadline=deadline)
             # Labelled with the data dir, as a task's: a launcher that starts after this one
             # was killed lists it among its orphans and reaps it (and settles its disk).
@@ -217,7 +228,8 @@ class BoxKeeper:
             stack.close()
             raise
         sid = f"sb-{secrets.token_hex(8)}"
-        return _Box(sid, sb, stack, box.backend, spec.image, time.time(), spec=spec)
+        return _Box(sid, sb, stack, box.backend, spec.image, time.time(), spec=spec,
+                    boxfile=box, host_uid=settings.sandbox_host_uid)  # fmt: skip
 
     def create(self, req: SandboxRequest, *, caller: int, pid: int) -> SandboxInfo:
         """Start a sandbox for ``caller``, held by process ``pid``."""
@@ -246,6 +258,48 @@ class BoxKeeper:
         if fd is None:  # the client is gone already
             self._remove(made.id)
         return made.info()
+
+    def fork(self, sid: str, n: int, timeout: float, *, caller: int, pid: int) -> list[SandboxInfo]:
+        """``n`` new sandboxes of ``caller``'s, held by ``pid``, each starting from sandbox
+        ``sid``'s files (:mod:`._fork`), each with its own deadline (``timeout``)."""
+        from agentbox.launcher._fork import TMPFS_PARTS, host_copy, pack_inside, unpack_inside
+
+        parent = self._get(sid, caller)
+        if caller != 0 and len(self.list(caller=caller)) + n > MAX_PER_USER:
+            raise RefusedError(f"{MAX_PER_USER} sandboxes of yours may be live at once")
+        on_host = (getattr(backend_class(parent.backend), "kind", "") == "container"
+                   and parent.spec is not None and parent.spec.workspace is not None
+                   and os.geteuid() == 0)  # fmt: skip
+        tmpfs = pack_inside(parent.box, TMPFS_PARTS)
+        work = None if on_host else pack_inside(parent.box, (".",), under="/workspace")
+
+        def copy(ws: Path, settings: Settings) -> None:
+            host_copy(parent.spec.workspace, ws, src_uid=parent.host_uid,
+                      dst_uid=settings.sandbox_host_uid)  # fmt: skip
+
+        made: list[_Box] = []
+        try:
+            for _ in range(n):
+                child = self._start(parent.boxfile, timeout + 30, copy if on_host else None)
+                made.append(child)
+                unpack_inside(child.box, tmpfs)
+                if work is not None:
+                    unpack_inside(child.box, work, under="/workspace")
+        except BaseException:
+            for child in made:
+                child.stack.close()
+            raise
+        out = []
+        for child in made:
+            child.uid = caller
+            child.deadline_at = time.time() + timeout
+            if (fd := _pidfd(pid)) is not None:
+                child.holders[pid] = fd
+            with self._lock:
+                self._boxes[child.id] = child
+            log.info("sdk sandbox forked", sandbox=child.id, parent=sid, uid=caller, pid=pid)
+            out.append(child.info())
+        return out
 
     def _fill_spare(self) -> None:
         if not self._filling.acquire(blocking=False):

@@ -27,6 +27,7 @@ from agentbox.launcher.boxapi import (
     ExecEvent,
     ExecRequest,
     FileList,
+    ForkRequest,
     SandboxList,
     SandboxRequest,
 )
@@ -105,6 +106,17 @@ def box_routes(keeper: BoxKeeper, guard: Guard, error: ErrorFn, as_json: Callabl
 
     async def connect(request: Request, caller: int) -> Response:
         return as_json(await run(keeper.connect, sid(request), caller=caller, pid=pid(request)))
+
+    async def fork(request: Request, caller: int) -> Response:
+        raw = await body(request, max_body)
+        if isinstance(raw, Response):
+            return raw
+        req = parse(ForkRequest, raw)
+        if isinstance(req, Response):
+            return req
+        made = await run(keeper.fork, sid(request), req.n, req.timeout, caller=caller,
+                         pid=pid(request))  # fmt: skip
+        return as_json(SandboxList(sandboxes=made), 201)
 
     async def remove(request: Request, caller: int) -> Response:
         return as_json(await run(keeper.remove, sid(request), caller=caller))
@@ -196,6 +208,7 @@ def box_routes(keeper: BoxKeeper, guard: Guard, error: ErrorFn, as_json: Callabl
         r(base, get, "GET"),
         r(base, remove, "DELETE"),
         r(f"{base}/connect", connect, "POST"),
+        r(f"{base}/fork", fork, "POST"),
         r(f"{base}/exec", exec_, "POST"),
         r(base + "/exec/{eid}", exec_state, "GET"),
         r(base + "/exec/{eid}/kill", kill, "POST"),

@@ -6,6 +6,7 @@ Routes (all under the launcher's unix socket, peer-checked like the task routes)
     GET    /v1/sandboxes                                        -> SandboxList
     GET    /v1/sandboxes/{id}                                   -> SandboxInfo
     POST   /v1/sandboxes/{id}/connect                           -> SandboxInfo
+    POST   /v1/sandboxes/{id}/fork               ForkRequest    -> SandboxList   (201)
     DELETE /v1/sandboxes/{id}                                   -> SandboxInfo
     POST   /v1/sandboxes/{id}/exec               ExecRequest    -> NDJSON lines (ExecEvent),
                                                                    or ExecHandle (background)
@@ -69,6 +70,13 @@ class SandboxRequest(_Wire):
     """A Boxfile's TOML text (read by the client: the launcher opens no path of yours)."""
     timeout: float = Field(default=600.0, ge=MIN_TIMEOUT, le=MAX_TIMEOUT)
     """Seconds until the sandbox is removed, whatever it is doing."""
+
+
+class ForkRequest(_Wire):
+    """``n`` sandboxes starting from a live one's files, each with its own deadline."""
+
+    n: int = Field(default=1, ge=1, le=8)
+    timeout: float = Field(default=600.0, ge=MIN_TIMEOUT, le=MAX_TIMEOUT)
 
 
 class SandboxInfo(_Wire):

@@ -247,6 +247,17 @@ class LauncherClient:
         data = self._call("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/connect")
         return SandboxInfo.model_validate(data, strict=False)
 
+    def sandbox_fork(
+        self, sandbox_id: str, n: int, *, timeout: float = 600.0
+    ) -> builtins.list[SandboxInfo]:
+        """``n`` new sandboxes held by this process, each from ``sandbox_id``'s files."""
+        from agentbox.launcher.boxapi import ForkRequest
+
+        body = ForkRequest(n=n, timeout=float(timeout)).model_dump(mode="json")
+        data = self._call("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/fork", body=body,
+                          timeout=1800.0)  # fmt: skip
+        return SandboxList.model_validate(data, strict=False).sandboxes
+
     def sandbox_remove(self, sandbox_id: str) -> SandboxInfo:
         data = self._call("DELETE", f"/v1/sandboxes/{_sid(sandbox_id)}", timeout=300.0)
         return SandboxInfo.model_validate(data, strict=False)

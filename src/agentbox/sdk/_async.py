@@ -189,6 +189,10 @@ class AsyncSandbox:
     async def refresh(self) -> SandboxInfo:
         return await _thread(self.sync.refresh)
 
+    async def fork(self, n: int = 1, *, timeout: float = 600) -> builtins.list[AsyncSandbox]:  # noqa: ASYNC109 (the sync API's timeout)
+        """As :meth:`agentbox.sdk.Sandbox.fork`."""
+        return [AsyncSandbox(s) for s in await _thread(self.sync.fork, n, timeout=timeout)]
+
     async def kill(self) -> None:
         await _thread(self.sync.kill)
 

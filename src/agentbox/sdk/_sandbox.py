@@ -201,10 +201,18 @@ class Files:
 class Sandbox:
     """A live sandbox in the launcher: :meth:`create` one, or :meth:`connect` to one."""
 
-    def __init__(self, client: LauncherClient, info: SandboxInfo, *, owned: bool) -> None:
+    def __init__(
+        self,
+        client: LauncherClient,
+        info: SandboxInfo,
+        *,
+        owned: bool,
+        address: str | os.PathLike[str] | None = None,
+    ) -> None:
         self._client = client
         self.info = info
         self._owned = owned
+        self._address = address
         self.commands = Commands(self)
         self.files = Files(self)
 
@@ -230,7 +238,7 @@ class Sandbox:
         client = connect(address)
         try:
             req = SandboxRequest(image=image, backend=backend, boxfile=text, timeout=float(timeout))
-            return cls(client, client.sandbox_create(req), owned=True)
+            return cls(client, client.sandbox_create(req), owned=True, address=address)
         except BaseException:
             client.close()
             raise
@@ -241,7 +249,7 @@ class Sandbox:
         (leaving the ``with`` block does not remove it: :meth:`kill` does)."""
         client = connect(address)
         try:
-            return cls(client, client.sandbox_connect(sandbox_id), owned=False)
+            return cls(client, client.sandbox_connect(sandbox_id), owned=False, address=address)
         except BaseException:
             client.close()
             raise
@@ -255,6 +263,20 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         self.info = self._client.sandbox_get(self.id)
         return self.info
+
+    def fork(self, n: int = 1, *, timeout: float = 600) -> builtins.list[Sandbox]:
+        """``n`` (1..8) new sandboxes whose files start as this one's are now: the
+        workspace (copied on the host, copy-on-write where the filesystem allows, on
+        podman and docker; packed and unpacked inside on a microVM) and the tmpfs
+        (``/tmp``, ``$HOME``); not its processes or memory. Each is a full
+        :class:`Sandbox` of the same Boxfile and hardening, yours, held by this process,
+        with its own deadline (``timeout`` seconds); ``with`` or :meth:`kill` each."""
+        infos = self._client.sandbox_fork(self.id, n, timeout=timeout)
+        out = []
+        for info in infos:
+            client = connect(self._address)
+            out.append(Sandbox(client, info, owned=True, address=self._address))
+        return out
 
     def kill(self) -> None:
         """Remove the sandbox now (idempotent)."""
