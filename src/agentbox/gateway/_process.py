@@ -317,13 +317,10 @@ def spawn_gateway(
     entry = load_registry(settings).get(model)
     if not token_file.is_file():
         raise GatewayError(f"token file {token_file} does not exist")
-    env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    env = _child_env()
+    secret_env = {}
     if entry.key_env and entry.key_env in os.environ and replay_script is None:
-        env[entry.key_env] = os.environ[entry.key_env]
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    # Two malloc arenas, not one per thread (64 MiB of address space each): the
-    # gateway runs under RLIMIT_AS, and its threads only write the usage file.
-    env["MALLOC_ARENA_MAX"] = "2"
+        secret_env[entry.key_env] = os.environ[entry.key_env]
     write_to = _state_dir(usage_file, run_as) if run_as is not None else usage_file
     argv = gateway_argv(
         listen=f"unix:{socket_path}",
@@ -338,32 +335,36 @@ def spawn_gateway(
         max_memory=max_memory,
         exit_at=exit_at,
     )
-    if exit_at is not None:
-        # It outlives the launcher, a unit restart too: born outside the unit's cgroup,
-        # so no kill of the unit between its start and a move can reach it.
-        argv = enter_then_exec([home / "cgroup.procs" for _, home in _gateway_homes()], argv)
+    # It outlives the launcher, a unit restart too: born outside the unit's cgroup,
+    # so no kill of the unit between its start and a move can reach it.
+    cgroups = [home / "cgroup.procs" for _, home in _gateway_homes()] if exit_at else []
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
     listener = _listen_unix(socket_path)
-    env[LISTEN_FD_ENV] = str(listener.fileno())
     # The child says "ready" on this pipe once it serves (and has dropped privileges):
     # a socket that accepts is not enough, it is bound before the drop.
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-    argv += ["--ready-fd", str(ready_w)]
     out: IO[bytes] | int
     out = log_file.open("ab") if log_file is not None else subprocess.DEVNULL
-    log.info("spawn gateway", argv=argv, socket=str(socket_path))
     try:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            env=env,
-            start_new_session=True,
-            close_fds=True,
-            pass_fds=(ready_w, listener.fileno()),
-        )
+        proc: subprocess.Popen[bytes] | None = None
+        if settings.gateway_template:
+            proc = _fork(argv, env, secret_env, listener, ready_w, out, cgroups, socket_path)
+        if proc is None:
+            env.update(secret_env)
+            env[LISTEN_FD_ENV] = str(listener.fileno())
+            argv += ["--ready-fd", str(ready_w)]
+            log.info("spawn gateway", argv=argv, socket=str(socket_path))
+            proc = subprocess.Popen(
+                enter_then_exec(cgroups, argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(ready_w, listener.fileno()),
+            )
     except BaseException:
         os.close(ready_r)
         with contextlib.suppress(FileNotFoundError):
@@ -382,3 +383,55 @@ def spawn_gateway(
     if wait:
         handle.wait_ready()
     return handle
+
+
+def _child_env() -> dict[str, str]:
+    """The environment a gateway gets (without the upstream key)."""
+    env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # Two malloc arenas, not one per thread (64 MiB of address space each): the
+    # gateway runs under RLIMIT_AS, and its threads only write the usage file.
+    env["MALLOC_ARENA_MAX"] = "2"
+    return env
+
+
+def _fork(
+    argv: list[str],
+    env: dict[str, str],
+    secret_env: dict[str, str],
+    listener: socket.socket,
+    ready_w: int,
+    out: IO[bytes] | int,
+    cgroups: list[Path],
+    socket_path: Path,
+) -> subprocess.Popen[bytes] | None:
+    """The gateway forked from this launcher's template (:mod:`._forkspawn`), or None
+    (logged) when the template cannot give one: the caller then execs it."""
+    from agentbox.gateway import _forkspawn, _template
+
+    forked_argv = [*argv, "--ready-fd", str(_template.READY_FD)]
+    null = -1
+    try:
+        if isinstance(out, int):
+            null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        forked = _forkspawn.fork_gateway(
+            argv=forked_argv,
+            env={**env, LISTEN_FD_ENV: str(_template.LISTEN_FD)},
+            secret_env=secret_env,
+            listener=listener.fileno(),
+            ready=ready_w,
+            log_fd=null if null >= 0 else out.fileno(),  # type: ignore[union-attr]
+            cgroups=cgroups,
+            template_env=_child_env(),
+            prefix=enter_then_exec(cgroups, []),
+        )
+    except GatewayError as exc:
+        log.warning("gateway template failed; starting the gateway by exec", error=str(exc),
+                    socket=str(socket_path))  # fmt: skip
+        return None
+    finally:
+        if null >= 0:
+            os.close(null)
+    log.info("forked gateway", pid=forked.pid, argv=forked_argv, socket=str(socket_path))
+    # Not a Popen, but what ServiceHandle uses of one (pid, poll, wait).
+    return forked  # type: ignore[return-value]

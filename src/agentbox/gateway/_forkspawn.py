@@ -1,0 +1,237 @@
+"""The launcher's side of the gateway template (:mod:`._template`): start it, ask it.
+
+One template per launcher process, started on the first gateway asked of it (the
+setting ``gateway_template``) and kept until that process ends (it exits when its
+socket closes). :func:`fork_gateway` hands it a task's descriptors and parameters
+and returns the forked gateway as a :class:`ForkedProcess`; any failure (the
+template would not start, died, refused or was late) raises :class:`GatewayError`,
+and :func:`agentbox.gateway.spawn_gateway` falls back to exec'ing the gateway.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from agentbox.core.log import get_logger
+from agentbox.errors import GatewayError
+from agentbox.gateway._template import FD_NAMES
+
+log = get_logger(__name__)
+
+#: Seconds the template may take to import and say ready.
+START_TIMEOUT = 30.0
+#: Seconds one fork request may take.
+REQUEST_TIMEOUT = 15.0
+#: After a template failed to start, seconds before another is tried (exec meanwhile).
+RETRY_AFTER = 60.0
+
+
+class ForkedProcess:
+    """A gateway forked by the template: what :class:`~agentbox.core.service.ServiceHandle`
+    uses of a :class:`subprocess.Popen` (``pid``, ``poll``, ``wait``, ``returncode``).
+
+    It is not this process's child, so it is watched through a pidfd (the very process,
+    whatever its pid becomes later) and its exit status is not ours to read:
+    ``returncode`` is None while it runs and 0 once it ended.
+    """
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        self.pid = pid
+        self.args = list(args)
+        self.returncode: int | None = None
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._pidfd = None
+            self.returncode = 0
+
+    def _ended(self, timeout: float) -> bool:
+        if self._pidfd is None:
+            return True
+        readable, _, _ = select.select([self._pidfd], [], [], max(0.0, timeout))
+        if readable:
+            os.close(self._pidfd)
+            self._pidfd = None
+            self.returncode = 0
+        return bool(readable)
+
+    def poll(self) -> int | None:
+        """None while it runs, else 0."""
+        self._ended(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait until it ended; :class:`subprocess.TimeoutExpired` past ``timeout``."""
+        if not self._ended(3600.0 * 24 * 365 if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return 0
+
+    def __del__(self) -> None:
+        if getattr(self, "_pidfd", None) is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)  # type: ignore[arg-type]
+
+
+class Template:
+    """A running template process and the launcher's end of its socket."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.proc = proc
+        self._sock = sock
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, env: Mapping[str, str], *, prefix: Sequence[str] = ()) -> Template:
+        """Start a template (``prefix``: what runs it, as :func:`enter_then_exec` makes)
+        and wait for its ``ready``; GatewayError if it does not say so in time."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-m", "agentbox.gateway._template", "--fd", str(theirs.fileno())]
+        try:
+            proc = subprocess.Popen(
+                [*prefix, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=dict(env),
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(theirs.fileno(),),
+            )
+        except OSError as exc:
+            ours.close()
+            raise GatewayError(f"cannot start the gateway template: {exc}") from exc
+        finally:
+            theirs.close()
+        ours.settimeout(START_TIMEOUT)
+        try:
+            said = ours.recv(64)
+        except OSError as exc:
+            said = f"{exc}".encode()
+        if said != b"ready":
+            ours.close()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+            raise GatewayError(f"the gateway template did not start: {said[:64]!r}")
+        ours.settimeout(REQUEST_TIMEOUT)
+        log.info("gateway template started", pid=proc.pid)
+        return cls(proc, ours)
+
+    def alive(self) -> bool:
+        """Whether the template process still runs."""
+        return self.proc.poll() is None
+
+    def fork(self, request: Mapping[str, object], fds: Sequence[int]) -> int:
+        """Ask for one gateway; its pid. GatewayError when the template refuses or fails."""
+        body = json.dumps(request).encode()
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        with self._lock:
+            try:
+                self._sock.sendmsg([body], anc)
+                raw = self._sock.recv(64 << 10)
+            except OSError as exc:
+                self.close()
+                raise GatewayError(f"the gateway template failed: {exc}") from exc
+        if not raw:
+            self.close()
+            raise GatewayError("the gateway template closed its socket")
+        reply = json.loads(raw)
+        if not isinstance(reply, dict) or not isinstance(reply.get("pid"), int):
+            raise GatewayError(f"the gateway template refused: {str(reply.get('error'))[:300]}")
+        return int(reply["pid"])
+
+    def close(self) -> None:
+        """Close our end (the template exits) and reap it; idempotent."""
+        self._sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5.0)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_lock = threading.Lock()
+_current: Template | None = None
+_failed_at = 0.0
+
+
+def current_template(env: Mapping[str, str], *, prefix: Sequence[str] = ()) -> Template:
+    """This process's template, started now if none runs (GatewayError if it cannot be,
+    and for :data:`RETRY_AFTER` seconds after such a failure)."""
+    global _current, _failed_at
+    with _lock:
+        if _current is not None and _current.alive():
+            return _current
+        if _current is not None:
+            log.warning("gateway template gone; starting another", pid=_current.proc.pid,
+                        code=_current.proc.returncode)  # fmt: skip
+            _current.close()
+            _current = None
+        if time.monotonic() - _failed_at < RETRY_AFTER:
+            raise GatewayError("the gateway template failed to start recently")
+        try:
+            _current = Template.start(env, prefix=prefix)
+        except GatewayError:
+            _failed_at = time.monotonic()
+            raise
+        return _current
+
+
+def stop_template() -> None:
+    """Stop this process's template, if any (gateways it forked keep running)."""
+    global _current
+    with _lock:
+        if _current is not None:
+            _current.close()
+            _current = None
+
+
+def fork_gateway(
+    *,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    secret_env: Mapping[str, str],
+    listener: int,
+    ready: int,
+    log_fd: int,
+    cgroups: Sequence[Path],
+    template_env: Mapping[str, str],
+    prefix: Sequence[str] = (),
+) -> ForkedProcess:
+    """Fork a gateway that runs as ``argv`` would (named so in ``/proc``), with ``env`` and
+    ``secret_env`` (passed through a pipe only the gateway reads), the listening socket
+    ``listener``, the ready pipe's write end ``ready`` and its log ``log_fd``."""
+    template = current_template(template_env, prefix=prefix)
+    secret_r, secret_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        data = json.dumps(dict(secret_env)).encode()
+        if len(data) > 32 << 10:
+            raise GatewayError("the gateway's secret environment is too large to pass")
+        os.write(secret_w, data)
+        os.close(secret_w)
+        secret_w = -1
+        fds = {"listener": listener, "ready": ready, "log": log_fd, "secrets": secret_r}
+        request = {"argv": list(argv), "env": dict(env), "cgroups": [str(p) for p in cgroups]}
+        pid = template.fork(request, [fds[name] for name in FD_NAMES])
+    finally:
+        os.close(secret_r)
+        if secret_w >= 0:
+            os.close(secret_w)
+    forked = ForkedProcess(pid, argv)
+    try:
+        named = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    except OSError:
+        named = []
+    if forked.poll() is not None or named != [a.encode() for a in argv]:
+        raise GatewayError(f"the forked gateway (pid {pid}) ended before it was watched")
+    return forked

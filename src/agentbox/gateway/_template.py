@@ -1,0 +1,340 @@
+"""The gateway template: one process per launcher that forks each task's gateway.
+
+A gateway is a whole Python interpreter, and ~90% of its memory is the state of
+its imports. The template (``python -m agentbox.gateway._template --fd N``)
+imports and prepares everything a gateway needs once, freezes it
+(:func:`gc.freeze`: the collector no longer writes to those objects, so their pages
+stay shared), says ``ready`` on the socket ``N`` it was given, and then serves that
+socket (a ``SOCK_SEQPACKET`` pair end; only the launcher holds the other):
+
+- request: one JSON message (:class:`Request`'s fields) with the task's descriptors
+  attached (``SCM_RIGHTS``): its listening socket, its ready pipe, its log file, and a
+  pipe carrying the gateway's secret environment (the upstream key), which only the
+  gateway reads: the template never holds a task's secret;
+- the template forks; the child forks again and exits, so the gateway is nobody's
+  child here (reparented to init: it outlives the template and the launcher as an
+  exec'd gateway does), and the grandchild becomes the task's gateway
+  (:func:`_become_gateway`);
+- reply: ``{"pid": N}`` once the gateway has named itself (its command line is the
+  exec'd gateway's, so re-adoption and orphan sweeps see the same process), or
+  ``{"error": "..."}``.
+
+The template exits when the launcher's end closes. It never opens a socket or
+reads a file of a task: all it gets are descriptors it forwards.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import select
+import socket
+import sys
+from typing import Any, NoReturn
+
+#: Descriptors a gateway gets, in the order a request attaches them.
+FD_NAMES = ("listener", "ready", "log", "secrets")
+#: Where the forked gateway finds them (the argv it names itself with says so).
+LISTEN_FD, READY_FD = 3, 4
+#: The largest request message (argv, environment, cgroup paths).
+MAX_REQUEST = 64 << 10
+#: Seconds the template waits for a forked gateway to name itself.
+CHILD_REPORT_TIMEOUT = 10.0
+
+_PR_SET_NAME = 15
+_PR_SET_MM = 35
+_PR_SET_MM_MAP = 14
+
+
+#: ``struct prctl_mm_map``'s address fields, in order (all ``__u64``).
+_MM_FIELDS = (
+    "start_code", "end_code", "start_data", "end_data", "start_brk", "brk",
+    "start_stack", "arg_start", "arg_end", "env_start", "env_end",
+)  # fmt: skip
+
+
+class _MMMap(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_uint64) for name in _MM_FIELDS),
+        ("auxv", ctypes.c_void_p),
+        ("auxv_size", ctypes.c_uint32),
+        ("exe_fd", ctypes.c_uint32),
+    ]
+
+
+#: Kept alive for the process's life: the memory ``/proc/self/cmdline`` now reads.
+_ARGV_BLOCK: list[Any] = []
+
+
+def set_cmdline(argv: list[str]) -> None:
+    """Make ``/proc/self/cmdline`` read ``argv`` (and ``comm`` its program's name).
+
+    ``prctl(PR_SET_MM, PR_SET_MM_MAP)`` with every field as it is but the argument
+    block, which points at a new buffer: no privilege needed (no executable changed),
+    and nothing of the environment block is overwritten (glibc's ``environ`` still
+    points there). Raises OSError when the kernel refuses (no CONFIG_CHECKPOINT_RESTORE).
+    """
+    from agentbox.linux.libc import libc
+
+    lib = libc()
+    raw = open("/proc/self/stat").read()  # noqa: SIM115 (read at once; closed by refcount)
+    fields = raw[raw.rindex(")") + 2 :].split()
+
+    def field(n: int) -> int:  # proc(5)'s field numbers: field 3 (state) is fields[0]
+        return int(fields[n - 3])
+
+    data = b"".join(a.encode() + b"\0" for a in argv)
+    buf = ctypes.create_string_buffer(data, len(data))
+    lib.sbrk.restype = ctypes.c_void_p
+    start = ctypes.addressof(buf)
+    mm = _MMMap(
+        start_code=field(26), end_code=field(27), start_data=field(45), end_data=field(46),
+        start_brk=field(47), brk=lib.sbrk(0) or field(47), start_stack=field(28),
+        arg_start=start, arg_end=start + len(data), env_start=field(50), env_end=field(51),
+        auxv=None, auxv_size=0, exe_fd=0xFFFFFFFF,
+    )  # fmt: skip
+    if lib.prctl(_PR_SET_MM, _PR_SET_MM_MAP, ctypes.byref(mm), ctypes.sizeof(mm), 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_MM_MAP): {os.strerror(err)}")
+    _ARGV_BLOCK.append(buf)
+    name = b"agentbox-gw"
+    lib.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+
+
+def prepare() -> None:
+    """Import and load what a gateway would at its start and first request, then freeze."""
+    from agentbox.gateway.__main__ import BLOCKED
+
+    for name in BLOCKED:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+    import concurrent.futures.thread  # noqa: F401  (the usage writer's executor)
+    import encodings.idna  # noqa: F401  (name resolution, on the first upstream call)
+    import random  # noqa: F401  (reseeded in each child by its own fork hook)
+
+    import agentbox.gateway.__main__
+    import agentbox.gateway._command
+    import agentbox.gateway._logcap
+    from agentbox.gateway import _confine, _run, _serve
+    from agentbox.gateway._conn import ConnLimits
+    from agentbox.gateway._script import load_script
+    from agentbox.gateway.registry import DEMO_SCRIPT, load_registry
+
+    # uvicorn imports its protocol and loop modules when a server's config is loaded.
+    _serve._config(object(), ConnLimits()).load()
+    _confine._libseccomp()  # the library mapped once, shared
+    # What a start compiles (argparse's and yaml's patterns) lands in ``re``'s cache.
+    agentbox.gateway.__main__.parser().parse_args(["--listen", "unix:/x", "--model", "m"])
+    load_script(DEMO_SCRIPT)
+    _rehearse(_run, load_registry(None, None).get("replay-demo"))
+    gc.collect()
+    gc.freeze()
+
+
+def _rehearse(run: Any, entry: Any) -> None:
+    """Start and stop a throwaway gateway (replay model, a private directory, no drop):
+    the code a gateway runs at its start is then specialised here, once, in pages its
+    children share, instead of in each child."""
+    import asyncio
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp(prefix="agentbox-gw-template-"))
+    try:
+        group, gateway, _ = run.build_gateway(
+            listen=f"unix:{tmp / 'g.sock'}", token="t" * 32, entry=entry, budget=1
+        )
+        ready_r, ready_w = os.pipe()
+
+        async def rehearse() -> None:
+            loop = asyncio.get_running_loop()
+            said = loop.create_future()
+            loop.add_reader(ready_r, said.set_result, None)  # no executor: no thread here
+            task = asyncio.ensure_future(group.run(signals=False, ready_fd=ready_w))
+            await said
+            loop.remove_reader(ready_r)
+            group.stop()
+            await task
+            await gateway.aclose()
+
+        asyncio.run(rehearse())
+        os.close(ready_r)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
+    fds = array.array("i")
+    msg, anc, flags, _ = sock.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(16 * fds.itemsize))
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("request truncated")
+    return msg, list(fds)
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer fork requests until the launcher's end closes."""
+    while True:
+        try:
+            msg, fds = _recv(sock)
+        except ValueError as exc:
+            sock.send(json.dumps({"error": str(exc)}).encode())
+            continue
+        if not msg:
+            return
+        try:
+            reply = _fork_one(sock, json.loads(msg), fds)
+        except Exception as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.send(json.dumps(reply).encode())
+
+
+def _fork_one(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+    if len(fds) != len(FD_NAMES):
+        raise ValueError(f"{len(fds)} descriptors, not {len(FD_NAMES)}")
+    report_r, report_w = os.pipe2(os.O_CLOEXEC)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the first child: fork the gateway and go, so init adopts it
+        code = 1
+        try:
+            os.close(report_r)
+            if os.fork() == 0:
+                _become_gateway(sock, req, fds, report_w)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(report_w)
+    try:
+        os.waitpid(pid, 0)
+        return _read_report(report_r)
+    finally:
+        os.close(report_r)
+
+
+def _read_report(fd: int) -> dict[str, Any]:
+    got = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], CHILD_REPORT_TIMEOUT)
+        if not ready:
+            return {"error": f"the forked gateway did not report in {CHILD_REPORT_TIMEOUT:g}s"}
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        got += chunk
+    if not got:
+        return {"error": "the forked gateway exited before it reported"}
+    reply: dict[str, Any] = json.loads(got)
+    return reply
+
+
+def _place(fds: list[int]) -> dict[str, int]:
+    """Move the received descriptors to where a gateway expects them: 0 ``/dev/null``,
+    1 and 2 the log, :data:`LISTEN_FD`, :data:`READY_FD`; the secrets pipe past them."""
+    high = {name: os.dup(fd) for name, fd in zip(FD_NAMES, fds, strict=True)}
+    for fd in fds:
+        os.close(fd)
+    moved = {name: _dup_above(fd, 16) for name, fd in high.items()}
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(moved["log"], 1)
+    os.dup2(moved["log"], 2)
+    os.dup2(moved["listener"], LISTEN_FD)
+    os.dup2(moved["ready"], READY_FD)
+    secrets_fd = os.dup2(moved["secrets"], READY_FD + 1)
+    for fd in moved.values():
+        if fd > READY_FD + 1:
+            os.close(fd)
+    return {"secrets": secrets_fd}
+
+
+def _dup_above(fd: int, low: int) -> int:
+    import fcntl
+
+    new = fcntl.fcntl(fd, fcntl.F_DUPFD, low)
+    os.close(fd)
+    return new
+
+
+def _become_gateway(
+    sock: socket.socket, req: dict[str, Any], fds: list[int], report: int
+) -> NoReturn:
+    """In the grandchild: take the task's descriptors, name the process as the exec'd
+    gateway, report, and run the gateway's ``main``; never returns into the template."""
+    code = 1
+    try:
+        os.setsid()
+        sock.detach()  # its descriptor is closed below; the object must not close another
+        report = _dup_above(report, 64)
+        placed = _place(fds)
+        keep = {0, 1, 2, LISTEN_FD, READY_FD, placed["secrets"], report}
+        for fd in _open_fds():
+            if fd not in keep:
+                with contextlib.suppress(OSError):  # the listing's own, closed already
+                    os.close(fd)
+        with os.fdopen(placed["secrets"], "rb") as fh:
+            secret_env: dict[str, str] = json.loads(fh.read() or b"{}")
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.environ.update(secret_env)
+        for procs in req.get("cgroups", ()):
+            try:
+                with open(procs, "w") as fh:
+                    fh.write("0")
+            except OSError as exc:
+                print(f"gateway left in the template's cgroup ({procs}): {exc}", file=sys.stderr)
+        argv: list[str] = req["argv"]
+        set_cmdline(argv)
+        os.write(report, json.dumps({"pid": os.getpid()}).encode())
+        os.close(report)
+        report = -1
+        from agentbox.gateway.__main__ import main
+
+        main(argv[3:])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException as exc:
+        if report >= 0:
+            os.write(report, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+        else:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def _open_fds() -> list[int]:
+    """This process's open descriptors (read before any is closed)."""
+    return [int(n) for n in os.listdir("/proc/self/fd") if n.isdigit()]  # noqa: PTH208
+
+
+def main() -> None:
+    """``python -m agentbox.gateway._template --fd N``: prepare, say ready, serve."""
+    if len(sys.argv) != 3 or sys.argv[1] != "--fd" or not sys.argv[2].isdigit():
+        print("usage: python -m agentbox.gateway._template --fd N", file=sys.stderr)
+        sys.exit(2)
+    sock = socket.socket(fileno=int(sys.argv[2]))
+    sock.set_inheritable(False)
+    prepare()
+    sock.send(b"ready")
+    serve(sock)
+
+
+if __name__ == "__main__":
+    main()
