@@ -10,13 +10,19 @@ that ``tail``, every process that belongs to a task is read from
 - the agent's: ``claude`` and the tools it runs (the ``bash``/``tail`` below it);
 - ours: the gateway, the per-task watchdog, the ``podman run`` client if one stays
   attached, conmon, the relay inside the sandbox, the container's init, an egress
-  proxy if any.
+  proxy if any, and the launcher's gateway template (``--gateway-template on``; one
+  process, its PSS spread over the N tasks).
 
 A sandbox's processes are found by its container id in ``/proc/PID/cgroup``;
 gateways by their ``--listen`` socket under this run's data dir; watchdogs by
 their ``--data-dir``. Also reported: the drop of ``MemAvailable`` per task (the
 whole host; other work on the machine shows in it), the time from the first
 submit until all N agents are idle, and the tasks started per second.
+
+Before the rounds, the gateway's ready latency: ``--ready K`` gateways asked for one
+after another from ``spawn_gateway`` (replay model, dropped and confined as a task's),
+the time from the ask until it serves, exec'd and forked from the template in the
+same run (the template's own start, the first fork's, is shown apart).
 
 Everything started is cancelled and removed in a ``finally`` (Ctrl-C and SIGTERM
 included), then swept: any container with this data dir's label, any gateway or
@@ -25,6 +31,7 @@ watchdog of this data dir, anything still mounted below the run's directory.
 Usage (as root, after scripts/setup.sh and ``agentbox image build``)::
 
     .venv/bin/python bench/density.py [--n 5,10,20,40] [--timeout 600]
+        [--gateway-template off|on] [--ready 10]
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,7 +66,8 @@ turns:
   - text: "Done."
 """
 INITS = ("tini", "catatonit", "podman-init", "init")
-OURS = ("gateway", "watchdog", "podman client", "conmon", "relay", "init", "egress")
+OURS = ("gateway", "gateway template", "watchdog", "podman client", "conmon", "relay", "init",
+        "egress")  # fmt: skip
 AGENT = ("claude", "agent tools")
 
 
@@ -116,7 +126,7 @@ def container_ids(names: list[str]) -> dict[str, str]:
     """Container name → full id, for the named containers that exist."""
     res = subprocess.run(
         ["podman", "ps", "-a", "--no-trunc", "--format", "{{.ID}} {{.Names}}"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     wanted = set(names)
     ids = {}
@@ -140,6 +150,8 @@ def classify(settings: Settings, task_ids: list[str]) -> dict[str, list[int]]:
         line = " ".join(cmd)
         if pid in gw_pids:
             cats["gateway"].append(pid)
+        elif "agentbox.gateway._template" in cmd[:3] and table[pid][3] == os.getpid():
+            cats["gateway template"].append(pid)
         elif comm == "conmon" and any(cid in line for cid in ids.values()):
             cats["conmon"].append(pid)
         elif comm == "podman" and any(n in line for n in names):
@@ -223,12 +235,68 @@ def unmount_under(base: Path) -> None:
         print(f"unmounted leftover {m}", file=sys.stderr)
 
 
-def run_round(base: Path, n: int, timeout: float) -> dict[str, object]:
+def ready_latency(base: Path, k: int) -> dict[str, list[float]]:
+    """Ms from asking ``spawn_gateway`` for a gateway until it serves, ``k`` times each
+    way: ``exec`` (a new interpreter) and ``template`` (forked; its first ask, which
+    starts the template, is ``template start``)."""
+    from agentbox.gateway import _forkspawn, gateway_identity, spawn_gateway
+
+    out: dict[str, list[float]] = {"exec": [], "template start": [], "template": []}
+    for mode in ("exec", "template"):
+        data = base / f"ready-{mode}"
+        data.mkdir()
+        settings = Settings(data_dir=data, models_file=base / "models.toml",
+                            gateway_template=mode == "template")  # fmt: skip
+        _forkspawn.stop_template()
+        for i in range(k + (mode == "template")):
+            task = data / f"t{i}"
+            (task / "gw").mkdir(parents=True)
+            token = task / "token"
+            token.write_text(secrets.token_urlsafe(24))
+            token.chmod(0o600)
+            t0 = time.monotonic()
+            gw = spawn_gateway(
+                socket_path=task / "gw" / "gateway.sock",
+                token_file=token,
+                model="idle",
+                budget=10**6,
+                usage_file=task / "usage.json",
+                settings=settings,
+                log_file=task / "gateway.log",
+                run_as=gateway_identity(settings),
+                exit_at=time.time() + 120,
+            )
+            ms = (time.monotonic() - t0) * 1000
+            gw.stop(grace=2.0)
+            key = "template start" if mode == "template" and i == 0 else mode
+            out[key].append(ms)
+    _forkspawn.stop_template()
+    return out
+
+
+def report_ready(lat: dict[str, list[float]]) -> None:
+    k = len(lat["exec"])
+    print(f"\n### Gateway ready latency: ask → serving, {k} gateways one after another\n")
+    print("| path | n | median ms | p90 ms | max ms |")
+    print("|---|---:|---:|---:|---:|")
+    for mode, xs in lat.items():
+        if not xs:
+            continue
+        ys = sorted(xs)
+        p90 = ys[min(len(ys) - 1, round(0.9 * (len(ys) - 1)))]
+        print(f"| {mode} | {len(ys)} | {statistics.median(ys):.1f} | {p90:.1f} | {ys[-1]:.1f} |")
+    if lat["exec"] and lat["template"]:
+        ratio = statistics.median(lat["template"]) / statistics.median(lat["exec"])
+        print(f"\nforked / exec'd (medians): {ratio:.3f}x")
+
+
+def run_round(base: Path, n: int, timeout: float, template: bool) -> dict[str, object]:
     """Start n idle tasks, measure, tear everything down."""
     data = base / f"data-{n}"
     repos = base / "repos"
     data.mkdir()
-    settings = Settings(data_dir=data, repos_root=repos, models_file=base / "models.toml")
+    settings = Settings(data_dir=data, repos_root=repos, models_file=base / "models.toml",
+                        gateway_template=template)  # fmt: skip
     tids: list[str] = []
     mem0 = mem_available()
     launcher = Launcher(settings, max_tasks=n)
@@ -280,16 +348,20 @@ def run_round(base: Path, n: int, timeout: float) -> dict[str, object]:
             launcher.shutdown(grace=20)
         with contextlib.suppress(Exception):
             launcher.close(wait=True)
+        from agentbox.gateway import _forkspawn
+
+        _forkspawn.stop_template()
         left = sweep(settings)
         if left:
             print(f"swept after N={n}: {left}", file=sys.stderr)
 
 
-def report(rows: list[dict[str, object]]) -> None:
+def report(rows: list[dict[str, object]], template: bool) -> None:
+    how = "gateways forked from the template" if template else "gateways exec'd"
     for r in rows:
         n = int(r["n"])  # type: ignore[call-overload]
         usage: dict[str, tuple[int, int, int]] = r["usage"]  # type: ignore[assignment]
-        print(f"\n### N = {n} idle tasks (real Claude Code, podman)\n")
+        print(f"\n### N = {n} idle tasks (real Claude Code, podman; {how})\n")
         print("| process | count | PSS MiB/task | RSS MiB/task |")
         print("|---|---:|---:|---:|")
         tot: dict[str, list[float]] = {"ours": [0, 0], "agent": [0, 0]}
@@ -314,6 +386,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", default="5,10,20,40", help="comma-separated task counts")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for N agents to idle")
+    ap.add_argument(
+        "--gateway-template",
+        choices=("off", "on"),
+        default="off",
+        help="fork the tasks' gateways from the template (setting gateway_template)",
+    )
+    ap.add_argument("--ready", type=int, default=10,
+                    help="gateways to time from ask to serving, each way (0: none)")  # fmt: skip
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (the launcher drives podman as root)", file=sys.stderr)
@@ -333,17 +413,22 @@ def main() -> int:
             f'[models.idle]\nkind = "replay"\nupstream = "{script}"\n'
         )
         (base / "repos").mkdir()
-        for n in (int(x) for x in args.n.split(",")):
+        if args.ready > 0:
+            lat = ready_latency(base, args.ready)
+        template = args.gateway_template == "on"
+        for n in (int(x) for x in args.n.split(",") if x.strip() != "0"):
             try:
-                rows.append(run_round(base, n, args.timeout))
+                rows.append(run_round(base, n, args.timeout, template))
             except (RuntimeError, TimeoutError) as exc:
                 print(f"N={n}: {exc}", file=sys.stderr)
                 break
     finally:
         unmount_under(base)
         shutil.rmtree(base, ignore_errors=True)
-    report(rows)
-    return 0 if rows else 1
+    if args.ready > 0:
+        report_ready(lat)
+    report(rows, template)
+    return 0 if rows or args.ready > 0 else 1
 
 
 if __name__ == "__main__":

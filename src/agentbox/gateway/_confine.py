@@ -168,24 +168,34 @@ def _libseccomp() -> Any:
     return lib
 
 
-def install_seccomp() -> None:
-    """Load the gateway's filter into this process (all threads created later inherit it)."""
-    lib = _libseccomp()
-    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
-    if not ctx:
-        raise GatewayError("cannot confine the gateway: seccomp_init failed")
-    eperm = _errno_action(errno.EPERM)
+class SeccompFilter:
+    """The gateway's filter, built (libseccomp rules) but not loaded: the template builds
+    it once, each gateway forked from it loads it (:func:`install_seccomp`)."""
 
-    def rule(action: int, name: str, *cmps: tuple[int, int, int, int]) -> None:
-        nr = lib.seccomp_syscall_resolve_name(name.encode())
-        if nr < 0:
-            return  # not a syscall on this architecture (iopl on arm64 …)
-        arr = (_ArgCmp * max(1, len(cmps)))(*(_ArgCmp(*c) for c in cmps))
-        rc = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), arr)
-        if rc < 0:
-            raise GatewayError(f"cannot confine the gateway: rule for {name} failed ({rc})")
+    def __init__(self) -> None:
+        self._lib = _libseccomp()
+        self._ctx = self._lib.seccomp_init(_SCMP_ACT_ALLOW)
+        if not self._ctx:
+            raise GatewayError("cannot confine the gateway: seccomp_init failed")
+        try:
+            self._add_rules()
+        except BaseException:
+            self._lib.seccomp_release(self._ctx)
+            raise
 
-    try:
+    def _add_rules(self) -> None:
+        lib, ctx = self._lib, self._ctx
+        eperm = _errno_action(errno.EPERM)
+
+        def rule(action: int, name: str, *cmps: tuple[int, int, int, int]) -> None:
+            nr = lib.seccomp_syscall_resolve_name(name.encode())
+            if nr < 0:
+                return  # not a syscall on this architecture (iopl on arm64 …)
+            arr = (_ArgCmp * max(1, len(cmps)))(*(_ArgCmp(*c) for c in cmps))
+            rc = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), arr)
+            if rc < 0:
+                raise GatewayError(f"cannot confine the gateway: rule for {name} failed ({rc})")
+
         for name in DENIED_SYSCALLS:
             rule(eperm, name)
         # clone3 passes its flags in memory a filter cannot read: ENOSYS makes glibc use clone.
@@ -198,11 +208,29 @@ def install_seccomp() -> None:
         for fam in range(top):
             if fam not in ALLOWED_FAMILIES:
                 rule(_errno_action(errno.EAFNOSUPPORT), "socket", (0, _SCMP_CMP_EQ, fam, 0))
-        rc = lib.seccomp_load(ctx)
+
+    def load(self) -> None:
+        """Load it into this process (all threads created later inherit it)."""
+        rc = self._lib.seccomp_load(self._ctx)
         if rc < 0:
             raise GatewayError(f"cannot confine the gateway: seccomp_load failed ({rc})")
-    finally:
-        lib.seccomp_release(ctx)
+
+
+#: The filter :func:`prebuild` made (in the template), loaded by :func:`install_seccomp`.
+_prebuilt: SeccompFilter | None = None
+
+
+def prebuild() -> None:
+    """Build the filter now, for this process's forks to load (the gateway template)."""
+    global _prebuilt
+    _prebuilt = SeccompFilter()
+
+
+def install_seccomp() -> None:
+    """Load the gateway's filter into this process (all threads created later inherit it):
+    the one :func:`prebuild` made in the template this process was forked from, else one
+    built now (the same rules)."""
+    (_prebuilt or SeccompFilter()).load()
 
 
 def _prctl(option: int, arg: int) -> int:

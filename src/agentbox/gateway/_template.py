@@ -125,7 +125,7 @@ def prepare() -> None:
 
     # uvicorn imports its protocol and loop modules when a server's config is loaded.
     _serve._config(object(), ConnLimits()).load()
-    _confine._libseccomp()  # the library mapped once, shared
+    _confine.prebuild()  # the filter's rules built once; each gateway loads them
     # What a start compiles (argparse's and yaml's patterns) lands in ``re``'s cache.
     agentbox.gateway.__main__.parser().parse_args(["--listen", "unix:/x", "--model", "m"])
     load_script(DEMO_SCRIPT)
