@@ -63,7 +63,7 @@ from typing import Any
 from agentbox.backends._seccomp import profile_path
 from agentbox.backends.oci._args import entry_argv, image_facts, run_args
 from agentbox.backends.oci._cli import env_file
-from agentbox.backends.podman import PodmanBackend, _pool
+from agentbox.backends.podman import PodmanBackend, _pool, _pool_ends
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.sandbox import spec_from_boxfile
@@ -396,7 +396,7 @@ def main() -> None:
         if warm is not None:
             warm.destroy()
         remove_made(settings)
-        _pool.drain(psettings)
+        _pool_ends.drain(psettings)
         subprocess.run(["podman", "rm", "-f", oci_name], capture_output=True, check=False)
         # runc removes each container's cgroup, not the parent we named in the bundle.
         for d in Path("/sys/fs/cgroup").glob("*/agentbox-bench"):
