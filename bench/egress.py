@@ -18,8 +18,10 @@ Each file is downloaded, alternately in the same run:
   the answer scanned for the secret (target: >= 0.7x direct).
 
 Then ``--latency`` small requests (``HEAD`` of each file, keep-alive) direct and
-intercepted: the added latency per request, p50 (target: <= 5 ms). Last, each proxy
-process's memory (RSS) after the runs.
+intercepted: the added latency per request, p50 (target: <= 5 ms), both as the
+difference of the two medians and as the median of paired differences (each
+intercepted HEAD less the direct one just before it: the index's own jitter mostly
+cancels). Last, each proxy process's memory (RSS) after the runs.
 
 Prints the median throughput (MB/s) of each way and the ratio to direct.
 """
