@@ -56,12 +56,19 @@ if [ "$workers" = 0 ]; then
   .venv/bin/pytest --junitxml="$report/run.xml"
   exit
 fi
+# The share of the host's CPU time that was busy (not idle or waiting on I/O) since a
+# snapshot: is a pass bound by the cores or by waiting?
+cpu() { awk '/^cpu /{t=0; for(i=2;i<=NF;i++) t+=$i; print t, $5+$6}' /proc/stat; }
+busy() { local now; now=$(cpu); awk -v a="$1" -v b="$now" 'BEGIN{split(a,x," "); split(b,y," ");
+  d=y[1]-x[1]; printf "%d%%", (d > 0 ? 100*(d-(y[2]-x[2]))/d : 0)}'; }
 rc=0
 t=$SECONDS
+c=$(cpu)
 .venv/bin/pytest -n "$workers" --dist loadfile -m "not serial" --basetemp="$bt/p" \
   --junitxml="$report/parallel.xml" || rc=$?
-passes="parallel pass ($workers workers) $((SECONDS - t)) s"
+passes="parallel pass ($workers workers) $((SECONDS - t)) s, CPU $(busy "$c") busy"
 t=$SECONDS
+c=$(cpu)
 .venv/bin/pytest -m serial --junitxml="$report/serial.xml" || rc=$((rc ? rc : $?))
-passes+=", serial pass $((SECONDS - t)) s"
+passes+=", serial pass $((SECONDS - t)) s, CPU $(busy "$c") busy"
 exit $rc

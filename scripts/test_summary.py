@@ -1,4 +1,6 @@
-"""The end of ``scripts/test.sh``: counts and the ten slowest tests of its pytest runs.
+"""The end of ``scripts/test.sh``: counts, the ten slowest tests and the ten slowest
+modules (the sum of their tests' times: under ``--dist loadfile`` a module is one worker's
+unit of work, so the longest bound the parallel pass) of its pytest runs.
 
 Reads the JUnit XML files each pytest pass wrote (``--junitxml``); a suite run as a
 parallel pass and a serial pass gets one list for both.
@@ -29,6 +31,13 @@ def main(paths: list[str]) -> None:
     print("[test.sh] ten slowest tests:")
     for secs, name in sorted(cases, reverse=True)[:10]:
         print(f"  {secs:8.2f}s  {name}")
+    modules: dict[str, float] = {}
+    for secs, name in cases:
+        module = name.split("::", 1)[0]
+        modules[module] = modules.get(module, 0.0) + secs
+    print(f"[test.sh] ten slowest modules (all tests: {sum(modules.values()):.0f} s):")
+    for module, secs in sorted(modules.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {secs:8.2f}s  {module}")
     print("[test.sh] " + ", ".join(f"{v} {k}" for k, v in counts.items()))
 
 
