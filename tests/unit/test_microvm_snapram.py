@@ -110,3 +110,26 @@ def test_a_wrong_size_or_an_unsealed_fd_is_refused(tmp_path: Path) -> None:
             check_sealed(plain, SIZE)
     finally:
         os.close(plain)
+
+
+def test_a_memfd_grown_by_guests_touching_holes_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentbox.backends.microvm import _snapram
+
+    monkeypatch.setattr(_snapram, "REFILL_SLACK", 8 * PAGE)
+    _template_ram(tmp_path / "tmpl")
+    save_ram(tmp_path / "tmpl", tmp_path / "snap.ram")
+    fd = snapshot_ram(tmp_path / "snap.ram", SIZE)
+    ino = os.fstat(fd).st_ino
+    guest = mmap.mmap(fd, SIZE, flags=mmap.MAP_PRIVATE)  # what a restored VM maps
+    for page in (0, 5, 40):  # pages with data: copied on write, the memfd unchanged
+        guest[page * PAGE] = 1
+    assert os.fstat(snapshot_ram(tmp_path / "snap.ram", SIZE)).st_ino == ino
+    for page in range(8, 30):  # holes: each first touch allocates a zero page in the memfd
+        guest[page * PAGE] = 1
+    fresh = snapshot_ram(tmp_path / "snap.ram", SIZE)
+    assert os.fstat(fresh).st_ino != ino
+    assert os.fstat(fresh).st_blocks * 512 <= 4 * PAGE  # only the saved data
+    assert guest[5 * PAGE : 5 * PAGE + 2] == b"\x01B"  # the running VM keeps its mapping
+    guest.close()

@@ -6,7 +6,9 @@ without its zero pages (a hole reads as zero). :func:`snapshot_ram` loads that
 file once per process into a memfd sealed against every write, grow and shrink,
 and hands the same fd to every VM restored from it: QEMU maps it private
 (``share=off``), so the VMs share each page none of them wrote, and a guest's
-write is copied into its own VM's memory.
+write is copied into its own VM's memory. A guest's first touch of a page the
+template never used (a hole) adds a zero page to the memfd, shared but never
+reclaimed: past :data:`REFILL_SLACK` of them the next restores get a fresh memfd.
 
 Why a sealed memfd rather than the cache file itself: QEMU 7.2 opens its RAM
 file read-write even for a private mapping, so the VMM's uid would have to be
@@ -35,6 +37,8 @@ _CHUNK = 1 << 20
 #: The seals a snapshot's memfd carries: no write, grow or shrink, no seal removed.
 SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 _ZERO = bytes(_CHUNK)
+#: Zero pages guests may add to a memfd before new restores get a fresh one.
+REFILL_SLACK = 128 * 1024**2
 
 _lock = threading.Lock()
 _memfds: dict[tuple[str, int, int, int], int] = {}
@@ -123,6 +127,12 @@ def snapshot_ram(path: Path, size: int) -> int:
     key = (str(path), st.st_ino, st.st_mtime_ns, size)
     with _lock:
         fd = _memfds.get(key)
+        if fd is not None and os.fstat(fd).st_blocks > st.st_blocks + REFILL_SLACK // 512:
+            # A guest's first touch of a page the template never used allocates a zero
+            # page in the memfd (shmem: never reclaimed, and sealed: never punched out).
+            # Past the slack the next VMs get a fresh memfd; running ones keep the old.
+            os.close(_memfds.pop(key))
+            fd = None
         if fd is None:
             for old in [k for k in _memfds if k[0] == key[0]]:  # running VMs keep their maps
                 os.close(_memfds.pop(old))

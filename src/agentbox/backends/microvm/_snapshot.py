@@ -168,7 +168,8 @@ def wait_incoming(vm: Vm, timeout: float = 60.0) -> None:
             raise SandboxError("QEMU's QMP socket never appeared", sandbox=vm.cfg.name)
         time.sleep(0.002)
     load: list[tuple[str, dict[str, Any] | None]] = [wait_loaded()]
-    if vm.cfg.ram_fd is not None and vm.cfg.incoming_fd is not None:  # -incoming defer
+    mapped = vm.cfg.ram_fd is not None or vm.cfg.ram_file is not None
+    if mapped and vm.cfg.incoming_fd is not None:  # -incoming defer
         load[:0] = [
             ("migrate-set-capabilities", {"capabilities": [IGNORE_SHARED]}),
             ("migrate-incoming", {"uri": f"fd:{vm.cfg.incoming_fd}"}),

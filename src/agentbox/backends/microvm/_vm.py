@@ -154,7 +154,8 @@ def qemu_argv(cfg: VmConfig, *, in_jail: bool = True) -> list[str]:
     argv += ["-serial", "stdio"] if cfg.marker else ["-serial", "none"]
     if cfg.incoming_fd is not None:
         # deferred: x-ignore-shared (QEMU 7.2 has no -global for it) is set first over QMP
-        argv += ["-S", "-incoming", "defer" if cfg.ram_fd is not None else f"fd:{cfg.incoming_fd}"]
+        mapped = cfg.ram_fd is not None or cfg.ram_file is not None
+        argv += ["-S", "-incoming", "defer" if mapped else f"fd:{cfg.incoming_fd}"]
     return argv + list(cfg.extra_args)
 
 
