@@ -315,4 +315,6 @@ def test_a_shared_budget_is_never_passed_by_the_group(lab: tuple[Path, dict[str,
     assert sum(totals) <= budget, totals
     assert doc["group_spent"] is not None and abs(doc["group_spent"] - sum(totals)) < 1, doc
     assert sum(totals) > 0, totals
+    shown = _cli(env, "show", "sh2")
+    assert "budget shared by the attempts" in shown.stdout, shown.stdout
     assert refused >= 1, totals  # and what would have passed it was refused

@@ -134,4 +134,7 @@ def print_group(view: GroupView, *, as_json: bool) -> None:
         where = view.branch or "not published"
         line = f"pick: attempt {view.pick} ({view.pick_id}) by {view.pick_by!r} -> {where}"
     console.print(safe(line))
+    if view.budget_split == "shared":
+        spent = "-" if view.group_spent is None else f"{view.group_spent:,.0f}"
+        console.print(safe(f"budget shared by the attempts: {spent} weighted tokens spent"))
     sys.stdout.flush()
