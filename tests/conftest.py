@@ -155,7 +155,6 @@ def _leaky(item: pytest.Item) -> bool:
 SERIAL_DIRS = ("escape/",)
 #: Whole modules.
 SERIAL: set[str] = {
-    "integration/test_cluster_ray.py",  # kills every Ray process of the node user
     "integration/test_image_doctor.py",  # the KVM probe fails while another QEMU runs
     "integration/test_podman_kernel_quotas.py",
     "integration/test_userns_hook_cost.py",
@@ -223,16 +222,61 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 #: The longest modules of the parallel pass, longest first (CI's durations, 2026-12-07).
 HEAVIEST = (
-    "integration/test_image_containerfile.py",
+    "integration/test_owner_signals.py",
+    "e2e/test_live_restore.py",
     "e2e/test_env_backends.py",
+    "integration/test_image_containerfile.py",
+    "integration/test_cluster_ray.py",
+    "e2e/test_private_credentials.py",
     "e2e/test_env_node.py",
     "e2e/test_env_python.py",
-    "e2e/test_live_restore.py",
-    "e2e/test_live_restore_qemu.py",
-    "e2e/test_live_restore_docker.py",
     "integration/test_qemu_backend.py",
-    "integration/test_owner_signals.py",
+    "e2e/test_live_restore_qemu.py",
+    "e2e/test_run_restart.py",
+    "e2e/test_live_restore_docker.py",
+    "e2e/test_run_qemu.py",
+    "e2e/test_attempts.py",
 )
+
+#: Modules that share something host-wide with each other and with nothing else: one
+#: xdist work unit per group, so they run one after another on one worker while the rest
+#: of the parallel pass goes on (test_cluster_ray stops every Ray process of the node
+#: user at its end; the Ray tutorial runs in the serial pass).
+TOGETHER: dict[str, str] = {
+    "integration/test_cluster_ray.py": "ray",
+    "integration/test_cluster_ray_tls.py": "ray",
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` as ``scripts/test.sh`` wants it: work units in the collection
+    order (:func:`_slow_modules_first`; xdist's default re-sorts them by their number of
+    tests, which put the few-test, ten-minute modules last), the :data:`TOGETHER` groups
+    as one unit each, and a worker given its next unit only when its last test is the one
+    left (xdist's default asks at two, so a worker on a two-test heavy module took a second
+    heavy module while another worker went idle)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Modules(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = str(super()._split_scope(nodeid))
+            return TOGETHER.get(module.removeprefix("tests/"), module)
+
+        def _reschedule(self, node: Any) -> None:
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            # One pending test is the one a worker holds until it learns what comes next.
+            if self._pending_of(self.assigned_work[node]) > 1:
+                return
+            self._assign_work_unit(node)
+
+    config.option.loadscopereorder = False
+    return Modules(config, log)
 
 
 def _slow_modules_first(items: list[pytest.Item]) -> None:
