@@ -137,6 +137,3 @@ def owner_runner(uid: int, run_as: Callable[..., subprocess.CompletedProcess[str
         return run_as(uid, argv, env, stdin=stdin, timeout=timeout)
 
     return run
-
-
-__all__ = ["KEYRING_TIMEOUT", "keyring_credentials", "keyring_env", "owner_runner"]
