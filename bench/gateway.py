@@ -162,7 +162,7 @@ async def latencies(port: int, token: str, clients: int, per_client: int) -> lis
 
 async def rate(port: int, token: str, clients: int, total: int) -> float:
     req = request_bytes(port, token, stream=False)
-    per = total // clients
+    per = max(1, total // clients)  # at least one call each: a rate of 0 divides nothing
     conns = [await Conn.open(port) for _ in range(clients)]
     for c in conns:
         await c.call(req)
@@ -519,7 +519,7 @@ def main() -> None:
         "rate": {
             "direct_rps": rd,
             "gateway_rps": rg,
-            "ratio": rg / rd,
+            "ratio": rg / rd if rd else float("nan"),
             "gateway_rps_per_cpu_second": gw_core_rps,
             "replay_rps_per_cpu_second": up_core_rps,
             "compare_rps_per_cpu_second": old_core_rps,
