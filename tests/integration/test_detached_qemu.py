@@ -337,11 +337,20 @@ def test_reap_ends_a_detached_vm_and_saves_what_it_wrote(
     log = settings.data_dir / "t3.log"
     spec = SandboxSpec(name=name, image="default", resources=RES, workspace=ws, deadline=600)
     script = "echo kept > /workspace/kept.txt; sync; echo up; sleep 600"
-    sandbox_factory(backend, settings).launch(spec, ["sh", "-c", script], log=log)
+    tracker = sandbox_factory(backend, settings)
+    with tracker.create(spec.replace(name="agentbox-t3-warm")):
+        pass  # the snapshot exists: the launcher holds its RAM's memfd
+    ref = backend.ram_ref(spec)
+    assert ref is not None
+    tracker.launch(spec, ["sh", "-c", script], log=log)
     rec = records.read_record(settings, name)
-    assert rec is not None
+    assert rec is not None and rec["vm"] is not None
     monitor = records.Identity(*rec["monitor"])
     try:
+        # The monitor's VM maps the launcher's memfd: one copy per launcher, not per VM.
+        maps = Path(f"/proc/{rec['vm'][1]}/maps").read_text().splitlines()
+        inodes = {int(line.split()[4]) for line in maps if "agentbox-snapshot-ram" in line}
+        assert inodes == {os.fstat(int(str(ref["fd"]))).st_ino}
         for _ in range(600):  # until the guest wrote its file (its output says so)
             if b"up" in log.read_bytes():
                 break

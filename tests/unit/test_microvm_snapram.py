@@ -18,8 +18,10 @@ import pytest
 from agentbox.backends.microvm._snapram import (
     PAGE,
     SEALS,
+    adopt_ram,
     check_sealed,
     forget_ram,
+    ram_ref,
     save_ram,
     snapshot_ram,
 )
@@ -133,3 +135,29 @@ def test_a_memfd_grown_by_guests_touching_holes_is_replaced(
     assert os.fstat(fresh).st_blocks * 512 <= 4 * PAGE  # only the saved data
     assert guest[5 * PAGE : 5 * PAGE + 2] == b"\x01B"  # the running VM keeps its mapping
     guest.close()
+
+
+def test_another_process_of_ours_adopts_the_same_memfd(tmp_path: Path) -> None:
+    from agentbox.backends.microvm import _snapram
+
+    _template_ram(tmp_path / "tmpl")
+    save_ram(tmp_path / "tmpl", tmp_path / "snap.ram")
+    ref = ram_ref(tmp_path / "snap.ram", SIZE)
+    held = int(str(ref["fd"]))
+    _snapram._memfds.clear()  # as a new process (the monitor): held stays the launcher's
+    try:
+        assert adopt_ram(ref)
+        fd = snapshot_ram(tmp_path / "snap.ram", SIZE)
+        assert fd != held and os.fstat(fd).st_ino == os.fstat(held).st_ino  # one memfd
+        with (tmp_path / "plain").open("wb") as f:
+            f.truncate(SIZE)
+        plain = os.open(tmp_path / "plain", os.O_RDONLY)
+        try:
+            assert not adopt_ram({**ref, "fd": plain})  # not a sealed memfd
+        finally:
+            os.close(plain)
+        assert not adopt_ram({**ref, "pid": 2**22 + 1})  # that process is gone
+        (tmp_path / "tmpl").replace(tmp_path / "snap.ram")  # the snapshot was re-saved
+        assert not adopt_ram(ref)
+    finally:
+        os.close(held)

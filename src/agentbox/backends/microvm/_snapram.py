@@ -37,6 +37,8 @@ _CHUNK = 1 << 20
 #: The seals a snapshot's memfd carries: no write, grow or shrink, no seal removed.
 SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 _ZERO = bytes(_CHUNK)
+#: The memfd's name (``/proc/<pid>/fd`` shows ``/memfd:<name> (deleted)``).
+MEMFD_NAME = "agentbox-snapshot-ram"
 #: Zero pages guests may add to a memfd before new restores get a fresh one.
 REFILL_SLACK = 128 * 1024**2
 
@@ -90,7 +92,7 @@ def save_ram(src: Path, dest: Path) -> int:
 
 
 def _load(path: Path, size: int) -> int:
-    fd = os.memfd_create("agentbox-snapshot-ram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         src = os.open(path, os.O_RDONLY)
         try:
@@ -141,6 +143,45 @@ def snapshot_ram(path: Path, size: int) -> int:
             log.info("snapshot RAM loaded", path=str(path), bytes=size)
         check_sealed(fd, size)
         return fd
+
+
+def ram_ref(path: Path, size: int) -> dict[str, object]:
+    """What another process of ours needs to map the same memfd as this one's restores
+    (:func:`adopt_ram`): this pid, the fd, and the file it was loaded from."""
+    fd = snapshot_ram(path, size)
+    st = path.stat()
+    return {"pid": os.getpid(), "fd": fd, "path": str(path), "size": size,
+            "ino": st.st_ino, "mtime": st.st_mtime_ns}  # fmt: skip
+
+
+def adopt_ram(ref: dict[str, object]) -> bool:
+    """Open the memfd :func:`ram_ref` describes (``/proc/<pid>/fd/<fd>``: root's own
+    processes) and use it for this process's restores of that snapshot, so a detached
+    VM's monitor shares its launcher's pages. False (nothing changed) if that process,
+    its fd or the file it was loaded from is gone, or the fd is not a sealed memfd."""
+    try:
+        path, size = Path(str(ref["path"])), int(str(ref["size"]))
+        st = path.stat()
+        if (st.st_ino, st.st_mtime_ns) != (ref["ino"], ref["mtime"]):
+            return False
+        fd = os.open(f"/proc/{int(str(ref['pid']))}/fd/{int(str(ref['fd']))}", os.O_RDONLY)
+    except (OSError, KeyError, ValueError):
+        return False
+    try:
+        if not str(Path(f"/proc/self/fd/{fd}").readlink()).startswith(f"/memfd:{MEMFD_NAME} "):
+            raise SandboxError("not a snapshot memfd")
+        check_sealed(fd, size)
+    except (OSError, SandboxError):
+        os.close(fd)
+        return False
+    os.set_inheritable(fd, False)
+    with _lock:
+        key = (str(path), st.st_ino, st.st_mtime_ns, size)
+        old = _memfds.pop(key, None)
+        _memfds[key] = fd
+    if old is not None:
+        os.close(old)
+    return True
 
 
 def forget_ram() -> None:

@@ -78,6 +78,14 @@ class Snapshot:
     ram: Path
 
 
+def find_snapshot(cache_dir: Path, cfg: VmConfig, qemu_version: str) -> Snapshot | None:
+    """The saved template for ``cfg``'s shape if it is made, else None (never makes one)."""
+    d = cache_dir / "microvm" / "snapshots"
+    key = snapshot_key(cfg, qemu_version)
+    snap = Snapshot(d / f"{key}.state", d / f"{key}.ram")
+    return snap if snap.state.is_file() and snap.ram.is_file() else None
+
+
 def ensure_snapshot(cache_dir: Path, cfg: VmConfig, qemu_version: str) -> Snapshot:
     """The saved template for ``cfg``'s shape, made on first use (once per host, locked)."""
     d = cache_dir / "microvm" / "snapshots"

@@ -11,6 +11,7 @@ docs/reference/qemu-backend.md and docs/explanation/microvm-isolation.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -20,6 +21,8 @@ from typing import Literal
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.microvm import Vm, VmConfig, ensure_snapshot, snapshot_ram
 from agentbox.backends.microvm._base import _MicrovmBackend
+from agentbox.backends.microvm._snapram import ram_ref as _ram_ref
+from agentbox.backends.microvm._snapshot import find_snapshot
 from agentbox.backends.microvm.kvm import probe_kvm
 from agentbox.backends.microvm.qemu._detach import QemuDetached
 from agentbox.backends.microvm.qemu._sandbox import QemuSandbox
@@ -99,6 +102,17 @@ class QemuBackend(QemuDetached, _MicrovmBackend):  # detached verbs: qemu/_detac
         finally:
             if fd is not None:
                 os.close(fd)
+
+    def ram_ref(self, spec: SandboxSpec) -> dict[str, object] | None:
+        """Where this process's memfd of ``spec``'s snapshot RAM is (see
+        :func:`~agentbox.backends.microvm._snapram.ram_ref`), for a detached VM's
+        monitor to share it; None when cold or that snapshot is not made yet."""
+        if self.cold:
+            return None
+        cfg = self.base_config(spec, self.settings.data_dir, None)
+        cfg = dataclasses.replace(cfg, mount_disks=tuple(Path() for _ in spec.mounts))
+        snap = find_snapshot(self.settings.cache_dir, cfg, _qemu_version(cfg.qemu_binary))
+        return None if snap is None else _ram_ref(snap.ram, cfg.memory_mib * 1024**2)
 
     def _sandbox(self, spec: SandboxSpec, vm: Vm, vm_dir: Path) -> QemuSandbox:
         """A :class:`QemuSandbox`, restored from the snapshot unless cold."""

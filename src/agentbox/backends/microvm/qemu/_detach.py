@@ -80,6 +80,8 @@ class QemuDetached:
 
         def check(self, spec: SandboxSpec) -> None: ...
 
+        def ram_ref(self, spec: SandboxSpec) -> dict[str, object] | None: ...
+
     def detaches(self, runtime: str) -> bool:
         """True: a monitor process of ours, not the caller, holds the VM."""
         del runtime
@@ -111,6 +113,10 @@ class QemuDetached:
             "argv": list(argv),
             "log": str(log),
         }
+        try:  # the monitor maps this process's memfd of the snapshot RAM: one per launcher
+            req["ram"] = self.ram_ref(spec)
+        except (AgentboxError, OSError) as exc:
+            logger.warning("snapshot RAM not shared", sandbox=spec.name, error=str(exc))
         args = born_outside(monitor_argv(), out)
         res = _proc.run(args, input=pickle.dumps(req), timeout=60)
         if "agentbox: could not enter" in res.stderr:

@@ -50,6 +50,7 @@ from typing import Any
 
 from agentbox.backends._k8slog import format_record, write_exit
 from agentbox.backends.base import MAX_LOG_BYTES, Exited, SandboxSpec
+from agentbox.backends.microvm._snapram import adopt_ram
 from agentbox.backends.microvm.qemu import QemuBackend
 from agentbox.backends.microvm.qemu import _records as detach
 from agentbox.core.log import get_logger
@@ -112,6 +113,8 @@ def _run(req: dict[str, Any]) -> int:
     out_log = Path(req["log"])
     cold, accel, rootfs = req["backend"]
     backend = QemuBackend(settings, cold=cold, accel=accel, rootfs=rootfs)
+    if req.get("ram") and not adopt_ram(req["ram"]):
+        log.info("snapshot RAM of the launcher gone: loading it", sandbox=spec.name)
     me = detach.Identity.of(os.getpid())
     detach.write_record(settings, spec, log=out_log, monitor=me, vm=None)
     try:
