@@ -21,6 +21,7 @@ from agentbox.gateway._replay import ReplayModel
 from agentbox.gateway._script import load_script
 from agentbox.gateway._serve import ServerGroup, bind, parse_listen, private_socket, serve
 from agentbox.gateway.registry import ModelEntry
+from agentbox.linux.libc import libc
 from agentbox.linux.privdrop import drop_to
 
 log = get_logger(__name__)
@@ -175,7 +176,7 @@ def run_gateway(
     limit_resources(max_memory=max_memory, max_file=max_file)
     log.info("gateway listening", listen=listen, model=gateway.cfg.entry.name)
     try:
-        asyncio.run(group.run(ready_fd=ready_fd, exit_at=exit_at))
+        asyncio.run(_serve_trimmed(group, ready_fd=ready_fd, exit_at=exit_at))
     finally:
         gateway.write_usage()
         if replay_dir is not None:
@@ -185,6 +186,23 @@ def run_gateway(
             with contextlib.suppress(OSError):
                 lst.path.unlink()
     _end_process()
+
+
+#: Seconds after the start when the heap's free pages are handed back (start-up done).
+TRIM_AFTER = 1.0
+
+
+async def _serve_trimmed(group: ServerGroup, **kwargs: Any) -> None:
+    """``group.run(**kwargs)``, and once started, glibc's free heap pages returned to the
+    kernel (``malloc_trim``): what the start built and dropped would otherwise stay
+    resident, private to each gateway (a forked one's first writes copied those pages)."""
+    asyncio.get_running_loop().call_later(TRIM_AFTER, _trim_heap)
+    await group.run(**kwargs)
+
+
+def _trim_heap() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        libc().malloc_trim(0)
 
 
 def _end_process() -> NoReturn:

@@ -132,6 +132,9 @@ def prepare() -> None:
     _rehearse(_run, load_registry(None, None).get("replay-demo"))
     gc.collect()
     gc.freeze()
+    from agentbox.linux.libc import libc
+
+    libc().malloc_trim(0)  # what the rehearsal freed goes back, not into each fork
 
 
 def _rehearse(run: Any, entry: Any) -> None:
