@@ -167,9 +167,11 @@ fi
 
 # >>> private registries and git server for the tests (tests/private_servers.py) >>>
 # nginx + fcgiwrap serve `git http-backend` over TLS with basic auth; verdaccio 6.8 (6.10
-# wants Node 22) is a private npm registry; pypiserver comes with the dev extras.
+# wants Node 22) is a private npm registry; pypiserver comes with the dev extras; a host
+# user's keyring (the system python's keyring with keyrings.alt's file backend) holds a
+# pip index password.
 test_pkgs=()
-for p in nginx-light fcgiwrap; do
+for p in nginx-light fcgiwrap python3-keyring python3-keyrings.alt; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || test_pkgs+=("$p")
 done
 if [ ${#test_pkgs[@]} -gt 0 ]; then
