@@ -1,5 +1,5 @@
-"""``Sandbox.fork(n)`` on docker and qemu (podman: tests/integration/test_sdk.py, as a member
-of the group agentbox): a file written before the fork is in every fork, a write in one
+"""``Sandbox.fork(n)`` on podman, docker and qemu (podman also in tests/integration/test_sdk.py,
+as a member of the group agentbox): a file written before the fork is in every fork, a write in one
 fork is in neither another nor the parent; each fork is a sandbox of the same backend with
 its own deadline, removed with its ``with``."""
 
@@ -23,16 +23,19 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as 
 
 
 @pytest.fixture
-def launcher_sock() -> Iterator[Path]:
+def launcher_sock() -> Iterator[tuple[Path, Path]]:
     base = Path(tempfile.mkdtemp(prefix="agentbox-sdk-fork-", dir="/var/tmp"))
     base.chmod(0o711)
-    env = {"PATH": os.environ["PATH"], "HOME": str(base), "AGENTBOX_DATA_DIR": str(base / "data")}
+    env = {"PATH": os.environ["PATH"], "HOME": str(base), "AGENTBOX_DATA_DIR": str(base / "data"),
+           "AGENTBOX_LOG_LEVEL": "info"}  # fmt: skip
     if "PYTHONPATH" in os.environ:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "agentbox", "launcher", "serve"], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    log = base / "launcher.log"
+    with log.open("wb") as err:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "agentbox", "launcher", "serve"], env=env,
+            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+        )  # fmt: skip
     try:
         sock = base / "data" / "launcher.sock"
         for _ in range(600):
@@ -40,7 +43,7 @@ def launcher_sock() -> Iterator[Path]:
                 break
             assert serve.poll() is None, "the launcher exited"
             time.sleep(0.1)
-        yield sock
+        yield sock, log
     finally:
         serve.send_signal(signal.SIGTERM)
         try:
@@ -51,6 +54,7 @@ def launcher_sock() -> Iterator[Path]:
 
 
 BACKENDS = [
+    pytest.param("podman", marks=pytest.mark.podman),
     pytest.param("docker", marks=pytest.mark.docker),
     pytest.param("qemu", marks=pytest.mark.qemu),
 ]
@@ -58,9 +62,10 @@ BACKENDS = [
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fork_copies_the_files_and_keeps_the_copies_apart(
-    launcher_sock: Path, backend: str
+    launcher_sock: tuple[Path, Path], backend: str
 ) -> None:
-    with Sandbox.create(backend=backend, timeout=600, address=launcher_sock) as sb:
+    sock, log = launcher_sock
+    with Sandbox.create(backend=backend, timeout=600, address=sock) as sb:
         sb.files.write("/workspace/before.txt", "parent\n")
         sb.files.write("/tmp/t.txt", "tmpfs\n")
         forks = sb.fork(2, timeout=300)
@@ -82,5 +87,9 @@ def test_fork_copies_the_files_and_keeps_the_copies_apart(
         finally:
             for f in forks:
                 f.close()
-        live = {i.id for i in Sandbox.list(address=launcher_sock)}
+        live = {i.id for i in Sandbox.list(address=sock)}
         assert not live & {f.id for f in forks} and sb.id in live
+    said = log.read_text(errors="replace")
+    print("\n".join(ln for ln in said.splitlines() if "fork" in ln))
+    if backend in ("podman", "docker"):  # the frozen parent copied on the host, not inside
+        assert "sdk sandbox forked" in said and "copying inside instead" not in said

@@ -262,25 +262,43 @@ class BoxKeeper:
     def fork(self, sid: str, n: int, timeout: float, *, caller: int, pid: int) -> list[SandboxInfo]:
         """``n`` new sandboxes of ``caller``'s, held by ``pid``, each starting from sandbox
         ``sid``'s files (:mod:`._fork`), each with its own deadline (``timeout``)."""
-        from agentbox.launcher._fork import TMPFS_PARTS, host_copy, pack_inside, unpack_inside
+        from agentbox.launcher._fork import (
+            PAUSERS,
+            TMPFS_PARTS,
+            host_copy,
+            pack_inside,
+            paused,
+            unpack_inside,
+        )
 
         parent = self._get(sid, caller)
         if caller != 0 and len(self.list(caller=caller)) + n > MAX_PER_USER:
             raise RefusedError(f"{MAX_PER_USER} sandboxes of yours may be live at once")
-        on_host = (getattr(backend_class(parent.backend), "kind", "") == "container"
-                   and parent.spec is not None and parent.spec.workspace is not None
-                   and os.geteuid() == 0)  # fmt: skip
+        on_host = (parent.backend in PAUSERS and parent.spec is not None
+                   and parent.spec.workspace is not None and os.geteuid() == 0)  # fmt: skip
         tmpfs = pack_inside(parent.box, TMPFS_PARTS)
-        work = None if on_host else pack_inside(parent.box, (".",), under="/workspace")
+        snap: Path | None = None
+        if on_host:
+            # One copy taken while the parent is frozen (see _fork); each fork copies that.
+            snap = Path(tempfile.mkdtemp(prefix="sdk-fork-", dir=parent.spec.workspace.parent))
+            try:
+                with paused(parent.backend, parent.box.name):
+                    host_copy(parent.spec.workspace, snap, src_uid=parent.host_uid,
+                              dst_uid=parent.host_uid)  # fmt: skip
+            except SandboxError as exc:
+                log.warning("fork: copying inside instead", sandbox=sid, error=str(exc))
+                shutil.rmtree(snap, ignore_errors=True)
+                snap = None
+        work = None if snap is not None else pack_inside(parent.box, (".",), under="/workspace")
 
         def copy(ws: Path, settings: Settings) -> None:
-            host_copy(parent.spec.workspace, ws, src_uid=parent.host_uid,
-                      dst_uid=settings.sandbox_host_uid)  # fmt: skip
+            assert snap is not None
+            host_copy(snap, ws, src_uid=parent.host_uid, dst_uid=settings.sandbox_host_uid)
 
         made: list[_Box] = []
         try:
             for _ in range(n):
-                child = self._start(parent.boxfile, timeout + 30, copy if on_host else None)
+                child = self._start(parent.boxfile, timeout + 30, copy if snap else None)
                 made.append(child)
                 unpack_inside(child.box, tmpfs)
                 if work is not None:
@@ -289,6 +307,9 @@ class BoxKeeper:
             for child in made:
                 child.stack.close()
             raise
+        finally:
+            if snap is not None:
+                shutil.rmtree(snap, ignore_errors=True)
         out = []
         for child in made:
             child.uid = caller

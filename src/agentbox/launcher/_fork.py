@@ -7,13 +7,15 @@ image and hardening, its own uid slot, owner, holders and deadline) whose
 workspace starts as a copy of the parent's and whose tmpfs is refilled from the
 parent's:
 
-* **the workspace, container backends**: copied on the host with
-  ``cp -a --reflink=auto`` (copy-on-write where the filesystem shares extents:
-  btrfs, XFS; a plain copy elsewhere), run as the *parent's* sandbox uid, so it
-  reads nothing the parent could not (a link or a swapped directory in the
-  parent's tree never makes root read a host file), into the fork's fresh
+* **the workspace, podman and docker**: the parent is paused (``podman pause``:
+  the cgroup freezer; nothing in it runs, so its tree cannot change under the copy,
+  and the copy is consistent), then copied on the host with ``cp -a
+  --reflink=auto`` (links copied as links; copy-on-write where the filesystem
+  shares extents: btrfs, XFS; a plain copy elsewhere), run as the *parent's*
+  sandbox uid, so it reads nothing the parent could not, into the fork's fresh
   workspace before its sandbox starts; then every entry is handed to the fork's
-  uid (``lchown``, no link followed; no sandbox can see that directory yet);
+  uid (``lchown``, no link followed; no sandbox can see that directory yet). A
+  parent that cannot be paused is copied as a microVM's is (below);
 * **the workspace, other backends** (a microVM's ``/data`` disk): packed inside the
   parent by its own uid and unpacked inside the fork by its own, as an upload is
   (bounded by :data:`~agentbox.launcher.boxapi.MAX_ARCHIVE`; no memory state);
@@ -25,7 +27,9 @@ files the parent writes while the copy runs may be half there.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from agentbox.backends.base import Sandbox
@@ -37,6 +41,26 @@ from agentbox.launcher.boxapi import MAX_ARCHIVE
 TMPFS_PARTS = ("tmp", "home/agent")
 #: Left out: the keeper's own pid files of background commands.
 _SKIP = "./tmp/.agentbox-exec"
+
+
+#: The CLI that pauses a container of each backend that copies on the host.
+PAUSERS = {"podman": "podman", "docker": "docker"}
+
+
+@contextlib.contextmanager
+def paused(backend: str, name: str) -> Iterator[None]:
+    """Container ``name`` frozen for the block (:class:`SandboxError` if it cannot be)."""
+    cli = PAUSERS.get(backend)
+    if cli is None:
+        raise SandboxError(f"fork: no way to pause a {backend} sandbox", sandbox=name)
+    try:
+        run([cli, "pause", name], timeout=60)
+    except CommandError as exc:
+        raise SandboxError(f"fork: cannot pause: {exc.stderr[-300:]}", sandbox=name) from exc
+    try:
+        yield
+    finally:
+        run([cli, "unpause", name], timeout=60, check=False)
 
 
 def host_copy(src: Path, dst: Path, *, src_uid: int, dst_uid: int) -> None:
