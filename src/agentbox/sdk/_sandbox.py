@@ -266,8 +266,9 @@ class Sandbox:
 
     def fork(self, n: int = 1, *, timeout: float = 600) -> builtins.list[Sandbox]:
         """``n`` (1..8) new sandboxes whose files start as this one's are now: the
-        workspace (copied on the host, copy-on-write where the filesystem allows, on
-        podman and docker; packed and unpacked inside on a microVM) and the tmpfs
+        workspace (on podman and docker this sandbox is paused while it is copied on the
+        host, copy-on-write where the filesystem allows; packed and unpacked inside on
+        a microVM) and the tmpfs
         (``/tmp``, ``$HOME``); not its processes or memory. Each is a full
         :class:`Sandbox` of the same Boxfile and hardening, yours, held by this process,
         with its own deadline (``timeout`` seconds); ``with`` or :meth:`kill` each."""
