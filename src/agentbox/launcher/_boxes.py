@@ -263,7 +263,6 @@ class BoxKeeper:
         """``n`` new sandboxes of ``caller``'s, held by ``pid``, each starting from sandbox
         ``sid``'s files (:mod:`._fork`), each with its own deadline (``timeout``)."""
         from agentbox.launcher._fork import (
-            PAUSERS,
             TMPFS_PARTS,
             host_copy,
             pack_inside,
@@ -274,7 +273,8 @@ class BoxKeeper:
         parent = self._get(sid, caller)
         if caller != 0 and len(self.list(caller=caller)) + n > MAX_PER_USER:
             raise RefusedError(f"{MAX_PER_USER} sandboxes of yours may be live at once")
-        on_host = (parent.backend in PAUSERS and parent.spec is not None
+        on_host = (isinstance(getattr(parent.box, "engine", None), str)  # an OCI engine's
+                   and parent.spec is not None
                    and parent.spec.workspace is not None and os.geteuid() == 0)  # fmt: skip
         tmpfs = pack_inside(parent.box, TMPFS_PARTS)
         snap: Path | None = None
@@ -282,7 +282,7 @@ class BoxKeeper:
             # One copy taken while the parent is frozen (see _fork); each fork copies that.
             snap = Path(tempfile.mkdtemp(prefix="sdk-fork-", dir=parent.spec.workspace.parent))
             try:
-                with paused(parent.backend, parent.box.name):
+                with paused(parent.box):
                     host_copy(parent.spec.workspace, snap, src_uid=parent.host_uid,
                               dst_uid=parent.host_uid)  # fmt: skip
             except SandboxError as exc:

@@ -43,16 +43,14 @@ TMPFS_PARTS = ("tmp", "home/agent")
 _SKIP = "./tmp/.agentbox-exec"
 
 
-#: The CLI that pauses a container of each backend that copies on the host.
-PAUSERS = {"podman": "podman", "docker": "docker"}
-
-
 @contextlib.contextmanager
-def paused(backend: str, name: str) -> Iterator[None]:
-    """Container ``name`` frozen for the block (:class:`SandboxError` if it cannot be)."""
-    cli = PAUSERS.get(backend)
-    if cli is None:
-        raise SandboxError(f"fork: no way to pause a {backend} sandbox", sandbox=name)
+def paused(box: Sandbox) -> Iterator[None]:
+    """Sandbox ``box`` frozen for the block, by its OCI engine's CLI (``<engine> pause``);
+    :class:`SandboxError` when it has no engine or cannot be paused."""
+    cli = getattr(box, "engine", None)  # an OCI sandbox names its engine (podman, docker)
+    name = box.name
+    if not isinstance(cli, str):
+        raise SandboxError("fork: this sandbox cannot be paused", sandbox=name)
     try:
         run([cli, "pause", name], timeout=60)
     except CommandError as exc:
