@@ -199,9 +199,16 @@ def _converges(world: World, task_id: str, proc: subprocess.Popen[bytes]) -> str
 
 
 def _no_sandbox(task_id: str) -> None:
-    res = subprocess.run(
-        ["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True, check=True
-    )
+    """No sandbox of the task, once its removal (off the task's path) has had 30 s."""
+    end = time.monotonic() + 30
+    while True:
+        res = subprocess.run(
+            ["podman", "ps", "-a", "--format", "{{.Names}}"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        if f"agentbox-task-{task_id}" not in res.stdout.split() or time.monotonic() > end:
+            break
+        time.sleep(0.5)
     assert f"agentbox-task-{task_id}" not in res.stdout.split()
 
 

@@ -229,12 +229,17 @@ def test_launcher_killed_mid_task_is_reconciled(
             _git(repo, "show", f"{res.branch}:partial.txt") == "written before the launcher died\n"
         )
         assert "partial.txt" in res.diff
-        names = subprocess.run(
-            ["podman", "ps", "-a", "--format", "{{.Names}}"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
+        end = time.monotonic() + 30  # its removal is off the task's path: a bound, not a target
+        while True:
+            names = subprocess.run(
+                ["podman", "ps", "-a", "--format", "{{.Names}}"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            if "agentbox-task-restart-1" not in names or time.monotonic() > end:
+                break
+            time.sleep(0.5)
         assert "agentbox-task-restart-1" not in names
         assert not psutil.pid_exists(gw_pid) or psutil.Process(gw_pid).status() == (
             psutil.STATUS_ZOMBIE

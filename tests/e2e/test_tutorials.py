@@ -22,6 +22,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -94,18 +95,24 @@ def _mounts_under(path: Path) -> list[str]:
 
 
 def _containers_of(data_dir: Path) -> list[str]:
+    """This data dir's containers, once a last task's removal (off its path, after the
+    command returned: backends/podman/_removals.py) has had up to 30 s to end."""
     from agentbox.config import Settings
     from agentbox.launcher._names import DATA_LABEL, data_label
 
     label = f"label={DATA_LABEL}={data_label(Settings(data_dir=data_dir))}"
-    res = subprocess.run(
-        ["podman", "ps", "-a", "--filter", label, "--format", "{{.Names}}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    return res.stdout.split()
+    end = time.monotonic() + 30
+    while True:
+        res = subprocess.run(
+            ["podman", "ps", "-a", "--filter", label, "--format", "{{.Names}}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if not res.stdout.split() or time.monotonic() > end:
+            return res.stdout.split()
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("path", HOWTOS, ids=lambda p: p.name)

@@ -29,7 +29,7 @@ import pytest
 
 from agentbox.backends import Exited
 from agentbox.backends.base import WORKSPACE_IN_SANDBOX, SandboxSpec
-from agentbox.backends.podman import PodmanBackend
+from agentbox.backends.podman import PodmanBackend, _removals
 from agentbox.backends.podman import _backend as podman_backend
 from agentbox.backends.podman import _detach as detach
 from agentbox.config import Settings
@@ -110,6 +110,7 @@ def test_a_kill_racing_the_launch_leaves_the_sandbox_to_be_killed_and_collected(
         ended = backend.follow(name, log=log, on_stdout=out.append, on_stderr=None)
         assert ended == Exited(137, False)
         assert b"".join(out) == b"up\n"
+        assert _removals.wait(name, 120), "the container's removal (off the path) hung"
         assert not _exists(name)
         assert not os.path.ismount(ws), "the workspace disk was not settled"
         assert (ws / "partial.txt").read_text() == "partial\n", "what the agent wrote was lost"

@@ -116,6 +116,7 @@ def pooled(
         with contextlib.suppress(Exception):
             backend.reap(name)
     pool_ends.drain(settings)
+    assert removals.wait(timeout=120), "a removal (off the path) hung"
     assert not pool_left(settings), pool_left(settings)
     assert_no_mounts_under(settings.data_dir)
 
@@ -164,6 +165,7 @@ def test_task_through_the_pool(
 def _end(backend: PodmanBackend, name: str, log: Path) -> None:
     backend.kill(name)
     backend.follow(name, log=log, on_stdout=None, on_stderr=None, poll=0.05)
+    assert removals.wait(name, 120), "the container's removal (off the path) hung"
 
 
 def test_posture_pooled_equals_fresh(
@@ -320,6 +322,7 @@ def test_claim_race_one_wins(
     )
     assert ended == Exited(0, False)
     assert b"".join(out_chunks) == f"{winner}\n".encode()
+    assert removals.wait(winner, 120), "the container's removal (off the path) hung"
     assert not pool_left(settings)
 
 

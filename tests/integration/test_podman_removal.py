@@ -1,15 +1,17 @@
 """A detached podman sandbox is removed after its follower returns, off its user's path.
 
 The follower records the end, settles the workspace disk and returns; ``podman rm``
-runs on a tracked thread (``backends/podman/_removals.py``). The removal is held
-back here by a gate in front of the real ``force_remove`` (real podman, conmon, runc,
-workspace disk), so each test sees the moment between the return and the removal:
+runs in a remover process of its own session (``backends/podman/_removals.py``). The
+remover is held back here by a gate file in front of its own code (real podman,
+conmon, runc, workspace disk), so each test sees the moment between the return and
+the removal:
 
 * the follower has returned, the end is recorded and the disk settled, while the
   exited container still exists and its removal is pending;
-* a process that ends normally (a foreground ``agentbox run``) waits for it;
-* a process killed with its removal pending leaves an exited container that the next
-  launcher's orphan sweep (``remove_orphans``) lists and reaps.
+* a process that ends (a foreground ``agentbox run``) does not wait for it: the
+  remover outlives it and removes the container;
+* a removal cut short (the remover killed with its launcher) leaves an exited
+  container that the next launcher's orphan sweep (``remove_orphans``) lists and reaps.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from agentbox.backends import Exited
@@ -44,24 +46,35 @@ def _exists(name: str) -> bool:
     return subprocess.run(["podman", "container", "exists", name], check=False).returncode == 0
 
 
+def _gated(gate: Path) -> str:
+    """The remover's code, held until ``gate`` exists."""
+    hold = f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
+    return hold + _removals._REMOVER
+
+
+def _removers(name: str) -> list[psutil.Process]:
+    """The remover processes of container ``name`` (its name is their argv[-2])."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if len(argv) > 5 and argv[1:4] == ["-I", "-S", "-c"] and argv[-2] == name:
+            found.append(proc)
+    return found
+
+
 def test_follow_returns_before_the_container_is_removed(
     sandbox_settings: Settings,
     default_image: str,
     make_workspace: Callable[[], Path],
     podman_boxes: SandboxTracker,
     monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     ws = make_workspace()
     name = f"rm-later-{os.getpid()}"
     log = sandbox_settings.data_dir / "rm-later.log"
-    gate = threading.Event()
-    real = _removals.force_remove
-
-    def gated(n: str, *a: object, **kw: object) -> None:
-        gate.wait(120)
-        real(n)
-
-    monkeypatch.setattr(_removals, "force_remove", gated)
+    gate = tmp_path / "gate"
+    monkeypatch.setattr(_removals, "_REMOVER", _gated(gate))
     spec = SandboxSpec(name=name, image=default_image, workspace=ws, deadline=120)
     try:
         podman_boxes.launch(
@@ -75,28 +88,24 @@ def test_follow_returns_before_the_container_is_removed(
         assert not os.path.ismount(ws), "the disk is settled before the return"
         assert _exists(name), "follow waited for the removal"
         assert _removals.pending() == [name]
+        assert len(_removers(name)) == 1
     finally:
-        gate.set()
+        gate.touch()
     assert _removals.wait(name, 120), "the removal did not end"
     assert not _exists(name)
-    assert _removals.pending() == []
+    assert _removals.pending() == [] and _removers(name) == []
 
 
 _CHILD = """
-import sys, time
+import sys
 from pathlib import Path
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.podman import PodmanBackend, _removals
+
+data, ws, name, image, gate = sys.argv[1:6]
+hold = f"import os, time\\nwhile not os.path.exists({gate!r}): time.sleep(0.02)\\n"
+_removals._REMOVER = hold + _removals._REMOVER
 from agentbox.config import Settings
-
-data, ws, name, image, hold = sys.argv[1:6]
-real = _removals.force_remove
-
-def slow(n, *a, **kw):  # the removal is still under way when the main thread ends
-    time.sleep(float(hold))
-    real(n)
-
-_removals.force_remove = slow
 be = PodmanBackend(Settings(data_dir=Path(data)))
 log = Path(data) / (name + ".log")
 be.launch(SandboxSpec(name=name, image=image, workspace=Path(ws), deadline=120),
@@ -107,25 +116,35 @@ print("followed", ended.exit_code, _removals.pending(), flush=True)
 
 
 def _child(
-    settings: Settings, ws: Path, name: str, image: str, hold: float
+    settings: Settings, ws: Path, name: str, image: str, gate: Path
 ) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-c", _CHILD, str(settings.data_dir), str(ws), name, image, str(hold)]
+    argv = [sys.executable, "-c", _CHILD, str(settings.data_dir), str(ws), name, image, str(gate)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
 
 
-def test_a_process_that_ends_waits_for_its_removal(
+def test_a_process_that_ends_leaves_its_removal_to_the_remover(
     sandbox_settings: Settings,
     default_image: str,
     make_workspace: Callable[[], Path],
     podman_boxes: SandboxTracker,
+    tmp_path: Path,
 ) -> None:
     name = f"rm-exit-{os.getpid()}"
     podman_boxes.track(name)
-    child = _child(sandbox_settings, make_workspace(), name, default_image, 2.0)
-    out, _ = child.communicate(timeout=180)
-    assert child.returncode == 0
-    assert out.strip() == f"followed 0 ['{name}']", "the removal was not pending at the return"
-    assert not _exists(name), "the process exited before its sandbox was removed"
+    gate = tmp_path / "gate"
+    child = _child(sandbox_settings, make_workspace(), name, default_image, gate)
+    try:
+        out, _ = child.communicate(timeout=180)
+        assert child.returncode == 0
+        assert out.strip() == f"followed 0 ['{name}']", "the removal was not pending at the return"
+        assert _exists(name), "nothing to remove: the proof did not hold the removal back"
+        assert len(_removers(name)) == 1, "the remover did not outlive its process"
+    finally:
+        gate.touch()
+    end = time.monotonic() + 60  # a bound for a hang, not a speed target
+    while (_exists(name) or _removers(name)) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not _exists(name), "the remover did not remove it once its process had ended"
 
 
 def test_a_removal_cut_short_is_reaped_by_the_orphan_sweep(
@@ -137,13 +156,17 @@ def test_a_removal_cut_short_is_reaped_by_the_orphan_sweep(
 ) -> None:
     name = f"rm-killed-{os.getpid()}"
     podman_boxes.track(name)
-    child = _child(sandbox_settings, make_workspace(), name, default_image, 3600.0)
+    child = _child(sandbox_settings, make_workspace(), name, default_image, tmp_path / "gate")
     try:
         assert child.stdout is not None
         line = child.stdout.readline()  # waits for the follow's return
         assert line.startswith("followed 0"), line
-        child.send_signal(signal.SIGKILL)  # the launcher dies with the removal pending
+        child.send_signal(signal.SIGKILL)  # the launcher dies, and its remover with it
         child.wait(30)
+        removers = _removers(name)
+        assert len(removers) == 1
+        removers[0].kill()
+        removers[0].wait(30)
         assert _exists(name), "nothing left to reap: the proof did not hold the removal back"
         listed = [n for n in podman_boxes.backend.owned() if n == name]
         assert listed == [name], "the ended sandbox is not listed as the data dir's"
@@ -158,3 +181,5 @@ def test_a_removal_cut_short_is_reaped_by_the_orphan_sweep(
             child.wait(30)
         if child.stdout is not None:
             child.stdout.close()
+        for proc in _removers(name):
+            proc.kill()

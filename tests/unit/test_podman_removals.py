@@ -1,4 +1,5 @@
-"""The ordering rules of ``backends/podman/_removals.py`` (no podman: its calls recorded).
+"""The ordering rules of ``backends/podman/_removals.py`` (no podman, no process: the
+remover's start is recorded instead).
 
 The real removal and rename run in tests/integration/test_podman_removal.py and
 test_podman_pool.py; here only what waits for what, and what a failed rename does.
@@ -14,6 +15,27 @@ from agentbox.backends.podman import _removals
 from agentbox.errors import CommandError
 
 
+class _Ended:
+    """What ``_watch`` reads of a remover that exited 0."""
+
+    returncode = 0
+
+    def communicate(self) -> tuple[bytes, bytes]:
+        return b"", b""
+
+
+@pytest.fixture
+def spawned(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+
+    def spawn(name: str, after: object) -> _Ended:
+        calls.append(name)
+        return _Ended()
+
+    monkeypatch.setattr(_removals, "_spawn", spawn)
+    return calls
+
+
 @pytest.fixture
 def removed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
@@ -21,22 +43,21 @@ def removed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def test_a_removal_waits_for_a_rename_to_the_same_name(removed: list[str]) -> None:
+def test_a_removal_starts_only_after_a_rename_to_the_same_name(spawned: list[str]) -> None:
     gate = threading.Event()
-    order: list[str] = []
-
-    def rename() -> None:
-        gate.wait(30)
-        order.append("renamed")
-
-    _removals.rename_later("box-a", "cid-a", rename)
+    _removals.rename_later("box-a", "cid-a", lambda: gate.wait(30))
     _removals.remove_later("box-a")
     assert not _removals.wait("box-a", 0.2), "the removal did not wait for the rename"
-    assert removed == [] and _removals.pending() == ["box-a"]
+    assert spawned == [] and _removals.pending() == ["box-a"]
     gate.set()
     assert _removals.wait("box-a", 30)
-    assert order == ["renamed"] and removed == ["box-a"]
-    assert _removals.pending() == []
+    assert spawned == ["box-a"] and _removals.pending() == []
+
+
+def test_without_a_rename_the_remover_starts_at_once(spawned: list[str]) -> None:
+    _removals.remove_later("box-c")
+    assert spawned == ["box-c"], "the remover was not started before remove_later returned"
+    assert _removals.wait("box-c", 30) and _removals.pending() == []
 
 
 def test_a_failed_rename_removes_the_container_by_its_id(removed: list[str]) -> None:

@@ -2,20 +2,19 @@
 a claimed pool sandbox's rename.
 
 Once a follower has recorded a sandbox's end and settled its workspace, nothing of
-the task needs the exited container: ``podman rm`` (a podman client, ~0.2 s) is
-started here on a tracked thread and the task goes on to be collected and published
-meanwhile.
+the task needs the exited container: ``podman rm`` (a podman client, ~0.2 s, after
+conmon has run podman's cleanup, 0.3-0.5 s) is started here and the task goes on to
+be collected and published meanwhile.
 
-Who sees a removal that did not finish:
-
-* this process: :func:`remove_later` threads are *not* daemons, so an interpreter
-  that exits normally (a foreground ``agentbox run`` after its result is printed)
-  joins them first; :func:`wait` joins them explicitly;
-* a process killed mid-removal: the ``podman rm`` child runs in its own session and
-  goes on without it; if it is killed too, the container (exited, still labelled
-  with the data dir, its task terminal) is listed by the backend's ``owned()`` and
-  reaped by the next launcher's orphan sweep (``launcher._adopt.remove_orphans``),
-  like any sandbox no live task holds.
+The removal runs in a process of its own session (a small ``python3 -I -S``: it waits
+for conmon's pidfd, then runs ``podman rm``, retried), so it outlives the process that
+started it: a foreground ``agentbox run`` (or the front end's fork that serves one)
+exits once its result is printed, without waiting for it. This process tracks it (a
+daemon thread waits for it: :func:`pending`, :func:`wait`). A remover killed before
+it removed the container (the host's shutdown) leaves an exited container, still
+labelled with its data dir, its task terminal: the backend's ``owned()`` lists it and
+the next launcher's orphan sweep (``launcher._adopt.remove_orphans``) reaps it, like
+any sandbox no live task holds.
 
 A removal that fails is logged, not raised: its container is left to that sweep.
 
@@ -32,13 +31,17 @@ the renamed container, its task terminal, is then the orphan sweep's.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 
 import psutil
 
 from agentbox.backends.oci._cli import force_remove
-from agentbox.backends.podman._exitfile import CONMON_EXIT_WAIT, wait_exited
+from agentbox.backends.podman._exitfile import CONMON_EXIT_WAIT
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError
 
@@ -49,29 +52,94 @@ _pending: dict[str, threading.Thread] = {}
 _renames: dict[str, threading.Thread] = {}
 
 
+#: The remover: waits for conmon (its pidfd, argv[1], or -1) to exit, at most argv[3]
+#: seconds, then ``podman rm`` of argv[2], retried (runsc may still hold a mount).
+_REMOVER = """
+import os, select, subprocess, sys, time
+fd, name, wait = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+if fd >= 0:
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    p.poll(int(wait * 1000))
+    os.close(fd)
+argv = ["podman", "rm", "--force", "--ignore", "--time", "0", name]
+for i in range(5):
+    res = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if res.returncode == 0:
+        sys.exit(0)
+    time.sleep(0.2 * (i + 1))
+sys.stderr.buffer.write(res.stderr[-2000:])
+sys.exit(1)
+"""
+
+
 def remove_later(name: str, *, after: psutil.Process | None = None) -> None:
-    """Start removing container ``name`` (``podman rm --force``) on a tracked thread,
-    once process ``after`` (its conmon, finishing podman's cleanup) has exited."""
+    """Start removing container ``name`` (``podman rm --force``) in a process of its
+    own session, once process ``after`` (its conmon, finishing podman's cleanup) has
+    exited; a daemon thread of this process waits for it and logs a failure."""
+    with _lock:
+        renaming = name in _renames
+    if not renaming:
+        _track(name, _spawn(name, after))
+        return
 
-    def remove() -> None:
-        try:
-            if after is not None:
-                wait_exited(after, CONMON_EXIT_WAIT)
-            await_rename(name)
-            force_remove(name)
-        except AgentboxError as exc:
-            log.warning("could not remove an ended sandbox; the orphan sweep will", sandbox=name,
-                        error=str(exc))  # fmt: skip
-        finally:
-            with _lock:
-                if _pending.get(name) is threading.current_thread():
-                    del _pending[name]
+    def then() -> None:  # a pool claim's rename still under way (a task of < 0.3 s)
+        await_rename(name)
+        _watch(name, _spawn(name, after))
 
-    # Not a daemon: an interpreter exiting normally waits for it (see the docstring).
-    thread = threading.Thread(target=remove, name=f"agentbox-rm-{name}", daemon=False)
+    thread = threading.Thread(target=then, name=f"agentbox-rm-{name}", daemon=True)
     with _lock:
         _pending[name] = thread
         thread.start()
+
+
+def _spawn(name: str, after: psutil.Process | None) -> subprocess.Popen[bytes]:
+    fd = -1
+    if after is not None:
+        with contextlib.suppress(OSError):  # gone already: nothing to wait for
+            fd = os.pidfd_open(after.pid)
+    try:
+        argv = [sys.executable, "-I", "-S", "-c", _REMOVER, str(fd), name, f"{CONMON_EXIT_WAIT:g}"]
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=(fd,) if fd >= 0 else (),
+            start_new_session=True,  # outlives this process (and a Ctrl-C of its terminal)
+            env=_remover_env(),
+        )
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _remover_env() -> dict[str, str]:
+    """What podman needs of our environment and nothing else: the remover outlives its
+    caller, and holds none of its values (a task's token, a test run's marker)."""
+    keep = ("PATH", "TMPDIR", "XDG_RUNTIME_DIR", "HOME")
+    return {k: v for k, v in os.environ.items() if k in keep or k.startswith("CONTAINERS_")}
+
+
+def _track(name: str, proc: subprocess.Popen[bytes]) -> None:
+    thread = threading.Thread(target=_watch, args=(name, proc), name=f"agentbox-rm-{name}",
+                              daemon=True)  # fmt: skip
+    with _lock:
+        _pending[name] = thread
+        thread.start()
+
+
+def _watch(name: str, proc: subprocess.Popen[bytes]) -> None:
+    """Wait for the remover ``proc``; log a failure (the orphan sweep removes it then)."""
+    try:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            log.warning("could not remove an ended sandbox; the orphan sweep will", sandbox=name,
+                        rc=proc.returncode, error=err.decode(errors="replace")[-500:])  # fmt: skip
+    finally:
+        with _lock:
+            if _pending.get(name) is threading.current_thread():
+                del _pending[name]
 
 
 def pending() -> list[str]:
