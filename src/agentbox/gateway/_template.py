@@ -7,7 +7,7 @@ imports and prepares everything a gateway needs once, freezes it
 stay shared), says ``ready`` on the socket ``N`` it was given, and then serves that
 socket (a ``SOCK_SEQPACKET`` pair end; only the launcher holds the other):
 
-- request: one JSON message (:class:`Request`'s fields) with the task's descriptors
+- request: one JSON message (``argv``, ``env``, ``cgroups``) with the task's descriptors
   attached (``SCM_RIGHTS``): its listening socket, its ready pipe, its log file, and a
   pipe carrying the gateway's secret environment (the upstream key), which only the
   gateway reads: the template never holds a task's secret;
@@ -19,8 +19,8 @@ socket (a ``SOCK_SEQPACKET`` pair end; only the launcher holds the other):
   exec'd gateway's, so re-adoption and orphan sweeps see the same process), or
   ``{"error": "..."}``.
 
-The template exits when the launcher's end closes. It never opens a socket or
-reads a file of a task: all it gets are descriptors it forwards.
+The template exits when the launcher's end closes. It never reads a file or a
+secret of a task: all it gets of one are descriptors it forwards.
 """
 
 from __future__ import annotations
@@ -209,7 +209,12 @@ def _fork_one(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> dict[
     report_r, report_w = os.pipe2(os.O_CLOEXEC)
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(report_r)
+        os.close(report_w)
+        raise
     if pid == 0:  # the first child: fork the gateway and go, so init adopts it
         code = 1
         try:
