@@ -12,6 +12,7 @@ because it puts every microVM on TCG (about 20x slower).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -20,6 +21,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from agentbox.config import Settings
 from agentbox.core import host as _host
@@ -117,6 +120,8 @@ class Boot:
     #: False when QEMU exited before the guest printed anything and its error does not
     #: name KVM: its own set-up failed (a disk lock, a missing file), not the guest.
     could_run: bool = True
+    #: QEMU's CPU seconds (user + system) when the marker came (0 if it never did).
+    cpu: float = 0.0
 
 
 def exited_before_guest(log_tail: str, guest_output: bytes) -> bool:
@@ -199,7 +204,12 @@ def boot_guest(
                         could_run=not exited_before_guest(tail, buf),
                     )
                 buf = (buf + chunk)[-65536:]
-            return Boot(True, f"{time.monotonic() - t0:.2f}s")
+            cpu = 0.0
+            if vm.proc is not None:  # no jail: the process is QEMU itself
+                with contextlib.suppress(psutil.Error):
+                    times = psutil.Process(vm.proc.pid).cpu_times()
+                    cpu = times.user + times.system
+            return Boot(True, f"{time.monotonic() - t0:.2f}s", cpu=cpu)
         finally:
             if w >= 0:
                 os.close(w)
