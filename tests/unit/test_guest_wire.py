@@ -99,3 +99,18 @@ def test_ctrl_frames_round_trip(fields: dict[str, object], op: str, stream: int)
     assert (ftype, got_stream) == (wire.CTRL, stream)
     assert _same(wire.decode_ctrl(payload), json.loads(payload))
     assert _same(wire.decode_ctrl(payload), msg)
+
+
+def test_a_hello_without_extra_sockets_imports_no_socket_module() -> None:
+    # As the guest runs it (python3 -I -S, the agent's dir on the path): socket and the
+    # enum classes it builds cost a cold boot's hello ~0.13 s under TCG.
+    guest_dir = str(agent.__file__).rsplit("/", 1)[0]
+    code = (
+        f"import sys; sys.path.insert(0, {guest_dir!r}); import agent, _agent_streams; "
+        "before = 'socket' in sys.modules; _agent_streams.Streams.start_sockets(None, []); "
+        "print(before, 'socket' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split() == ["False", "False"], out.stderr[-500:]

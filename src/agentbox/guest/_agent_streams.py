@@ -242,6 +242,8 @@ class Streams(Channel):
         # Extra host sockets of the gateway dir (the egress proxy's ``egress.sock``):
         # each a unix socket at SOCKET_DIR/<name>, the sandbox uid's only, whose
         # connections ride the channel as gateway streams opened ``to`` that name.
+        if not names:
+            return  # no import: socket (and enum's classes) cost a cold hello ~0.13 s (TCG)
         import socket
 
         for name in names:
