@@ -273,29 +273,3 @@ def test_deep_data_dir_and_long_names_still_connect(
         assert len(str(sb.vm.agent_socket)) > 107 and len(str(sb.vm.qmp_socket)) > 107
         code, out, _ = _sh(sb, "echo reached")
         assert code == 0 and out == "reached\n"
-
-
-@pytest.mark.slow
-def test_a_cold_guest_loads_overlay_for_its_environment_only(
-    backend: QemuBackend,
-    env: Path,
-    tmp_path: Path,
-    sandbox_factory: Callable[[QemuBackend, Settings], SandboxTracker],
-) -> None:
-    # A cold boot does not load overlay (it costs the boot ~0.5 s under TCG); the agent
-    # loads it at hello for a task with a copy-on-write mount, and only for one.
-    cold = QemuBackend(backend.settings, cold=True, rootfs=backend._rootfs)
-    tracker = sandbox_factory(cold, cold.settings)
-    ws = tmp_path / "workspace"
-    (ws / ".venv").mkdir(parents=True)
-    with_env = SandboxSpec(name="env-cold", image="default", resources=RES, workspace=ws,
-                           mounts=(BindMount(env, ENV, read_only=False),))  # fmt: skip
-    with tracker.create(with_env) as sb:
-        assert not sb.restored
-        code, out, err = _sh(sb, f"{ENV}/bin/tool && echo new > {ENV}/new && cat {ENV}/new")
-        assert (code, out) == (0, "tool from the environment\nnew\n"), err
-        assert f" {ENV} overlay " in _sh(sb, "cat /proc/mounts")[1]
-    bare = SandboxSpec(name="env-cold-none", image="default", resources=RES)
-    with tracker.create(bare) as sb:
-        code, out, _ = _sh(sb, "test -d /sys/module/overlay && echo loaded || echo absent")
-        assert (code, out) == (0, "absent\n")

@@ -8,14 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.backends.microvm._initramfs import (
-    INIT_SCRIPT,
-    _has_interp,
-    _init_script,
-    build_cpio,
-)
+from agentbox.backends.microvm._initramfs import INIT_SCRIPT, _has_interp, build_cpio
 from agentbox.backends.microvm._jail import JailSpec, jail_argv
-from agentbox.backends.microvm._kernel import MODULES, Kernel, decompress_bzimage
+from agentbox.backends.microvm._kernel import Kernel, decompress_bzimage
 from agentbox.backends.microvm._vm import SANDBOX_FLAGS, VmConfig, qemu_argv
 from agentbox.errors import ImageError
 
@@ -112,15 +107,6 @@ def test_template_and_restore_map_the_snapshot_ram(tmp_path: Path) -> None:
         "memory-backend-file,id=ram,size=512M,mem-path=/proc/self/fd/9,share=off",
     }
     assert warm[-3:] == ["-S", "-incoming", "defer"]  # x-ignore-shared is set first, over QMP
-
-
-def test_lazy_modules_load_at_boot_only_in_a_snapshot_template() -> None:
-    script = _init_script(MODULES, ["overlay"])
-    lines = script.splitlines()
-    at = next(i for i, line in enumerate(lines) if "/agentbox/modules/$m.ko" in line)
-    assert lines[at - 1] == '[ -n "$agentbox_preload" ] && for m in overlay; do'
-    assert "overlay" not in lines[next(i for i, x in enumerate(lines) if "/lib/modules" in x)]
-    assert "agentbox/modules" not in INIT_SCRIPT
 
 
 def test_kvm_argv(tmp_path: Path) -> None:

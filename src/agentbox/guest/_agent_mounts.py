@@ -27,7 +27,6 @@ if __package__:
         WORKSPACE,
         Channel,
         _find_label,
-        _load_module,
         _mount,
     )
 else:  # pragma: no cover - the guest's layout: top-level modules next to agent.py
@@ -40,7 +39,6 @@ else:  # pragma: no cover - the guest's layout: top-level modules next to agent.
         WORKSPACE,
         Channel,
         _find_label,
-        _load_module,
         _mount,
     )
 
@@ -123,7 +121,6 @@ class Mounts(Channel):
         layer = WORKSPACE + "/" + ENV_LAYER
         if os.path.lexists(layer):
             raise OSError(f"the workspace holds {ENV_LAYER}: the environment's layer's name")
-        _load_module("overlay")
         os.mkdir(layer, 0o700)
         os.makedirs(COW_DIR, 0o700, exist_ok=True)
         for m in mounts:

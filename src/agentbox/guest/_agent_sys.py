@@ -150,23 +150,6 @@ def _mount(src: str, target: str, fstype: str, flags: int, data: str = "") -> No
         raise OSError(err, f"mount {src} on {target}: {os.strerror(err)}")
 
 
-def _load_module(name: str) -> None:
-    # Shipped next to the agent (the initramfs's /agentbox/modules, bound read-only),
-    # loaded at boot only by a snapshot template: a cold guest loads it here, once.
-    if os.path.isdir(f"/sys/module/{name}"):
-        return
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modules", f"{name}.ko")
-    ctypes, libc = _libc()
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if libc.syscall(313, fd, b"", 0) != 0:  # finit_module(2), x86_64
-            err = ctypes.get_errno()
-            if err != 17:  # EEXIST: loaded meanwhile
-                raise OSError(err, f"load module {name}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
 def _no_new_privs() -> None:
     # /init starts the agent under ``setpriv --nnp``; prctl is the fallback (ctypes).
     with open("/proc/self/status") as f:

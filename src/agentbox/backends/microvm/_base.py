@@ -226,11 +226,10 @@ class _MicrovmBackend(AttachedOnly, NoPool):
     def base_config(self, spec: SandboxSpec, run_dir: Path, data_disk: Path | None) -> VmConfig:
         """The VM config for ``spec`` (shared by cold boots, templates and restores)."""
         kernel = ensure_kernel(self.settings)
-        # overlay: copy-on-write mounts (frozen environments). Loaded by every snapshot
-        # template, so one serves tasks with and without them; a cold guest's agent
-        # loads it only for a task that has one (it costs a cold boot ~0.5 s under TCG).
+        # overlay: copy-on-write mounts (frozen environments) in every guest, so one
+        # snapshot template serves tasks with and without them.
         overlay = ensure_modules(self.settings, kernel, OVERLAY_MODULES)
-        initramfs = ensure_initramfs(self.settings, kernel, lazy_modules=overlay)
+        initramfs = ensure_initramfs(self.settings, kernel, extra_modules=overlay)
         rootfs, key = self._root(spec)
         root_disk = ensure_root_disk(self.settings, rootfs, key)
         uid = vmm_uid(self.settings, spec.isolation)

@@ -51,16 +51,8 @@ _AGENT_CMD = (
 )
 
 
-def _init_script(modules: Sequence[str], lazy: Sequence[str] = ()) -> str:
-    """``/init`` loading ``modules`` in order (:data:`INIT_SCRIPT` for the base list), and
-    ``lazy`` (shipped in ``/agentbox/modules``) only in a snapshot template
-    (``agentbox_preload``): a cold guest's agent loads them when it first needs them."""
-    preload = ""
-    if lazy:
-        preload = (
-            f'[ -n "$agentbox_preload" ] && for m in {" ".join(lazy)}; do\n'
-            '  insmod /agentbox/modules/$m.ko || fail "insmod $m"\ndone\n'
-        )
+def _init_script(modules: Sequence[str]) -> str:
+    """``/init`` loading ``modules`` in order (:data:`INIT_SCRIPT` for the base list)."""
     return f"""#!/bin/sh
 # agentbox microVM init (PID 1). Any failure reboots, which ends the VM (-no-reboot).
 export PATH=/bin
@@ -69,7 +61,7 @@ mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 for m in {" ".join(modules)}; do insmod /lib/modules/$m.ko || fail "insmod $m"; done
-{preload}[ -n "$agentbox_probe" ] && {{ echo "{MARKER}" > /dev/console; reboot -f; }}
+[ -n "$agentbox_probe" ] && {{ echo "{MARKER}" > /dev/console; reboot -f; }}
 i=0
 while ! root=$(findfs LABEL={ROOT_LABEL} 2>/dev/null); do
   i=$((i+1)); [ $i -gt 400 ] && fail "no root disk"; sleep 0.02
@@ -166,20 +158,13 @@ def _agent_bytecode(source: bytes, name: str = "agent") -> tuple[str, bytes]:
 
 
 def ensure_initramfs(
-    settings: Settings,
-    kernel: Kernel,
-    *,
-    extra_modules: Sequence[Path] = (),
-    lazy_modules: Sequence[Path] = (),
+    settings: Settings, kernel: Kernel, *, extra_modules: Sequence[Path] = ()
 ) -> Path:
     """The cached initramfs for ``kernel`` and the current agent (keyed by content).
 
     ``extra_modules`` (``.ko`` files, in load order) are added after the base
     modules and loaded by ``/init`` after them: the firecracker backend adds the
-    vsock modules this way. ``lazy_modules`` are shipped next to the agent
-    (``/opt/agentbox/vm/modules`` in the guest) and loaded at boot only by a
-    snapshot template; a cold guest's agent loads one when it first needs it
-    (overlay: ~0.5 s of a cold boot under TCG, for copy-on-write mounts only).
+    vsock modules this way. Without them the archive is exactly the qemu one.
     """
     busybox = shutil.which("busybox")
     if busybox is None:
@@ -187,13 +172,13 @@ def ensure_initramfs(
     # Every VM start asks; re-reading and hashing ~3 MB each time costs a cold boot
     # ~10 ms. Remembered per process while no input file changes (size, mtime).
     inputs = [Path(busybox), AGENT_SOURCE, Path(wire_module.__file__), *AGENT_PARTS]
-    inputs += [*extra_modules, *lazy_modules]
+    inputs += extra_modules
     inputs += [kernel.modules / f"{m}.ko" for m in MODULES]
     memo_key = (kernel.release, str(settings.cache_dir), *(_stamp(p) for p in inputs))
     hit = _MEMO.get(memo_key)
     if hit is not None and hit.is_file():
         return hit
-    out = _build_initramfs(settings, kernel, Path(busybox), extra_modules, lazy_modules)
+    out = _build_initramfs(settings, kernel, Path(busybox), extra_modules)
     _MEMO[memo_key] = out
     return out
 
@@ -207,11 +192,7 @@ def _stamp(path: Path) -> tuple[str, int, int]:
 
 
 def _build_initramfs(
-    settings: Settings,
-    kernel: Kernel,
-    busybox: Path,
-    extra_modules: Sequence[Path],
-    lazy_modules: Sequence[Path] = (),
+    settings: Settings, kernel: Kernel, busybox: Path, extra_modules: Sequence[Path]
 ) -> Path:
     bb = busybox.read_bytes()
     if _has_interp(bb):
@@ -219,12 +200,7 @@ def _build_initramfs(
     agent = AGENT_SOURCE.read_bytes()
     wire = Path(wire_module.__file__).read_bytes()
     files: dict[str, tuple[int, bytes]] = {
-        "init": (
-            0o100755,
-            _init_script(
-                [*MODULES, *(m.stem for m in extra_modules)], [m.stem for m in lazy_modules]
-            ).encode(),
-        ),
+        "init": (0o100755, _init_script([*MODULES, *(m.stem for m in extra_modules)]).encode()),
         "bin/busybox": (0o100755, bb),
         "agentbox/agent.py": (0o100644, agent),
         "agentbox/wire.py": (0o100644, wire),
@@ -236,10 +212,7 @@ def _build_initramfs(
         files[f"lib/modules/{m}.ko"] = (0o100644, (kernel.modules / f"{m}.ko").read_bytes())
     for ko in extra_modules:
         files[f"lib/modules/{ko.name}"] = (0o100644, ko.read_bytes())
-    for ko in lazy_modules:
-        files[f"agentbox/modules/{ko.name}"] = (0o100644, ko.read_bytes())
     dirs = ["agentbox", "agentbox/__pycache__", "bin", "dev", "lib", "lib/modules", "newroot"]
-    dirs += ["agentbox/modules"] if lazy_modules else []
     dirs += ["proc", "sys"]
     # Keyed by the agent's source and this interpreter, not by the bytecode (which
     # need not be byte-for-byte reproducible).
