@@ -196,11 +196,11 @@ class Settings(BaseSettings):
     (the same key but for the user). Off: each user's environments are their own."""
     models_file: Path | None = None
     """The model registry (TOML); None means the built-in registry (the replay model)."""
-    gateway_template: bool = False
+    gateway_template: bool = True
     """Fork each task's gateway from one prepared template process per launcher instead of
-    starting a new interpreter (``AGENTBOX_GATEWAY_TEMPLATE=1``): its imports are shared,
-    so an idle gateway costs a few MiB, and it serves within milliseconds. Falls back to
-    starting one (logged) when the template cannot serve."""
+    starting a new interpreter (``AGENTBOX_GATEWAY_TEMPLATE=0`` turns it off): its imports
+    are shared, so an idle gateway costs about half the memory, and it serves in tens of
+    milliseconds. Falls back to starting one (logged) when the template cannot serve."""
     claude_code_version: str = CLAUDE_CODE_VERSION
     max_disk: Size = 64 * 1024**3
     """The largest workspace disk a Boxfile may ask for (``[resources] disk``); larger asks
