@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAOS_TASKS = int(os.environ.get("AGENTBOX_CHAOS_TASKS", "2"))
 CHAOS_KILLS = os.environ.get("AGENTBOX_CHAOS_KILLS", "")
 CHAOS_SEED = os.environ.get("AGENTBOX_CHAOS_SEED", "")
+ARTIFACTS = Path(os.environ.get("AGENTBOX_TEST_ARTIFACTS", "/var/tmp/agentbox-test-artifacts"))
 #: The phases: each way of killing (``pid``, ``group``, ``cgroup``) and how many times.
 CHAOS_WAYS = [
     (way, int(CHAOS_KILLS or n))
@@ -433,9 +434,15 @@ def _chaos(
         left_by = time.monotonic() + 60
         while (left := _owned(world.settings, backend)) and time.monotonic() < left_by:
             time.sleep(1.0)
-        print(f"chaos table {backend}/{runtime}: kills {len(table)} {kills}, hits on a "
-              f"running agent {hits}, tasks done {len(infos)}/{len(ids)}, sandboxes "
-              f"created {len(ids)} (once each), leftovers {len(left)}")  # fmt: skip
+        line = (f"chaos table {backend}/{runtime} seed {seed}: kills {len(table)} {kills}, "
+                f"hits on a running agent {hits}, tasks done {len(infos)}/{len(ids)}, "
+                f"sandboxes created {len(ids)} (once each), leftovers {len(left)}")  # fmt: skip
+        print(line)
+        # Kept beside the failure artifacts: a passing run's table is quoted in notes.
+        with contextlib.suppress(OSError):
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            with (ARTIFACTS / "chaos.txt").open("a") as fh:
+                fh.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
     finally:
         served.stop()
         unit.kill()
