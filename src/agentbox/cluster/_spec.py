@@ -124,7 +124,14 @@ class BatchEvent(_Strict):
     """One line of ``agentbox batch run --json``."""
 
     event: Literal[
-        "batch", "placed", "finished", "group", "lost", "published", "pull_request", "skipped",
+        "batch",
+        "placed",
+        "finished",
+        "group",
+        "lost",
+        "published",
+        "pull_request",
+        "skipped",
         "end",
     ]
     batch: str
