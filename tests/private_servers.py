@@ -403,6 +403,10 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
+        # What is left of its group: fcgiwrap's preforked children outlive their master's
+        # TERM (they were found orphaned after a run).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 _NGINX = """\
