@@ -295,6 +295,46 @@ def test_rm_and_prune_take_continuation_plans_with_their_tasks(
     assert outside.read_text() == "{}"  # a planted link is not followed
 
 
+def test_a_groups_ledger_goes_with_its_last_attempt_and_prune_takes_strays(
+    settings: Settings, store: Store
+) -> None:
+    """``groups/<id>`` (a best-of-N group's shared-budget ledger) stays while an attempt of
+    the group is recorded, goes with the last one's ``rm``; ``prune`` takes an old one whose
+    attempts are all gone, never a young one or one still used, and no link it finds."""
+    groups = settings.data_dir / "groups"
+
+    def group(name: str, age: float) -> Path:
+        d = groups / name
+        d.mkdir(parents=True)
+        (d / "budget.json").write_text('{"budget": 1000}')
+        os.utime(d, (time.time() - age, time.time() - age))
+        return d
+
+    ledger = group("grp", 10 * DAY)
+    for k in (1, 2):
+        _task(settings, store, f"grp-a{k}")
+        store.update(f"grp-a{k}", group_id="grp", attempt=k)
+    assert _cli(settings, "rm", "grp-a1").returncode == 0
+    assert ledger.is_dir(), "removed while an attempt of its group is left"
+    res = _cli(settings, "rm", "grp-a2")
+    assert res.returncode == 0, res.stderr
+    assert not ledger.exists()
+
+    stray = group("gone", 10 * DAY)  # its attempts were removed by an older version
+    young = group("making", 60)  # a group being submitted right now
+    _task(settings, store, "used-a1", age=30 * DAY, status="queued")
+    store.update("used-a1", group_id="used", attempt=1)
+    used = group("used", 30 * DAY)
+    outside = settings.data_dir.parent / "not-a-group"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    (groups / "linked").symlink_to(outside)
+    res = _cli(settings, "prune", "--older-than", "7d")
+    assert res.returncode == 0, res.stderr
+    assert not stray.exists() and young.is_dir() and used.is_dir()
+    assert (outside / "keep.txt").read_text() == "keep"
+
+
 def test_rm_says_what_went_and_what_stays_for_every_kind_of_task(
     settings: Settings, store: Store, tmp_path: Path
 ) -> None:

@@ -171,8 +171,23 @@ def remove_task(
         raise PolicyRefused(f"task {task_id} changed while it was being removed")
     out.bytes = remove_tree(root.parent, root.name)
     _session.forget(settings, task_id)  # its continuation plan, if it was one
+    if row.group_id is not None and not store.group(row.group_id):
+        # The group's last attempt: its shared-budget ledger goes with it.
+        out.bytes += _remove_group(settings, row.group_id)
     log.info("task removed", task_id=task_id, bytes=out.bytes)
     return out
+
+
+def _remove_group(settings: Settings, group: str) -> int:
+    """Remove ``groups/<group>`` (a best-of-N group's ledger) if it is there; its bytes."""
+    groups = settings.data_dir / "groups"
+    if not TASK_ID_RE.fullmatch(group) or group not in {e.name for e in _entries(groups)}:
+        return 0
+    try:
+        return remove_tree(groups, group)
+    except (OSError, PathRefused) as exc:
+        log.warning("group dir not removed", group=group, error=str(exc))
+        return 0
 
 
 def prune(
@@ -225,7 +240,28 @@ def prune(
     done += _prune_scratch(
         settings, min(cutoff, (time.time() if now is None else now) - MAX_DEADLINE), dry_run
     )
+    done += _prune_groups(settings, store, cutoff, dry_run)
     return done
+
+
+def _prune_groups(settings: Settings, store: Store, cutoff: float, dry_run: bool) -> list[Removal]:
+    """Best-of-N groups' dirs (``groups/<id>``: the shared-budget ledger) none of whose
+    attempts is left, last changed before ``cutoff``."""
+    groups = settings.data_dir / "groups"
+    held = {row.group_id for row in store.all() if row.group_id is not None}
+    out = []
+    for entry in _entries(groups):
+        if entry.name in held or not TASK_ID_RE.fullmatch(entry.name):
+            continue
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_mtime > cutoff:
+            continue
+        size = _tree_bytes(entry) if dry_run else _remove_group(settings, entry.name)
+        out.append(Removal(f"groups/{entry.name}", bytes=size))
+    return out
 
 
 def _prune_scratch(settings: Settings, cutoff: float, dry_run: bool) -> list[Removal]:
