@@ -124,8 +124,11 @@ def register(app: typer.Typer) -> None:
             err.print(safe(done))
             raise typer.Exit(1)
         info = launcher.cancel(task_id)
-        if info.terminal:  # it never started: cancelled at once
-            console.print(safe(f"{info.id}: {info.status}"))
+        if info.terminal:
+            # Queued: cancelled at once. Running: its runner stopped it and recorded the end
+            # before the cancel returned (a fast stop), so say what it was.
+            was = "" if before.status == "queued" else f" (was {before.status})"
+            console.print(safe(f"{info.id}: {info.status}{was}"))
             return
         # Its runner stops it (a running sandbox is killed), collects what it wrote and
         # then records the end: "queued" or "running" here would read as ignored. "was":
