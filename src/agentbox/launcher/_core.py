@@ -372,6 +372,8 @@ class Launcher:
             scores.append(score(info.attempt or 0, info, res))
         chosen = pick(scores, by)
         record = TaskPaths(self.settings.data_dir, attempt_id(group, 1)).root / _GROUP_RECORD
+        with self._picks:  # the record is written before the ref: not while one is published
+            published = record.exists()
         return GroupView(
             group=group,
             repo=self.group(group, caller=caller)[0].repo,
@@ -379,7 +381,7 @@ class Launcher:
             attempts=scores,
             pick=chosen.attempt if chosen else None,
             pick_id=chosen.id if chosen else None,
-            branch=f"agentbox/{group}" if record.exists() else None,
+            branch=f"agentbox/{group}" if published else None,
             budget_split="shared" if is_shared(self.settings, group) else "split",
             group_spent=group_spent(self.settings, group),
         )
