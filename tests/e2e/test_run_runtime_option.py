@@ -127,4 +127,17 @@ def test_runtime_flag_keeps_the_committed_boxfile_and_repo_defaults_to_the_cwd()
         )  # fmt: skip
         assert "podman (runtime runc)" in shown.stdout, shown
     finally:
+        _remove_envs_of(base)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _remove_envs_of(base: Path) -> None:
+    """The frozen environments of repos under ``base`` (they live in the host's cache dir,
+    not in ``base``): a test leaves none behind."""
+    from agentbox.config import Settings
+    from agentbox.env import EnvStore
+
+    store = EnvStore(Settings())
+    for info in store.list():
+        if str(base) in info.repo:
+            store.remove(info.key, force=True)

@@ -142,6 +142,7 @@ def test_the_how_to_guide_runs_verbatim(path: Path) -> None:
         "TERM": "dumb",
         marker.split("=", 1)[0]: marker.split("=", 1)[1],
     }
+    envs = _env_keys()
     try:
         run = run_tutorial(path, cwd=checkout, env=env, workdir=base / "steps", timeout=600)
         assert run.ran, f"{path.name}: nothing ran"
@@ -153,9 +154,29 @@ def test_the_how_to_guide_runs_verbatim(path: Path) -> None:
         containers = _containers_of(base / "data")
         for name in containers:
             subprocess.run(["podman", "rm", "-f", name], capture_output=True, timeout=120)
+        _remove_envs(_env_keys() - envs)
         shutil.rmtree(base, ignore_errors=True)
     assert not survivors, f"processes survived the guide's cleanup: {survivors}"
     assert not containers, f"sandboxes left behind: {containers}"
+
+
+def _env_keys() -> set[str]:
+    """The frozen environments on this host (they live in the cache dir, not the run's data
+    dir): a run removes those it made, or the next run of the page is a cache hit and its
+    setup never runs."""
+    from agentbox.config import Settings
+    from agentbox.env import EnvStore
+
+    return {e.key for e in EnvStore(Settings()).list()}
+
+
+def _remove_envs(keys: set[str]) -> None:
+    from agentbox.config import Settings
+    from agentbox.env import EnvStore
+
+    store = EnvStore(Settings())
+    for key in keys:
+        store.remove(key, force=True)
 
 
 @pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
@@ -194,6 +215,7 @@ def test_the_tutorial_runs_verbatim(path: Path) -> None:
         marker.split("=", 1)[0]: marker.split("=", 1)[1],
     }
     steps: list[str] = []
+    envs = _env_keys()
     try:
         run = run_tutorial(
             path,
@@ -217,6 +239,7 @@ def test_the_tutorial_runs_verbatim(path: Path) -> None:
             subprocess.run(["umount", "-l", m], capture_output=True, timeout=60)
         if makes_user and _user_exists(TUTORIAL_USER):
             subprocess.run(["userdel", "-r", TUTORIAL_USER], capture_output=True, timeout=60)
+        _remove_envs(_env_keys() - envs)
         shutil.rmtree(base, ignore_errors=True)
         print(f"ran {len(steps)} commands; stopped {len(started)} processes it left running")
     assert not survivors, f"processes survived the tutorial's cleanup: {survivors}"
