@@ -129,7 +129,9 @@ def test_a_tasks_cpu_memory_disk_and_egress() -> None:
         while time.monotonic() < end:
             task = _task(env, task_id)
             live = task.get("resources") or {}
-            if task["status"] != "running" or (live.get("live") and (live.get("cpu_s") or 0) >= 1):
+            if task["status"] not in ("queued", "running") or (
+                live.get("live") and (live.get("cpu_s") or 0) >= 1
+            ):  # queued: a detached run returns before its task starts
                 break
             time.sleep(1)
         assert task["status"] == "running", task

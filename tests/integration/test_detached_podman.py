@@ -583,6 +583,12 @@ def test_follow_returns_when_conmon_dies(
     backend = PodmanBackend(sandbox_settings)
     spec = _spec(sandbox_settings, default_image, ws, name, deadline=600)
     backend.launch(spec, ["sh", "-c", "echo up; exec sleep 600"], log=log)
+    # Its output in the log first: conmon killed before the sandbox's shell ran has nothing
+    # to hand on (a busy host is slow to get there).
+    end = time.monotonic() + 120
+    while b"up" not in (log.read_bytes() if log.exists() else b""):
+        assert time.monotonic() < end, "the sandbox's first output never reached its log"
+        time.sleep(0.1)
     info = detach.inspect(name)
     assert info is not None
     conmon = detach.conmon_of(info)

@@ -9,6 +9,7 @@ a template that cannot start leaves spawn_gateway exec'ing the gateway.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -70,8 +71,13 @@ def _spawn(settings: Settings, task_id: str, *, forked: bool) -> GatewayHandle:
 
 
 def _fds(pid: int) -> dict[int, str]:
-    fd_dir = Path(f"/proc/{pid}/fd")
-    return {int(n.name): os.readlink(n) for n in fd_dir.iterdir()}
+    """The process's open descriptors and what each names (one closed between the listing
+    and its readlink is left out: a serving gateway opens and closes its own)."""
+    out = {}
+    for n in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            out[int(n.name)] = os.readlink(n)
+    return out
 
 
 def _fd_kinds(pid: int, task_root: Path) -> list[str]:
