@@ -5,9 +5,9 @@
 #   scripts/test.sh           the whole suite (README command (b); .ci/run calls it): the
 #                             default image (cached by content hash), then every test not
 #                             marked `serial` on AGENTBOX_TEST_WORKERS xdist workers (default
-#                             4 on 2 cores: sandboxes mostly wait, a podman module's pytest
-#                             tree used 5% of a core), one module per worker, the modules
-#                             with a `slow` test first, then the `serial` ones alone
+#                             3 on 2 cores: with the modules in order, 4 kept the CPU 95 %
+#                             busy and timing-bound tests flaked), one module per worker, the
+#                             longest modules first, then the `serial` ones alone
 #                             (tests/conftest.py: SERIAL, SERIAL_TESTS, SERIAL_DIRS)
 #   scripts/test.sh --fast    the unit tier only (pure: no root, no sandbox, no service),
 #                             with ruff and mypy, on every core: under 2 minutes
@@ -51,7 +51,7 @@ if [ $# -gt 0 ]; then
   .venv/bin/pytest --junitxml="$report/run.xml" "$@"
   exit
 fi
-workers=${AGENTBOX_TEST_WORKERS-4}
+workers=${AGENTBOX_TEST_WORKERS-3}
 if [ "$workers" = 0 ]; then
   .venv/bin/pytest --junitxml="$report/run.xml"
   exit
