@@ -58,9 +58,12 @@ def assert_no_mounts_under(root: Path, *, clean: bool = True) -> None:
     ``rmtree`` of ``root`` neither fails nor reaches through a leaked mount. The loop
     device goes with its filesystem's last user, which a container's mount namespace
     may hold a moment past its end: a bounded wait for that, not a speed assertion.
-    A mount found is a leak at once (nothing unmounts it later).
+    A mount still there 30 s on is a leak (a task's disk is settled by its follower,
+    which may be a moment behind the test: a bounded wait, not a speed assertion).
     """
-    left = mounts_under(root)
+    end = time.monotonic() + 30
+    while (left := mounts_under(root)) and time.monotonic() < end:
+        time.sleep(0.2)
     if clean:
         for m in reversed(left):
             target = m.split(" on ", 1)[1].rsplit(" (root ", 1)[0]

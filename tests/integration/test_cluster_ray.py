@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -587,8 +588,9 @@ def test_a_node_killed_mid_batch_loses_no_task_and_duplicates_no_branch(
     assert len(_branches(repo)) == 3 == len(keys)
     for r in got:
         if r.lost_attempts:
-            assert r.attempt_id.endswith("-r1") and r.node != killed[0]
-            assert f"agentbox/{r.attempt_id.removesuffix('-r1')}" not in _branches(repo)
+            # Re-run elsewhere as -r1, or -r2 when a loaded host lost the first re-run too.
+            assert re.search(r"-r[0-9]+$", r.attempt_id) and r.node != killed[0], r
+            assert f"agentbox/{re.sub(r'-r[0-9]+$', '', r.attempt_id)}" not in _branches(repo)
     # The dead node's sandbox does not outlive its task (its launcher settles it).
     dead = [a.split("@")[0] for a in lost]
     end = time.monotonic() + 120
