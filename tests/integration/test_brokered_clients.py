@@ -119,6 +119,18 @@ def _nowhere(secrets: list[str], *paths: Path, texts: tuple[str, ...] = ()) -> N
             assert s not in t
 
 
+def _pip_install_corp_util(env: dict[str, str], target: Path) -> subprocess.CompletedProcess[str]:
+    """pip installs the private index's package into ``target`` through the proxy in ``env``."""
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--target", str(target),
+         "corp-util==1.0"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    assert (target / "corp_util.py").read_text() == "VALUE = 42\n"
+    return pip
+
+
 def test_setup_pip_and_npm_through_brokered_credentials(tmp_path: Path, servers: object) -> None:
     srv = servers
     user_env = _user_home(tmp_path, srv)
@@ -131,13 +143,7 @@ def test_setup_pip_and_npm_through_brokered_credentials(tmp_path: Path, servers:
     try:
         env = proxy.env(box_home) | dict(brokered.env)
         target = tmp_path / "site"
-        pip = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--target", str(target),
-             "corp-util==1.0"],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert pip.returncode == 0, pip.stdout + pip.stderr
-        assert (target / "corp_util.py").read_text() == "VALUE = 42\n"
+        pip = _pip_install_corp_util(env, target)
         proj = tmp_path / "npmproj"
         proj.mkdir()
         (proj / "package.json").write_text('{"name": "p", "version": "1.0.0"}')
@@ -182,13 +188,7 @@ def test_setup_pip_with_the_password_in_the_users_keyring(tmp_path: Path, server
     try:
         env = proxy.env(box_home) | dict(brokered.env)
         target = tmp_path / "site"
-        pip = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--target", str(target),
-             "corp-util==1.0"],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert pip.returncode == 0, pip.stdout + pip.stderr
-        assert (target / "corp_util.py").read_text() == "VALUE = 42\n"
+        pip = _pip_install_corp_util(env, target)
     finally:
         proxy.close()
     lines = proxy.lines()
