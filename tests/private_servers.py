@@ -325,6 +325,17 @@ def _free_subnet() -> int:
     raise RuntimeError("no free 10.213.N.0/24 subnet")
 
 
+def in_netns(ns: str) -> list[str]:
+    """The argv prefix that runs a command in network namespace ``ns`` and no other.
+
+    Not ``ip netns exec``: that also unshares a mount namespace, a copy of every mount
+    the host has at that moment (this host's root is private, so nothing unmounted
+    later reaches the copy). A server started that way pinned another test's
+    workspace disk (a loop mount) for as long as it ran (CI, stop 37).
+    """
+    return ["nsenter", f"--net=/run/netns/{ns}", "--"]
+
+
 @contextlib.contextmanager
 def _netns() -> Iterator[tuple[str, str, list[str]]]:
     """(netns name, host-side address, three server addresses in the namespace)."""
@@ -360,7 +371,7 @@ def _start(
 ) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            ["ip", "netns", "exec", ns, *argv],
+            [*in_netns(ns), *argv],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -382,7 +393,7 @@ def _wait_tcp(ns: str, addr: str, port: int, proc: subprocess.Popen[bytes], log:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args} exited: {log.read_text(errors='replace')[-2000:]}")
         res = subprocess.run(
-            ["ip", "netns", "exec", ns, sys.executable, "-c", probe, addr, str(port)],
+            [*in_netns(ns), sys.executable, "-c", probe, addr, str(port)],
             capture_output=True,
         )
         if res.returncode == 0:
@@ -508,7 +519,7 @@ def _verdaccio(
     )
     # The password on the argv of a short process in the test's own namespace: test-only.
     res = subprocess.run(
-        ["ip", "netns", "exec", ns, sys.executable, "-c", login, user, password],
+        [*in_netns(ns), sys.executable, "-c", login, user, password],
         capture_output=True,
         text=True,
         check=True,
@@ -523,7 +534,7 @@ def _verdaccio(
     (pkg / ".npmrc").write_text(f"//127.0.0.1:4873/:_authToken={token}\n")
     subprocess.run(
         [
-            "ip", "netns", "exec", ns, "npm", "publish", "--registry", "http://127.0.0.1:4873/",
+            *in_netns(ns), "npm", "publish", "--registry", "http://127.0.0.1:4873/",
             "--userconfig", str(pkg / ".npmrc"), "--no-audit",
         ],
         cwd=pkg,

@@ -39,6 +39,7 @@ from agentbox.egress import EgressPolicy, ProxyHandle, spawn_proxy
 from agentbox.egress.rules import Inject, NetworkRule
 from agentbox.errors import EgressError
 from agentbox.gateway import gateway_identity
+from private_servers import in_netns
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ip netns, drop)")
 
@@ -168,7 +169,7 @@ def _wait_listen(ns: str, addr: str, proc: subprocess.Popen[bytes]) -> None:
     end = time.monotonic() + 30
     while time.monotonic() < end:
         assert proc.poll() is None, "the TLS upstream exited"
-        if subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe],
+        if subprocess.run([*in_netns(ns), sys.executable, "-c", probe],
                           capture_output=True).returncode == 0:  # fmt: skip
             return
         time.sleep(0.2)
@@ -185,7 +186,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     with _netns() as (ns, addr):
         argv = [sys.executable, str(SERVER), "--addr", addr, "--cert", str(cert), "--key",
                 str(key), "--log", str(upstream_log)]  # fmt: skip
-        srv = subprocess.Popen(["ip", "netns", "exec", ns, *argv], start_new_session=True,
+        srv = subprocess.Popen([*in_netns(ns), *argv], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         try:
             _wait_listen(ns, addr, srv)
