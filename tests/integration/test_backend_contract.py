@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import socketserver
+import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -42,6 +44,7 @@ from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.core import host as _host
 from agentbox.errors import AgentboxError
+from agentbox.observe.resources import Cgroup, conmon_child
 from agentbox.sandbox import spec_from_boxfile
 from sandbox_leaks import SandboxTracker
 
@@ -307,3 +310,22 @@ def test_destroy_is_idempotent(case: Case, sandboxes: SandboxTracker) -> None:
     sandboxes.assert_clean()  # at once, not only at teardown
     with pytest.raises(AgentboxError):
         box.exec(["true"])
+
+
+def test_the_resource_sampler_finds_the_sandboxs_cgroup_without_the_engine(
+    case: Case, live: Sandbox
+) -> None:
+    """podman: the sampler finds the container's init from its conmon in /proc (no
+    ``podman inspect``, whose container lock a loaded host's start holds): the cgroup
+    it finds is the one the engine reports."""
+    if case.backend.name != "podman":
+        pytest.skip("the /proc search is podman's (conmon); other engines are inspected")
+    res = subprocess.run(
+        ["podman", "inspect", "--format", "{{.State.Pid}}", live.name],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    engine = Cgroup.of_pid(int(res.stdout))
+    init = conmon_child(live.name)
+    assert init is not None, f"no conmon child found for {live.name}"
+    assert engine is not None and Cgroup.of_pid(init) == engine
+    assert engine.memory is not None and Cgroup.of_pid(os.getpid()) != engine

@@ -13,6 +13,8 @@ from agentbox.observe.resources import (
     Sampler,
     Usage,
     VmProcess,
+    conmon_child,
+    conmon_name,
     final_resources,
     mount_source,
     parse_int,
@@ -263,3 +265,49 @@ def test_proc_io_write_bytes(tmp_path: Path) -> None:
     # the live processes' figures are summed; a pid that is gone counts nothing
     mine = parse_io_written(Path("/proc/self/io").read_text()) or 0
     assert written_by({os.getpid(), 999_999_999}) >= mine
+
+
+def test_conmon_name_forms() -> None:
+    assert conmon_name(["conmon", "--api-version", "1", "-n", "box-a", "-c", "x"]) == "box-a"
+    assert conmon_name(["conmon", "--name", "box-b"]) == "box-b"
+    assert conmon_name(["conmon", "--name=box-c"]) == "box-c"
+    assert conmon_name(["conmon", "-c", "x"]) is None
+    assert conmon_name(["conmon", "-n"]) is None
+
+
+def _fake_proc(root: Path, pid: int, *, comm: str, argv: list[str], exe: Path, cgroup: str,
+               children: str = "") -> None:  # fmt: skip
+    base = root / str(pid)
+    (base / "task" / str(pid)).mkdir(parents=True)
+    (base / "comm").write_text(comm + "\n")
+    (base / "cmdline").write_text("\0".join(argv) + "\0")
+    (base / "cgroup").write_text(cgroup)
+    (base / "task" / str(pid) / "children").write_text(children)
+    (base / "exe").symlink_to(exe)
+
+
+def test_conmon_child_is_the_init_of_that_containers_root_conmon(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    conmon = bins / "conmon"
+    conmon.write_bytes(b"\x7fELF")
+    conmon.chmod(0o755)
+    argv = ["/usr/bin/conmon", "-c", "abc", "-n", "box-a", "-r", "/usr/sbin/runc"]
+    _fake_proc(proc, 100, comm="conmon", argv=argv, exe=conmon, cgroup="4:memory:/\n",
+               children="101 ")  # fmt: skip
+    # The runtime still creating the init: conmon's own cgroup, not the container's yet.
+    _fake_proc(proc, 101, comm="runc", argv=["runc"], exe=conmon, cgroup="4:memory:/\n")
+    if os.geteuid() != 0:
+        assert conmon_child("box-a", proc) is None
+        return
+    assert conmon_child("box-a", proc) is None
+    (proc / "101" / "cgroup").write_text("4:memory:/libpod_parent/libpod-abc\n")
+    assert conmon_child("box-a", proc) == 101
+    assert conmon_child("box-b", proc) is None  # another container's name
+    # A process that only looks like conmon (a writable or non-root binary) is not one.
+    conmon.chmod(0o777)
+    assert conmon_child("box-a", proc) is None
+    conmon.chmod(0o755)
+    os.chown(conmon, 1000, 1000)
+    assert conmon_child("box-a", proc) is None

@@ -257,6 +257,66 @@ class Cgroup:
         return peak if peak is not None else parse_int(_read(self.pids / "pids.current") or "")
 
 
+# -- podman's container init, without podman ---------------------------------------------
+
+#: The most ``/proc`` entries one search reads (a host with a fork bomb costs no more).
+MAX_PROC_SCAN = 65536
+
+
+def conmon_name(argv: list[str]) -> str | None:
+    """The container name in a conmon command line (``-n NAME``, ``--name NAME`` or
+    ``--name=NAME``), None when it has none."""
+    for i, arg in enumerate(argv[:400]):
+        if arg in ("-n", "--name") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--name="):
+            return arg.removeprefix("--name=")
+    return None
+
+
+def conmon_child(name: str, proc: Path = Path("/proc")) -> int | None:
+    """The init process of podman's container ``name``: the child of its conmon.
+
+    Found in ``/proc``, not by ``podman inspect``: inspect takes the container's lock,
+    which a loaded host's ``podman run`` holds through the start, and a short attached
+    task could end before any inspect answered (CI, stop 37: a task with no sample).
+    A sandbox's processes are visible here too and may name themselves anything, so a
+    conmon counts only if it runs as root (the sandbox's uids are mapped, never 0) from
+    a root-owned binary named ``conmon``; and its child only once it is in a cgroup
+    other than conmon's (before that it is the OCI runtime still creating the init).
+    """
+    with os.scandir(proc) as it:
+        pids = [e.name for _, e in zip(range(MAX_PROC_SCAN), it, strict=False)]
+    for pid in pids:
+        if not pid.isdigit():
+            continue
+        base = proc / pid
+        if (_read(base / "comm") or "").strip() != "conmon":
+            continue
+        argv = (_read(base / "cmdline") or "").split("\0")
+        if conmon_name(argv) != name or not _root_conmon(base):
+            continue
+        kids = (_read(base / "task" / pid / "children") or "").split()
+        own = _read(base / "cgroup")
+        for kid in kids[:8]:
+            if kid.isdigit() and (theirs := _read(proc / kid / "cgroup")) and theirs != own:
+                return int(kid)
+        return None
+    return None
+
+
+def _root_conmon(base: Path) -> bool:
+    """The process at ``base`` runs as root from a root-owned file named ``conmon``."""
+    try:
+        if base.stat().st_uid != 0:
+            return False
+        name = (base / "exe").readlink().name
+        st = (base / "exe").stat()  # the very file it runs (the magic link), not a path
+    except OSError:
+        return False
+    return name == "conmon" and st.st_uid == 0 and not st.st_mode & 0o022
+
+
 # -- a microVM's VMM process ------------------------------------------------------------
 
 
@@ -497,9 +557,12 @@ class Sampler:
             self._vm, self._cg_gone = None, True
 
     def _find(self) -> Cgroup | None:
-        """The cgroup of the sandbox's init process (the engine's ``inspect``)."""
+        """The cgroup of the sandbox's init process: podman's from its conmon in
+        ``/proc`` (:func:`conmon_child`), else the engine's ``inspect``."""
         if self.kind != "container":
             return None
+        if self.backend == "podman" and (init := conmon_child(self.name)) is not None:
+            return Cgroup.of_pid(init)
         from agentbox.core import proc as _proc
         from agentbox.errors import AgentboxError
 
