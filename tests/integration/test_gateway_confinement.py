@@ -116,8 +116,10 @@ def test_run_task_spawns_the_gateway_confined() -> None:
 CHILD = textwrap.dedent(
     """
     import ctypes, errno, json, os, socket, sys, threading
-    from agentbox.gateway._confine import confine
-    if sys.argv[1] == "confined":
+    from agentbox.gateway._confine import confine, prebuild
+    if sys.argv[1] == "compiled":  # as the template does: compiled once, loaded by a fork
+        prebuild()
+    if sys.argv[1] in ("confined", "compiled"):
         os.setgroups([]); os.setgid(65534); os.setuid(65534)
         confine()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -171,6 +173,13 @@ def test_seccomp_filter_denies_escape_primitives() -> None:
     assert got["vsock"] == got["packet"] == got["alg"] == "EAFNOSUPPORT", got
     # What the gateway needs still works: its sockets and threads.
     assert got["unix"] == got["inet"] == got["thread"] == "ok", got
+
+
+def test_the_templates_compiled_filter_denies_the_same() -> None:
+    """The program the gateway template compiles once and each forked gateway loads
+    (``prctl(PR_SET_SECCOMP)``, no libseccomp call) denies and allows what the filter
+    libseccomp loads does (the test above; its control below)."""
+    assert _child("compiled") == _child("confined")
 
 
 def test_the_filter_loads_libseccomp_without_running_ldconfig() -> None:

@@ -50,6 +50,7 @@ from agentbox.gateway._wire import (
     send_error,
 )
 from agentbox.gateway.registry import ModelEntry
+from agentbox.linux.libc import libc
 
 log = get_logger(__name__)
 
@@ -59,6 +60,10 @@ _MAX_TOKENS_CAP = 1 << 24
 #: thread ~0.3 ms of CPU (a rename over the old file; more on a loaded machine), which at
 #: 10 ms was 10-18 % of a busy gateway's CPU (bench/gateway.py).
 _WRITE_INTERVAL = 0.1
+
+
+#: Seconds with no request in flight before the heap's free pages go back to the kernel.
+IDLE_TRIM_AFTER = 2.0
 
 
 @dataclass
@@ -111,6 +116,7 @@ class Gateway(Forwarding):
         """A usage-file write is running, or the pause after one has not ended."""
         self._in_flight = False
         """A usage-file write is running in the worker thread."""
+        self._trim: asyncio.TimerHandle | None = None
         self._dirty = False
         self._pool: Pool | None = None
         self._strip = frozenset(cfg.entry.stripped_fields)
@@ -150,6 +156,9 @@ class Gateway(Forwarding):
 
     async def aclose(self) -> None:
         """Close the upstream client and write the usage file a last time."""
+        if self._trim is not None:
+            self._trim.cancel()
+            self._trim = None
         if self._pool is not None:
             await self._pool.aclose()
             self._pool = None
@@ -258,6 +267,23 @@ class Gateway(Forwarding):
         finally:
             self.usage_changed()
             self.active -= 1
+            if self.active == 0:
+                self._trim_when_idle()
+
+    def _trim_when_idle(self) -> None:
+        """Once no request has been in flight for :data:`IDLE_TRIM_AFTER` seconds, hand
+        the heap's free pages back to the kernel (``malloc_trim``): a request's buffers
+        (an agent's request body is hundreds of KiB) are freed into glibc's heap, which
+        keeps them resident, private to this gateway, for the rest of an idle task."""
+        if self._trim is not None:
+            self._trim.cancel()
+        self._trim = asyncio.get_running_loop().call_later(IDLE_TRIM_AFTER, self._trim_now)
+
+    def _trim_now(self) -> None:
+        self._trim = None
+        if self.active == 0:
+            with contextlib.suppress(OSError, AttributeError):
+                libc().malloc_trim(0)
 
     def _refuse(self, reason: str) -> None:
         self.ledger.refuse(reason)

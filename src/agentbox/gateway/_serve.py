@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import secrets
 import signal
 import socket
+import sys
 import time
 from collections.abc import Generator
 from pathlib import Path
@@ -107,6 +109,8 @@ def bind(listen: Listen) -> socket.socket:
 #: How often a server's shutdown checks that its connections have closed (uvicorn's own
 #: loop checks every 0.1 s and pauses 0.1 s first: 0.2-0.3 s of every task's stop).
 _SHUTDOWN_POLL = 0.005
+#: Seconds the servers get to accept connections before ``ready`` is given up.
+_READY_TIMEOUT = 10.0
 
 
 class _Server(uvicorn.Server):
@@ -124,6 +128,13 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self._wake = asyncio.Event()
+        #: Set once :meth:`startup` has made the server accept connections.
+        self.accepting = asyncio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.accepting.set()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -171,9 +182,27 @@ class _Server(uvicorn.Server):
             await server.wait_closed()
 
 
+#: Whether uvicorn's logging configuration was applied in this process (or the template
+#: it was forked from): ``logging.config.dictConfig`` is ~0.5 ms a server, twice in every
+#: gateway's start, and gives the same loggers every time.
+_logging_configured = False
+
+
 def _config(app: Any, limits: ConnLimits) -> uvicorn.Config:
+    global _logging_configured
+    if _logging_configured:
+        log_config = None
+        # What dictConfig would do again: its handler writes to the sys.stderr of now
+        # (the gateway's capped log, set after the template configured it).
+        for handler in logging.getLogger("uvicorn").handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.setStream(sys.stderr)
+    else:
+        log_config = uvicorn.config.LOGGING_CONFIG
+        _logging_configured = True
     cfg = uvicorn.Config(
         app,
+        log_config=log_config,
         http=GuardedH11Protocol,
         log_level="warning",
         access_log=False,
@@ -255,10 +284,14 @@ class ServerGroup:
                 for server, (_, sock) in zip(self.servers, self.apps, strict=True)
             ]
             if ready_fd is not None:
-                for _ in range(2000):
-                    if self.started or any(t.done() for t in tasks):
-                        break
-                    await asyncio.sleep(0.005)
+                # Told at once (a 5 ms poll here was a quarter of a forked gateway's start).
+                accepting: asyncio.Future[Any] = asyncio.gather(
+                    *(s.accepting.wait() for s in self.servers)
+                )
+                waits: list[asyncio.Future[Any]] = [accepting, *tasks]
+                await asyncio.wait(waits, timeout=_READY_TIMEOUT,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                accepting.cancel()
                 # The launcher may be gone (killed while we started): the task's sandbox
                 # may already run and still needs us, so a closed pipe is no reason to die.
                 if self.started:

@@ -11,10 +11,9 @@ socket (a ``SOCK_SEQPACKET`` pair end; only the launcher holds the other):
   attached (``SCM_RIGHTS``): its listening socket, its ready pipe, its log file, and a
   pipe carrying the gateway's secret environment (the upstream key), which only the
   gateway reads: the template never holds a task's secret;
-- the template forks; the child forks again and exits, so the gateway is nobody's
-  child here (reparented to init: it outlives the template and the launcher as an
-  exec'd gateway does), and the grandchild becomes the task's gateway
-  (:func:`_become_gateway`);
+- the template forks, and the child becomes the task's gateway (:func:`_become_gateway`):
+  in a session of its own, reaped by the kernel (the template ignores ``SIGCHLD``), it
+  outlives the template and the launcher as an exec'd gateway does (init adopts it);
 - reply: ``{"pid": N}`` once the gateway has named itself (its command line is the
   exec'd gateway's, so re-adoption and orphan sweeps see the same process), or
   ``{"error": "..."}``.
@@ -32,6 +31,7 @@ import gc
 import json
 import os
 import select
+import signal
 import socket
 import sys
 from typing import Any, NoReturn
@@ -184,7 +184,15 @@ def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
 
 
 def serve(sock: socket.socket) -> None:
-    """Answer fork requests until the launcher's end closes."""
+    """Answer fork requests until the launcher's end closes.
+
+    The gateways are this process's children while it runs (an exec'd gateway is its
+    launcher's), reaped by the kernel when they end (``SIGCHLD`` ignored: no zombie, no
+    wait); when it exits, init adopts them. One fork, not a double fork that would make
+    init their parent at once: each fork copies the template's page tables (~2 ms),
+    on the path of every task's start.
+    """
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     while True:
         try:
             msg, fds = _recv(sock)
@@ -215,18 +223,15 @@ def _fork_one(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> dict[
         os.close(report_r)
         os.close(report_w)
         raise
-    if pid == 0:  # the first child: fork the gateway and go, so init adopts it
-        code = 1
+    if pid == 0:
         try:
             os.close(report_r)
-            if os.fork() == 0:
-                _become_gateway(sock, req, fds, report_w)
-            code = 0
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # as an exec'd gateway has it
+            _become_gateway(sock, req, fds, report_w)
         finally:
-            os._exit(code)
+            os._exit(1)
     os.close(report_w)
     try:
-        os.waitpid(pid, 0)
         return _read_report(report_r)
     finally:
         os.close(report_r)
@@ -280,7 +285,7 @@ def _dup_above(fd: int, low: int) -> int:
 def _become_gateway(
     sock: socket.socket, req: dict[str, Any], fds: list[int], report: int
 ) -> NoReturn:
-    """In the grandchild: take the task's descriptors, name the process as the exec'd
+    """In the child: take the task's descriptors, name the process as the exec'd
     gateway, report, and run the gateway's ``main``; never returns into the template."""
     code = 1
     try:
