@@ -22,7 +22,7 @@ from agentbox.backends.docker import DockerBackend
 from agentbox.backends.docker import _detach as detach
 from agentbox.backends.docker._image import ensure_image
 from agentbox.config import Settings
-from agentbox.errors import SandboxGone
+from agentbox.errors import SandboxError, SandboxGone
 from sandbox_leaks import SandboxTracker
 
 pytestmark = [
@@ -133,3 +133,60 @@ def test_adoptable_refuses_what_is_not_ours(
         argv += ["--label", f"{k}={v}"]
     subprocess.run([*argv, image_id, "sleep", "600"], check=True, capture_output=True)
     assert not backend.adoptable(forged, labels={})
+
+
+def _killed_at_the_cap(backend: DockerBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The container's init dies just as its user namespace is capped (CI, stop 37: a
+    chaos run met it), by a ``docker kill`` before the real cap runs."""
+    real = backend._cap_pid
+
+    def cap(pid: int, name: str) -> None:
+        subprocess.run(["docker", "kill", name], capture_output=True, check=True)
+        subprocess.run(["docker", "wait", name], capture_output=True, timeout=60)
+        real(pid, name)
+
+    monkeypatch.setattr(backend, "_cap_pid", cap)
+
+
+def test_a_container_killed_at_its_cap_fails_the_launch_saying_so(
+    sandbox_settings: Settings,
+    default_image: str,
+    names: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = DockerBackend(sandbox_settings)
+    name = f"det-docker-capkill-{os.getpid()}"
+    names.append(name)
+    spec = SandboxSpec(name=name, image=default_image, deadline=300,
+                       labels={"io.agentbox.task": "t"})  # fmt: skip
+    _killed_at_the_cap(backend, monkeypatch)
+    with pytest.raises(SandboxError, match="ended before its command started"):
+        backend.launch(spec, ["sh", "-c", "echo ran > /tmp/x"], log=tmp_path / "s.log")
+    assert not _exists(name)
+
+
+def test_a_follower_reads_a_container_killed_at_its_cap_as_its_end(
+    sandbox_settings: Settings,
+    default_image: str,
+    names: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = DockerBackend(sandbox_settings)
+    name = f"det-docker-capkill-f-{os.getpid()}"
+    names.append(name)
+    spec = SandboxSpec(name=name, image=default_image, deadline=300,
+                       labels={"io.agentbox.task": "t"})  # fmt: skip
+    log = tmp_path / "s.log"
+    # Its launcher died after the start, before the cap and the gate.
+    with monkeypatch.context() as m:
+        m.setattr(backend, "_cap_pid", lambda pid, name: None)
+        m.setattr(detach, "_open_gate", lambda *a: None)
+        backend.launch(spec, ["sh", "-c", "echo ran"], log=log)
+    assert _exists(name)
+    _killed_at_the_cap(backend, monkeypatch)
+    ended, out, _ = _follow(backend, name, log)
+    assert ended.exit_code != 0 and out == b"", "the command behind the gate never ran"
+    assert not _exists(name)
+    assert read_exit(log) == ended

@@ -241,7 +241,10 @@ class DockerBackend(DockerDetached, NoPool):
             _proc.run(["/bin/sh", "-c", HOOK_SCRIPT, "hook", *args],
                       input=json.dumps({"pid": pid}), timeout=30)  # fmt: skip
         except AgentboxError as exc:
-            raise SandboxError(f"cannot cap its user namespace: {exc}", sandbox=name) from exc
+            # The hook's own words (its last stderr line), not the script's text.
+            said = getattr(exc, "stderr", "").strip().splitlines()
+            why = said[-1][:300] if said else str(exc).splitlines()[0][:300]
+            raise SandboxError(f"cannot cap its user namespace: {why}", sandbox=name) from exc
 
     def run(
         self,

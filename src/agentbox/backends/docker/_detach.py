@@ -187,7 +187,10 @@ class DockerDetached:
             if spec.runtime == "runc":
                 if not isinstance(init, int) or init <= 1:
                     raise SandboxError("no init pid to cap its user namespace", sandbox=spec.name)
-                be._cap_pid(init, spec.name)
+                try:
+                    be._cap_pid(init, spec.name)
+                except SandboxError as exc:
+                    raise _ended_or(be, cid, spec.name, exc) from exc
                 _open_gate(be, cid, spec.uid, spec.name)
             if disk is not None:
                 # Settled once the container's init (tini) is gone, by whoever comes first.
@@ -298,7 +301,17 @@ class DockerDetached:
             return info
         if _labels_of(info).get("io.agentbox.runtime") == "runc" and not _gate_open(be, cid):
             log_event("gate opened by its follower (its launcher died before)", name)
-            be._cap_pid(init, name)
+            try:
+                be._cap_pid(init, name)
+            except SandboxError:
+                # Its init gone since the inspect (killed, or removed by another follower):
+                # the container's end, which the caller reads, not a start that failed. A
+                # container still running is not capped: that stays an error (fail closed).
+                now = _inspect_quiet(be, cid)
+                if now is not None and _state(now).get("Running") is True:
+                    raise
+                log_event("ended before its gate opened", name)
+                return now or info
             uid = str(info.get("Config", {}).get("User") or "").partition(":")[0]
             _open_gate(be, cid, int(uid) if uid.isdigit() else 0, name)
         owner, start = _process_start(init)
@@ -490,6 +503,24 @@ def _open_gate(be: DockerBackend, cid: str, uid: int, name: str) -> None:
     code = _in(be, cid, uid, ["touch", GO_FILE])
     if code != 0:
         raise SandboxError(f"could not start its command (gate: {code})", sandbox=name)
+
+
+def _ended_or(be: DockerBackend, cid: str, name: str, exc: SandboxError) -> SandboxError:
+    """The error for a failed cap: ``exc`` while the container runs (fail closed), else
+    what ended it before its command could start (the Engine's own state, no text the
+    sandbox chose: an exit code, the OOM flag, the daemon's error)."""
+    now = _inspect_quiet(be, cid)
+    state = _state(now or {})
+    if now is not None and state.get("Running") is True:
+        return exc
+    if now is None:
+        return SandboxError("it was removed before its command started", sandbox=name)
+    code, oom = state.get("ExitCode"), state.get("OOMKilled") is True
+    why = f"exit code {code}" if isinstance(code, int) else "no exit code"
+    return SandboxError(
+        f"it ended before its command started ({why}{', out of memory' if oom else ''})",
+        sandbox=name,
+    )
 
 
 def _gate_open(be: DockerBackend, cid: str) -> bool:
