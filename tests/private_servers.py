@@ -336,11 +336,38 @@ def in_netns(ns: str) -> list[str]:
     return ["nsenter", f"--net=/run/netns/{ns}", "--"]
 
 
+def reap_stale_netns() -> list[str]:
+    """Remove the namespaces (their servers, their veth) of runs whose process is gone.
+
+    Each namespace is named ``abpriv-<pid>-<tag>`` after the process that made it; a run
+    killed before its cleanup (a tutorial's background helper past its grace) left one
+    with fcgiwrap and nginx still in it (CI, stop 36). A live process's are not touched.
+    """
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    reaped = []
+    for line in listed.splitlines():
+        name = line.split(" ", 1)[0]
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "abpriv" or not parts[1].isdigit():
+            continue
+        if Path(f"/proc/{parts[1]}").exists():
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "link", "del", f"abp{parts[2]}h"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        reaped.append(name)
+    return reaped
+
+
 @contextlib.contextmanager
 def _netns() -> Iterator[tuple[str, str, list[str]]]:
     """(netns name, host-side address, three server addresses in the namespace)."""
+    reap_stale_netns()
     tag = secrets.token_hex(3)
-    ns, host_if, ns_if = f"abpriv-{tag}", f"abp{tag}h", f"abp{tag}n"
+    ns, host_if, ns_if = f"abpriv-{os.getpid()}-{tag}", f"abp{tag}h", f"abp{tag}n"
     n = _free_subnet()
     _ip("netns", "add", ns)
     try:
