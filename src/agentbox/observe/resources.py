@@ -279,7 +279,7 @@ def conmon_child(name: str, proc: Path = Path("/proc")) -> int | None:
 
     Found in ``/proc``, not by ``podman inspect``: inspect takes the container's lock,
     which a loaded host's ``podman run`` holds through the start, and a short attached
-    task could end before any inspect answered (CI, stop 37: a task with no sample).
+    task could end before any inspect answered.
     A sandbox's processes are visible here too and may name themselves anything, so a
     conmon counts only if it runs as root (the sandbox's uids are mapped, never 0) from
     a root-owned binary named ``conmon``; and its child only once it is in a cgroup
