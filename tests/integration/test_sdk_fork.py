@@ -12,12 +12,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from agentbox.config import Settings
 from agentbox.sdk import Sandbox
+from sandbox_leaks import SandboxTracker
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the launcher runs as root")
 
@@ -93,3 +96,120 @@ def test_fork_copies_the_files_and_keeps_the_copies_apart(
     print("\n".join(ln for ln in said.splitlines() if "fork" in ln))
     if backend in ("podman", "docker"):  # the frozen parent copied on the host, not inside
         assert "sdk sandbox forked" in said and "copying inside instead" not in said
+
+
+# -- qemu: a fork from a snapshot of the live VM (memory, processes, tmpfs, disk) ----------
+
+#: A process holding a value only in its memory: it writes it out when it gets SIGUSR1.
+_HOLDER = (
+    "import os, secrets, signal, time\n"
+    "v = secrets.token_hex(8)\n"
+    "def dump(*_):\n"
+    "    with open('/workspace/held-%d' % os.getpid(), 'w') as f: f.write(v)\n"
+    "signal.signal(signal.SIGUSR1, dump)\n"
+    "open('/tmp/holder.pid', 'w').write(str(os.getpid()))\n"
+    "while True: time.sleep(1)\n"
+)
+
+
+@pytest.mark.qemu
+def test_qemu_fork_carries_memory_and_processes(launcher_sock: tuple[Path, Path]) -> None:
+    sock, log = launcher_sock
+    with Sandbox.create(backend="qemu", timeout=600, address=sock) as sb:
+        sb.files.write("/workspace/before.txt", "parent\n")
+        sb.files.write("/tmp/holder.py", _HOLDER)
+        r = sb.commands.run("setsid -f python3 /tmp/holder.py </dev/null >/dev/null 2>&1; "
+                            "for i in $(seq 100); do [ -s /tmp/holder.pid ] && break; sleep 0.2; "
+                            "done; cat /tmp/holder.pid")  # fmt: skip
+        assert r.exit_code == 0 and r.stdout.strip().isdigit(), r
+        pid = r.stdout.strip()
+        # A command of the parent's session still running (and printing) at the fork: in a
+        # fork its output has no reader, and must not break the fork's channel.
+        ticker = sb.commands.run("while :; do echo tick; sleep 0.5; done", background=True)
+        forks = sb.fork(2, timeout=300)
+        try:
+            assert all(f.info.backend == "qemu" for f in forks)
+            f1, f2 = forks
+            for f in forks:
+                assert f.files.read("/workspace/before.txt") == "parent\n"
+                # the process and its memory: the value it holds is written on a signal
+                r = f.commands.run(f"kill -USR1 {pid} && for i in $(seq 100); do "
+                                   f"[ -s /workspace/held-{pid} ] && break; sleep 0.2; done; "
+                                   f"cat /workspace/held-{pid}")  # fmt: skip
+                assert r.exit_code == 0 and len(r.stdout.strip()) == 16, r
+            v1 = f1.files.read(f"/workspace/held-{pid}")
+            assert f2.files.read(f"/workspace/held-{pid}") == v1
+            assert sb.commands.run(f"kill -USR1 {pid} && sleep 2 && cat /workspace/held-{pid}"
+                                   ).stdout.strip() == v1  # fmt: skip
+            # the disk: copy-on-write per fork
+            r = f1.commands.run("echo one >> /workspace/before.txt && echo 1 > /workspace/only1")
+            assert r.exit_code == 0, r
+            assert f1.files.read("/workspace/before.txt") == "parent\none\n"
+            assert f2.files.read("/workspace/before.txt") == "parent\n"
+            assert sb.files.read("/workspace/before.txt") == "parent\n"
+            assert f2.commands.run("test -e /workspace/only1").exit_code == 1
+            assert sb.commands.run("test -e /workspace/only1").exit_code == 1
+            # tmpfs (RAM) is the parent's too, then each its own
+            f2.files.write("/tmp/only2", "2")
+            assert f1.commands.run("test -e /tmp/only2").exit_code == 1
+            assert f1.files.read("/tmp/holder.py") == _HOLDER
+            # the kernel RNG was reseeded in each fork: their first bytes differ
+            rnd = "head -c 16 /dev/urandom | od -An -tx1"
+            outs = {f.commands.run(rnd).stdout for f in (*forks, sb)}
+            assert len(outs) == 3
+            # the ticker prints on in each fork, to nobody; the forks' channels stand
+            for f in forks:
+                assert f.commands.run("sleep 2; echo ok").stdout == "ok\n"
+        finally:
+            for f in forks:
+                f.close()
+        assert sb.commands.run("true").exit_code == 0  # the parent works on
+        ticker.kill()
+    said = log.read_text(errors="replace")
+    assert "fork: parent saved" in said and "vm frozen for forks" in said
+
+
+@pytest.mark.qemu
+def test_qemu_forks_rekeyed_and_their_disks_collectable(
+    sandbox_factory: Callable[[Any, Settings], SandboxTracker], tmp_path: Path
+) -> None:
+    """The backend's half: each fork's agent holds its own session token; a fork's
+    copy-on-write disk (a qcow2 overlay over the frozen base) is read back from a dead
+    fork as any /data disk is."""
+    from agentbox.backends.base import SandboxSpec
+    from agentbox.backends.microvm.qemu import QemuBackend, QemuSandbox
+    from agentbox.boxfile import Resources
+    from agentbox.image import build_default
+
+    info = build_default(Settings())
+    assert info.rootfs is not None and info.hash is not None
+    settings = Settings(data_dir=tmp_path / "data")
+    be = QemuBackend(settings, rootfs=(info.rootfs, info.hash))
+    tracker = sandbox_factory(be, settings)
+    res = Resources(memory="1GiB", cpus=1)
+    parent = tracker.create(SandboxSpec(name="fork-parent", image="default", resources=res))
+    assert isinstance(parent, QemuSandbox)
+    assert parent.exec(["sh", "-c", "echo base > /workspace/a"]).exit_code == 0
+    into = settings.data_dir / "microvm" / ".fork-test"
+    into.mkdir()
+    frozen = be.freeze(parent, into)
+    forks = []
+    for i in range(2):
+        ws = tmp_path / f"ws{i}"
+        ws.mkdir()
+        spec = SandboxSpec(name=f"fork-child{i}", image="default", resources=res, workspace=ws)
+        tracker.track(spec.name)
+        child = be.fork(spec, frozen)
+        tracker.track(spec.name, child)
+        forks.append(child)
+    shutil.rmtree(into)  # the forks keep their own links to the base
+    tokens = {b.session.token for b in (parent, *forks) if b.session is not None}
+    assert len(tokens) == 3
+    f0, f1 = forks
+    assert f0.exec(["sh", "-c", "echo zero >> /workspace/a; sync"]).exit_code == 0
+    assert f1.exec(["cat", "/workspace/a"]).stdout == b"base\n"
+    f0.vm.terminate()  # dead: its disk is read in a jail (qcow2 flattened first)
+    f0.sync_workspace()
+    assert (tmp_path / "ws0" / "a").read_text() == "base\nzero\n"
+    for b in (*forks, parent):
+        b.destroy()

@@ -173,10 +173,13 @@ def _preload() -> None:
 def _reseed(seed: bytes, now: float | None) -> None:
     # RNDADDENTROPY credits the entropy; after a snapshot restore every clone
     # starts from the same RNG state, so this is what makes them diverge.
-    rnd_add_entropy = 0x40085203
+    # RNDRESEEDCRNG then makes the kernel's CRNG take it now, not at its next scheduled
+    # reseed (up to a minute later), so the first random bytes of clones differ too.
+    rnd_add_entropy, rnd_reseed_crng = 0x40085203, 0x5207
     try:
         with open("/dev/urandom", "wb") as f:
             fcntl.ioctl(f, rnd_add_entropy, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
+            fcntl.ioctl(f, rnd_reseed_crng)
     except OSError:
         pass
     if now is not None:

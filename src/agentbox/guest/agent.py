@@ -31,7 +31,9 @@ the declared read-only mounts as ``[{label, target}]``, the copy-on-write
 mounts as ``cow: [{label, target}]`` with their layer's cap ``cow_size``, and the
 extra host sockets as ``sockets: [name]``),
 and from then on asks ``check`` (a nonce, answered with HMAC(token, nonce),
-the kernel release and boot id) before every command.
+the kernel release and boot id) before every command. A VM restored from another
+live VM's state (``Sandbox.fork``) is greeted already: its host sends ``rekey``
+(a new token, clock, RNG seed) instead of ``hello``.
 """
 
 from __future__ import annotations
@@ -198,6 +200,8 @@ class Agent(Streams, Mounts):
             op = msg["op"]
             if op == "hello":
                 return self.hello(msg)
+            if op == "rekey":
+                return self.rekey(msg)
             if self.token is None:
                 raise ProtocolError("no hello yet")
             handler = getattr(self, "op_" + op, None)
@@ -244,6 +248,30 @@ class Agent(Streams, Mounts):
             self.start_gateway()
         self.start_sockets(msg.get("sockets") or [])
         self.ctrl({"op": "hello_ok", **_kernel_facts()})
+
+    def rekey(self, msg: dict) -> None:  # type: ignore[type-arg]
+        """This VM was restored from another live VM's state (a fork): take a new token,
+        clock and RNG seed. The streams of the session it was copied from are cut: their
+        processes run on, but their stdin and gateway connections end (the host they
+        belonged to is another VM's), and what they still send is dropped by this host,
+        which numbers its streams past them."""
+        if self.token is None:
+            raise ProtocolError("rekey before hello")
+        token = str(msg["token"])
+        if len(token) < 32:
+            raise ProtocolError("short token")
+        self.token = token
+        for q in list(self.stdin_q.values()):
+            q.put(None)
+        self.stdin_q.clear()
+        for gq in list(self.gw.values()):
+            gq.put(None)
+        for credit in list(self.gw_credit.values()):
+            credit.close()
+        _reseed(bytes.fromhex(msg.get("seed", "")), msg.get("time"))
+        if msg.get("gateway"):
+            self.start_gateway()
+        self.ctrl({"op": "rekey_ok", **_kernel_facts()})
 
     def op_check(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
         assert self.token is not None

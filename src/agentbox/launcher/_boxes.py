@@ -200,7 +200,10 @@ class BoxKeeper:
         box: Any,
         deadline: float,
         prepare: Callable[[Path, Settings], None] | None = None,
+        make: Callable[[Any, Any], Sandbox] | None = None,
     ) -> _Box:
+        """A sandbox of ``box`` with its uid slot and scratch workspace (``prepare`` fills
+        that first); ``make(backend, spec)`` instead of ``backend.create(spec)``."""
         from agentbox.backends import get_backend, uid_slot
         from agentbox.sandbox import spec_from_boxfile
 
@@ -222,7 +225,7 @@ class BoxKeeper:
             spec = spec.replace(labels={**spec.labels, **mine})
             be = get_backend(box.backend, settings)
             be.check(spec)
-            sb = be.create(spec)
+            sb = be.create(spec) if make is None else make(be, spec)
             stack.callback(sb.destroy)
         except BaseException:
             stack.close()
@@ -273,6 +276,9 @@ class BoxKeeper:
         parent = self._get(sid, caller)
         if caller != 0 and len(self.list(caller=caller)) + n > MAX_PER_USER:
             raise RefusedError(f"{MAX_PER_USER} sandboxes of yours may be live at once")
+        if hasattr(getattr(parent.box, "backend", None), "freeze"):  # a VM: memory too
+            return self._register_forks(sid, self._fork_vm(parent, n, timeout), timeout,
+                                        caller=caller, pid=pid)  # fmt: skip
         on_host = (isinstance(getattr(parent.box, "engine", None), str)  # an OCI engine's
                    and parent.spec is not None
                    and parent.spec.workspace is not None and os.geteuid() == 0)  # fmt: skip
@@ -310,6 +316,33 @@ class BoxKeeper:
         finally:
             if snap is not None:
                 shutil.rmtree(snap, ignore_errors=True)
+        return self._register_forks(sid, made, timeout, caller=caller, pid=pid)
+
+    def _fork_vm(self, parent: _Box, n: int, timeout: float) -> builtins.list[_Box]:
+        """``n`` forks of a microVM sandbox from a snapshot of its live VM, memory and
+        processes included, ``/data`` copy-on-write (backends/microvm/_fork.py)."""
+        be = parent.box.backend  # type: ignore[attr-defined]
+        into = Path(tempfile.mkdtemp(prefix=".fork-", dir=parent.box.vm_dir.parent))  # type: ignore[attr-defined]
+        made: list[_Box] = []
+        try:
+            t0 = time.monotonic()
+            frozen = be.freeze(parent.box, into)
+            took = round(time.monotonic() - t0, 2)
+            log.info("fork: parent saved", sandbox=parent.id, seconds=took)
+            for _ in range(n):
+                made.append(self._start(parent.boxfile, timeout + 30,
+                                        make=lambda fb, spec: fb.fork(spec, frozen)))  # fmt: skip
+        except BaseException:
+            for child in made:
+                child.stack.close()
+            raise
+        finally:
+            shutil.rmtree(into, ignore_errors=True)  # each fork links the base it uses
+        return made
+
+    def _register_forks(
+        self, sid: str, made: builtins.list[_Box], timeout: float, *, caller: int, pid: int
+    ) -> builtins.list[SandboxInfo]:
         out = []
         for child in made:
             child.uid = caller

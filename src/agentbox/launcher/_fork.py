@@ -16,13 +16,17 @@ parent's:
   workspace before its sandbox starts; then every entry is handed to the fork's
   uid (``lchown``, no link followed; no sandbox can see that directory yet). A
   parent that cannot be paused is copied as a microVM's is (below);
-* **the workspace, other backends** (a microVM's ``/data`` disk): packed inside the
-  parent by its own uid and unpacked inside the fork by its own, as an upload is
-  (bounded by :data:`~agentbox.launcher.boxapi.MAX_ARCHIVE`; no memory state);
+* **the workspace, other backends**: packed inside the parent by its own uid and
+  unpacked inside the fork by its own, as an upload is (bounded by
+  :data:`~agentbox.launcher.boxapi.MAX_ARCHIVE`; no memory state);
 * **the tmpfs**: the same, inside.
 
-What runs in the parent (processes, memory, open files) is not carried over, and
-files the parent writes while the copy runs may be half there.
+On those, what runs in the parent (processes, memory, open files) is not carried
+over, and files the parent writes while the copy runs may be half there.
+
+**qemu** forks are not made here: its backend saves the live VM whole (memory,
+processes, tmpfs, ``/data`` copy-on-write) and restores each fork from that
+(:mod:`agentbox.backends.microvm._fork`; ``BoxKeeper._fork_vm``).
 """
 
 from __future__ import annotations

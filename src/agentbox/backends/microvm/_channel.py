@@ -67,7 +67,12 @@ class Channel:
         name: str,
         on_broken: Callable[[str], None] | None = None,
         on_gateway_open: Callable[[int, str | None], None] | None = None,
+        first_stream: int = 2,
+        last_gw: int = -1,
     ) -> None:
+        """``first_stream`` and ``last_gw``: for a guest restored from another live VM's
+        state (a fork), past the streams that VM's session had opened, so what the
+        guest still sends on those is dropped as late, never read as this session's."""
         self.name = name
         self._sock = sock
         # Blocking for the reader; sends are non-blocking per call (MSG_DONTWAIT) with
@@ -80,8 +85,8 @@ class Channel:
         self._ctrl: dict[int, queue.Queue[bytes | None]] = {0: queue.Queue()}
         self._queued = 0  # bytes charged for everything in self._ctrl
         self._data: dict[int, DataHandler] = {}
-        self._next = 2
-        self._last_gw = -1  # the highest gateway stream the guest opened
+        self._next = max(2, first_stream + first_stream % 2)
+        self._last_gw = last_gw  # the highest gateway stream the guest opened
         self._on_broken = on_broken
         self._on_gateway_open = on_gateway_open
         self._close_hooks: list[Callable[[], None]] = []
@@ -128,6 +133,13 @@ class Channel:
         """Break the channel for a protocol violation found by a reader; the error to raise."""
         self._break(f"protocol violation: {why}")
         return GuestError(f"protocol violation: {why}", sandbox=self.name)
+
+    @property
+    def streams_seen(self) -> tuple[int, int]:
+        """(the next host stream id, the highest gateway stream): what a fork's channel
+        starts past (see ``first_stream``)."""
+        with self._lock:
+            return self._next, self._last_gw
 
     @property
     def queued_bytes(self) -> int:

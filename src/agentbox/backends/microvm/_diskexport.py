@@ -39,17 +39,41 @@ def export_disk(image: Path, dest: Path, *, uid: int) -> list[tuple[str, str]]:
         out.mkdir(mode=0o700)
         os.chown(out, uid, uid)
         os.chown(image, uid, uid)
+        disk = "/vm/data.img"
+        ro: tuple[tuple[Path, str], ...] = ()
+        rw: tuple[tuple[Path, str], ...] = ((image, "/vm/data.img"), (out, "/vm/out"))
+        flatten = ""
+        if _is_qcow2(image):
+            # A fork's disk (microvm/_fork.py): a qcow2 overlay over data-base.img beside
+            # it. Flattened in the jail first; its backing is named here, never taken from
+            # the (VMM-written) header.
+            base = image.with_name("data-base.img")
+            flat = Path(tmp) / "flat"
+            flat.mkdir(mode=0o700)
+            os.chown(flat, uid, uid)
+            ro, rw = ((base, "/vm/data-base.img"),), (*rw, (flat, "/vm/flat"))
+            disk = "/vm/flat/data.img"
+            flatten = (
+                "qemu-img convert -q -O raw --image-opts driver=qcow2,file.filename=/vm/data.img,"
+                "backing.driver=raw,backing.file.filename=/vm/data-base.img /vm/flat/data.img"
+                " || exit 1;"
+            )
         inner = [
             "/bin/sh", "-c",
-            "e2fsck -E journal_only -y /vm/data.img >/dev/null 2>&1;"
-            " exec debugfs -R 'rdump / /vm/out' /vm/data.img",
+            f"{flatten} e2fsck -E journal_only -y {disk} >/dev/null 2>&1;"
+            f" exec debugfs -R 'rdump / /vm/out' {disk}",
         ]  # fmt: skip
-        spec = JailSpec((), ((image, "/vm/data.img"), (out, "/vm/out")), uid, uid)
+        spec = JailSpec(ro, rw, uid, uid)
         try:
             _proc.run(jail_argv(spec, inner), timeout=EXPORT_TIMEOUT)
         except Exception as exc:
             raise CollectError(f"cannot read the guest's /data disk {image}: {exc}") from exc
         return _copy_tree(out, dest)
+
+
+def _is_qcow2(image: Path) -> bool:
+    with image.open("rb") as f:
+        return f.read(4) == b"QFI\xfb"
 
 
 def _copy_tree(src: Path, dest: Path) -> list[tuple[str, str]]:

@@ -161,6 +161,21 @@ class GuestSession(GatewayStreams):
         self._verify(self.channel.wait(0, {"hello_ok"}, timeout), nonce=None)
         self.channel.release_stream0()
 
+    def rekey(
+        self, *, gateway: Path | None, timeout: float, sockets: Mapping[str, Path] | None = None
+    ) -> None:
+        """Greet an agent restored from another live VM's state (a fork), greeted already:
+        this session's own token, the clock and an RNG reseed (as :meth:`hello`), and the
+        gateway relay if this sandbox has one; its mounts are its parent's."""
+        self.gateway_socket = gateway
+        self.sockets = dict(sockets or {})
+        self.channel.send_ctrl({
+            "op": "rekey", "token": self.token, "time": time.time(),
+            "seed": secrets.token_hex(64), "gateway": gateway is not None,
+        })  # fmt: skip
+        self._verify(self.channel.wait(0, {"rekey_ok"}, timeout), nonce=None)
+        self.channel.release_stream0()
+
     def check(self, timeout: float = CHECK_TIMEOUT) -> dict[str, Any]:
         """The per-command check: nonce echoed under the token, a kernel that is not ours."""
         nonce = secrets.token_hex(16)

@@ -166,8 +166,9 @@ def _save(cfg: VmConfig, snap: Snapshot) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def wait_incoming(vm: Vm, timeout: float = 60.0) -> None:
-    """Wait until a ``-incoming`` VM has loaded its state, then ``cont``."""
+def wait_incoming(vm: Vm, timeout: float = 60.0, *, ignore_shared: bool = True) -> None:
+    """Wait until a ``-incoming`` VM has loaded its state, then ``cont``. ``ignore_shared``
+    False: the stream carries the RAM (a fork's, see :mod:`._fork`)."""
     end = time.monotonic() + timeout
     while not vm.qmp_socket.exists():  # QEMU makes it before it reads the state
         if not vm.alive():
@@ -178,8 +179,9 @@ def wait_incoming(vm: Vm, timeout: float = 60.0) -> None:
     load: list[tuple[str, dict[str, Any] | None]] = [wait_loaded()]
     mapped = vm.cfg.ram_fd is not None or vm.cfg.ram_file is not None
     if mapped and vm.cfg.incoming_fd is not None:  # -incoming defer
+        caps = {"capabilities": [{**IGNORE_SHARED, "state": ignore_shared}]}
         load[:0] = [
-            ("migrate-set-capabilities", {"capabilities": [IGNORE_SHARED]}),
+            ("migrate-set-capabilities", caps),
             ("migrate-incoming", {"uri": f"fd:{vm.cfg.incoming_fd}"}),
         ]
     while True:  # the socket exists a moment before QEMU listens on it

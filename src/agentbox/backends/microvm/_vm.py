@@ -70,6 +70,9 @@ class VmConfig:
     root_disk: Path
     data_disk: Path | None
     run_dir: Path
+    #: A fork's ``data_disk`` is a qcow2 overlay over this raw disk (bound read-only at
+    #: ``/vm/data-base.img``, the overlay's backing file).
+    data_base: Path | None = None
     #: One read-only disk per declared mount, in the order of the spec's mounts.
     mount_disks: tuple[Path, ...] = ()
     memory_mib: int = 512
@@ -84,6 +87,9 @@ class VmConfig:
     ram_file: Path | None = None
     #: A restored VM's RAM: this sealed memfd (passed in), mapped private (copy-on-write).
     ram_fd: int | None = None
+    #: A fork of a VM whose RAM was one of those: the same memory backend id (``ram``, so
+    #: the migration stream's RAM block is found), anonymous memory.
+    ram_anon: bool = False
     cmdline_extra: tuple[str, ...] = ()
     use_cgroup: bool = True
     jail: bool = True
@@ -107,7 +113,10 @@ def qemu_argv(cfg: VmConfig, *, in_jail: bool = True) -> list[str]:
     accel = "kvm" if cfg.accel == "kvm" else f"tcg,tb-size={TCG_TB_MIB}"
     machine = "microvm,isa-serial=on,rtc=on,pic=off,pit=on"
     ram: list[str] = []
-    if cfg.ram_fd is not None or cfg.ram_file is not None:
+    if cfg.ram_anon:
+        machine += ",memory-backend=ram"
+        ram = ["-object", f"memory-backend-ram,id=ram,size={cfg.memory_mib}M"]
+    elif cfg.ram_fd is not None or cfg.ram_file is not None:
         if cfg.ram_fd is not None:  # private: the guest's writes never reach the memfd
             where, share = f"/proc/self/fd/{cfg.ram_fd}", "off"
         else:
@@ -132,8 +141,9 @@ def qemu_argv(cfg: VmConfig, *, in_jail: bool = True) -> list[str]:
         "-device", "virtio-blk-device,drive=root",
     ]  # fmt: skip
     if cfg.data_disk is not None:
+        fmt = "raw" if cfg.data_base is None else "qcow2"
         argv += [
-            "-drive", f"id=data,file={p(cfg.data_disk, '/vm/data.img')},format=raw,if=none,"
+            "-drive", f"id=data,file={p(cfg.data_disk, '/vm/data.img')},format={fmt},if=none,"
                       "cache=writeback,discard=unmap",
             "-device", "virtio-blk-device,drive=data",
         ]  # fmt: skip
@@ -185,6 +195,8 @@ class Vm:
         ro = [(c.kernel.vmlinux, "/vm/vmlinux"), (c.initramfs, "/vm/initramfs"),
               (c.root_disk, "/vm/root.img")]  # fmt: skip
         ro += [(disk, f"/vm/m{i}.img") for i, disk in enumerate(c.mount_disks)]
+        if c.data_base is not None:
+            ro.append((c.data_base, "/vm/data-base.img"))
         rw = [(c.run_dir, "/vm/run")]
         if c.ram_file is not None:
             rw.append((c.ram_file, "/vm/ram"))

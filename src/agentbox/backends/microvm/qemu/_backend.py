@@ -21,6 +21,8 @@ from typing import Literal
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.microvm import Vm, VmConfig, ensure_snapshot, snapshot_ram
 from agentbox.backends.microvm._base import _MicrovmBackend
+from agentbox.backends.microvm._fork import Frozen, fork_vm, freeze, start_fork
+from agentbox.backends.microvm._recover import vmm_uid, write_owner
 from agentbox.backends.microvm._snapram import ram_ref as _ram_ref
 from agentbox.backends.microvm._snapshot import find_snapshot
 from agentbox.backends.microvm.kvm import probe_kvm
@@ -29,7 +31,10 @@ from agentbox.backends.microvm.qemu._sandbox import QemuSandbox
 from agentbox.config import Settings
 from agentbox.core import host as _host
 from agentbox.core import proc as _proc
-from agentbox.errors import AgentboxError, UnsupportedError
+from agentbox.core.log import get_logger
+from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
+
+log = get_logger(__name__)
 
 
 @functools.cache
@@ -113,6 +118,40 @@ class QemuBackend(QemuDetached, _MicrovmBackend):  # detached verbs: qemu/_detac
         cfg = dataclasses.replace(cfg, mount_disks=tuple(Path() for _ in spec.mounts))
         snap = find_snapshot(self.settings.cache_dir, cfg, _qemu_version(cfg.qemu_binary))
         return None if snap is None else _ram_ref(snap.ram, cfg.memory_mib * 1024**2)
+
+    # -- forks (Sandbox.fork: memory and disk; see microvm/_fork.py)
+    def freeze(self, sb: object, into: Path) -> Frozen:
+        """Save the live sandbox ``sb`` (a :class:`QemuSandbox`) for forks into ``into``
+        (a fresh root-only dir under the data dir); ``sb`` runs on."""
+        if not isinstance(sb, QemuSandbox):
+            raise SandboxError("fork: not a qemu sandbox")
+        return freeze(sb, into)
+
+    def fork(self, spec: SandboxSpec, frozen: Frozen) -> QemuSandbox:
+        """A sandbox for ``spec`` (the parent's Boxfile, its own uid slot, workspace and
+        deadline) restored from ``frozen``: the parent's memory and processes, its
+        ``/data`` copy-on-write, a fresh agent token, clock and RNG seed."""
+        self.check(spec)
+        if len(spec.mounts) != len(frozen.mounts):
+            raise SandboxError("fork: the parent's mounts differ from its Boxfile's")
+        name = self._vm_name(spec.name)
+        vm_dir = self._vm_dir(name)
+        vm_dir.mkdir(mode=0o700)
+        write_owner(vm_dir, spec)
+        vm: Vm | None = None
+        try:
+            vm = fork_vm(frozen, name=name, vm_dir=vm_dir, uid=vmm_uid(self.settings,
+                                                                       spec.isolation))  # fmt: skip
+            start_fork(vm, frozen)
+            sandbox = QemuSandbox(self, spec, vm, vm_dir, restored=True, forked=frozen.streams)
+            sandbox._connect()
+            return sandbox
+        except BaseException:
+            if vm is not None:
+                log.warning("fork VM failed to start", sandbox=name, log=vm.log_tail(800))
+                vm.kill()
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            raise
 
     def _sandbox(self, spec: SandboxSpec, vm: Vm, vm_dir: Path) -> QemuSandbox:
         """A :class:`QemuSandbox`, restored from the snapshot unless cold."""

@@ -66,14 +66,24 @@ class QemuSandbox(BaseSandbox):
     """A live microVM sandbox; ``destroy`` is idempotent and verifies nothing is left."""
 
     def __init__(
-        self, backend: _MicrovmBackend, spec: SandboxSpec, vm: Vm, vm_dir: Path, *, restored: bool
+        self,
+        backend: _MicrovmBackend,
+        spec: SandboxSpec,
+        vm: Vm,
+        vm_dir: Path,
+        *,
+        restored: bool,
+        forked: tuple[int, int] | None = None,
     ) -> None:
+        """``forked``: restored from another live VM's state (:mod:`.._fork`), whose
+        session had opened streams up to (next host stream, last gateway stream)."""
         self.backend = backend
         self.spec = spec
         self.vm = vm
         self.vm_dir = vm_dir
         super().__init__(vm.cfg.name)
         self.restored = restored
+        self.forked = forked
         self.session: GuestSession | None = None
         self.broken_reason: str | None = None
         self.deadline_at = time.monotonic() + spec.deadline
@@ -85,9 +95,11 @@ class QemuSandbox(BaseSandbox):
     def _connect(self) -> None:
         t0 = time.monotonic()
         if self.restored:
-            wait_incoming(self.vm, timeout=BOOT_TIMEOUT)
+            wait_incoming(self.vm, timeout=BOOT_TIMEOUT, ignore_shared=self.forked is None)
         sock = self.vm.connect(BOOT_TIMEOUT)
-        chan = Channel(sock, name=self.name, on_broken=self._on_broken)
+        first, last_gw = self.forked or (2, -1)
+        chan = Channel(sock, name=self.name, on_broken=self._on_broken, first_stream=first,
+                       last_gw=last_gw)  # fmt: skip
         session = GuestSession(chan, name=self.name, host=host_kernel())
         chan._on_gateway_open = session.on_gateway_open
         self.session = session
@@ -98,14 +110,18 @@ class QemuSandbox(BaseSandbox):
             gw = self.spec.gateway_dir / GATEWAY_SOCKET_NAME
         res = self.spec.resources
         labelled = [(mount_label(i), m) for i, m in enumerate(self.spec.mounts)]
-        session.hello(
-            uid=self.spec.uid, mount_data=True, gateway=gw, timeout=BOOT_TIMEOUT,
-            pids=res.pids, nofile=res.nofile,
-            mounts=[(label, m.target) for label, m in labelled if m.read_only],
-            cow=[(label, m.target) for label, m in labelled if not m.read_only],
-            cow_size=res.disk_limit(self.backend.settings).size,
-            sockets=_extra_sockets(self.spec.gateway_dir),
-        )  # fmt: skip
+        if self.forked is not None:  # greeted as its parent; its mounts are the parent's
+            session.rekey(gateway=gw, timeout=BOOT_TIMEOUT,
+                          sockets=_extra_sockets(self.spec.gateway_dir))  # fmt: skip
+        else:
+            session.hello(
+                uid=self.spec.uid, mount_data=True, gateway=gw, timeout=BOOT_TIMEOUT,
+                pids=res.pids, nofile=res.nofile,
+                mounts=[(label, m.target) for label, m in labelled if m.read_only],
+                cow=[(label, m.target) for label, m in labelled if not m.read_only],
+                cow_size=res.disk_limit(self.backend.settings).size,
+                sockets=_extra_sockets(self.spec.gateway_dir),
+            )  # fmt: skip
         self.boot_seconds = time.monotonic() - t0
         # The deadline is the workload's: it starts once the guest is ready.
         self.deadline_at = time.monotonic() + self.spec.deadline

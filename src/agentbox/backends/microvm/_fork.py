@@ -1,0 +1,161 @@
+"""Forking a live QEMU microVM: its memory and its disk, copy-on-write on the disk.
+
+:func:`freeze` stops the parent VM (QMP ``stop``: the vCPUs halt and QEMU flushes
+every disk), migrates its whole state, the RAM included, into a file (``migrate
+fd:``, as :mod:`._snapshot` saves a template, but without ``x-ignore-shared``: a
+live VM's RAM is its own private pages, not a shared file), copies its ``/data``
+disk as it stands then (sparse: only what is written) as the frozen base, and
+resumes the parent (``cont``: QEMU takes its disks back after a completed
+migration), which keeps working on its own disk; its guest clock lags by the pause.
+
+:func:`fork_vm` then starts each fork as a restore of that state: the parent's
+command line and device set (kernel, initramfs, root disk, memory, vCPUs, mount
+disks), its own VM dir, uid and cgroup, its RAM anonymous (under the parent's
+memory backend id, if it had one) and filled from the stream, and as ``/data`` a
+qcow2 overlay whose backing file is the frozen base, bound read-only into the jail
+(every fork shares the base's blocks; its writes go to its overlay). The guest
+wakes as its parent was, already greeted, so the host sends ``rekey`` (a fresh
+token, the clock, an RNG reseed; see :meth:`GuestSession.rekey`) and numbers its
+streams past the parent's, so what the parent's commands still send
+is dropped. Processes, tmpfs files and memory of the parent live on in every
+fork; what the parent's userspace drew from its RNG before the fork (a Python
+``random`` state) is the same in all, as after ``os.fork``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentbox.backends.microvm._disks import DATA_DISK_BYTES
+from agentbox.backends.microvm._qmp import wait_migration
+from agentbox.backends.microvm._snapshot import IGNORE_SHARED
+from agentbox.backends.microvm._vm import Vm, VmConfig
+from agentbox.core import proc as _proc
+from agentbox.core.log import get_logger
+from agentbox.errors import CommandError, SandboxError
+
+if TYPE_CHECKING:
+    from agentbox.backends.microvm.qemu._sandbox import QemuSandbox
+
+log = get_logger(__name__)
+
+#: How long saving a live VM's state may take (its RAM crosses a pipe; under TCG).
+SAVE_TIMEOUT = 600.0
+#: Where a fork's frozen base is bound in its jail (its overlay names it as backing).
+BASE_IN_JAIL = "/vm/data-base.img"
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    """A live VM's state saved for forks: the migration stream (RAM included), its
+    ``/data`` as it was (raw), its mount disks, its config, and how far its session's
+    stream ids had gone (:meth:`Channel.streams_seen`)."""
+
+    state: Path
+    base: Path
+    mounts: tuple[Path, ...]
+    cfg: VmConfig
+    streams: tuple[int, int]
+
+
+def freeze(sb: QemuSandbox, into: Path) -> Frozen:
+    """Save ``sb``'s VM into the (root-only) directory ``into`` and resume it."""
+    vm = sb.vm
+    if sb.session is None or not sb.alive():
+        raise SandboxError("fork: the VM is not running", sandbox=sb.name)
+    if vm.cfg.data_disk is None or vm.cfg.data_base is not None:
+        # A fork's disk is an overlay: forking it again would need a chain of bases.
+        raise SandboxError("fork: a fork cannot be forked again (yet)", sandbox=sb.name)
+    state, base = into / "state", into / "base.img"
+    no_ignore = {"capabilities": [{**IGNORE_SHARED, "state": False}]}
+    fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            vm.qmp(
+                ("stop", None),
+                ("migrate-set-capabilities", no_ignore),
+                ("migrate-set-parameters", {"max-bandwidth": 64 * 1024**3}),
+                ("getfd", {"fdname": "fork", "fd": fd}),
+                ("migrate", {"uri": "fd:fork"}),
+                wait_migration(),
+                timeout=SAVE_TIMEOUT,
+            )  # fmt: skip
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        # Stopped and migrated: QEMU flushed the disks and lets go of them until `cont`.
+        streams = sb.session.channel.streams_seen
+        _sparse_copy(vm.cfg.data_disk, base)
+        mounts = []
+        for i, disk in enumerate(vm.cfg.mount_disks):
+            if disk.parent == sb.vm_dir:  # the VM's own (a declared mount): copied per fork
+                _sparse_copy(disk, into / f"m{i}.img")
+                mounts.append(into / f"m{i}.img")
+            else:  # a cached, shared, never-written disk (a frozen environment's)
+                mounts.append(disk)
+    finally:
+        vm.qmp(("cont", None), timeout=60)
+    base.chmod(0o444)  # read by each fork's VMM uid through its jail; the dir is root's
+    log.info("vm frozen for forks", sandbox=sb.name, state_bytes=state.stat().st_size,
+             base_bytes=base.stat().st_blocks * 512)  # fmt: skip
+    return Frozen(state, base, tuple(mounts), vm.cfg, streams)
+
+
+def _sparse_copy(src: Path, dst: Path) -> None:
+    try:
+        _proc.run(["cp", "--sparse=always", "--reflink=auto", "--", str(src), str(dst)],
+                  timeout=SAVE_TIMEOUT)  # fmt: skip
+    except CommandError as exc:
+        raise SandboxError(f"fork: copying {src.name} failed: {exc.stderr[-300:]}") from exc
+
+
+def fork_vm(frozen: Frozen, *, name: str, vm_dir: Path, uid: int) -> Vm:
+    """A VM for one fork of ``frozen`` in the new ``vm_dir``, as ``uid``, not started; the
+    caller starts it with :func:`start_fork` and restores it as a sandbox restored from a
+    snapshot is (``wait_incoming(ignore_shared=False)``), then greets it with ``rekey``."""
+    base = vm_dir / "data-base.img"
+    os.link(frozen.base, base)  # one inode for every fork; each dir holds a link
+    data = vm_dir / "data.img"
+    backing = BASE_IN_JAIL if frozen.cfg.jail else str(base)
+    try:
+        _proc.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", backing, "-u",
+                   str(data), str(DATA_DISK_BYTES)], timeout=120)  # fmt: skip
+    except CommandError as exc:
+        raise SandboxError(f"fork: qemu-img create failed: {exc.stderr[-300:]}") from exc
+    mounts = []
+    for i, disk in enumerate(frozen.mounts):
+        if disk.parent == frozen.state.parent:
+            _sparse_copy(disk, vm_dir / f"m{i}.img")
+            mounts.append(vm_dir / f"m{i}.img")
+        else:
+            mounts.append(disk)
+    cfg = dataclasses.replace(
+        frozen.cfg, name=name, run_dir=vm_dir / "run", data_disk=data, data_base=base,
+        mount_disks=tuple(mounts), uid=uid, gid=uid, incoming_fd=None, ram_file=None,
+        ram_fd=None, marker=False,
+    )  # fmt: skip
+    return Vm(cfg)
+
+
+def start_fork(vm: Vm, frozen: Frozen) -> None:
+    """Start ``vm`` (from :func:`fork_vm`) loading ``frozen``'s state into anonymous RAM
+    (only the pages the stream fills take memory), under the parent's memory backend id
+    if it had one (a snapshot restore's: the stream's RAM block is named after it)."""
+    vm.cfg.ram_anon = frozen.cfg.ram_anon or (
+        frozen.cfg.ram_fd is not None or frozen.cfg.ram_file is not None
+    )
+    fd = os.open(frozen.state, os.O_RDONLY | os.O_CLOEXEC)
+    vm.cfg.incoming_fd = fd
+    try:
+        vm.start()
+    finally:
+        os.close(fd)
+
+
+def remove_frozen(into: Path) -> None:
+    """Remove what :func:`freeze` saved (forks keep their links to the base)."""
+    shutil.rmtree(into, ignore_errors=True)
