@@ -96,6 +96,40 @@ def test_fork_copies_the_files_and_keeps_the_copies_apart(
     print("\n".join(ln for ln in said.splitlines() if "fork" in ln))
     if backend in ("podman", "docker"):  # the frozen parent copied on the host, not inside
         assert "sdk sandbox forked" in said and "copying inside instead" not in said
+        # each fork's workspace an overlay of one frozen copy, unmounted with the fork
+        assert said.count("fork workspace: an overlay of the parent's") == 2
+        assert not _mounts_under(log.parent)
+
+
+def _mounts_under(base: Path) -> list[str]:
+    points = [ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()]
+    return [p for p in points if p.startswith(str(base.resolve()))]
+
+
+def test_fork_layers_left_by_a_dead_launcher_are_settled(tmp_path: Path) -> None:
+    """A fork's overlay and its layer's loop mount, left by a launcher that died (its
+    stack never closed), are unmounted and deleted by the next launcher's keeper."""
+    import contextlib
+
+    from agentbox.boxfile import DiskLimit
+    from agentbox.launcher._fork import Lower, overlay_workspace, settle_fork_layers
+
+    scratch = tmp_path / "scratch"
+    (scratch / "lower").mkdir(parents=True)
+    (scratch / "lower" / "f").write_text("x")
+    ws = scratch / "sdk-1"
+    ws.mkdir()
+    stack = contextlib.ExitStack()  # never closed: the launcher "died"
+    merged = overlay_workspace(Lower(scratch / "lower"), ws, uid=12345, stack=stack,
+                               limit=DiskLimit(size=64 * 1024**2, inodes=4096))  # fmt: skip
+    try:
+        assert (merged / "f").read_text() == "x" and (merged / "f").stat().st_uid == 12345
+        assert (scratch / "lower" / "f").stat().st_uid == 0  # the lower is never written
+        assert len(_mounts_under(scratch)) == 2
+        assert settle_fork_layers(scratch) == ["sdk-1.fork"]
+        assert not _mounts_under(scratch) and not (scratch / "sdk-1.fork").exists()
+    finally:
+        stack.close()
 
 
 # -- qemu: a fork from a snapshot of the live VM (memory, processes, tmpfs, disk) ----------

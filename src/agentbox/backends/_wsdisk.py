@@ -217,10 +217,25 @@ class WorkspaceDisk:
             self._created = False
 
 
+#: Workspaces this process made bounded already (a fork's overlay, whose writable layer
+#: is an image of the disk limit: launcher/_fork.py); no disk is mounted over them.
+_bounded: set[str] = set()
+_bounded_lock = threading.Lock()
+
+
+def mark_bounded(workspace: Path, bounded: bool = True) -> None:
+    """Say that ``workspace`` is bounded by its own layer (or, ``bounded=False``, no more)."""
+    with _bounded_lock:
+        (_bounded.add if bounded else _bounded.discard)(str(workspace))
+
+
 @contextlib.contextmanager
 def workspace_disk(settings: Settings, spec: SandboxSpec) -> Iterator[WorkspaceDisk | None]:
-    """The workspace of ``spec`` on its own disk for the ``with`` block (None: no workspace)."""
-    if spec.workspace is None:
+    """The workspace of ``spec`` on its own disk for the ``with`` block (None: no workspace,
+    or one bounded already, see :func:`mark_bounded`)."""
+    with _bounded_lock:
+        bounded = spec.workspace is not None and str(spec.workspace) in _bounded
+    if spec.workspace is None or bounded:
         yield None
         return
     disk = WorkspaceDisk(settings, spec.name, spec.workspace, spec.resources.disk_limit(settings))

@@ -159,6 +159,10 @@ class BoxKeeper:
         self._spare_wanted = False
         self._filling = threading.Lock()
         self._fillers: list[threading.Thread] = []
+        if os.geteuid() == 0:  # what a launcher that died left mounted (before we make any)
+            from agentbox.launcher._fork import settle_fork_layers
+
+            settle_fork_layers(settings.data_dir / "scratch")
         self._reaper = threading.Thread(target=self._reap_loop, name="agentbox-sdk-reaper",
                                         daemon=True)  # fmt: skip
         self._reaper.start()
@@ -199,11 +203,12 @@ class BoxKeeper:
         self,
         box: Any,
         deadline: float,
-        prepare: Callable[[Path, Settings], None] | None = None,
+        prepare: Callable[[Path, Settings, contextlib.ExitStack], Path | None] | None = None,
         make: Callable[[Any, Any], Sandbox] | None = None,
     ) -> _Box:
         """A sandbox of ``box`` with its uid slot and scratch workspace (``prepare`` fills
-        that first); ``make(backend, spec)`` instead of ``backend.create(spec)``."""
+        that first, or returns another workspace, undone by the stack it is given);
+        ``make(backend, spec)`` instead of ``backend.create(spec)``."""
         from agentbox.backends import get_backend, uid_slot
         from agentbox.sandbox import spec_from_boxfile
 
@@ -217,7 +222,7 @@ class BoxKeeper:
             if os.geteuid() == 0:
                 os.chown(ws, settings.sandbox_host_uid, settings.sandbox_host_uid)
             if prepare is not None:  # a fork: its parent's files, before anything sees them
-                prepare(ws, settings)
+                ws = prepare(ws, settings, stack) or ws
             spec = spec_from_boxfile(box, settings, workspace=ws).replace(deadline=deadline)
             # Labelled with the data dir, as a task's: a launcher that starts after this one
             # was killed lists it among its orphans and reaps it (and settles its disk).
@@ -267,7 +272,9 @@ class BoxKeeper:
         ``sid``'s files (:mod:`._fork`), each with its own deadline (``timeout``)."""
         from agentbox.launcher._fork import (
             TMPFS_PARTS,
+            Lower,
             host_copy,
+            overlay_workspace,
             pack_inside,
             paused,
             unpack_inside,
@@ -297,14 +304,18 @@ class BoxKeeper:
                 snap = None
         work = None if snap is not None else pack_inside(parent.box, (".",), under="/workspace")
 
-        def copy(ws: Path, settings: Settings) -> None:
-            assert snap is not None
-            host_copy(snap, ws, src_uid=parent.host_uid, dst_uid=settings.sandbox_host_uid)
+        lower = Lower(snap) if snap is not None else None
+        limit = parent.spec.resources.disk_limit(self.settings)
+
+        def layer(ws: Path, settings: Settings, stack: contextlib.ExitStack) -> Path:
+            assert lower is not None
+            return overlay_workspace(lower, ws, uid=settings.sandbox_host_uid, limit=limit,
+                                     stack=stack)  # fmt: skip
 
         made: list[_Box] = []
         try:
             for _ in range(n):
-                child = self._start(parent.boxfile, timeout + 30, copy if snap else None)
+                child = self._start(parent.boxfile, timeout + 30, layer if lower else None)
                 made.append(child)
                 unpack_inside(child.box, tmpfs)
                 if work is not None:
@@ -314,8 +325,8 @@ class BoxKeeper:
                 child.stack.close()
             raise
         finally:
-            if snap is not None:
-                shutil.rmtree(snap, ignore_errors=True)
+            if lower is not None:
+                lower.drop()  # the forks' overlays hold it until the last is gone
         return self._register_forks(sid, made, timeout, caller=caller, pid=pid)
 
     def _fork_vm(self, parent: _Box, n: int, timeout: float) -> builtins.list[_Box]:

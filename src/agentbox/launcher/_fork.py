@@ -9,13 +9,20 @@ parent's:
 
 * **the workspace, podman and docker**: the parent is paused (``podman pause``:
   the cgroup freezer; nothing in it runs, so its tree cannot change under the copy,
-  and the copy is consistent), then copied on the host with ``cp -a
-  --reflink=auto`` (links copied as links; copy-on-write where the filesystem
-  shares extents: btrfs, XFS; a plain copy elsewhere), run as the *parent's*
-  sandbox uid, so it reads nothing the parent could not, into the fork's fresh
-  workspace before its sandbox starts; then every entry is handed to the fork's
-  uid (``lchown``, no link followed; no sandbox can see that directory yet). A
-  parent that cannot be paused is copied as a microVM's is (below);
+  and the copy is consistent), then copied once on the host with ``cp -a
+  --reflink=auto`` (links copied as links; extents shared where the filesystem
+  can: btrfs, XFS; a plain copy elsewhere), run as the *parent's* sandbox uid, so
+  it reads nothing the parent could not. That copy is the read-only lower layer of
+  every fork's workspace (:class:`Lower`, removed with the last fork): each fork's
+  workspace is a kernel overlay of it (:func:`overlay_workspace`, the mount an
+  environment gets, :class:`~agentbox.env._mount.EnvMount`) whose writable layer
+  lies on an ext4 image of the fork's disk limit, loop-mounted on the host, so a
+  fork's writes are bounded as a podman workspace disk bounds them (that disk is
+  then not mounted: :func:`~agentbox.backends._wsdisk.mark_bounded`). Every entry
+  is handed to the fork's uid in the fork's view (``lchown`` with ``metacopy=on``:
+  only metadata is copied up, never a file's data; no sandbox sees it yet). The
+  overlay and its image are unmounted and deleted after the fork's sandbox is gone.
+  A parent that cannot be paused is copied as other backends' are (below);
 * **the workspace, other backends**: packed inside the parent by its own uid and
   unpacked inside the fork by its own, as an upload is (bounded by
   :data:`~agentbox.launcher.boxapi.MAX_ARCHIVE`; no memory state);
@@ -33,13 +40,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from agentbox.backends.base import Sandbox
+from agentbox.boxfile import DiskLimit
+from agentbox.core.log import get_logger
 from agentbox.core.proc import run
 from agentbox.errors import CommandError, RefusedError, SandboxError
 from agentbox.launcher.boxapi import MAX_ARCHIVE
+
+log = get_logger(__name__)
 
 #: The tmpfs trees a fork takes from its parent (relative to ``/``).
 TMPFS_PARTS = ("tmp", "home/agent")
@@ -83,6 +96,74 @@ def host_copy(src: Path, dst: Path, *, src_uid: int, dst_uid: int) -> None:
         for name in dirs + files:
             os.lchown(Path(root) / name, dst_uid, dst_uid)
     os.chown(dst, dst_uid, dst_uid, follow_symlinks=False)
+
+
+class Lower:
+    """The frozen copy of a parent's workspace that forks' overlays read: removed once
+    the last user lets go (:meth:`hold` per fork, :meth:`drop` from each, and once
+    from its maker)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._users = 1  # its maker's
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._users += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def overlay_workspace(
+    lower: Lower, ws: Path, *, uid: int, limit: DiskLimit, stack: contextlib.ExitStack
+) -> Path:
+    """A fork's workspace: an overlay of ``lower`` in a new dir beside ``ws`` whose
+    writable layer is an image of ``limit``, every entry ``uid``'s in it; returns the
+    merged dir. ``stack`` unmounts and deletes it all (and lets go of ``lower``)."""
+    from agentbox.backends._wsdisk import mark_bounded
+    from agentbox.env._mount import EnvMount, _walk
+
+    em = EnvMount(lower.path, ws.parent / f"{ws.name}{LAYER_SUFFIX}")
+    lower.hold()
+    stack.callback(lower.drop)
+    stack.callback(em.release)
+    em.mount(ws, [], uid, limit=limit)
+    merged = em.merged
+    for path in [merged, *_walk(merged)]:  # metacopy: metadata copied up, never data
+        st = path.lstat()
+        if st.st_uid != uid:
+            os.chown(path, uid, uid if st.st_gid != 0 else 0, follow_symlinks=False)
+    mark_bounded(merged)
+    stack.callback(mark_bounded, merged, False)
+    log.info("fork workspace: an overlay of the parent's", workspace=str(merged))
+    return merged
+
+
+#: How a fork's workspace dir is named beside its scratch workspace.
+LAYER_SUFFIX = ".fork"
+
+
+def settle_fork_layers(scratch: Path) -> list[str]:
+    """Unmount and delete the fork workspaces a launcher that died left in ``scratch``
+    (call before this launcher makes any); their lowers are plain scratch dirs, pruned
+    as those are. Returns the dirs settled."""
+    from agentbox.env._mount import EnvMount
+
+    settled = []
+    with contextlib.suppress(OSError):
+        for d in sorted(scratch.glob(f"*{LAYER_SUFFIX}")):
+            if d.is_dir() and not d.is_symlink():
+                EnvMount(Path("/nonexistent"), d).release()  # busy: unmounted lazily
+                settled.append(d.name)
+    if settled:
+        log.warning("settled fork workspaces of a launcher that died", dirs=settled[:20])
+    return settled
 
 
 def pack_inside(box: Sandbox, parts: tuple[str, ...], *, under: str = "/") -> bytes:
