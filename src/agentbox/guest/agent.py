@@ -279,6 +279,16 @@ class Agent(Streams, Mounts):
         self.ctrl({"op": "check_ok", "nonce": nonce, "proof": proof(self.token, nonce),
                    **_kernel_facts()}, stream)  # fmt: skip
 
+    def op_clock(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
+        """Set the clock: a VM that was stopped (to be forked) lags by the stop."""
+        now = msg.get("time")
+        if isinstance(now, (int, float)) and not isinstance(now, bool):
+            try:
+                time.clock_settime(time.CLOCK_REALTIME, float(now))
+            except (OSError, ValueError, OverflowError):
+                pass
+        self.ctrl({"op": "clock_ok"}, stream)
+
     def op_shutdown(self, stream: int, msg: dict) -> None:  # type: ignore[type-arg]
         for pid in list(self.procs.values()):
             try:

@@ -6,7 +6,8 @@ fd:``, as :mod:`._snapshot` saves a template, but without ``x-ignore-shared``: a
 live VM's RAM is its own private pages, not a shared file), copies its ``/data``
 disk as it stands then (sparse: only what is written) as the frozen base, and
 resumes the parent (``cont``: QEMU takes its disks back after a completed
-migration), which keeps working on its own disk; its guest clock lags by the pause.
+migration), which keeps working on its own disk; its guest clock, which stood still
+while it was stopped, is set again.
 
 :func:`fork_vm` then starts each fork as a restore of that state: the parent's
 command line and device set (kernel, initramfs, root disk, memory, vCPUs, mount
@@ -24,6 +25,7 @@ fork; what the parent's userspace drew from its RNG before the fork (a Python
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -36,7 +38,7 @@ from agentbox.backends.microvm._snapshot import IGNORE_SHARED
 from agentbox.backends.microvm._vm import Vm, VmConfig
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
-from agentbox.errors import CommandError, SandboxError
+from agentbox.errors import AgentboxError, CommandError, SandboxError
 
 if TYPE_CHECKING:
     from agentbox.backends.microvm.qemu._sandbox import QemuSandbox
@@ -99,6 +101,8 @@ def freeze(sb: QemuSandbox, into: Path) -> Frozen:
                 mounts.append(disk)
     finally:
         vm.qmp(("cont", None), timeout=60)
+        with contextlib.suppress(AgentboxError):  # its clock stood still while stopped
+            sb.session.set_clock()
     base.chmod(0o444)  # read by each fork's VMM uid through its jail; the dir is root's
     log.info("vm frozen for forks", sandbox=sb.name, state_bytes=state.stat().st_size,
              base_bytes=base.stat().st_blocks * 512)  # fmt: skip
@@ -156,6 +160,17 @@ def start_fork(vm: Vm, frozen: Frozen) -> None:
         os.close(fd)
 
 
-def remove_frozen(into: Path) -> None:
-    """Remove what :func:`freeze` saved (forks keep their links to the base)."""
-    shutil.rmtree(into, ignore_errors=True)
+#: How :func:`freeze`'s directories are named (in the data dir's ``microvm``).
+FROZEN_PREFIX = ".fork-"
+
+
+def remove_stale_frozen(vm_root: Path) -> list[str]:
+    """Remove the saved states a launcher that died while forking left in ``vm_root``
+    (call before this one forks: forks keep their own links to a base)."""
+    gone = []
+    with contextlib.suppress(OSError):
+        for d in vm_root.glob(f"{FROZEN_PREFIX}*"):
+            if d.is_dir() and not d.is_symlink():
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(d.name)
+    return gone

@@ -176,6 +176,15 @@ class GuestSession(GatewayStreams):
         self._verify(self.channel.wait(0, {"rekey_ok"}, timeout), nonce=None)
         self.channel.release_stream0()
 
+    def set_clock(self, timeout: float = CHECK_TIMEOUT) -> None:
+        """Set the guest's clock to the host's (after the VM was stopped a while)."""
+        sid = self.channel.open_stream()
+        try:
+            self.channel.send_ctrl({"op": "clock", "time": time.time()}, sid)
+            self.channel.wait(sid, {"clock_ok"}, timeout)
+        finally:
+            self.channel.close_stream(sid)
+
     def check(self, timeout: float = CHECK_TIMEOUT) -> dict[str, Any]:
         """The per-command check: nonce echoed under the token, a kernel that is not ours."""
         nonce = secrets.token_hex(16)
