@@ -242,6 +242,21 @@ def test_qemu_forks_rekeyed_and_their_disks_collectable(
     f0, f1 = forks
     assert f0.exec(["sh", "-c", "echo zero >> /workspace/a; sync"]).exit_code == 0
     assert f1.exec(["cat", "/workspace/a"]).stdout == b"base\n"
+    # a fork forked again: its overlay and base flattened into the grandchild's base
+    assert f1.exec(["sh", "-c", "echo f1 > /workspace/b; sync"]).exit_code == 0
+    into2 = settings.data_dir / "microvm" / ".fork-test2"
+    into2.mkdir()
+    again = be.freeze(f1, into2)
+    flat = subprocess.run(["debugfs", "-R", "cat /b", str(again.base)], capture_output=True)
+    assert flat.stdout == b"f1\n", flat.stderr[-300:]
+    spec = SandboxSpec(name="fork-grandchild", image="default", resources=res)
+    tracker.track(spec.name)
+    grand = be.fork(spec, again)
+    tracker.track(spec.name, grand)
+    shutil.rmtree(into2)
+    assert f1.exec(["sh", "-c", "echo one >> /workspace/a"]).exit_code == 0
+    assert grand.exec(["cat", "/workspace/a"]).stdout == b"base\n"
+    grand.destroy()
     f0.vm.terminate()  # dead: its disk is read in a jail (qcow2 flattened first)
     f0.sync_workspace()
     assert (tmp_path / "ws0" / "a").read_text() == "base\nzero\n"

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentbox.backends.microvm._disks import DATA_DISK_BYTES
+from agentbox.backends.microvm._jail import JailSpec, jail_argv
 from agentbox.backends.microvm._qmp import wait_migration
 from agentbox.backends.microvm._snapshot import IGNORE_SHARED
 from agentbox.backends.microvm._vm import Vm, VmConfig
@@ -69,9 +70,8 @@ def freeze(sb: QemuSandbox, into: Path) -> Frozen:
     vm = sb.vm
     if sb.session is None or not sb.alive():
         raise SandboxError("fork: the VM is not running", sandbox=sb.name)
-    if vm.cfg.data_disk is None or vm.cfg.data_base is not None:
-        # A fork's disk is an overlay: forking it again would need a chain of bases.
-        raise SandboxError("fork: a fork cannot be forked again (yet)", sandbox=sb.name)
+    if vm.cfg.data_disk is None:
+        raise SandboxError("fork: the VM has no /data disk", sandbox=sb.name)
     state, base = into / "state", into / "base.img"
     no_ignore = {"capabilities": [{**IGNORE_SHARED, "state": False}]}
     fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -91,7 +91,10 @@ def freeze(sb: QemuSandbox, into: Path) -> Frozen:
             os.close(fd)
         # Stopped and migrated: QEMU flushed the disks and lets go of them until `cont`.
         streams = sb.session.channel.streams_seen
-        _sparse_copy(vm.cfg.data_disk, base)
+        if vm.cfg.data_base is None:
+            _sparse_copy(vm.cfg.data_disk, base)
+        else:  # a fork forked again: its overlay and base flattened into one raw base
+            _flatten(vm.cfg.data_disk, vm.cfg.data_base, base, uid=vm.cfg.uid)
         mounts = []
         for i, disk in enumerate(vm.cfg.mount_disks):
             if disk.parent == sb.vm_dir:  # the VM's own (a declared mount): copied per fork
@@ -115,6 +118,27 @@ def _sparse_copy(src: Path, dst: Path) -> None:
                   timeout=SAVE_TIMEOUT)  # fmt: skip
     except CommandError as exc:
         raise SandboxError(f"fork: copying {src.name} failed: {exc.stderr[-300:]}") from exc
+
+
+def _flatten(overlay: Path, backing: Path, out: Path, *, uid: int) -> None:
+    """``overlay`` (qcow2, VMM-written) over ``backing`` (raw) as one raw disk at ``out``:
+    ``qemu-img convert`` in the VMM's jail as ``uid``, the backing named here, never
+    taken from the overlay's header."""
+    where = out.parent / "flat"
+    where.mkdir(mode=0o700)
+    os.chown(where, uid, uid)
+    opts = ("driver=qcow2,file.filename=/vm/data.img,file.locking=off,backing.driver=raw,"
+            f"backing.file.filename={BASE_IN_JAIL},backing.file.locking=off")  # fmt: skip
+    inner = ["qemu-img", "convert", "-q", "-O", "raw", "--image-opts", opts, "/vm/out/flat.img"]
+    spec = JailSpec(((overlay, "/vm/data.img"), (backing, BASE_IN_JAIL)), ((where, "/vm/out"),),
+                    uid, uid)  # fmt: skip
+    try:
+        _proc.run(jail_argv(spec, inner), timeout=SAVE_TIMEOUT)
+        (where / "flat.img").rename(out)
+    except CommandError as exc:
+        raise SandboxError(f"fork: flattening the disk failed: {exc.stderr[-300:]}") from exc
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def fork_vm(frozen: Frozen, *, name: str, vm_dir: Path, uid: int) -> Vm:
