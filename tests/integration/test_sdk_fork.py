@@ -236,6 +236,8 @@ def test_qemu_forks_rekeyed_and_their_disks_collectable(
         child = be.fork(spec, frozen)
         tracker.track(spec.name, child)
         forks.append(child)
+    assert frozen.ram_fd is not None  # a restored parent: its RAM shared by the forks
+    frozen.close()
     shutil.rmtree(into)  # the forks keep their own links to the base
     tokens = {b.session.token for b in (parent, *forks) if b.session is not None}
     assert len(tokens) == 3
@@ -253,6 +255,7 @@ def test_qemu_forks_rekeyed_and_their_disks_collectable(
     tracker.track(spec.name)
     grand = be.fork(spec, again)
     tracker.track(spec.name, grand)
+    again.close()
     shutil.rmtree(into2)
     assert f1.exec(["sh", "-c", "echo one >> /workspace/a"]).exit_code == 0
     assert grand.exec(["cat", "/workspace/a"]).stdout == b"base\n"

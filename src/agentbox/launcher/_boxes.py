@@ -340,6 +340,7 @@ class BoxKeeper:
         vm_root = parent.box.vm_dir.parent  # type: ignore[attr-defined]
         into = Path(tempfile.mkdtemp(prefix=FROZEN_PREFIX, dir=vm_root))
         made: list[_Box] = []
+        frozen = None
         try:
             t0 = time.monotonic()
             frozen = be.freeze(parent.box, into)
@@ -353,6 +354,8 @@ class BoxKeeper:
                 child.stack.close()
             raise
         finally:
+            if frozen is not None:
+                frozen.close()  # the forks keep their mappings of its RAM
             shutil.rmtree(into, ignore_errors=True)  # each fork links the base it uses
         return made
 

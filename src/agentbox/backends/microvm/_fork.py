@@ -52,17 +52,26 @@ SAVE_TIMEOUT = 600.0
 BASE_IN_JAIL = "/vm/data-base.img"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Frozen:
-    """A live VM's state saved for forks: the migration stream (RAM included), its
-    ``/data`` as it was (raw), its mount disks, its config, and how far its session's
-    stream ids had gone (:meth:`Channel.streams_seen`)."""
+    """A live VM's state saved for forks: the migration stream, its ``/data`` as it was
+    (raw), its mount disks, its config, and how far its session's stream ids had gone
+    (:meth:`Channel.streams_seen`). With ``ram_fd`` (a sealed memfd of its RAM, see
+    :func:`_share_ram`) the stream holds the devices alone, else the RAM too."""
 
     state: Path
     base: Path
     mounts: tuple[Path, ...]
     cfg: VmConfig
     streams: tuple[int, int]
+    ram_fd: int | None = None
+
+    def close(self) -> None:
+        """Let go of the RAM memfd (forks keep their mappings of it); idempotent."""
+        if self.ram_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.ram_fd)
+            self.ram_fd = None
 
 
 def freeze(sb: QemuSandbox, into: Path) -> Frozen:
@@ -106,10 +115,60 @@ def freeze(sb: QemuSandbox, into: Path) -> Frozen:
         vm.qmp(("cont", None), timeout=60)
         with contextlib.suppress(AgentboxError):  # its clock stood still while stopped
             sb.session.set_clock()
+    frozen = Frozen(state, base, tuple(mounts), vm.cfg, streams)
+    if vm.cfg.ram_fd is not None or vm.cfg.ram_file is not None or vm.cfg.ram_anon:
+        frozen = _share_ram(frozen, into)  # the parent runs on meanwhile
     base.chmod(0o444)  # read by each fork's VMM uid through its jail; the dir is root's
-    log.info("vm frozen for forks", sandbox=sb.name, state_bytes=state.stat().st_size,
-             base_bytes=base.stat().st_blocks * 512)  # fmt: skip
-    return Frozen(state, base, tuple(mounts), vm.cfg, streams)
+    log.info("vm frozen for forks", sandbox=sb.name, state_bytes=frozen.state.stat().st_size,
+             base_bytes=base.stat().st_blocks * 512,
+             ram_shared=frozen.ram_fd is not None)  # fmt: skip
+    return frozen
+
+
+def _share_ram(frozen: Frozen, into: Path) -> Frozen:
+    """The snapshot machinery's shape for ``frozen``: a loader VM, never run, takes the
+    whole stream into RAM mapped shared from a file, then saves its devices alone
+    (``x-ignore-shared``, as a template is saved); that file is loaded into a sealed
+    memfd (:mod:`._snapram`) which every fork maps private, so forks share each page
+    none of them wrote, as VMs restored from one snapshot do."""
+    from agentbox.backends.microvm._snapram import _load
+    from agentbox.backends.microvm._snapshot import wait_incoming
+
+    cfg = frozen.cfg
+    ram = into / "ram.img"
+    ram.touch(mode=0o600)
+    os.chown(ram, cfg.uid, cfg.gid)
+    state = into / "devices"
+    fd = os.open(frozen.state, os.O_RDONLY | os.O_CLOEXEC)
+    loader = Vm(dataclasses.replace(
+        cfg, name=f"{cfg.name[:50]}-load", run_dir=into / "run", data_disk=frozen.base,
+        data_base=None, mount_disks=frozen.mounts, ram_file=ram, ram_fd=None, ram_anon=False,
+        incoming_fd=fd, marker=False,
+    ))  # fmt: skip
+    try:
+        try:
+            loader.start()
+        finally:
+            os.close(fd)
+        wait_incoming(loader, timeout=SAVE_TIMEOUT, ignore_shared=False, cont=False)
+        out = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            loader.qmp(
+                ("migrate-set-capabilities", {"capabilities": [IGNORE_SHARED]}),
+                ("migrate-set-parameters", {"max-bandwidth": 64 * 1024**3}),
+                ("getfd", {"fdname": "devices", "fd": out}),
+                ("migrate", {"uri": "fd:devices"}),
+                wait_migration(),
+                timeout=SAVE_TIMEOUT,
+            )  # fmt: skip
+        finally:
+            os.close(out)
+    finally:
+        loader.kill()
+    memfd = _load(ram, cfg.memory_mib * 1024**2)
+    ram.unlink()
+    frozen.state.unlink()
+    return dataclasses.replace(frozen, state=state, ram_fd=memfd)
 
 
 def _sparse_copy(src: Path, dst: Path) -> None:
@@ -170,12 +229,16 @@ def fork_vm(frozen: Frozen, *, name: str, vm_dir: Path, uid: int) -> Vm:
 
 
 def start_fork(vm: Vm, frozen: Frozen) -> None:
-    """Start ``vm`` (from :func:`fork_vm`) loading ``frozen``'s state into anonymous RAM
-    (only the pages the stream fills take memory), under the parent's memory backend id
-    if it had one (a snapshot restore's: the stream's RAM block is named after it)."""
-    vm.cfg.ram_anon = frozen.cfg.ram_anon or (
-        frozen.cfg.ram_fd is not None or frozen.cfg.ram_file is not None
-    )
+    """Start ``vm`` (from :func:`fork_vm`) loading ``frozen``'s state: its RAM mapped
+    private from ``frozen``'s sealed memfd when there is one, else anonymous, filled
+    from the stream, under the parent's memory backend id if it had one (the stream's
+    RAM block is named after it)."""
+    if frozen.ram_fd is not None:
+        vm.cfg.ram_fd = frozen.ram_fd
+    else:
+        vm.cfg.ram_anon = frozen.cfg.ram_anon or (
+            frozen.cfg.ram_fd is not None or frozen.cfg.ram_file is not None
+        )
     fd = os.open(frozen.state, os.O_RDONLY | os.O_CLOEXEC)
     vm.cfg.incoming_fd = fd
     try:

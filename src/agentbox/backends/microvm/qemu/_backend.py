@@ -143,7 +143,8 @@ class QemuBackend(QemuDetached, _MicrovmBackend):  # detached verbs: qemu/_detac
             vm = fork_vm(frozen, name=name, vm_dir=vm_dir, uid=vmm_uid(self.settings,
                                                                        spec.isolation))  # fmt: skip
             start_fork(vm, frozen)
-            sandbox = QemuSandbox(self, spec, vm, vm_dir, restored=True, forked=frozen.streams)
+            sandbox = QemuSandbox(self, spec, vm, vm_dir, restored=True, forked=frozen.streams,
+                                  ram_in_stream=frozen.ram_fd is None)  # fmt: skip
             sandbox._connect()
             return sandbox
         except BaseException:

@@ -74,9 +74,11 @@ class QemuSandbox(BaseSandbox):
         *,
         restored: bool,
         forked: tuple[int, int] | None = None,
+        ram_in_stream: bool = False,
     ) -> None:
         """``forked``: restored from another live VM's state (:mod:`.._fork`), whose
-        session had opened streams up to (next host stream, last gateway stream)."""
+        session had opened streams up to (next host stream, last gateway stream);
+        ``ram_in_stream``: that state carries its RAM (else a memfd holds it)."""
         self.backend = backend
         self.spec = spec
         self.vm = vm
@@ -84,6 +86,7 @@ class QemuSandbox(BaseSandbox):
         super().__init__(vm.cfg.name)
         self.restored = restored
         self.forked = forked
+        self.ram_in_stream = ram_in_stream
         self.session: GuestSession | None = None
         self.broken_reason: str | None = None
         self.deadline_at = time.monotonic() + spec.deadline
@@ -95,7 +98,7 @@ class QemuSandbox(BaseSandbox):
     def _connect(self) -> None:
         t0 = time.monotonic()
         if self.restored:
-            wait_incoming(self.vm, timeout=BOOT_TIMEOUT, ignore_shared=self.forked is None)
+            wait_incoming(self.vm, timeout=BOOT_TIMEOUT, ignore_shared=not self.ram_in_stream)
         sock = self.vm.connect(BOOT_TIMEOUT)
         first, last_gw = self.forked or (2, -1)
         chan = Channel(sock, name=self.name, on_broken=self._on_broken, first_stream=first,
