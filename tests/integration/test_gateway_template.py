@@ -265,3 +265,45 @@ def test_set_cmdline_names_this_process() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert got == b"python\0-m\0agentbox.gateway\0--listen\0unix:/x\0"
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def test_a_channel_forks_from_the_template_that_gave_it(
+    settings: Settings, fresh_template: None
+) -> None:
+    """A channel (what the front end's server gives each command it forks) forks gateways
+    from the template that gave it, with the posture of one forked on the template's own
+    socket; the template outlives the end it was started with while a channel is open, and
+    ends once every one has closed."""
+    from agentbox.gateway._process import start_template
+
+    template = start_template()
+    try:
+        channel = template.channel()
+        other = template.channel()
+        other.close()
+        root_pid = template.proc.pid
+        _forkspawn.adopt_channel(channel)
+        with _spawn(settings, "ch1", forked=True) as gw:
+            assert isinstance(gw._proc, ForkedProcess)
+            assert _ppid(gw.pid) == root_pid  # forked there, not from a template of its own
+            identity = gateway_identity(settings)
+            assert identity is not None
+            checks = gateway_posture(gw.pid, want_uid=identity[0])
+            assert all(ok for _, ok, _ in checks), checks
+            assert _ask(gw.socket_path).startswith(b"HTTP/1.1 ")
+            # The end the template was started with closes: the channel still serves.
+            template._sock.close()
+            time.sleep(0.2)
+            assert template.proc.poll() is None
+            with _spawn(settings, "ch2", forked=True) as again:
+                assert isinstance(again._proc, ForkedProcess)
+                assert _ppid(again.pid) == root_pid
+        _forkspawn.stop_template()  # closes the last channel: the template ends
+        template.proc.wait(10)
+    finally:
+        template.close()

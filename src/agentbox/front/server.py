@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     setproctitle(f"agentbox front end {args.socket}")
     listener = _bind(args.socket)
+    template = _gateway_template()
+    spare = _channel(template)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
     while True:
         try:
@@ -213,16 +215,54 @@ def main(argv: list[str] | None = None) -> NoReturn:
         if pid == 0:
             listener.close()
             os.close(parent)
-            _serve_one(conn, args.data_dir, facts, os.getppid())
+            _serve_one(conn, args.data_dir, facts, os.getppid(), spare)
         conn.close()
+        if spare is not None:  # the waiter's now; the next command gets a new one
+            spare.close()
+            spare = _channel(template)
 
 
-def _serve_one(conn: socket.socket, data_dir: Path, facts: Facts, server: int) -> NoReturn:
-    """The waiter: check, fork the command, report its end. Never returns."""
+def _gateway_template() -> Any:
+    """A gateway template for the commands this server forks (a served ``agentbox run``
+    forks its task's gateway from it, see :func:`_channel`), or None: turned off
+    (``AGENTBOX_GATEWAY_TEMPLATE``), or it would not start (the commands then start
+    their own, as without a front end)."""
+    if os.environ.get("AGENTBOX_GATEWAY_TEMPLATE", "").strip().lower() in _OFF:
+        return None
+    try:
+        from agentbox.gateway import start_template
+
+        return start_template()
+    except Exception as exc:
+        sys.stderr.write(f"agentbox front end: no gateway template: {exc}\n")
+        return None
+
+
+def _channel(template: Any) -> socket.socket | None:
+    """A channel of its own to the template for the next command (its waiter keeps it
+    and the command adopts it), or None."""
+    if template is None or not template.alive():
+        return None
+    try:
+        sock: socket.socket = template.channel()
+    except Exception as exc:
+        sys.stderr.write(f"agentbox front end: no gateway template channel: {exc}\n")
+        return None
+    return sock
+
+
+_OFF = ("0", "false", "off", "no", "n", "f")
+
+
+def _serve_one(
+    conn: socket.socket, data_dir: Path, facts: Facts, server: int, channel: socket.socket | None
+) -> NoReturn:
+    """The waiter: check, fork the command, report its end. Never returns. ``channel``:
+    to the server's gateway template, for the command."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     code = 0
     try:
-        _waiter(conn, data_dir, facts, server)
+        _waiter(conn, data_dir, facts, server, channel)
     except BaseException as exc:  # a waiter never reaches the server's loop
         # A command runs only after "started" was sent (its go pipe closes unsaid with
         # this process): before that, the client may run the command itself.
@@ -236,7 +276,9 @@ def _decline(conn: socket.socket, reason: str) -> None:
         send_message(conn, {"declined": reason})
 
 
-def _waiter(conn: socket.socket, data_dir: Path, facts: Facts, server: int) -> None:
+def _waiter(
+    conn: socket.socket, data_dir: Path, facts: Facts, server: int, channel: socket.socket | None
+) -> None:
     peer = pinned_peer(conn)
     conn.settimeout(REQUEST_TIMEOUT)
     try:
@@ -281,7 +323,9 @@ def _waiter(conn: socket.socket, data_dir: Path, facts: Facts, server: int) -> N
         os.close(go_w)
         from agentbox.front._child import become
 
-        become(req, posture, conn, ready_w, go_r, data_dir)  # never returns
+        become(req, posture, conn, ready_w, go_r, data_dir, channel)  # never returns
+    if channel is not None:
+        channel.close()  # the command's now
     os.close(ready_w)
     os.close(go_r)
     req.close_fds()

@@ -33,7 +33,9 @@ from agentbox.gateway.registry import (
 
 if TYPE_CHECKING:
     from agentbox.gateway._cli import gateway as _gateway_command
+    from agentbox.gateway._forkspawn import adopt_channel as adopt_channel
     from agentbox.gateway._process import GatewayHandle, gateway_identity, spawn_gateway
+    from agentbox.gateway._process import start_template as start_template
     from agentbox.gateway._run import run_replay as run_replay
 
     gateway_command = _gateway_command
@@ -57,7 +59,8 @@ DEFAULT_BUDGET = 20_000_000
 
 
 def __getattr__(name: str) -> Any:
-    """``gateway_command`` (the ``agentbox gateway`` command) and ``run_replay``, on first use.
+    """``gateway_command`` (the ``agentbox gateway`` command) and ``run_replay``, on first use;
+    ``start_template`` and ``adopt_channel`` (the front end's shared gateway template).
 
     For the CLI; not in ``__all__`` (the library surface), which stays as pinned.
     The spawning side (:mod:`._process`: subprocess, the settings model) is also
@@ -68,6 +71,14 @@ def __getattr__(name: str) -> Any:
         from agentbox.gateway import _process
 
         return getattr(_process, name)
+    if name == "start_template":  # for the front end's fork server
+        from agentbox.gateway._process import start_template
+
+        return start_template
+    if name == "adopt_channel":  # for a command the front end forked
+        from agentbox.gateway._forkspawn import adopt_channel
+
+        return adopt_channel
     if name == "gateway_command":
         from agentbox.gateway._cli import gateway
 

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
@@ -393,6 +393,17 @@ def _child_env() -> dict[str, str]:
     # gateway runs under RLIMIT_AS, and its threads only write the usage file.
     env["MALLOC_ARENA_MAX"] = "2"
     return env
+
+
+def start_template() -> Any:
+    """A gateway template (:class:`~agentbox.gateway._forkspawn.Template`) started now as
+    :func:`spawn_gateway` starts this process's: its environment, born where a task's
+    gateway is. For the front end's fork server, whose commands fork their gateways from
+    it (:func:`agentbox.gateway._forkspawn.adopt_channel`)."""
+    from agentbox.gateway import _forkspawn
+
+    cgroups = [home / "cgroup.procs" for _, home in _gateway_homes()]
+    return _forkspawn.Template.start(_child_env(), prefix=enter_then_exec(cgroups, []))
 
 
 def _fork(

@@ -18,8 +18,9 @@ socket (a ``SOCK_SEQPACKET`` pair end; only the launcher holds the other):
   exec'd gateway's, so re-adoption and orphan sweeps see the same process), or
   ``{"error": "..."}``.
 
-The template exits when the launcher's end closes. It never reads a file or a
-secret of a task: all it gets of one are descriptors it forwards.
+The template exits when the launcher's end closes (and every further channel it gave
+out, see :func:`_answer`). It never reads a file or a secret of a task: all it gets of
+one are descriptors it forwards.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
 
 
 def serve(sock: socket.socket) -> None:
-    """Answer fork requests until the launcher's end closes.
+    """Answer fork requests until the launcher's end, and every channel given out
+    (:func:`_answer`), has closed.
 
     The gateways are this process's children while it runs (an exec'd gateway is its
     launcher's), reaped by the kernel when they end (``SIGCHLD`` ignored: no zombie, no
@@ -193,22 +195,49 @@ def serve(sock: socket.socket) -> None:
     on the path of every task's start.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    while True:
-        try:
-            msg, fds = _recv(sock)
-        except ValueError as exc:
-            sock.send(json.dumps({"error": str(exc)}).encode())
-            continue
-        if not msg:
-            return
-        try:
-            reply = _fork_one(sock, json.loads(msg), fds)
-        except Exception as exc:
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            for fd in fds:
-                os.close(fd)
-        sock.send(json.dumps(reply).encode())
+    channels = {sock.fileno(): sock}
+    while channels:
+        ready, _, _ = select.select(list(channels), [], [])
+        for fd in ready:
+            if not _answer(channels[fd], channels):
+                channels.pop(fd).close()
+
+
+def _answer(sock: socket.socket, channels: dict[int, socket.socket]) -> bool:
+    """Answer one request on ``sock``; False once its other end has closed.
+
+    A request ``{"channel": true}`` (no descriptor) is answered with a new channel to
+    this template (the other end of a new pair, attached): the front end's fork server
+    hands one to each command it forks, so that a served ``agentbox run`` forks its
+    gateway here instead of starting a template of its own. The template ends when
+    every channel has closed."""
+    try:
+        msg, fds = _recv(sock)
+    except ValueError as exc:
+        sock.send(json.dumps({"error": str(exc)}).encode())
+        return True
+    if not msg:
+        return False
+    try:
+        req = json.loads(msg)
+        if not isinstance(req, dict):
+            raise ValueError("a request is a JSON object")
+        if req.get("channel") is True and not fds:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            ours.set_inheritable(False)
+            channels[ours.fileno()] = ours
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [theirs.fileno()]))]
+            sock.sendmsg([b'{"channel": 1}'], anc)
+            theirs.close()
+            return True
+        reply = _fork_one(sock, req, fds)
+    except Exception as exc:
+        reply = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for fd in fds:
+            os.close(fd)
+    sock.send(json.dumps(reply).encode())
+    return True
 
 
 def _fork_one(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
