@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -63,6 +64,8 @@ _CHUNK = 262144
 #: Decrypted upstream bytes that may wait for the client before reading pauses.
 _UP_HIGH_WATER = 2 << 20
 _MIN_REDACT = 4
+#: The client socket's send buffer (the kernel doubles it; capped by net.core.wmem_max).
+_CLIENT_SNDBUF = 1 << 20
 
 
 class Redactor:
@@ -70,11 +73,17 @@ class Redactor:
 
     def __init__(self, secrets: Iterable[bytes]) -> None:
         self._secrets = sorted({s for s in secrets if len(s) >= _MIN_REDACT}, key=len, reverse=True)
+        # A value that contains another (``Bearer <secret>`` and ``<secret>``) occurs only
+        # where the one it contains does: a body without the contained ones is scanned once.
+        every = self._secrets
+        self._probe = [s for s in every if not any(o != s and o in s for o in every)]
         self._keep = max((len(s) for s in self._secrets), default=1) - 1
         self._tail = b""
         self.hits = 0
 
     def _sub(self, data: bytes) -> bytes:
+        if not any(p in data for p in self._probe):
+            return data
         for s in self._secrets:
             if s in data:
                 self.hits += data.count(s)
@@ -131,12 +140,30 @@ class _Req:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class _Body:
+    """A ``Content-Length`` answer body being relayed from :meth:`_Up.data_received`."""
+
+    def __init__(self, remaining: int, emit: Callable[[bytes], None],
+                 sink: asyncio.StreamWriter) -> None:  # fmt: skip
+        self.remaining = remaining
+        self.emit = emit
+        self.sink = sink
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
 class _Up(asyncio.Protocol):
     """The upstream TLS connection of one tunnel (reused while both sides keep it alive).
 
     A protocol, not a stream reader: what TLS decrypted is handed to h11 as it came,
     without a stream buffer to grow and trim (that copy was a tenth of the proxy's CPU
     on a download). Reading pauses while more than :data:`_UP_HIGH_WATER` bytes wait.
+
+    An answer's ``Content-Length`` body (nearly every byte of a download) skips h11 and
+    the relaying task: :meth:`relay_body` hands each decrypted chunk, as it arrives, to
+    the relay's ``emit`` (redaction, byte cap, the client's TLS), counting the length
+    down; reading pauses while the client's transport holds more than
+    :data:`CLIENT_HIGH_WATER`. A byte past the length (a server that sends more than it
+    announced) ends the connection's reuse.
     """
 
     def __init__(self) -> None:
@@ -149,11 +176,19 @@ class _Up(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
+        self._body: _Body | None = None
+        self._sink_paused = False
+        self._resume: asyncio.Task[None] | None = None
+        #: More bytes came than the answer announced: never reuse this connection.
+        self.overrun = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self._body is not None:
+            self._feed_body(data)
+            return
         self._chunks.append(data)
         self._size += len(data)
         if self._size > _UP_HIGH_WATER and not self._paused and self.transport is not None:
@@ -163,12 +198,14 @@ class _Up(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self._eof = True
+        self._end_body()
         self._wake()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._eof = True
         self._can_write.set()
+        self._end_body()
         self._wake()
 
     def pause_writing(self) -> None:
@@ -192,7 +229,8 @@ class _Up(asyncio.Protocol):
         self._size -= len(data)
         if self._paused and self._size <= _UP_HIGH_WATER // 2 and self.transport is not None:
             self._paused = False
-            self.transport.resume_reading()
+            if not self._sink_paused:
+                self.transport.resume_reading()
         return data
 
     async def write(self, data: bytes) -> None:
@@ -203,8 +241,83 @@ class _Up(asyncio.Protocol):
         await self._can_write.wait()
 
     def close(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
         if self.transport is not None:
             self.transport.abort()
+
+    # -- a Content-Length body, straight from data_received --------------------------------
+
+    async def relay_body(
+        self, remaining: int, emit: Callable[[bytes], None], sink: asyncio.StreamWriter
+    ) -> None:
+        """Hand the next ``remaining`` bytes to ``emit`` as they come; raise what it raises,
+        or :class:`h11.RemoteProtocolError` if the upstream ends first."""
+        body = self._body = _Body(remaining, emit, sink)
+        # What arrived before h11 saw the head's end is the body's start, in order.
+        pending, self._chunks, self._size = self._chunks, deque(), 0
+        while pending and self._body is body:
+            self._feed_body(pending.popleft())
+        if pending:  # the body ended inside what was already read: more than announced
+            self.overrun = True
+        if self._paused and self.transport is not None:
+            self._paused = False
+            if not self._sink_paused:
+                self.transport.resume_reading()
+        if self._body is body and self._eof:
+            self._end_body()
+        try:
+            await body.done
+        finally:
+            if self._body is body:
+                self._body = None
+
+    def _feed_body(self, data: bytes) -> None:
+        body = self._body
+        assert body is not None
+        if len(data) > body.remaining:
+            self.overrun = True
+            data = data[: body.remaining]
+        body.remaining -= len(data)
+        try:
+            if body.sink.transport.is_closing():
+                raise ConnectionResetError("the client closed")
+            body.emit(data)
+        except Exception as exc:  # a byte cap, the client gone: the relaying task raises it
+            self._body = None
+            if not body.done.done():
+                body.done.set_exception(exc)
+            self.close()
+            return
+        if body.remaining == 0:
+            self._body = None
+            body.done.set_result(None)
+        if (
+            not self._sink_paused
+            and body.sink.transport.get_write_buffer_size() >= CLIENT_HIGH_WATER
+            and self.transport is not None
+        ):
+            self._sink_paused = True
+            self.transport.pause_reading()
+            self._resume = asyncio.ensure_future(self._resume_after_drain(body.sink))
+
+    async def _resume_after_drain(self, sink: asyncio.StreamWriter) -> None:
+        try:
+            await sink.drain()
+        except (ConnectionError, OSError) as exc:
+            body = self._body
+            if body is not None and not body.done.done():
+                self._body = None
+                body.done.set_exception(exc)
+            return
+        self._sink_paused = False
+        if self.transport is not None and not self.transport.is_closing() and not self._paused:
+            self.transport.resume_reading()
+
+    def _end_body(self) -> None:
+        body, self._body = self._body, None
+        if body is not None and not body.done.done():
+            body.done.set_exception(h11.RemoteProtocolError("the upstream closed mid-body"))
 
 
 class Interceptor:
@@ -276,6 +389,12 @@ class Interceptor:
         # As the tunnel's relay does (_pipe): up to 1 MiB may wait for the client before
         # reading from the upstream pauses, so a download is read on while the client reads.
         writer.transport.set_write_buffer_limits(high=CLIENT_HIGH_WATER)
+        # The kernel's share of that slack: with the default socket buffer (~200 KiB) the
+        # sandbox side could take only a fifth of a MiB while the proxy waits for a CPU.
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _CLIENT_SNDBUF)
         att.rule = "rules"
         up: _Up | None = None
         try:
@@ -423,10 +542,11 @@ class Interceptor:
                 why = "the upstream closed" if fresh else "the kept upstream connection closed"
                 raise _Refuse(502, "upstream", f"{why}: {safe(repr(exc))}") from None
             raise _Closed from None
-        keep_up = up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE
-        if keep_up:
+        if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
             up.conn.start_next_cycle()
-        else:
+        # IDLE both ways: a cycle h11 ended, or a fresh one after a body relayed without it.
+        keep_up = up.conn.our_state is h11.IDLE and up.conn.their_state is h11.IDLE
+        if not keep_up:
             up.close()
         keep = srv.our_state is h11.DONE and srv.their_state is h11.DONE
         return (up if keep_up else None), keep
@@ -468,26 +588,44 @@ class Interceptor:
             raise _Refuse(502, "upgrade", "the upstream switched protocols")
         writer.write(srv.send(h11.Response(status_code=ev.status_code, headers=headers,
                                            reason=ev.reason)) or b"")  # fmt: skip
+
+        def send(out: bytes) -> None:
+            if not out:
+                return
+            if not proxy._take(att, "down", len(out)):
+                raise _Refuse(403, "byte-cap", "this task's egress byte cap is used up")
+            rec.bytes_down += len(out)
+            # The pieces as they are (no join): a content-length body passes uncopied.
+            writer.writelines(srv.send_with_data_passthrough(h11.Data(data=out)) or ())
+
+        length = _body_length(ev, rec.method)
+        seen = 0
         while True:
-            ev2 = await _next(up.conn, up)
+            if length is not None and (ev2 := up.conn.next_event()) is h11.NEED_DATA:
+                # h11 has passed on what it held: the rest comes from the protocol itself.
+                await up.relay_body(length - seen, lambda data: send(red.feed(data)), writer)
+                send(red.flush())
+                writer.write(srv.send(h11.EndOfMessage()) or b"")
+                await writer.drain()
+                if _keep_alive(ev) and not up.overrun:
+                    up.conn = h11.Connection(h11.CLIENT)  # h11 never saw the body: start anew
+                break
+            if length is None:
+                ev2 = await _next(up.conn, up)
             if isinstance(ev2, h11.Data):
-                out = red.feed(ev2.data)
-            elif isinstance(ev2, h11.EndOfMessage):
-                out = red.flush()
-            else:
-                raise h11.RemoteProtocolError("unexpected event in the answer")
-            if out:
-                if not proxy._take(att, "down", len(out)):
-                    raise _Refuse(403, "byte-cap", "this task's egress byte cap is used up")
-                rec.bytes_down += len(out)
-                # The pieces as they are (no join): a content-length body passes uncopied.
-                writer.writelines(srv.send_with_data_passthrough(h11.Data(data=out)) or ())
+                seen += len(ev2.data)
+                send(red.feed(ev2.data))
                 if writer.transport.get_write_buffer_size() >= CLIENT_HIGH_WATER:
                     await writer.drain()
-            if isinstance(ev2, h11.EndOfMessage):
+            elif isinstance(ev2, h11.EndOfMessage):
+                send(red.flush())
                 writer.write(srv.send(h11.EndOfMessage()) or b"")
                 await writer.drain()
                 break
+            elif isinstance(ev2, h11.ConnectionClosed):
+                raise h11.RemoteProtocolError("the upstream closed")
+            else:
+                raise h11.RemoteProtocolError("unexpected event in the answer")
         if red.hits:
             rec.extra["redacted"] = red.hits
 
@@ -534,6 +672,31 @@ class Interceptor:
             **({"suggest": rec.suggest} if rec.suggest else {}),
             **rec.extra,
         )
+
+
+def _body_length(resp: h11.Response, method: str) -> int | None:
+    """The answer's body length when ``Content-Length`` frames it and it is not empty."""
+    if method == "HEAD" or resp.status_code in (204, 304) or resp.status_code < 200:
+        return None
+    lengths = [v for n, v in resp.headers if n == b"content-length"]
+    if len(lengths) != 1 or any(n == b"transfer-encoding" for n, _ in resp.headers):
+        return None
+    try:
+        length = int(lengths[0])
+    except ValueError:
+        return None
+    return length if length > 0 else None
+
+
+def _keep_alive(resp: h11.Response) -> bool:
+    """Whether the upstream may carry another request after this answer (as h11 decides:
+    HTTP/1.1 and no ``Connection: close``; our requests never ask to close)."""
+    if resp.http_version != b"1.1":
+        return False
+    for name, value in resp.headers:
+        if name == b"connection" and b"close" in {t.strip().lower() for t in value.split(b",")}:
+            return False
+    return True
 
 
 async def _next(conn: h11.Connection, reader: asyncio.StreamReader | _Up) -> Any:
