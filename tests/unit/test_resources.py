@@ -298,16 +298,13 @@ def test_conmon_child_is_the_init_of_that_containers_root_conmon(tmp_path: Path)
                children="101 ")  # fmt: skip
     # The runtime still creating the init: conmon's own cgroup, not the container's yet.
     _fake_proc(proc, 101, comm="runc", argv=["runc"], exe=conmon, cgroup="4:memory:/\n")
-    if os.geteuid() != 0:
-        assert conmon_child("box-a", proc) is None
-        return
-    assert conmon_child("box-a", proc) is None
+    me = os.geteuid()  # root's conmon on a host; here, files this user owns stand in
+    assert conmon_child("box-a", proc, owner=me) is None
     (proc / "101" / "cgroup").write_text("4:memory:/libpod_parent/libpod-abc\n")
-    assert conmon_child("box-a", proc) == 101
-    assert conmon_child("box-b", proc) is None  # another container's name
-    # A process that only looks like conmon (a writable or non-root binary) is not one.
+    assert conmon_child("box-a", proc, owner=me) == 101
+    assert conmon_child("box-b", proc, owner=me) is None  # another container's name
+    # Not the owner's (a sandbox's process named conmon runs as a mapped uid), or its
+    # binary writable by others: not podman's conmon.
+    assert conmon_child("box-a", proc, owner=me + 1) is None
     conmon.chmod(0o777)
-    assert conmon_child("box-a", proc) is None
-    conmon.chmod(0o755)
-    os.chown(conmon, 1000, 1000)
-    assert conmon_child("box-a", proc) is None
+    assert conmon_child("box-a", proc, owner=me) is None

@@ -274,7 +274,7 @@ def conmon_name(argv: list[str]) -> str | None:
     return None
 
 
-def conmon_child(name: str, proc: Path = Path("/proc")) -> int | None:
+def conmon_child(name: str, proc: Path = Path("/proc"), *, owner: int = 0) -> int | None:
     """The init process of podman's container ``name``: the child of its conmon.
 
     Found in ``/proc``, not by ``podman inspect``: inspect takes the container's lock,
@@ -294,7 +294,7 @@ def conmon_child(name: str, proc: Path = Path("/proc")) -> int | None:
         if (_read(base / "comm") or "").strip() != "conmon":
             continue
         argv = (_read(base / "cmdline") or "").split("\0")
-        if conmon_name(argv) != name or not _root_conmon(base):
+        if conmon_name(argv) != name or not _owned_conmon(base, owner):
             continue
         kids = (_read(base / "task" / pid / "children") or "").split()
         own = _read(base / "cgroup")
@@ -305,16 +305,17 @@ def conmon_child(name: str, proc: Path = Path("/proc")) -> int | None:
     return None
 
 
-def _root_conmon(base: Path) -> bool:
-    """The process at ``base`` runs as root from a root-owned file named ``conmon``."""
+def _owned_conmon(base: Path, owner: int) -> bool:
+    """The process at ``base`` runs as ``owner`` (root) from a file named ``conmon`` that
+    ``owner`` owns and nobody else may write."""
     try:
-        if base.stat().st_uid != 0:
+        if base.stat().st_uid != owner:
             return False
         name = (base / "exe").readlink().name
         st = (base / "exe").stat()  # the very file it runs (the magic link), not a path
     except OSError:
         return False
-    return name == "conmon" and st.st_uid == 0 and not st.st_mode & 0o022
+    return name == "conmon" and st.st_uid == owner and not st.st_mode & 0o022
 
 
 # -- a microVM's VMM process ------------------------------------------------------------
@@ -417,11 +418,16 @@ def _kind(backend: str) -> str:
 
 def _vmm(backend: str) -> str | None:
     """What the name of the backend's VMM process contains (``vmm_process``), if it says."""
+    return _trait(backend, "vmm_process")
+
+
+def _trait(backend: str, name: str) -> str | None:
+    """A string trait of the backend's class (None: it has none, or no such backend)."""
     from agentbox.backends import backend_class
     from agentbox.errors import AgentboxError
 
     try:
-        got = getattr(backend_class(backend), "vmm_process", None)
+        got = getattr(backend_class(backend), name, None)
     except AgentboxError:
         return None
     return got if isinstance(got, str) else None
@@ -436,6 +442,7 @@ class Sampler:
         self.workspace = workspace
         self.kind = _kind(backend)
         self._vmm = _vmm(backend)
+        self._conmon = _trait(backend, "init_parent_process") == "conmon"
         what = "the VM's process" if self.kind == "microvm" else f"the {backend} container's cgroup"
         self.usage = Usage(source=what, live=True)
         self._stop = threading.Event()
@@ -561,7 +568,7 @@ class Sampler:
         ``/proc`` (:func:`conmon_child`), else the engine's ``inspect``."""
         if self.kind != "container":
             return None
-        if self.backend == "podman" and (init := conmon_child(self.name)) is not None:
+        if self._conmon and (init := conmon_child(self.name)) is not None:
             return Cgroup.of_pid(init)
         from agentbox.core import proc as _proc
         from agentbox.errors import AgentboxError

@@ -104,6 +104,9 @@ class PodmanBackend(PodmanDetached):
     #: An SDK sandbox's first command can be a ``podman exec -i`` started ahead (the
     #: launcher's spare, ``launcher/_primed.py``).
     primes_exec = True
+    #: A sandbox's init is the child of a ``conmon -n NAME`` (the resource sampler finds it
+    #: in ``/proc`` that way, without a podman process or the container's lock).
+    init_parent_process = "conmon"
     runtimes: tuple[str, ...] = PODMAN_RUNTIMES
     snapshots = False
     environments_refused: str | None = None  # the environment: a host overlay bind-mounted
