@@ -86,3 +86,19 @@ def test_redactor_same_length_and_across_chunks() -> None:
     assert r.header(b"Basic " + secret) == b"Basic " + b"*" * len(secret)
     none = Redactor([])
     assert none.feed(b"abc") == b"abc" and none.flush() == b""
+
+
+def test_redactor_parts_match_feed_at_every_split() -> None:
+    secret = b"tok-0123456789"
+    body = b"a" * 40 + b"Bearer " + secret + b"b" * 30 + secret + b"c" * 50 + b"tok-01" + b"d" * 20
+    for size in (1, 5, 13, 14, 15, 16, 29, 64):
+        whole, parts = (Redactor([secret, b"Bearer " + secret]) for _ in range(2))
+        a = b"".join(whole.feed(body[i : i + size]) for i in range(0, len(body), size))
+        b = b"".join(
+            bytes(p)
+            for i in range(0, len(body), size)
+            for p in parts.feed_parts(body[i : i + size])
+        )
+        a, b = a + whole.flush(), b + parts.flush()
+        assert a == b and len(b) == len(body) and secret not in b
+        assert whole.hits == parts.hits == 2  # "Bearer <secret>" whole, then the bare one

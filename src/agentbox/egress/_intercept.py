@@ -106,6 +106,23 @@ class Redactor:
         self._tail = buf[cut:]
         return buf[:cut]
 
+    def feed_parts(self, data: bytes) -> tuple[bytes | memoryview, ...]:
+        """:meth:`feed` as pieces: without an occurrence near or in ``data``, what was held
+        back and a view of ``data`` (nothing of the chunk copied)."""
+        keep, tail = self._keep, self._tail
+        if not self._secrets:
+            return (data,)
+        if len(data) <= keep:
+            return (self.feed(data),)
+        # An occurrence is inside ``data`` or straddles the boundary (then it lies in
+        # ``tail + data[:keep]``); one wholly in ``tail`` was replaced when it was fed.
+        joint = tail + data[:keep]
+        if any(p in data or p in joint for p in self._probe):
+            return (self.feed(data),)
+        cut = len(data) - keep
+        self._tail = data[cut:]
+        return (tail, memoryview(data)[:cut]) if tail else (memoryview(data)[:cut],)
+
     def flush(self) -> bytes:
         """What is held back, at the body's end."""
         out, self._tail = self._tail, b""
@@ -589,21 +606,27 @@ class Interceptor:
         writer.write(srv.send(h11.Response(status_code=ev.status_code, headers=headers,
                                            reason=ev.reason)) or b"")  # fmt: skip
 
-        def send(out: bytes) -> None:
-            if not out:
+        def send(*pieces: bytes | memoryview) -> None:
+            n = sum(len(p) for p in pieces)
+            if not n:
                 return
-            if not proxy._take(att, "down", len(out)):
+            if not proxy._take(att, "down", n):
                 raise _Refuse(403, "byte-cap", "this task's egress byte cap is used up")
-            rec.bytes_down += len(out)
+            rec.bytes_down += n
             # The pieces as they are (no join): a content-length body passes uncopied.
-            writer.writelines(srv.send_with_data_passthrough(h11.Data(data=out)) or ())
+            out: list[bytes | memoryview] = []
+            for p in pieces:
+                if len(p):
+                    # h11 only counts a piece's length and hands it back: a view will do.
+                    out += srv.send_with_data_passthrough(h11.Data(data=cast(bytes, p))) or ()
+            writer.writelines(out)
 
         length = _body_length(ev, rec.method)
         seen = 0
         while True:
             if length is not None and (ev2 := up.conn.next_event()) is h11.NEED_DATA:
                 # h11 has passed on what it held: the rest comes from the protocol itself.
-                await up.relay_body(length - seen, lambda data: send(red.feed(data)), writer)
+                await up.relay_body(length - seen, lambda data: send(*red.feed_parts(data)), writer)
                 send(red.flush())
                 writer.write(srv.send(h11.EndOfMessage()) or b"")
                 await writer.drain()
