@@ -226,7 +226,12 @@ def test_qemu_forks_rekeyed_and_their_disks_collectable(
     assert parent.exec(["sh", "-c", "echo base > /workspace/a"]).exit_code == 0
     into = settings.data_dir / "microvm" / ".fork-test"
     into.mkdir()
+    assert parent.vm.cfg.ram_fd is not None  # restored: its RAM the template's memfd
+    template = os.fstat(parent.vm.cfg.ram_fd).st_blocks * 512
     frozen = be.freeze(parent, into)
+    # QEMU never read the parent's RAM: the template's shared memfd gained no page for
+    # each one the parent never touched (a migration would add up to its 1 GiB)
+    assert os.fstat(parent.vm.cfg.ram_fd).st_blocks * 512 - template < 64 * 1024**2
     forks = []
     for i in range(2):
         ws = tmp_path / f"ws{i}"

@@ -1,18 +1,26 @@
-"""Forking a live QEMU microVM: its memory and its disk, copy-on-write on the disk.
+"""Forking a live QEMU microVM: its memory and its disk, copy-on-write on both.
 
-:func:`freeze` stops the parent VM (QMP ``stop``: the vCPUs halt and QEMU flushes
-every disk), migrates its whole state, the RAM included, into a file (``migrate
-fd:``, as :mod:`._snapshot` saves a template, but without ``x-ignore-shared``: a
-live VM's RAM is its own private pages, not a shared file), copies its ``/data``
-disk as it stands then (sparse: only what is written) as the frozen base, and
-resumes the parent (``cont``: QEMU takes its disks back after a completed
-migration), which keeps working on its own disk; its guest clock, which stood still
-while it was stopped, is set again.
+:func:`freeze` stops the parent VM (QMP ``stop``: the vCPUs halt and QEMU drains and
+flushes every disk) and saves it in the snapshot machinery's shape. A parent whose
+RAM is a private mapping of a sealed memfd (restored from a snapshot, or a fork)
+saves its devices alone (``xen-save-devices-state``: the migration stream without
+its RAM section) and its RAM becomes a new sealed memfd (:mod:`._snapram`): the
+memfd it maps with the pages it wrote laid over, read by the host from the stopped
+process (``/proc/<pid>/pagemap`` and ``mem``); a migration would make QEMU read
+every page, and reading a page never touched through a private mapping of a memfd
+adds it to that (shared) memfd: up to the VM's memory size, held until every VM
+restored from it is gone. A cold-booted parent (anonymous RAM, whose untouched
+pages read as the zero page) is migrated whole into a file instead. Then its
+``/data`` disk is copied as it stands (sparse: only what is written; a fork's
+overlay and base flattened) as the frozen base, and the parent resumes (``cont``)
+on its own disk, its guest clock, which stood still while it was stopped, set again.
 
 :func:`fork_vm` then starts each fork as a restore of that state: the parent's
 command line and device set (kernel, initramfs, root disk, memory, vCPUs, mount
-disks), its own VM dir, uid and cgroup, its RAM anonymous (under the parent's
-memory backend id, if it had one) and filled from the stream, and as ``/data`` a
+disks), its own VM dir, uid and cgroup, its RAM that memfd mapped private (the
+forks share every page none of them wrote, as VMs restored from one snapshot do; a
+cold-booted parent's forks load the RAM from the stream into anonymous memory), and
+as ``/data`` a
 qcow2 overlay whose backing file is the frozen base, bound read-only into the jail
 (every fork shares the base's blocks; its writes go to its overlay). The guest
 wakes as its parent was, already greeted, so the host sends ``rekey`` (a fresh
@@ -27,14 +35,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentbox.backends.microvm._disks import DATA_DISK_BYTES
 from agentbox.backends.microvm._jail import JailSpec, jail_argv
 from agentbox.backends.microvm._qmp import wait_migration
+from agentbox.backends.microvm._snapram import PAGE
 from agentbox.backends.microvm._snapshot import IGNORE_SHARED
 from agentbox.backends.microvm._vm import Vm, VmConfig
 from agentbox.core import proc as _proc
@@ -57,7 +68,7 @@ class Frozen:
     """A live VM's state saved for forks: the migration stream, its ``/data`` as it was
     (raw), its mount disks, its config, and how far its session's stream ids had gone
     (:meth:`Channel.streams_seen`). With ``ram_fd`` (a sealed memfd of its RAM, see
-    :func:`_share_ram`) the stream holds the devices alone, else the RAM too."""
+    :func:`_save_devices_and_ram`) the stream holds the devices alone, else the RAM too."""
 
     state: Path
     base: Path
@@ -82,23 +93,13 @@ def freeze(sb: QemuSandbox, into: Path) -> Frozen:
     if vm.cfg.data_disk is None:
         raise SandboxError("fork: the VM has no /data disk", sandbox=sb.name)
     state, base = into / "state", into / "base.img"
-    no_ignore = {"capabilities": [{**IGNORE_SHARED, "state": False}]}
-    fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    ram: int | None = None
     try:
-        try:
-            vm.qmp(
-                ("stop", None),
-                ("migrate-set-capabilities", no_ignore),
-                ("migrate-set-parameters", {"max-bandwidth": 64 * 1024**3}),
-                ("getfd", {"fdname": "fork", "fd": fd}),
-                ("migrate", {"uri": "fd:fork"}),
-                wait_migration(),
-                timeout=SAVE_TIMEOUT,
-            )  # fmt: skip
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        # Stopped and migrated: QEMU flushed the disks and lets go of them until `cont`.
+        vm.qmp(("stop", None), timeout=60)  # QEMU drains and flushes every disk
+        if vm.cfg.ram_fd is not None:
+            ram = _save_devices_and_ram(sb, state)
+        else:
+            _migrate_whole(vm, state)
         streams = sb.session.channel.streams_seen
         if vm.cfg.data_base is None:
             _sparse_copy(vm.cfg.data_disk, base)
@@ -111,64 +112,114 @@ def freeze(sb: QemuSandbox, into: Path) -> Frozen:
                 mounts.append(into / f"m{i}.img")
             else:  # a cached, shared, never-written disk (a frozen environment's)
                 mounts.append(disk)
+    except BaseException:
+        if ram is not None:
+            os.close(ram)
+        raise
     finally:
         vm.qmp(("cont", None), timeout=60)
         with contextlib.suppress(AgentboxError):  # its clock stood still while stopped
             sb.session.set_clock()
-    frozen = Frozen(state, base, tuple(mounts), vm.cfg, streams)
-    if vm.cfg.ram_fd is not None or vm.cfg.ram_file is not None or vm.cfg.ram_anon:
-        frozen = _share_ram(frozen, into)  # the parent runs on meanwhile
     base.chmod(0o444)  # read by each fork's VMM uid through its jail; the dir is root's
-    log.info("vm frozen for forks", sandbox=sb.name, state_bytes=frozen.state.stat().st_size,
+    frozen = Frozen(state, base, tuple(mounts), vm.cfg, streams, ram_fd=ram)
+    log.info("vm frozen for forks", sandbox=sb.name, state_bytes=state.stat().st_size,
              base_bytes=base.stat().st_blocks * 512,
-             ram_shared=frozen.ram_fd is not None)  # fmt: skip
+             ram_bytes=0 if ram is None else os.fstat(ram).st_blocks * 512)  # fmt: skip
     return frozen
 
 
-def _share_ram(frozen: Frozen, into: Path) -> Frozen:
-    """The snapshot machinery's shape for ``frozen``: a loader VM, never run, takes the
-    whole stream into RAM mapped shared from a file, then saves its devices alone
-    (``x-ignore-shared``, as a template is saved); that file is loaded into a sealed
-    memfd (:mod:`._snapram`) which every fork maps private, so forks share each page
-    none of them wrote, as VMs restored from one snapshot do."""
-    from agentbox.backends.microvm._snapram import _load
-    from agentbox.backends.microvm._snapshot import wait_incoming
-
-    cfg = frozen.cfg
-    ram = into / "ram.img"
-    ram.touch(mode=0o600)
-    os.chown(ram, cfg.uid, cfg.gid)
-    state = into / "devices"
-    fd = os.open(frozen.state, os.O_RDONLY | os.O_CLOEXEC)
-    loader = Vm(dataclasses.replace(
-        cfg, name=f"{cfg.name[:50]}-load", run_dir=into / "run", data_disk=frozen.base,
-        data_base=None, mount_disks=frozen.mounts, ram_file=ram, ram_fd=None, ram_anon=False,
-        incoming_fd=fd, marker=False,
-    ))  # fmt: skip
+def _migrate_whole(vm: Vm, state: Path) -> None:
+    """A cold-booted VM (anonymous RAM): migrate it, RAM included, into ``state``."""
+    no_ignore = {"capabilities": [{**IGNORE_SHARED, "state": False}]}
+    fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        try:
-            loader.start()
-        finally:
-            os.close(fd)
-        wait_incoming(loader, timeout=SAVE_TIMEOUT, ignore_shared=False, cont=False)
-        out = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            loader.qmp(
-                ("migrate-set-capabilities", {"capabilities": [IGNORE_SHARED]}),
-                ("migrate-set-parameters", {"max-bandwidth": 64 * 1024**3}),
-                ("getfd", {"fdname": "devices", "fd": out}),
-                ("migrate", {"uri": "fd:devices"}),
-                wait_migration(),
-                timeout=SAVE_TIMEOUT,
-            )  # fmt: skip
-        finally:
-            os.close(out)
+        vm.qmp(
+            ("migrate-set-capabilities", no_ignore),
+            ("migrate-set-parameters", {"max-bandwidth": 64 * 1024**3}),
+            ("getfd", {"fdname": "fork", "fd": fd}),
+            ("migrate", {"uri": "fd:fork"}),
+            wait_migration(),
+            timeout=SAVE_TIMEOUT,
+        )  # fmt: skip
     finally:
-        loader.kill()
-    memfd = _load(ram, cfg.memory_mib * 1024**2)
-    ram.unlink()
-    frozen.state.unlink()
-    return dataclasses.replace(frozen, state=state, ram_fd=memfd)
+        os.close(fd)
+
+
+def _save_devices_and_ram(sb: QemuSandbox, state: Path) -> int:
+    """A VM whose RAM is a private mapping of a sealed memfd (restored from a snapshot,
+    or a fork): its devices alone into ``state`` (``xen-save-devices-state``), and its RAM
+    as a new sealed memfd: the memfd it maps, with the pages it wrote (read through
+    ``/proc/<pid>/pagemap`` and ``mem``) laid over. QEMU never reads the RAM itself: its
+    migration would touch every page, and each untouched page read through the private
+    mapping adds a page to the shared memfd (see :mod:`._snapram`), up to the VM's size."""
+    vm = sb.vm
+    run_file = vm.cfg.run_dir / "fork-devices"
+    where = "/vm/run/fork-devices" if vm.cfg.jail else str(run_file)
+    vm.qmp(("xen-save-devices-state", {"filename": where, "live": False}), timeout=SAVE_TIMEOUT)
+    run_file.rename(state)
+    os.chown(state, 0, 0)
+    state.chmod(0o600)
+    return _ram_of(vm.vmm_pid(), vm.cfg.memory_mib * 1024**2)
+
+
+_PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61
+_PAGES = 1 << 16  # pagemap entries read at once
+
+
+def _written(e: int) -> bool:
+    """A pagemap entry of a page the process wrote: its private copy, here or swapped."""
+    return bool(e & _SWAPPED or (e & _PRESENT and not e & _FILE))
+
+
+def _ram_of(pid: int, size: int) -> int:
+    """A sealed memfd of the RAM of stopped VMM ``pid`` (see :func:`_save_devices_and_ram`)."""
+    from agentbox.backends.microvm._snapram import MEMFD_NAME, SEALS, _extents
+
+    vmas = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == f"/memfd:{MEMFD_NAME}":
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                vmas.append((lo, hi, int(parts[2], 16), parts[0]))
+    if not vmas or sum(hi - lo for lo, hi, _, _ in vmas) != size:
+        raise SandboxError(f"fork: the VM's RAM mapping was not found in process {pid}")
+    new = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(new, size)
+        src = os.open(f"/proc/{pid}/map_files/{vmas[0][3]}", os.O_RDONLY | os.O_CLOEXEC)
+        try:  # the memfd it maps: its data (a hole reads as zero and is left a hole)
+            for start, length in _extents(src, size):
+                for off in range(start, start + length, 1 << 20):
+                    os.pwrite(new, os.pread(src, min(1 << 20, start + length - off), off), off)
+        finally:
+            os.close(src)
+        pagemap = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        try:  # the pages it wrote, laid over
+            for lo, hi, offset, _ in vmas:
+                for first in range(lo // PAGE, hi // PAGE, _PAGES):
+                    n = min(_PAGES, hi // PAGE - first)
+                    entries = struct.unpack(f"<{n}Q", os.pread(pagemap, n * 8, first * 8))
+                    i = 0
+                    while i < n:
+                        if not _written(entries[i]):
+                            i += 1
+                            continue
+                        j = i + 1
+                        while j < n and j - i < 256 and _written(entries[j]):
+                            j += 1
+                        addr = (first + i) * PAGE
+                        os.pwrite(new, os.pread(mem, (j - i) * PAGE, addr), offset + addr - lo)
+                        i = j
+        finally:
+            os.close(pagemap)
+            os.close(mem)
+        fcntl.fcntl(new, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(new)
+        raise
+    return new
 
 
 def _sparse_copy(src: Path, dst: Path) -> None:
@@ -203,7 +254,7 @@ def _flatten(overlay: Path, backing: Path, out: Path, *, uid: int) -> None:
 def fork_vm(frozen: Frozen, *, name: str, vm_dir: Path, uid: int) -> Vm:
     """A VM for one fork of ``frozen`` in the new ``vm_dir``, as ``uid``, not started; the
     caller starts it with :func:`start_fork` and restores it as a sandbox restored from a
-    snapshot is (``wait_incoming(ignore_shared=False)``), then greets it with ``rekey``."""
+    snapshot is (``wait_incoming``), then greets it with ``rekey``."""
     base = vm_dir / "data-base.img"
     os.link(frozen.base, base)  # one inode for every fork; each dir holds a link
     data = vm_dir / "data.img"
@@ -229,16 +280,17 @@ def fork_vm(frozen: Frozen, *, name: str, vm_dir: Path, uid: int) -> Vm:
 
 
 def start_fork(vm: Vm, frozen: Frozen) -> None:
-    """Start ``vm`` (from :func:`fork_vm`) loading ``frozen``'s state: its RAM mapped
-    private from ``frozen``'s sealed memfd when there is one, else anonymous, filled
-    from the stream, under the parent's memory backend id if it had one (the stream's
-    RAM block is named after it)."""
+    """Start ``vm`` (from :func:`fork_vm`) loading ``frozen``'s state: with a RAM memfd,
+    the devices alone, its RAM that memfd mapped private (as a snapshot restore maps
+    its template's); else the whole stream, into anonymous RAM under the parent's memory
+    backend id if it had one (the stream's RAM block is named after it)."""
     if frozen.ram_fd is not None:
         vm.cfg.ram_fd = frozen.ram_fd
+        # xen-save-devices-state's stream: no configuration section, no device description
+        vm.cfg.extra_args = (*vm.cfg.extra_args, "-global", "migration.send-configuration=off",
+                             "-machine", "suppress-vmdesc=on")  # fmt: skip
     else:
-        vm.cfg.ram_anon = frozen.cfg.ram_anon or (
-            frozen.cfg.ram_fd is not None or frozen.cfg.ram_file is not None
-        )
+        vm.cfg.ram_anon = frozen.cfg.ram_anon or frozen.cfg.ram_file is not None
     fd = os.open(frozen.state, os.O_RDONLY | os.O_CLOEXEC)
     vm.cfg.incoming_fd = fd
     try:

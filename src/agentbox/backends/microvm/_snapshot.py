@@ -166,11 +166,9 @@ def _save(cfg: VmConfig, snap: Snapshot) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def wait_incoming(
-    vm: Vm, timeout: float = 60.0, *, ignore_shared: bool = True, cont: bool = True
-) -> None:
-    """Wait until a ``-incoming`` VM has loaded its state, then ``cont`` (unless ``cont``
-    is False). ``ignore_shared`` False: the stream carries the RAM (see :mod:`._fork`)."""
+def wait_incoming(vm: Vm, timeout: float = 60.0, *, ignore_shared: bool = True) -> None:
+    """Wait until a ``-incoming`` VM has loaded its state, then ``cont``. ``ignore_shared``
+    False: the stream carries the RAM (a fork's, see :mod:`._fork`)."""
     end = time.monotonic() + timeout
     while not vm.qmp_socket.exists():  # QEMU makes it before it reads the state
         if not vm.alive():
@@ -202,5 +200,5 @@ def wait_incoming(
         if not vm.alive():
             raise SandboxError(f"restore failed: {vm.log_tail()}", sandbox=vm.cfg.name) from exc
         raise
-    if status != "running" and cont:
+    if status != "running":
         vm.qmp(("cont", None), timeout=10)
