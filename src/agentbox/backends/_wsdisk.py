@@ -72,6 +72,7 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
 from agentbox.linux.libc import libc as load_libc
+from agentbox.linux.loopdev import MS_NOATIME, MS_NODEV, MS_NOSUID, loop_mount
 
 log = get_logger(__name__)
 
@@ -143,7 +144,12 @@ class WorkspaceDisk:
             Path(here), self.image, size=self.limit.size, inodes=self.limit.inodes, pad=False
         )
         self.image.chmod(0o600)
-        _proc.run(["mount", "-t", "ext4", "-o", "loop,nosuid,nodev,noatime", self.image, here])
+        try:  # what `mount -t ext4 -o loop,nosuid,nodev,noatime` does, without its process
+            loop_mount(self.image, Path(here), "ext4", MS_NOSUID | MS_NODEV | MS_NOATIME)
+        except OSError as exc:
+            raise SandboxError(
+                f"cannot mount the workspace disk: {exc}", sandbox=self.name
+            ) from exc
         self._mounted = True
         top = os.open(self.workspace, _DIR_FLAGS)
         try:
