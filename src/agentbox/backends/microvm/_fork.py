@@ -38,6 +38,7 @@ import dataclasses
 import fcntl
 import os
 import shutil
+import stat
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,6 +60,8 @@ log = get_logger(__name__)
 
 #: How long saving a live VM's state may take (its RAM crosses a pipe; under TCG).
 SAVE_TIMEOUT = 600.0
+#: The largest device state (no RAM) a VM may save for its forks.
+MAX_DEVICE_STATE = 256 * 1024**2
 #: Where a fork's frozen base is bound in its jail (its overlay names it as backing).
 BASE_IN_JAIL = "/vm/data-base.img"
 
@@ -120,7 +123,11 @@ def freeze(sb: QemuSandbox, into: Path) -> Frozen:
         vm.qmp(("cont", None), timeout=60)
         with contextlib.suppress(AgentboxError):  # its clock stood still while stopped
             sb.session.set_clock()
-    base.chmod(0o444)  # read by each fork's VMM uid through its jail; the dir is root's
+    fd = os.open(base, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # read by each fork's VMM uid through its jail; the dir is root's
+        os.fchmod(fd, 0o444)
+    finally:
+        os.close(fd)
     frozen = Frozen(state, base, tuple(mounts), vm.cfg, streams, ram_fd=ram)
     log.info("vm frozen for forks", sandbox=sb.name, state_bytes=state.stat().st_size,
              base_bytes=base.stat().st_blocks * 512,
@@ -156,10 +163,31 @@ def _save_devices_and_ram(sb: QemuSandbox, state: Path) -> int:
     run_file = vm.cfg.run_dir / "fork-devices"
     where = "/vm/run/fork-devices" if vm.cfg.jail else str(run_file)
     vm.qmp(("xen-save-devices-state", {"filename": where, "live": False}), timeout=SAVE_TIMEOUT)
-    run_file.rename(state)
-    os.chown(state, 0, 0)
-    state.chmod(0o600)
+    try:
+        _take_file(run_file, state, MAX_DEVICE_STATE)
+    finally:
+        run_file.unlink(missing_ok=True)
     return _ram_of(vm.vmm_pid(), vm.cfg.memory_mib * 1024**2)
+
+
+def _take_file(src: Path, dst: Path, limit: int) -> None:
+    """Copy the file the VMM (or a tool in its jail) wrote at ``src`` into a new file of
+    root's at ``dst``, at most ``limit`` bytes: never following a link it put there."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(src, flags)
+    except OSError as exc:
+        raise SandboxError(f"fork: {src.name}: {exc.strerror}") from exc
+    with os.fdopen(fd, "rb") as fin:
+        st = os.fstat(fin.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise SandboxError(f"fork: {src.name} is not a regular file of at most {limit} bytes")
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(out, "wb") as fout:
+            while chunk := fin.read(min(1 << 20, limit + 1 - fout.tell())):
+                fout.write(chunk)
+            if fout.tell() > limit:
+                raise SandboxError(f"fork: {src.name} grew past {limit} bytes")
 
 
 _PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61
@@ -244,7 +272,11 @@ def _flatten(overlay: Path, backing: Path, out: Path, *, uid: int) -> None:
                     uid, uid)  # fmt: skip
     try:
         _proc.run(jail_argv(spec, inner), timeout=SAVE_TIMEOUT)
-        (where / "flat.img").rename(out)
+        flat = where / "flat.img"  # made by a uid of the jail's: a plain file, or refused
+        st = flat.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise SandboxError("fork: the flattened disk is not a plain file")
+        flat.rename(out)
     except CommandError as exc:
         raise SandboxError(f"fork: flattening the disk failed: {exc.stderr[-300:]}") from exc
     finally:
@@ -291,7 +323,7 @@ def start_fork(vm: Vm, frozen: Frozen) -> None:
                              "-machine", "suppress-vmdesc=on")  # fmt: skip
     else:
         vm.cfg.ram_anon = frozen.cfg.ram_anon or frozen.cfg.ram_file is not None
-    fd = os.open(frozen.state, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(frozen.state, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     vm.cfg.incoming_fd = fd
     try:
         vm.start()
