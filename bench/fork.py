@@ -16,7 +16,9 @@ n take beyond the frozen copy (blocks allocated: the copies' files, the layers' 
 Part 2, end to end through a real launcher: ``Sandbox.create`` of the backend, the
 same tree uploaded into its workspace, then ``fork(2)`` timed; the row shows fork
 time over create time (both measured here) and the forks' disk beyond the parent's
-(qemu: each fork's qcow2 overlay and the one frozen base; podman: the layers).
+(qemu: each fork's qcow2 overlay and the one frozen base; podman: the frozen copy and
+the layers); for qemu also the VMMs' PSS (proportional: a page shared by k VMs counts
+1/k in each) before the fork (the parent) and what each fork added, after one command.
 """
 
 from __future__ import annotations
@@ -108,6 +110,21 @@ def workspace_part(files: int, mib: int, ns: list[int]) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def vmm_pss(base: Path) -> int:
+    """The PSS of every QEMU of the launcher under ``base`` (its jail's bwrap names it)."""
+    import psutil
+
+    total = 0
+    for p in psutil.process_iter(["name"]):
+        with contextlib.suppress(psutil.Error):
+            if not (p.info["name"] or "").startswith("qemu-system"):
+                continue
+            up = p.parents()[:3]
+            if any(str(base) in " ".join(q.cmdline()) for q in up):
+                total += p.memory_full_info().pss
+    return total
+
+
 def sdk_part(backends: list[str], files: int, mib: int) -> None:
     from agentbox.sdk import Sandbox
 
@@ -126,22 +143,29 @@ def sdk_part(backends: list[str], files: int, mib: int) -> None:
                 break
             time.sleep(0.1)
         print(f"\n## fork(2) end to end: {files} files, {mib} MiB in the workspace\n")
-        print("| backend | create s | fork(2) s | fork/create | forks' disk MiB |")
-        print("|---|---|---|---|---|")
+        print("| backend | create s | fork(2) s | fork/create | forks' disk MiB "
+              "| VM PSS before MiB | per fork MiB | per fork/parent |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
         for be in backends:
             t0 = time.monotonic()
             with Sandbox.create(backend=be, timeout=900, address=sock) as sb:
                 t_create = time.monotonic() - t0
                 sb.upload(src, "/workspace")
                 before = blocks(base / "data")
+                pss0 = vmm_pss(base)
                 t0 = time.monotonic()
                 forks = sb.fork(2, timeout=600)
                 t_fork = time.monotonic() - t0
                 disk = blocks(base / "data") - before
+                for f in forks:  # each fork touches its memory a little, as a command would
+                    f.commands.run("true")
+                per = (vmm_pss(base) - pss0) / 2
                 for f in forks:
                     f.close()
+            mem = "| - | - | - |" if not pss0 else (
+                f"| {pss0 / 1024**2:.0f} | {per / 1024**2:.0f} | {per / pss0:.2f} |")  # fmt: skip
             print(f"| {be} | {t_create:.2f} | {t_fork:.2f} | {t_fork / t_create:.2f} "
-                  f"| {disk / 1024**2:.1f} |")  # fmt: skip
+                  f"| {disk / 1024**2:.1f} {mem}")  # fmt: skip
     finally:
         serve.send_signal(signal.SIGTERM)
         try:
