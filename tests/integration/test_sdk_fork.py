@@ -270,3 +270,41 @@ def test_qemu_forks_rekeyed_and_their_disks_collectable(
     assert (tmp_path / "ws0" / "a").read_text() == "base\nzero\n"
     for b in (*forks, parent):
         b.destroy()
+
+
+@pytest.mark.qemu
+def test_qemu_fork_of_a_vm_with_a_declared_mount(
+    sandbox_factory: Callable[[Any, Settings], SandboxTracker], tmp_path: Path
+) -> None:
+    """A fork has its parent's device set: its declared (read-only) mount is a disk of
+    its own, copied from the parent's, and mounted where the parent had it."""
+    from agentbox.backends.base import BindMount, SandboxSpec
+    from agentbox.backends.microvm.qemu import QemuBackend
+    from agentbox.boxfile import Resources
+    from agentbox.image import build_default
+
+    info = build_default(Settings())
+    assert info.rootfs is not None and info.hash is not None
+    settings = Settings(data_dir=tmp_path / "data")
+    be = QemuBackend(settings, rootfs=(info.rootfs, info.hash))
+    tracker = sandbox_factory(be, settings)
+    src = tmp_path / "deps"
+    src.mkdir()
+    (src / "lib.txt").write_text("dep\n")
+    res = Resources(memory="1GiB", cpus=1)
+    mounts = (BindMount(src, "/tmp/deps"),)
+    spec = SandboxSpec(name="fork-m-parent", image="default", resources=res, mounts=mounts)
+    parent = tracker.create(spec)
+    into = settings.data_dir / "microvm" / ".fork-m"
+    into.mkdir()
+    frozen = be.freeze(parent, into)
+    child_spec = SandboxSpec(name="fork-m-child", image="default", resources=res, mounts=mounts)
+    tracker.track(child_spec.name)
+    child = be.fork(child_spec, frozen)
+    tracker.track(child_spec.name, child)
+    frozen.close()
+    shutil.rmtree(into)
+    parent.destroy()  # the fork's mount disk is its own
+    assert child.exec(["cat", "/tmp/deps/lib.txt"]).stdout == b"dep\n"
+    assert child.exec(["sh", "-c", "echo x > /tmp/deps/new"]).exit_code != 0  # read-only
+    child.destroy()
