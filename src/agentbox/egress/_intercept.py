@@ -64,8 +64,9 @@ _CHUNK = 262144
 #: Decrypted upstream bytes that may wait for the client before reading pauses.
 _UP_HIGH_WATER = 2 << 20
 _MIN_REDACT = 4
-#: The client socket's send buffer (the kernel doubles it; capped by net.core.wmem_max).
-_CLIENT_SNDBUF = 1 << 20
+#: The client socket's send buffer: the kernel doubles it (capped by net.core.wmem_max),
+#: so at most 1 MiB waits in the kernel per connection, besides the 1 MiB in asyncio's.
+_CLIENT_SNDBUF = 1 << 19
 
 
 class Redactor:
