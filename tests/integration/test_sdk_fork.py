@@ -308,3 +308,37 @@ def test_qemu_fork_of_a_vm_with_a_declared_mount(
     assert child.exec(["cat", "/tmp/deps/lib.txt"]).stdout == b"dep\n"
     assert child.exec(["sh", "-c", "echo x > /tmp/deps/new"]).exit_code != 0  # read-only
     child.destroy()
+
+
+@pytest.mark.qemu
+def test_qemu_fork_of_a_cold_booted_vm(
+    sandbox_factory: Callable[[Any, Settings], SandboxTracker], tmp_path: Path
+) -> None:
+    """A VM booted cold (anonymous RAM, no snapshot) is migrated whole; its fork loads
+    the RAM from the stream and has its parent's tmpfs and disk."""
+    from agentbox.backends.base import SandboxSpec
+    from agentbox.backends.microvm.qemu import QemuBackend
+    from agentbox.boxfile import Resources
+    from agentbox.image import build_default
+
+    info = build_default(Settings())
+    assert info.rootfs is not None and info.hash is not None
+    settings = Settings(data_dir=tmp_path / "data")
+    be = QemuBackend(settings, cold=True, rootfs=(info.rootfs, info.hash))
+    tracker = sandbox_factory(be, settings)
+    res = Resources(memory="512MiB", cpus=1)
+    parent = tracker.create(SandboxSpec(name="fork-cold", image="default", resources=res))
+    assert parent.exec(["sh", "-c", "echo t > /tmp/t; echo w > /workspace/w"]).exit_code == 0
+    into = settings.data_dir / "microvm" / ".fork-cold"
+    into.mkdir()
+    frozen = be.freeze(parent, into)
+    assert frozen.ram_fd is None  # the RAM is in the stream
+    spec = SandboxSpec(name="fork-cold-child", image="default", resources=res)
+    tracker.track(spec.name)
+    child = be.fork(spec, frozen)
+    tracker.track(spec.name, child)
+    shutil.rmtree(into)
+    assert child.exec(["cat", "/tmp/t", "/workspace/w"]).stdout == b"t\nw\n"
+    assert parent.exec(["true"]).exit_code == 0
+    child.destroy()
+    parent.destroy()
