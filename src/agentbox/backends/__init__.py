@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from agentbox.backends._uidslots import claim as claim_uid_slot
@@ -35,6 +36,7 @@ __all__ = [
     "backend_class",
     "claim_uid_slot",
     "get_backend",
+    "mark_bounded",
     "owned_sandboxes",
     "reap_uid_slots",
     "release_uid_slot",
@@ -132,6 +134,15 @@ def sweep_pools(settings: Settings) -> list[str]:
         except (AgentboxError, OSError, ImportError) as exc:
             log.debug("backend swept no pool here", backend=name, error=str(exc))
     return removed
+
+
+def mark_bounded(workspace: Path, bounded: bool = True) -> None:
+    """Say that ``workspace`` is bounded by a layer of its own (a fork's overlay on its
+    own image), so a sandbox of it gets no second workspace disk; ``bounded=False``: no
+    more (:mod:`agentbox.backends._wsdisk`)."""
+    from agentbox.backends._wsdisk import mark_bounded as _mark
+
+    _mark(workspace, bounded)
 
 
 def settle_dead_disks(settings: Settings) -> list[str]:

@@ -37,7 +37,7 @@ from agentbox.env._egress import (
 )
 from agentbox.env._key import env_key
 from agentbox.env._model import EnvInfo, SetupReport
-from agentbox.env._mount import EnvMount
+from agentbox.env._mount import EnvMount, walk_tree
 from agentbox.env._phase import EnvPlan, image_id, prepare_env, setup_sandbox_name
 from agentbox.env._report import release_task_env, report_fields, save_setup_report
 from agentbox.env._store import EnvStore
@@ -67,5 +67,6 @@ __all__ = [
     "save_setup_report",
     "setup_sandbox_name",
     "start_egress",
+    "walk_tree",
     "with_overrides",
 ]

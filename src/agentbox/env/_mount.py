@@ -89,13 +89,14 @@ def _give_to(merged: Path, uid: int, roots: list[str]) -> None:
             continue
         if st.st_uid in (0, uid) or not stat.S_ISDIR(st.st_mode):
             continue  # made by this uid (the same slot), or by none
-        for path in [top, *_walk(top)]:
+        for path in [top, *walk_tree(top)]:
             st = path.lstat()
             if st.st_uid not in (0, uid):
                 os.chown(path, uid, uid if st.st_gid != 0 else 0, follow_symlinks=False)
 
 
-def _walk(top: Path) -> list[Path]:
+def walk_tree(top: Path) -> list[Path]:
+    """Every entry below ``top`` (links not followed), ``top`` itself not included."""
     out = []
     for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
         out += [Path(dirpath) / n for n in (*dirnames, *filenames)]

@@ -160,7 +160,7 @@ class BoxKeeper:
         self._filling = threading.Lock()
         self._fillers: list[threading.Thread] = []
         if os.geteuid() == 0:  # what a launcher that died left mounted (before we make any)
-            from agentbox.backends.microvm._fork import remove_stale_frozen
+            from agentbox.backends.microvm import remove_stale_frozen
             from agentbox.launcher._fork import settle_fork_layers
 
             settle_fork_layers(settings.data_dir / "scratch")
@@ -335,7 +335,7 @@ class BoxKeeper:
         """``n`` forks of a microVM sandbox from a snapshot of its live VM, memory and
         processes included, ``/data`` copy-on-write (backends/microvm/_fork.py)."""
         be = parent.box.backend  # type: ignore[attr-defined]
-        from agentbox.backends.microvm._fork import FROZEN_PREFIX
+        from agentbox.backends.microvm import FROZEN_PREFIX
 
         vm_root = parent.box.vm_dir.parent  # type: ignore[attr-defined]
         into = Path(tempfile.mkdtemp(prefix=FROZEN_PREFIX, dir=vm_root))

@@ -15,10 +15,10 @@ parent's:
   it reads nothing the parent could not. That copy is the read-only lower layer of
   every fork's workspace (:class:`Lower`, removed with the last fork): each fork's
   workspace is a kernel overlay of it (:func:`overlay_workspace`, the mount an
-  environment gets, :class:`~agentbox.env._mount.EnvMount`) whose writable layer
+  environment gets, :class:`~agentbox.env.EnvMount`) whose writable layer
   lies on an ext4 image of the fork's disk limit, loop-mounted on the host, so a
   fork's writes are bounded as a podman workspace disk bounds them (that disk is
-  then not mounted: :func:`~agentbox.backends._wsdisk.mark_bounded`). Every entry
+  then not mounted: :func:`~agentbox.backends.mark_bounded`). Every entry
   is handed to the fork's uid in the fork's view (``lchown`` with ``metacopy=on``:
   only metadata is copied up, never a file's data; no sandbox sees it yet). The
   overlay and its image are unmounted and deleted after the fork's sandbox is gone.
@@ -126,8 +126,8 @@ def overlay_workspace(
     """A fork's workspace: an overlay of ``lower`` in a new dir beside ``ws`` whose
     writable layer is an image of ``limit``, every entry ``uid``'s in it; returns the
     merged dir. ``stack`` unmounts and deletes it all (and lets go of ``lower``)."""
-    from agentbox.backends._wsdisk import mark_bounded
-    from agentbox.env._mount import EnvMount, _walk
+    from agentbox.backends import mark_bounded
+    from agentbox.env import EnvMount, walk_tree
 
     em = EnvMount(lower.path, ws.parent / f"{ws.name}{LAYER_SUFFIX}")
     lower.hold()
@@ -135,7 +135,7 @@ def overlay_workspace(
     stack.callback(em.release)
     em.mount(ws, [], uid, limit=limit)
     merged = em.merged
-    for path in [merged, *_walk(merged)]:  # metacopy: metadata copied up, never data
+    for path in [merged, *walk_tree(merged)]:  # metacopy: metadata copied up, never data
         st = path.lstat()
         if st.st_uid != uid:
             os.chown(path, uid, uid if st.st_gid != 0 else 0, follow_symlinks=False)
@@ -153,7 +153,7 @@ def settle_fork_layers(scratch: Path) -> list[str]:
     """Unmount and delete the fork workspaces a launcher that died left in ``scratch``
     (call before this launcher makes any); their lowers are plain scratch dirs, pruned
     as those are. Returns the dirs settled."""
-    from agentbox.env._mount import EnvMount
+    from agentbox.env import EnvMount
 
     settled = []
     with contextlib.suppress(OSError):

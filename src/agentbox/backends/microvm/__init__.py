@@ -34,6 +34,7 @@ from agentbox.backends.microvm._firecracker import (
     place_files,
     version_output,
 )
+from agentbox.backends.microvm._fork import FROZEN_PREFIX, remove_stale_frozen
 from agentbox.backends.microvm._guest import GuestSession, host_kernel
 from agentbox.backends.microvm._initramfs import MARKER, ensure_initramfs
 from agentbox.backends.microvm._jail import Cgroup, spawn
@@ -52,6 +53,7 @@ from agentbox.backends.microvm.kvm import boot_to_marker, probe_kvm
 
 __all__ = [
     "DATA_DISK_BYTES",
+    "FROZEN_PREFIX",
     "MARKER",
     "MAX_MOUNTS",
     "OVERLAY_MODULES",
@@ -88,6 +90,7 @@ __all__ = [
     "place_files",
     "probe_kvm",
     "qemu_argv",
+    "remove_stale_frozen",
     "snapshot_ram",
     "spawn",
     "version_output",
