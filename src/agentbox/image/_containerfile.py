@@ -245,6 +245,18 @@ def build_containerfile(
         # A name podman does not have locally (or one with build ARGs in it) keys by its
         # text; podman build then finds it or fails with its own message.
         from_ids[ref] = str(got.get("Id")) if got is not None else f"unresolved:{ref}"
+    # A ``localhost/`` name is never pulled: one podman does not have fails now, not after
+    # the build lock (another build may hold it for minutes) and podman's three pull tries.
+    local = [
+        r
+        for r, i in from_ids.items()
+        if i.startswith("unresolved:") and _local_only(r) and _podman.valid_reference(r)
+    ]
+    if local:
+        raise ImageError(
+            f"FROM {', '.join(local)}: not in podman's local storage (run `agentbox image "
+            f"build` for {BASE_IMAGE}, or build it first)"
+        )
     images = images_dir(settings)
     images.mkdir(parents=True, exist_ok=True)
     cdigest = _keys.file_digest(claude, images / "digests.json")
@@ -384,3 +396,9 @@ def build_for_boxfile(
         settings, build.containerfile, context=build.context, tag=build.tag, progress=progress
     )
     return box.model_copy(update={"image": info.name, "image_build": None})
+
+
+def _local_only(ref: str) -> bool:
+    """Whether image ``ref`` names podman's local storage only (``localhost/…``), which no
+    registry serves."""
+    return ref.split("/", 1)[0] == "localhost" and "/" in ref
