@@ -450,6 +450,12 @@ def _killed_run_is_readopted(
     log = (world.settings.data_dir / "tasks" / task_id / "logs" / "launcher.log").read_text()
     assert "re-adopted by launcher pid" in log, log[-2000:]
     _poll(lambda: not _sandboxes(name, world, owner), GONE_WITHIN, "the sandbox outlived its end")
+    # Its workspace disk is settled by its follower or, where the container went first (CI:
+    # once in three runs a mount was left here), by the next launcher's start, which
+    # settles every disk whose owner and container are gone: be that start.
+    from agentbox.backends import settle_dead_disks
+
+    settle_dead_disks(settings)
 
 
 def _in_long_command(world: World, task_id: str) -> bool:
