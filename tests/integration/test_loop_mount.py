@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.linux.loopdev import MS_NOATIME, MS_NODEV, MS_NOSUID, loop_mount
+from agentbox.linux.loopdev import loop_mount
+from agentbox.linux.mounts import MS_NOATIME, MS_NODEV, MS_NOSUID
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not Path("/dev/loop-control").exists(), reason="loop devices need root"

@@ -72,7 +72,8 @@ from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
 from agentbox.linux.libc import libc as load_libc
-from agentbox.linux.loopdev import MS_NOATIME, MS_NODEV, MS_NOSUID, loop_mount
+from agentbox.linux.loopdev import loop_mount
+from agentbox.linux.mounts import MS_NOATIME, MS_NODEV, MS_NOSUID
 
 log = get_logger(__name__)
 

@@ -18,9 +18,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from agentbox.linux.libc import libc
-
-MS_NOSUID, MS_NODEV, MS_NOATIME = 2, 4, 1024
+from agentbox.linux.mounts import mount
 
 _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A
@@ -64,12 +62,7 @@ def loop_mount(image: Path, target: Path, fstype: str, flags: int) -> str:
     try:
         dev, lo = _attach(img, os.fsencode(image))
         try:
-            rc = libc().mount(
-                os.fsencode(dev), os.fsencode(target), fstype.encode(), ctypes.c_ulong(flags), None
-            )
-            if rc != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"mount {dev} ({image}) on {target}: {os.strerror(err)}")
+            mount(dev, target, flags, fstype)
         finally:
             os.close(lo)  # autoclear: with no mount left, this detaches it
     finally:

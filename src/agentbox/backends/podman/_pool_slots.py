@@ -8,7 +8,6 @@ itself, a gateway dir): :func:`_is_mount` reads ``/proc/self/mountinfo``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
@@ -25,7 +24,20 @@ from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError
-from agentbox.linux.libc import libc
+from agentbox.linux.mounts import (
+    MS_BIND,
+    MS_MOVE,
+    MS_NOATIME,
+    MS_NODEV,
+    MS_NODIRATIME,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_RDONLY,
+    MS_RELATIME,
+    MS_REMOUNT,
+    mount,
+    umount_lazy,
+)
 
 #: Pool sandboxes are named ``agentbox-pool-<hex>`` until claimed.
 SLOT_PREFIX = "agentbox-pool-"
@@ -52,51 +64,32 @@ def bind(source: Path, target: Path, opts: str, *, stage: Path) -> None:
         extra |= _MS_OPTS[opt]
     stage.mkdir(mode=0o700)
     try:
-        _mount(source, stage, _MS_BIND)
+        mount(source, stage, MS_BIND)
         try:
             have = os.statvfs(stage).f_flag
             kept = sum(ms for st, ms in _ST_TO_MS if have & st)
-            _mount(None, stage, _MS_REMOUNT | _MS_BIND | kept | extra)
-            _mount(stage, target, _MS_MOVE)
+            mount(None, stage, MS_REMOUNT | MS_BIND | kept | extra)
+            mount(stage, target, MS_MOVE)
         except BaseException:
             with contextlib.suppress(OSError):
-                _umount_lazy(stage)
+                umount_lazy(stage)
             raise
     finally:
         with contextlib.suppress(OSError):
             stage.rmdir()
 
 
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_MOVE = 32, 1024, 2048, 4096, 8192
-_MS_RELATIME = 1 << 21
-_MNT_DETACH = 2
-_MS_OPTS = {"ro": _MS_RDONLY, "nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC}
+_MS_OPTS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
 #: ``statvfs`` flags (``ST_*``) of a mount and the ``MS_*`` flags a remount keeps them by.
 _ST_TO_MS = (
-    (os.ST_RDONLY, _MS_RDONLY),
-    (os.ST_NOSUID, _MS_NOSUID),
-    (os.ST_NODEV, _MS_NODEV),
-    (os.ST_NOEXEC, _MS_NOEXEC),
-    (os.ST_NOATIME, _MS_NOATIME),
-    (os.ST_NODIRATIME, _MS_NODIRATIME),
-    (os.ST_RELATIME, _MS_RELATIME),
+    (os.ST_RDONLY, MS_RDONLY),
+    (os.ST_NOSUID, MS_NOSUID),
+    (os.ST_NODEV, MS_NODEV),
+    (os.ST_NOEXEC, MS_NOEXEC),
+    (os.ST_NOATIME, MS_NOATIME),
+    (os.ST_NODIRATIME, MS_NODIRATIME),
+    (os.ST_RELATIME, MS_RELATIME),
 )
-
-
-def _mount(source: Path | None, target: Path, flags: int) -> None:
-    lib = libc()
-    src = None if source is None else os.fsencode(source)
-    rc = lib.mount(src, os.fsencode(target), None, ctypes.c_ulong(flags), None)
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {source} on {target} (flags {flags:#x}): {os.strerror(err)}")
-
-
-def _umount_lazy(target: Path) -> None:
-    if libc().umount2(os.fsencode(target), _MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"umount --lazy {target}: {os.strerror(err)}")
 
 
 def unbind(sdir: Path) -> None:

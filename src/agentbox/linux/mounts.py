@@ -1,0 +1,32 @@
+"""``mount(2)`` and ``umount2(2)`` on the host, by libc: the flags and two calls the
+in-process mounts share (a pool claim's binds, a workspace disk's loop mount), each
+failure an ``OSError`` that names the call."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from agentbox.linux.libc import libc
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE = 32, 1024, 2048, 4096, 8192
+MS_RELATIME = 1 << 21
+MNT_DETACH = 2
+
+
+def mount(source: Path | str | None, target: Path, flags: int, fstype: str | None = None) -> None:
+    """``mount(2)`` of ``source`` (None: the remount or move of ``target`` itself)."""
+    src = None if source is None else os.fsencode(source)
+    kind = None if fstype is None else fstype.encode()
+    if libc().mount(src, os.fsencode(target), kind, ctypes.c_ulong(flags), None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target} (flags {flags:#x}): {os.strerror(err)}")
+
+
+def umount_lazy(target: Path) -> None:
+    """``umount2(target, MNT_DETACH)``: ``umount --lazy``."""
+    if libc().umount2(os.fsencode(target), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount --lazy {target}: {os.strerror(err)}")
