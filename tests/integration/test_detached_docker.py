@@ -148,6 +148,16 @@ def _killed_at_the_cap(backend: DockerBackend, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(backend, "_cap_pid", cap)
 
 
+def _capkill_case(
+    settings: Settings, image: str, names: list[str], what: str
+) -> tuple[DockerBackend, str, SandboxSpec]:
+    """A backend, a sandbox name (reaped after the test) and a spec for a cap-kill case."""
+    name = f"det-docker-capkill-{what}-{os.getpid()}"
+    names.append(name)
+    spec = SandboxSpec(name=name, image=image, deadline=300, labels={"io.agentbox.task": "t"})
+    return DockerBackend(settings), name, spec
+
+
 def test_a_container_killed_at_its_cap_fails_the_launch_saying_so(
     sandbox_settings: Settings,
     default_image: str,
@@ -155,11 +165,7 @@ def test_a_container_killed_at_its_cap_fails_the_launch_saying_so(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    backend = DockerBackend(sandbox_settings)
-    name = f"det-docker-capkill-{os.getpid()}"
-    names.append(name)
-    spec = SandboxSpec(name=name, image=default_image, deadline=300,
-                       labels={"io.agentbox.task": "t"})  # fmt: skip
+    backend, name, spec = _capkill_case(sandbox_settings, default_image, names, "l")
     _killed_at_the_cap(backend, monkeypatch)
     with pytest.raises(SandboxError, match="ended before its command started"):
         backend.launch(spec, ["sh", "-c", "echo ran > /tmp/x"], log=tmp_path / "s.log")
@@ -173,11 +179,7 @@ def test_a_follower_reads_a_container_killed_at_its_cap_as_its_end(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    backend = DockerBackend(sandbox_settings)
-    name = f"det-docker-capkill-f-{os.getpid()}"
-    names.append(name)
-    spec = SandboxSpec(name=name, image=default_image, deadline=300,
-                       labels={"io.agentbox.task": "t"})  # fmt: skip
+    backend, name, spec = _capkill_case(sandbox_settings, default_image, names, "f")
     log = tmp_path / "s.log"
     # Its launcher died after the start, before the cap and the gate.
     with monkeypatch.context() as m:
