@@ -63,6 +63,17 @@ BACKENDS = [
 ]
 
 
+def _a_write_stays_in_its_fork(parent: Any, f1: Any, f2: Any) -> None:
+    """A write in fork ``f1`` (a changed file, a new one) is in neither ``f2`` nor the parent."""
+    r = f1.commands.run("echo one >> /workspace/before.txt && echo 1 > /workspace/only1")
+    assert r.exit_code == 0, r
+    assert f1.files.read("/workspace/before.txt") == "parent\none\n"
+    assert f2.files.read("/workspace/before.txt") == "parent\n"
+    assert parent.files.read("/workspace/before.txt") == "parent\n"
+    assert f2.commands.run("test -e /workspace/only1").exit_code == 1
+    assert parent.commands.run("test -e /workspace/only1").exit_code == 1
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fork_copies_the_files_and_keeps_the_copies_apart(
     launcher_sock: tuple[Path, Path], backend: str
@@ -80,13 +91,7 @@ def test_fork_copies_the_files_and_keeps_the_copies_apart(
                 assert f.files.read("/workspace/before.txt") == "parent\n"
                 assert f.files.read("/tmp/t.txt") == "tmpfs\n"
             f1, f2 = forks
-            r = f1.commands.run("echo one >> /workspace/before.txt && echo 1 > /workspace/only1")
-            assert r.exit_code == 0, r
-            assert f1.files.read("/workspace/before.txt") == "parent\none\n"
-            assert f2.files.read("/workspace/before.txt") == "parent\n"
-            assert sb.files.read("/workspace/before.txt") == "parent\n"
-            assert f2.commands.run("test -e /workspace/only1").exit_code == 1
-            assert sb.commands.run("test -e /workspace/only1").exit_code == 1
+            _a_write_stays_in_its_fork(sb, f1, f2)
         finally:
             for f in forks:
                 f.close()
@@ -176,13 +181,7 @@ def test_qemu_fork_carries_memory_and_processes(launcher_sock: tuple[Path, Path]
             assert sb.commands.run(f"kill -USR1 {pid} && sleep 2 && cat /workspace/held-{pid}"
                                    ).stdout.strip() == v1  # fmt: skip
             # the disk: copy-on-write per fork
-            r = f1.commands.run("echo one >> /workspace/before.txt && echo 1 > /workspace/only1")
-            assert r.exit_code == 0, r
-            assert f1.files.read("/workspace/before.txt") == "parent\none\n"
-            assert f2.files.read("/workspace/before.txt") == "parent\n"
-            assert sb.files.read("/workspace/before.txt") == "parent\n"
-            assert f2.commands.run("test -e /workspace/only1").exit_code == 1
-            assert sb.commands.run("test -e /workspace/only1").exit_code == 1
+            _a_write_stays_in_its_fork(sb, f1, f2)
             # tmpfs (RAM) is the parent's too, then each its own
             f2.files.write("/tmp/only2", "2")
             assert f1.commands.run("test -e /tmp/only2").exit_code == 1
