@@ -96,3 +96,49 @@ def test_the_end_is_recorded_from_the_exit_file_while_conmon_still_runs(
         subprocess.run(["podman", "rm", "-f", "--time", "0", name], capture_output=True)
         detach.settle_orphan_disks(sandbox_settings, name)
         assert_no_mounts_under(sandbox_settings.data_dir)
+
+
+def test_a_disk_whose_owner_outlived_the_follower_is_settled_once_owner_and_container_go(
+    sandbox_settings: Settings, default_image: str, make_workspace: Callable[[], Path]
+) -> None:
+    """The follower's settle met the disk's recorded owner still alive (conmon finishing a
+    slow cleanup) and its container still there: the disk used to stay mounted until the
+    next launcher's start. Now it is settled as soon as both are gone, and what the agent
+    wrote on it is copied back. A real loop-mounted disk, a real container, a real owner
+    process standing in for conmon."""
+    import psutil
+
+    from agentbox.backends._wsdisk import WorkspaceDisk
+    from agentbox.boxfile import DiskLimit
+
+    ws = make_workspace()
+    name = f"late-settle-{os.getpid()}"
+    (ws / "keep.txt").write_text("from the repo\n")
+    disk = WorkspaceDisk(sandbox_settings, name, ws, DiskLimit(size=64 << 20, inodes=4096))
+    owner = subprocess.Popen(["sleep", "600"])
+    try:
+        disk.mount()
+        (ws / "late.txt").write_text("written on the disk\n")
+        disk.hand_over(owner.pid, f"{psutil.Process(owner.pid).create_time():.0f}")
+        subprocess.run(["podman", "create", "--name", name, default_image, "true"],
+                       check=True, capture_output=True, timeout=120)  # fmt: skip
+        PodmanBackend(sandbox_settings)._settle(name, None)  # the follower's, owner alive
+        assert os.path.ismount(ws), "settled while its owner lived"
+        owner.kill()
+        owner.wait(30)
+        subprocess.run(["podman", "rm", name], check=True, capture_output=True, timeout=120)
+        end = time.monotonic() + 90  # a bound for a hang, not a speed target
+        while os.path.ismount(ws) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not os.path.ismount(ws), "the disk was left to the next launcher's start"
+        assert (ws / "late.txt").read_text() == "written on the disk\n"
+        assert (ws / "keep.txt").read_text() == "from the repo\n"
+    finally:
+        owner.kill()
+        owner.wait(30)
+        subprocess.run(["podman", "rm", "-f", "--time", "0", name], capture_output=True)
+        detach.settle_orphan_disks(sandbox_settings, name)
+        end = time.monotonic() + 30
+        while detach._late and time.monotonic() < end:
+            time.sleep(0.1)
+        assert_no_mounts_under(sandbox_settings.data_dir)

@@ -292,6 +292,11 @@ def settle_orphan_disks(
         return _settle_records(base, name, exited=(exited or ended) and one, ended=ended and one)
 
 
+def disk_left(settings: Settings, name: str) -> bool:
+    """Whether sandbox ``name`` still has a workspace disk recorded (not settled yet)."""
+    return (settings.data_dir / "disks" / f"{name}.json").is_file()
+
+
 def _settle_records(
     base: Path, name: str | None, *, exited: bool = False, ended: bool = False
 ) -> list[str]:

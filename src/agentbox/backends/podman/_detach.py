@@ -40,6 +40,7 @@ import hashlib
 import hmac
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -49,7 +50,7 @@ import psutil
 
 from agentbox.backends._detached import check_launch, detach_key
 from agentbox.backends._k8slog import LogReader, exit_marker, read_exit, write_exit
-from agentbox.backends._wsdisk import WorkspaceDisk, settle_orphan_disks
+from agentbox.backends._wsdisk import WorkspaceDisk, disk_left, settle_orphan_disks
 from agentbox.backends.base import (
     LABEL,
     MAX_LOG_BYTES,
@@ -322,6 +323,7 @@ class PodmanDetached:
         """No container: a follower before us recorded the end; replay the log, settle."""
         ended = read_exit(log)
         if ended is None:
+            self._settle(name, None)  # nobody will follow it: its disk is not left mounted
             raise SandboxGone("no such sandbox (and no record of its end)", sandbox=name)
         with self._final(log):
             self._settle(name, None)
@@ -352,6 +354,10 @@ class PodmanDetached:
         exited = conmon is not None and not _running(conmon)
         for done in settle_orphan_disks(self.settings, name, exited=exited, ended=ended):
             log_event("workspace disk copied back", done)
+        if disk_left(self.settings, name):
+            # Its owner (conmon, finishing podman's cleanup) or its container outlived
+            # the wait: settled once both are gone, not left to the next launcher's start.
+            settle_when_gone(self.settings, name)
 
     def _remove_and_settle(self, name: str, conmon: psutil.Process | None) -> None:
         """After the exit file: ``podman rm`` off the caller's path (:mod:`._removals`,
@@ -359,6 +365,43 @@ class PodmanDetached:
         neither needs the other, and nothing of the task needs the container."""
         _removals.remove_later(name, after=conmon)
         self._settle(name, conmon, ended=True)
+
+
+#: How long :func:`settle_when_gone` keeps trying (then the next launcher's start settles).
+LATE_SETTLE_FOR = 300.0
+_late_lock = threading.Lock()
+_late: dict[str, threading.Thread] = {}
+
+
+def settle_when_gone(settings: Settings, name: str, *, every: float = 1.0) -> threading.Thread:
+    """Settle sandbox ``name``'s workspace disk once its recorded owner and its container
+    are both gone (a daemon thread of this process, at most :data:`LATE_SETTLE_FOR`
+    seconds; one per name). :func:`settle_orphan_disks` makes the decision each time, so
+    a disk whose sandbox still runs is never touched."""
+
+    def run() -> None:
+        until = time.monotonic() + LATE_SETTLE_FOR
+        try:
+            while disk_left(settings, name) and time.monotonic() < until:
+                time.sleep(every)
+                try:
+                    for done in settle_orphan_disks(settings, name):
+                        log_event("workspace disk copied back after its owner", done)
+                except (AgentboxError, OSError) as exc:
+                    logger.warning("could not settle a workspace disk yet", sandbox=name,
+                                   error=str(exc)[-500:])  # fmt: skip
+        finally:
+            with _late_lock:
+                if _late.get(name) is threading.current_thread():
+                    del _late[name]
+
+    with _late_lock:
+        if (thread := _late.get(name)) is not None and thread.is_alive():
+            return thread
+        thread = threading.Thread(target=run, name=f"agentbox-settle-{name}", daemon=True)
+        _late[name] = thread
+        thread.start()
+        return thread
 
 
 def log_event(what: str, name: str, **kw: object) -> None:
