@@ -10,7 +10,11 @@ a JSON line, so a test checks what the upstream really received. Paths:
   offsets that straddle read boundaries) and an ``X-Echo`` header repeating it;
 - ``/redirect?to=URL``: 302 to ``URL``;
 - ``/size?n=N``: 200, N bytes (throughput);
-- anything with a body (``POST``): 200, the body's length.
+- anything with a body (``POST``): 200, the body's length;
+- ``/then-drop``: 200 (kept alive), then the next request on the connection is read and
+  the connection closed unanswered (logged with ``"dropped": true``): a keep-alive that
+  timed out as the request went out;
+- ``/then-close``: 200 (kept alive, no ``Connection: close``), then the connection closed.
 """
 
 from __future__ import annotations
@@ -52,6 +56,18 @@ class Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
+    def handle_one_request(self) -> None:
+        if not getattr(self, "drop_next", False):
+            super().handle_one_request()
+            return
+        head = [self.rfile.readline(65537)]
+        while head[-1] not in (b"\r\n", b"\n", b""):
+            head.append(self.rfile.readline(65537))
+        with _LOCK, open(self.log_path, "a") as fh:
+            line = head[0].decode("latin-1").split()
+            fh.write(json.dumps({"method": line[:1], "path": line[1:2], "dropped": True}) + "\n")
+        self.close_connection = True
+
     def do_HEAD(self) -> None:
         self.do_GET()
 
@@ -67,6 +83,10 @@ class Handler(BaseHTTPRequestHandler):
             a = auth.encode()
             body = b"start " + a + b" " + b"y" * 65531 + a + b" " + b"z" * 100000 + a + b" end"
             self._send(200, body, {"X-Echo": auth, "Content-Type": "text/plain"})
+        elif url.path in ("/then-drop", "/then-close"):
+            self._send(200, b"ok")
+            self.drop_next = url.path == "/then-drop"
+            self.close_connection = url.path == "/then-close"
         elif url.path == "/redirect":
             self._send(302, b"", {"Location": q.get("to", ["/"])[0]})
         elif url.path == "/size":

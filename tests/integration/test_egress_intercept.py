@@ -48,7 +48,7 @@ SERVER = Path(__file__).resolve().parents[1] / "tls_upstream.py"
 RULES = (
     NetworkRule(
         host="up.test",
-        paths=("/headers", "/echo", "/redirect", "/size"),
+        paths=("/headers", "/echo", "/redirect", "/size", "/then-drop", "/then-close"),
         inject=Inject("Authorization", "Bearer ${secret:UP_TOKEN}"),
         origin="test",
     ),

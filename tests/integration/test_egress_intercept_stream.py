@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import time
 
 import pytest
 from test_egress_intercept import RULES, SECRET, Env, _Conn, _get, env  # noqa: F401
@@ -67,3 +68,42 @@ def test_byte_cap_cuts_an_intercepted_download(env: Env) -> None:  # noqa: F811
     recs = [json.loads(line) for line in log.read_text().splitlines()]
     last = [x for x in recs if x.get("path") == "/size?n=…"][-1]
     assert last["rule"] == "byte-cap" and last["bytes_down"] <= cap
+
+
+def test_a_kept_upstream_closed_as_a_request_went_out_is_retried_once(env: Env) -> None:  # noqa: F811
+    """The upstream reads the next request on a kept connection and closes it unanswered
+    (its keep-alive timed out as the request went out): a GET is sent again on a new
+    connection, once, and the client gets the answer, not a 502."""
+    c = _Conn(env, "up.test")
+    before = len(env.upstream())
+    assert c.ask(_get("/then-drop")).status == 200
+    r = c.ask(_get("/headers"))
+    assert r.status == 200, r.body  # type: ignore[attr-defined]
+    c.close()
+    seen = env.upstream()[before:]
+    assert [s.get("dropped", False) for s in seen] == [False, True, False], seen
+    rec = env.record(lambda x: x.get("path") == "/headers" and x.get("retried"))
+    assert rec["status"] == 200 and rec["injected"]
+
+
+def test_a_post_is_never_sent_twice_and_a_closed_kept_upstream_is_not_reused(env: Env) -> None:  # noqa: F811
+    """A request with a body is not retried (502 when its kept connection was dropped
+    under it), and a kept connection the upstream has closed while idle is not used: the
+    next request, a POST, goes out on a new one and is answered."""
+    c = _Conn(env, "up.test")
+    before = len(env.upstream())
+    assert c.ask(_get("/then-drop")).status == 200
+    post = b"POST /upload/x HTTP/1.1\r\nHost: up.test\r\nContent-Length: 5\r\n\r\nhello"
+    r = c.ask(post, method="POST")
+    assert r.status == 502, r.body  # type: ignore[attr-defined]
+    c.close()
+    seen = env.upstream()[before:]
+    assert [s.get("dropped", False) for s in seen] == [False, True], seen
+    # Closed by the upstream while idle: once the upstream's close has had time to
+    # arrive (a bound, not a speed target), the next request takes a new connection.
+    c = _Conn(env, "up.test")
+    assert c.ask(_get("/then-close")).status == 200
+    time.sleep(1.0)
+    r = c.ask(post, method="POST")
+    assert r.status == 200 and r.body == b"got 5", r.body  # type: ignore[attr-defined]
+    c.close()

@@ -258,6 +258,13 @@ class _Up(asyncio.Protocol):
         self.transport.write(data)
         await self._can_write.wait()
 
+    @property
+    def stale(self) -> bool:
+        """Closed by the upstream while kept idle (its keep-alive timed out), or sent bytes
+        no request asked for: a kept connection in this state is not used again."""
+        closing = self.transport is None or self.transport.is_closing()
+        return self._eof or bool(self._chunks) or closing
+
     def close(self) -> None:
         if self._resume is not None:
             self._resume.cancel()
@@ -526,40 +533,48 @@ class Interceptor:
         if rule.inject is not None and inject is not None:
             headers.append((rule.inject.header.encode(), inject))
             rec.injected = True
-        if up is not None and up.conn.our_state is not h11.IDLE:
+        if up is not None and (up.conn.our_state is not h11.IDLE or up.stale):
             up.close()
             up = None
         fresh = up is None
-        if up is None:
-            up = await self._connect(proxy, att, host, port, trusted)
-        try:
-            data = up.conn.send(h11.Request(method=req.method, target=req.target, headers=headers))
-        except h11.LocalProtocolError as exc:
-            raise _Refuse(400, "malformed", f"bad request: {safe(str(exc))}") from None
-        try:
-            await self._send_up(proxy, att, up, data or b"", rec)
-            if srv.they_are_waiting_for_100_continue:
-                writer.write(
-                    srv.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
-                )
-            while True:
-                ev = await _next(srv, reader)
-                if isinstance(ev, h11.Data):
-                    await self._send_up(proxy, att, up, up.conn.send(ev) or b"", rec)
-                elif isinstance(ev, h11.EndOfMessage):
+        # A kept connection the upstream closed as this request went out (its keep-alive
+        # timed out meanwhile) is retried once on a new one when nothing of an answer came
+        # and the request can be sent again as it was: no body, an idempotent method.
+        replay = not fresh and not framing and req.method in _IDEMPOTENT
+        request = h11.Request(method=req.method, target=req.target, headers=headers)
+        body_read = False  # the client's request, to its end: read once, whatever the tries
+        while True:
+            if up is None:
+                up = await self._connect(proxy, att, host, port, trusted)
+            try:
+                data = up.conn.send(request)
+            except h11.LocalProtocolError as exc:
+                up.close()  # closed here: a refused request's connection is nobody's
+                raise _Refuse(400, "malformed", f"bad request: {safe(str(exc))}") from None
+            try:
+                await self._send_up(proxy, att, up, data or b"", rec)
+                if not body_read:
+                    await self._relay_request_body(proxy, att, srv, up, reader, writer, rec)
+                    body_read = True
+                else:  # a replay: no body (see ``replay``), only its end
                     await self._send_up(
                         proxy, att, up, up.conn.send(h11.EndOfMessage()) or b"", rec
                     )
-                    break
-                else:
-                    raise _Refuse(400, "malformed", "the request's body ended early")
-            await self._relay_answer(proxy, att, srv, up, writer, rec)
-        except (OSError, h11.RemoteProtocolError, ssl.SSLError) as exc:
-            up.close()
-            if rec.status is None:
-                why = "the upstream closed" if fresh else "the kept upstream connection closed"
-                raise _Refuse(502, "upstream", f"{why}: {safe(repr(exc))}") from None
-            raise _Closed from None
+                await self._relay_answer(proxy, att, srv, up, writer, rec)
+            except (OSError, h11.RemoteProtocolError, ssl.SSLError) as exc:
+                up.close()
+                if rec.status is None and replay and not fresh:
+                    rec.extra["retried"] = "the kept upstream connection closed unanswered"
+                    up, fresh = None, True
+                    continue
+                if rec.status is None:
+                    why = "the upstream closed" if fresh else "the kept upstream connection closed"
+                    raise _Refuse(502, "upstream", f"{why}: {safe(repr(exc))}") from None
+                raise _Closed from None
+            except (_Refuse, _Closed):  # the byte cap, a malformed body, the client gone
+                up.close()
+                raise
+            break
         if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
             up.conn.start_next_cycle()
         # IDLE both ways: a cycle h11 ended, or a fresh one after a body relayed without it.
@@ -568,6 +583,29 @@ class Interceptor:
             up.close()
         keep = srv.our_state is h11.DONE and srv.their_state is h11.DONE
         return (up if keep_up else None), keep
+
+    async def _relay_request_body(
+        self,
+        proxy: EgressProxy,
+        att: Attempt,
+        srv: h11.Connection,
+        up: _Up,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        rec: _Req,
+    ) -> None:
+        """The client's request body (``100 Continue`` first if it waits for one), then its end."""
+        if srv.they_are_waiting_for_100_continue:
+            writer.write(srv.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
+        while True:
+            ev = await _next(srv, reader)
+            if isinstance(ev, h11.Data):
+                await self._send_up(proxy, att, up, up.conn.send(ev) or b"", rec)
+            elif isinstance(ev, h11.EndOfMessage):
+                await self._send_up(proxy, att, up, up.conn.send(h11.EndOfMessage()) or b"", rec)
+                return
+            else:
+                raise _Refuse(400, "malformed", "the request's body ended early")
 
     async def _send_up(
         self, proxy: EgressProxy, att: Attempt, up: _Up, data: bytes, rec: _Req
@@ -696,6 +734,10 @@ class Interceptor:
             **({"suggest": rec.suggest} if rec.suggest else {}),
             **rec.extra,
         )
+
+
+#: Methods a client may send again on its own when no answer came (RFC 9110 9.2.2).
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"})
 
 
 def _body_length(resp: h11.Response, method: str) -> int | None:
