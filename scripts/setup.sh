@@ -218,11 +218,18 @@ if [ ! -x "$cc/node_modules/@anthropic-ai/claude-code-linux-x64/claude" ]; then
 fi
 # GitHub's OpenAPI description (npm @octokit/openapi), pinned: the pull-request tests check
 # every request the GitHub client sends against it (tests/forge_servers.py).
-octo=.venv/share/octokit-openapi
+# Installed once per host under its pinned version (a fresh clone links to it).
+octo_ver=23.0.2
+octo=/var/cache/agentbox/npm/octokit-openapi-$octo_ver
 if [ ! -f "$octo/node_modules/@octokit/openapi/generated/api.github.com.json" ]; then
-  log "npm install @octokit/openapi (the pull-request tests' API description)"
-  npm install --silent --no-audit --no-fund --prefix "$octo" "@octokit/openapi@23.0.2" >/dev/null
+  log "npm install @octokit/openapi@$octo_ver (the pull-request tests' API description)"
+  rm -rf "$octo.tmp" && mkdir -p "$octo.tmp"
+  npm install --silent --no-audit --no-fund --prefix "$octo.tmp" "@octokit/openapi@$octo_ver" >/dev/null
+  rm -rf "$octo" && mv "$octo.tmp" "$octo"
 fi
+mkdir -p .venv/share
+[ -L .venv/share/octokit-openapi ] || rm -rf .venv/share/octokit-openapi  # an older setup's copy
+ln -sfn "$octo" .venv/share/octokit-openapi
 # `claude` on PATH (/usr/local/bin/claude runs the pinned binary) for your own Claude Code
 # (`claude mcp add agentbox …`); a claude you installed yourself is left alone.
 sh scripts/claude-wrapper.sh "$cc/node_modules/@anthropic-ai/claude-code-linux-x64/claude"
