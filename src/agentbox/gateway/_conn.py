@@ -1,14 +1,23 @@
 """Connection limits uvicorn lacks: a request read timeout and a per-server connection cap.
 
-uvicorn's h11 protocol starts no timer on a new connection, and cancels its
-keep-alive timer on every byte received: a client that sends headers slowly,
-or never finishes them, holds its connection (and 16 KB of buffer) forever.
+The server side parses requests with llhttp (``httptools``, uvicorn's C parser,
+Node.js's HTTP parser, strict mode: it refuses a request with both
+``Content-Length`` and ``Transfer-Encoding``, two lengths, control characters in a
+header, bad chunking): h11 in pure Python was a fifth of the gateway's CPU per
+streamed request. uvicorn's protocol starts no timer on a new connection, and
+cancels its keep-alive timer on every byte received: a client that sends headers
+slowly, or never finishes them, holds its connection forever; and llhttp bounds
+no head's size.
 A review measured 3,000 such connections all still open after 33 s; a
 podman sandbox can connect to the gateway's mounted socket directly, around
 the relay's 64-connection cap, with a nofile limit of 20,000.
 
-:class:`GuardedH11Protocol` adds, per connection:
+:class:`GuardedHttpProtocol` adds, per connection:
 
+- a **head bound**: a request line and headers over :data:`MAX_HEAD` get a 400 and
+  the connection closes (h11 had one; llhttp has none);
+- **no protocol upgrade**: a request asking for one is answered as a plain request
+  and its connection closes after the answer (nothing after it is read);
 - a **header timeout**: from a connection's first byte (or its opening) until
   the request's headers are complete; past it the connection is closed;
 - a **body timeout**: from the headers until the whole body has arrived (a
@@ -33,12 +42,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from agentbox.core.log import get_logger
 
 log = get_logger(__name__)
+
+#: Bytes of a request's line and headers (h11's limit was 16 KiB; a Claude Code request's
+#: head is under 2 KiB). llhttp itself has none: past this the request gets a 400.
+MAX_HEAD = 64 << 10
 
 
 @dataclass
@@ -144,15 +157,16 @@ class CoalescingTransport(asyncio.Transport):
         return False
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with :class:`ConnLimits` (read from ``config.conn_limits``)."""
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools (llhttp) protocol with :class:`ConnLimits` (read from
+    ``config.conn_limits``), a bound on a request's head, and no protocol upgrade."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self._limits: ConnLimits = getattr(config, "conn_limits", None) or ConnLimits()
         self._timer: asyncio.TimerHandle | None = None
         self._phase = ""
-        self._seen: object = None
+        self._head_size = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -172,25 +186,57 @@ class GuardedH11Protocol(H11Protocol):
         if self._timer is None and (self.cycle is None or self.cycle.response_complete):
             # The first byte of the next request on a kept-alive connection.
             self._arm("header_timeout", self._limits.header_timeout)
-        super().data_received(data)
-        self._progress()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._progress()
-
-    def _progress(self) -> None:
-        cycle = self.cycle
-        if cycle is None or cycle is self._seen or self.transport.is_closing():
-            body_done = self.conn.their_state is not h11.SEND_BODY
-            if cycle is self._seen and self._phase == "body_timeout" and body_done:
-                self._disarm()
+        self._unset_keepalive_if_required()
+        if self.parser is None:  # lost, or refused above: nothing more is read
             return
-        # A new request's headers are complete.
-        self._seen = cycle
-        if self.conn.their_state is h11.SEND_BODY:
-            self._arm("body_timeout", self._limits.body_timeout)
-        else:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:  # a callback's exception too (_HeadTooLarge)
+            # uvicorn's own warning, as before (the gateway's log is capped: _logcap).
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self._disarm()
+            self.send_400_response(msg)
+            return
+        except httptools.HttpParserUpgrade:
+            # Never switched to: the request was answered as a plain one (it is complete
+            # when llhttp says upgrade); what follows it is not HTTP, so nothing more is
+            # read and the connection closes after the answer.
+            self._refuse_more()
+
+    def _refuse_more(self) -> None:
+        self.transport.pause_reading()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+        elif not self.transport.is_closing():
+            self.transport.close()
+
+    # llhttp's callbacks (the parser calls the protocol's methods).
+    def on_message_begin(self) -> None:
+        self._head_size = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        if self._head_size > MAX_HEAD:
+            raise _HeadTooLarge
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # Counted with a line's overhead, so many empty headers count too.
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > MAX_HEAD:
+            raise _HeadTooLarge
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        # A request's headers are complete: its body (if any) has its own deadline.
+        self._arm("body_timeout", self._limits.body_timeout)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self._phase == "body_timeout":
             self._disarm()
 
     def _arm(self, phase: str, delay: float) -> None:
@@ -211,3 +257,8 @@ class GuardedH11Protocol(H11Protocol):
         self._limits.refused(self._phase)
         # Closing makes a request still reading its body see a disconnect.
         self.transport.abort()
+
+
+class _HeadTooLarge(Exception):
+    """A request's head passed :data:`MAX_HEAD` (raised in a parser callback: the parser
+    stops and reports an error)."""

@@ -1,35 +1,36 @@
-"""The gateway's upstream client: keep-alive HTTP/1.1 on asyncio streams, framed by h11.
+"""The gateway's upstream client: keep-alive HTTP/1.1 on asyncio streams, parsed by llhttp.
 
 Local upstreams (the replay model on a private socket, llama.cpp or vLLM on
 127.0.0.1) are where the gateway's own cost shows: httpx's transport costs ~0.7 ms
 of CPU per request there (httpcore's state machine under an anyio layer), more
 than the rest of the gateway, and httpx, httpcore and anyio are ~6 MiB of memory
-in every task's gateway. :class:`PlainPool` is asyncio streams plus h11, the
-strict HTTP/1.1 framing httpx itself stands on (and uvicorn, already in the
-gateway process): h11 parses the response; this module writes the request (its
-head is ours: a fixed method and path and allow-listed headers, each checked to
-be one printable ASCII line), moves bytes and decides when a connection may be
-reused. h11 builds and checks a request event in ~50 µs, a tenth of a small
-request's whole cost in the gateway, so it is told only that a bodyless POST went
-out (one constant event: its state machine then frames the answer to a POST). ``https://`` upstreams
-(the Anthropic API) use the same client over the standard library's TLS with the
-context httpx would build (:func:`tls_context`: certificate and host name
+in every task's gateway. :class:`PlainPool` is asyncio streams plus a response
+parser in C: ``httptools`` (llhttp, Node.js's HTTP parser, the one uvicorn uses
+when it is installed). h11, which framed answers here before, cost a fifth of the
+gateway's CPU per streamed request in pure Python (its events, state machine and
+chunk reader, per chunk). This module writes the request (its head is ours: a
+fixed method and path and allow-listed headers, each checked to be one printable
+ASCII line), moves bytes and decides when a connection may be reused. ``https://``
+upstreams (the Anthropic API) use the same client over the standard library's TLS
+with the context httpx would build (:func:`tls_context`: certificate and host name
 verified, the same CA bundle).
 
-Framing is h11's, with three checks of ours on top, where h11 is more lenient
-than a gateway should be:
+llhttp's strict mode refuses what h11 refused (a response with both
+``Transfer-Encoding`` and ``Content-Length``, two different lengths, a malformed
+length, a header name with a space before its colon, control characters in a value,
+obsolete line folding, bad chunk framing); three checks of ours stay on top:
 
-- a response with both ``Transfer-Encoding`` and ``Content-Length`` is refused
-  (that ambiguity is how response smuggling starts); h11 would follow the coding;
-- obsolete line folding is refused (h11 unfolds it);
+- a ``Transfer-Encoding`` other than exactly ``chunked`` is refused (llhttp would
+  read ``gzip, chunked`` as chunked, or another coding as a body until close);
+- an HTTP version other than 1.0 or 1.1 is refused;
 - an informational (1xx) status is refused: the gateway never asks for one.
 
 Chunks that reached the socket together are passed on together: each read takes
-whatever the kernel has (up to 64 KiB), h11 yields every event in it, and the
-data events are joined into one piece, never waiting for more (no peeking at
+whatever the kernel has (up to 64 KiB), the parser yields every piece of body in it,
+and they are joined into one, never waiting for more (no peeking at
 ``asyncio.StreamReader._buffer``, a CPython internal). A connection is reused only
-after its response was read to the end and neither side said ``Connection: close``
-(h11's states say so).
+after its response was read to the end, the parser says it may be kept alive, and
+nothing followed the response on it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import h11
+import httptools
 
 from agentbox.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 
@@ -52,9 +53,6 @@ if TYPE_CHECKING:
 _MAX_HEAD = 64 << 10
 _READ = 1 << 16
 _IDLE_EXPIRY = 4.0  # below the 5 s keep-alive most servers use: no reuse of a closing socket
-#: What h11 is told was sent (the real head is written by hand): a POST, no body, keep-alive.
-_SENT = h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")])
-_END = h11.EndOfMessage()
 
 
 def _line_ok(text: str) -> bool:
@@ -63,22 +61,72 @@ def _line_ok(text: str) -> bool:
     return text.isascii() and text.isprintable() and text == text.strip(" ")
 
 
+class _Answer:
+    """One response as llhttp reports it (the parser's callbacks: C calls these)."""
+
+    __slots__ = ("body", "ended", "headers", "messages")
+
+    def __init__(self) -> None:
+        self.headers: dict[str, str] = {}
+        self.body: list[bytes] = []
+        self.ended = False
+        self.messages = 0
+
+    def on_message_begin(self) -> None:
+        self.messages += 1  # a second one: the upstream sent more than its answer
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # llhttp keeps a value's trailing whitespace, which is not part of it (RFC 9110).
+        key = name.decode("latin-1").lower()
+        if key in self.headers:  # repeated: one value, comma-joined (RFC 9110 5.3)
+            self.headers[key] += ", " + value.rstrip(b" \t").decode("latin-1")
+        else:
+            self.headers[key] = value.rstrip(b" \t").decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.ended = True
+
+
 @dataclass
 class _Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
-    h11: h11.Connection = field(
-        default_factory=lambda: h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD)
-    )
     idle_since: float = 0.0
     reused: bool = False
+    answer: _Answer = field(default_factory=_Answer)
+    parser: httptools.HttpResponseParser | None = None
+    keep_alive: bool = False
 
     def close(self) -> None:
         self.writer.close()
 
+    def expect_answer(self) -> None:
+        """A request went out: a new parser for its answer."""
+        self.answer = _Answer()
+        self.parser = httptools.HttpResponseParser(self.answer)
+        self.keep_alive = False
+
+    def feed(self, data: bytes) -> None:
+        """Parse the next bytes of the answer; :class:`UpstreamError` if they are wrong."""
+        assert self.parser is not None
+        answer = self.answer
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if answer.ended and answer.messages == 1:
+                answer.messages = 2  # garbage after a whole answer: it stands, no reuse
+                return
+            raise UpstreamError(f"bad response framing from upstream: {exc}") from None
+        except httptools.HttpParserUpgrade:
+            raise UpstreamError("upstream switched protocols") from None
+
     @property
     def reusable(self) -> bool:
-        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+        a = self.answer
+        return a.ended and a.messages == 1 and self.keep_alive
 
 
 @dataclass
@@ -91,6 +139,8 @@ class _PlainResponse:
     closed: bool = False
     _timeout: float = 600.0
     timed_out: bool = False
+    until_eof: bool = False
+    """The body has neither a length nor chunks: it ends when the upstream closes."""
     _last: float = 0.0
     _timer: asyncio.TimerHandle | None = None
 
@@ -126,37 +176,28 @@ class _PlainResponse:
         self._last = time.monotonic()
         return data
 
-    def _events(self) -> tuple[list[bytes], bool]:
-        """The body bytes h11 can give from what it holds, and whether the body ended."""
-        parts: list[bytes] = []
-        conn = self.conn.h11
-        try:
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    return parts, False
-                if isinstance(event, h11.Data):
-                    parts.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    return parts, True
-                elif isinstance(event, h11.ConnectionClosed):
-                    raise UpstreamError("upstream closed before the end of the body")
-        except h11.ProtocolError as exc:
-            raise UpstreamError(f"bad response framing from upstream: {exc}") from None
-
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        reader = self.conn.reader
+        conn = self.conn
+        reader = conn.reader
+        answer = conn.answer
+        until_eof = self.until_eof
         while True:
-            parts, ended = self._events()
+            parts = answer.body
             if parts:
+                answer.body = []
                 yield parts[0] if len(parts) == 1 else b"".join(parts)
-            if ended:
+            if answer.ended:
                 # Only now: a consumer that stopped at the last piece did not read to
                 # the end, and its connection is not reused.
                 self.done = True
                 return
             data = await self._read(reader.read(_READ))
-            self.conn.h11.receive_data(data)  # b"" is EOF: h11 decides if that ends the body
+            if not data:  # EOF: the end of a body framed by the connection's close only
+                if until_eof:
+                    self.done = True
+                    return
+                raise UpstreamError("upstream closed before the end of the body")
+            conn.feed(data)
 
     async def aclose(self) -> None:
         if self.closed:
@@ -235,7 +276,6 @@ class PlainPool:
         return None
 
     def _give(self, conn: _Conn) -> None:
-        conn.h11.start_next_cycle()
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
 
@@ -269,8 +309,7 @@ class PlainPool:
             raise UpstreamError("request not writable as HTTP/1.1: a header or the target "
                                 "is not one printable ASCII line")  # fmt: skip
         lines.append(f"content-length: {len(body)}\r\n\r\n")
-        conn.h11.send(_SENT)
-        conn.h11.send(_END)
+        conn.expect_answer()
         return "\r\n".join(lines).encode("ascii") + body
 
     async def _exchange(
@@ -308,25 +347,28 @@ class PlainPool:
             raise
 
     def _parse(self, conn: _Conn, raw: bytes) -> _PlainResponse:
-        if any(line[:1] in (b" ", b"\t") for line in raw[:-4].split(b"\r\n")[1:]):
-            raise UpstreamError("malformed header from upstream (obsolete line folding)")
-        conn.h11.receive_data(raw)
-        try:
-            event = conn.h11.next_event()
-        except h11.ProtocolError as exc:
-            raise UpstreamError(f"malformed response head from upstream: {exc}") from None
-        if isinstance(event, h11.InformationalResponse):
-            raise UpstreamError(
-                f"unexpected informational status {event.status_code} from upstream"
-            )
-        if not isinstance(event, h11.Response):  # NEED_DATA cannot be: the head is complete
-            raise UpstreamError("malformed response head from upstream")
-        headers: dict[str, str] = {}
-        for name, value in event.headers:
-            headers[name.decode("latin-1")] = value.decode("latin-1")
-        if "transfer-encoding" in headers and "content-length" in headers:
-            raise UpstreamError("ambiguous response framing from upstream")
-        return _PlainResponse(event.status_code, headers, conn, self, _timeout=self.read_timeout)
+        conn.feed(raw)
+        parser, answer = conn.parser, conn.answer
+        assert parser is not None
+        status = parser.get_status_code()
+        if parser.get_http_version() not in ("1.1", "1.0"):
+            raise UpstreamError("malformed response head from upstream (HTTP version)")
+        if 100 <= status < 200:
+            raise UpstreamError(f"unexpected informational status {status} from upstream")
+        headers = answer.headers
+        te = headers.get("transfer-encoding")
+        if te is not None and te.strip(" \t").lower() != "chunked":
+            raise UpstreamError(f"unsupported transfer coding from upstream: {te[:64]!r}")
+        until_eof = te is None and "content-length" not in headers and not answer.ended
+        # What llhttp's should_keep_alive() says while the head is current (it forgets once
+        # the message is complete): 1.1 unless "close", 1.0 only with "keep-alive".
+        tokens = {t.strip(" \t").lower() for t in headers.get("connection", "").split(",")}
+        version = parser.get_http_version()
+        conn.keep_alive = not until_eof and (
+            "keep-alive" in tokens if version == "1.0" else "close" not in tokens
+        )
+        return _PlainResponse(status, headers, conn, self, _timeout=self.read_timeout,
+                              until_eof=until_eof)  # fmt: skip
 
     def prepare(self) -> None:
         """Build the verifying TLS context now (it reads the CA bundle from disk), and

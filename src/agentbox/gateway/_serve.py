@@ -26,7 +26,7 @@ import uvicorn
 
 from agentbox.core.log import get_logger
 from agentbox.errors import ConfigError, PolicyRefused
-from agentbox.gateway._conn import ConnLimits, GuardedH11Protocol
+from agentbox.gateway._conn import ConnLimits, GuardedHttpProtocol
 from agentbox.gateway._listenfd import inherited_listener
 
 log = get_logger(__name__)
@@ -203,7 +203,7 @@ def _config(app: Any, limits: ConnLimits) -> uvicorn.Config:
     cfg = uvicorn.Config(
         app,
         log_config=log_config,
-        http=GuardedH11Protocol,
+        http=GuardedHttpProtocol,
         log_level="warning",
         access_log=False,
         lifespan="on",
@@ -213,7 +213,7 @@ def _config(app: Any, limits: ConnLimits) -> uvicorn.Config:
         date_header=False,
         proxy_headers=False,
     )
-    # Read by GuardedH11Protocol: header/body timeouts and the connection cap.
+    # Read by GuardedHttpProtocol: header/body timeouts and the connection cap.
     cfg.conn_limits = limits  # type: ignore[attr-defined]
     return cfg
 
