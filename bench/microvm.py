@@ -12,8 +12,15 @@ Rows:
                 check, first command's output
   idle memory   per VMM, RSS, PSS and private memory of --idle restored VMs idle
                 at once (their untouched guest RAM is the one snapshot memfd's,
-                shared), and of one cold VM; the private part split into guest
-                RAM written since the restore and TCG's code cache
+                shared), and of one cold VM; then a table of both split by
+                mapping class from /proc/<pid>/smaps (guest RAM written / read,
+                TCG's code buffer and TB hash table, malloc heap and arenas,
+                other anonymous, stacks, binary and libraries private / shared),
+                and the restored VM's PSS without the rows that exist only under
+                TCG (what a KVM host would not have); then one VM of each runs
+                `claude --version` and is measured idle again (TCG's code buffer
+                keeps what it translated, up to its cap), with the growth of the
+                snapshot's memfd meanwhile
 
 Each row also gives the CPU seconds spent on it (bare: QEMU's until the marker; cold
 and snapshot: the VMM's until the first command's output, plus this process's and its
@@ -108,22 +115,109 @@ def idle_vms(backend: QemuBackend, res: Resources, k: int, label: str) -> dict[s
                 b.destroy()
 
 
-def _smaps(pid: int) -> list[tuple[str, int, dict[str, int]]]:
-    """(name, size in kB, fields in kB) per mapping of ``pid``."""
-    out: list[tuple[str, int, dict[str, int]]] = []
+def _smaps(pid: int) -> list[tuple[int, int, str, str, dict[str, int]]]:
+    """(start, end, perms, name, fields in kB) per mapping of ``pid``."""
+    out: list[tuple[int, int, str, str, dict[str, int]]] = []
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
         if "-" in head[0] and ":" not in head[0]:
             lo, hi = (int(x, 16) for x in head[0].split("-"))
-            out.append((head[5] if len(head) > 5 else "", (hi - lo) // 1024, {}))
+            out.append((lo, hi, head[1], head[5] if len(head) > 5 else "", {}))
         elif len(head) == 3 and head[2] == "kB" and out:
-            out[-1][2][head[0].rstrip(":")] = int(head[1])
+            out[-1][4][head[0].rstrip(":")] = int(head[1])
     return out
 
 
-def idle_memory(backend: QemuBackend, res: Resources, k: int, label: str) -> dict[str, float]:
-    """k sandboxes idle at once: per VMM, RSS, PSS, private (USS), the guest RAM it wrote
-    since its restore (copy-on-write of the snapshot's memfd) and TCG's code cache."""
+#: The classes of a VMM's memory, in table order: (key, label, exists only under TCG).
+CLASSES = (
+    ("ram_cow", "guest RAM written (private: since the restore; a cold VM's all)", False),
+    ("ram_read", "guest RAM read from the snapshot (shared pages, this VM's share)", False),
+    ("tcg", "TCG translated-code buffer (rwx)", True),
+    ("tcg_hash", "TCG translation-block hash table (x-query-jit buckets x 64 B)", True),
+    ("heap", "malloc: main heap", False),
+    ("arenas", "malloc: thread arenas", False),
+    ("anon", "other anonymous (QEMU's mmaps: coroutine stacks, I/O, soft-TLBs)", False),
+    ("stacks", "thread stacks (main + each thread's)", False),
+    ("lib_priv", "binary + libraries: private (relocations, .data, .bss)", False),
+    ("lib_file", "binary + libraries: file pages (shared, this VM's share)", False),
+    ("images", "kernel + initrd files QEMU maps (/vm/vmlinux, /vm/initramfs)", False),
+)
+_ARENA = 64 * 2**20  # glibc's HEAP_MAX_SIZE on 64-bit: thread arenas are aligned to it
+
+
+def jit_hash_mib(sb: Any) -> float:
+    """MiB of TCG's translation-block hash table (QEMU's ``x-query-jit``: its buckets
+    are 64 bytes each, one allocation); 0 under KVM or when QEMU does not say."""
+    with contextlib.suppress(Exception):
+        text = sb.vm.qmp(("x-query-jit", None))[0]["human-readable-text"]
+        for line in text.splitlines():
+            if line.startswith("TB hash buckets"):
+                return int(line.split()[3].split("/")[1]) * 64 / 2**20
+    return 0.0
+
+
+def _thread_sps(pid: int) -> list[int]:
+    """Each thread's stack pointer (from ``/proc/<pid>/task/*/syscall``; root reads it)."""
+    sps: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (task / "syscall").read_text().split()
+            if len(fields) > 2:
+                sps.append(int(fields[-2], 16))
+    return sps
+
+
+def breakdown(pid: int, ram_mib: int, tcg_hash: float = 0.0) -> dict[str, tuple[float, float]]:
+    """The VMM's RSS and PSS (MiB) per class of :data:`CLASSES`, from its smaps
+    (``ram_mib``: the guest's memory, an anonymous mapping that size is a cold VM's
+    RAM); ``tcg_hash`` MiB (see :func:`jit_hash_mib`) move from the anonymous row."""
+    maps = _smaps(pid)
+    sps = _thread_sps(pid)
+    tot = {key: [0.0, 0.0] for key, _, _ in CLASSES}
+    for lo, hi, perms, name, f in maps:
+        rss, pss, anon = f.get("Rss", 0), f.get("Pss", 0), f.get("Anonymous", 0)
+        if "agentbox-snapshot-ram" in name:
+            tot["ram_cow"][0] += anon
+            tot["ram_cow"][1] += anon
+            tot["ram_read"][0] += rss - anon
+            tot["ram_read"][1] += pss - anon
+            continue
+        if name.startswith("/vm/"):
+            tot["images"][0] += rss
+            tot["images"][1] += pss
+            continue
+        if name.startswith("/"):
+            tot["lib_priv"][0] += anon
+            tot["lib_priv"][1] += anon
+            tot["lib_file"][0] += rss - anon
+            tot["lib_file"][1] += pss - anon
+            continue
+        if name == "[heap]":
+            key = "heap"
+        elif name.startswith("[stack") or any(lo <= sp < hi for sp in sps):
+            key = "stacks"
+        elif name.startswith("["):  # [vvar], [vdso], [vsyscall]
+            key = "lib_file"
+        elif perms == "rwxp":
+            key = "tcg"
+        elif lo % _ARENA == 0 and perms.startswith("rw"):
+            key = "arenas"
+        elif hi - lo >= ram_mib * 2**20:
+            key = "ram_cow"
+        else:
+            key = "anon"
+        tot[key][0] += rss
+        tot[key][1] += pss
+    out = {key: (r / 1024, p / 1024) for key, (r, p) in tot.items()}
+    moved = min(tcg_hash, out["anon"][0], out["anon"][1])
+    out["tcg_hash"] = (moved, moved)
+    out["anon"] = (out["anon"][0] - moved, out["anon"][1] - moved)
+    return out
+
+
+def idle_memory(backend: QemuBackend, res: Resources, k: int, label: str) -> dict[str, Any]:
+    """k sandboxes idle at once: per VMM, RSS, PSS, private (USS), and the RSS and PSS
+    of each class of :data:`CLASSES`."""
     boxes: list[Any] = []
     try:
         for i in range(k):
@@ -131,23 +225,53 @@ def idle_memory(backend: QemuBackend, res: Resources, k: int, label: str) -> dic
             boxes.append(backend.create(spec))
             assert boxes[-1].exec(["true"]).exit_code == 0
         time.sleep(2)
-        tot = dict.fromkeys(("rss", "pss", "uss", "cow", "tcg"), 0.0)
+        tot = dict.fromkeys(("rss", "pss", "uss"), 0.0)
+        classes = {key: [0.0, 0.0] for key, _, _ in CLASSES}
         for sb in boxes:
             pid = sb.vm.vmm_pid()
             m = psutil.Process(pid).memory_full_info()
             tot["rss"] += m.rss / 2**20
             tot["pss"] += m.pss / 2**20
             tot["uss"] += m.uss / 2**20
-            for name, size, f in _smaps(pid):
-                if "agentbox-snapshot-ram" in name:
-                    tot["cow"] += f.get("Anonymous", 0) / 1024
-                elif not name and abs(size - TCG_TB_MIB * 1024) <= 2048:
-                    tot["tcg"] += f.get("Rss", 0) / 1024
-        return {"k": k, **{key: v / k for key, v in tot.items()}}
+            ram = res.memory // 2**20
+            for key, (r, p) in breakdown(pid, ram, jit_hash_mib(sb)).items():
+                classes[key][0] += r
+                classes[key][1] += p
+        out: dict[str, Any] = {"k": k, **{key: v / k for key, v in tot.items()}}
+        out["classes"] = {key: (r / k, p / k) for key, (r, p) in classes.items()}
+        # After real work, idle again: TCG's code buffer keeps what it translated
+        # (up to its cap), so one VM runs the agent's CLI once and is measured again.
+        sb = boxes[0]
+        memfd = snapshot_ram_resident()
+        if sb.exec(["claude", "--version"]).exit_code == 0:
+            time.sleep(2)
+            pid = sb.vm.vmm_pid()
+            cls = breakdown(pid, res.memory // 2**20, jit_hash_mib(sb))
+            pss = psutil.Process(pid).memory_full_info().pss / 2**20
+            out["after_work"] = (pss, cls["tcg"][1] + cls["tcg_hash"][1], cls["ram_cow"][1])
+            if memfd is not None:  # a guest's first touch of a hole adds a page to it
+                out["memfd"] = (memfd, snapshot_ram_resident() or 0.0)
+        return out
     finally:
         for sb in boxes:
             with contextlib.suppress(Exception):
                 sb.destroy()
+
+
+def print_breakdown(mem: dict[str, dict[str, Any]]) -> float:
+    """The per-class table of each idle row; returns the restored VM's TCG-only PSS."""
+    labels = list(mem)
+    head = "".join(f" {lab} RSS | {lab} PSS |" for lab in labels)
+    print(f"\n| idle VMM memory, MiB per VM (smaps) |{head} TCG only |")
+    print("|---|" + "---:|---:|" * len(labels) + "---|")
+    for key, text, tcg_only in CLASSES:
+        cells = "".join(f" {mem[lab]['classes'][key][0]:.1f} | {mem[lab]['classes'][key][1]:.1f} |"
+                        for lab in labels)  # fmt: skip
+        print(f"| {text} |{cells} {'yes' if tcg_only else ''} |")
+    cells = "".join(f" {mem[lab]['rss']:.1f} | {mem[lab]['pss']:.1f} |" for lab in labels)
+    print(f"| total (psutil) |{cells} |")
+    cls = mem[labels[0]]["classes"]
+    return float(sum(cls[key][1] for key, _, tcg_only in CLASSES if tcg_only))
 
 
 def snapshot_ram_resident() -> float | None:
@@ -278,12 +402,27 @@ def measure(args: argparse.Namespace, settings: Settings, root: tuple[Path, str]
               f"{ratio:>16}{cpu[key]:>8.2f}{cpu_ratio:>16}")  # fmt: skip
     for label, m in mem.items():
         print(f"idle VMM memory ({label}, {m['k']:.0f} idle at once, per VM): RSS {m['rss']:.0f} "
-              f"MiB, PSS {m['pss']:.0f} MiB, private {m['uss']:.0f} MiB (of which guest RAM "
-              f"written since restore {m['cow']:.0f}, TCG code cache {m['tcg']:.0f})")  # fmt: skip
+              f"MiB, PSS {m['pss']:.0f} MiB, private {m['uss']:.0f} MiB")  # fmt: skip
+    tcg = print_breakdown(mem)
+    for label, m in mem.items():
+        if "after_work" in m:
+            pss_w, tcg_w, cow_w = m["after_work"]
+            print(f"one {label} VM after `claude --version`, idle again: PSS {pss_w:.1f} MiB, "
+                  f"TCG-only {tcg_w:.1f} (code buffer capped at {TCG_TB_MIB} MiB), guest RAM "
+                  f"written {cow_w:.1f}")  # fmt: skip
+        if "memfd" in m:
+            print(f"  the snapshot's memfd (shmem, in no VM's PSS) grew meanwhile from "
+                  f"{m['memfd'][0]:.0f} to {m['memfd'][1]:.0f} MiB: a guest's first touch of "
+                  "a page the template never used adds a zero page to it")  # fmt: skip
     ram = snapshot_ram_resident()
     if ram is not None:
         print(f"snapshot RAM (one sealed memfd, shared by every restored VM): {ram:.0f} MiB")
     pss = mem["snapshot"]["pss"]
+    print(
+        f"restored idle VM PSS {pss:.1f} MiB, of which {tcg:.1f} MiB exist only under TCG "
+        f"(accel={accel}): {pss - tcg:.1f} MiB without them (a KVM host has neither; TCG's "
+        "soft-TLBs, in the arena and anonymous rows, are not split out)"
+    )
     print(f"targets: cold <= 1.10x bare -> {'met' if c / b <= 1.1 else 'NOT met'}; "
           f"snapshot <= 0.20x cold -> {'met' if s / c <= 0.2 else 'NOT met'}; "
           f"restored PSS <= 40 MiB -> {'met' if pss <= 40 else 'NOT met'}")  # fmt: skip
