@@ -249,7 +249,7 @@ def idle_memory(backend: QemuBackend, res: Resources, k: int, label: str) -> dic
             cls = breakdown(pid, res.memory // 2**20, jit_hash_mib(sb))
             pss = psutil.Process(pid).memory_full_info().pss / 2**20
             out["after_work"] = (pss, cls["tcg"][1] + cls["tcg_hash"][1], cls["ram_cow"][1])
-            if memfd is not None:  # a guest's first touch of a hole adds a page to it
+            if memfd is not None and not backend.cold:  # a first touch of a hole adds a page
                 out["memfd"] = (memfd, snapshot_ram_resident() or 0.0)
         return out
     finally:
