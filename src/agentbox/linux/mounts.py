@@ -1,6 +1,6 @@
-"""``mount(2)`` and ``umount2(2)`` on the host, by libc: the flags and two calls the
-in-process mounts share (a pool claim's binds, a workspace disk's loop mount), each
-failure an ``OSError`` that names the call."""
+"""``mount(2)`` and ``umount2(2)`` on the host, by libc: the flags and the calls the
+in-process mounts share (a pool claim's binds and their removal, a workspace disk's
+loop mount and unmount), each failure an ``OSError`` that names the call."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE = 32, 1024, 2048, 4096, 8192
 MS_RELATIME = 1 << 21
 MNT_DETACH = 2
+UMOUNT_NOFOLLOW = 8
 
 
 def mount(source: Path | str | None, target: Path, flags: int, fstype: str | None = None) -> None:
@@ -23,6 +24,14 @@ def mount(source: Path | str | None, target: Path, flags: int, fstype: str | Non
     if libc().mount(src, os.fsencode(target), kind, ctypes.c_ulong(flags), None) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {source} on {target} (flags {flags:#x}): {os.strerror(err)}")
+
+
+def umount(target: Path) -> None:
+    """``umount2(target, UMOUNT_NOFOLLOW)``: ``umount``, without its process and without
+    following a link in the last component (EBUSY while the mount is in use)."""
+    if libc().umount2(os.fsencode(target), UMOUNT_NOFOLLOW) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
 
 def umount_lazy(target: Path) -> None:

@@ -36,6 +36,7 @@ from agentbox.linux.mounts import (
     MS_RELATIME,
     MS_REMOUNT,
     mount,
+    umount,
     umount_lazy,
 )
 
@@ -93,12 +94,17 @@ _ST_TO_MS = (
 
 
 def unbind(sdir: Path) -> None:
+    """Unmount a slot's binds (``umount``, then ``umount --lazy`` if still there), by
+    ``umount2`` in this process: two ``umount`` processes were ~10-25 ms of every
+    claimed task's end, on the path to its result."""
     for m in (sdir / "ws", sdir / "gw"):
-        for how in ([], ["--lazy"]):
+        for how in (umount, umount_lazy):
             if not is_mount(m):
                 break
-            with contextlib.suppress(AgentboxError):
-                _proc.run(["umount", *how, m], timeout=60)
+            try:
+                how(m)
+            except OSError as exc:
+                log.debug("pool slot unmount failed", path=str(m), error=str(exc))
 
 
 def slot_log(root: Path, slot: str) -> Path:
