@@ -415,3 +415,40 @@ def test_no_private_asyncio_api() -> None:
             or (isinstance(node, ast.Constant) and node.value == "_buffer")
         ]
         assert used == [], module.__name__
+
+
+@pytest.mark.parametrize(
+    "extra", [b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nx", b"garbage\r\n\r\n"]
+)
+def test_bytes_after_a_whole_answer_leave_it_whole_but_the_connection_unused(extra: bytes) -> None:
+    """An upstream that sends more than its answer: the answer stands (llhttp read it
+    whole), and the connection is not kept (what followed would be read as the next)."""
+    conns: list[int] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(1)
+        await _canned(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok" + extra,
+                      b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nno")(r, w)  # fmt: skip
+
+    async def body(pool: PlainPool) -> None:
+        for _ in range(2):
+            # The extra bytes arrive with the answer, in the same read.
+            assert await _get(pool) == (200, b"ok")
+        assert pool._idle == []
+
+    run(handler, body)
+    assert len(conns) == 2
+
+
+def test_a_header_value_loses_its_trailing_space_and_repeats_are_joined() -> None:
+    response = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked \r\nrequest-id: a\r\n"
+                b"request-id: b\r\n\r\n2\r\nhi\r\n0\r\n\r\n")  # fmt: skip
+
+    async def body(pool: PlainPool) -> None:
+        resp = await pool.request("/v1/messages", [], b"{}")
+        assert resp.header("transfer-encoding") == "chunked"
+        assert resp.header("request-id") == "a, b"
+        assert b"".join([c async for c in resp.aiter_bytes()]) == b"hi"
+        await resp.aclose()
+
+    run(_canned(response), body)

@@ -16,8 +16,9 @@ the relay's 64-connection cap, with a nofile limit of 20,000.
 
 - a **head bound**: a request line and headers over :data:`MAX_HEAD` get a 400 and
   the connection closes (h11 had one; llhttp has none);
-- **no protocol upgrade**: a request asking for one is answered as a plain request
-  and its connection closes after the answer (nothing after it is read);
+- **no protocol upgrade**: a request asking for one gets one plain answer (llhttp
+  stops at its head, so its body is not read: a 400 for an empty body) and its
+  connection closes after it; nothing after the head is read as HTTP;
 - a **header timeout**: from a connection's first byte (or its opening) until
   the request's headers are complete; past it the connection is closed;
 - a **body timeout**: from the headers until the whole body has arrived (a
@@ -199,9 +200,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.send_400_response(msg)
             return
         except httptools.HttpParserUpgrade:
-            # Never switched to: the request was answered as a plain one (it is complete
-            # when llhttp says upgrade); what follows it is not HTTP, so nothing more is
-            # read and the connection closes after the answer.
+            # Never switched to (ws="none"): the request is answered as a plain one (with
+            # the body llhttp read, none: it stops at the head); what follows is not HTTP,
+            # so nothing more is read and the connection closes after the answer.
             self._refuse_more()
 
     def _refuse_more(self) -> None:

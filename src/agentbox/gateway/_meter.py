@@ -105,21 +105,31 @@ class StreamMeter:
         self._skipping = False
 
     def feed(self, chunk: bytes) -> None:
-        """Take the next chunk of the stream as passed to the client."""
+        """Take the next chunk of the stream as passed to the client.
+
+        The chunk's complete events are searched at once (one C-level search over all of
+        them): only an event holding a name of :data:`_INTERESTING` is cut out and parsed,
+        so a chunk of deltas costs two searches whatever its number of events."""
         if b"\r" in chunk:
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf = self._buf + chunk if self._buf else chunk
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            if self._skipping:
+        last = buf.rfind(b"\n\n")  # the end of the last complete event
+        if last >= 0:
+            start = 0
+            if self._skipping:  # the rest of a huge event: not usage
                 self._skipping = False
-            else:
-                self._event(buf[start:end])
-            start = end + 2
-        rest = buf[start:]
+                start = buf.find(b"\n\n") + 2
+            find, rfind, search, event = buf.find, buf.rfind, _INTERESTING.search, self._event
+            m = search(buf, start, last) if start <= last else None
+            while m is not None:
+                begin = rfind(b"\n\n", start, m.start())
+                end = find(b"\n\n", m.start())  # found: at ``last`` at the latest
+                event(buf[start if begin < 0 else begin + 2 : end])
+                start = end + 2
+                m = search(buf, start, last) if start <= last else None
+            rest = buf[last + 2 :]
+        else:
+            rest = buf
         if len(rest) > _MAX_EVENT:
             # A huge event (a long delta): not usage. Skip to its end without buffering it.
             self._skipping = True

@@ -76,6 +76,8 @@ class _Answer:
         self.messages += 1  # a second one: the upstream sent more than its answer
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.messages > 1:  # not the answer: ignored (and the connection not reused)
+            return
         # llhttp keeps a value's trailing whitespace, which is not part of it (RFC 9110).
         key = name.decode("latin-1").lower()
         if key in self.headers:  # repeated: one value, comma-joined (RFC 9110 5.3)
@@ -84,7 +86,8 @@ class _Answer:
             self.headers[key] = value.rstrip(b" \t").decode("latin-1")
 
     def on_body(self, body: bytes) -> None:
-        self.body.append(body)
+        if self.messages == 1:
+            self.body.append(body)
 
     def on_message_complete(self) -> None:
         self.ended = True
@@ -116,8 +119,8 @@ class _Conn:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            if answer.ended and answer.messages == 1:
-                answer.messages = 2  # garbage after a whole answer: it stands, no reuse
+            if answer.ended:  # garbage after a whole answer: it stands, no reuse
+                answer.messages = 2
                 return
             raise UpstreamError(f"bad response framing from upstream: {exc}") from None
         except httptools.HttpParserUpgrade:
@@ -198,6 +201,10 @@ class _PlainResponse:
                     return
                 raise UpstreamError("upstream closed before the end of the body")
             conn.feed(data)
+
+    def abort(self) -> None:
+        if not self.done and not self.closed:
+            self.conn.writer.transport.abort()
 
     async def aclose(self) -> None:
         if self.closed:

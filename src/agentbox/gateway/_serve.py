@@ -204,6 +204,7 @@ def _config(app: Any, limits: ConnLimits) -> uvicorn.Config:
         app,
         log_config=log_config,
         http=GuardedHttpProtocol,
+        ws="none",  # no WebSocket: an upgrade request is answered as plain HTTP
         log_level="warning",
         access_log=False,
         lifespan="on",

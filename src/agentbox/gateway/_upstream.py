@@ -2,7 +2,7 @@
 
 Every upstream, ``http://``, ``https://`` or a unix socket, is reached through
 :class:`~agentbox.gateway._plain.PlainPool`: keep-alive HTTP/1.1 on asyncio
-streams framed by h11, over the standard library's verifying TLS for
+streams parsed by llhttp (``httptools``), over the standard library's verifying TLS for
 ``https://`` (not httpx's transport: it cost ~6 MiB more per task for the same
 HTTP/1.1). :class:`Pool` and :class:`UpstreamResponse`
 are the interface the gateway uses.
@@ -31,6 +31,10 @@ class UpstreamResponse(Protocol):
 
     async def aclose(self) -> None:
         """Release the connection (closing it if the body was not read to the end)."""
+
+    def abort(self) -> None:
+        """Drop the connection now unless the body was read to the end (the client left):
+        a read waiting on it ends at once."""
 
 
 class Pool(Protocol):
