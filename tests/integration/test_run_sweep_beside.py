@@ -23,7 +23,7 @@ import typer
 from agentbox.backends.fake import FakeBackend, FakeScript
 from agentbox.cli import _run
 from agentbox.config import Settings
-from agentbox.errors import SandboxError
+from agentbox.errors import AgentboxError, SandboxError
 from agentbox.launcher import Launcher, TaskRequest
 from git_helpers import commit_repo
 
@@ -121,3 +121,38 @@ def test_the_sweep_runs_at_a_low_priority_and_the_command_does_not(
     assert seen == {"thread": _run.SWEEP_NICE, "child": _run.SWEEP_NICE}
     # The command's own thread (and so the task's launcher) keeps its priority.
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+def test_the_sweep_waits_for_the_tasks_sandbox_to_run(
+    fake: type[FakeBackend], repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Not beside the workspace copy and the sandbox's start (this process's own work on
+    the user's wait): only once the task left the queue."""
+    statuses: list[str] = []
+    real_reconcile = Launcher.reconcile
+
+    def reconcile(self: Launcher, *, adopt: bool = True) -> list[str]:
+        statuses.extend(row.status for row in self.store.all())
+        return real_reconcile(self, adopt=adopt)
+
+    monkeypatch.setattr(Launcher, "reconcile", reconcile)
+    code = _run_in_foreground(repo)
+    assert code == 0, capsys.readouterr()
+    assert len(statuses) == 1 and statuses[0] != "queued", statuses
+
+
+def test_a_refused_request_is_still_swept_and_says_why(
+    fake: type[FakeBackend], repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    swept: list[bool] = []
+    real_reconcile = Launcher.reconcile
+
+    def reconcile(self: Launcher, *, adopt: bool = True) -> list[str]:
+        swept.append(adopt)
+        return real_reconcile(self, adopt=adopt)
+
+    monkeypatch.setattr(Launcher, "reconcile", reconcile)
+    req = TaskRequest(repo=str(repo.parent / "no-such-repo"), task="add a.txt")
+    with pytest.raises(AgentboxError, match="no-such-repo"):
+        _run._foreground(req, None, as_json=True)
+    assert swept == [False]  # at once: there is no task to wait for

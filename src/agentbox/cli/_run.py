@@ -18,6 +18,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -348,15 +349,21 @@ def _foreground(
     # is answered by the task's watchdog, which reaps the sandbox and the gateway,
     # and the task is settled by the next launcher (or `agentbox wait`/`show`).
     with exit_on_signals():
-        sweep = _sweep_beside(launcher)
+        task = _Submitted()
+        sweep = _sweep_beside(launcher, task)
         try:
-            info = launcher.submit(req, boxfile=box, overrides=overrides)
+            try:
+                info = launcher.submit(req, boxfile=box, overrides=overrides)
+                task.id = info.id
+            finally:
+                task.known.set()  # the id, or no task (a refusal): the sweep may go on
             _say_scripted(info.model, launcher.settings)
             info = _follow(launcher, info, as_json=as_json)
         except KeyboardInterrupt:
             launcher.shutdown()  # interrupted before _follow took over: cancel, collect
             raise
         finally:
+            task.gone.set()  # followed to its end (or given up): sweep now if not yet
             sweep.join()
             launcher.close()
     from agentbox.cli._view import dump, print_diff, report_text
@@ -405,9 +412,48 @@ def _say_scripted(model: str, settings: Settings) -> None:
         sys.stderr.flush()
 
 
-def _sweep_beside(launcher: Any) -> threading.Thread:
+class _Submitted:
+    """What the orphan sweep of a foreground run waits on: the task's id once submitted
+    (``known`` set, ``id`` None for a refused request) and the command's end (``gone``)."""
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.known = threading.Event()
+        self.gone = threading.Event()
+
+
+#: The sweep waits at most this long for the task's sandbox to run (a ``[setup]`` phase,
+#: a slow start): then it sweeps beside whatever the task is doing.
+SWEEP_WAIT = 10.0
+#: How often it looks at the task's row meanwhile (one SQLite read).
+SWEEP_POLL = 0.05
+
+
+def _wait_for_the_sandbox(launcher: Any, task: _Submitted) -> None:
+    """Until the task has left the queue (its sandbox launched, or it ended), was never
+    submitted, or the command ends; at most :data:`SWEEP_WAIT` seconds."""
+    from agentbox.errors import AgentboxError
+
+    until = time.monotonic() + SWEEP_WAIT
+    if not task.known.wait(SWEEP_WAIT) or task.id is None:
+        return
+    while time.monotonic() < until and not task.gone.is_set():
+        try:
+            if launcher.store.get(task.id).status != "queued":
+                return
+        except AgentboxError:
+            return
+        task.gone.wait(SWEEP_POLL)
+
+
+def _sweep_beside(launcher: Any, task: _Submitted) -> threading.Thread:
     """The orphan sweep of a foreground run (``reconcile(adopt=False)``: others' tasks
-    are the service's to adopt), on a thread beside the task instead of before it.
+    are the service's to adopt), on a thread beside the task instead of before it, and
+    only once the task's sandbox runs (:func:`_wait_for_the_sandbox`): its podman and
+    docker listings and process scan (0.1-0.3 s of CPU) then overlap the agent, which
+    waits on its model, instead of the workspace copy and the sandbox's start, which
+    are this process's own work on the user's wait (a 2-core host has no core to spare
+    for both).
 
     Safe while this launcher starts its task: the sweep lists what runs before it
     reads the records, and a task is recorded before its gateway and sandbox start
@@ -425,6 +471,7 @@ def _sweep_beside(launcher: Any) -> threading.Thread:
     def sweep() -> None:
         try:
             _low_priority()
+            _wait_for_the_sandbox(launcher, task)
             launcher.reconcile(adopt=False)
         except Exception as exc:  # the sweep is housekeeping: never the task's failure
             get_logger(__name__).warning("orphan sweep failed", error=str(exc)[-500:])
