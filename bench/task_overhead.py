@@ -360,11 +360,13 @@ class WarmPool:
         """:func:`agentbox_api` on the pool."""
         return agentbox_api(self.settings, runs, self.fill)
 
-    def cli(self, base: Path, *, served: bool = False) -> tuple[list[float], list[list[float]]]:
+    def cli(
+        self, base: Path, *, served: bool = False, steps: list[list[float]] | None = None
+    ) -> tuple[list[float], list[list[float]]]:
         """One ``agentbox run`` (:func:`agentbox_cli`) that must claim the pooled sandbox:
         a foreground run's launcher claims one a service's keeper left, as here."""
         self.fill()
-        return agentbox_cli(base, 1, pooled=True, served=served)
+        return agentbox_cli(base, 1, pooled=True, served=served, steps=steps)
 
 
 def _cli_env(base: Path) -> dict[str, str]:
@@ -418,11 +420,17 @@ CLI_PHASES = (
 
 
 def agentbox_cli(
-    base: Path, runs: int, *, pooled: bool = False, served: bool = False
+    base: Path,
+    runs: int,
+    *,
+    pooled: bool = False,
+    served: bool = False,
+    steps: list[list[float]] | None = None,
 ) -> tuple[list[float], list[list[float]]]:
     """The whole ``agentbox run`` command; also its phases (see CLI_PHASES). ``pooled``:
     each run must have claimed a pooled sandbox (its log says so); ``served``: by the
-    front end (which must serve it), else in its own process."""
+    front end (which must serve it), else in its own process; ``steps``: each run's
+    :data:`STEPS` appended to it."""
     env = {
         **_cli_env(base),
         # The pool's settings, as a user's config shared by the service and the CLI
@@ -448,7 +456,87 @@ def agentbox_cli(
         task = json.loads(res.stdout)["task"]
         marks = [w0, task["created_at"], task["started_at"], task["finished_at"], w0 + times[-1]]
         phases.append([b - a for a, b in itertools.pairwise(marks)])
+        if steps is not None:
+            log_dir = base / "data" / "tasks" / str(task["id"]) / "logs"
+            steps.append(task_steps(w0, w0 + times[-1], task, res.stderr, log_dir))
     return times, phases
+
+
+#: One ``agentbox run``'s steps, each from one stamp to the next (see :func:`task_steps`):
+#: ``(name, stamp that ends it)``. The stamps are the task's own: its row (created,
+#: finished), its phase lines (``logs/phases.jsonl``), the launcher's log lines on the
+#: command's stderr (structlog's ISO time), the sandbox's output log (conmon's time per
+#: record) and conmon's exit file.
+STEPS = (
+    ("CLI start -> task recorded (client, fork, parse, submit)", "created"),
+    ("recorded -> a worker takes it", "phase:starting the gateway"),
+    ("  -> preparing (gateway fork asked)", "phase:preparing the workspace"),
+    ("prepare (workspace copy, shadow git, index)", "log:prepared"),
+    ("prepared -> launch (spec, checks, row)", "phase:running claude"),
+    ("workspace disk (mkfs -d, loop mount)", "log:workspace disk mounted"),
+    ("pool claim (binds, go-file)", "log:pool sandbox claimed"),
+    ("claimed -> first output (relay, claude)", "out:first"),
+    ("first -> last output (the agent)", "out:last"),
+    ("last output -> container exit", "exit"),
+    ("exit -> disk copied back (seen, copy-back, umount)", "log:workspace disk copied back"),
+    ("copied back -> agent exit recorded", "phase:agent exited"),
+    ("-> collecting (gateway stop, outcome)", "phase:collecting the workspace"),
+    ("collect", "log:collected"),
+    ("collected -> finished (report, publish)", "finished"),
+    ("finished -> CLI exit (result, report)", "end"),
+)
+
+
+def _iso(text: str) -> float | None:
+    """Seconds since the epoch of an ISO time with any number of fraction digits."""
+    from datetime import datetime
+
+    head, _, frac = text.rstrip("Z").partition(".")
+    frac = frac.split("+")[0]
+    try:
+        whole = datetime.fromisoformat(head + "+00:00").timestamp()
+    except ValueError:
+        return None
+    return whole + (float(f"0.{frac}") if frac.isdigit() else 0.0)
+
+
+def task_steps(
+    w0: float, end: float, task: dict[str, Any], stderr: str, log_dir: Path
+) -> list[float]:
+    """One run's :data:`STEPS` (seconds; a step whose stamp is missing is 0, and the
+    next one counts from the last stamp found)."""
+    stamps: dict[str, float] = {"created": task["created_at"], "finished": task["finished_at"]}
+    stamps["end"] = end
+    for line in stderr.splitlines():  # 2026-12-07T20:47:24.315213Z [info     ] prepared  ...
+        when, _, rest = line.partition(" [")
+        event = rest.partition("] ")[2].split("  ")[0].strip()
+        if event and (t := _iso(when)) is not None:
+            stamps.setdefault(f"log:{event}", t)
+    with contextlib.suppress(OSError):
+        for raw in (log_dir / "phases.jsonl").read_text().splitlines():
+            ev = json.loads(raw)
+            stamps.setdefault(f"phase:{ev['msg']}", ev["t"])
+    for key in list(stamps):  # a phase line's words, by prefix
+        if key.startswith("phase:"):
+            for _, want in STEPS:
+                if want.startswith("phase:") and key.startswith(want):
+                    stamps.setdefault(want, stamps[key])
+    with contextlib.suppress(OSError):
+        records = (log_dir / "sandbox.log").read_bytes().splitlines()
+        times = [t for r in records if (t := _iso(r.split(b" ")[0].decode(errors="replace")))]
+        if times:
+            stamps["out:first"], stamps["out:last"] = times[0], times[-1]
+    with contextlib.suppress(OSError):
+        stamps["exit"] = (log_dir / "sandbox.log.exit").stat().st_mtime
+    out, prev = [], w0
+    for _, want in STEPS:
+        t = stamps.get(want)
+        if t is None:
+            out.append(0.0)
+            continue
+        out.append(t - prev)
+        prev = t
+    return out
 
 
 def main() -> int:
@@ -456,6 +544,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument(
         "--quick", action="store_true", help="the baselines and the API task only (no CLI, pool)"
+    )
+    ap.add_argument(
+        "--served",
+        action="store_true",
+        help="the host baseline and the served agentbox run on a warm pool only (the target"
+        " row), with its steps",
     )
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -488,6 +582,7 @@ def main() -> int:
         pool_t: list[float] = []
         phases: list[list[float]] = []
         pool_phases: list[list[float]] = []
+        front_pool_steps: list[list[float]] = []
         with contextlib.ExitStack() as stack:
             pool = None if args.quick else stack.enter_context(warm_pool(settings))
             if pool is not None:
@@ -495,16 +590,28 @@ def main() -> int:
             # One warm-up of each side (page cache, image layers), not counted.
             (base / "warm").mkdir()
             baseline(base / "warm", script, 1)
-            agentbox_api(settings, 1)
-            if pool is not None:
+            if not args.served:
+                agentbox_api(settings, 1)
+            if pool is not None and args.served:
+                pool.cli(base, served=True)
+            elif pool is not None:
                 pool.api(1)
                 pool.cli(base)
                 agentbox_cli(base, 1, served=True)
                 pool.cli(base, served=True)
+            if args.served:
+                assert pool is not None
+                for i in range(args.runs):  # the two rows alternating, as below
+                    (base / f"b{i}").mkdir()
+                    base_t += baseline(base / f"b{i}", script, 1)
+                    t, ph = pool.cli(base, served=True, steps=front_pool_steps)
+                    front_pool_t += t
+                    front_pool_phases += ph
+                    print(f"round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
             # Rounds, each row once per round: this host's speed drifts by tens of
             # percent over a minute (a VM with neighbours), and a row measured all at
             # once would carry the drift into its ratio.
-            for i in range(args.runs):
+            for i in range(0 if args.served else args.runs):
                 for sub in (f"b{i}", f"bare{i}"):
                     (base / sub).mkdir()
                 base_t += baseline(base / f"b{i}", script, 1)
@@ -525,7 +632,7 @@ def main() -> int:
                     t, ph = agentbox_cli(base, 1, served=True)
                     front_t += t
                     front_phases += ph
-                    t, ph = pool.cli(base, served=True)
+                    t, ph = pool.cli(base, served=True, steps=front_pool_steps)
                     front_pool_t += t
                     front_pool_phases += ph
                 print(f"round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
@@ -565,6 +672,12 @@ def main() -> int:
         if ph:
             print(f"\n{what} (median of {args.runs}; baseline {ref:.2f} s)\n")
             _phase_table(names, ph, ref)
+    if front_pool_steps:
+        print(
+            f"\nagentbox run served by the front end, warm pool, step by step from the task's"
+            f" own stamps (median of {args.runs}; baseline {ref:.2f} s)\n"
+        )
+        _phase_table(tuple(n for n, _ in STEPS), front_pool_steps, ref)
     return 0
 
 
