@@ -22,7 +22,9 @@ before/after in one table. Everything started is stopped in a ``finally``.
 
 Where the time goes (issue 15): each row also reports, for the measured gateway
 during its own rounds, its CPU per request and its threads' run-queue wait per
-request (/proc/<pid>/task/*/schedstat: ns runnable but not on a CPU), and the
+request (/proc/<pid>/task/*/schedstat: ns runnable but not on a CPU; ``gw CPU/req``
+is the gateway's own CPU time per request, and ``compare CPU/req`` the compared
+gateway's in its interleaved rounds: robust on a loaded host), and the
 machine's runnable count (/proc/stat procs_running, sampled every 20 ms). Control
 rows (``--control``) repeat the 4-stream series with the measured gateway alone at
 nice -20 or SCHED_FIFO, and with the whole measured path (client, replay models,
@@ -457,6 +459,7 @@ def main() -> None:
             }
             if o:
                 row |= {"compare_req_per_cpu_s": (len(o) + clients * rounds) / old_cpu_s,
+                        "compare_cpu_ms_per_req": old_cpu_s * 1000 / (len(o) + clients * rounds),
                         "compare_added_p50_ms": pct(o, 50) - pct(d, 50),
                         "compare_added_p99_ms": pct(o, 99) - pct(d, 99)}  # fmt: skip
             return row
@@ -535,12 +538,13 @@ def main() -> None:
           f"{args.busy} busy gateways streaming {args.busy_rate:g} events/s each")  # fmt: skip
     print("\nstreaming latency (full stream, ms)\n")
     cmp = args.compare_src is not None
-    extra = " compare added p50 | compare added p99 | compare req/CPU-s |" if cmp else ""
+    extra = (" compare added p50 | compare added p99 | compare CPU/req | compare req/CPU-s |"
+             if cmp else "")  # fmt: skip
     head = ("| clients | control | n | direct p50 | gw p50 | added p50 | direct p99 | gw p99 "
             "| added p99 | gw CPU/req | gw run-queue wait/req (loop thread) | req/CPU-s "
             "| runnable mean/max |")  # fmt: skip
     print(head + extra)
-    print("|---:" * (13 + 3 * cmp) + "|")
+    print("|---:" * (13 + 4 * cmp) + "|")
     for r in rows:
         line = (
             f"| {r['clients']} | {r['control']} | {r['n']} | {r['direct_p50_ms']:.2f} "
@@ -553,6 +557,7 @@ def main() -> None:
         )
         if cmp:
             line += (f" {r['compare_added_p50_ms']:.2f} | {r['compare_added_p99_ms']:.2f} "
+                     f"| {r['compare_cpu_ms_per_req']:.2f} "
                      f"| {r['compare_req_per_cpu_s']:.0f} |")  # fmt: skip
         print(line)
     print("\nper thread of the measured gateway (ms on CPU, ms waiting for a CPU, slices):")
@@ -568,6 +573,10 @@ def main() -> None:
         f"  per CPU-second of the process: gateway {gw_core_rps:.0f} req, "
         f"replay model {up_core_rps:.0f} req"
         + (f", compared gateway {old_core_rps:.0f} req" if cmp else "")
+    )
+    print(
+        f"  gateway CPU per request: {1000 / gw_core_rps:.3f} ms"
+        + (f" (compared gateway {1000 / old_core_rps:.3f} ms)" if cmp else "")
     )
 
 

@@ -107,9 +107,10 @@ class StreamMeter:
     def feed(self, chunk: bytes) -> None:
         """Take the next chunk of the stream as passed to the client.
 
-        The chunk's complete events are searched at once (one C-level search over all of
-        them): only an event holding a name of :data:`_INTERESTING` is cut out and parsed,
-        so a chunk of deltas costs two searches whatever its number of events."""
+        The chunk's complete events are searched at once (C-level finds over all of them):
+        only an event holding ``message_`` or ``error`` is cut out, and parsed if it names
+        one of :data:`_INTERESTING`, so a chunk of deltas costs a few finds whatever its
+        number of events."""
         if b"\r" in chunk:
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf = self._buf + chunk if self._buf else chunk
@@ -119,14 +120,20 @@ class StreamMeter:
             if self._skipping:  # the rest of a huge event: not usage
                 self._skipping = False
                 start = buf.find(b"\n\n") + 2
-            find, rfind, search, event = buf.find, buf.rfind, _INTERESTING.search, self._event
-            m = search(buf, start, last) if start <= last else None
-            while m is not None:
-                begin = rfind(b"\n\n", start, m.start())
-                end = find(b"\n\n", m.start())  # found: at ``last`` at the latest
-                event(buf[start if begin < 0 else begin + 2 : end])
+            find, rfind = buf.find, buf.rfind
+            while start <= last:
+                # The next event naming one: two memchr-fast finds (the regex's alternation
+                # tried each name at every byte: ~4 % of a streamed request's CPU).
+                at = find(b"message_", start, last)
+                err = find(b"error", start, last if at < 0 else at)
+                if err >= 0:
+                    at = err
+                elif at < 0:
+                    break
+                begin = rfind(b"\n\n", start, at)
+                end = find(b"\n\n", at)  # found: at ``last`` at the latest
+                self._event(buf[start if begin < 0 else begin + 2 : end])
                 start = end + 2
-                m = search(buf, start, last) if start <= last else None
             rest = buf[last + 2 :]
         else:
             rest = buf
