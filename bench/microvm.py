@@ -417,15 +417,19 @@ def measure(args: argparse.Namespace, settings: Settings, root: tuple[Path, str]
     ram = snapshot_ram_resident()
     if ram is not None:
         print(f"snapshot RAM (one sealed memfd, shared by every restored VM): {ram:.0f} MiB")
-    pss = mem["snapshot"]["pss"]
+    pss, cold_pss = mem["snapshot"]["pss"], mem["cold"]["pss"]
+    cold_tcg = sum(mem["cold"]["classes"][key][1] for key, _, tcg_only in CLASSES if tcg_only)
     print(
-        f"restored idle VM PSS {pss:.1f} MiB, of which {tcg:.1f} MiB exist only under TCG "
-        f"(accel={accel}): {pss - tcg:.1f} MiB without them (a KVM host has neither; TCG's "
-        "soft-TLBs, in the arena and anonymous rows, are not split out)"
+        f"restored idle VM PSS {pss:.1f} MiB ({pss / cold_pss:.2f}x a cold VM's "
+        f"{cold_pss:.1f}), of which {tcg:.1f} MiB exist only under TCG (accel={accel}): "
+        f"{pss - tcg:.1f} MiB without them ({(pss - tcg) / (cold_pss - cold_tcg):.2f}x a cold "
+        f"VM's {cold_pss - cold_tcg:.1f}; a KVM host has neither; TCG's soft-TLBs, in the "
+        "arena and anonymous rows, are not split out)"
     )
     print(f"targets: cold <= 1.10x bare -> {'met' if c / b <= 1.1 else 'NOT met'}; "
           f"snapshot <= 0.20x cold -> {'met' if s / c <= 0.2 else 'NOT met'}; "
-          f"restored PSS <= 40 MiB -> {'met' if pss <= 40 else 'NOT met'}")  # fmt: skip
+          f"restored PSS <= 40 MiB -> {'met' if pss <= 40 else 'NOT met'} "
+          f"(without the TCG-only part: {'met' if pss - tcg <= 40 else 'NOT met'})")  # fmt: skip
     return 0
 
 
