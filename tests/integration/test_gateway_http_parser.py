@@ -6,8 +6,10 @@ bound, and an upgrade request gets one plain answer and its connection closes.""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +42,8 @@ def _chunk(data: bytes) -> bytes:
 
 class StepUpstream:
     """A raw upstream that sends a stream's events only when the test says so: the first
-    event, then (after ``go``) a delta and a usage event cut in two writes."""
+    event, then (after ``go``) a delta and a usage event cut in two writes. ``closed`` is
+    set when the gateway closes the connection."""
 
     def __init__(self) -> None:
         self.sock = socket.socket()
@@ -69,8 +72,20 @@ class StepUpstream:
                 data += more
             conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                          b"transfer-encoding: chunked\r\n\r\n" + _chunk(START))  # fmt: skip
-            if not self.go.wait(WAIT):
-                return
+            # Until the test says go, or the gateway closes the connection (its client hung
+            # up): a closed connection reads as EOF.
+            deadline = time.monotonic() + WAIT
+            while not self.go.is_set():
+                if time.monotonic() > deadline:
+                    return
+                if select.select([conn], [], [], 0.05)[0]:
+                    try:
+                        if conn.recv(1) == b"":
+                            self.closed.set()
+                            return
+                    except OSError:
+                        self.closed.set()
+                        return
             try:
                 half = len(END) // 3  # inside message_delta's JSON
                 conn.sendall(_chunk(DELTA + END[:half]))
@@ -132,9 +147,8 @@ def test_a_client_that_hangs_up_drops_the_upstream_connection(tmp_path: Path) ->
             it = r.iter_raw()
             while b"message_start" not in got:
                 got += next(it)
-        # Hung up mid-stream: the gateway closes its upstream connection without waiting
-        # for the stream to go on, and bills the worst case for output.
-        up.go.set()
+        # Hung up mid-stream: the gateway closes its upstream connection while the stream
+        # is still waiting for its next event, and bills the worst case for output.
         assert up.closed.wait(WAIT)  # while the gateway still runs
         u = gw.usage()
         assert u.dropped_streams == 1 and u.reserved == 0

@@ -168,6 +168,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._phase = ""
         self._head_size = 0
+        self._reading = ""
+        """What the parser is in: "head", "body" or "" (between requests)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -184,9 +186,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._timer is None and (self.cycle is None or self.cycle.response_complete):
-            # The first byte of the next request on a kept-alive connection.
-            self._arm("header_timeout", self._limits.header_timeout)
         self._unset_keepalive_if_required()
         if self.parser is None:  # lost, or refused above: nothing more is read
             return
@@ -204,6 +203,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # the body llhttp read, none: it stops at the head); what follows is not HTTP,
             # so nothing more is read and the connection closes after the answer.
             self._refuse_more()
+            return
+        # A deadline for what this read left incomplete, armed once it is known: a
+        # request that came whole (the usual case) costs no timer at all.
+        reading = self._reading
+        if reading == "body":
+            phase, delay = "body_timeout", self._limits.body_timeout
+        elif reading == "head" or self.cycle is None or self.cycle.response_complete:
+            # Part of a head, or bytes between requests (uvicorn's keep-alive timer was
+            # just cancelled): the header deadline runs from the first of them.
+            phase, delay = "header_timeout", self._limits.header_timeout
+        else:
+            return
+        if self._phase != phase:  # a deadline already running is not moved
+            self._arm(phase, delay)
 
     def _refuse_more(self) -> None:
         self.transport.pause_reading()
@@ -215,6 +228,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # llhttp's callbacks (the parser calls the protocol's methods).
     def on_message_begin(self) -> None:
         self._head_size = 0
+        self._reading = "head"
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -232,11 +246,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
-        # A request's headers are complete: its body (if any) has its own deadline.
-        self._arm("body_timeout", self._limits.body_timeout)
+        # The head is complete; its body (if any) gets its deadline once data_received
+        # knows it is not complete too.
+        self._reading = "body"
+        if self._phase == "header_timeout":
+            self._disarm()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self._reading = ""
         if self._phase == "body_timeout":
             self._disarm()
 
