@@ -260,6 +260,25 @@ def test_snapshot_clones_have_distinct_randomness(tracker: SandboxTracker, vm: Q
         assert other.exec(["ls", "-A", "/workspace"]).stdout in (b"", b"lost+found\n")
 
 
+def test_a_restored_guest_has_the_agent_clis_start_pages_cached(tracker: SandboxTracker) -> None:
+    """The template started the agent CLI once (``_preload``): the pages of its binary
+    it read are in the snapshot's page cache, so the CLI's first start in a fresh restored
+    guest reads next to nothing into it (without that preload: ~75 MiB of Claude Code's
+    binary, into pages of the guest's own)."""
+    spec = SandboxSpec(name="qemu-preload", image="default", resources=RES)
+    with tracker.create(spec) as sb:
+        assert isinstance(sb, QemuSandbox) and sb.restored
+        if sb.exec(["sh", "-c", "command -v claude"]).exit_code != 0:
+            pytest.skip("the default image has no claude")
+        # mincore/fincore cannot tell: for a file the caller may not write, the kernel
+        # reports every page resident. The page cache's growth can.
+        out = sb.exec(["sh", "-c", "grep ^Cached: /proc/meminfo; claude --version >/dev/null; "
+                                   "grep ^Cached: /proc/meminfo"])  # fmt: skip
+        assert out.exit_code == 0, out
+        before, after = (int(line.split()[1]) for line in out.stdout.decode().splitlines())
+        assert after - before < 16 * 1024, out.stdout  # kB
+
+
 def test_the_leak_guard_sees_a_live_vm(tracker: SandboxTracker) -> None:
     """The guard's positive control on qemu: while a microVM lives, the tracker finds its
     VMM (by recorded pid, and by name as for a detached VM whose pids it never saw), its

@@ -160,14 +160,38 @@ def _no_new_privs() -> None:
         raise SystemExit("agent: cannot set no_new_privs")
 
 
+#: The agent CLI a task runs, started once by a snapshot template (see _preload).
+_PRELOAD_CLI = "claude"
+_PRELOAD_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
 def _preload() -> None:
     # A snapshot template imports now what a session may need later, so that
     # restored guests never pay for it (see the note at the imports).
     import ctypes  # noqa: F401
     import resource  # noqa: F401
+    import shutil
     import socket  # noqa: F401
+    import subprocess
     import tarfile  # noqa: F401
     from _queue import SimpleQueue  # noqa: F401
+
+    # The agent CLI starts once (``--version``, no network, a scratch HOME removed
+    # after), so the pages of its binary it reads at start (~75 MiB of Claude Code's
+    # 400 MB) are in the template's page cache: every restored guest shares them from
+    # the snapshot's RAM instead of reading them from the root disk into its own.
+    exe = shutil.which(_PRELOAD_CLI, path=_PRELOAD_PATH)
+    if exe is None:
+        return
+    home = "/tmp/.agentbox-preload"
+    try:
+        os.mkdir(home, 0o700)
+        subprocess.run([exe, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, cwd=home, timeout=60, check=False,
+                       env={"HOME": home, "PATH": _PRELOAD_PATH})  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        pass
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def _reseed(seed: bytes, now: float | None) -> None:
