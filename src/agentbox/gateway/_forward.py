@@ -349,12 +349,17 @@ class Forwarding:
             self.ledger.usage.dropped_streams += 1
 
 
+#: The request's encoders, made once (``json.dumps`` with options builds one per call).
+_UTF8 = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_ASCII = json.JSONEncoder(separators=(",", ":"))
+
+
 def serialise(req: dict[str, Any]) -> bytes:
     try:
-        return json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode()
+        return _UTF8.encode(req).encode()
     except UnicodeEncodeError:
         # A lone surrogate (valid as a JSON escape, not as UTF-8): keep it escaped.
-        return json.dumps(req, separators=(",", ":")).encode()
+        return _ASCII.encode(req).encode()
 
 
 def clamp(req: dict[str, Any], max_tokens: int) -> None:

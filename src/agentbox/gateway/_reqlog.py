@@ -66,6 +66,11 @@ class RequestRecord:
     """When the request arrived (``time`` is when it was settled); None if unknown."""
 
 
+#: ``json.dumps(…, separators=…)`` builds an encoder per call (~3 µs of the ~8 a record
+#: costs): one, made once, writes the same bytes.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def _short(v: object) -> str | None:
     """A printable, bounded string from the upstream, else None."""
     if not isinstance(v, str) or not v or len(v) > _MAX_ID or not v.isprintable():
@@ -128,7 +133,7 @@ class RequestLog:
         }
         if started is not None:
             rec["started"] = round(started, 3)
-        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
+        line = (_COMPACT.encode(rec) + "\n").encode()
         if self._records >= MAX_RECORDS or self._bytes + len(line) > MAX_BYTES:
             if not self._full_logged:
                 self._full_logged = True
