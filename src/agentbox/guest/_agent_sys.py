@@ -163,6 +163,8 @@ def _no_new_privs() -> None:
 #: The agent CLI a task runs, started once by a snapshot template (see _preload).
 _PRELOAD_CLI = "claude"
 _PRELOAD_PATH = "/usr/local/bin:/usr/bin:/bin"
+#: The sandbox's uid (the agent's default, ``Agent.uid``): the preload runs as it.
+_PRELOAD_UID = 64000
 
 
 def _preload() -> None:
@@ -186,9 +188,12 @@ def _preload() -> None:
     home = "/tmp/.agentbox-preload"
     try:
         os.mkdir(home, 0o700)
+        os.chown(home, _PRELOAD_UID, _PRELOAD_UID)
+        # As an unprivileged uid: the image's program never runs as the guest's root.
         subprocess.run([exe, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, cwd=home, timeout=60, check=False,
-                       env={"HOME": home, "PATH": _PRELOAD_PATH})  # fmt: skip
+                       env={"HOME": home, "PATH": _PRELOAD_PATH}, user=_PRELOAD_UID,
+                       group=_PRELOAD_UID, extra_groups=[])  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         pass
     shutil.rmtree(home, ignore_errors=True)
