@@ -381,7 +381,6 @@ def _mounted_from(ws: Path, image: Path) -> bool:
     return back.removesuffix(" (deleted)") == str(image)
 
 
-
 def _mount_source(target: Path) -> str:
     """The source of the topmost mount at ``target`` ("" if none), from mountinfo:
     ``ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTS``."""
