@@ -12,13 +12,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import platform
 import re
+import resource
 import secrets
 import signal
 import socket
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -307,3 +310,129 @@ def test_a_channel_forks_from_the_template_that_gave_it(
         template.proc.wait(10)
     finally:
         template.close()
+
+
+# -- a requester whose posture is not the template's ------------------------------------
+
+
+def _posture_of(pid: int) -> dict[str, object]:
+    """What a gateway inherits from whoever starts it, read from ``/proc``."""
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return {
+        "nice": int(stat[16]),  # proc(5) field 19
+        "cpus": status["Cpus_allowed_list"].strip(),
+        "umask": status["Umask"].strip(),
+        "oom_score_adj": Path(f"/proc/{pid}/oom_score_adj").read_text().strip(),
+        "limits": _limits(pid),
+        "mnt": os.readlink(f"/proc/{pid}/ns/mnt"),
+    }
+
+
+def _unshare_mounts() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS (nothing mounted: the same root)
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+
+
+def _in_a_child(settings: Settings, setup: str) -> dict[str, object]:
+    """In a fork of this process, which then differs from the template in ``setup``
+    (``"differs"``: nice +3, one CPU, umask 027, NOFILE and CORE limits, OOM score +100,
+    a mount namespace of its own; ``"above"``: a nice value below the template's),
+    spawn a forked and an exec'd gateway; their postures and how each was started. The
+    fork asks this process's template through a channel of its own, as a command the
+    front end forked does."""
+    template = _forkspawn._current
+    assert template is not None
+    channel = template.channel()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            _forkspawn._current = None  # the parent's (its process is not this one's child)
+            _forkspawn.adopt_channel(channel)
+            if setup == "differs":
+                os.nice(3)
+                os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+                os.umask(0o027)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (777, 888))
+                resource.setrlimit(resource.RLIMIT_CORE, (4096, 8192))
+                adj = int(Path("/proc/self/oom_score_adj").read_text())
+                Path("/proc/self/oom_score_adj").write_text(str(min(1000, adj + 100)))
+                _unshare_mounts()
+            else:
+                os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - 1)
+            out: dict[str, object] = {"caller": _posture_of(os.getpid())}
+            with (
+                _spawn(settings, f"{setup}-x", forked=False) as execd,
+                _spawn(settings, f"{setup}-f", forked=True) as forked,
+            ):
+                assert _ask(forked.socket_path).startswith(b"HTTP/1.1 ")
+                out["exec"], out["fork"] = _posture_of(execd.pid), _posture_of(forked.pid)
+                out["forked"] = isinstance(forked._proc, ForkedProcess)
+                out["ppid"] = _ppid(forked.pid)
+                identity = gateway_identity(settings)
+                assert identity is not None
+                checks = gateway_posture(forked.pid, want_uid=identity[0])
+                out["checks"] = [ok for _, ok, _ in checks]
+                out["same_rights"] = process_posture(forked.pid) == process_posture(execd.pid)
+            os.write(w, json.dumps(out).encode())
+            code = 0
+        except BaseException:
+            os.write(w, json.dumps({"error": traceback.format_exc()}).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    channel.close()
+    got = b""
+    while chunk := os.read(r, 65536):
+        got += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    doc: dict[str, object] = json.loads(got)
+    assert os.waitstatus_to_exitcode(status) == 0, doc.get("error")
+    return doc
+
+
+def test_forked_gateway_takes_on_a_differing_requesters_posture(
+    settings: Settings, fresh_template: None
+) -> None:
+    """A requester whose nice value, affinity, umask, limits, OOM score adjustment and
+    mount namespace are not the template's (a served ``agentbox run`` from a user's
+    shell, a template started by a systemd unit): its forked gateway has what an exec'd
+    gateway started by that requester has, read from /proc, and is still forked."""
+    with _spawn(settings, "first", forked=True) as gw:  # the template, in our posture
+        assert isinstance(gw._proc, ForkedProcess)
+    template = _forkspawn._current
+    assert template is not None and template.proc is not None
+    got = _in_a_child(settings, "differs")
+    assert got["forked"] is True and got["ppid"] == template.proc.pid
+    caller, execd, forked = got["caller"], got["exec"], got["fork"]
+    assert isinstance(caller, dict) and isinstance(execd, dict) and isinstance(forked, dict)
+    assert forked == execd
+    mine = _posture_of(template.proc.pid)
+    for key in ("nice", "umask", "oom_score_adj", "mnt"):  # the case: each differs
+        assert caller[key] != mine[key] and forked[key] == caller[key], key
+    if len(os.sched_getaffinity(0)) > 1:
+        assert caller["cpus"] != mine["cpus"] and forked["cpus"] == caller["cpus"]
+    assert any("open files" in line and "777" in line for line in forked["limits"])
+    assert got["same_rights"] is True and all(got["checks"])
+
+
+def test_template_refuses_more_than_its_own_and_the_gateway_is_execd(
+    settings: Settings, fresh_template: None
+) -> None:
+    """A requester at a higher priority than the template (nice below): the template
+    does not give it (it gives no more than it has), and the gateway is exec'd, with the
+    requester's nice value."""
+    with _spawn(settings, "first", forked=True):
+        pass
+    got = _in_a_child(settings, "above")
+    assert got["forked"] is False
+    caller, execd, forked = got["caller"], got["exec"], got["fork"]
+    assert isinstance(caller, dict) and isinstance(execd, dict) and isinstance(forked, dict)
+    assert forked["nice"] == execd["nice"] == caller["nice"]

@@ -133,14 +133,14 @@ def become(
     conn.detach()
     gc.enable()  # the server's objects stay frozen (agentbox.front.server.main)
     try:
-        # The server's gateway template forks gateways as the server's process is (mount
-        # namespace, nice, affinity, limits, umask): used only by a caller alike.
+        # The server's gateway template: each fork request carries what a gateway this
+        # process exec'd would inherit from it (the caller's mount namespace, nice value,
+        # affinity, OOM score adjustment, limits, umask, taken on below), and the template's
+        # child takes that on (agentbox.gateway._template._take_on), or the template
+        # refuses what is more than its own and this process execs the gateway.
         keep: tuple[int, ...] = (ready, go)
-        if channel is not None and _alike(posture):
+        if channel is not None:
             keep += (channel.fileno(),)
-        elif channel is not None:
-            channel.close()
-            channel = None
         os.setpgid(0, 0)  # a group of its own: a kill of the server's group is not the caller's
         _signals(req, posture)
         _join_mounts(posture["pid"])
@@ -227,27 +227,6 @@ def _signals(req: Request, posture: dict[str, Any]) -> None:
     blocked = posture["blocked"]
     mask = {s for s in signal.valid_signals() if blocked >> (int(s) - 1) & 1}
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def _alike(posture: dict[str, Any]) -> bool:
-    """Whether the caller's process is as this one in what a gateway inherits from the
-    process that starts it: mount namespace, nice value, CPU affinity, OOM score
-    adjustment, resource limits and umask (its cgroups not: a gateway moves to its own)."""
-    pid = posture["pid"]
-    try:
-        if Path("/proc/self/ns/mnt").readlink() != Path(f"/proc/{pid}/ns/mnt").readlink():
-            return False
-        umask = os.umask(0)
-        os.umask(umask)
-        return bool(
-            posture["nice"] == os.getpriority(os.PRIO_PROCESS, 0)
-            and posture["affinity"] == sorted(os.sched_getaffinity(0))
-            and posture["oom_score_adj"] == Path("/proc/self/oom_score_adj").read_text().strip()
-            and all(resource.getrlimit(r) == tuple(v) for r, v in posture["limits"].items())
-            and posture["umask"] == umask
-        )
-    except (OSError, KeyError, TypeError, ValueError):
-        return False
 
 
 def _join_mounts(pid: int) -> None:

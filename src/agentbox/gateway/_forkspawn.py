@@ -25,7 +25,7 @@ from pathlib import Path
 
 from agentbox.core.log import get_logger
 from agentbox.errors import GatewayError
-from agentbox.gateway._template import FD_NAMES
+from agentbox.gateway._template import FD_NAMES, own_posture
 
 log = get_logger(__name__)
 
@@ -252,23 +252,35 @@ def fork_gateway(
 ) -> ForkedProcess:
     """Fork a gateway that runs as ``argv`` would (named so in ``/proc``), with ``env`` and
     ``secret_env`` (passed through a pipe only the gateway reads), the listening socket
-    ``listener``, the ready pipe's write end ``ready`` and its log ``log_fd``."""
+    ``listener``, the ready pipe's write end ``ready`` and its log ``log_fd``; with what
+    it would have inherited from this thread had this process exec'd it (mount
+    namespace, nice value, CPU affinity, OOM score adjustment, limits, umask), which the
+    template gives it or refuses (GatewayError: the caller then execs it)."""
     template = current_template(template_env, prefix=prefix)
-    secret_r, secret_w = os.pipe2(os.O_CLOEXEC)
     try:
+        posture = own_posture()
+        mntns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, ValueError) as exc:
+        raise GatewayError(f"cannot read this process's posture: {exc}") from exc
+    secret_r, secret_w = -1, -1
+    try:
+        secret_r, secret_w = os.pipe2(os.O_CLOEXEC)
         data = json.dumps(dict(secret_env)).encode()
         if len(data) > 32 << 10:
             raise GatewayError("the gateway's secret environment is too large to pass")
         os.write(secret_w, data)
         os.close(secret_w)
         secret_w = -1
-        fds = {"listener": listener, "ready": ready, "log": log_fd, "secrets": secret_r}
-        request = {"argv": list(argv), "env": dict(env), "cgroups": [str(p) for p in cgroups]}
+        fds = {"listener": listener, "ready": ready, "log": log_fd, "secrets": secret_r,
+               "mntns": mntns}  # fmt: skip
+        request = {"argv": list(argv), "env": dict(env), "cgroups": [str(p) for p in cgroups],
+                   "posture": posture}  # fmt: skip
         pid = template.fork(request, [fds[name] for name in FD_NAMES])
     finally:
-        os.close(secret_r)
-        if secret_w >= 0:
-            os.close(secret_w)
+        os.close(mntns)
+        for fd in (secret_r, secret_w):
+            if fd >= 0:
+                os.close(fd)
     forked = ForkedProcess(pid, argv)
     try:
         named = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]

@@ -7,10 +7,18 @@ imports and prepares everything a gateway needs once, freezes it
 stay shared), says ``ready`` on the socket ``N`` it was given, and then serves that
 socket (a ``SOCK_SEQPACKET`` pair end; only the launcher holds the other):
 
-- request: one JSON message (``argv``, ``env``, ``cgroups``) with the task's descriptors
-  attached (``SCM_RIGHTS``): its listening socket, its ready pipe, its log file, and a
-  pipe carrying the gateway's secret environment (the upstream key), which only the
-  gateway reads: the template never holds a task's secret;
+- request: one JSON message (``argv``, ``env``, ``cgroups``, ``posture``) with the task's
+  descriptors attached (``SCM_RIGHTS``): its listening socket, its ready pipe, its log
+  file, a pipe carrying the gateway's secret environment (the upstream key), which only
+  the gateway reads (the template never holds a task's secret), and the requester's
+  mount namespace;
+- ``posture`` is what a process the requester started would inherit from it (nice value,
+  CPU affinity, OOM score adjustment, resource limits, umask; :func:`own_posture`),
+  checked against the template's own (:func:`parse_posture`: never more than the
+  template has), and taken on by the child, with the requester's mount namespace
+  (``setns``), while it is still privileged (:func:`_take_on`): the gateway then has an
+  exec'd one's posture whoever asked, a served caller whose shell is not the
+  ``launcher serve`` unit's too;
 - the template forks, and the child becomes the task's gateway (:func:`_become_gateway`):
   in a session of its own, reaped by the kernel (the template ignores ``SIGCHLD``), it
   outlives the template and the launcher as an exec'd gateway does (init adopts it);
@@ -31,14 +39,18 @@ import ctypes
 import gc
 import json
 import os
+import resource
 import select
 import signal
 import socket
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
-#: Descriptors a gateway gets, in the order a request attaches them.
-FD_NAMES = ("listener", "ready", "log", "secrets")
+#: Descriptors a request attaches, in this order: a gateway's, then the requester's
+#: mount namespace (``/proc/self/ns/mnt``), which the template's child joins.
+FD_NAMES = ("listener", "ready", "log", "secrets", "mntns")
 #: Where the forked gateway finds them (the argv it names itself with says so).
 LISTEN_FD, READY_FD = 3, 4
 #: The largest request message (argv, environment, cgroup paths).
@@ -47,6 +59,20 @@ MAX_REQUEST = 64 << 10
 CHILD_REPORT_TIMEOUT = 10.0
 
 _PR_SET_NAME = 15
+_CLONE_NEWNS = 0x00020000
+#: ``ioctl_ns(2)``: a namespace descriptor's type, and its owning user namespace.
+_NS_GET_USERNS, _NS_GET_NSTYPE = 0xB701, 0xB703
+#: Every resource limit a process inherits from the one that starts it (``ulimit``).
+LIMITS = tuple(
+    getattr(resource, n)
+    for n in (
+        "RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_DATA", "RLIMIT_FSIZE",
+        "RLIMIT_LOCKS", "RLIMIT_MEMLOCK", "RLIMIT_MSGQUEUE", "RLIMIT_NICE", "RLIMIT_NOFILE",
+        "RLIMIT_NPROC", "RLIMIT_RSS", "RLIMIT_RTPRIO", "RLIMIT_RTTIME", "RLIMIT_SIGPENDING",
+        "RLIMIT_STACK",
+    )
+    if hasattr(resource, n)
+)  # fmt: skip
 _PR_SET_MM = 35
 _PR_SET_MM_MAP = 14
 
@@ -106,6 +132,163 @@ def set_cmdline(argv: list[str]) -> None:
     lib.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
 
 
+@dataclass(frozen=True)
+class Posture:
+    """What a gateway takes on from whoever asked for it (:func:`own_posture`'s fields)."""
+
+    nice: int
+    affinity: frozenset[int]
+    oom_score_adj: int
+    limits: dict[int, tuple[int, int]]
+    umask: int
+
+    @classmethod
+    def of(cls, doc: dict[str, Any]) -> Posture:
+        """From :func:`own_posture` of this very process (unchecked: for trusted values)."""
+        limits = {int(r): (int(v[0]), int(v[1])) for r, v in doc["limits"].items()}
+        return cls(doc["nice"], frozenset(doc["affinity"]), doc["oom_score_adj"], limits,
+                   doc["umask"])  # fmt: skip
+
+
+def own_posture() -> dict[str, Any]:
+    """What a process this thread started now would inherit from it, as a request
+    carries it: nice value and CPU affinity (the calling thread's: ``fork`` copies the
+    thread's), OOM score adjustment, every resource limit, umask (read from
+    ``/proc/self/status``: ``umask()`` would change it under other threads)."""
+    umask = None
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("Umask:"):
+                umask = int(line.split()[1], 8)
+                break
+    if umask is None:
+        raise OSError("no Umask in /proc/self/status")
+    with open("/proc/self/oom_score_adj") as fh:
+        oom = int(fh.read())
+    return {
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "oom_score_adj": oom,
+        "limits": {str(int(r)): list(resource.getrlimit(r)) for r in LIMITS},
+        "umask": umask,
+    }
+
+
+def _bounded(value: object, low: int, high: int, what: str) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"posture: {what} {value!r} is not within [{low}, {high}]")
+    return value
+
+
+def _rlim(v: int) -> float:
+    """A limit's value for comparing (``RLIM_INFINITY`` is -1 in Python: the largest)."""
+    return float("inf") if v == resource.RLIM_INFINITY else float(v)
+
+
+def parse_posture(raw: object, own: Posture) -> Posture:
+    """A request's ``posture``, checked against ``own`` (this template's): the gateway
+    may take on less than the template has, never more. Its nice value may not be below
+    the template's (a higher priority), nor its OOM score adjustment (less likely to be
+    killed); its CPUs are some of the template's; no limit is above the template's hard
+    limit; the umask is any (it only takes permissions away). ValueError otherwise
+    (the requester then execs its gateway, which inherits from it)."""
+    keys = {"nice", "affinity", "oom_score_adj", "limits", "umask"}
+    if not isinstance(raw, dict) or set(raw) != keys:
+        raise ValueError("posture: not a map of " + ", ".join(sorted(keys)))
+    nice = _bounded(raw["nice"], own.nice, 19, "nice")
+    cpus = raw["affinity"]
+    if not (isinstance(cpus, list) and 0 < len(cpus) <= 1 << 16):
+        raise ValueError("posture: affinity is not a list of CPUs")
+    if not all(type(c) is int for c in cpus) or not set(cpus) <= own.affinity:
+        raise ValueError("posture: affinity names a CPU the template may not run on")
+    oom = _bounded(raw["oom_score_adj"], own.oom_score_adj, 1000, "oom_score_adj")
+    limits = raw["limits"]
+    if not (isinstance(limits, dict) and set(limits) == {str(r) for r in own.limits}):
+        raise ValueError("posture: limits do not name every resource limit")
+    taken: dict[int, tuple[int, int]] = {}
+    for res, (_, own_hard) in own.limits.items():
+        pair = limits[str(res)]
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ValueError(f"posture: limit {res} is not [soft, hard]")
+        soft, hard = (_bounded(v, -1, (1 << 63) - 1, f"limit {res}") for v in pair)
+        if not _rlim(soft) <= _rlim(hard) <= _rlim(own_hard):
+            raise ValueError(f"posture: limit {res} {pair} is above the template's hard limit")
+        taken[res] = (soft, hard)
+    umask = _bounded(raw["umask"], 0, 0o777, "umask")
+    return Posture(nice, frozenset(cpus), oom, taken, umask)
+
+
+_own: Posture | None = None
+
+
+def _template_posture() -> Posture:
+    global _own
+    if _own is None:  # read once: nothing changes this process's
+        _own = Posture.of(own_posture())
+    return _own
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _mount_ns(fd: int) -> int | None:
+    """``fd`` when it is a mount namespace other than this process's, owned by this
+    process's user namespace (one a requester of the template's rights may hand; never a
+    sandbox's, owned by a user namespace of its own); None when it is this process's own.
+    ValueError for any other descriptor."""
+    import fcntl
+
+    try:
+        kind = fcntl.ioctl(fd, _NS_GET_NSTYPE)
+    except OSError as exc:
+        raise ValueError(f"the mount namespace sent is no namespace: {exc}") from exc
+    if kind != _CLONE_NEWNS:
+        raise ValueError("the namespace sent is not a mount namespace")
+    if _same_file(os.fstat(fd), Path("/proc/self/ns/mnt").stat()):
+        return None
+    try:
+        owner = fcntl.ioctl(fd, _NS_GET_USERNS)
+    except OSError as exc:
+        raise ValueError(f"the mount namespace's owner is not ours to see: {exc}") from exc
+    try:
+        if not _same_file(os.fstat(owner), Path("/proc/self/ns/user").stat()):
+            raise ValueError("the mount namespace sent is another user namespace's")
+    finally:
+        os.close(owner)
+    return fd
+
+
+def _take_on(posture: Posture, mntns: int | None) -> None:
+    """In the child, still privileged (before the gateway drops its uid, empties its
+    capabilities, sets no_new_privs and loads its filter): the requester's mount
+    namespace (its root must be this process's: what the front end checks of a caller),
+    nice value, CPU affinity, OOM score adjustment, limits and umask, as a process the
+    requester exec'd would have inherited them, in that order (a cgroup's cpuset moved
+    into afterwards narrows the affinity as it would an exec'd gateway's)."""
+    if mntns is not None:
+        from agentbox.linux.libc import libc
+
+        root = Path("/").stat()
+        if libc().setns(mntns, _CLONE_NEWNS) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot join the requester's mount namespace: {os.strerror(err)}")
+        if not _same_file(root, Path("/").stat()):
+            raise OSError("the requester's mount namespace has another root directory")
+    if os.getpriority(os.PRIO_PROCESS, 0) != posture.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, posture.nice)
+    if os.sched_getaffinity(0) != posture.affinity:
+        os.sched_setaffinity(0, posture.affinity)
+    with open("/proc/self/oom_score_adj", "r+") as fh:
+        if int(fh.read()) != posture.oom_score_adj:
+            fh.seek(0)
+            fh.write(str(posture.oom_score_adj))
+    for res, pair in posture.limits.items():
+        if resource.getrlimit(res) != pair:
+            resource.setrlimit(res, pair)
+    os.umask(posture.umask)
+
+
 def prepare() -> None:
     """Import and load what a gateway would at its start and first request, then freeze."""
     from agentbox.gateway.__main__ import BLOCKED
@@ -145,7 +328,6 @@ def _rehearse(run: Any, entry: Any) -> None:
     import asyncio
     import shutil
     import tempfile
-    from pathlib import Path
 
     tmp = Path(tempfile.mkdtemp(prefix="agentbox-gw-template-"))
     try:
@@ -243,6 +425,8 @@ def _answer(sock: socket.socket, channels: dict[int, socket.socket]) -> bool:
 def _fork_one(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
     if len(fds) != len(FD_NAMES):
         raise ValueError(f"{len(fds)} descriptors, not {len(FD_NAMES)}")
+    posture = parse_posture(req.get("posture"), _template_posture())
+    mntns = _mount_ns(fds[-1])
     report_r, report_w = os.pipe2(os.O_CLOEXEC)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -256,7 +440,7 @@ def _fork_one(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> dict[
         try:
             os.close(report_r)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # as an exec'd gateway has it
-            _become_gateway(sock, req, fds, report_w)
+            _become_gateway(sock, req, fds[:-1], report_w, posture, mntns)
         finally:
             os._exit(1)
     os.close(report_w)
@@ -285,7 +469,7 @@ def _read_report(fd: int) -> dict[str, Any]:
 def _place(fds: list[int]) -> dict[str, int]:
     """Move the received descriptors to where a gateway expects them: 0 ``/dev/null``,
     1 and 2 the log, :data:`LISTEN_FD`, :data:`READY_FD`; the secrets pipe past them."""
-    high = {name: os.dup(fd) for name, fd in zip(FD_NAMES, fds, strict=True)}
+    high = {name: os.dup(fd) for name, fd in zip(FD_NAMES[:-1], fds, strict=True)}
     for fd in fds:
         os.close(fd)
     moved = {name: _dup_above(fd, 16) for name, fd in high.items()}
@@ -312,13 +496,20 @@ def _dup_above(fd: int, low: int) -> int:
 
 
 def _become_gateway(
-    sock: socket.socket, req: dict[str, Any], fds: list[int], report: int
+    sock: socket.socket,
+    req: dict[str, Any],
+    fds: list[int],
+    report: int,
+    posture: Posture,
+    mntns: int | None,
 ) -> NoReturn:
-    """In the child: take the task's descriptors, name the process as the exec'd
-    gateway, report, and run the gateway's ``main``; never returns into the template."""
+    """In the child: take on the requester's posture, take the task's descriptors, name
+    the process as the exec'd gateway, report, and run the gateway's ``main``; never
+    returns into the template."""
     code = 1
     try:
         os.setsid()
+        _take_on(posture, mntns)
         sock.detach()  # its descriptor is closed below; the object must not close another
         report = _dup_above(report, 64)
         placed = _place(fds)
