@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -48,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -235,10 +237,40 @@ def unmount_under(base: Path) -> None:
         print(f"unmounted leftover {m}", file=sys.stderr)
 
 
-def ready_latency(base: Path, k: int) -> dict[str, list[float]]:
+@contextlib.contextmanager
+def differing_caller(on: bool) -> Iterator[None]:
+    """With ``on``: this process, for the block, as a caller unlike the process that
+    started the template (a user's shell against a ``launcher serve`` unit): nice +1,
+    umask 027, another core file limit, OOM score adjustment +1, one CPU fewer (when
+    there are two or more); restored after."""
+    if not on:
+        yield
+        return
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    cpus = os.sched_getaffinity(0)
+    core = resource.getrlimit(resource.RLIMIT_CORE)
+    oom = Path("/proc/self/oom_score_adj").read_text().strip()
+    umask = os.umask(0o027)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice + 1)
+        if len(cpus) > 1:
+            os.sched_setaffinity(0, set(sorted(cpus)[1:]))
+        resource.setrlimit(resource.RLIMIT_CORE, (4096, core[1]))
+        Path("/proc/self/oom_score_adj").write_text(str(min(1000, int(oom) + 1)))
+        yield
+    finally:
+        os.umask(umask)
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        os.sched_setaffinity(0, cpus)
+        resource.setrlimit(resource.RLIMIT_CORE, core)
+        Path("/proc/self/oom_score_adj").write_text(oom)
+
+
+def ready_latency(base: Path, k: int, *, differs: bool = False) -> dict[str, list[float]]:
     """Ms from asking ``spawn_gateway`` for a gateway until it serves, ``k`` times each
     way: ``exec`` (a new interpreter) and ``template`` (forked; its first ask, which
-    starts the template, is ``template start``)."""
+    starts the template, is ``template start``). ``differs``: every ask but the one that
+    starts the template made from a posture unlike the template's (:func:`differing_caller`)."""
     from agentbox.gateway import _forkspawn, gateway_identity, spawn_gateway
 
     out: dict[str, list[float]] = {"exec": [], "template start": [], "template": []}
@@ -254,19 +286,30 @@ def ready_latency(base: Path, k: int) -> dict[str, list[float]]:
             token = task / "token"
             token.write_text(secrets.token_urlsafe(24))
             token.chmod(0o600)
-            t0 = time.monotonic()
-            gw = spawn_gateway(
-                socket_path=task / "gw" / "gateway.sock",
-                token_file=token,
-                model="idle",
-                budget=10**6,
-                usage_file=task / "usage.json",
-                settings=settings,
-                log_file=task / "gateway.log",
-                run_as=gateway_identity(settings),
-                exit_at=time.time() + 120,
-            )
-            ms = (time.monotonic() - t0) * 1000
+            with differing_caller(differs and not (mode == "template" and i == 0)):
+                t0 = time.monotonic()
+                gw = spawn_gateway(
+                    socket_path=task / "gw" / "gateway.sock",
+                    token_file=token,
+                    model="idle",
+                    budget=10**6,
+                    usage_file=task / "usage.json",
+                    settings=settings,
+                    log_file=task / "gateway.log",
+                    run_as=gateway_identity(settings),
+                    exit_at=time.time() + 120,
+                )
+                ms = (time.monotonic() - t0) * 1000
+            if (
+                mode == "template"
+                and i > 0
+                and differs
+                and not isinstance(gw._proc, _forkspawn.ForkedProcess)
+            ):
+                key = "template refused: exec'd"
+                out.setdefault(key, []).append(ms)
+                gw.stop(grace=2.0)
+                continue
             gw.stop(grace=2.0)
             key = "template start" if mode == "template" and i == 0 else mode
             out[key].append(ms)
@@ -394,6 +437,9 @@ def main() -> int:
     )
     ap.add_argument("--ready", type=int, default=10,
                     help="gateways to time from ask to serving, each way (0: none)")  # fmt: skip
+    ap.add_argument("--caller-differs", action="store_true",
+                    help="--ready's gateways asked from a posture unlike the template's "
+                         "(nice, umask, affinity, a limit, OOM score)")  # fmt: skip
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (the launcher drives podman as root)", file=sys.stderr)
@@ -414,7 +460,7 @@ def main() -> int:
         )
         (base / "repos").mkdir()
         if args.ready > 0:
-            lat = ready_latency(base, args.ready)
+            lat = ready_latency(base, args.ready, differs=args.caller_differs)
         template = args.gateway_template == "on"
         for n in (int(x) for x in args.n.split(",") if x.strip() != "0"):
             try:

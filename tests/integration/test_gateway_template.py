@@ -436,3 +436,42 @@ def test_template_refuses_more_than_its_own_and_the_gateway_is_execd(
     caller, execd, forked = got["caller"], got["exec"], got["fork"]
     assert isinstance(caller, dict) and isinstance(execd, dict) and isinstance(forked, dict)
     assert forked["nice"] == execd["nice"] == caller["nice"]
+
+
+def test_a_mount_namespace_of_another_user_namespace_is_refused() -> None:
+    """A sandbox's mount namespace (owned by a user namespace of its own) is never joined."""
+    import shutil
+    import subprocess
+
+    from agentbox.gateway._template import _mount_ns
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--mount", "sleep", "60"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        fd = -1
+        for _ in range(1000):  # until it has unshared (bounded: tens of seconds at most)
+            mine = os.readlink("/proc/self/ns/user")
+            try:
+                if os.readlink(f"/proc/{proc.pid}/ns/user") != mine and (
+                    os.readlink(f"/proc/{proc.pid}/exe").endswith("sleep")
+                ):
+                    fd = os.open(f"/proc/{proc.pid}/ns/mnt", os.O_RDONLY)
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                pytest.skip("unshare --user failed here")
+            time.sleep(0.02)
+        assert fd >= 0, "unshare never ran sleep in a user namespace of its own"
+        try:
+            with pytest.raises(ValueError, match=r"another user namespace's|not ours"):
+                _mount_ns(fd)
+        finally:
+            os.close(fd)
+    finally:
+        proc.kill()
+        proc.wait()
