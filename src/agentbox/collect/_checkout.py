@@ -20,7 +20,8 @@ import hashlib
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +51,15 @@ class Checkout:
     written: int = 0
 
 
-def _tree_entries(shadow: ShadowGit, tree: str) -> list[tuple[int, str, bytes]]:
+def tree_listing(shadow: ShadowGit, tree: str) -> bytes:
+    """``git ls-tree -r -z --full-tree`` of ``tree`` in the shadow dir."""
     rc, out = shadow.run_bytes("ls-tree", "-r", "-z", "--full-tree", tree)
     if rc != 0:
         raise CollectError(f"git ls-tree {tree} failed in the shadow dir")
+    return out
+
+
+def _tree_entries(out: bytes) -> list[tuple[int, str, bytes]]:
     entries = []
     for rec in out.split(b"\0"):
         if not rec:
@@ -65,10 +71,14 @@ def _tree_entries(shadow: ShadowGit, tree: str) -> list[tuple[int, str, bytes]]:
 
 
 def write_workspace(
-    shadow: ShadowGit, tree: str, workspace: Path, *, fmt: str, source: RepoDir | None = None
-) -> Checkout:
-    """Write the base tree's exact bytes into ``workspace`` (clones from ``source`` if possible)."""
-    entries = _tree_entries(shadow, tree)
+    shadow: ShadowGit, tree: str, workspace: Path, *, fmt: str, source: RepoDir | None = None,
+    listing: bytes | None = None,
+) -> Checkout:  # fmt: skip
+    """Write the base tree's exact bytes into ``workspace`` (clones from ``source`` if possible).
+
+    ``listing`` is the tree's :func:`tree_listing` if the caller has it already.
+    """
+    entries = _tree_entries(tree_listing(shadow, tree) if listing is None else listing)
     done = Checkout(modes={os.fsdecode(p): m for m, _oid, p in entries})
     with SafeWriter(workspace, max_file_size=1 << 62, max_total_size=1 << 62) as writer:
         for mode, _oid, path in entries:
@@ -201,19 +211,24 @@ def _cat_batch(shadow: ShadowGit, oids: list[str]) -> Iterator[bytes]:
         pos = nl + 1 + size + 1
 
 
-def init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt: str) -> None:
+def init_agent_git(
+    shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt: str,
+    *, tree_pack: Callable[[Path], None] | None = None,
+) -> Path:  # fmt: skip
     """Give the workspace a fresh ``.git`` of its own: one root commit of the base tree.
 
-    The commit is written into the shadow dir by us, the new ``.git`` (as
-    ``git init`` makes it, :func:`~agentbox.collect._git.init_repo`) and its ref
-    ``main`` too; the objects go over as one pack that ``pack-objects`` (run in
-    the shadow dir) writes straight into it: one git process instead of the
-    nine of ``init``, ``fetch`` and ``read-tree``. Its index is not
-    written here: :func:`~agentbox.collect._prepare.prepare` copies the base
-    index it reads anyway (the same ``read-tree`` of the same tree).
+    The commit is written by us into the shadow dir and, loose, into the new
+    ``.git`` (as ``git init`` makes it, :func:`~agentbox.collect._git.init_repo`)
+    with its ref ``main``; the tree's objects go over as one pack: either
+    ``tree_pack(pack_dir)`` puts a cached copy there, or ``pack-objects`` (run
+    in the shadow dir) writes it straight into it. Returns that pack's path
+    without extension. Its index is not written here:
+    :func:`~agentbox.collect._prepare.prepare` copies the base index it reads
+    anyway (the same ``read-tree`` of the same tree).
     """
-    root = write_commit(BlobWriter(shadow.git_dir, fmt), tree, None,
-                        f"agentbox: workspace base (from {base[:12]})\n")  # fmt: skip
+    msg = f"agentbox: workspace base (from {base[:12]})\n"
+    when = int(time.time())
+    root = write_commit(BlobWriter(shadow.git_dir, fmt), tree, None, msg, when=when)
     write_ref(shadow.git_dir, "refs/agentbox/workspace", root)
     agent_git = workspace / ".git"
     user = "[user]\n\tname = agentbox agent\n\temail = agent@agentbox.invalid\n"
@@ -221,11 +236,23 @@ def init_agent_git(shadow: ShadowGit, workspace: Path, tree: str, base: str, fmt
         init_repo(agent_git, fmt, head="main", bare=False, extra_config=user)
     except FileExistsError as exc:  # the base tree itself has a .git entry
         raise CollectError(f"the base tree has a .git entry: {agent_git} exists") from exc
-    # Every object of the root commit (the shadow holds them all: the base
-    # commit's tree came with the fetch), as the pack a fetch would have stored.
-    shadow.run("pack-objects", "--revs", "--quiet", "--delta-base-offset",
-               agent_git / "objects" / "pack" / "pack", input=f"{root}\n")  # fmt: skip
+    pack_dir = agent_git / "objects" / "pack"
+    if tree_pack is not None:
+        tree_pack(pack_dir)
+        names = [p.stem for p in pack_dir.glob("pack-*.idx")]
+        name = names[0] if len(names) == 1 else ""
+    else:
+        # Every object of the base tree (the shadow holds them all: they came with
+        # the fetch), as the pack a fetch would have stored.
+        made = shadow.run("pack-objects", "--revs", "--quiet", "--delta-base-offset",
+                          pack_dir / "pack", input=f"{tree}\n")  # fmt: skip
+        name = "pack-" + made.stdout.strip()
+    if not name or not (pack_dir / (name + ".idx")).is_file():
+        raise CollectError(f"no pack of the base tree in {agent_git}")
+    # The same commit, byte for byte (same time stamp), loose beside the pack.
+    write_commit(BlobWriter(agent_git, fmt), tree, None, msg, when=when)
     write_ref(agent_git, "refs/heads/main", root)
+    return pack_dir / name
 
 
 def chown_tree(root: Path, uid: int, gid: int) -> None:

@@ -31,7 +31,8 @@ import zlib
 from pathlib import Path
 
 from agentbox.collect import _statcache
-from agentbox.collect._checkout import chown_tree, init_agent_git, write_workspace
+from agentbox.collect._basecache import BaseCache, Entry
+from agentbox.collect._checkout import chown_tree, init_agent_git, tree_listing, write_workspace
 from agentbox.collect._git import (
     RepoDir,
     ShadowGit,
@@ -110,7 +111,7 @@ def _dirty(repo: RepoDir) -> tuple[list[str], list[str]]:
     return [r[3:] for r in recs if not r.startswith("??")], [r[3:] for r in recs if r[:2] == "??"]
 
 
-def _fetch_base(shadow: ShadowGit, repo: RepoDir, sha: str) -> None:
+def _fetch_base(shadow: ShadowGit, repo: RepoDir, sha: str, *, keep_pack: bool = False) -> None:
     # Shallow (depth 1), so a big history is not copied. The source is "./": the
     # fetch starts in the opened repo directory and upload-pack inherits it as its
     # working directory, so no path of the user's is looked up again.
@@ -127,8 +128,10 @@ def _fetch_base(shadow: ShadowGit, repo: RepoDir, sha: str) -> None:
         where = repo.path
         cfg.write_text(f"[safe]\n\tdirectory = {where}\n\tdirectory = {where / '.git'}\n")
         env = {"GIT_CONFIG_GLOBAL": str(cfg)}
+    # keep_pack: the objects stay one pack (for the base cache), never unpacked loose.
+    keep = ["-c", "fetch.unpackLimit=1"] if keep_pack else []
     shadow.run(
-        "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", "--depth=1", *extra, "./",
+        *keep, "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", "--depth=1", *extra, "./",
         f"{sha}:refs/agentbox/head", env=env, cwd=Path(repo.cwd),
     )  # fmt: skip
 
@@ -203,6 +206,7 @@ def prepare(
     include_uncommitted: bool = False,
     owner: tuple[int, int] | None = None,
     root: Path | None = None,
+    cache: Path | None = None,
 ) -> Base:
     """Make ``workspace`` a fresh copy of ``repo`` at ``commit`` and the trusted shadow dir.
 
@@ -222,13 +226,18 @@ def prepare(
     ``root`` (the repos root), ``repo`` must be a resolved path beneath it and
     is opened with no symlink followed on the way (:class:`~agentbox.errors.PathRefused`
     otherwise); without it, ``repo`` is resolved first (the caller trusts the path).
+
+    ``cache`` (a directory of ours) keeps what git spends on a commit of a repo for the
+    next task from it (:mod:`agentbox.collect._basecache`): no fetch from the repo,
+    no ``ls-tree``, ``read-tree`` or ``pack-objects`` on a hit.
     """
     workspace, shadow_git, base_index = (
         Path(p).absolute() for p in (workspace, shadow_git, base_index)
     )
     with RepoDir.open(Path(repo).resolve() if root is None else Path(repo), root=root) as rd:
         return _prepare(rd, workspace, shadow_git, base_index, commit=commit,
-                        include_uncommitted=include_uncommitted, owner=owner)  # fmt: skip
+                        include_uncommitted=include_uncommitted, owner=owner,
+                        cache=None if cache is None else BaseCache(cache))  # fmt: skip
 
 
 def _prepare(
@@ -240,6 +249,7 @@ def _prepare(
     commit: str,
     include_uncommitted: bool,
     owner: tuple[int, int] | None,
+    cache: BaseCache | None = None,
 ) -> Base:
     fmt, sha, head = _inspect(repo, commit)
     if include_uncommitted and sha != head:
@@ -261,28 +271,45 @@ def _prepare(
         with ShadowGit(shadow_git) as shadow:
             made.append(shadow_git)
             init_repo(shadow_git, fmt)
-            _fetch_base(shadow, repo, sha)
+            entry = _from_cache(cache, repo, fmt, sha, shadow_git)
+            if entry is None:
+                _fetch_base(shadow, repo, sha, keep_pack=cache is not None)
             base_commit = (
                 _snapshot_uncommitted(shadow, repo, head, fmt) if include_uncommitted else sha
             )
             write_ref(shadow_git, "refs/agentbox/base", base_commit)
-            tree = shadow.run("rev-parse", f"{base_commit}^{{tree}}").stdout.strip()
+            if base_commit != sha:
+                entry = None  # the cache's tree, listing, index and pack are sha's
+            tree = (
+                entry.tree if entry is not None
+                else shadow.run("rev-parse", f"{base_commit}^{{tree}}").stdout.strip()
+            )  # fmt: skip
+            listing = entry.listing if entry is not None else tree_listing(shadow, tree)
             made.append(workspace)
             workspace.mkdir(mode=0o755)
             # Not in parallel with the agent's .git: its fetch competes with the writes
             # (30 MiB of blobs: 36 s against 25 s on a loaded 2-core machine).
-            done = write_workspace(shadow, tree, workspace, fmt=fmt, source=repo)
-            init_agent_git(shadow, workspace, tree, base_commit, fmt)
+            done = write_workspace(shadow, tree, workspace, fmt=fmt, source=repo, listing=listing)
+            tree_pack = init_agent_git(
+                shadow, workspace, tree, base_commit, fmt,
+                tree_pack=None if entry is None else entry.copy_agent_pack,
+            )  # fmt: skip
             modes = done.modes
-            if owner is not None:
-                chown_tree(workspace, *owner)
             made.append(base_index)
             tmp_index = base_index.with_name(base_index.name + ".tmp")
+            if entry is not None:
+                shutil.copyfile(entry.index, tmp_index)
+            else:
+                shadow.run("read-tree", tree, index=tmp_index)
+                if cache is not None and base_commit == sha:
+                    cache.put(repo, fmt, sha, shadow_git=shadow_git, tree=tree, listing=listing,
+                              index=tmp_index, agent_pack=tree_pack)  # fmt: skip
+            if owner is not None:
+                chown_tree(workspace, *owner)
             stats = _statcache.snapshot(workspace)
             every = [*stats.files.values(), *stats.dirs.values()]
             newest = max((max(st.st_ctime_ns, st.st_mtime_ns) for st in every), default=0)
             _past(newest, fine=any(st.st_ctime_ns % 1_000_000_000 for st in every))
-            shadow.run("read-tree", tree, index=tmp_index)
             # The workspace's own index is that read-tree too (before its stat data
             # is filled in, as a read-tree in the workspace's .git would have it).
             agent_index = workspace / ".git" / "index"
@@ -310,7 +337,7 @@ def _prepare(
         _statcache.remove(base_index)
         raise
     log.info("prepared", repo=str(repo.path), base=base_commit, tree=tree,
-             cloned=done.cloned, written=done.written)  # fmt: skip
+             cloned=done.cloned, written=done.written, cached=entry is not None)  # fmt: skip
     return Base(
         base_commit=base_commit,
         tree=tree,
@@ -320,6 +347,27 @@ def _prepare(
         untracked_not_copied=len(untracked),
         untracked_sample=tuple(untracked[:UNTRACKED_SAMPLE]),
     )
+
+
+def _from_cache(
+    cache: BaseCache | None, repo: RepoDir, fmt: str, sha: str, shadow_git: Path
+) -> Entry | None:
+    """Link the cached objects of ``sha`` into the fresh shadow dir; None on a miss."""
+    entry = None if cache is None else cache.get(repo, fmt, sha)
+    if entry is None:
+        return None
+    try:
+        entry.link_into(shadow_git, sha)
+    except OSError as exc:  # removed meanwhile (trimmed), another filesystem: fetch
+        log.info("base cache: not used", reason=str(exc))
+        for p in (shadow_git / "objects" / "pack").iterdir():
+            p.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (shadow_git / "shallow").unlink()
+        shutil.rmtree(entry.path, ignore_errors=True)  # this prepare stores it again
+        return None
+    write_ref(shadow_git, "refs/agentbox/head", sha)  # as the fetch would have
+    return entry
 
 
 #: How many untracked paths the base names (the count is whole).

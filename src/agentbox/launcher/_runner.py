@@ -204,6 +204,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
             include_uncommitted=row.include_uncommitted,
             owner=(uid, uid),
             root=settings.repos_root,
+            cache=settings.data_dir / "cache" / "bases",  # git's work once per repo commit
         )
         save_base(paths, base)
         if base.untracked_note:
