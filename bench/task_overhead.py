@@ -361,12 +361,13 @@ class WarmPool:
         return agentbox_api(self.settings, runs, self.fill)
 
     def cli(
-        self, base: Path, *, served: bool = False, steps: list[list[float]] | None = None
-    ) -> tuple[list[float], list[list[float]]]:
+        self, base: Path, *, served: bool = False, steps: list[list[float]] | None = None,
+        repo: Path | None = None,
+    ) -> tuple[list[float], list[list[float]]]:  # fmt: skip
         """One ``agentbox run`` (:func:`agentbox_cli`) that must claim the pooled sandbox:
         a foreground run's launcher claims one a service's keeper left, as here."""
         self.fill()
-        return agentbox_cli(base, 1, pooled=True, served=served, steps=steps)
+        return agentbox_cli(base, 1, pooled=True, served=served, steps=steps, repo=repo)
 
 
 def _cli_env(base: Path) -> dict[str, str]:
@@ -426,8 +427,10 @@ def agentbox_cli(
     pooled: bool = False,
     served: bool = False,
     steps: list[list[float]] | None = None,
+    repo: Path | None = None,
 ) -> tuple[list[float], list[list[float]]]:
-    """The whole ``agentbox run`` command; also its phases (see CLI_PHASES). ``pooled``:
+    """The whole ``agentbox run`` command; also its phases (see CLI_PHASES). ``repo``: run
+    on that repo (a user's next task on the same commit), else on a new one. ``pooled``:
     each run must have claimed a pooled sandbox (its log says so); ``served``: by the
     front end (which must serve it), else in its own process; ``steps``: each run's
     :data:`STEPS` appended to it."""
@@ -441,7 +444,8 @@ def agentbox_cli(
     times: list[float] = []
     phases: list[list[float]] = []
     for i in range(runs):
-        repo = make_repo(base / "repos" / f"cli-{i}-{secrets.token_hex(3)}")
+        if repo is None:
+            repo = make_repo(base / "repos" / f"cli-{i}-{secrets.token_hex(3)}")
         w0, t0 = time.time(), time.perf_counter()
         res = subprocess.run(
             [AGENTBOX, "run", "--repo", str(repo), "--model", "one-turn", "--json",
@@ -551,6 +555,12 @@ def main() -> int:
         help="the host baseline and the served agentbox run on a warm pool only (the target"
         " row), with its steps",
     )
+    ap.add_argument(
+        "--fresh-repos",
+        action="store_true",
+        help="with --served: every run on a new repo (a first task on a commit: no base"
+        " cache), not each on the same repo as a user's next task is",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (the launcher drives podman as root)", file=sys.stderr)
@@ -592,8 +602,13 @@ def main() -> int:
             baseline(base / "warm", script, 1)
             if not args.served:
                 agentbox_api(settings, 1)
+            # --served: one repo for every run (the warm-up's included), as a user's
+            # tasks on their repo are; its result branches do not move its HEAD.
+            same = None
+            if args.served and not args.fresh_repos:
+                same = make_repo(base / "repos" / f"cli-{secrets.token_hex(3)}")
             if pool is not None and args.served:
-                pool.cli(base, served=True)
+                pool.cli(base, served=True, repo=same)
             elif pool is not None:
                 pool.api(1)
                 pool.cli(base)
@@ -604,7 +619,7 @@ def main() -> int:
                 for i in range(args.runs):  # the two rows alternating, as below
                     (base / f"b{i}").mkdir()
                     base_t += baseline(base / f"b{i}", script, 1)
-                    t, ph = pool.cli(base, served=True, steps=front_pool_steps)
+                    t, ph = pool.cli(base, served=True, steps=front_pool_steps, repo=same)
                     front_pool_t += t
                     front_pool_phases += ph
                     print(f"round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
