@@ -99,3 +99,49 @@ def test_an_unreadable_group_file_spends_everything(tmp_path: Path) -> None:
     (tmp_path / GROUP_BUDGET_FILE).write_text("{not json")
     with pytest.raises(Refusal):
         a.reserve(body_len=100, max_tokens=3000)
+
+
+def test_a_gone_holders_hold_becomes_charged_and_a_live_ones_stays(tmp_path: Path) -> None:
+    """Slots whose holder ended (here: this process's pid with another start time, as a
+    pid reused is) are reclaimed by the next ledger to take the lock: held becomes
+    charged, tokens and dollars; a live holder's, a holderless one's and a malformed
+    holder's stay as they are (nothing reclaimed on a doubt)."""
+    from agentbox.gateway._budget import _start_time
+
+    me, start = os.getpid(), _start_time(os.getpid())
+    assert start is not None
+    doc = {
+        "budget": BUDGET,
+        "slots": {
+            "gone": [100.0, 5000.0, 0.5, 0.25],
+            "live": [100.0, 5000.0, 0.0, 0.0],
+            "old": [100.0, 5000.0, 0.0, 0.0],
+            "odd": [100.0, 5000.0, 0.0, 0.0],
+        },
+        "holders": {"gone": [me, start + 1], "live": [me, start], "odd": ["1", True]},
+    }
+    (tmp_path / GROUP_BUDGET_FILE).write_text(json.dumps(doc))
+    (led,) = _open(tmp_path)
+    got = json.loads((tmp_path / GROUP_BUDGET_FILE).read_text())
+    assert got["slots"]["gone"] == [5100.0, 0.0, 0.75, 0.0]
+    assert "gone" not in got["holders"]
+    for key in ("live", "old", "odd"):
+        assert got["slots"][key] == [100.0, 5000.0, 0.0, 0.0]
+    # What the ledger sees: the gone one's hold is spent, no longer in flight.
+    assert led.shared is not None
+    assert led.shared.others == (5400.0, 15000.0, 0.75, 0.0)
+    # Its own slot names it as holder once it writes.
+    led.release(led.reserve(body_len=100, max_tokens=2048))
+    holders = json.loads((tmp_path / GROUP_BUDGET_FILE).read_text())["holders"]
+    assert holders[led.shared.key] == [me, start]
+
+
+def _open(tmp_path: Path) -> list[Ledger]:
+    """One ledger on the group file already in ``tmp_path`` (as a gateway opens it)."""
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        share = open_group_share(dir_fd)
+    finally:
+        os.close(dir_fd)
+    assert share is not None
+    return [Ledger(budget=BUDGET, model="m", shared=share)]

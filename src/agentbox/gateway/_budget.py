@@ -24,7 +24,12 @@ every gateway of the group holds open (the launcher links it into each gateway's
 state directory as :data:`GROUP_BUDGET_FILE`), one slot per gateway with what that
 gateway has charged and holds. A reservation is checked and taken under the
 file's ``flock``, against the group's budget minus every slot, so the invariant
-above holds for the group's total.
+above holds for the group's total. Each slot names its holder (pid and start time,
+under ``holders``): a gateway that ended with requests in flight (killed mid-request)
+has what it held turned into what it charged by the next gateway that takes the lock
+(:meth:`GroupShare.reclaim`), as its own ledger would have settled a request whose end
+it did not see: the hold no longer counts as in flight (the group can be found spent),
+and the worst case the upstream may have billed stays counted.
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ import json
 import math
 import os
 import secrets
+import select
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from agentbox.errors import Refusal
 from agentbox.gateway._meter import TokenCount
@@ -57,14 +64,17 @@ class GroupShare:
     """One gateway's view of its group's shared budget file (see the module's docs).
 
     The file is ``{"budget": B, "budget_usd": U, "slots": {KEY: [charged, reserved,
-    charged_usd, reserved_usd]}}``; this gateway writes only its own slot (a random
-    key), and reads the others' under the same lock. A gateway that ended leaves its
-    slot: what it charged stays spent, what it held stays held (never less than spent).
+    charged_usd, reserved_usd]}, "holders": {KEY: [pid, start]}}``; this gateway writes
+    only its own slot (a random key) and holder, and reads the others' under the same
+    lock. A gateway that ended leaves its slot: what it charged stays spent; what it
+    held becomes spent once a live gateway of the group sees its holder gone
+    (:meth:`reclaim`). A slot without a holder (an older gateway's) is never reclaimed.
     """
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.key = secrets.token_hex(8)
+        self.holder = [os.getpid(), _start_time(os.getpid())]
         self.others = (0.0, 0.0, 0.0, 0.0)
         """The other slots' sums (charged, reserved, charged_usd, reserved_usd), as last read."""
         with self.locked():
@@ -72,13 +82,39 @@ class GroupShare:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the file's lock; :attr:`others` read fresh inside."""
+        """Hold the file's lock; dead holders' holds reclaimed and :attr:`others` read
+        fresh inside."""
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
+            self.reclaim()
             self.others = self._read_others()
             yield
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def reclaim(self) -> list[str]:
+        """Turn what each other slot whose holder has ended holds into what it charged
+        (call with the lock held); the slots reclaimed. A holder that cannot be seen
+        (``/proc`` hidden) is taken as alive: nothing is reclaimed on a doubt."""
+        doc = self._doc()
+        slots, holders = doc.get("slots"), doc.get("holders")
+        if not (isinstance(slots, dict) and isinstance(holders, dict)):
+            return []
+        done = []
+        for key, who in list(holders.items()):
+            vals = slots.get(key)
+            if key == self.key or not (isinstance(vals, list) and len(vals) == 4):
+                continue
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
+                continue
+            if not (vals[1] > 0 or vals[3] > 0) or not _holder_gone(who):
+                continue
+            slots[key] = [vals[0] + vals[1], 0.0, vals[2] + vals[3], 0.0]
+            del holders[key]
+            done.append(key)
+        if done:
+            self._put(doc)
+        return done
 
     def _doc(self) -> dict[str, object]:
         raw = os.pread(self.fd, _GROUP_FILE_MAX + 1, 0)
@@ -110,9 +146,50 @@ class GroupShare:
         if not isinstance(slots, dict):
             slots = doc["slots"] = {}
         slots[self.key] = [u.weighted_total, u.reserved, u.cost_usd or 0.0, u.reserved_usd]
+        holders = doc.get("holders")
+        if not isinstance(holders, dict):
+            holders = doc["holders"] = {}
+        holders[self.key] = self.holder
+        self._put(doc)
+
+    def _put(self, doc: dict[str, object]) -> None:
         data = json.dumps(doc, separators=(",", ":")).encode()
         os.pwrite(self.fd, data, 0)
         os.ftruncate(self.fd, len(data))
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (``/proc/PID/stat`` field 22, clock ticks since boot):
+    with its pid, names one process for the machine's uptime. None if unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        return int(raw[raw.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _holder_gone(who: object) -> bool:
+    """Whether the holder ``[pid, start]`` has ended (exited, a zombie, or its pid now
+    another process's). False when it cannot be told (malformed, or not visible)."""
+    if not (isinstance(who, list) and len(who) == 2):
+        return False
+    pid, start = who
+    if type(pid) is not int or pid <= 0 or type(start) is not int:
+        return False
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    try:
+        readable, _, _ = select.select([pidfd], [], [], 0)
+        if readable:  # it exited (a zombie not reaped yet too)
+            return True
+        now = _start_time(pid)
+        return now is not None and now != start
+    finally:
+        os.close(pidfd)
 
 
 def open_group_share(dir_fd: int) -> GroupShare | None:
