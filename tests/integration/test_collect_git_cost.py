@@ -47,20 +47,37 @@ _TASK = textwrap.dedent(
     """
 )
 
-_EXEC = re.compile(r'^\d+\s+execve\("([^"]*)", \[(.*?)\](?:, 0x| <unfinished)')
+_EXEC = re.compile(r'^(\d+)\s+execve\("([^"]*)", \[(.*?)\](?:, 0x| <unfinished)')
+_RESUMED = re.compile(r"^(\d+)\s+<\.\.\. execve resumed>")
 
 
 def _execs(trace: Path) -> list[str]:
-    """Each successful exec's argv (``git`` options before the command dropped)."""
+    """Each successful exec's argv (``git`` options before the command dropped).
+
+    An exec that overlaps another process's is split by strace (``<unfinished ...>``,
+    then ``<... execve resumed>``): it counts only if the resumed half succeeded (a
+    PATH search's misses fail with ENOENT).
+    """
     out: list[str] = []
+    pending: dict[str, str] = {}
     for line in trace.read_text().splitlines():
+        resumed = _RESUMED.match(line)
+        if resumed is not None:
+            cmd = pending.pop(resumed.group(1), None)
+            if cmd is not None and "= -1" not in line:
+                out.append(cmd)
+            continue
         m = _EXEC.match(line)
         if m is None or "ENOENT" in line:
             continue
-        args = re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(2))
+        args = re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(3))
         while len(args) > 1 and args[1].startswith("-") and args[1] != "--":
             del args[1 : 3 if args[1] in ("-c", "-C", "--shallow-file") else 2]
-        out.append(" ".join([Path(args[0]).name, *args[1:2]]))
+        cmd = " ".join([Path(args[0]).name, *args[1:2]])
+        if "<unfinished" in line:
+            pending[m.group(1)] = cmd
+        else:
+            out.append(cmd)
     return out
 
 
@@ -91,6 +108,45 @@ def test_one_tasks_git_work_stays_within_its_process_budget(tmp_path: Path) -> N
     # of the shadow dir: only the user's repo is fetched from, once).
     assert sum(e.startswith("git-upload-pack") for e in execs) == 1, execs
     assert len(execs) <= BUDGET, f"{len(execs)} processes: {execs}"
+
+
+_CACHED = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from agentbox.collect import prepare
+    repo, work, cache = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    n = sys.argv[4]
+    prepare(repo, work / n / "ws", work / n / "shadow.git", work / n / "base.index",
+            cache=cache)
+    """
+)
+
+
+def test_a_prepare_from_the_base_cache_starts_three_git_processes(tmp_path: Path) -> None:
+    """The second task on a commit: rev-parse and status in the user's repo, one
+    cat-file for the files; no fetch, upload-pack, ls-tree, read-tree or pack-objects."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    for i in range(12):
+        (repo / f"f{i}.txt").write_text(f"file {i}\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "init")
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    args = [str(repo), str(work), str(cache)]
+    subprocess.run([sys.executable, "-c", _CACHED, *args, "first"], check=True, timeout=300)
+    trace = tmp_path / "trace"
+    res = subprocess.run(
+        ["strace", "-f", "-qq", "-s", "256", "-e", "trace=execve", "-e", "signal=none",
+         "-o", str(trace), sys.executable, "-c", _CACHED, *args, "second"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    execs = sorted(e for e in _execs(trace) if not e.startswith("python"))
+    assert execs == ["git cat-file", "git rev-parse", "git status"], execs
+    assert (work / "second/ws/f3.txt").read_text() == "file 3\n"
 
 
 @pytest.mark.parametrize("fmt", ["sha1", "sha256"])

@@ -21,6 +21,7 @@ the workspace is stat-ed and the stat data saved next to the base index (see
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -251,12 +252,15 @@ def _prepare(
     owner: tuple[int, int] | None,
     cache: BaseCache | None = None,
 ) -> Base:
-    fmt, sha, head = _inspect(repo, commit)
-    if include_uncommitted and sha != head:
-        raise _refused("include_uncommitted works only with the HEAD commit", repo)
-    untracked: list[str] = []
+    # status beside rev-parse (both only read the repo): one git process's wait fewer.
+    # Its answer is used only once rev-parse said the repo is what we take it for.
+    with concurrent.futures.ThreadPoolExecutor(1) as side:
+        status = None if include_uncommitted else side.submit(_dirty, repo)
+        fmt, sha, head = _inspect(repo, commit)
+        if include_uncommitted and sha != head:
+            raise _refused("include_uncommitted works only with the HEAD commit", repo)
+        dirty, untracked = ([], []) if status is None else status.result()
     if not include_uncommitted:
-        dirty, untracked = _dirty(repo)
         if sha != head:
             untracked = []  # a resumed task starts from a commit: the work tree is not its base
         if dirty and sha == head:
