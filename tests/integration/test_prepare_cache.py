@@ -178,3 +178,26 @@ def test_a_damaged_or_open_cache_is_a_miss(
     assert len(fetches) == 2
     assert _tree(p.ws) == _tree(plain.ws)
     git(p.ws, "fsck", "--strict", "--no-dangling")
+
+
+def test_the_cache_keeps_the_newest_entries_within_its_bounds(
+    repo: Path, tmp_path: Path, fetches: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentbox.collect import _basecache
+
+    monkeypatch.setattr(_basecache, "KEEP", 2)
+    cache = tmp_path / "cache"
+    shas = []
+    for i in range(3):
+        (repo / "README.md").write_text(f"v{i}\n")
+        git(repo, "commit", "-q", "-am", f"v{i}")
+        shas.append(prepare_in(tmp_path / f"t{i}", repo, cache=cache).base.base_commit)
+        os.utime(next(e for e in cache.iterdir() if shas[-1] in e.name), (i + 1, i + 1))
+    kept = sorted(e.name for e in cache.iterdir())
+    assert len(kept) == 2 and not any(shas[0] in k for k in kept), kept
+    monkeypatch.setattr(_basecache, "KEEP_BYTES", 1)  # only the newest, whatever its size
+    (repo / "README.md").write_text("v3\n")
+    git(repo, "commit", "-q", "-am", "v3")
+    newest = prepare_in(tmp_path / "t3", repo, cache=cache).base.base_commit
+    (only,) = cache.iterdir()
+    assert newest in only.name

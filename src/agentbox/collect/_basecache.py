@@ -40,8 +40,10 @@ log = get_logger(__name__)
 _HEX = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
 _PACK = re.compile(r"pack-[0-9a-f]{40}([0-9a-f]{24})?")
 
-#: Entries kept per cache (the least recently used go first).
+#: Entries kept per cache, and their bytes in all (the least recently used go first;
+#: the newest is kept whatever its size). An entry is about twice its commit's packed size.
 KEEP = 16
+KEEP_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,12 @@ class BaseCache:
             entries.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
         except OSError:
             return
-        for old in entries[KEEP:]:
-            # A prepare linking from it now fails its link and falls back to a fetch.
-            shutil.rmtree(old, ignore_errors=True)
+        total = 0
+        for i, entry in enumerate(entries):
+            try:
+                total += sum(f.stat().st_size for f in entry.iterdir())
+            except OSError:
+                continue
+            if i and (i >= KEEP or total > KEEP_BYTES):
+                # A prepare linking from it now fails its link and falls back to a fetch.
+                shutil.rmtree(entry, ignore_errors=True)
