@@ -121,7 +121,7 @@ def _stale(files: dict[str, tuple[int, int]]) -> str | None:
     """The first loaded module file that changed since it was imported, if any."""
     for path, was in files.items():
         try:
-            st = Path(path).stat()
+            st = os.stat(path)  # noqa: PTH116 (on every request: 218 files, 2-5 -> 0.8 ms)
         except OSError:
             return path
         if (st.st_mtime_ns, st.st_size) != was:
