@@ -79,11 +79,33 @@ def _share_shadow(paths: TaskPaths) -> None:
             st = p.lstat()
             if stat.S_ISLNK(st.st_mode):
                 continue
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                _unshare(p)  # a pack linked from the base cache: its inode is not this task's
             os.chown(p, -1, gid, follow_symlinks=False)
             extra = 0o050 if stat.S_ISDIR(st.st_mode) else 0o040
             p.chmod(stat.S_IMODE(st.st_mode) | extra)
     os.chown(paths.shadow_git, -1, gid, follow_symlinks=False)
     paths.shadow_git.chmod(stat.S_IMODE(paths.shadow_git.stat().st_mode) | 0o050)
+
+
+def _unshare(path: Path) -> None:
+    """Replace hard-linked file ``path`` by a copy of its own (same mode), so that a change
+    of its group or mode reaches no other link (the base cache's entry)."""
+    tmp = path.with_name(f".{path.name}.unshare")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        out = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode
+        )
+        try:
+            while chunk := os.read(fd, 1 << 20):
+                os.write(out, chunk)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
 
 
 def repo_at_use(settings: Settings, row: TaskRow) -> Path:
