@@ -114,9 +114,11 @@ def json_cost(body: bytes) -> int:
     Counted in one pass of C per byte class, before parsing: the decoded text (1, 2
     or 4 bytes per character, by the widest character present), plus, for each
     structural byte, the most a Python object it can open costs (measured on
-    CPython 3.11: a dict ~200 bytes, a list ~64, an element after a comma up to
-    ~90 with its pointer, a key ~30). Bytes inside strings are counted as if they
-    were structure too, so this over-counts prose; real Claude Code bodies cost
+    CPython 3.11: a dict ~200 bytes, a list with its first element's share ~96 (the
+    first element follows no comma: ``["Ā"]`` is a list of 80 and a string of 78), an
+    element after a comma up to ~90 with its pointer, a key ~40, and a string's own
+    object ~60 beyond its characters, 30 per quote). Bytes inside strings are counted
+    as if they were structure too, so this over-counts prose; real Claude Code bodies cost
     2-4 times their size (see docs/reference/gateway.md), pathological ones
     (``[{},{},…]``) about 100 times.
     """
@@ -124,9 +126,10 @@ def json_cost(body: bytes) -> int:
     return (
         len(body) * (1 + kind)
         + 200 * body.count(b"{")
-        + 64 * body.count(b"[")
+        + 96 * body.count(b"[")
         + 90 * body.count(b",")
-        + 30 * body.count(b":")
+        + 40 * body.count(b":")
+        + 30 * body.count(b'"')
     )
 
 
