@@ -13,26 +13,15 @@ import os
 import resource
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_front_end
-from test_front_end import AGENTBOX, Front
+from test_front_end import AGENTBOX, Front, front  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the front end serves root's commands")
-
-
-@pytest.fixture
-def front(tmp_path: Path) -> Iterator[Front]:
-    f = Front(tmp_path)
-    f.start()
-    try:
-        yield f
-    finally:
-        f.stop()
 
 
 def _seqpacket_sockets(pid: int) -> int:
@@ -54,7 +43,7 @@ def _seqpacket_sockets(pid: int) -> int:
 
 
 @pytest.mark.parametrize("differs", [False, True])
-def test_the_command_keeps_its_template_channel(front: Front, differs: bool) -> None:
+def test_the_command_keeps_its_template_channel(front: Front, differs: bool) -> None:  # noqa: F811
     def preexec() -> None:
         if differs:
             os.nice(5)
