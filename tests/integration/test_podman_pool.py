@@ -38,7 +38,6 @@ from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
 from agentbox.backends.podman import _pool_ends as pool_ends
 from agentbox.backends.podman import _removals as removals
-from agentbox.backends.podman._pool_slots import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
 from agentbox.collect._checkout import chown_tree
 from agentbox.config import Settings
@@ -48,6 +47,7 @@ from agentbox.escape._runner import real_spec
 from agentbox.launcher._adopt import remove_orphans
 from agentbox.launcher._pool import pool_template, start_pool
 from agentbox.launcher._store import Store
+from agentbox.linux.mounts import is_mount
 from mount_helpers import assert_no_mounts_under
 from sandbox_leaks import SandboxTracker
 
@@ -255,7 +255,7 @@ from agentbox.backends.podman import PodmanSandbox
 from agentbox.backends.podman import _detach as detach
 from agentbox.backends.podman import _pool as pool
 from agentbox.backends.podman import _pool_ends as pool_ends
-from agentbox.backends.podman._pool_slots import is_mount
+from agentbox.linux.mounts import is_mount
 from agentbox.backends.podman._pool_view import POOL_LABEL
 from agentbox.escape._fixtures import Fixture
 from agentbox.escape._probeio import _parse_json, inside_outcomes, probe_source

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from agentbox.backends._wsdisk import _mounted_from, _umount
-from agentbox.backends.podman._pool_slots import is_mount, unbind
+from agentbox.backends.podman._pool_slots import unbind
 from agentbox.linux.loopdev import loop_mount
-from agentbox.linux.mounts import MS_NOATIME, MS_NODEV, MS_NOSUID, umount
+from agentbox.linux.mounts import MS_NOATIME, MS_NODEV, MS_NOSUID, is_mount, umount
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not Path("/dev/loop-control").exists(), reason="loop devices need root"

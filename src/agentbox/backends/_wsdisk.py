@@ -73,7 +73,14 @@ from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, SandboxError, UnsupportedError
 from agentbox.linux.libc import libc as load_libc
 from agentbox.linux.loopdev import loop_mount
-from agentbox.linux.mounts import MS_NOATIME, MS_NODEV, MS_NOSUID, umount, umount_lazy
+from agentbox.linux.mounts import (
+    MS_NOATIME,
+    MS_NODEV,
+    MS_NOSUID,
+    mount_source,
+    umount,
+    umount_lazy,
+)
 
 log = get_logger(__name__)
 
@@ -300,7 +307,7 @@ def settle_orphan_disks(
 
 def disk_left(settings: Settings, name: str) -> bool:
     """Whether sandbox ``name`` still has a workspace disk recorded (not settled yet)."""
-    return (settings.data_dir / "disks" / f"{name}.json").is_file()
+    return (disks_dir(settings) / f"{name}.json").is_file()
 
 
 def _settle_records(
@@ -369,7 +376,7 @@ def _mounted_from(ws: Path, image: Path) -> bool:
     every task's end)."""
     if not os.path.ismount(ws):
         return False
-    src = _mount_source(Path(os.path.realpath(ws)))
+    src = mount_source(Path(os.path.realpath(ws)))
     name = src.removeprefix("/dev/")
     if not src.startswith("/dev/loop") or not name[4:].isdigit():
         return False
@@ -379,32 +386,6 @@ def _mounted_from(ws: Path, image: Path) -> bool:
     except OSError:
         return False
     return back.removesuffix(" (deleted)") == str(image)
-
-
-def _mount_source(target: Path) -> str:
-    """The source of the topmost mount at ``target`` ("" if none), from mountinfo:
-    ``ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTS``."""
-    want = os.fsencode(target)
-    src = b""
-    with open("/proc/self/mountinfo", "rb") as fh:
-        for line in fh:
-            fields = line.split(b" ")
-            if len(fields) < 5 or _unescape(fields[4]) != want:
-                continue
-            try:
-                tail = fields[fields.index(b"-", 6) + 1 :]
-            except ValueError:
-                continue
-            if len(tail) >= 2:
-                src = _unescape(tail[1])  # later lines: mounted later, on top
-    return os.fsdecode(src)
-
-
-def _unescape(field: bytes) -> bytes:
-    """mountinfo writes space, tab, newline and backslash as octal escapes (``\\040``)."""
-    for esc, ch in ((b"\\040", b" "), (b"\\011", b"\t"), (b"\\012", b"\n"), (b"\\134", b"\\")):
-        field = field.replace(esc, ch)
-    return field
 
 
 def _settle_one(base: Path, ws: Path, snap: dict[str, tuple[int, int]]) -> None:

@@ -19,7 +19,6 @@ from agentbox.backends.podman._pool_slots import (
     alive,
     discard,
     filler_alive,
-    is_mount,
     locked,
     pool_dir,
     slot_log,
@@ -30,6 +29,7 @@ from agentbox.backends.podman._pool_view import claim_record
 from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.errors import AgentboxError
+from agentbox.linux.mounts import is_mount
 
 
 def release(settings: Settings, name: str) -> bool:

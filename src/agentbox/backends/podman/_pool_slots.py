@@ -2,7 +2,7 @@
 pool dir shared with itself, a slot's binds made and undone).
 
 ``os.path.ismount`` misses a bind mount of the same filesystem (the pool dir over
-itself, a gateway dir): :func:`_is_mount` reads ``/proc/self/mountinfo``.
+itself, a gateway dir): :func:`~agentbox.linux.mounts.is_mount` reads ``/proc/self/mountinfo``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from agentbox.linux.mounts import (
     MS_RDONLY,
     MS_RELATIME,
     MS_REMOUNT,
+    is_mount,
     mount,
     umount,
     umount_lazy,
@@ -125,25 +126,6 @@ def discard(sdir: Path) -> None:
         log.error("a pool slot's mount would not go; slot kept", slot=sdir.name)
         return
     shutil.rmtree(sdir, ignore_errors=True)
-
-
-def is_mount(path: Path) -> bool:
-    """Whether ``path`` is a mount point (a bind of the same filesystem too, which
-    ``os.path.ismount`` misses)."""
-    target = str(path)
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            fields = line.split(" ", 5)
-            if len(fields) > 4 and unescape(fields[4]) == target:
-                return True
-    return False
-
-
-def unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes."""
-    for esc, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(esc, ch)
-    return field
 
 
 def share(root: Path) -> None:
