@@ -268,13 +268,11 @@ def _enter_cgroups(theirs: dict[str, str]) -> None:
 
 
 def _schedule(posture: dict[str, Any]) -> None:
-    os.setpriority(os.PRIO_PROCESS, 0, posture["nice"])
-    os.sched_setaffinity(0, posture["affinity"])
-    Path("/proc/self/oom_score_adj").write_text(posture["oom_score_adj"])
-    for res, (soft, hard) in posture["limits"].items():
-        if resource.getrlimit(res) != (soft, hard):
-            resource.setrlimit(res, (soft, hard))
-    os.umask(posture["umask"])
+    from agentbox.linux.inherit import take_on
+
+    take_on(nice=posture["nice"], affinity=posture["affinity"],
+            oom_score_adj=int(posture["oom_score_adj"]), limits=posture["limits"],
+            umask=posture["umask"])  # fmt: skip
 
 
 def _stdio_and_cwd(req: Request, *, keep: tuple[int, ...]) -> None:

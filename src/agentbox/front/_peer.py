@@ -21,6 +21,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from agentbox.linux.inherit import LIMITS
 from agentbox.linux.peer import Peer, peer_of
 
 #: The lines of /proc/<pid>/status that are a process's rights.
@@ -38,28 +39,6 @@ RIGHTS = (
     "Seccomp_filters",
 )
 NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts")
-#: The limits a command takes from its caller (``ulimit``).
-LIMITS = tuple(
-    getattr(resource, n)
-    for n in (
-        "RLIMIT_AS",
-        "RLIMIT_CORE",
-        "RLIMIT_CPU",
-        "RLIMIT_DATA",
-        "RLIMIT_FSIZE",
-        "RLIMIT_LOCKS",
-        "RLIMIT_MEMLOCK",
-        "RLIMIT_MSGQUEUE",
-        "RLIMIT_NICE",
-        "RLIMIT_NOFILE",
-        "RLIMIT_NPROC",
-        "RLIMIT_RSS",
-        "RLIMIT_RTPRIO",
-        "RLIMIT_SIGPENDING",
-        "RLIMIT_STACK",
-    )
-    if hasattr(resource, n)
-)
 
 
 def pinned_peer(sock: socket.socket) -> Peer:

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from agentbox.linux.inherit import LIMITS, take_on
+
 #: Descriptors a request attaches, in this order: a gateway's, then the requester's
 #: mount namespace (``/proc/self/ns/mnt``), which the template's child joins.
 FD_NAMES = ("listener", "ready", "log", "secrets", "mntns")
@@ -62,17 +64,6 @@ _PR_SET_NAME = 15
 _CLONE_NEWNS = 0x00020000
 #: ``ioctl_ns(2)``: a namespace descriptor's type, and its owning user namespace.
 _NS_GET_USERNS, _NS_GET_NSTYPE = 0xB701, 0xB703
-#: Every resource limit a process inherits from the one that starts it (``ulimit``).
-LIMITS = tuple(
-    getattr(resource, n)
-    for n in (
-        "RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_DATA", "RLIMIT_FSIZE",
-        "RLIMIT_LOCKS", "RLIMIT_MEMLOCK", "RLIMIT_MSGQUEUE", "RLIMIT_NICE", "RLIMIT_NOFILE",
-        "RLIMIT_NPROC", "RLIMIT_RSS", "RLIMIT_RTPRIO", "RLIMIT_RTTIME", "RLIMIT_SIGPENDING",
-        "RLIMIT_STACK",
-    )
-    if hasattr(resource, n)
-)  # fmt: skip
 _PR_SET_MM = 35
 _PR_SET_MM_MAP = 14
 
@@ -275,18 +266,8 @@ def _take_on(posture: Posture, mntns: int | None) -> None:
             raise OSError(err, f"cannot join the requester's mount namespace: {os.strerror(err)}")
         if not _same_file(root, Path("/").stat()):
             raise OSError("the requester's mount namespace has another root directory")
-    if os.getpriority(os.PRIO_PROCESS, 0) != posture.nice:
-        os.setpriority(os.PRIO_PROCESS, 0, posture.nice)
-    if os.sched_getaffinity(0) != posture.affinity:
-        os.sched_setaffinity(0, posture.affinity)
-    with open("/proc/self/oom_score_adj", "r+") as fh:
-        if int(fh.read()) != posture.oom_score_adj:
-            fh.seek(0)
-            fh.write(str(posture.oom_score_adj))
-    for res, pair in posture.limits.items():
-        if resource.getrlimit(res) != pair:
-            resource.setrlimit(res, pair)
-    os.umask(posture.umask)
+    take_on(nice=posture.nice, affinity=posture.affinity, oom_score_adj=posture.oom_score_adj,
+            limits=posture.limits, umask=posture.umask)  # fmt: skip
 
 
 def prepare() -> None:
