@@ -16,6 +16,7 @@ then looks on the host, by the sandbox's name and by what was recorded, for
 * a **container**: ``podman ps -a`` (or ``docker ps -a`` for the docker backend)
   still lists the name, or the backend's ``owned()`` does;
 * a **VM dir**: a ``microvm/*/owner`` file under the data dir naming it;
+* a **staged pool disk**: a pooled slot's ``pool-disks/<slot>.img`` or its mount point;
 * a **socket**: a unix socket (``/proc/net/unix``) whose path names it;
 * an **env fd**: a sealed environment memfd (``memfd:agentbox-env``) this process
   holds beyond what it held when the tracker started.
@@ -179,6 +180,7 @@ class SandboxTracker:
             left += _engine_containers("docker", names, "docker container")
         left += self._owned(names)
         left += self._vm_dirs(names)
+        left += self._pool_disks(names)
         left += self._sockets(names)
         extra = env_fds() - self._env_fds
         if extra > 0:
@@ -253,6 +255,18 @@ class SandboxTracker:
                     if isinstance(owner, dict) and owner.get(LABEL) in names:
                         left.append(f"{owner[LABEL]}: VM dir {d} remains")
         return left
+
+    def _pool_disks(self, names: set[str]) -> list[str]:
+        """A pooled slot's staged workspace disk (``pool-disks/<slot>.img`` and its mount
+        point ``<slot>.d``): moved over a task's workspace at claim, else dropped with its
+        slot (a mount left there keeps the ``.d`` directory)."""
+        base = self.settings.data_dir / "pool-disks"
+        return [
+            f"{n}: staged pool disk {p} remains"
+            for n in sorted(names)
+            for p in (base / f"{n}.img", base / f"{n}.d")
+            if os.path.lexists(p)
+        ]
 
     @staticmethod
     def _sockets(names: set[str]) -> list[str]:

@@ -8,14 +8,16 @@ its task exists. Its slot, ``data_dir/pool/slots/<slot>/``, holds two empty
 directories bind-mounted as its ``/workspace`` and gateway directory with
 ``rslave`` propagation (the pool dir is a shared mount of itself), and the log
 conmon writes. Its main process, under tini as always, is a stub that waits for a
-go-file (named by a random token) in its empty ``/workspace``.
+go-file (named by a random token) in its empty ``/workspace``. Its workspace disk is
+made too, empty, and mounted at a private stage (:mod:`._pool_disk`).
 
 :func:`claim` (from ``launch``, for a spec of the pool's shape) takes a ready slot
 by an atomic rename (``ready`` -> ``claimed``: of two claimers one wins, in any
 processes), writes the claim record (the task's labels and seal, the claim time: see
 :mod:`~agentbox.backends.podman._pool_view`), renames the container to the task's
-sandbox name (a podman client, concurrently with what follows), mounts the task's
-workspace disk as ``launch`` does, binds the task's gateway directory onto the slot's
+sandbox name (a podman client, concurrently with what follows), fills the slot's
+workspace disk with the task's workspace and moves it over it (the disk ``launch``
+would make), binds the task's gateway directory onto the slot's
 (``nosuid,nodev,noexec``), writes the go-file (argv behind the relay, environment,
 workdir), and last binds the workspace onto the slot's (``nosuid,nodev``). The mount
 propagates into the sandbox and hides the go-file: then the stub ``chdir``\\ s into
@@ -58,7 +60,6 @@ import psutil
 from agentbox.backends._uidslots import claim as claim_uid_slot
 from agentbox.backends._uidslots import release as release_uid_slot
 from agentbox.backends._uidslots import reown, slot_base, transfer
-from agentbox.backends._wsdisk import WorkspaceDisk
 from agentbox.backends.base import (
     MAX_LOG_BYTES,
     OWNER_DATA_LABEL,
@@ -68,7 +69,7 @@ from agentbox.backends.base import (
 )
 from agentbox.backends.oci._args import check_spec, entry_argv, run_args
 from agentbox.backends.oci._cli import conmon_cwd, env_file, force_remove
-from agentbox.backends.podman import _removals
+from agentbox.backends.podman import _pool_disk, _removals
 from agentbox.backends.podman._cgroup import born_outside, place_conmon
 from agentbox.backends.podman._detach import (
     DEADLINE_LABEL,
@@ -240,10 +241,12 @@ def _start_one(
             raise SandboxError("the pooled sandbox has no conmon", sandbox=slot)
         place_conmon(conmon.pid)
         _wait_stub(conmon, slot)
+        disk = _staged_disk(settings, template, slot)
     except BaseException:
         with contextlib.suppress(AgentboxError):
             force_remove(slot)
         shutil.rmtree(sdir, ignore_errors=True)
+        _pool_disk.drop(settings.data_dir, slot)
         release_uid_slot(settings, slot)
         raise
     ready = {
@@ -256,6 +259,7 @@ def _start_one(
         "max_deadline": template.deadline,
         "conmon": conmon.pid,
         "conmon_start": conmon.create_time(),
+        "disk": disk,
         # Whose pool it is: another launcher's orphan sweep leaves it be while this
         # process lives (a foreground `agentbox run` beside the service's keeper).
         **filler(),
@@ -263,6 +267,15 @@ def _start_one(
     write(sdir / "ready", ready, mode=0o600)
     log.info("pool sandbox ready", sandbox=slot, key=key)
     return slot
+
+
+def _staged_disk(settings: Settings, template: SandboxSpec, slot: str) -> dict[str, Any] | None:
+    """The slot's workspace disk made now, off the task's path (None: a claim makes it)."""
+    try:
+        return _pool_disk.make(settings, slot, template.resources.disk_limit(settings))
+    except (AgentboxError, OSError) as exc:
+        log.warning("no staged workspace disk for a pool slot", sandbox=slot, error=str(exc))
+        return None
 
 
 def claim(
@@ -359,11 +372,13 @@ def _bind_task(
         SEAL_LABEL: seal(settings, spec.name),
     }
     assert spec.workspace is not None
-    disk = WorkspaceDisk(
+    disk = _pool_disk.PrebuiltDisk(
         settings,
         spec.name,
         spec.workspace,
         spec.resources.disk_limit(settings),
+        slot=slot,
+        staged=ready.get("disk"),
         detached=True,
     )
     record = root / "claims" / f"{spec.name}.json"

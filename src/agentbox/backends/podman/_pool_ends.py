@@ -13,6 +13,7 @@ from pathlib import Path
 
 from agentbox.backends._uidslots import release as release_uid_slot
 from agentbox.backends.oci._cli import force_remove
+from agentbox.backends.podman import _pool_disk as pool_disk
 from agentbox.backends.podman._detach import inspect
 from agentbox.backends.podman._pool_slots import (
     SLOT_PREFIX,
@@ -87,6 +88,8 @@ def sweep(settings: Settings, *, everything: bool = False) -> list[str]:
             discard(sdir)
             release_uid_slot(settings, sdir.name)
             removed.append(sdir.name)
+        # Staged disks of slots that are gone or were never finished (a filler killed).
+        pool_disk.sweep(settings.data_dir, root / "slots")
         if not any((root / "slots").iterdir()) and is_mount(root):
             with contextlib.suppress(AgentboxError):
                 _proc.run(["umount", root], timeout=60)

@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 
+from agentbox.backends.podman._pool_disk import drop as drop_disk
 from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
@@ -121,6 +122,7 @@ def discard(sdir: Path) -> None:
     log_file = slot_log(sdir.parent.parent, sdir.name)
     for f in (log_file, log_file.with_name(log_file.name + ".tmp")):
         f.unlink(missing_ok=True)
+    drop_disk(sdir.parent.parent.parent, sdir.name)  # its staged workspace disk, unclaimed
     unbind(sdir)
     if any(is_mount(m) for m in (sdir / "ws", sdir / "gw")):
         log.error("a pool slot's mount would not go; slot kept", slot=sdir.name)
