@@ -89,6 +89,8 @@ class _Sync:
         self.links: dict[int, str] = {}  # inode on the disk → a path (under dst) of its copy
         self.skipped = 0
         self.copied = 0
+        #: Per directory on the walk's stack: the kind of each entry under the mount.
+        self.kinds: list[dict[str, str]] = []
 
     def run(self, src: int) -> None:
         # (source dir fd, dest dir fd, relative path, names left, stat to apply at the end)
@@ -100,6 +102,7 @@ class _Sync:
                 name = next(names, None)
                 if name is None:
                     stack.pop()
+                    self.kinds.pop()
                     if dir_st is not None:
                         _set_meta(dfd, "", dir_st, only_changed=True)
                         os.close(sfd)
@@ -107,6 +110,17 @@ class _Sync:
                     continue
                 st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
                 path = f"{rel}{name}"
+                kind = _kind(stat.S_IFMT(st.st_mode))
+                if (
+                    kind is not None
+                    and kind != "d"
+                    and self.kinds[-1].get(name) == kind
+                    and self.snap.get(path) == (st.st_ino, st.st_ctime_ns)
+                ):
+                    # Untouched since the disk was made, and the same kind of entry under
+                    # it (its listing's d_type: the directory under the mount changes only
+                    # by this copy): keep the original, without a stat of it.
+                    continue
                 try:
                     old: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 except FileNotFoundError:
@@ -157,12 +171,24 @@ class _Sync:
             log.warning("entries not copied back from a workspace disk", count=self.skipped)
 
     def _enter(self, sfd: int, dfd: int) -> Iterator[str]:
-        """The disk directory's names; what only the directory under it holds goes now."""
+        """The disk directory's names; what only the directory under it holds goes now.
+        The kinds of what it keeps are pushed on :attr:`kinds` (popped when it is done)."""
         names = list(_names(sfd))
         keep = set(names)
-        for gone in _names(dfd):
-            if gone not in keep:
-                _remove(dfd, gone)
+        kinds: dict[str, str] = {}
+        with os.scandir(dfd) as it:
+            entries = list(it)
+        for e in entries:
+            if e.name not in keep:
+                _remove(dfd, e.name)
+                continue
+            if e.is_symlink():
+                kinds[e.name] = "l"
+            elif e.is_dir(follow_symlinks=False):
+                kinds[e.name] = "d"
+            elif e.is_file(follow_symlinks=False):
+                kinds[e.name] = "f"
+        self.kinds.append(kinds)
         return iter(names)
 
     def _file(self, sfd: int, dfd: int, name: str, path: str, st: os.stat_result) -> None:
@@ -189,6 +215,11 @@ class _Sync:
         _set_meta(dfd, name, st)
         if st.st_nlink > 1:
             self.links[st.st_ino] = path
+
+
+def _kind(fmt: int) -> str | None:
+    """A stat's file type as :meth:`_Sync._enter` names a listing's (None: another kind)."""
+    return {stat.S_IFLNK: "l", stat.S_IFDIR: "d", stat.S_IFREG: "f"}.get(fmt)
 
 
 def _names(dir_fd: int) -> Iterator[str]:
