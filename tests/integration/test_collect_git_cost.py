@@ -176,3 +176,66 @@ def test_init_repo_writes_what_git_init_writes(
     out = subprocess.run(["git", "rev-parse", "--show-object-format", "--is-bare-repository"],
                          env=git_env, capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.split() == [fmt, "true" if bare else "false"]
+
+
+_COLLECT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from agentbox.collect import collect, prepare
+    from agentbox.collect._model import Base
+    repo, work, step = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    ws, shadow, index = work / "ws", work / "shadow.git", work / "base.index"
+    if step == "prepare":
+        (work / "base.json").write_text(prepare(repo, ws, shadow, index).model_dump_json())
+        sys.exit(0)
+    base = Base.model_validate_json((work / "base.json").read_text())
+    if step == "change":
+        (ws / "f3.txt").write_text("changed\\n")
+    elif step == "revert":
+        (ws / "f3.txt").write_text("file 3\\n")
+    got = collect(ws, shadow, index, base, task_id="t-same", message="m")
+    print(got.changed, got.branch)
+    """
+)
+
+
+def test_a_collection_that_finds_nothing_changed_runs_diff_files_alone(tmp_path: Path) -> None:
+    """An agent that changed nothing: the first collection starts one git process (the
+    stat oracle), no ``update-ref -d`` of a branch that was never made. A branch an
+    earlier collection made is still deleted when the workspace is back to its base."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    for i in range(6):
+        (repo / f"f{i}.txt").write_text(f"file {i}\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "init")
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def step(name: str) -> tuple[str, list[str]]:
+        trace = tmp_path / f"trace-{name}"
+        res = subprocess.run(
+            ["strace", "-f", "-qq", "-s", "256", "-e", "trace=execve", "-e", "signal=none",
+             "-o", str(trace), sys.executable, "-c", _COLLECT, str(repo), str(work), name],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip(), sorted(e for e in _execs(trace) if not e.startswith("python"))
+
+    step("prepare")
+    out, execs = step("same")
+    assert out == "False"
+    assert execs == ["git diff-files"], execs
+    out, _ = step("change")
+    assert out == "True agentbox/t-same"
+    assert git(work / "shadow.git", "rev-parse", "--verify", "-q", "agentbox/t-same")
+    out, execs = step("revert")
+    assert out == "False"
+    assert "git update-ref" in execs, execs
+    res = subprocess.run(
+        ["git", "--git-dir", str(work / "shadow.git"), "rev-parse", "--verify", "-q",
+         "refs/heads/agentbox/t-same"], capture_output=True, check=False,
+    )  # fmt: skip
+    assert res.returncode != 0, "the branch of an earlier collection was left"

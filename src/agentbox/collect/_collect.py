@@ -263,6 +263,23 @@ def _diff(shadow: ShadowGit, base: str, commit: str, cap: int) -> tuple[DiffStat
     return DiffStat(files_changed=files, insertions=ins, deletions=dels), text, truncated
 
 
+def _may_have_ref(git_dir: Path, ref: str) -> bool:
+    """Whether the shadow dir (ours) may hold ``ref``: False only when it surely does not
+    (files ref storage, no loose ref file, none packed), so that the first collection of a
+    task that changed nothing runs no ``update-ref -d`` (a git process) for nothing."""
+    if (git_dir / "reftable").exists():
+        return True
+    if os.path.lexists(git_dir / ref):
+        return True
+    try:
+        packed = (git_dir / "packed-refs").read_bytes()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return f" {ref}\n".encode() in packed
+
+
 def collect(
     workspace: Path,
     shadow_git: Path,
@@ -367,7 +384,8 @@ def collect(
             # commit would only publish a branch that says nothing). A branch left by
             # an earlier collection of this task goes too: the result is what is there now.
             commit, diffstat, diff, truncated = "", DiffStat(), "", False
-            shadow.run("update-ref", "-d", f"refs/heads/{branch}")
+            if _may_have_ref(shadow_git, f"refs/heads/{branch}"):
+                shadow.run("update-ref", "-d", f"refs/heads/{branch}")
     w.skip_summary()
     log.info("collected", task_id=task_id, commit=commit or None, changed=any_change,
              files=diffstat.files_changed, skipped=len(w.skipped))  # fmt: skip
