@@ -33,7 +33,9 @@ import time
 from pathlib import Path
 
 from agentbox.backends import get_backend
+from agentbox.backends._k8slog import exit_marker
 from agentbox.backends.base import Backend, BindMount, SandboxSpec
+from agentbox.backends.podman._wake import Wake
 from agentbox.boxfile import Boxfile
 from agentbox.collect import prepare
 from agentbox.config import Settings
@@ -409,6 +411,29 @@ class _Cancelled(Exception):
     pass
 
 
+def _stop_at_end(gateway: GatewayHandle, marker: Path, task_id: str) -> threading.Event:
+    """Stop the task's gateway as soon as its follower has recorded the sandbox's end
+    (``marker``: written once every process of the sandbox is gone, before the disk is
+    copied back and the sandbox removed), beside those steps instead of after them. Set
+    the returned event to give up (the follow ended without a marker: the caller's own
+    stop in its ``finally`` stays the one that counts; a second stop is a no-op)."""
+    over = threading.Event()
+
+    def run() -> None:
+        try:
+            with Wake(None, marker.parent) as wake:
+                while not over.is_set():
+                    if marker.exists():
+                        gateway.stop(grace=3.0)
+                        return
+                    wake.wait(0.5)  # the marker's rename into the log dir wakes it at once
+        except Exception as exc:  # best effort: the caller stops the gateway anyway
+            log.debug("early gateway stop failed", task_id=task_id, error=str(exc)[-300:])
+
+    threading.Thread(target=run, name=f"agentbox-gwstop-{task_id}", daemon=True).start()
+    return over
+
+
 def _run_detached(
     ctx: TaskContext,
     row: TaskRow,
@@ -446,21 +471,25 @@ def _run_detached(
         raise _Cancelled
     ctx.tlog(f"running claude in sandbox {spec.name}, detached (deadline {row.deadline:g}s)")
     backend.launch(spec, argv, log=log_path)
+    over = _stop_at_end(gateway, exit_marker(log_path), row.id)
     gateway_failed: GatewayError | None = None
     try:
-        gateway.wait_ready()
-    except GatewayError as exc:
-        gateway_failed = exc
-        ctx.tlog(f"the gateway did not start: {exc}; killing the sandbox")
-        kill_sandbox(box.backend, spec.name, ctx.paths.data_dir)
-    outcome = follow_sandbox(
-        ctx,
-        backend,
-        box.backend,
-        name=spec.name,
-        deadline=row.deadline,
-        deadline_at=started + row.deadline,
-    )
+        try:
+            gateway.wait_ready()
+        except GatewayError as exc:
+            gateway_failed = exc
+            ctx.tlog(f"the gateway did not start: {exc}; killing the sandbox")
+            kill_sandbox(box.backend, spec.name, ctx.paths.data_dir)
+        outcome = follow_sandbox(
+            ctx,
+            backend,
+            box.backend,
+            name=spec.name,
+            deadline=row.deadline,
+            deadline_at=started + row.deadline,
+        )
+    finally:
+        over.set()
     if gateway_failed is not None:
         return "failed", f"the task's gateway did not start: {gateway_failed}"[:4000], outcome[2]
     return outcome

@@ -226,7 +226,9 @@ class PodmanDetached:
         early: tuple[int, float] | None = None
         with (
             LogReader(pool_log(info, log), on_stdout, on_stderr) as reader,
-            Wake(conmon.pid if conmon else None, exit_file.parent if exit_file else None) as wake,
+            _waking(
+                conmon.pid if conmon else None, exit_file.parent if exit_file else None
+            ) as wake,
         ):
             while True:
                 reader.pump()
@@ -365,6 +367,21 @@ class PodmanDetached:
         neither needs the other, and nothing of the task needs the container."""
         _removals.remove_later(name, after=conmon)
         self._settle(name, conmon, ended=True)
+
+
+@contextlib.contextmanager
+def _waking(pid: int | None, directory: Path | None) -> Iterator[Wake]:
+    """A :class:`Wake` for the ``with`` block, closed on a thread of its own: closing an
+    inotify instance waits for the kernel's fsnotify grace period (10-20 ms on a busy
+    host), which the task's end need not wait for."""
+    wake = Wake(pid, directory)
+    try:
+        yield wake
+    finally:
+        try:
+            threading.Thread(target=wake.close, name="agentbox-wake-close", daemon=True).start()
+        except RuntimeError:  # no thread to be had (interpreter shutting down)
+            wake.close()
 
 
 #: How long :func:`settle_when_gone` keeps trying (then the next launcher's start settles).
