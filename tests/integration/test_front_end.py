@@ -108,16 +108,19 @@ class Front:
         )  # fmt: skip
 
     def command_of(self) -> psutil.Process:
-        """The one command being served: a child of a waiter, a child of the server."""
+        """The one command being served: a child of a waiter, a child of the server (not
+        the pair forked ahead for the next connection: that one still has the server's
+        title)."""
         assert self.proc is not None
 
         def found() -> psutil.Process | None:
             assert self.proc is not None
             for waiter in psutil.Process(self.proc.pid).children():
                 with _gone():  # a waiter that just ended
-                    kids = waiter.children()
-                    if kids:
-                        return kids[0]
+                    for kid in waiter.children():
+                        title = " ".join(kid.cmdline())
+                        if title and not title.startswith("agentbox front end"):
+                            return kid
             return None
 
         return wait_until(  # generous: a loaded CI host (not a timing assertion)
@@ -566,19 +569,51 @@ def test_a_stuck_server_gets_nothing_and_the_command_runs_in_process(
         "sys.argv = ['agentbox', 'run', '--repo', 'rel/dir', 'x']\n"
         "c.entry()\n"
     )
-    os.kill(front.proc.pid, signal.SIGSTOP)
+    # The server and the waiter pair it forked ahead for the next connection: the group.
+    os.killpg(front.proc.pid, signal.SIGSTOP)
     try:
         res = subprocess.run(  # capture_output: it returns only once every pipe end is closed
             [sys.executable, "-c", code], capture_output=True, env=front.env(mode),
             cwd=front.work, timeout=60,
         )  # fmt: skip
     finally:
-        os.kill(front.proc.pid, signal.SIGCONT)
+        os.killpg(front.proc.pid, signal.SIGCONT)
     if mode == "require":
         assert res.returncode == 4 and b"did not greet within 2 s" in res.stderr, res
     else:  # run in-process: the repo's refusal
         assert res.returncode == 3 and b"repo" in res.stderr, res
     assert front.run(["--version"], "require").returncode == 0  # and it serves on
+
+
+def test_the_command_is_forked_before_its_connection(front: Front) -> None:
+    """No fork on a command's start: the server keeps a waiter and its command forked
+    ahead, and the next caller's command is that process."""
+    assert front.proc is not None
+
+    def spare(but: int = 0) -> int | None:
+        assert front.proc is not None
+        for waiter in psutil.Process(front.proc.pid).children():
+            with _gone():
+                for kid in waiter.children():
+                    if kid.pid != but and kid.status() != psutil.STATUS_ZOMBIE:
+                        return kid.pid
+        return None
+
+    ahead = wait_until(spare, timeout=60, on_timeout=lambda: AssertionError("no pair ahead"))
+    client = _blocked(front, "require")
+    try:
+        assert front.command_of().pid == ahead
+        nxt = wait_until(
+            lambda: spare(but=ahead),
+            timeout=60,
+            on_timeout=lambda: AssertionError("no pair forked for the next caller"),
+        )
+        assert nxt != ahead
+        client.communicate(b"", timeout=120)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    assert client.returncode != 0  # the empty task refused, as in-process
 
 
 def test_a_silent_client_costs_one_waiter(front: Front) -> None:

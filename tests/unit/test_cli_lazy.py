@@ -16,7 +16,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import typer
 import typer.main
 from typer.testing import CliRunner
@@ -164,3 +166,31 @@ def test_launcher_serve_imports_no_mcp_no_client(tmp_path: Path) -> None:
     assert sorted(m for m in mods if m in NOT_FOR_SERVE or m.split(".")[0] in NOT_FOR_SERVE) == []
     others = sorted(m for m in mods if m.startswith("agentbox.cli._"))
     assert others == ["agentbox.cli._launcher", "agentbox.cli._lazy"]
+
+
+def test_a_prebuilt_cli_is_what_main_runs(monkeypatch: Any, capsys: Any) -> None:
+    """The front end's server builds the commands once (``prebuild``); a command forked
+    from it parses with them, builds nothing, and says what a fresh build says."""
+    from agentbox.cli._lazy import _Stub
+
+    monkeypatch.setattr(cli, "_prebuilt", None)
+    monkeypatch.setattr(sys, "argv", ["agentbox", "run", "--help"])
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as fresh:
+        cli.main()
+    built = capsys.readouterr().out
+    cli.prebuild(("run", "launcher"))
+    group = cli._prebuilt
+    assert group is not None and not isinstance(group.commands["run"], _Stub)
+    for cmd in (group, group.commands["run"], *group.commands["launcher"].commands.values()):
+        for param in cmd.params:
+            assert getattr(param, "_runtime_param", True) is not None, (cmd.name, param.name)
+
+    def no_build(*_: object, **__: object) -> None:
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(typer.main, "get_command", no_build)
+    with pytest.raises(SystemExit) as served:
+        cli.main()
+    assert (served.value.code, capsys.readouterr().out) == (fresh.value.code, built)
+    assert "Delegate TASK" in built

@@ -1,14 +1,17 @@
 """The front end's fork server: ``python -m agentbox.front.server`` (started and kept by
 ``agentbox launcher serve``, :mod:`agentbox.launcher._front`).
 
-One process imports what commands use (:data:`PRELOAD`), once, and never runs any
-of it: no settings loaded, no logging configured, no thread started. It then
-accepts on its socket and forks, per connection, a *waiter* (this module's
-:func:`_serve_one`) that reads the request, checks the caller
-(:mod:`agentbox.front._peer`) and the code (:func:`_stale`), forks the command
-(:mod:`agentbox.front._child`), tells the client its pid, waits for it and reports
-how it ended. The server itself only accepts and forks: a bad request, a slow client
-or a crash costs a waiter, never the server.
+One process imports what commands use (:data:`PRELOAD`), builds their click commands
+(:data:`PREBUILT`), once, and never runs any of it: no settings loaded, no logging
+configured, no thread started. It then forks, ahead of any connection, a *waiter*
+(:func:`_waiter_pair`) that forks its *command* ahead too: the command takes the next
+connection from the socket (:func:`_take`: the server then forks the next pair),
+reads the request, checks the caller (:mod:`agentbox.front._peer`) and the code
+(:func:`_stale`), hands the connection to its waiter and becomes the caller's
+command (:mod:`agentbox.front._child`); the waiter tells the client its pid, waits
+for it and reports how it ended (:func:`_report`). No fork is left on a command's
+start. The server itself only forks: a bad request, a slow client or a crash costs
+a pair, never the server.
 
 The server exits when its parent (the launcher service) exits, when told to
 (SIGTERM), or when a waiter finds that a module it imported changed on disk since
@@ -29,6 +32,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
@@ -76,8 +80,17 @@ PRELOAD = (
     "typer._click.decorators",
 )
 
+#: The commands whose click command, options and type conversions are built here, once
+#: (:func:`agentbox.cli.prebuild`): the preloaded modules' commands, and the root's.
+PREBUILT = (
+    "run", "resume", "tasks", "show", "cancel", "logs", "wait", "watch", "diff", "apply",
+    "publish", "launcher", "env",
+)  # fmt: skip
+
 #: How long a client may take to send its request.
 REQUEST_TIMEOUT = 10.0
+#: Seconds before a waiter pair is forked again after one could not be, or ended at once.
+PAIR_RETRY = 0.5
 
 
 def preload(names: tuple[str, ...] = PRELOAD) -> dict[str, tuple[int, int]]:
@@ -88,6 +101,12 @@ def preload(names: tuple[str, ...] = PRELOAD) -> dict[str, tuple[int, int]]:
         except ImportError as exc:  # an optional part: the command imports it (or fails) itself
             sys.stderr.write(f"agentbox front end: not preloaded: {name}: {exc}\n")
     _build_models()
+    try:
+        from agentbox.cli import prebuild
+
+        prebuild(PREBUILT)
+    except Exception as exc:  # each command then builds its own, as in its own process
+        sys.stderr.write(f"agentbox front end: commands not built ahead: {exc}\n")
     return _files()
 
 
@@ -192,34 +211,45 @@ def main(argv: list[str] | None = None) -> NoReturn:
     setproctitle(f"agentbox front end {args.socket}")
     listener = _bind(args.socket)
     template = _gateway_template()
-    spare = _channel(template)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
+    me = os.getpid()
     while True:
+        # A waiter and its command, forked ahead: the next connection finds them waiting
+        # (a fork of this heap is ~4 ms each, no longer on a command's start). Its
+        # command takes the connection, says so on ``took``, and the next pair is forked.
+        spare = _channel(template)
+        took_r, took_w = os.pipe2(os.O_CLOEXEC)
         try:
-            ready, _, _ = select.select([listener.fileno(), parent], [], [])
-        except InterruptedError:
+            pid = os.fork()
+        except OSError:
+            for fd in (took_r, took_w):
+                os.close(fd)
+            if spare is not None:
+                spare.close()
+            time.sleep(PAIR_RETRY)
             continue
+        if pid == 0:
+            os.close(took_r)
+            os.close(parent)
+            _waiter_pair(listener, took_w, args.data_dir, facts, me, spare)  # never returns
+        os.close(took_w)
+        if spare is not None:  # the waiter's now; the next pair gets a new one
+            spare.close()
+        forked = time.monotonic()
+        while True:
+            try:
+                ready, _, _ = select.select([took_r, parent], [], [])
+            except InterruptedError:
+                continue
+            break
         if parent in ready:
             with contextlib.suppress(OSError):
                 args.socket.unlink()
             os._exit(0)
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            continue
-        try:
-            pid = os.fork()
-        except OSError:
-            conn.close()
-            continue
-        if pid == 0:
-            listener.close()
-            os.close(parent)
-            _serve_one(conn, args.data_dir, facts, os.getppid(), spare)
-        conn.close()
-        if spare is not None:  # the waiter's now; the next command gets a new one
-            spare.close()
-            spare = _channel(template)
+        took = os.read(took_r, 1)
+        os.close(took_r)
+        if not took and time.monotonic() - forked < PAIR_RETRY:
+            time.sleep(PAIR_RETRY)  # a pair that ended at once (no connection taken): no loop
 
 
 def _gateway_template() -> Any:
@@ -254,16 +284,76 @@ def _channel(template: Any) -> socket.socket | None:
 _OFF = ("0", "false", "off", "no", "n", "f")
 
 
-def _serve_one(
-    conn: socket.socket, data_dir: Path, facts: Facts, server: int, channel: socket.socket | None
+def _waiter_pair(
+    listener: socket.socket,
+    took: int,
+    data_dir: Path,
+    facts: Facts,
+    server: int,
+    channel: socket.socket | None,
 ) -> NoReturn:
-    """The waiter: check, fork the command, report its end. Never returns. ``channel``:
-    to the server's gateway template, for the command."""
+    """The waiter, forked ahead: it forks its command ahead too, which takes the next
+    connection (:func:`_take`); the waiter is then handed the connection and reports
+    the command's end (:func:`_report`). Never returns. ``channel``: to the server's
+    gateway template, for the command."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     code = 0
     try:
-        _waiter(conn, data_dir, facts, server, channel)
-    except BaseException as exc:  # a waiter never reaches the server's loop
+        server_fd = os.pidfd_open(server)
+        if os.getppid() != server:  # the server ended before the pidfd pinned it
+            os._exit(0)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = os.fork()
+        if pid == 0:
+            mine.close()
+            _take(listener, took, server_fd, theirs, data_dir, facts, server, channel)
+        theirs.close()
+        listener.close()
+        os.close(took)
+        os.close(server_fd)
+        if channel is not None:
+            channel.close()  # the command's now
+        _report(mine, pid)
+    except BaseException:  # a waiter never reaches the server's loop
+        code = 1
+    os._exit(code)
+
+
+def _take(
+    listener: socket.socket,
+    took: int,
+    server_fd: int,
+    waiter: socket.socket,
+    data_dir: Path,
+    facts: Facts,
+    server: int,
+    channel: socket.socket | None,
+) -> NoReturn:
+    """The command, forked ahead: take the next connection (or end with the server), say
+    so on ``took``, then serve it (:func:`_serve`). Never returns."""
+    try:
+        while True:
+            try:
+                ready, _, _ = select.select([listener.fileno(), server_fd], [], [])
+            except InterruptedError:
+                continue
+            if server_fd in ready:
+                os._exit(0)
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # taken back by its client meanwhile
+                continue
+            break
+        os.write(took, b".")
+        os.close(took)
+        os.close(server_fd)
+        listener.close()
+    except BaseException:
+        os._exit(1)
+    code = 0
+    try:
+        _serve(conn, data_dir, facts, server, channel, waiter)
+    except BaseException as exc:  # never returns to the server's code
         # A command runs only after "started" was sent (its go pipe closes unsaid with
         # this process): before that, the client may run the command itself.
         _decline(conn, f"the front end failed: {type(exc).__name__}: {exc}"[:1000])
@@ -276,9 +366,16 @@ def _decline(conn: socket.socket, reason: str) -> None:
         send_message(conn, {"declined": reason})
 
 
-def _waiter(
-    conn: socket.socket, data_dir: Path, facts: Facts, server: int, channel: socket.socket | None
+def _serve(
+    conn: socket.socket,
+    data_dir: Path,
+    facts: Facts,
+    server: int,
+    channel: socket.socket | None,
+    waiter: socket.socket,
 ) -> None:
+    """Check the request; decline it (and return), or hand the waiter the connection and
+    become the caller's command (:func:`agentbox.front._child.become`, never returns)."""
     peer = pinned_peer(conn)
     conn.settimeout(REQUEST_TIMEOUT)
     try:
@@ -313,22 +410,37 @@ def _waiter(
         except OSError as exc:
             why = f"cannot read the caller's process ({exc})"
     if why is not None:
+        req.close_fds()
         _decline(conn, why)
         return
+    assert peer.pidfd is not None  # pinned_peer always pins
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:
-        os.close(ready_r)
-        os.close(go_w)
-        from agentbox.front._child import become
+    # The waiter holds the connection from here: it tells the client "started" (or
+    # declines, if this process cannot become the command) and reports the end.
+    socket.send_fds(waiter, [b"c"], [conn.fileno(), peer.pidfd, ready_r, go_w])
+    for fd in (ready_r, go_w, waiter.detach()):
+        os.close(fd)
+    from agentbox.front._child import become
 
-        become(req, posture, conn, ready_w, go_r, data_dir, channel)  # never returns
-    if channel is not None:
-        channel.close()  # the command's now
-    os.close(ready_w)
-    os.close(go_r)
-    req.close_fds()
+    become(req, posture, conn, ready_w, go_r, data_dir, channel)  # never returns
+
+
+def _report(command: socket.socket, pid: int) -> None:
+    """The waiter's part: once its command took a connection and handed it over, tell
+    the client the command started (when it says it is ready), and how it ended."""
+    try:
+        _, fds, _, _ = socket.recv_fds(command, 1, 4)
+    except OSError:
+        fds = []
+    command.close()
+    if len(fds) != 4:  # no connection taken (the server ended), or it was declined
+        for fd in fds:
+            os.close(fd)
+        os.waitpid(pid, 0)
+        return
+    conn = socket.socket(fileno=fds[0])
+    caller, ready_r, go_w = fds[1:]
     with os.fdopen(ready_r, "rb") as ready, os.fdopen(go_w, "wb", buffering=0) as go:
         said = ready.read(4096)
         if said == b"ok":
@@ -340,8 +452,7 @@ def _waiter(
         _decline(conn, said.decode(errors="replace") or "the command could not start")
         os.waitpid(pid, 0)
         return
-    assert peer.pidfd is not None  # pinned_peer always pins
-    status = _wait_or_kill(pid, conn, peer.pidfd)
+    status = _wait_or_kill(pid, conn, caller)
     if os.WIFSIGNALED(status):
         send_message(conn, {"signal": os.WTERMSIG(status)})
     else:
