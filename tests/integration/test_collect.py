@@ -280,6 +280,7 @@ def test_git_is_only_a_stat_oracle(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         return reported[-1]
 
     monkeypatch.setattr(cmod, "_git_changed", spy)
+    monkeypatch.setattr(cmod, "SMALL_BASE_KEYS", -1)  # git judges, however small the base
     got = _collect(p)
     assert reported and reported[0] is not None  # git answered, no fallback
     assert "pkg/__init__.py" in reported[0] and "pkg/m.py" not in reported[0]
@@ -413,6 +414,8 @@ def test_unchanged_directories_are_not_read(
         return orig(w, tree, prefix, stack, trust=trust)
 
     monkeypatch.setattr(cmod, "_read_dir", spy)
+    # With git judging the files (a small base's own lstat of each reads every directory).
+    monkeypatch.setattr("agentbox.collect._collect.SMALL_BASE_KEYS", -1)
     got = _collect(p)
     assert read == ["src/util/"]
     names = git(tmp_path, "--git-dir", str(p.shadow), "diff", "--name-only", p.base.base_commit,

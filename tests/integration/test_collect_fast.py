@@ -42,7 +42,9 @@ def _same_second_edit(path: Path) -> bool:
     return after.st_ctime_ns // 10**9 == before.st_ctime_ns // 10**9
 
 
-def test_a_write_in_the_snapshots_second_is_collected(tmp_path: Path) -> None:
+def test_a_write_in_the_snapshots_second_is_collected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     repo = make_repo(tmp_path / "repo", FILES)
     # prepare takes a fraction of a second: retry until the edit lands in the same
     # second as the saved ctime (the case git's whole-second compare cannot see).
@@ -66,9 +68,14 @@ def test_a_write_in_the_snapshots_second_is_collected(tmp_path: Path) -> None:
         time.sleep(0.05)
     got = collect(p.ws, p.shadow, p.index, p.base, task_id="t-1", message="m")
     assert got.changed and got.diffstat.files_changed == 1, got
+    with monkeypatch.context() as m:  # and with git judging the rest
+        m.setattr("agentbox.collect._collect.SMALL_BASE_KEYS", -1)
+        again = collect(p.ws, p.shadow, p.index, p.base, task_id="t-3", message="m")
+    assert again.changed and again.diffstat.files_changed == 1, again
     assert git(p.repo, "--git-dir", str(p.shadow), "show", f"{got.commit}:a.txt").startswith("`")
 
     # Positive control: without the racy sidecar (git alone), the edit is missed.
+    monkeypatch.setattr("agentbox.collect._collect.SMALL_BASE_KEYS", -1)  # however small
     missed = collect(p.ws, control / "shadow.git", control / "base.index", p.base,
                      task_id="t-2", message="m")  # fmt: skip
     assert not missed.changed, "the control should miss a same-second edit"

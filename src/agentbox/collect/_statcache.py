@@ -143,6 +143,11 @@ def load_keys(base_index: Path) -> dict[str, bytes]:
     return keys
 
 
+def stat_keys_size(base_index: Path) -> int:
+    """The size in bytes of the saved stat keys (OSError when there are none)."""
+    return _paths(base_index)[1].stat().st_size
+
+
 def load_racy(base_index: Path) -> tuple[int, dict[str, bytes]] | None:
     """The newest second and the keys of the files saved in it; None if never saved.
 
