@@ -39,6 +39,8 @@ def inspect(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Inspect]:
     monkeypatch.setattr(_proc, "run", fake)
     monkeypatch.setattr(_oci_args, "_facts", {})
     monkeypatch.setattr(_oci_args, "_lookups", {})
+    # podman's image list as unchanged (another test's build would move the real one)
+    monkeypatch.setattr(_oci_args, "store_signature", lambda: "unchanged")
     yield fake
 
 

@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     # command turns collection back on (agentbox.front._child).
     gc.disable()
     facts = Facts.read(preload())
+    image = _warm_image(None)
     gc.freeze()
     if threading.active_count() != 1:  # a fork copies only the forking thread
         sys.stderr.write("agentbox front end: an import started a thread; not serving\n")
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # A waiter and its command, forked ahead: the next connection finds them waiting
         # (a fork of this heap is ~4 ms each, no longer on a command's start). Its
         # command takes the connection, says so on ``took``, and the next pair is forked.
+        image = _warm_image(image)
         spare = _channel(template)
         took_r, took_w = os.pipe2(os.O_CLOEXEC)
         try:
@@ -250,6 +252,25 @@ def main(argv: list[str] | None = None) -> NoReturn:
         os.close(took_r)
         if not took and time.monotonic() - forked < PAIR_RETRY:
             time.sleep(PAIR_RETRY)  # a pair that ended at once (no connection taken): no loop
+
+
+def _warm_image(image: str | None) -> str | None:
+    """The sandbox image's facts (``podman image inspect``) read here, for every command
+    forked from now on (a fork's own inspect was a podman process on each ``agentbox
+    run``'s path): the image the service's settings name, looked up once (``image``:
+    as found before), and read again only once podman's image list changed
+    (:func:`agentbox.backends.oci._args.image_facts` holds them while it has not)."""
+    try:
+        from agentbox.backends.oci._args import warm_image_facts
+
+        if image is None:
+            from agentbox.config import load_settings
+
+            image = load_settings().image
+        warm_image_facts(image)
+    except Exception as exc:  # each command then inspects it itself, as before
+        sys.stderr.write(f"agentbox front end: the image's facts not read ahead: {exc}\n")
+    return image
 
 
 def _gateway_template() -> Any:

@@ -2,16 +2,18 @@
 
 Each flag answers a line of the seed's "Agent container" list; the comment next
 to it says which threat it closes. Nothing here starts a process except
-:func:`image_facts` (``podman image inspect``, cached per process).
+:func:`image_facts` (``podman image inspect``, cached while podman's image list is
+unchanged).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,42 +55,119 @@ class ImageFacts:
 
 
 _facts_lock = threading.Lock()
-_facts: dict[str, ImageFacts] = {}
+#: image -> (its facts, the image store's signature when they were read, the pid that
+#: read them): see :func:`store_signature`.
+_facts: dict[str, tuple[ImageFacts, object, int]] = {}
+
+#: podman's storage configuration as root's podman reads it: the first file found
+#: (``CONTAINERS_STORAGE_CONF`` instead when set).
+STORAGE_CONFS = ("/etc/containers/storage.conf", "/usr/share/containers/storage.conf")
+DEFAULT_GRAPHROOT = "/var/lib/containers/storage"
+
+
+def _stat_sig(path: Path) -> tuple[int, int, int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _image_list(confs: tuple[Path, ...]) -> Path | None:
+    """podman's list of images (``<graphroot>/<driver>-images/images.json``), or None
+    when it cannot be told for sure (additional image stores, several drivers' lists
+    and none configured, a configuration not understood)."""
+    import tomllib
+
+    conf: dict[str, object] = {}
+    for path in confs:
+        if path.exists():
+            try:
+                conf = tomllib.loads(path.read_text())
+            except (OSError, ValueError):
+                return None
+            break
+    storage = conf.get("storage", {})
+    if not isinstance(storage, dict):
+        return None
+    options = storage.get("options", {})
+    if not isinstance(options, dict) or options.get("additionalimagestores"):
+        return None
+    root = storage.get("graphroot") or DEFAULT_GRAPHROOT
+    driver = os.environ.get("STORAGE_DRIVER") or storage.get("driver")
+    if not isinstance(root, str) or not isinstance(driver, str | None):
+        return None
+    if driver:
+        path = Path(root) / f"{driver}-images" / "images.json"
+        return path if path.is_file() else None
+    try:
+        lists = [d / "images.json" for d in Path(root).glob("*-images")]
+    except OSError:
+        return None
+    lists = [p for p in lists if p.is_file()]
+    return lists[0] if len(lists) == 1 else None
+
+
+def store_signature() -> object:
+    """What changes with every image podman builds, pulls, tags, untags or removes: its
+    image list file's identity, size and times (and its configuration's), or None when
+    unknown. Facts read under one signature hold while it is the same: a fork of a
+    process that read them (the front end's commands) uses them without a ``podman
+    image inspect`` of its own, and a rebuilt or removed image is inspected again."""
+    if os.geteuid() != 0:  # a rootless podman keeps its images elsewhere
+        return None
+    env_conf = os.environ.get("CONTAINERS_STORAGE_CONF")
+    confs = tuple(Path(c) for c in ((env_conf,) if env_conf else STORAGE_CONFS))
+    conf_sigs = tuple(_stat_sig(c) for c in confs)
+    path = _image_list(confs)
+    if path is None:
+        return None
+    sig = _stat_sig(path)
+    return None if sig is None else (confs, conf_sigs, path, sig)
+
+
 #: One lookup of an image at a time: a launch waits for a warm-up's (Backend.warm)
 #: rather than starting a second ``podman image inspect`` beside it.
 _lookups: dict[str, threading.Lock] = {}
 
 
+def _cached(image: str) -> ImageFacts | None:
+    """``image``'s facts if still true: read under the image store's signature of now,
+    or (no signature known) by this very process, as before."""
+    with _facts_lock:
+        got = _facts.get(image)
+    if got is None:
+        return None
+    facts, sig, pid = got
+    if sig is None:
+        return facts if pid == os.getpid() else None
+    return facts if sig == store_signature() else None
+
+
 def image_facts(image: str, *, refresh: bool = False) -> ImageFacts:
-    """Inspect ``image`` in podman's local storage (cached per process).
+    """Inspect ``image`` in podman's local storage (cached while the image store's
+    signature is the same, :func:`store_signature`).
 
     Raises :class:`ImageError` with the fix when it is not there: sandboxes
     never pull from a registry.
     """
+    if not refresh and (facts := _cached(image)) is not None:
+        return facts
     with _facts_lock:
-        if not refresh and image in _facts:
-            return _facts[image]
         lookup = _lookups.setdefault(image, threading.Lock())
     with lookup:
-        with _facts_lock:
-            if not refresh and image in _facts:  # looked up meanwhile, by the one we waited on
-                return _facts[image]
+        if not refresh and (facts := _cached(image)) is not None:  # by the one we waited on
+            return facts
         return _inspect_image(image)
 
 
-def _inspect_image(image: str) -> ImageFacts:
+def _inspect_image(
+    image: str, *, run: Callable[[list[str]], _proc.Result] | None = None
+) -> ImageFacts:
+    sig = store_signature()  # before the inspect: a change during it shows next time
+    argv = ["podman", "image", "inspect", "--format", "{{.Id}} {{json .Config.Entrypoint}}"]
     try:
-        res = _proc.run(
-            [
-                "podman",
-                "image",
-                "inspect",
-                "--format",
-                "{{.Id}} {{json .Config.Entrypoint}}",
-                image,
-            ],
-            timeout=60,
-        )
+        res = _proc.run([*argv, image], timeout=60) if run is None else run([*argv, image])
     except CommandError as exc:
         fix = (
             "run `agentbox image build`"
@@ -104,8 +183,28 @@ def _inspect_image(image: str) -> ImageFacts:
     entrypoint = tuple(str(x) for x in ep) if isinstance(ep, list) else ()
     facts = ImageFacts(image, image_id, entrypoint)
     with _facts_lock:
-        _facts[image] = facts
+        _facts[image] = (facts, sig, os.getpid())
     return facts
+
+
+def warm_image_facts(image: str) -> None:
+    """Read ``image``'s facts ahead for the processes this one forks (the front end's
+    server, which logs nothing: no :mod:`agentbox.core.proc`), if not already true;
+    one that is not there is left for its command to say so."""
+    import subprocess
+
+    def run(argv: list[str]) -> _proc.Result:
+        res = subprocess.run(
+            argv, capture_output=True, text=True, errors="replace", timeout=60,
+            stdin=subprocess.DEVNULL, start_new_session=True, check=False,
+        )  # fmt: skip
+        if res.returncode != 0:
+            raise CommandError(tuple(argv), res.returncode, res.stderr, res.stdout)
+        return _proc.Result(tuple(argv), res.returncode, res.stdout, res.stderr)
+
+    if _cached(image) is None:
+        with contextlib.suppress(ImageError, OSError, subprocess.SubprocessError):
+            _inspect_image(image, run=run)
 
 
 def forget_image(image: str) -> None:
