@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import psutil
+import pytest
 
 from agentbox.observe.resources import (
     Cgroup,
@@ -14,6 +15,7 @@ from agentbox.observe.resources import (
     Usage,
     VmProcess,
     conmon_child,
+    conmon_cid,
     conmon_name,
     final_resources,
     mount_source,
@@ -308,3 +310,61 @@ def test_conmon_child_is_the_init_of_that_containers_root_conmon(tmp_path: Path)
     assert conmon_child("box-a", proc, owner=me + 1) is None
     conmon.chmod(0o777)
     assert conmon_child("box-a", proc, owner=me) is None
+
+
+def test_conmon_cid_forms() -> None:
+    assert conmon_cid(["conmon", "--api-version", "1", "-c", "abc", "-n", "box"]) == "abc"
+    assert conmon_cid(["conmon", "--cid", "def"]) == "def"
+    assert conmon_cid(["conmon", "--cid=0a1"]) == "0a1"
+    assert conmon_cid(["conmon", "-n", "box"]) is None
+    assert conmon_cid(["conmon", "-c"]) is None
+
+
+def test_a_claimed_pool_sandbox_is_found_by_its_id_without_podman(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool sandbox's conmon keeps the slot name it was started under; claimed, it was
+    renamed to the task's sandbox name: its init is found through the container id its
+    claim record names, in /proc, and no ``podman inspect`` runs."""
+    from agentbox.core import proc as _proc
+    from agentbox.observe import resources
+
+    cid = "ab" * 32
+    proc, bins = tmp_path / "proc", tmp_path / "bin"
+    bins.mkdir()
+    conmon = bins / "conmon"
+    conmon.write_bytes(b"\x7fELF")
+    conmon.chmod(0o755)
+    argv = ["/usr/bin/conmon", "-c", cid, "-u", cid, "-n", "agentbox-pool-3", "-r", "runc"]
+    _fake_proc(proc, 100, comm="conmon", argv=argv, exe=conmon, cgroup="0::/machine.slice\n",
+               children="101 ")  # fmt: skip
+    _fake_proc(proc, 101, comm="tini", argv=["tini"], exe=conmon, cgroup="0::/libpod-ab\n")
+    me = os.geteuid()
+    real = resources.conmon_child
+    monkeypatch.setattr(
+        resources,
+        "conmon_child",
+        lambda name, *, cid=None: real(name, proc, owner=me, cid=cid),
+    )
+    found: list[int] = []
+    monkeypatch.setattr(resources.Cgroup, "of_pid", classmethod(lambda cls, pid: found.append(pid)))
+
+    def no_podman(*_: object, **__: object) -> None:
+        raise AssertionError("podman inspect was run")
+
+    monkeypatch.setattr(_proc, "run", no_podman)
+    data = tmp_path / "data"
+    task_root = data / "tasks" / "t-1"
+    task_root.mkdir(parents=True)
+    claims = data / "pool" / "claims"
+    claims.mkdir(parents=True)
+    record = claims / "agentbox-t-1.json"
+    record.write_text(json.dumps({"id": cid, "slot": "agentbox-pool-3"}))
+    record.chmod(0o600)
+    sampler = resources.Sampler(task_root, "podman", "agentbox-t-1", task_root / "workspace")
+    sampler._find()
+    assert found == [101]
+    # No record (not a claimed sandbox): not found in /proc, then the engine is asked.
+    record.unlink()
+    with pytest.raises(AssertionError, match="podman inspect was run"):
+        sampler._find()

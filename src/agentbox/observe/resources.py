@@ -61,6 +61,8 @@ FIND_EVERY = 2.0
 EAGER_FINDS = 20
 _MAX_READ = 64 << 10
 _SECTOR = 512
+#: A container id's characters (a claim record's ``id``).
+HEX = frozenset("0123456789abcdef")
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -274,8 +276,23 @@ def conmon_name(argv: list[str]) -> str | None:
     return None
 
 
-def conmon_child(name: str, proc: Path = Path("/proc"), *, owner: int = 0) -> int | None:
-    """The init process of podman's container ``name``: the child of its conmon.
+def conmon_cid(argv: list[str]) -> str | None:
+    """The container id in a conmon command line (``-c ID``, ``--cid ID`` or
+    ``--cid=ID``), None when it has none."""
+    for i, arg in enumerate(argv[:400]):
+        if arg in ("-c", "--cid") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--cid="):
+            return arg.removeprefix("--cid=")
+    return None
+
+
+def conmon_child(
+    name: str, proc: Path = Path("/proc"), *, owner: int = 0, cid: str | None = None
+) -> int | None:
+    """The init process of podman's container ``name`` (or, with ``cid``, of the
+    container of that id, whatever its name: conmon keeps the name it was started
+    under, and a claimed pool sandbox was renamed since): the child of its conmon.
 
     Found in ``/proc``, not by ``podman inspect``: inspect takes the container's lock,
     which a loaded host's ``podman run`` holds through the start, and a short attached
@@ -294,7 +311,8 @@ def conmon_child(name: str, proc: Path = Path("/proc"), *, owner: int = 0) -> in
         if (_read(base / "comm") or "").strip() != "conmon":
             continue
         argv = (_read(base / "cmdline") or "").split("\0")
-        if conmon_name(argv) != name or not _owned_conmon(base, owner):
+        ours = conmon_cid(argv) == cid if cid is not None else conmon_name(argv) == name
+        if not ours or not _owned_conmon(base, owner):
             continue
         kids = (_read(base / "task" / pid / "children") or "").split()
         own = _read(base / "cgroup")
@@ -565,11 +583,16 @@ class Sampler:
 
     def _find(self) -> Cgroup | None:
         """The cgroup of the sandbox's init process: podman's from its conmon in
-        ``/proc`` (:func:`conmon_child`), else the engine's ``inspect``."""
+        ``/proc`` (:func:`conmon_child`; a claimed pool sandbox's by the container id
+        its claim record names), else the engine's ``inspect``."""
         if self.kind != "container":
             return None
-        if self._conmon and (init := conmon_child(self.name)) is not None:
-            return Cgroup.of_pid(init)
+        if self._conmon:
+            init = conmon_child(self.name)
+            if init is None and (cid := self._claimed_id()) is not None:
+                init = conmon_child(self.name, cid=cid)
+            if init is not None:
+                return Cgroup.of_pid(init)
         from agentbox.core import proc as _proc
         from agentbox.errors import AgentboxError
 
@@ -585,6 +608,17 @@ class Sampler:
         if not pid:
             return None
         return Cgroup.of_pid(pid)
+
+    def _claimed_id(self) -> str | None:
+        """The container id of the pool sandbox claimed under this name (its claim
+        record, ``<data dir>/pool/claims/NAME.json``), or None: not a claimed one."""
+        from agentbox.backends.podman._pool_view import claim_record
+
+        rec = claim_record(self.task_root.parent.parent / "pool", self.name)
+        cid = rec.get("id") if rec is not None else None
+        if isinstance(cid, str) and 12 <= len(cid) <= 64 and all(c in HEX for c in cid):
+            return cid
+        return None
 
     def _disk(self, *, final: bool) -> None:
         u = self.usage
