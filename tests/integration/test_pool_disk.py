@@ -8,14 +8,15 @@ Real podman, runc, loop devices and mounts:
   mode, the mount's flags, the filesystem's size and inode count; its writes come back;
 * the disk limit holds on that path: a write past it fails with ENOSPC, and so does
   a file past the inode limit;
-* a workspace past the copy's bound, or holding a FIFO, takes ``mkfs -d`` (the staged
-  disk dropped at once) and runs as well;
+* a workspace past the copy's bound, or holding a FIFO, or a move of the staged disk
+  refused, takes ``mkfs -d`` (the staged disk dropped at once) and runs as well;
 * a drained slot, one whose filler died (the next launcher's orphan sweep) and a staged
   disk whose slot is gone leave no mount, loop device or image.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -212,7 +213,7 @@ def test_disk_limit_holds_on_the_staged_disk(
     assert ended == Exited(1, False), (out, err)
 
 
-@pytest.mark.parametrize("why", ["entries", "fifo"])
+@pytest.mark.parametrize("why", ["entries", "fifo", "move"])
 def test_a_workspace_not_for_the_copy_takes_mkfs(
     why: str,
     pooled: tuple[PodmanBackend, Settings],
@@ -229,8 +230,14 @@ def test_a_workspace_not_for_the_copy_takes_mkfs(
         (ws / f"f{i}").write_text(f"{i}\n")
     if why == "fifo":
         os.mkfifo(ws / "pipe")
-    else:
+    elif why == "entries":
         monkeypatch.setattr(pool_disk, "MAX_ENTRIES", 3)
+    else:  # the move refused (a data dir on a shared mount): undone, then mkfs
+
+        def refuse(*_: object) -> None:
+            raise OSError(errno.EINVAL, "refused")
+
+        monkeypatch.setattr(pool_disk, "mount", refuse)
     chown_tree(ws, settings.sandbox_host_uid, settings.sandbox_host_uid)
     [slot] = _fill(podman_boxes, backend, _template(default_image, ws), 1)
     spec = _template(default_image, ws).replace(name=f"agentbox-pdisk-{why}-{os.getpid()}")

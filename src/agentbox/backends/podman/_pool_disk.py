@@ -154,8 +154,6 @@ class PrebuiltDisk(WorkspaceDisk):
         self._data_dir = settings.data_dir
         self._slot = slot
         self._staged = staged if isinstance(staged, dict) else None
-        #: Whether the last :meth:`mount` used the staged disk (for tests and the log).
-        self.prebuilt = False
 
     def mount(self) -> None:
         staged, self._staged = self._staged, None
@@ -179,7 +177,6 @@ class PrebuiltDisk(WorkspaceDisk):
         except BaseException:
             drop(self._data_dir, self._slot)
             raise
-        self.prebuilt = True
 
     def _fill(self, image: Path, stage: Path, dev: int) -> None:
         if self.image.exists() or self.record.exists():
@@ -221,8 +218,13 @@ class PrebuiltDisk(WorkspaceDisk):
         image.rename(self.image)
         try:
             mount(stage, Path(f"/proc/{os.getpid()}/fd/{under}"), MS_MOVE)
-        except OSError as exc:
-            raise SandboxError(f"cannot move the workspace disk: {exc}", sandbox=self.name) from exc
+        except OSError as exc:  # (a data dir on a shared mount refuses it): undo, mkfs
+            self.image.unlink(missing_ok=True)
+            self.record.unlink(missing_ok=True)
+            self._created = False
+            self._under = None
+            os.close(under)
+            raise _NoFastCopy(f"cannot move the staged disk: {exc}") from exc
         self._mounted = True
         with contextlib.suppress(OSError):
             stage.rmdir()
