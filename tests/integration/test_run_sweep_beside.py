@@ -156,3 +156,61 @@ def test_a_refused_request_is_still_swept_and_says_why(
     with pytest.raises(AgentboxError, match="no-such-repo"):
         _run._foreground(req, None, as_json=True)
     assert swept == [False]  # at once: there is no task to wait for
+
+
+def test_with_a_launcher_service_answering_the_run_leaves_the_sweep_to_it(
+    fake: type[FakeBackend],
+    repo: Path,
+    settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: Any,
+) -> None:
+    """A service sweeps every minute itself (launcher._server.Sweeper): the run's own
+    sweep would be a second one, its podman listings on the task's start."""
+    import socket
+
+    from agentbox.launcher import socket_path
+
+    swept: list[bool] = []
+    monkeypatch.setattr(Launcher, "reconcile", lambda self, *, adopt=True: swept.append(adopt))
+    path = socket_path(settings.data_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with socket.socket(socket.AF_UNIX) as service:
+        service.bind(str(path))
+        service.listen(8)
+        try:
+            code = _run_in_foreground(repo)
+        finally:
+            path.unlink()
+    assert code == 0, capsys.readouterr()
+    assert swept == []
+    # No service: the run sweeps, as before.
+    assert _run_in_foreground(repo) == 0
+    assert swept == [False]
+
+
+def test_a_launcher_service_sweeps_every_so_often_and_a_failed_sweep_is_logged(
+    capsys: Any,
+) -> None:
+    from agentbox.core.wait import wait_until
+    from agentbox.launcher._server import SWEEP_NICE, Sweeper
+
+    calls: list[int] = []
+
+    class _Launcher:
+        draining = False
+
+        def reconcile(self) -> list[str]:
+            calls.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            if len(calls) == 1:
+                raise SandboxError("podman ps failed: cannot connect", sandbox="-")
+            return []
+
+    sweeper = Sweeper(_Launcher(), every=0.05).start()  # type: ignore[arg-type]
+    try:
+        wait_until(lambda: len(calls) >= 3, timeout=60,
+                   on_timeout=lambda: AssertionError("the service swept no more"))  # fmt: skip
+    finally:
+        sweeper.stop()
+    assert set(calls) == {SWEEP_NICE}
+    assert "orphan sweep failed" in capsys.readouterr().err

@@ -155,7 +155,7 @@ def register(app: typer.Typer) -> None:
                       overrides=overrides, budget_split=budget_split)  # fmt: skip
         if detach:
             _detach(settings, req, as_json=as_json)
-        _foreground(req, box, as_json=as_json, overrides=overrides, push=push)
+        _foreground(req, box, as_json=as_json, overrides=overrides, push=push, settings=settings)
 
     @app.command("resume")
     def resume(
@@ -206,7 +206,7 @@ def register(app: typer.Typer) -> None:
         _show_flagged(prev.id, flagged)
         if detach:
             _detach(settings, req, as_json=as_json)
-        _foreground(req, None, as_json=as_json)
+        _foreground(req, None, as_json=as_json, settings=settings)
 
 
 def _flagged_of(launcher: Any, task_id: str) -> list[Any]:
@@ -333,6 +333,7 @@ def _foreground(
     as_json: bool,
     overrides: dict[str, str] | None = None,
     push: PushRequest | None = None,
+    settings: Settings | None = None,
 ) -> None:
     """Run the task in this process and follow it; with ``push``, once it is done with a
     result, push it and open the pull request (``run --pr``).
@@ -344,7 +345,7 @@ def _foreground(
     from agentbox.cli._client import in_process
     from agentbox.cli.reap import exit_on_signals
 
-    launcher = in_process()
+    launcher = in_process(settings=settings)
     # TERM, HUP, … act like Ctrl-C (cancel, collect the partial result); a SIGKILL
     # is answered by the task's watchdog, which reaps the sandbox and the gateway,
     # and the task is settled by the next launcher (or `agentbox wait`/`show`).
@@ -471,6 +472,8 @@ def _sweep_beside(launcher: Any, task: _Submitted) -> threading.Thread:
     def sweep() -> None:
         try:
             _low_priority()
+            if _service_sweeps(launcher.settings):
+                return
             _wait_for_the_sandbox(launcher, task)
             launcher.reconcile(adopt=False)
         except Exception as exc:  # the sweep is housekeeping: never the task's failure
@@ -479,6 +482,17 @@ def _sweep_beside(launcher: Any, task: _Submitted) -> threading.Thread:
     thread = threading.Thread(target=sweep, name="agentbox-orphan-sweep")
     thread.start()
     return thread
+
+
+def _service_sweeps(settings: Settings) -> bool:
+    """A launcher service answers for this data dir (a served command's always does): it
+    sweeps orphans itself, every minute, off any task's path
+    (:class:`agentbox.launcher._server.Sweeper`), and takes over what a dead launcher
+    left; this run's sweep would be a second one, on its own task's start."""
+    from agentbox.core.wait import socket_accepts
+    from agentbox.launcher import socket_path
+
+    return socket_accepts(socket_path(settings.data_dir))
 
 
 #: The nice value of the orphan sweep's thread: ~10% of a core against nice-0 work.

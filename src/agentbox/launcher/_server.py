@@ -422,6 +422,7 @@ def serve(
     keeper: PoolKeeper | None = None
     boxes: BoxKeeper | None = None
     front: FrontKeeper | None = None
+    sweeper: Sweeper | None = None
     link_id: tuple[int, int] | None = None
     mode: list[StopMode] = ["leave"]
     try:
@@ -431,6 +432,7 @@ def serve(
         if settled:
             log.warning("reconciled tasks of a previous launcher", tasks=settled)
         keeper = start_pool(launcher.settings)  # after the orphan sweep: a warm pool
+        sweeper = Sweeper(launcher).start()  # and again every SWEEP_EVERY seconds
         _clear_stale(path)
         listener = bind_socket(path)
         st = os.lstat(path)
@@ -458,6 +460,8 @@ def serve(
         _remove_if_ours(path, sock_id)
         # Left (re-adopted by the next launcher), drained or cancelled: as told.
         try:
+            if sweeper is not None:
+                sweeper.stop()
             if front is not None:
                 front.stop()
             if boxes is not None:
@@ -467,6 +471,52 @@ def serve(
             launcher.stop(mode[0])
         finally:
             lock.release()
+
+
+#: Seconds between two orphan sweeps of a running service (``reconcile``: the tasks of
+#: a launcher that died taken over, orphan sandboxes and gateways removed). A foreground
+#: ``agentbox run`` leaves its own sweep to the service when one answers
+#: (:mod:`agentbox.cli._run`): on a task's path its podman and docker listings compete
+#: with the agent's start for the cores.
+SWEEP_EVERY = 60.0
+#: The sweeps' nice value (the thread's own; the listings it starts inherit it).
+SWEEP_NICE = 10
+
+
+class Sweeper:
+    """The service's orphan sweep every :data:`SWEEP_EVERY` seconds, on a thread of its
+    own at :data:`SWEEP_NICE`; a sweep that fails is logged and the next one comes."""
+
+    def __init__(self, launcher: Launcher, every: float = SWEEP_EVERY) -> None:
+        self.launcher, self.every = launcher, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="agentbox-sweep", daemon=True)
+
+    def start(self) -> Sweeper:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            os.setpriority(
+                os.PRIO_PROCESS, tid, max(SWEEP_NICE, os.getpriority(os.PRIO_PROCESS, tid))
+            )
+        while not self._stop.wait(self.every):
+            if self.launcher.draining:
+                continue
+            try:
+                settled = self.launcher.reconcile()
+            except Exception as exc:  # housekeeping: the next sweep tries again
+                log.warning("orphan sweep failed", error=str(exc)[-500:])
+                continue
+            if settled:
+                log.warning("reconciled tasks of a launcher that died", tasks=settled)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
 
 #: The signal ``agentbox launcher stop`` sends for each way of stopping.
