@@ -19,6 +19,7 @@ and its queued ones queued, for the next launcher.
 from __future__ import annotations
 
 import builtins
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -27,12 +28,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Literal
 
 from agentbox.boxfile import Boxfile
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
-from agentbox.core.paths import TaskPaths, new_task_id, private_data_dir, validate_task_id
+from agentbox.core.paths import (
+    TaskPaths,
+    check_inside,
+    new_task_id,
+    private_data_dir,
+    validate_task_id,
+)
 from agentbox.env import COMMITTED_BOXFILE, check_env_policy, committed_boxfile, with_overrides
 from agentbox.errors import (
     AgentboxError,
@@ -169,16 +177,22 @@ class Launcher:
         if self.draining or self._closed:
             raise RefusedError("the launcher is stopping (draining): it takes no new task")
         registry = load_registry(self.settings)
-        v = validate(request, self.settings, registry, boxfile=boxfile)
+        with concurrent.futures.ThreadPoolExecutor(1) as side:
+            # The repo's own .agentbox/Boxfile.toml, from its commit (never the work tree),
+            # looked up beside the validation's git questions (all read-only; its answer
+            # taken only for the repo the validation then found); a client over the socket
+            # (MCP delegate) can never pass a Boxfile of its own.
+            committed = None if boxfile is not None else side.submit(self._committed, request)
+            v = validate(request, self.settings, registry, boxfile=boxfile)
         check_local_upstream(registry.get(v.model))  # a local model server that is down
         source = "the --boxfile"
-        if boxfile is None:
-            # The repo's own .agentbox/Boxfile.toml, from its commit (never the work tree);
-            # a client over the socket (MCP delegate) can never pass a Boxfile of its own.
-            boxfile = committed_boxfile(v.repo, self.settings, git_readonly)
+        if committed is not None:
+            looked_in, boxfile = committed.result()
+            if looked_in != v.repo:  # the path resolved elsewhere meanwhile: ask again
+                boxfile = committed_boxfile(v.repo, self.settings, git_readonly)
             source = f"the repo's {COMMITTED_BOXFILE}" if boxfile else "the host's defaults"
             if boxfile is not None:
-                v = validate(request, self.settings, registry, boxfile=boxfile)
+                v = validate(request, self.settings, registry, boxfile=boxfile, repo_checked=v.repo)
         if overrides:
             base = boxfile or Boxfile.from_dict({}, settings=self.settings)
             boxfile = with_overrides(base, overrides, source=source)
@@ -230,6 +244,17 @@ class Launcher:
         log.info("task queued", task_id=v.task_id, repo=str(v.repo), model=v.model, caller=caller)
         self._enqueue(v.task_id)
         return self.get(v.task_id)
+
+    def _committed(self, request: TaskRequest) -> tuple[Path | None, Boxfile | None]:
+        """The Boxfile committed in ``request``'s repo, and the directory asked (None: the
+        path is not one validation takes; its refusal is validation's to say)."""
+        try:
+            real = check_inside(self.settings.repos_root, Path(request.repo), what="repo")
+        except (AgentboxError, OSError, ValueError):
+            return None, None
+        if not (real / ".git").exists():
+            return None, None
+        return real, committed_boxfile(real, self.settings, git_readonly)
 
     def submit_group(
         self,

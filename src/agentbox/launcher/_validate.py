@@ -11,7 +11,9 @@ Nothing on disk is created or changed here (git runs read-only, with
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,21 @@ class Validated:
     budget_usd: float | None = None
 
 
+#: ``git`` as found along each ``PATH`` (PATH -> its absolute path): found once, not by
+#: every git process's exec trying each directory before it (~/.cargo/bin, pyenv shims).
+_git_at: dict[str, str] = {}
+
+
+def git_path(path: str) -> str:
+    """The ``git`` that an exec along ``path`` runs (as execvp finds it), else ``git``."""
+    found = _git_at.get(path)
+    if found is None:
+        found = shutil.which("git", path=path) or "git"
+        if os.path.isabs(found):  # noqa: PTH117 (a str from which, kept a str)
+            _git_at[path] = found
+    return found
+
+
 def git_readonly(repo: Path, *args: str, timeout: float = 60) -> _proc.Result:
     """Run git in the user's repo without writing to it and without its hooks or fsmonitor."""
     env = {
@@ -65,7 +82,7 @@ def git_readonly(repo: Path, *args: str, timeout: float = 60) -> _proc.Result:
         "LC_ALL": "C",
     }
     argv = [
-        "git",
+        git_path(env["PATH"]),
         "-c",
         f"safe.directory={repo}",
         "-c",
@@ -100,21 +117,28 @@ def _check_repo(settings: Settings, repo: str, include_uncommitted: bool) -> Pat
         raise PathRefused("the repo is not a directory", path=repo)
     if not (real / ".git").exists():
         raise PathRefused("not a git repository (no .git at its top)", path=repo)
-    try:
-        # One process: the top level, then HEAD's commit (a repo without one fails).
-        top = git_readonly(
-            real, "rev-parse", "--show-toplevel", "--verify", "--quiet", "HEAD^{commit}"
-        ).stdout.partition("\n")[0]
-    except CommandError as exc:
-        raise PathRefused("not a git repository with a commit", path=repo) from exc
-    if Path(top).resolve() != real:
-        raise PathRefused(f"the repo's top level is {top}, not this directory", path=repo)
-    if not include_uncommitted:
-        status = git_readonly(real, "status", "--porcelain", "--untracked-files=no").stdout
-        if status.strip():
-            raise UncommittedChanges(
-                f"the repo {real} has uncommitted changes; commit them or include them"
-            )  # each front end adds its option's name (UncommittedChanges.with_option)
+    # status beside rev-parse (both only read the repo): one git process's wait fewer.
+    # Its answer is used only once rev-parse said the repo is what we take it for.
+    with concurrent.futures.ThreadPoolExecutor(1) as side:
+        asked = (
+            None
+            if include_uncommitted
+            else side.submit(git_readonly, real, "status", "--porcelain", "--untracked-files=no")
+        )
+        try:
+            # One process: the top level, then HEAD's commit (a repo without one fails).
+            top = git_readonly(
+                real, "rev-parse", "--show-toplevel", "--verify", "--quiet", "HEAD^{commit}"
+            ).stdout.partition("\n")[0]
+        except CommandError as exc:
+            raise PathRefused("not a git repository with a commit", path=repo) from exc
+        if Path(top).resolve() != real:
+            raise PathRefused(f"the repo's top level is {top}, not this directory", path=repo)
+        status = "" if asked is None else asked.result().stdout
+    if status.strip():  # asked only without include_uncommitted
+        raise UncommittedChanges(
+            f"the repo {real} has uncommitted changes; commit them or include them"
+        )  # each front end adds its option's name (UncommittedChanges.with_option)
     return real
 
 
@@ -129,8 +153,11 @@ def validate(
     registry: Registry,
     *,
     boxfile: Boxfile | None = None,
+    repo_checked: Path | None = None,
 ) -> Validated:
-    """Check ``req`` against this host; raise a RefusedError before anything is created."""
+    """Check ``req`` against this host; raise a RefusedError before anything is created.
+    ``repo_checked``: the repo as an earlier validation of this request found it (its
+    git questions are not asked again: validated again with the repo's own Boxfile)."""
     task_id = validate_task_id(req.task_id) if req.task_id is not None else new_task_id()
     if not req.task.strip() or len(req.task) > MAX_TASK_CHARS or "\0" in req.task:
         raise PolicyRefused(f"the task text must be 1..{MAX_TASK_CHARS} characters, without NUL")
@@ -166,7 +193,7 @@ def validate(
             f"deadline must be {MIN_DEADLINE:g}..{MAX_DEADLINE:g} s, got {deadline:g}"
         )
     try:
-        repo = _check_repo(settings, req.repo, req.include_uncommitted)
+        repo = repo_checked or _check_repo(settings, req.repo, req.include_uncommitted)
     except CommandError as exc:
         raise PathRefused(f"cannot inspect the repo: {exc}", path=req.repo) from exc
     except AgentboxError:
