@@ -411,27 +411,51 @@ class _Cancelled(Exception):
     pass
 
 
-def _stop_at_end(gateway: GatewayHandle, marker: Path, task_id: str) -> threading.Event:
+class _StopAtEnd:
     """Stop the task's gateway as soon as its follower has recorded the sandbox's end
     (``marker``: written once every process of the sandbox is gone, before the disk is
-    copied back and the sandbox removed), beside those steps instead of after them. Set
-    the returned event to give up (the follow ended without a marker: the caller's own
-    stop in its ``finally`` stays the one that counts; a second stop is a no-op)."""
-    over = threading.Event()
+    copied back and the sandbox removed), beside those steps instead of after them.
 
-    def run() -> None:
+    :meth:`done` (the follow is over) gives up if the end was never seen, else waits for
+    that stop to finish: the caller's own stop after it then finds the gateway gone and
+    sends nothing (a second SIGTERM reaching a gateway past its graceful shutdown's
+    handlers would kill it before it wrote its usage).
+    """
+
+    def __init__(self, gateway: GatewayHandle, marker: Path, task_id: str) -> None:
+        self.gateway, self.marker, self.task_id = gateway, marker, task_id
+        self._lock = threading.Lock()
+        self._over = False
+        self._claimed = False
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"agentbox-gwstop-{task_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
         try:
-            with Wake(None, marker.parent) as wake:
-                while not over.is_set():
-                    if marker.exists():
-                        gateway.stop(grace=3.0)
-                        return
+            with Wake(None, self.marker.parent) as wake:
+                while True:
+                    with self._lock:
+                        if self._over:
+                            return
+                        if self.marker.exists():
+                            self._claimed = True
+                            break
                     wake.wait(0.5)  # the marker's rename into the log dir wakes it at once
+            self.gateway.stop(grace=3.0)
         except Exception as exc:  # best effort: the caller stops the gateway anyway
-            log.debug("early gateway stop failed", task_id=task_id, error=str(exc)[-300:])
+            log.debug("early gateway stop failed", task_id=self.task_id, error=str(exc)[-300:])
+        finally:
+            self._stopped.set()
 
-    threading.Thread(target=run, name=f"agentbox-gwstop-{task_id}", daemon=True).start()
-    return over
+    def done(self) -> None:
+        with self._lock:
+            self._over = True
+            claimed = self._claimed
+        if claimed:
+            self._stopped.wait()  # bounded: the stop's grace, then its kill
 
 
 def _run_detached(
@@ -471,7 +495,7 @@ def _run_detached(
         raise _Cancelled
     ctx.tlog(f"running claude in sandbox {spec.name}, detached (deadline {row.deadline:g}s)")
     backend.launch(spec, argv, log=log_path)
-    over = _stop_at_end(gateway, exit_marker(log_path), row.id)
+    early_stop = _StopAtEnd(gateway, exit_marker(log_path), row.id)
     gateway_failed: GatewayError | None = None
     try:
         try:
@@ -489,7 +513,7 @@ def _run_detached(
             deadline_at=started + row.deadline,
         )
     finally:
-        over.set()
+        early_stop.done()
     if gateway_failed is not None:
         return "failed", f"the task's gateway did not start: {gateway_failed}"[:4000], outcome[2]
     return outcome
