@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -158,7 +159,7 @@ def test_a_refused_request_is_still_swept_and_says_why(
     assert swept == [False]  # at once: there is no task to wait for
 
 
-def test_with_a_launcher_service_answering_the_run_leaves_the_sweep_to_it(
+def test_with_a_launcher_service_running_the_run_leaves_the_sweep_to_it(
     fake: type[FakeBackend],
     repo: Path,
     settings: Settings,
@@ -167,21 +168,26 @@ def test_with_a_launcher_service_answering_the_run_leaves_the_sweep_to_it(
 ) -> None:
     """A service sweeps every minute itself (launcher._server.Sweeper): the run's own
     sweep would be a second one, its podman listings on the task's start."""
-    import socket
+    from agentbox.launcher._server import LOCK_NAME, RUN_DIR
 
-    from agentbox.launcher import socket_path
-
+    assert (RUN_DIR, LOCK_NAME) == _run.SERVICE_LOCK
     swept: list[bool] = []
     monkeypatch.setattr(Launcher, "reconcile", lambda self, *, adopt=True: swept.append(adopt))
-    path = socket_path(settings.data_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with socket.socket(socket.AF_UNIX) as service:
-        service.bind(str(path))
-        service.listen(8)
-        try:
-            code = _run_in_foreground(repo)
-        finally:
-            path.unlink()
+    run_dir = settings.data_dir / RUN_DIR
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The service's lock, as a service holds it, in a process of its own.
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from pathlib import Path; from agentbox.launcher._server import "
+         "InstanceLock; InstanceLock(Path(sys.argv[1])); print('held', flush=True); "
+         "sys.stdin.read()", str(run_dir / LOCK_NAME)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        code = _run_in_foreground(repo)
+    finally:
+        holder.communicate("")
     assert code == 0, capsys.readouterr()
     assert swept == []
     # No service: the run sweeps, as before.

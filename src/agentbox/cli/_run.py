@@ -484,15 +484,31 @@ def _sweep_beside(launcher: Any, task: _Submitted) -> threading.Thread:
     return thread
 
 
+#: The launcher service's lock under the data dir, an ``flock`` held for its life
+#: (:class:`agentbox.launcher._server.InstanceLock`: ``RUN_DIR``/``LOCK_NAME``).
+SERVICE_LOCK = ("run", "launcher.lock")
+
+
 def _service_sweeps(settings: Settings) -> bool:
-    """A launcher service answers for this data dir (a served command's always does): it
+    """A launcher service runs for this data dir (a served command's always does): it
     sweeps orphans itself, every minute, off any task's path
     (:class:`agentbox.launcher._server.Sweeper`), and takes over what a dead launcher
-    left; this run's sweep would be a second one, on its own task's start."""
-    from agentbox.core.wait import socket_accepts
-    from agentbox.launcher import socket_path
+    left; this run's sweep would be a second one, on its own task's start.
 
-    return socket_accepts(socket_path(settings.data_dir))
+    Told by its lock in ``/proc/locks``: neither a connection to the service (its
+    answer, in its process, competed with the task's start) nor an import of its
+    server (uvicorn, starlette) in this one."""
+    try:
+        st = settings.data_dir.joinpath(*SERVICE_LOCK).stat()
+        locks = Path("/proc/locks").read_text()
+    except OSError:
+        return False
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in locks.splitlines():
+        f = line.split()  # 1: FLOCK  ADVISORY  WRITE 1234 fe:00:15346791 0 EOF
+        if len(f) >= 6 and f[1] == "FLOCK" and f[3] == "WRITE" and f[5] == inode:
+            return True
+    return False
 
 
 #: The nice value of the orphan sweep's thread: ~10% of a core against nice-0 work.
