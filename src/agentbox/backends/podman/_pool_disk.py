@@ -90,6 +90,7 @@ def make(settings: Settings, slot: str, limit: DiskLimit) -> dict[str, Any]:
         try:
             with contextlib.suppress(OSError):  # mkfs made it; a copy has none
                 os.rmdir("lost+found", dir_fd=top)
+            os.fchmod(top, 0o700)  # root's until a claim gives it the workspace's owner
             dev = os.fstat(top).st_dev
         finally:
             os.close(top)
