@@ -91,6 +91,10 @@ PREBUILT = (
 REQUEST_TIMEOUT = 10.0
 #: Seconds before a waiter pair is forked again after one could not be, or ended at once.
 PAIR_RETRY = 0.5
+#: Seconds after a command took its pair before the next pair is forked, unless a caller
+#: is waiting already: past the command's own start (its parse, validation, and for a
+#: ``run`` its sandbox's and its agent's start), which the forks would compete with.
+PAIR_AFTER = 2.0
 
 
 def preload(names: tuple[str, ...] = PRELOAD) -> dict[str, tuple[int, int]]:
@@ -252,6 +256,16 @@ def main(argv: list[str] | None = None) -> NoReturn:
         os.close(took_r)
         if not took and time.monotonic() - forked < PAIR_RETRY:
             time.sleep(PAIR_RETRY)  # a pair that ended at once (no connection taken): no loop
+        if took:
+            # The next pair once the command that took this one has started (two forks of
+            # this heap and their page copies would compete with it for the cores), or at
+            # once when the next caller is already waiting.
+            with contextlib.suppress(InterruptedError):
+                ready, _, _ = select.select([listener.fileno(), parent], [], [], PAIR_AFTER)
+                if parent in ready:
+                    with contextlib.suppress(OSError):
+                        args.socket.unlink()
+                    os._exit(0)
 
 
 def _warm_image(image: str | None) -> str | None:
