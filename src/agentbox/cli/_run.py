@@ -112,7 +112,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Delegate TASK to Claude Code in a sandbox; print the report and the branch's diff."""
         text = _task_text(task, task_file)
-        settings = load_settings()
+        settings = _settings()
         if pr and (detach or no_publish):
             raise PolicyRefused(
                 "--pr goes with a foreground run that publishes; for a detached or "
@@ -189,7 +189,7 @@ def register(app: typer.Typer) -> None:
         from agentbox.cli._client import in_process
 
         text = _task_text(task, task_file)
-        settings = load_settings()
+        settings = _settings()
         launcher = in_process(1, settings)
         try:
             prev = launcher.get(validate_task_id(previous))
@@ -207,6 +207,15 @@ def register(app: typer.Typer) -> None:
         if detach:
             _detach(settings, req, as_json=as_json)
         _foreground(req, None, as_json=as_json, settings=settings)
+
+
+def _settings() -> Settings:
+    """The settings: in a command the front end forked, those it loaded as it became this
+    command (the caller's environment and config file, moments ago: checked to name the
+    front end's data dir), not loaded a second time; else :func:`load_settings`."""
+    child = sys.modules.get("agentbox.front._child")
+    checked = getattr(child, "checked_settings", None)
+    return checked if isinstance(checked, Settings) else load_settings()
 
 
 def _flagged_of(launcher: Any, task_id: str) -> list[Any]:

@@ -347,10 +347,19 @@ def _fresh_consoles() -> None:
     remake_all()
 
 
+#: The caller's settings as :func:`_check_settings` loaded them (None until then): the
+#: command takes them (``agentbox run``) instead of loading them again.
+checked_settings: Any = None
+
+
 def _check_settings(data_dir: Path) -> None:
     """The caller's settings (its environment, its config file) name this server's data dir."""
+    global checked_settings
     from agentbox.config import load_settings
 
-    theirs = load_settings().data_dir
-    if theirs != data_dir:
-        raise ValueError(f"the caller's data dir is {theirs}, this front end's {data_dir}")
+    settings = load_settings()
+    if settings.data_dir != data_dir:
+        raise ValueError(
+            f"the caller's data dir is {settings.data_dir}, this front end's {data_dir}"
+        )
+    checked_settings = settings
