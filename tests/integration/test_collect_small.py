@@ -86,3 +86,44 @@ def test_an_unchanged_workspace_starts_no_git_and_makes_no_branch(
     got = collect(p.ws, p.shadow, p.index, p.base, task_id="t-same", message="m")
     assert not got.changed and got.branch == "" and got.diff == ""
     assert not [a for a in ran if "diff-files" in a], ran
+
+
+def _loose(shadow: Path) -> set[str]:
+    objects = shadow / "objects"
+    return {f"{d.name}{f.name}" for d in objects.iterdir() if len(d.name) == 2 for f in d.iterdir()}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="re-owning the workspace's files needs root")
+def test_files_whose_stat_alone_changed_are_no_change(
+    tmp_path: Path, judge: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every file re-owned after the base was saved (what a pool claim does to hand the
+    workspace to its sandbox's uid: each ctime moves) and one rewritten with its own
+    bytes: each is read, found to be the base's blob, and left out (no blob stored, no
+    base tree fetched); a real edit among them is still the change."""
+    repo = make_repo(tmp_path / "repo", FILES)
+    p = prepare_in(tmp_path / "task", repo)
+    for path in [p.ws / name for name in FILES]:
+        os.chown(path, 12345, 12345)
+    (p.ws / "d.txt").write_text("dddd\n")  # the same bytes again
+    before = _loose(p.shadow)
+    fetched: list[list[bytes]] = []
+    real = collect_mod.prefetch
+
+    def spy(shadow: object, tree: str, paths: list[bytes], *a: object) -> object:
+        fetched.append(list(paths))
+        return real(shadow, tree, paths, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(collect_mod, "prefetch", spy)
+    got = collect(p.ws, p.shadow, p.index, p.base, task_id="t-owner", message="m")
+    assert not got.changed, got
+    assert got.files_read == len(FILES)  # each was read: its stat said it may have changed
+    assert _loose(p.shadow) == before
+    # No base tree fetched above them (git's oracle fetches above what it names, meanwhile).
+    assert fetched[-1] == [], fetched
+    if judge == "own lstat":
+        assert all(paths == [] for paths in fetched), fetched
+    (p.ws / "src/c.py").write_text("C = 2\n")
+    got = collect(p.ws, p.shadow, p.index, p.base, task_id="t-owner", message="m")
+    assert got.changed and got.diffstat.files_changed == 1, got
+    assert git(p.repo, "--git-dir", str(p.shadow), "show", f"{got.commit}:src/c.py") == "C = 2\n"

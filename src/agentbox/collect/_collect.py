@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from agentbox.collect._git import ShadowGit
+from agentbox.collect._index import base_entries
 from agentbox.collect._model import Base, Collected, DiffStat, Limits
 from agentbox.collect._objects import BlobWriter
 from agentbox.collect._statcache import (
@@ -118,9 +119,17 @@ def _ignored(shadow: ShadowGit, workspace: Path, new: list[str]) -> set[str] | N
 
 
 def _read_changed(
-    w: Walk, tree: Tree, blobs: BlobWriter, until: float
+    w: Walk,
+    tree: Tree,
+    blobs: BlobWriter,
+    until: float,
+    base: dict[bytes, tuple[int, str]] | None = None,
 ) -> dict[bytes, tuple[int, str]]:
     """Store every entry of ``w.changed`` as a blob; return {path: (mode, blob id)}.
+
+    ``base`` (the base index's entries, see :func:`base_entries`): an entry whose mode and
+    blob id are the base's (its stat changed, not its content: a chown, a rewrite of the
+    same bytes) is left out, neither stored nor returned: the tree is the same without it.
 
     Counts into ``w.files_read``/``w.bytes_read``; the caps (total size, number of
     changed files) span calls. Past ``until`` (``time.monotonic``), or past the
@@ -157,7 +166,10 @@ def _read_changed(
             continue
         w.bytes_read += len(data)
         w.files_read += 1
-        updates[relb] = (gm, blobs.write(data))
+        oid = blobs.hash(data)
+        if base is not None and base.get(relb) == (gm, oid):
+            continue  # the base's own blob and mode: no change
+        updates[relb] = (gm, blobs.write(data, oid=oid))
     return updates
 
 
@@ -381,10 +393,13 @@ def collect(
                 w.note(".gitignore", "a .gitignore is not a regular file: ignore rules not applied")
             elif new:
                 ignoring = pool.submit(_ignored, shadow, workspace, [c[0] for c in new])
-            paths = [os.fsencode(c[0]) for c in [*w.changed, *new]] + deletions
-            fetching = pool.submit(prefetch, shadow, base.tree, paths, fmt, trees)
             until = started + limits.max_seconds
-            updates = _read_changed(w, tree, objects, until)
+            # The tracked files first: those whose blob is the base's are no change, and
+            # the base trees are fetched (meanwhile) only above what is left.
+            same = base_entries(base_index, fmt) if w.changed else None
+            updates = _read_changed(w, tree, objects, until, same)
+            paths = [*updates, *(os.fsencode(c[0]) for c in new), *deletions]
+            fetching = pool.submit(prefetch, shadow, base.tree, paths, fmt, trees)
             ignored = ignoring.result() if ignoring is not None else set()
             if ignored is None:
                 w.note(".gitignore", "git check-ignore failed: ignore rules not applied")

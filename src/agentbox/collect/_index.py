@@ -65,3 +65,45 @@ def fill_stat(index: Path, stats: dict[bytes, os.stat_result], object_format: st
     tmp.write_bytes(buf)
     tmp.rename(index)
     return filled
+
+
+#: A base index at most this size is read for its entries' ids (about a millisecond):
+#: collection then drops a file it read whose blob is the base's (see :func:`base_entries`).
+SMALL_INDEX = 64 * 1024
+
+
+def base_entries(index: Path, object_format: str) -> dict[bytes, tuple[int, str]] | None:
+    """``{path: (git mode, object id)}`` of the base index's entries (ours, from
+    ``read-tree``); None when it is larger than :data:`SMALL_INDEX` or not a v2/v3 index
+    (the caller then keeps every file it read as a change, as before)."""
+    hlen = 32 if object_format == "sha256" else 20
+    try:
+        if index.stat().st_size > SMALL_INDEX:
+            return None
+        buf = index.read_bytes()
+    except OSError:
+        return None
+    if buf[:4] != b"DIRC":
+        return None
+    version, count = struct.unpack_from(">II", buf, 4)
+    if version not in (2, 3):
+        return None
+    out: dict[bytes, tuple[int, str]] = {}
+    off = 12
+    try:
+        for _ in range(count):
+            start = off
+            flags_at = off + 40 + hlen
+            (flags,) = struct.unpack_from(">H", buf, flags_at)
+            name_at = flags_at + 2 + (2 if version == 3 and flags & 0x4000 else 0)
+            namelen = flags & 0xFFF
+            if namelen == 0xFFF:
+                namelen = buf.index(b"\0", name_at) - name_at
+            if not flags & 0x3000:  # stage 0 only (a read-tree index has no other)
+                (mode,) = struct.unpack_from(">I", buf, off + 24)
+                oid = buf[off + 40 : off + 40 + hlen].hex()
+                out[bytes(buf[name_at : name_at + namelen])] = (mode, oid)
+            off = start + ((name_at - start + namelen + 8) & ~7)
+    except (struct.error, ValueError):
+        return None
+    return out

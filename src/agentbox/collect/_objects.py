@@ -31,11 +31,12 @@ class BlobWriter:
         h.update(data)
         return h.hexdigest()
 
-    def write(self, data: bytes, kind: str = "blob") -> str:
-        """Store ``data`` as an object of ``kind`` (blob, tree, commit) and return its id."""
+    def write(self, data: bytes, kind: str = "blob", *, oid: str | None = None) -> str:
+        """Store ``data`` as an object of ``kind`` (blob, tree, commit) and return its id
+        (``oid``: that id, :meth:`hash` of the same ``data`` and ``kind`` made already)."""
         if kind not in ("blob", "tree", "commit"):
             raise ValueError(f"unknown object kind {kind!r}")
-        oid = self.hash(data, kind)
+        oid = oid or self.hash(data, kind)
         final = self.objects / oid[:2] / oid[2:]
         if final.exists():
             return oid
