@@ -588,9 +588,9 @@ class Sampler:
         if self.kind != "container":
             return None
         if self._conmon:
-            init = conmon_child(self.name)
-            if init is None and (cid := self._claimed_id()) is not None:
-                init = conmon_child(self.name, cid=cid)
+            # One scan of /proc: by the id a claim record names, else by the name.
+            cid = self._claimed_id()
+            init = conmon_child(self.name) if cid is None else conmon_child(self.name, cid=cid)
             if init is not None:
                 return Cgroup.of_pid(init)
         from agentbox.core import proc as _proc
