@@ -183,8 +183,8 @@ def test_a_prebuilt_cli_is_what_main_runs(monkeypatch: Any, capsys: Any) -> None
     group = cli._prebuilt
     assert group is not None and not isinstance(group.commands["run"], _Stub)
     for cmd in (group, group.commands["run"], *group.commands["launcher"].commands.values()):
-        for param in cmd.params:
-            assert getattr(param, "_runtime_param", True) is not None, (cmd.name, param.name)
+        for param in [*cmd.params, cmd._help_option]:
+            assert getattr(param, "_runtime_param", True) is not None, (cmd.name, param)
 
     def no_build(*_: object, **__: object) -> None:
         raise AssertionError("built again")

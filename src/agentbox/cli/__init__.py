@@ -106,7 +106,10 @@ def prebuild(names: tuple[str, ...]) -> None:
             todo.append(cmd)
     while todo:
         cmd = todo.pop()
-        for param in cmd.params:
+        # Its --help option too (made, and kept, at its first parse; named as its context,
+        # made with its settings, names it).
+        ctx = _click.Context(cmd, **cmd.context_settings)
+        for param in [*cmd.params, cmd.get_help_option(ctx)]:
             if hasattr(param, "get_runtime_param"):
                 param.get_runtime_param()
         todo.extend(getattr(cmd, "commands", {}).values())
