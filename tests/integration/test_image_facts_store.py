@@ -107,4 +107,24 @@ def test_the_front_end_warm_up_reads_the_facts_its_forks_use(
     _oci_args.forget_image(name)
     _oci_args.warm_image_facts(name)
     assert _in_a_fork_without_podman(name) == first
-    _oci_args.warm_image_facts("localhost/agentbox-facts-missing:1")  # raises nothing
+    missing = "localhost/agentbox-facts-missing:1"
+    _oci_args.warm_image_facts(missing)  # raises nothing
+    # Asked once while podman's image list is unchanged: no podman on each warm-up.
+    real, calls = _oci_args._inspect_image, []
+
+    def counted(image: str, **kw: object) -> object:
+        calls.append(image)
+        return real(image, **kw)  # type: ignore[arg-type]
+
+    _oci_args._inspect_image = counted  # type: ignore[assignment]
+    try:
+        _oci_args.warm_image_facts(missing)
+        assert calls == []
+        _podman("tag", first, missing)  # the list changed: asked again, and found
+        _oci_args.warm_image_facts(missing)
+        assert calls == [missing]
+        assert _in_a_fork_without_podman(missing) == first
+    finally:
+        _oci_args._inspect_image = real  # type: ignore[assignment]
+        subprocess.run(["podman", "untag", first, missing], capture_output=True, timeout=120)
+        _oci_args.forget_image(missing)

@@ -8,7 +8,6 @@ unchanged).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -202,9 +201,19 @@ def warm_image_facts(image: str) -> None:
             raise CommandError(tuple(argv), res.returncode, res.stderr, res.stdout)
         return _proc.Result(tuple(argv), res.returncode, res.stdout, res.stderr)
 
-    if _cached(image) is None:
-        with contextlib.suppress(ImageError, OSError, subprocess.SubprocessError):
-            _inspect_image(image, run=run)
+    if _cached(image) is not None:
+        return
+    sig = store_signature()
+    if sig is not None and _not_there.get(image) == sig:
+        return  # not there, and podman's image list unchanged since: asked again later
+    try:
+        _inspect_image(image, run=run)
+    except (ImageError, OSError, subprocess.SubprocessError):
+        _not_there[image] = sig
+
+
+#: Images :func:`warm_image_facts` found missing, with the image store's signature then.
+_not_there: dict[str, object] = {}
 
 
 def forget_image(image: str) -> None:
