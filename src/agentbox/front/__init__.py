@@ -4,9 +4,10 @@ A plain ``agentbox run`` spends half a second importing pydantic, typer, rich an
 our own modules before its task is even recorded. The
 launcher service (``agentbox launcher serve``) keeps a *fork server* beside it
 (:mod:`agentbox.front.server`, kept by :mod:`agentbox.launcher._front`): one
-process that imported all of that once, waits on ``<data_dir>/run/front.sock``
-(0600, the service's uid only) and, per command, forks a copy that becomes the
-caller's command.
+process that imported all of that once, listens on ``<data_dir>/run/front.sock``
+(0600, the service's uid only) and keeps a copy of itself forked ahead, which takes
+the next connection and becomes the caller's command (a fresh copy is forked for the
+one after).
 
 The ``agentbox`` console script is :func:`agentbox.front.client.entry`: a
 standard-library-only client that hands the server its argv, environment, working
