@@ -364,9 +364,13 @@ class PodmanDetached:
     def _remove_and_settle(self, name: str, conmon: psutil.Process | None) -> None:
         """After the exit file: ``podman rm`` off the caller's path (:mod:`._removals`,
         once conmon has run podman's cleanup and gone) while the disk is copied back now:
-        neither needs the other, and nothing of the task needs the container."""
-        _removals.remove_later(name, after=conmon)
-        self._settle(name, conmon, ended=True)
+        neither needs the other, and nothing of the task needs the container. The disk
+        first: the remover (a process, and its interpreter's start on the host's cores)
+        waits for conmon anyway, which outlives the copy back."""
+        try:
+            self._settle(name, conmon, ended=True)
+        finally:
+            _removals.remove_later(name, after=conmon)
 
 
 @contextlib.contextmanager
