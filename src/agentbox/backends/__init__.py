@@ -44,6 +44,7 @@ __all__ = [
     "slot_settings",
     "sweep_pools",
     "uid_slot",
+    "warm_image_facts",
 ]
 
 log = get_logger(__name__)
@@ -152,3 +153,11 @@ def settle_dead_disks(settings: Settings) -> list[str]:
     from agentbox.backends._wsdisk import settle_orphan_disks
 
     return settle_orphan_disks(settings)
+
+
+def warm_image_facts(image: str) -> None:
+    """Read ``image``'s facts (``podman image inspect``) ahead, for the processes this one
+    forks (:func:`agentbox.backends.oci._args.warm_image_facts`)."""
+    from agentbox.backends.oci._args import warm_image_facts as _warm
+
+    _warm(image)

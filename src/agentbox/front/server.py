@@ -275,7 +275,7 @@ def _warm_image(image: str | None) -> str | None:
     as found before), and read again only once podman's image list changed
     (:func:`agentbox.backends.oci._args.image_facts` holds them while it has not)."""
     try:
-        from agentbox.backends.oci._args import warm_image_facts
+        from agentbox.backends import warm_image_facts
 
         if image is None:
             from agentbox.config import load_settings

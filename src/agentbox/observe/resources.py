@@ -612,7 +612,7 @@ class Sampler:
     def _claimed_id(self) -> str | None:
         """The container id of the pool sandbox claimed under this name (its claim
         record, ``<data dir>/pool/claims/NAME.json``), or None: not a claimed one."""
-        from agentbox.backends.podman._pool_view import claim_record
+        from agentbox.backends.podman import claim_record
 
         rec = claim_record(self.task_root.parent.parent / "pool", self.name)
         cid = rec.get("id") if rec is not None else None

@@ -21,6 +21,7 @@ from agentbox.backends.oci._userns_limits import (
 )
 from agentbox.backends.podman._backend import PodmanBackend
 from agentbox.backends.podman._doctor import doctor_rows, facility
+from agentbox.backends.podman._pool_view import claim_record
 from agentbox.backends.podman._sandbox import PodmanSandbox
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "SANDBOX_CAPS",
     "PodmanBackend",
     "PodmanSandbox",
+    "claim_record",
     "conmon_cwd",
     "doctor_rows",
     "facility",
