@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from agentbox.backends._k8slog import exit_marker
 from agentbox.backends._uidslots import claim as claim_uid_slot
 from agentbox.backends._uidslots import reap as reap_uid_slots
 from agentbox.backends._uidslots import release as release_uid_slot
@@ -35,6 +36,7 @@ __all__ = [
     "Exited",
     "backend_class",
     "claim_uid_slot",
+    "exit_marker",
     "get_backend",
     "mark_bounded",
     "owned_sandboxes",

@@ -32,10 +32,8 @@ import threading
 import time
 from pathlib import Path
 
-from agentbox.backends import get_backend
-from agentbox.backends._k8slog import exit_marker
+from agentbox.backends import exit_marker, get_backend
 from agentbox.backends.base import Backend, BindMount, SandboxSpec
-from agentbox.backends.podman._wake import Wake
 from agentbox.boxfile import Boxfile
 from agentbox.collect import prepare
 from agentbox.config import Settings
@@ -83,6 +81,7 @@ from agentbox.launcher._workspace import (
     let_gofer_through,
     write_token,
 )
+from agentbox.linux.wake import Wake
 from agentbox.observe.resources import watch as watch_resources
 from agentbox.sandbox import image_of, spec_from_boxfile
 

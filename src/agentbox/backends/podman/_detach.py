@@ -82,11 +82,11 @@ from agentbox.backends.podman._exitfile import (
     wait_exited,
 )
 from agentbox.backends.podman._pool_view import pool_log, pool_view
-from agentbox.backends.podman._wake import Wake
 from agentbox.config import Settings
 from agentbox.core import proc as _proc
 from agentbox.core.log import get_logger
 from agentbox.errors import AgentboxError, CommandError, SandboxError, SandboxGone
+from agentbox.linux.wake import Wake
 
 logger = get_logger(__name__)
 
