@@ -139,6 +139,8 @@ def test_a_process_that_ends_leaves_its_removal_to_the_remover(
         assert out.strip() == f"followed 0 ['{name}']", "the removal was not pending at the return"
         assert _exists(name), "nothing to remove: the proof did not hold the removal back"
         assert len(_removers(name)) == 1, "the remover did not outlive its process"
+        # It and its podman rm run at a lower priority than the task's end (nice 0).
+        assert _removers(name)[0].nice() == _removals.REMOVER_NICE
     finally:
         gate.touch()
     end = time.monotonic() + 60  # a bound for a hang, not a speed target

@@ -54,9 +54,35 @@ def test_a_removal_starts_only_after_a_rename_to_the_same_name(spawned: list[str
     assert spawned == ["box-a"] and _removals.pending() == []
 
 
-def test_without_a_rename_the_remover_starts_at_once(spawned: list[str]) -> None:
+def test_the_remover_is_started_off_the_callers_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """remove_later returns before the remover's process is started (a thread starts it);
+    that thread is no daemon, so a process ending meanwhile waits for the start; and
+    wait() follows the removal from that thread to the one that watches the remover."""
+    started, finish = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    class Running:
+        returncode = 0
+
+        def communicate(self) -> tuple[bytes, bytes]:
+            finish.wait(30)
+            return b"", b""
+
+    def spawn(name: str, fd: int) -> Running:
+        started.wait(30)
+        calls.append(name)
+        return Running()
+
+    monkeypatch.setattr(_removals, "_spawn", spawn)
     _removals.remove_later("box-c")
-    assert spawned == ["box-c"], "the remover was not started before remove_later returned"
+    assert calls == [], "remove_later waited for the remover's start"
+    starters = [t for t in threading.enumerate() if t.name == "agentbox-rm-start-box-c"]
+    assert starters and not starters[0].daemon, "a process could end before the remover started"
+    assert _removals.pending() == ["box-c"]
+    started.set()
+    assert not _removals.wait("box-c", 0.3), "wait() returned while the remover still ran"
+    assert calls == ["box-c"]
+    finish.set()
     assert _removals.wait("box-c", 30) and _removals.pending() == []
 
 

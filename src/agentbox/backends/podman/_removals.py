@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import psutil
@@ -76,42 +77,57 @@ sys.exit(1)
 def remove_later(name: str, *, after: psutil.Process | None = None) -> None:
     """Start removing container ``name`` (``podman rm --force``) in a process of its
     own session, once process ``after`` (its conmon, finishing podman's cleanup) has
-    exited; a daemon thread of this process waits for it and logs a failure."""
-    with _lock:
-        renaming = name in _renames
-    if not renaming:
-        _track(name, _spawn(name, after))
-        return
+    exited; a daemon thread of this process waits for it and logs a failure.
 
-    def then() -> None:  # a pool claim's rename still under way (a task of < 0.3 s)
-        await_rename(name)
-        _watch(name, _spawn(name, after))
+    Returns at once: the remover is started by a thread (a process's start, 3-20 ms of
+    this one's on a busy host, was on the path from the sandbox's end to its task's
+    result), at nice :data:`REMOVER_NICE` (it and its ``podman rm`` no longer compete
+    with that path for the cores). The thread is not a daemon until the remover runs: a
+    process that ends meanwhile (:func:`agentbox.core.exit.end_process`) waits for the
+    start, never leaves the container unremoved for that."""
+    fd = -1
+    if after is not None:
+        with contextlib.suppress(OSError):  # gone already: nothing to wait for
+            fd = os.pidfd_open(after.pid)  # now: its pid cannot be another process's yet
 
-    thread = threading.Thread(target=then, name=f"agentbox-rm-{name}", daemon=True)
+    def start() -> None:
+        try:
+            await_rename(name)  # a pool claim's rename still under way (a task of < 0.3 s)
+            proc = _spawn(name, fd)
+        except BaseException:
+            with _lock:
+                if _pending.get(name) is threading.current_thread():
+                    del _pending[name]
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        _track(name, proc)
+
+    thread = threading.Thread(target=start, name=f"agentbox-rm-start-{name}", daemon=False)
     with _lock:
         _pending[name] = thread
         thread.start()
 
 
-def _spawn(name: str, after: psutil.Process | None) -> subprocess.Popen[bytes]:
-    fd = -1
-    if after is not None:
-        with contextlib.suppress(OSError):  # gone already: nothing to wait for
-            fd = os.pidfd_open(after.pid)
-    try:
-        argv = [sys.executable, "-I", "-S", "-c", _REMOVER, str(fd), name, f"{CONMON_EXIT_WAIT:g}"]
-        return subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            pass_fds=(fd,) if fd >= 0 else (),
-            start_new_session=True,  # outlives this process (and a Ctrl-C of its terminal)
-            env=_remover_env(),
-        )
-    finally:
-        if fd >= 0:
-            os.close(fd)
+#: The remover's nice value (its ``podman rm`` inherits it).
+REMOVER_NICE = 10
+
+
+def _spawn(name: str, fd: int) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-I", "-S", "-c", _REMOVER, str(fd), name, f"{CONMON_EXIT_WAIT:g}"]
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        pass_fds=(fd,) if fd >= 0 else (),
+        start_new_session=True,  # outlives this process (and a Ctrl-C of its terminal)
+        env=_remover_env(),
+    )
+    with contextlib.suppress(OSError):  # (a preexec_fn would cost the fork its vfork)
+        os.setpriority(os.PRIO_PROCESS, proc.pid, REMOVER_NICE)
+    return proc
 
 
 def _remover_env() -> dict[str, str]:
@@ -150,12 +166,21 @@ def pending() -> list[str]:
 
 def wait(name: str | None = None, timeout: float | None = None) -> bool:
     """Join the removal of ``name`` (every pending one when None); True once none of
-    them is pending (False: ``timeout`` passed first)."""
-    with _lock:
-        threads = [t for n, t in _pending.items() if name is None or n == name]
-    for thread in threads:
-        thread.join(timeout)
-    return not any(t.is_alive() for t in threads)
+    them is pending (False: ``timeout`` passed first). A removal's starter hands it to
+    its watcher thread: looked up again until none is left."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        with _lock:
+            threads = [t for n, t in _pending.items() if name is None or n == name]
+        if not threads:
+            return True
+        for thread in threads:
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
+        if end is not None and time.monotonic() >= end:
+            with _lock:
+                return not any(
+                    t.is_alive() for n, t in _pending.items() if name is None or n == name
+                )
 
 
 def rename_later(name: str, cid: str, rename: Callable[[], object]) -> None:
