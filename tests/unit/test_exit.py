@@ -47,3 +47,45 @@ def test_the_command_exits_with_its_status() -> None:
     assert ok.returncode == 0 and ok.stdout.startswith(b"agentbox ")
     bad = subprocess.run([sys.executable, "-m", "agentbox", "no-such-command"], capture_output=True)
     assert bad.returncode == 2 and b"No such command" in bad.stderr
+
+
+_ANNOUNCING = """
+import os, sys, time
+from agentbox.core.exit import announce_exit_to, end_process
+
+fd = int(sys.argv[1])
+announce_exit_to(fd)
+if os.fork() == 0:  # a fork of an announcing process ends without a word
+    end_process(9)
+os.wait()
+sys.stdout.write("its output\\n")
+end_process(7)
+"""
+
+
+def test_an_announcing_process_tells_its_status_once_its_output_is_let_go() -> None:
+    """A served command (agentbox.front) says its status on the waiter's pipe after its
+    output is flushed and its standard streams let go of, before ``os._exit``; a fork of
+    it says nothing."""
+    import os
+
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _ANNOUNCING, str(w)],
+            stdout=subprocess.PIPE,
+            pass_fds=(w,),
+        )
+        os.close(w)
+        w = -1
+        assert proc.stdout is not None
+        out = proc.stdout.read()  # EOF: the process let go of its stdout
+        told = os.read(r, 16)
+        assert out == b"its output\n"
+        assert told == bytes([7]), "the status was not told, or the fork told one too"
+        assert proc.wait(30) == 7
+        proc.stdout.close()
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)

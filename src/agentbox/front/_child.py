@@ -125,6 +125,8 @@ def become(
     go: int,
     data_dir: Path,
     channel: socket.socket | None = None,
+    *,
+    end: int | None = None,
 ) -> NoReturn:
     """Turn this fork into the caller's command, say so on ``ready``, and once the waiter
     says go on ``go``, run it (never returns). The caller's connection stays the
@@ -141,6 +143,8 @@ def become(
         keep: tuple[int, ...] = (ready, go)
         if channel is not None:
             keep += (channel.fileno(),)
+        if end is not None:
+            keep += (end,)
         os.setpgid(0, 0)  # a group of its own: a kill of the server's group is not the caller's
         _signals(req, posture)
         _join_mounts(posture["pid"])
@@ -160,6 +164,10 @@ def become(
         _fresh_streams(req)
         _fresh_consoles()
         _check_settings(data_dir)
+        if end is not None:  # the waiter hears the status before the teardown
+            from agentbox.core.exit import announce_exit_to
+
+            announce_exit_to(end)
     except Exception as exc:
         with contextlib.suppress(OSError):
             os.write(ready, f"cannot become the caller's process: {exc}"[:4000].encode())

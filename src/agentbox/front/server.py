@@ -451,31 +451,32 @@ def _serve(
     assert peer.pidfd is not None  # pinned_peer always pins
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    end_r, end_w = os.pipe2(os.O_CLOEXEC)  # the command's status, told before its teardown
     # The waiter holds the connection from here: it tells the client "started" (or
     # declines, if this process cannot become the command) and reports the end.
-    socket.send_fds(waiter, [b"c"], [conn.fileno(), peer.pidfd, ready_r, go_w])
-    for fd in (ready_r, go_w, waiter.detach()):
+    socket.send_fds(waiter, [b"c"], [conn.fileno(), peer.pidfd, ready_r, go_w, end_r])
+    for fd in (ready_r, go_w, end_r, waiter.detach()):
         os.close(fd)
     from agentbox.front._child import become
 
-    become(req, posture, conn, ready_w, go_r, data_dir, channel)  # never returns
+    become(req, posture, conn, ready_w, go_r, data_dir, channel, end=end_w)  # never returns
 
 
 def _report(command: socket.socket, pid: int) -> None:
     """The waiter's part: once its command took a connection and handed it over, tell
     the client the command started (when it says it is ready), and how it ended."""
     try:
-        _, fds, _, _ = socket.recv_fds(command, 1, 4)
+        _, fds, _, _ = socket.recv_fds(command, 1, 5)
     except OSError:
         fds = []
     command.close()
-    if len(fds) != 4:  # no connection taken (the server ended), or it was declined
+    if len(fds) != 5:  # no connection taken (the server ended), or it was declined
         for fd in fds:
             os.close(fd)
         os.waitpid(pid, 0)
         return
     conn = socket.socket(fileno=fds[0])
-    caller, ready_r, go_w = fds[1:]
+    caller, ready_r, go_w, end = fds[1:]
     with os.fdopen(ready_r, "rb") as ready, os.fdopen(go_w, "wb", buffering=0) as go:
         said = ready.read(4096)
         if said == b"ok":
@@ -484,34 +485,49 @@ def _report(command: socket.socket, pid: int) -> None:
             send_message(conn, {"started": pid})
             go.write(b"g")
     if said != b"ok":  # it ended, or ends now that go closed unsaid
+        os.close(end)
         _decline(conn, said.decode(errors="replace") or "the command could not start")
         os.waitpid(pid, 0)
         return
-    status = _wait_or_kill(pid, conn, caller)
-    if os.WIFSIGNALED(status):
+    told, status = _wait_or_kill(pid, conn, caller, end)
+    if told is not None:  # its work done, its output let go: the client may end now
+        send_message(conn, {"exit": told})
+        os.waitpid(pid, 0)
+    elif os.WIFSIGNALED(status):
         send_message(conn, {"signal": os.WTERMSIG(status)})
     else:
         send_message(conn, {"exit": os.waitstatus_to_exitcode(status)})
 
 
-def _wait_or_kill(pid: int, conn: socket.socket, caller: int) -> int:
-    """The command's wait status; SIGKILL it first if its caller goes (the connection
-    ends, or the caller's pidfd says it exited): a client killed with SIGKILL takes its
-    command along, as one process would go. The watch is here, not in the command: a
-    command must be as single-threaded as its caller's own process would be."""
+def _wait_or_kill(pid: int, conn: socket.socket, caller: int, end: int) -> tuple[int | None, int]:
+    """The status the command told on ``end`` as it ended (:func:`agentbox.core.exit.
+    announce_exit_to`), before the kernel's teardown of it (then its wait status is not
+    read here: 0), else its wait status; SIGKILL it first if its caller goes (the
+    connection ends, or the caller's pidfd says it exited): a client killed with SIGKILL
+    takes its command along, as one process would go. The watch is here, not in the
+    command: a command must be as single-threaded as its caller's own process would be.
+    ``end`` is closed here."""
     command = os.pidfd_open(pid)
+    watch = [command, conn.fileno(), caller, end]
     try:
         while True:
             try:
-                ready, _, _ = select.select([command, conn.fileno(), caller], [], [])
+                ready, _, _ = select.select(watch, [], [])
             except InterruptedError:
+                continue
+            if end in ready:
+                said = os.read(end, 1)
+                if said:
+                    return said[0], 0
+                watch.remove(end)  # closed unsaid (an exec, a death): its wait status
                 continue
             if command not in ready:  # the client sends nothing more: it has gone
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(command, signal.SIGKILL)
-            return os.waitpid(pid, 0)[1]
+            return None, os.waitpid(pid, 0)[1]
     finally:
         os.close(command)
+        os.close(end)
 
 
 def _pkg_file() -> str:
