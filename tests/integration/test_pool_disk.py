@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -301,3 +302,34 @@ def test_unclaimed_staged_disks_leave_nothing(
     assert pool_ends.sweep(settings) == []
     assert not _staged(settings)
     assert_no_mounts_under(settings.data_dir, clean=False)
+
+
+def test_the_filled_disk_is_let_go_only_past_its_copys_clock_tick(
+    sandbox_settings: Settings, make_workspace: Callable[[], Path]
+) -> None:
+    """The copy gives each entry a ctime of now: the disk is handed on only once the
+    timestamp clock has passed every ctime the mount-time snapshot holds, so an agent's
+    first write cannot keep an entry's inode and ctime (the copy back would keep the
+    old bytes). Checked over several fills: without the wait most end within the tick."""
+    settings = sandbox_settings
+    limit = SMALL.disk_limit(settings)
+    coarse = getattr(time, "CLOCK_REALTIME_COARSE", 5)
+    for i in range(5):
+        ws = make_workspace()
+        (ws / "f.txt").write_text("base\n")
+        slot = f"{pool.SLOT_PREFIX}{os.getpid():08x}{i:04x}"
+        staged = pool_disk.make(settings, slot, limit)
+        disk = pool_disk.PrebuiltDisk(
+            settings, f"agentbox-pdisk-tick-{os.getpid()}-{i}", ws, limit,
+            slot=slot, staged=staged,
+        )  # fmt: skip
+        try:
+            disk.mount()
+            now = time.clock_gettime_ns(coarse)
+            newest = max(ctime for _, ctime in disk._snap.values())
+            assert now > newest, f"handed on within the copy's tick (fill {i})"
+        finally:
+            disk.release()
+            pool_disk.drop(settings.data_dir, slot)
+    assert wsdisk.wait_released(60)
+    assert_no_mounts_under(settings.data_dir)

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,24 @@ def sweep(data_dir: Path, slots_dir: Path) -> list[str]:
     return dropped
 
 
+#: ``CLOCK_REALTIME_COARSE`` (Linux): the clock a file's ctime is taken from.
+_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)
+
+
+def _past(newest_ns: int) -> None:
+    """Return once a write from now on gets a later ctime than ``newest_ns``.
+
+    The copy back keeps an entry whose inode and ctime on the disk are what the
+    mount-time snapshot saw (:func:`~agentbox.backends._wsdisk_copy.snapshot`). The copy
+    here gives every entry its ctime of now (``mkfs -d`` keeps the source's, which
+    ``prepare`` made older than any later write), so an agent's write within the same
+    tick of the timestamp clock (a few ms) would keep inode and ctime and never be
+    copied back: the sandbox is not let go before that tick has passed.
+    """
+    while time.clock_gettime_ns(_COARSE) <= newest_ns:
+        time.sleep(0.0005)
+
+
 class _NoFastCopy(Exception):
     """The workspace is not for the staged disk: ``mkfs.ext4 -d`` instead."""
 
@@ -236,6 +255,7 @@ class PrebuiltDisk(WorkspaceDisk):
         finally:
             os.close(top)
         self._snap = snapshot(self.workspace)
+        _past(max((ctime for _, ctime in self._snap.values()), default=0))
         log.info("workspace disk mounted", workspace=str(self.workspace),
                  bytes=self.limit.size, inodes=self.limit.inodes, prebuilt=True)  # fmt: skip
 
