@@ -44,10 +44,10 @@ fake, repo, _repo_template = fake_launcher.fake, fake_launcher.repo, fake_launch
 
 
 class _Held:
-    """A step of the worker (``prepare``: the real copy; ``agent_argv``: the last step
+    """A step of the worker (``prepare_unsettled``: the real copy; ``agent_argv``: the last step
     before the launch) as it calls it: the real one, then held until released."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, step: str = "prepare") -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, step: str = "prepare_unsettled") -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
         real = getattr(_runner, step)
@@ -81,7 +81,7 @@ def _cancel_while_held(
     tid: str,
     *,
     other: bool,
-    step: str = "prepare",
+    step: str = "prepare_unsettled",
 ) -> None:
     held = _Held(monkeypatch, step)
     name = f"agentbox-task-{tid}"

@@ -365,6 +365,7 @@ def test_public_surface() -> None:
 
     assert set(c.__all__) == {"Base", "Collected", "DiffStat", "Limits", "Report", "Skipped",
                               "Tokens", "apply_result", "branch_name", "collect", "prepare",
+                              "prepare_unsettled",
                               "publish", "risky_reason", "user_git",
                               "RepoDir", "as_owner", "repo_owner"}  # fmt: skip
     assert {"SafeWriter", "Tree", "openat2", "supported", "check_name"} <= set(s.__all__)

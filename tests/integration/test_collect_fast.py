@@ -81,6 +81,49 @@ def test_a_write_in_the_snapshots_second_is_collected(
     assert not missed.changed, "the control should miss a same-second edit"
 
 
+def _newest_ctime(ws: Path) -> int:
+    """The newest ctime of the work tree prepare saved (not its ``.git``, written after)."""
+    newest = os.lstat(ws).st_ctime_ns
+    for top, dirs, files in os.walk(ws):
+        if top == str(ws):
+            dirs.remove(".git")
+        for name in (*dirs, *files):
+            newest = max(newest, os.lstat(os.path.join(top, name)).st_ctime_ns)
+    return newest
+
+
+def test_prepare_unsettled_leaves_the_clock_tick_to_its_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher calls prepare's wait (the timestamp clock past every saved ctime, so
+    that an agent's write cannot keep one) just before the sandbox starts, after its own
+    work: prepare_unsettled returns without it and its callable waits, for the work
+    tree's newest ctime; prepare() itself still returns settled."""
+    from agentbox.collect import _prepare, prepare, prepare_unsettled
+
+    waits: list[int] = []
+    real = _prepare._past
+
+    def past(newest: int, *, fine: bool) -> None:
+        waits.append(newest)
+        real(newest, fine=fine)
+
+    monkeypatch.setattr(_prepare, "_past", past)
+    coarse = getattr(time, "CLOCK_REALTIME_COARSE", 5)
+    repo = make_repo(tmp_path / "repo", FILES)
+    (tmp_path / "u").mkdir()
+    ws = tmp_path / "u" / "ws"
+    base, settle = prepare_unsettled(repo, ws, tmp_path / "u" / "sh.git", tmp_path / "u" / "ix")
+    assert base.base_commit and waits == [], "prepare_unsettled waited itself"
+    settle()
+    assert waits == [_newest_ctime(ws)]
+    assert time.clock_gettime_ns(coarse) > waits[0]
+    (tmp_path / "s").mkdir()
+    ws = tmp_path / "s" / "ws"
+    prepare(repo, ws, tmp_path / "s" / "sh.git", tmp_path / "s" / "ix")
+    assert waits[1:] == [_newest_ctime(ws)], "prepare() returned unsettled"
+
+
 @pytest.fixture(scope="module")
 def xfs_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A small XFS (reflink on) on a loop device, mounted for this module; removed after."""

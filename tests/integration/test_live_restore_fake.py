@@ -53,7 +53,7 @@ def freezer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], th
     task; returns an event set once it got there. Released (``Frozen``) at the end."""
     release = threading.Event()
     frozen: dict[tuple[str, str], threading.Event] = {}
-    real_follow, real_prepare = _runner.follow_sandbox, _runner.prepare
+    real_follow, real_prepare = _runner.follow_sandbox, _runner.prepare_unsettled
 
     def freeze_here(where: str, task_id: str) -> None:
         reached = frozen.pop((where, task_id), None)
@@ -71,7 +71,7 @@ def freezer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], th
         return real_prepare(repo, workspace, *a, **kw)
 
     monkeypatch.setattr(_runner, "follow_sandbox", follow)
-    monkeypatch.setattr(_runner, "prepare", prepare)
+    monkeypatch.setattr(_runner, "prepare_unsettled", prepare)
 
     def freeze(where: str, task_id: str) -> threading.Event:
         ev = threading.Event()

@@ -18,7 +18,7 @@ from agentbox.collect._apply import apply_result
 from agentbox.collect._collect import branch_name, collect
 from agentbox.collect._git import RepoDir, as_owner, repo_owner, user_git
 from agentbox.collect._model import Base, Collected, DiffStat, Limits, Skipped
-from agentbox.collect._prepare import prepare
+from agentbox.collect._prepare import prepare, prepare_unsettled
 from agentbox.collect._publish import publish
 from agentbox.collect._risky import risky_reason
 from agentbox.collect.report import Report, Tokens
@@ -37,6 +37,7 @@ __all__ = [
     "branch_name",
     "collect",
     "prepare",
+    "prepare_unsettled",
     "publish",
     "repo_owner",
     "risky_reason",

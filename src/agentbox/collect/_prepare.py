@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import re
 import shlex
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 from agentbox.collect import _statcache
@@ -209,6 +211,27 @@ def prepare(
     root: Path | None = None,
     cache: Path | None = None,
 ) -> Base:
+    """:func:`prepare_unsettled`, then its wait: a workspace any sandbox may write at once."""
+    base, settle = prepare_unsettled(
+        repo, workspace, shadow_git, base_index, commit=commit,
+        include_uncommitted=include_uncommitted, owner=owner, root=root, cache=cache,
+    )  # fmt: skip
+    settle()
+    return base
+
+
+def prepare_unsettled(
+    repo: Path,
+    workspace: Path,
+    shadow_git: Path,
+    base_index: Path,
+    *,
+    commit: str = "HEAD",
+    include_uncommitted: bool = False,
+    owner: tuple[int, int] | None = None,
+    root: Path | None = None,
+    cache: Path | None = None,
+) -> tuple[Base, Callable[[], None]]:
     """Make ``workspace`` a fresh copy of ``repo`` at ``commit`` and the trusted shadow dir.
 
     Refuses (:class:`~agentbox.errors.RefusedError`, nothing written) a path
@@ -231,6 +254,12 @@ def prepare(
     ``cache`` (a directory of ours) keeps what git spends on a commit of a repo for the
     next task from it (:mod:`agentbox.collect._basecache`): no fetch from the repo,
     no ``ls-tree``, ``read-tree`` or ``pack-objects`` on a hit.
+
+    Returned with the base: the wait (:func:`_past`) that must end before anything but
+    us writes the workspace (a sandbox started on it). A caller with more work of its
+    own before that (the launcher: the sandbox's spec, its checks, a pool claim) calls
+    it last, and its work is what the wait would have spent (a tick of the timestamp
+    clock, ~2-4 ms of every task on the path).
     """
     workspace, shadow_git, base_index = (
         Path(p).absolute() for p in (workspace, shadow_git, base_index)
@@ -251,7 +280,7 @@ def _prepare(
     include_uncommitted: bool,
     owner: tuple[int, int] | None,
     cache: BaseCache | None = None,
-) -> Base:
+) -> tuple[Base, Callable[[], None]]:
     # status beside rev-parse (both only read the repo): one git process's wait fewer.
     # Its answer is used only once rev-parse said the repo is what we take it for.
     with concurrent.futures.ThreadPoolExecutor(1) as side:
@@ -313,7 +342,7 @@ def _prepare(
             stats = _statcache.snapshot(workspace)
             every = [*stats.files.values(), *stats.dirs.values()]
             newest = max((max(st.st_ctime_ns, st.st_mtime_ns) for st in every), default=0)
-            _past(newest, fine=any(st.st_ctime_ns % 1_000_000_000 for st in every))
+            fine = any(st.st_ctime_ns % 1_000_000_000 for st in every)
             # The workspace's own index is that read-tree too (before its stat data
             # is filled in, as a read-tree in the workspace's .git would have it).
             agent_index = workspace / ".git" / "index"
@@ -350,7 +379,7 @@ def _prepare(
         include_uncommitted=include_uncommitted,
         untracked_not_copied=len(untracked),
         untracked_sample=tuple(untracked[:UNTRACKED_SAMPLE]),
-    )
+    ), functools.partial(_past, newest, fine=fine)
 
 
 def _from_cache(

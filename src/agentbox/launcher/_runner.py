@@ -30,12 +30,13 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from agentbox.backends import exit_marker, get_backend
 from agentbox.backends.base import Backend, BindMount, SandboxSpec
 from agentbox.boxfile import Boxfile
-from agentbox.collect import prepare
+from agentbox.collect import prepare_unsettled
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
 from agentbox.core.paths import TaskPaths
@@ -196,7 +197,7 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         uid = settings.sandbox_host_uid
         # Opened once beneath the repos root, no link followed; the copy reads that
         # descriptor only (a link swapped in after the check above redirects nothing).
-        base = prepare(
+        base, settle_workspace = prepare_unsettled(
             Path(row.repo),
             paths.workspace,
             paths.shadow_git,
@@ -224,13 +225,14 @@ def run_task(settings: Settings, store: Store, task_id: str, cancel: threading.E
         return
     plan = None
     if box.setup is not None:
+        settle_workspace()  # before the setup's sandbox may write the workspace
         # Best-of-N: the attempts of a group set up one at a time, so the first builds
         # and freezes the environment and the others reuse it (the key is the same).
         with _group_lock(row.group_id):
             plan = setup_phase(ctx, box, gateway_future)
         if plan is None:
             return
-    _run_sandbox(ctx, store.get(task_id), box, token, gateway_future, plan)
+    _run_sandbox(ctx, store.get(task_id), box, token, gateway_future, plan, settle_workspace)
 
 
 _GROUP_LOCKS: dict[str, threading.Lock] = {}
@@ -260,7 +262,13 @@ def _run_sandbox(
     token: str,
     gateway_future: concurrent.futures.Future[GatewayHandle],
     plan: EnvPlan | None = None,
+    settle_workspace: Callable[[], None] = lambda: None,
 ) -> None:
+    """Run the agent's sandbox on the prepared workspace, then settle the task.
+
+    ``settle_workspace``: prepare's wait for the timestamp clock (see
+    :func:`agentbox.collect.prepare_unsettled`), called just before the sandbox starts,
+    after the work here that would otherwise follow it."""
     settings, store, paths, tlog = ctx.settings, ctx.store, ctx.paths, ctx.tlog
     task_id = row.id
     gateway = None
@@ -329,6 +337,7 @@ def _run_sandbox(
         )
         check_agent_argv(argv)
         check_owner(paths.workspace, settings.sandbox_host_uid)
+        settle_workspace()  # nothing but us wrote the workspace before this
         started = time.time()
         run_argv = egress_argv(argv) if egress is not None else argv
         # Detached where the backend can (podman): the launcher may die and a new one
