@@ -19,12 +19,31 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from agentbox.errors import CollectError
 
 _STAT = struct.Struct(">10I")
 _M32 = 0xFFFFFFFF
+
+
+def _entries(
+    buf: bytes | bytearray, count: int, version: int, hlen: int
+) -> Iterator[tuple[int, int, bytes]]:
+    """``(offset, flags, path)`` of each of the ``count`` entries of an index ``buf`` of
+    format ``version`` (2 or 3); :class:`struct.error` or :class:`ValueError` past its end."""
+    off = 12
+    for _ in range(count):
+        flags_at = off + 40 + hlen
+        (flags,) = struct.unpack_from(">H", buf, flags_at)
+        name_at = flags_at + 2 + (2 if version == 3 and flags & 0x4000 else 0)
+        namelen = flags & 0xFFF
+        if namelen == 0xFFF:
+            namelen = buf.index(b"\0", name_at) - name_at
+        yield off, flags, bytes(buf[name_at : name_at + namelen])
+        # Entries are padded with 1-8 NULs to a multiple of 8 bytes.
+        off += (name_at - off + namelen + 8) & ~7
 
 
 def fill_stat(index: Path, stats: dict[bytes, os.stat_result], object_format: str) -> int:
@@ -36,17 +55,8 @@ def fill_stat(index: Path, stats: dict[bytes, os.stat_result], object_format: st
     version, count = struct.unpack_from(">II", buf, 4)
     if version not in (2, 3):
         raise CollectError(f"unsupported index version {version}: {index}")
-    off = 12
     filled = 0
-    for _ in range(count):
-        start = off
-        flags_at = off + 40 + hlen
-        (flags,) = struct.unpack_from(">H", buf, flags_at)
-        name_at = flags_at + 2 + (2 if version == 3 and flags & 0x4000 else 0)
-        namelen = flags & 0xFFF
-        if namelen == 0xFFF:
-            namelen = buf.index(b"\0", name_at) - name_at
-        name = bytes(buf[name_at : name_at + namelen])
+    for off, _, name in _entries(buf, count, version, hlen):
         st = stats.get(name)
         if st is not None:
             mode = struct.unpack_from(">I", buf, off + 24)[0]  # keep git's normalised mode
@@ -58,8 +68,6 @@ def fill_stat(index: Path, stats: dict[bytes, os.stat_result], object_format: st
                 (st.st_size & _M32) or 1,
             )  # fmt: skip
             filled += 1
-        # Entries are padded with 1-8 NULs to a multiple of 8 bytes.
-        off = start + ((name_at - start + namelen + 8) & ~7)
     buf[-hlen:] = hashlib.new(object_format, bytes(buf[:-hlen])).digest()
     tmp = index.with_name(index.name + ".fill")
     tmp.write_bytes(buf)
@@ -89,21 +97,11 @@ def base_entries(index: Path, object_format: str) -> dict[bytes, tuple[int, str]
     if version not in (2, 3):
         return None
     out: dict[bytes, tuple[int, str]] = {}
-    off = 12
     try:
-        for _ in range(count):
-            start = off
-            flags_at = off + 40 + hlen
-            (flags,) = struct.unpack_from(">H", buf, flags_at)
-            name_at = flags_at + 2 + (2 if version == 3 and flags & 0x4000 else 0)
-            namelen = flags & 0xFFF
-            if namelen == 0xFFF:
-                namelen = buf.index(b"\0", name_at) - name_at
+        for off, flags, name in _entries(buf, count, version, hlen):
             if not flags & 0x3000:  # stage 0 only (a read-tree index has no other)
                 (mode,) = struct.unpack_from(">I", buf, off + 24)
-                oid = buf[off + 40 : off + 40 + hlen].hex()
-                out[bytes(buf[name_at : name_at + namelen])] = (mode, oid)
-            off = start + ((name_at - start + namelen + 8) & ~7)
+                out[name] = (mode, buf[off + 40 : off + 40 + hlen].hex())
     except (struct.error, ValueError):
         return None
     return out
