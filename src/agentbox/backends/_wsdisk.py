@@ -70,7 +70,7 @@ from agentbox.backends._wsdisk_copy import (
     snapshot,
 )
 from agentbox.backends.base import SandboxSpec
-from agentbox.backends.microvm import make_data_disk
+from agentbox.backends.microvm import make_data_disk as make_data_disk  # lent to the pool
 from agentbox.backends.oci._cli import owner_start
 from agentbox.boxfile import DiskLimit
 from agentbox.config import Settings

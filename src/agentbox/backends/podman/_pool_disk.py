@@ -83,7 +83,7 @@ def make(settings: Settings, slot: str, limit: DiskLimit) -> dict[str, Any]:
     try:
         # The very maker of every workspace disk (microvm's, which podman may not import
         # itself: _wsdisk, the backends' shared disk code, lends it).
-        _wsdisk.make_data_disk(None, image, size=limit.size, inodes=limit.inodes, pad=False)  # type: ignore[attr-defined]
+        _wsdisk.make_data_disk(None, image, size=limit.size, inodes=limit.inodes, pad=False)
         image.chmod(0o600)
         stage.mkdir(mode=0o700)
         loop_mount(image, stage, "ext4", MS_NOSUID | MS_NODEV | MS_NOATIME)
