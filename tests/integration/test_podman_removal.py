@@ -32,6 +32,7 @@ from agentbox.backends._k8slog import read_exit
 from agentbox.backends.base import SandboxSpec
 from agentbox.backends.podman import _removals
 from agentbox.config import Settings
+from agentbox.core.wait import wait_until
 from agentbox.launcher._adopt import remove_orphans
 from agentbox.launcher._store import Store
 from sandbox_leaks import SandboxTracker
@@ -163,7 +164,14 @@ def test_a_removal_cut_short_is_reaped_by_the_orphan_sweep(
         assert child.stdout is not None
         line = child.stdout.readline()  # waits for the follow's return
         assert line.startswith("followed 0"), line
-        child.send_signal(signal.SIGKILL)  # the launcher dies, and its remover with it
+        # The remover is started by a thread as the follow returns (_removals): once it
+        # runs (held at its gate), the launcher dies, and then the remover with it.
+        wait_until(
+            lambda: _removers(name) or None,
+            timeout=60,
+            on_timeout=lambda: AssertionError("no remover was started"),
+        )
+        child.send_signal(signal.SIGKILL)
         child.wait(30)
         removers = _removers(name)
         assert len(removers) == 1
