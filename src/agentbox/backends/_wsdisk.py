@@ -148,13 +148,7 @@ class WorkspaceDisk:
         self._under = under
         st = os.fstat(under)
         here = f"/proc/{os.getpid()}/fd/{under}"
-        rec = {"workspace": str(self.workspace), "pid": os.getpid(), "start": owner_start()}
-        if self.detached:
-            rec["detached"] = True
-        fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self._created = True
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(rec))
+        self._write_record()
         make_data_disk(
             Path(here), self.image, size=self.limit.size, inodes=self.limit.inodes, pad=False
         )
@@ -179,6 +173,18 @@ class WorkspaceDisk:
         self._snap = snapshot(self.workspace)
         log.info("workspace disk mounted", workspace=str(self.workspace),
                  bytes=self.limit.size, inodes=self.limit.inodes)  # fmt: skip
+
+    def _write_record(self) -> None:
+        """This process's record of the disk (its owner, until :meth:`hand_over`), made
+        new (a record already there is refused): from here a death leaves what
+        :func:`settle_orphan_disks` finds, and the image and record are ours to delete."""
+        rec = {"workspace": str(self.workspace), "pid": os.getpid(), "start": owner_start()}
+        if self.detached:
+            rec["detached"] = True
+        fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._created = True
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(rec))
 
     @property
     def name(self) -> str:

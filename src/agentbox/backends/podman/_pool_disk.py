@@ -22,7 +22,6 @@ or was left half-filled (a filler killed mid-way), run under the pool lock.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 import time
@@ -32,7 +31,6 @@ from typing import Any
 from agentbox.backends import _wsdisk
 from agentbox.backends._wsdisk import WorkspaceDisk
 from agentbox.backends._wsdisk_copy import _sparse_copy, snapshot
-from agentbox.backends.oci._cli import owner_start
 from agentbox.boxfile import DiskLimit
 from agentbox.config import Settings
 from agentbox.core.log import get_logger
@@ -228,13 +226,7 @@ class PrebuiltDisk(WorkspaceDisk):
         self._under = under
         # As WorkspaceDisk.mount: the record first, so a death from here on leaves
         # what settle_orphan_disks finds (the image renamed before the mount moves).
-        rec = {"workspace": str(self.workspace), "pid": os.getpid(), "start": owner_start()}
-        if self.detached:
-            rec["detached"] = True
-        fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self._created = True
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(rec))
+        self._write_record()
         image.rename(self.image)
         try:
             mount(stage, Path(f"/proc/{os.getpid()}/fd/{under}"), MS_MOVE)
